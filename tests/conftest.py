@@ -1,0 +1,52 @@
+"""Session-wide real components, started once and shared: one local Ray instance, one vLLM
+engine (tiny MoE, inside a Ray actor), the tiny checkpoints. Each is shut down by the handle
+that started it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def moe_path():
+    from workbench.toy.models import toy_model_path
+
+    return toy_model_path("moe")
+
+
+@pytest.fixture(scope="session")
+def dense_path():
+    from workbench.toy.models import toy_model_path
+
+    return toy_model_path("dense")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    from workbench.cluster import init_ray, shutdown_ray
+
+    init_ray(num_cpus=2)
+    yield
+    shutdown_ray()
+
+
+@pytest.fixture(scope="session")
+def vllm_moe(ray_local, moe_path):
+    """The session's vLLM engine on the tiny MoE, hosted in a Ray actor."""
+    from workbench.rollout.actor import launch_engine, stop_engine
+
+    actor = launch_engine("vllm", model_path=str(moe_path), env={"VLLM_LOGGING_LEVEL": "WARNING"})
+    yield actor
+    stop_engine(actor)
+
+
+@pytest.fixture
+def run():
+    """Run a coroutine to completion from a sync test."""
+    return lambda coro: asyncio.run(coro)

@@ -1,0 +1,258 @@
+"""Both rollout backends on both tiny models, against a teacher-forced HF forward."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from workbench.replay import routing_replay
+from workbench.rollout.engine import (
+    SamplingConfig,
+    WeightSyncError,
+    create_engine,
+    expected_probe_logprobs,
+    probe_ids,
+)
+from workbench.toy.models import load_hf_model, load_tokenizer
+from workbench.toy.tasks import arithmetic_problem
+
+VLLM_GAP_BOUND = 1e-4  # fp32 on CPU; measured ~2e-6 (the test prints it)
+
+
+def prompts(path, n=4):
+    import random
+
+    tok = load_tokenizer(path)
+    rng = random.Random(0)
+    out = [tok.apply_chat_template(arithmetic_problem(rng).messages, add_generation_prompt=True)["input_ids"] for _ in range(n)]
+    return out + [[5, 6, 7]]  # a short odd one: mixed lengths exercise left padding
+
+
+def teacher_forced(model, sample, temperature=1.0, experts=None):
+    """log p(sampled token) under one unpadded HF forward of prompt + completion."""
+    full = sample.prompt_ids + sample.token_ids
+    with routing_replay(model, None if experts is None else torch.as_tensor(experts)) as stats:
+        with torch.no_grad():
+            logits = model(torch.tensor([full])).logits[0].float()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    P = len(sample.prompt_ids)
+    got = [lp[P - 1 + j, t].item() for j, t in enumerate(sample.token_ids)]
+    return np.asarray(got), stats
+
+
+def perturbed(model, scale=0.05, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+
+
+async def start(backend, path, **kw):
+    e = create_engine(backend, model_path=str(path), **kw)
+    await e.start()
+    return e
+
+
+# ----------------------------------------------------------------------------- reference sampler
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_reference_logprobs_equal_teacher_forced(name, request):
+    path = request.getfixturevalue(f"{name}_path")
+
+    async def main():
+        e = await start("reference", path)
+        s = SamplingConfig(temperature=0.7, max_tokens=24, seed=1)
+        outs = await asyncio.gather(*[e.generate(p, s) for p in prompts(path)])
+        await e.shutdown()
+        return outs
+
+    model = load_hf_model(path)
+    for o in asyncio.run(main()):
+        assert o.token_ids and len(o.token_ids) == len(o.logprobs) == len(o.versions)
+        assert o.finish_reason in ("stop", "length") and set(o.versions) == {0}
+        assert all(0 <= t < model.config.vocab_size for t in o.token_ids)
+        tf, _ = teacher_forced(model, o, temperature=0.7)
+        assert np.max(np.abs(tf - np.asarray(o.logprobs))) <= 1e-5
+
+
+def test_reference_moe_experts_replay_exactly(moe_path):
+    async def main():
+        e = await start("reference", moe_path)
+        outs = await asyncio.gather(*[e.generate(p, SamplingConfig(max_tokens=16), return_routed_experts=True) for p in prompts(moe_path)])
+        await e.shutdown()
+        return outs
+
+    model = load_hf_model(moe_path)
+    layers, k = model.config.num_hidden_layers, model.config.num_experts_per_tok
+    for o in asyncio.run(main()):
+        ex = o.routed_experts
+        assert ex.shape == (len(o.prompt_ids) + len(o.token_ids), layers, k) and ex.dtype == np.int16
+        assert (ex[:-1] >= 0).all() and (ex[-1] == -1).all()  # the last sampled token is never fed
+        tf, stats = teacher_forced(model, o, experts=ex)
+        assert np.max(np.abs(tf - np.asarray(o.logprobs))) <= 1e-5
+        assert stats.disagreement_rate == 0.0 and stats.fallback == [1] * layers
+        # The replay is really in charge: replaying wrong experts changes the log-probs, and the
+        # disagreement statistic reports it.
+        wrong = np.where(ex >= 0, (ex + 1) % model.config.num_experts, ex)
+        tf_wrong, stats_wrong = teacher_forced(model, o, experts=wrong)
+        assert np.max(np.abs(tf_wrong - np.asarray(o.logprobs))) > 1e-3
+        assert stats_wrong.disagreement_rate > 0.5
+
+
+def test_reference_stop_length_abort_pause(dense_path):
+    async def main():
+        e = await start("reference", dense_path)
+        p = prompts(dense_path)[0]
+        cut = await e.generate(p, SamplingConfig(max_tokens=3, ignore_eos=True))
+        assert cut.finish_reason == "length" and len(cut.token_ids) == 3
+        first = cut.token_ids[0]
+        stopped = await e.generate(p, SamplingConfig(max_tokens=3, temperature=0, stop_token_ids=[first]))
+        greedy_first = stopped.token_ids[0]
+        if greedy_first == first:
+            assert stopped.finish_reason == "stop" and len(stopped.token_ids) == 1
+        # abort mid-flight
+        task = asyncio.create_task(e.generate(p, SamplingConfig(max_tokens=900, ignore_eos=True), request_id="long"))
+        await asyncio.sleep(0.3)
+        await e.abort("long")
+        aborted = await asyncio.wait_for(task, 30)
+        assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 900
+        # a paused engine makes no progress; resume continues the request
+        await e.pause()
+        task = asyncio.create_task(e.generate(p, SamplingConfig(max_tokens=60, ignore_eos=True)))
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        await e.resume()
+        done = await asyncio.wait_for(task, 30)
+        assert done.finish_reason == "length" and len(done.token_ids) == 60
+        await e.shutdown()
+
+    asyncio.run(main())
+
+
+def test_reference_weight_update_and_partial_rollout(moe_path):
+    model = load_hf_model(moe_path)
+    new = perturbed(model)
+
+    async def main():
+        e = await start("reference", moe_path)
+        p = prompts(moe_path)[0]
+        long = asyncio.create_task(e.generate(p, SamplingConfig(max_tokens=300, ignore_eos=True)))
+        await asyncio.sleep(0.3)
+        model.load_state_dict(new)
+        report = await e.update_weights(new, expected_probe=expected_probe_logprobs(model, probe_ids(e.vocab_size)), tol=1e-5)
+        spanning = await long
+        after = await e.generate(p, SamplingConfig(max_tokens=20))
+        # a stale engine fails the post-sync check
+        with pytest.raises(WeightSyncError, match="does not serve the new weights"):
+            stale = expected_probe_logprobs(load_hf_model(moe_path), probe_ids(e.vocab_size))
+            await e.update_weights(new, expected_probe=stale)
+        await e.shutdown()
+        return report, spanning, after
+
+    report, spanning, after = asyncio.run(main())
+    assert report.version == 1 and report.checked and report.probe_max_abs_diff <= 1e-5
+    v = spanning.versions
+    assert v[0] == 0 and v[-1] == 1 and v == sorted(v), "partial rollout must record both versions, in order"
+    assert set(after.versions) == {1}
+    tf, _ = teacher_forced(model, after)
+    assert np.max(np.abs(tf - np.asarray(after.logprobs))) <= 1e-5
+
+
+def test_versions_must_increase(dense_path):
+    async def main():
+        e = await start("reference", dense_path)
+        with pytest.raises(ValueError, match="must increase"):
+            await e.update_weights({}, version=0)
+        await e.shutdown()
+
+    asyncio.run(main())
+
+
+def test_bad_requests_are_refused(dense_path):
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(top_p=0)
+    with pytest.raises(ValueError, match="unknown rollout backend 'nope'"):
+        create_engine("nope", model_path=str(dense_path))
+
+    async def main():
+        e = await start("reference", dense_path, max_model_len=64)
+        with pytest.raises(ValueError, match="exceeds max_model_len"):
+            await e.generate([1] * 60, SamplingConfig(max_tokens=10))
+        with pytest.raises(ValueError, match="prompt_ids must be in"):
+            await e.generate([100000], SamplingConfig(max_tokens=1))
+        ok = await e.generate([5, 6], SamplingConfig(max_tokens=2))  # still serving
+        assert len(ok.token_ids) >= 1
+        await e.shutdown()
+
+    asyncio.run(main())
+
+
+# ----------------------------------------------------------------------------- vLLM (CPU build)
+def test_vllm_moe_samples_well_formed_and_match_hf(vllm_moe, moe_path, capsys):
+    model = load_hf_model(moe_path)
+    refs = [vllm_moe.generate.remote(p, SamplingConfig(max_tokens=24, seed=i)) for i, p in enumerate(prompts(moe_path))]
+    gaps = []
+    for o in ray.get(refs):
+        assert o.token_ids and len(o.token_ids) == len(o.logprobs) == len(o.versions)
+        assert all(0 <= t < model.config.vocab_size for t in o.token_ids)
+        assert o.finish_reason in ("stop", "length") and set(o.versions) == {0}
+        tf, _ = teacher_forced(model, o)
+        gaps.append(np.max(np.abs(tf - np.asarray(o.logprobs))))
+    with capsys.disabled():
+        print(f"\n[measured] vLLM(CPU, fp32) vs HF teacher-forced log-prob gap: max {max(gaps):.2e}, mean {np.mean(gaps):.2e}")
+    assert max(gaps) <= VLLM_GAP_BOUND
+
+
+def test_vllm_routed_experts_refused_clearly_on_cpu(vllm_moe, moe_path):
+    from workbench.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(NotImplementedError, match="reference"):
+        VLLMEngine(str(moe_path), enable_return_routed_experts=True)
+    with pytest.raises(NotImplementedError, match="does not return routed experts"):
+        ray.get(vllm_moe.generate.remote([5, 6, 7], SamplingConfig(max_tokens=2), None, True))
+
+
+def test_vllm_weight_update_partial_rollout_and_check(vllm_moe, moe_path):
+    model = load_hf_model(moe_path)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    new = perturbed(model)
+    p = prompts(moe_path)[1]
+    v0 = ray.get(vllm_moe.info.remote())["version"]
+    try:
+        long = vllm_moe.generate.remote(p, SamplingConfig(max_tokens=300, ignore_eos=True))
+        time.sleep(0.5)
+        model.load_state_dict(new)
+        expected = expected_probe_logprobs(model, probe_ids(model.config.vocab_size))
+        report = ray.get(vllm_moe.update_weights.remote(new, None, expected))
+        assert report.version == v0 + 1 and report.checked and report.probe_max_abs_diff <= VLLM_GAP_BOUND
+        spanning = ray.get(long)
+        assert spanning.versions[0] == v0 and spanning.versions[-1] == v0 + 1
+        assert spanning.versions == sorted(spanning.versions)
+        after = ray.get(vllm_moe.generate.remote(p, SamplingConfig(max_tokens=24)))
+        assert set(after.versions) == {v0 + 1}
+        tf, _ = teacher_forced(model, after)  # log-probs follow the new weights
+        assert np.max(np.abs(tf - np.asarray(after.logprobs))) <= VLLM_GAP_BOUND
+        # claiming the old weights as the truth must fail the check
+        with pytest.raises(WeightSyncError):
+            stale = expected_probe_logprobs(load_hf_model(moe_path), probe_ids(model.config.vocab_size))
+            ray.get(vllm_moe.update_weights.remote(new, None, stale))
+    finally:  # the engine is shared by the session: give it back its original weights
+        model.load_state_dict(original)
+        expected = expected_probe_logprobs(model, probe_ids(model.config.vocab_size))
+        ray.get(vllm_moe.update_weights.remote(original, None, expected))
+
+
+def test_vllm_dense_loads_in_its_own_actor(ray_local, dense_path):
+    from workbench.rollout.actor import launch_engine, stop_engine
+
+    actor = launch_engine("vllm", model_path=str(dense_path), env={"VLLM_LOGGING_LEVEL": "WARNING"})
+    try:
+        model = load_hf_model(dense_path)
+        o = ray.get(actor.generate.remote(prompts(dense_path)[0], SamplingConfig(max_tokens=16, temperature=0.8)))
+        assert o.token_ids and set(o.versions) == {0}
+        tf, _ = teacher_forced(model, o, temperature=0.8)
+        assert np.max(np.abs(tf - np.asarray(o.logprobs))) <= VLLM_GAP_BOUND
+    finally:
+        stop_engine(actor)

@@ -1,0 +1,26 @@
+"""Ray connection. The embedded default is a local Ray on this host; a cluster address
+("ray://head:10001" or "auto") attaches to a running cluster instead."""
+
+from __future__ import annotations
+
+import os
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, quiet: bool = True):
+    """Start (address None) or join a Ray instance; a no-op when this process already has one."""
+    import ray
+
+    if ray.is_initialized():
+        return ray.get_runtime_context()
+    kwargs = dict(include_dashboard=False, log_to_driver=not quiet)
+    if address is None:
+        kwargs["num_cpus"] = num_cpus or os.cpu_count()
+    ray.init(address=address, **kwargs)
+    return ray.get_runtime_context()
+
+
+def shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

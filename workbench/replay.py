@@ -1,0 +1,129 @@
+"""Invariant 3, forward consistency for MoE: routing capture and routing replay (R3).
+
+HF transformers 5.x routes through small router modules (`Qwen3MoeTopKRouter`,
+`MixtralTopKRouter`, ...) whose forward returns `(router_logits, routing_weights, expert_ids)`.
+Forward hooks on those modules are all this file needs, no fork of the model code:
+
+- `RouterCapture` records the expert ids each router chose (the reference sampler uses it to
+  return `routed_experts` like vLLM does on GPU).
+- `routing_replay` substitutes recorded ids for the live top-k. The router logits and softmax
+  are still computed, so the router keeps receiving gradients; only the *choice* is replayed,
+  and the gate weights are gathered at the recorded ids and renormalized as the model does.
+  Positions recorded as -1 keep live routing and are counted.
+
+Layout of recorded experts for a forward over input_ids [B, S]: [B, S, moe_layers, top_k]
+(or [S, moe_layers, top_k] for B == 1), int, -1 = not captured.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's top-k router modules, in layer order."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def _gate_weights(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gate weights at the given expert ids, computed exactly as the router computes them for
+    its own top-k (softmax in fp32 over all experts, gather, optional renormalization)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    w = probs.gather(-1, ids)
+    if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalizes over its top-k
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w.to(logits.dtype)
+
+
+class RouterCapture:
+    """Records each router's expert ids on every forward while `active`."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = moe_routers(model)
+        self.active = False
+        self.calls: list[list[torch.Tensor]] = []  # per forward: per layer [N, top_k]
+        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+
+    def _hook(self, layer: int):
+        def hook(module, args, output):
+            if self.active:
+                if layer == 0:
+                    self.calls.append([])
+                self.calls[-1].append(output[2].detach().to(torch.int16).clone())
+
+        return hook
+
+    def pop(self) -> torch.Tensor | None:
+        """Expert ids of the last forward: [N, layers, top_k] (N = B * S flattened), or None."""
+        if not self.calls:
+            return None
+        layers = self.calls.pop()
+        self.calls.clear()
+        return torch.stack(layers, dim=1)
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+@dataclass
+class ReplayStats:
+    """Per MoE layer: positions replayed, positions that fell back to live routing (-1), and
+    positions where the live top-k set differs from the replayed one (router disagreement)."""
+
+    replayed: list[int] = field(default_factory=list)
+    fallback: list[int] = field(default_factory=list)
+    disagree: list[int] = field(default_factory=list)
+
+    @property
+    def disagreement_rate(self) -> float:
+        n = sum(self.replayed)
+        return sum(self.disagree) / n if n else 0.0
+
+
+@contextmanager
+def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None):
+    """Within this context, every forward of `model` routes with the recorded `experts`.
+
+    `experts`: [B, S, layers, top_k] or [S, layers, top_k] matching the next forward's
+    input_ids. Yields a ReplayStats filled in as forwards run. With `experts=None` nothing is
+    replayed (live routing) and nothing is counted.
+    """
+    routers = moe_routers(model)
+    stats = ReplayStats([0] * len(routers), [0] * len(routers), [0] * len(routers))
+    if experts is None or not routers:
+        yield stats
+        return
+    experts = torch.as_tensor(experts)
+    if experts.shape[-2] != len(routers):
+        raise ValueError(f"recorded experts have {experts.shape[-2]} MoE layers, model has {len(routers)}")
+    flat = experts.reshape(-1, experts.shape[-2], experts.shape[-1]).long()
+
+    def hook_for(layer: int):
+        def hook(module, args, output):
+            logits, _, live_ids = output
+            if logits.shape[0] != flat.shape[0]:
+                raise ValueError(
+                    f"routing replay: forward routes {logits.shape[0]} positions, "
+                    f"recorded experts cover {flat.shape[0]}"
+                )
+            rec = flat[:, layer, :].to(live_ids.device)
+            captured = (rec >= 0).all(dim=-1)
+            ids = torch.where(captured[:, None], rec, live_ids)
+            stats.replayed[layer] += int(captured.sum())
+            stats.fallback[layer] += int((~captured).sum())
+            differs = (live_ids.sort(-1).values != ids.sort(-1).values).any(-1) & captured
+            stats.disagree[layer] += int(differs.sum())
+            return logits, _gate_weights(module, logits, ids), ids.to(live_ids.dtype)
+
+        return hook
+
+    handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
+    try:
+        yield stats
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,69 @@
+"""Rollout engines as Ray actors.
+
+`launch_engine` starts an `EngineHost` actor that owns one engine (either backend) and forwards
+calls to it. It asks Ray for no CPUs: the engine's own processes do the work, and on a small
+machine an actor that asks for more CPUs than are free waits forever instead of failing.
+"""
+
+from __future__ import annotations
+
+from .engine import SamplingConfig, create_engine
+
+
+class EngineHost:
+    """Actor body: one engine, its async methods exposed one to one."""
+
+    def __init__(self, backend: str, engine_kwargs: dict):
+        self.engine = create_engine(backend, **engine_kwargs)
+
+    async def start(self) -> dict:
+        return await self.engine.start()
+
+    async def info(self) -> dict:
+        return self.engine.info()
+
+    async def generate(self, prompt_ids, sampling: SamplingConfig | None = None, request_id=None, return_routed_experts=False):
+        return await self.engine.generate(prompt_ids, sampling, request_id, return_routed_experts)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def pause(self) -> None:
+        await self.engine.pause()
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def update_weights(self, state_dict, version=None, expected_probe=None, probe=None, tol=1e-3):
+        return await self.engine.update_weights(state_dict, version, expected_probe, probe, tol)
+
+    async def probe_logprobs(self, ids):
+        return await self.engine.probe_logprobs(ids)
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+
+def launch_engine(backend: str, name: str | None = None, env: dict | None = None, **engine_kwargs):
+    """Start an engine actor, wait until its model is loaded, and return the actor handle.
+    Stop it with `stop_engine(handle)`."""
+    import ray
+
+    options = {"num_cpus": 0, "max_concurrency": 1000}
+    if name:
+        options["name"] = name
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    actor = ray.remote(EngineHost).options(**options).remote(backend, engine_kwargs)
+    ray.get(actor.start.remote())
+    return actor
+
+
+def stop_engine(actor, timeout: float = 60) -> None:
+    """Shut the engine down cleanly (its vLLM processes included), then end the actor."""
+    import ray
+
+    try:
+        ray.get(actor.shutdown.remote(), timeout=timeout)
+    finally:
+        ray.kill(actor)

