@@ -1,0 +1,141 @@
+"""The accumulator's rules on the real toy tokenizer and template, with hand-made engine samples
+(so that the ids are chosen: e.g. non-canonical splits, replies cut mid-turn), plus the on-disk
+format and training tensors. The same accumulator under the live server is tested in
+test_loopback.py."""
+
+import numpy as np
+import pytest
+import torch
+
+from workbench.rollout.engine import Sample
+from workbench.tokens import (
+    Accumulator,
+    ChatFormat,
+    Segment,
+    Trajectory,
+    read_trajectories,
+    training_tensors,
+    write_trajectories,
+)
+from workbench.toy.models import load_tokenizer
+
+SYS = {"role": "system", "content": "You are a careful assistant."}
+USER = {"role": "user", "content": "What is 6+6?"}
+
+
+@pytest.fixture(scope="module")
+def fmt(moe_path):
+    return ChatFormat(load_tokenizer(moe_path))
+
+
+def reply(fmt, text, eot=True, version=0, experts=None):
+    ids = [fmt.tokenizer.convert_tokens_to_ids(c) for c in text] if text.isdigit() else fmt.encode(text)
+    if eot:
+        ids = ids + [fmt.end_of_turn_id]
+    return Sample([], ids, [-0.5] * len(ids), [version] * len(ids), "stop" if eot else "length", routed_experts=experts)
+
+
+def turn(acc, msgs, sample, content):
+    plan = acc.plan(msgs)
+    seg = acc.record(plan, sample, {"role": "assistant", "content": content})
+    return plan, seg
+
+
+def test_extension_is_exact_delta_with_closing_text(fmt):
+    acc = Accumulator(fmt)
+    msgs = [SYS, USER]
+    s1 = reply(fmt, "12")  # sampled digit by digit: "1","2" where the canonical token is "12"
+    p1, seg = turn(acc, msgs, s1, "12")
+    assert p1.prompt_ids == fmt.encode(fmt.render(msgs, None, True))
+    msgs2 = msgs + [{"role": "assistant", "content": "12"}, {"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}]
+    p2 = acc.plan(msgs2)
+    delta = p2.prompt_ids[len(seg):]
+    # the closing "\n" after the sampled <|im_end|>, then BOTH tool results, then the generation prompt
+    assert fmt.decode(delta) == "\n<|im_start|>tool\na<|im_end|>\n<|im_start|>tool\nb<|im_end|>\n<|im_start|>assistant\n"
+    assert p2.prompt_ids[: len(seg)] == seg.token_ids and not p2.new_segment
+    seg = acc.record(p2, reply(fmt, "7"), {"role": "assistant", "content": "7"})
+    trainable = [t for t, m in zip(seg.token_ids, seg.loss_mask) if m]
+    assert trainable == s1.token_ids + reply(fmt, "7").token_ids
+    # the transcript's retokenization differs from what was sampled: that is the drift
+    transcript = fmt.render(msgs2 + [{"role": "assistant", "content": "7"}], None, False)
+    assert fmt.encode(transcript)[: len(seg)] != seg.token_ids
+    assert fmt.decode(seg.token_ids) + "\n" == transcript
+    assert seg.stats["retokenization_drift"] >= 1 and seg.stats["identity_mismatch"] == 0
+    assert seg.versions == [v if m else -1 for v, m in zip(seg.versions, seg.loss_mask)]
+
+
+def test_cut_reply_gets_end_of_turn_as_template_tokens(fmt):
+    acc = Accumulator(fmt)
+    _, seg = turn(acc, [SYS, USER], reply(fmt, "The answer", eot=False), "The answer")
+    n = len(seg)
+    p = acc.plan([SYS, USER, {"role": "assistant", "content": "The answer"}, {"role": "user", "content": "go on"}])
+    assert fmt.decode(p.prompt_ids[n:]).startswith("<|im_end|>\n<|im_start|>user\ngo on")
+
+
+def test_retry_is_served_from_cache_and_recorded_once(fmt):
+    acc = Accumulator(fmt)
+    msgs = [SYS, USER]
+    plan = acc.plan(msgs)
+    acc.record(plan, reply(fmt, "12"), {"role": "assistant", "content": "12"}, reply="REPLY")
+    before = list(acc.segments[0].token_ids)
+    again = acc.plan(msgs)
+    assert again.cached == "REPLY"
+    acc.record(again, reply(fmt, "99"), {"role": "assistant", "content": "99"})
+    assert acc.segments[0].token_ids == before and acc.segments[0].stats["turns"] == 1
+
+
+@pytest.mark.parametrize("edit,reason", [
+    (lambda m: [m[0], {"role": "user", "content": "summary of earlier turns"}, m[-1]], "history_rewritten"),
+    (lambda m: m[:2] + [{"role": "assistant", "content": "13"}] + m[3:], "assistant_changed"),
+])
+def test_non_extending_request_seals_with_reason(fmt, edit, reason):
+    acc = Accumulator(fmt)
+    turn(acc, [SYS, USER], reply(fmt, "12"), "12")
+    msgs = [SYS, USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "and 7+7?"}]
+    plan = acc.plan(edit(msgs))
+    assert plan.new_segment and plan.seal_reason == reason
+    assert plan.prompt_ids == fmt.encode(fmt.render(edit(msgs), None, True))
+    acc.record(plan, reply(fmt, "14"), {"role": "assistant", "content": "14"})
+    assert [s.seal_reason for s in acc.segments] == [reason, None]
+    assert acc.close()[-1].seal_reason == "episode_end"
+
+
+def test_routed_experts_keep_the_routing_of_sampling_time(fmt):
+    acc = Accumulator(fmt)
+    p = acc.plan([SYS, USER])
+    s = reply(fmt, "12")
+    P, T = len(p.prompt_ids), len(s.token_ids)
+    first = np.zeros((P + T, 2, 2), np.int16)
+    first[-1] = -1
+    s.routed_experts = first
+    seg = acc.record(p, s, {"role": "assistant", "content": "12"})
+    assert seg.routed_experts.shape == (P + T, 2, 2)
+    p2 = acc.plan([SYS, USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "ok"}])
+    s2 = reply(fmt, "1")
+    s2.routed_experts = np.ones((len(p2.prompt_ids) + len(s2.token_ids), 2, 2), np.int16)
+    seg = acc.record(p2, s2, {"role": "assistant", "content": "1"})
+    assert (seg.routed_experts[: P + T - 1] == 0).all()  # recorded at sampling time: kept
+    assert (seg.routed_experts[P + T - 1] == 1).all()  # was -1: filled by the later prefill
+
+
+def test_parquet_round_trip_and_training_tensors(tmp_path):
+    a = Segment([1, 2, 3, 4], [0, 0, 1, 1], [0.0, 0.0, -0.1, -0.2], [-1, -1, 3, 4],
+                np.arange(16, dtype=np.int16).reshape(4, 2, 2), [{"role": "user", "content": "x"}], "episode_end")
+    b = Segment([5, 6], [0, 1], [0.0, -0.3], [-1, 4], None, [], "history_rewritten")
+    t = Trajectory([a, b], reward=1.5, group_id="g", episode_id="e", info={"k": 1}, error=None)
+    back = read_trajectories(write_trajectories([t], tmp_path / "t.parquet"))[0]
+    assert back.reward == 1.5 and back.info == {"k": 1} and [s.seal_reason for s in back.segments] == ["episode_end", "history_rewritten"]
+    assert back.segments[0].token_ids == a.token_ids and np.array_equal(back.segments[0].routed_experts, a.routed_experts)
+    assert np.allclose(back.segments[0].logprobs, a.logprobs) and back.segments[1].routed_experts is None
+    tt = training_tensors(back.segments, pad_id=0)
+    assert tt["input_ids"].tolist() == [[1, 2, 3, 4], [5, 6, 0, 0]]
+    assert tt["loss_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+    assert tt["versions"].tolist() == [[-1, -1, 3, 4], [-1, 4, -1, -1]]
+    assert tt["routed_experts"].shape == (2, 4, 2, 2) and (tt["routed_experts"][1] == -1).all()
+    assert torch.allclose(tt["behaviour_logprobs"][0], torch.tensor([0.0, 0.0, -0.1, -0.2]))
+
+
+def test_malformed_segment_is_refused(tmp_path):
+    bad = Segment([1, 2], [1], [0.0, 0.0], [0, 0])
+    with pytest.raises(ValueError, match="different lengths"):
+        write_trajectories([Trajectory([bad])], tmp_path / "x.parquet")

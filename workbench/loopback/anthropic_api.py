@@ -1,0 +1,159 @@
+"""Anthropic Messages wire format: request parsing (into the canonical chat form), replies
+(JSON and the SSE event sequence the SDK expects), errors."""
+
+from __future__ import annotations
+
+import json
+
+from .protocol import ChatRequest, Reply, RequestError, sampling_from, want
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            413: "request_too_large", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _blocks(content, where: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise RequestError(400, f"{where}.content must be a string or a list of content blocks")
+    for j, b in enumerate(content):
+        if not isinstance(b, dict) or "type" not in b:
+            raise RequestError(400, f"{where}.content[{j}] must be a content block with a 'type'")
+    return content
+
+
+def _text_of(content, where: str) -> str:
+    if content is None:
+        return ""
+    parts = []
+    for j, b in enumerate(_blocks(content, where)):
+        if b["type"] != "text":
+            raise RequestError(400, f"{where}.content[{j}]: only text blocks are supported here, got {b['type']!r}")
+        parts.append(str(b.get("text", "")))
+    return "".join(parts)
+
+
+def _messages(messages: list, system) -> list[dict]:
+    out = []
+    if system:
+        out.append({"role": "system", "content": system if isinstance(system, str) else _text_of(system, "system")})
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(400, f"{where} must be an object")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise RequestError(400, f"{where}.role: unknown role {role!r} (expected 'user' or 'assistant')")
+        if "content" not in m:
+            raise RequestError(400, f"{where}: missing required field 'content'")
+        blocks = _blocks(m["content"], where)
+        if role == "assistant":
+            text, calls = [], []
+            for j, b in enumerate(blocks):
+                if b["type"] == "text":
+                    text.append(str(b.get("text", "")))
+                elif b["type"] == "tool_use":
+                    if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                        raise RequestError(400, f"{where}.content[{j}]: tool_use needs a name and an object input")
+                    calls.append({"type": "function", "function": {"name": b["name"], "arguments": b.get("input", {})}})
+                elif b["type"] not in ("thinking", "redacted_thinking"):
+                    raise RequestError(400, f"{where}.content[{j}]: unsupported block type {b['type']!r}")
+            msg = {"role": "assistant", "content": "".join(text)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+            continue
+        # user: consecutive text blocks form one user message; each tool_result is a tool message
+        pending: list[str] = []
+        for j, b in enumerate(blocks):
+            if b["type"] == "text":
+                pending.append(str(b.get("text", "")))
+            elif b["type"] == "tool_result":
+                if pending:
+                    out.append({"role": "user", "content": "".join(pending)})
+                    pending = []
+                content = b.get("content", "")
+                out.append({"role": "tool", "content": _text_of(content, f"{where}.content[{j}]"),
+                            "tool_call_id": b.get("tool_use_id")})
+            else:
+                raise RequestError(400, f"{where}.content[{j}]: unsupported block type {b['type']!r} (text and tool_result only)")
+        if pending:
+            out.append({"role": "user", "content": "".join(pending)})
+    return out
+
+
+def parse_request(body: dict) -> ChatRequest:
+    messages = want(body, "messages", list, required=True)
+    if not messages:
+        raise RequestError(400, "'messages' must not be empty", param="messages")
+    max_tokens = want(body, "max_tokens", int, required=True)
+    system = want(body, "system", (str, list))
+    tools = want(body, "tools", list)
+    specs = []
+    for j, t in enumerate(tools or []):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise RequestError(400, f"tools[{j}] needs a 'name'", param="tools")
+        specs.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                       "parameters": t.get("input_schema", {})}})
+    choice = want(body, "tool_choice", dict, default={"type": "auto"})
+    if choice.get("type") not in ("auto", "none"):
+        raise RequestError(400, f"tool_choice {choice.get('type')!r} is not supported (use 'auto' or 'none'): the loopback server does not constrain decoding")
+    if body.get("top_k") not in (None, -1):
+        raise RequestError(400, "'top_k' is not supported", param="top_k")
+    stop = want(body, "stop_sequences", list, default=[])
+    if not all(isinstance(s, str) for s in stop):
+        raise RequestError(400, "'stop_sequences' must be a list of strings", param="stop_sequences")
+    return ChatRequest(messages=_messages(messages, system), tools=specs or None,
+                       sampling=sampling_from(body, max_tokens, stop), max_tokens=max_tokens,
+                       stream=want(body, "stream", bool, default=False), parse_tools=choice.get("type") != "none")
+
+
+def _stop_reason(r: Reply) -> str:
+    if r.tool_calls:
+        return "tool_use"
+    return {"length": "max_tokens", "stop_sequence": "stop_sequence"}.get(r.finish, "end_turn")
+
+
+def _content(r: Reply) -> list[dict]:
+    blocks = [{"type": "text", "text": r.content}] if r.content or not r.tool_calls else []
+    blocks += [{"type": "tool_use", "id": "toolu_" + c["id"].split("_")[-1], "name": c["name"], "input": c["arguments"]}
+               for c in r.tool_calls]
+    return blocks
+
+
+def response_body(r: Reply, req: ChatRequest, model: str) -> dict:
+    return {"id": "msg_" + r.id.split("-")[-1], "type": "message", "role": "assistant", "model": model, "content": _content(r),
+            "stop_reason": _stop_reason(r), "stop_sequence": r.stop_sequence,
+            "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}}
+
+
+def stream_events(r: Reply, req: ChatRequest, model: str):
+    def event(kind: str, data: dict) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+    head = response_body(r, req, model)
+    yield event("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
+                                              "usage": {"input_tokens": r.prompt_tokens, "output_tokens": 0}}})
+    for i, b in enumerate(_content(r)):
+        if b["type"] == "text":
+            yield event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
+            yield event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": b["text"]}})
+        else:
+            yield event("content_block_start", {"index": i, "content_block": {**b, "input": {}}})
+            yield event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta", "partial_json": json.dumps(b["input"])}})
+        yield event("content_block_stop", {"index": i})
+    yield event("message_delta", {"delta": {"stop_reason": head["stop_reason"], "stop_sequence": r.stop_sequence},
+                                  "usage": {"output_tokens": r.completion_tokens}})
+    yield event("message_stop", {})
+
+
+def models_body(model: str, created: int) -> dict:
+    import datetime
+
+    at = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat()
+    return {"data": [{"type": "model", "id": model, "display_name": model, "created_at": at}],
+            "has_more": False, "first_id": model, "last_id": model}

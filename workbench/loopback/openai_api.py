@@ -1,0 +1,142 @@
+"""OpenAI Chat Completions wire format: request parsing, replies (JSON and SSE), errors."""
+
+from __future__ import annotations
+
+import json
+
+from .protocol import ChatRequest, Reply, RequestError, sampling_from, want
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _content(m: dict, i: int):
+    c = m.get("content")
+    if c is None or isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        for part in c:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(400, f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
+        return "".join(p["text"] for p in c)
+    raise RequestError(400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+
+
+def _message(m, i: int) -> dict:
+    if not isinstance(m, dict):
+        raise RequestError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
+    role = m.get("role")
+    if role not in ROLES:
+        raise RequestError(400, f"messages[{i}].role: unknown role {role!r} (expected one of {sorted(ROLES)})", param=f"messages[{i}].role")
+    out = {"role": "system" if role == "developer" else role, "content": _content(m, i) or ""}
+    if role == "assistant" and m.get("tool_calls"):
+        calls = m["tool_calls"]
+        if not isinstance(calls, list):
+            raise RequestError(400, f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
+        out["tool_calls"] = []
+        for j, tc in enumerate(calls):
+            f = tc.get("function") if isinstance(tc, dict) else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                raise RequestError(400, f"messages[{i}].tool_calls[{j}] needs function.name", param=f"messages[{i}].tool_calls")
+            out["tool_calls"].append({"type": "function", "function": {"name": f["name"], "arguments": f.get("arguments") or "{}"}})
+    if role == "tool" and m.get("tool_call_id") is not None:
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def parse_request(body: dict) -> ChatRequest:
+    messages = want(body, "messages", list, required=True)
+    if not messages:
+        raise RequestError(400, "'messages' must not be empty", param="messages")
+    msgs = [_message(m, i) for i, m in enumerate(messages)]
+    n = want(body, "n", int, default=1)
+    if n != 1:
+        raise RequestError(400, "n > 1 is not supported: send n separate requests (each is its own sample)", param="n")
+    tools = want(body, "tools", list)
+    if tools:
+        for j, t in enumerate(tools):
+            if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+                    and isinstance(t["function"].get("name"), str)):
+                raise RequestError(400, f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError(400, f"tool_choice {choice!r} is not supported (use 'auto' or 'none'): the loopback server does not constrain decoding", param="tool_choice")
+    max_tokens = want(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = want(body, "max_tokens", int)
+    stop = want(body, "stop", (str, list), default=[])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise RequestError(400, "'stop' must be a string or a list of strings", param="stop")
+    top_logprobs = want(body, "top_logprobs", int, default=0)
+    if top_logprobs:
+        raise RequestError(400, "top_logprobs > 0 is not supported; logprobs=true returns each sampled token's log-prob", param="top_logprobs")
+    opts = want(body, "stream_options", dict, default={})
+    return ChatRequest(
+        messages=msgs, tools=tools or None, sampling=sampling_from(body, max_tokens, stop), max_tokens=max_tokens,
+        stream=want(body, "stream", bool, default=False), include_usage=bool(opts.get("include_usage")),
+        logprobs=want(body, "logprobs", bool, default=False), parse_tools=choice != "none",
+    )
+
+
+def _finish(r: Reply) -> str:
+    if r.tool_calls:
+        return "tool_calls"
+    return "length" if r.finish == "length" else "stop"
+
+
+def _tool_calls(r: Reply) -> list[dict]:
+    return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+            for c in r.tool_calls]
+
+
+def _logprobs(r: Reply) -> dict:
+    return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                        for s, lp in zip(r.token_strs, r.logprobs)]}
+
+
+def _usage(r: Reply) -> dict:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+            "total_tokens": r.prompt_tokens + r.completion_tokens}
+
+
+def response_body(r: Reply, req: ChatRequest, model: str) -> dict:
+    message = {"role": "assistant", "content": r.content if (r.content or not r.tool_calls) else None}
+    if r.tool_calls:
+        message["tool_calls"] = _tool_calls(r)
+    return {
+        "id": r.id, "object": "chat.completion", "created": r.created, "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": _finish(r),
+                     "logprobs": _logprobs(r) if req.logprobs else None}],
+        "usage": _usage(r),
+    }
+
+
+def stream_events(r: Reply, req: ChatRequest, model: str):
+    """SSE `data:` lines. The reply is complete when streaming starts (the engine returns whole
+    samples), so the stream carries it in a few chunks; the SDKs assemble them as usual."""
+    def chunk(delta: dict, finish=None, logprobs=None, usage=None, choices=True) -> str:
+        body = {"id": r.id, "object": "chat.completion.chunk", "created": r.created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}] if choices else []}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    if r.content:
+        yield chunk({"content": r.content}, logprobs=_logprobs(r) if req.logprobs else None)
+    for i, tc in enumerate(_tool_calls(r)):
+        yield chunk({"tool_calls": [{"index": i, **tc}]})
+    yield chunk({}, finish=_finish(r))
+    if req.include_usage:
+        yield chunk({}, usage=_usage(r), choices=False)
+    yield "data: [DONE]\n\n"
+
+
+def models_body(model: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "workbench"}]}

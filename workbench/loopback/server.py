@@ -1,0 +1,301 @@
+"""The loopback server: OpenAI Chat Completions and Anthropic Messages over the exact
+token accumulator (workbench.tokens). An agent points a stock SDK at a session's base URL and
+never knows it is being trained.
+
+    POST /s/{session}/v1/chat/completions   OpenAI, recorded      base_url = .../s/{session}/v1
+    POST /s/{session}/v1/messages           Anthropic, recorded   base_url = .../s/{session}
+    POST /side/v1/chat/completions          OpenAI, NOT recorded (judges, reference calls)
+    POST /side/v1/messages                  Anthropic, NOT recorded
+    GET  /s/{session}/v1/models, /side/v1/models, /v1/models
+    GET  /health                            no key needed
+
+Binds 127.0.0.1 on a free port by default and checks a per-run API key (`Authorization:
+Bearer` or `x-api-key`). Bad input gets a 4xx in the protocol's own error shape and changes
+nothing already recorded; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from ..tokens import Accumulator, ChatFormat, Segment, segment_stats
+from . import anthropic_api, openai_api
+from .protocol import ChatRequest, Reply, RequestError
+from .toolcalls import get_tool_parser
+
+PROTOCOLS = {"openai": openai_api, "anthropic": anthropic_api}
+
+
+@dataclass
+class ServerStats:
+    requests: Counter = field(default_factory=Counter)  # by route kind
+    errors: Counter = field(default_factory=Counter)  # by HTTP status
+    retries_served_from_cache: int = 0
+    seals: Counter = field(default_factory=Counter)  # by reason, over closed sessions
+    identity_mismatch: int = 0
+    retokenization_drift: int = 0
+    sampled_tokens: int = 0
+    overhead_s: list = field(default_factory=list)  # per request: server time minus engine time
+
+
+async def call_engine(engine, prompt_ids, sampling):
+    """`engine` is a Ray actor handle (EngineHost) or any object with an async `generate`."""
+    gen = engine.generate
+    if hasattr(gen, "remote"):
+        return await gen.remote(prompt_ids, sampling)
+    return await gen(prompt_ids, sampling)
+
+
+class LoopbackServer:
+    def __init__(self, engine, tokenizer, *, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
+                 model_name: str = "workbench-policy", max_model_len: int = 1024, default_max_tokens: int = 256,
+                 tool_parser: str = "hermes", side_engine=None, accumulator_cls=Accumulator):
+        self.engine, self.side_engine = engine, side_engine or engine
+        self.fmt = ChatFormat(tokenizer)
+        self.api_key = api_key or secrets.token_urlsafe(24)
+        self.host, self.port = host, port
+        self.model_name, self.max_model_len, self.default_max_tokens = model_name, max_model_len, default_max_tokens
+        self.parse_tools = get_tool_parser(tool_parser)
+        self.accumulator_cls = accumulator_cls
+        self.sessions: dict[str, Accumulator] = {}
+        self.stats = ServerStats()
+        self.created = int(time.time())
+        self._thread = self._server = self.loop = None
+        self.app = Starlette(
+            routes=[
+                Route("/health", self._health, methods=["GET"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/side/v1/models", self._models, methods=["GET"]),
+                Route("/s/{sid}/v1/models", self._models, methods=["GET"]),
+                Route("/s/{sid}/v1/chat/completions", self._openai, methods=["POST"]),
+                Route("/s/{sid}/v1/messages", self._anthropic, methods=["POST"]),
+                Route("/side/v1/chat/completions", self._openai, methods=["POST"]),
+                Route("/side/v1/messages", self._anthropic, methods=["POST"]),
+            ],
+            exception_handlers={404: self._not_found, 405: self._not_found},
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "LoopbackServer":
+        """Serve in a background thread (its own event loop); returns once it accepts requests."""
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+
+        def serve():
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self._server.serve(sockets=[sock]))
+
+        self._thread = threading.Thread(target=serve, name=f"loopback:{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.time() + 30
+        while not self._server.started:
+            if time.time() > deadline or not self._thread.is_alive():
+                raise RuntimeError("loopback server failed to start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def base_url(self, session_id: str | None, protocol: str = "openai") -> str:
+        """The base_url to hand a stock SDK: session None is the non-recording side route."""
+        root = f"{self.url}/side" if session_id is None else f"{self.url}/s/{session_id}"
+        return root + "/v1" if protocol == "openai" else root
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(self, session_id: str | None = None) -> str:
+        sid = session_id or uuid.uuid4().hex
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", sid):
+            raise ValueError(f"session id {sid!r} must be 1-128 of [A-Za-z0-9_.-]")
+        if sid in self.sessions:
+            raise ValueError(f"session {sid!r} is already open")
+        self.sessions[sid] = self.accumulator_cls(self.fmt)
+        return sid
+
+    def close_session(self, session_id: str) -> list[Segment]:
+        """End a session (waiting for a turn in flight) and return its segments."""
+        if session_id not in self.sessions:
+            raise KeyError(f"unknown session {session_id!r}")
+        if self.loop is not None and self.loop.is_running():
+            return asyncio.run_coroutine_threadsafe(self.aclose_session(session_id), self.loop).result()
+        return self._finish(session_id)
+
+    async def aclose_session(self, session_id: str) -> list[Segment]:
+        async with self.sessions[session_id].lock:
+            return self._finish(session_id)
+
+    def _finish(self, session_id: str) -> list[Segment]:
+        segments = self.sessions.pop(session_id).close()
+        s = segment_stats(segments)
+        self.stats.seals.update(s["seals"])
+        self.stats.identity_mismatch += s["identity_mismatch"]
+        self.stats.retokenization_drift += s["retokenization_drift"]
+        self.stats.sampled_tokens += s["sampled_tokens"]
+        return segments
+
+    # ------------------------------------------------------------------ HTTP plumbing
+    def _error(self, protocol: str, status: int, message: str, param=None, code=None) -> JSONResponse:
+        self.stats.errors[status] += 1
+        return JSONResponse(PROTOCOLS[protocol].error_body(status, message, param, code), status_code=status)
+
+    def _authorized(self, request: Request) -> bool:
+        auth = request.headers.get("authorization", "")
+        key = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        return secrets.compare_digest(key.encode(), self.api_key.encode())
+
+    async def _not_found(self, request: Request, exc) -> JSONResponse:
+        protocol = "anthropic" if request.url.path.endswith("/messages") else "openai"
+        status = getattr(exc, "status_code", 404)
+        return self._error(protocol, status, f"no route {request.method} {request.url.path}")
+
+    async def _health(self, request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "sessions": len(self.sessions)})
+
+    async def _models(self, request: Request) -> JSONResponse:
+        if not self._authorized(request):
+            return self._error("openai", 401, "invalid API key")
+        # One body that both SDKs' model lists accept (each ignores the other's fields).
+        o, a = openai_api.models_body(self.model_name, self.created), anthropic_api.models_body(self.model_name, self.created)
+        return JSONResponse({**o, **a, "data": [{**x, **y} for x, y in zip(o["data"], a["data"])]})
+
+    async def _openai(self, request: Request):
+        return await self._handle(request, "openai")
+
+    async def _anthropic(self, request: Request):
+        return await self._handle(request, "anthropic")
+
+    async def _handle(self, request: Request, protocol: str):
+        t0 = time.perf_counter()
+        api = PROTOCOLS[protocol]
+        sid = request.path_params.get("sid")
+        self.stats.requests[f"{protocol}:{'side' if sid is None else 'session'}"] += 1
+        if not self._authorized(request):
+            return self._error(protocol, 401, "invalid API key")
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise RequestError(400, f"request body is not valid JSON: {e}")
+            if not isinstance(body, dict):
+                raise RequestError(400, "request body must be a JSON object")
+            if sid is not None and sid not in self.sessions:
+                raise RequestError(404, f"unknown session {sid!r}: the framework opens sessions before handing out base URLs")
+            req = api.parse_request(body)
+            reply, engine_s = await (self._side_turn(req) if sid is None else self._session_turn(self.sessions[sid], req))
+        except RequestError as e:
+            return self._error(protocol, e.status, e.message, e.param, e.code)
+        except Exception as e:  # the engine failed: nothing was recorded
+            return self._error(protocol, 503 if "actor" in type(e).__name__.lower() else 500, f"generation failed: {type(e).__name__}: {e}")
+        self.stats.overhead_s.append(time.perf_counter() - t0 - engine_s)
+        if req.stream:
+            return StreamingResponse(api.stream_events(reply, req, self.model_name), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse(api.response_body(reply, req, self.model_name))
+
+    # ------------------------------------------------------------------ turns
+    def _sampling(self, req: ChatRequest, prompt_len: int):
+        room = self.max_model_len - prompt_len
+        if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
+            raise RequestError(400, f"the prompt is {prompt_len} tokens and max_tokens is {req.max_tokens}, "
+                                    f"but the context is {self.max_model_len} tokens", param="messages",
+                               code="context_length_exceeded")
+        req.sampling.max_tokens = req.max_tokens or min(self.default_max_tokens, room)
+        return req.sampling
+
+    async def _session_turn(self, acc: Accumulator, req: ChatRequest):
+        async with acc.lock:
+            plan = self._plan(acc, req)
+            # validated even for a retry: a bad request is refused, cached or not
+            sampling = self._sampling(req, plan.cached.prompt_tokens if plan.cached else len(plan.prompt_ids))
+            if plan.cached is not None:
+                self.stats.retries_served_from_cache += 1
+                return plan.cached, 0.0
+            t = time.perf_counter()
+            sample = await call_engine(self.engine, plan.prompt_ids, sampling)
+            engine_s = time.perf_counter() - t
+            reply = self._reply(sample, req, len(plan.prompt_ids))
+            acc.record(plan, sample, reply.assistant_message(), reply=reply)
+            return reply, engine_s
+
+    def _plan(self, acc: Accumulator, req: ChatRequest):
+        try:
+            return acc.plan(req.messages, req.tools)
+        except Exception as e:  # template errors (e.g. a role it refuses) are the request's fault
+            raise RequestError(400, f"the chat template cannot render these messages: {e}", param="messages")
+
+    async def _side_turn(self, req: ChatRequest):
+        try:
+            ids = self.fmt.encode(self.fmt.render(req.messages, req.tools, add_generation_prompt=True))
+        except Exception as e:
+            raise RequestError(400, f"the chat template cannot render these messages: {e}", param="messages")
+        sampling = self._sampling(req, len(ids))
+        t = time.perf_counter()
+        sample = await call_engine(self.side_engine, ids, sampling)
+        return self._reply(sample, req, len(ids)), time.perf_counter() - t
+
+    def _reply(self, sample, req: ChatRequest, prompt_len: int) -> Reply:
+        tok = self.fmt.tokenizer
+        text = tok.decode(sample.token_ids, skip_special_tokens=True)
+        finish, stop_seq = sample.finish_reason, None
+        hits = [(text.find(s), s) for s in req.sampling.stop if s and s in text]
+        if hits:  # a stop string ends the text (the ids that produced it stay recorded)
+            cut, stop_seq = min(hits)
+            text, finish = text[:cut], "stop_sequence"
+        content, calls = self.parse_tools(text) if req.parse_tools else (text, [])
+        return Reply(
+            id=f"chatcmpl-{uuid.uuid4().hex[:24]}", content=content,
+            tool_calls=[{"id": f"call_{uuid.uuid4().hex[:16]}", **c} for c in calls],
+            finish=finish, stop_sequence=stop_seq, prompt_tokens=prompt_len, completion_tokens=len(sample.token_ids),
+            token_ids=list(sample.token_ids), logprobs=list(sample.logprobs),
+            token_strs=[tok.decode([i]) for i in sample.token_ids] if req.logprobs else [],
+            created=int(time.time()),
+        )
+
+    def summary(self) -> dict:
+        """Server-wide measurements, open sessions included."""
+        open_stats = segment_stats([s for acc in self.sessions.values() for s in acc.segments])
+        ov = sorted(self.stats.overhead_s)
+        pct = (lambda q: ov[min(len(ov) - 1, int(q * len(ov)))] if ov else None)
+        return {
+            "requests": dict(self.stats.requests), "errors": dict(self.stats.errors),
+            "retries_served_from_cache": self.stats.retries_served_from_cache,
+            "seals": dict(self.stats.seals + Counter(open_stats["seals"])),
+            "identity_mismatch": self.stats.identity_mismatch + open_stats["identity_mismatch"],
+            "retokenization_drift": self.stats.retokenization_drift + open_stats["retokenization_drift"],
+            "sampled_tokens": self.stats.sampled_tokens + open_stats["sampled_tokens"],
+            "overhead_p50_s": pct(0.5), "overhead_p99_s": pct(0.99),
+        }

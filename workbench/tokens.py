@@ -1,0 +1,392 @@
+"""Invariant 1, token identity: never train on a token the policy did not sample.
+
+The sampled ids returned by the engine ARE the trajectory; text is only a view of them.
+`Accumulator` is the only code that appends ids to a trajectory. For each request of a
+session with messages M (DESIGN.md, "Token identity"):
+
+1. M extends the session (earlier messages unchanged, the last assistant message the one the
+   server returned): the engine prompt is `accumulated_ids + delta_ids`, where the delta is
+   the template text the new messages add (ALL messages after the last assistant turn),
+   preceded by the template's closing text after the sampled end-of-turn token (e.g. "\n").
+2. Otherwise the open segment is sealed with a reason and a new one starts from the full
+   render of M.
+3. A reply cut by max_tokens has no end-of-turn token: the template's closing tokens
+   (end-of-turn included) enter the next delta as non-trainable tokens.
+4. A retried request (the same messages as the last one) returns the cached reply and
+   records nothing twice. Turns of one session are serialised by a lock.
+
+Measured per segment: `identity_mismatch` (trainable ids that differ from the engine's sampled
+ids; 0 whenever this mechanism works) and `retokenization_drift` (sampled ids that a
+retokenization of their decoded text would change: the damage a text-based pipeline would do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import difflib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Why a segment was sealed. Keys are what Segment.seal_reason holds.
+SEAL_REASONS = {
+    "history_rewritten": "earlier messages were changed or removed (e.g. context compaction)",
+    "assistant_changed": "the assistant message sent back differs from the one the server returned",
+    "template_rewrite": "the chat template renders earlier turns differently once new messages are added",
+    "episode_end": "the session was closed (normal end of an episode)",
+}
+
+
+@dataclass
+class Segment:
+    """A run of token ids that one prompt-extension chain produced. Per token: `loss_mask`
+    (1 = sampled by the policy), `logprobs` (behaviour log-prob; 0.0 where not sampled),
+    `versions` (policy version that sampled it; -1 for prompt/template/tool tokens).
+    `routed_experts`: [T, moe_layers, top_k] int16, -1 = not captured."""
+
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None
+    messages: list[dict] = field(default_factory=list)
+    seal_reason: str | None = None  # None while the segment is open
+    stats: dict = field(default_factory=lambda: {"identity_mismatch": 0, "retokenization_drift": 0, "sampled_tokens": 0, "turns": 0})
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def append(self, ids, trainable: bool, logprobs=None, versions=None) -> None:
+        n = len(ids)
+        self.token_ids += list(ids)
+        self.loss_mask += [int(trainable)] * n
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
+        self.versions += list(versions) if versions is not None else [-1] * n
+
+    def check(self) -> None:
+        n = len(self.token_ids)
+        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+            raise ValueError("segment columns have different lengths")
+        if self.routed_experts is not None and self.routed_experts.shape[0] != n:
+            raise ValueError(f"routed_experts covers {self.routed_experts.shape[0]} positions, segment has {n}")
+
+
+@dataclass
+class Trajectory:
+    """One agent episode: its segments plus reward, ids, info and error (None when it ran)."""
+
+    segments: list[Segment] = field(default_factory=list)
+    reward: float = 0.0
+    group_id: str = ""
+    episode_id: str = ""
+    info: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+# ------------------------------------------------------------------ on-disk format (parquet)
+# One row per segment, trajectory fields repeated on each row. Why parquet (through pyarrow):
+# columnar, with typed list columns that load straight into numpy/torch without parsing, good
+# compression of id runs, appendable as one file per batch, and readable by pandas/duckdb/Ray
+# Data for analysis. JSON lines would parse every id; pickles are neither portable nor safe.
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("episode_id", pa.string()), ("group_id", pa.string()), ("segment_index", pa.int32()),
+        ("reward", pa.float64()), ("error", pa.string()), ("info", pa.string()),
+        ("seal_reason", pa.string()), ("messages", pa.string()), ("stats", pa.string()),
+        ("token_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
+        ("logprobs", pa.list_(pa.float32())), ("versions", pa.list_(pa.int32())),
+        ("routed_experts", pa.list_(pa.int16())), ("routed_experts_shape", pa.list_(pa.int32())),
+    ])
+
+
+def write_trajectories(trajectories: list[Trajectory], path: str | Path) -> Path:
+    """Write trajectories to one parquet file (format documented in docs/ARCHITECTURE.md)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for t in trajectories:
+        for i, s in enumerate(t.segments):
+            s.check()
+            ex = s.routed_experts
+            rows.append({
+                "episode_id": t.episode_id, "group_id": t.group_id, "segment_index": i,
+                "reward": float(t.reward), "error": t.error, "info": json.dumps(t.info, default=str),
+                "seal_reason": s.seal_reason, "messages": json.dumps(s.messages, default=str),
+                "stats": json.dumps(s.stats), "token_ids": s.token_ids, "loss_mask": s.loss_mask,
+                "logprobs": s.logprobs, "versions": s.versions,
+                "routed_experts": None if ex is None else ex.reshape(-1).tolist(),
+                "routed_experts_shape": None if ex is None else list(ex.shape),
+            })
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=_schema()), path)
+    return path
+
+
+def read_trajectories(path: str | Path) -> list[Trajectory]:
+    import pyarrow.parquet as pq
+
+    out: dict[str, Trajectory] = {}
+    for r in pq.read_table(path).to_pylist():
+        t = out.setdefault(r["episode_id"], Trajectory(
+            reward=r["reward"], group_id=r["group_id"], episode_id=r["episode_id"],
+            info=json.loads(r["info"]), error=r["error"]))
+        ex = None
+        if r["routed_experts"] is not None:
+            ex = np.asarray(r["routed_experts"], dtype=np.int16).reshape(r["routed_experts_shape"])
+        t.segments.append(Segment(r["token_ids"], r["loss_mask"], r["logprobs"], r["versions"], ex,
+                                  json.loads(r["messages"]), r["seal_reason"], json.loads(r["stats"])))
+    return list(out.values())
+
+
+def training_tensors(segments: list[Segment], pad_id: int = 0) -> dict[str, Any]:
+    """Right-padded training tensors, one row per segment. Index i of every column describes
+    token i: `logprobs[i]`/`versions[i]`/`loss_mask[i]` belong to `input_ids[i]`, whose
+    log-prob the trainer reads from the logits at position i - 1 (shift by one there)."""
+    import torch
+
+    n, width = len(segments), max((len(s) for s in segments), default=0)
+    out = {
+        "input_ids": torch.full((n, width), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros((n, width), dtype=torch.long),
+        "loss_mask": torch.zeros((n, width), dtype=torch.float32),
+        "behaviour_logprobs": torch.zeros((n, width), dtype=torch.float32),
+        "versions": torch.full((n, width), -1, dtype=torch.long),
+        "routed_experts": None,
+    }
+    shapes = {s.routed_experts.shape[1:] for s in segments if s.routed_experts is not None}
+    if len(shapes) > 1:
+        raise ValueError(f"segments disagree on routed-expert shape: {shapes}")
+    if shapes:
+        out["routed_experts"] = torch.full((n, width, *shapes.pop()), -1, dtype=torch.int16)
+    for i, s in enumerate(segments):
+        s.check()
+        L = len(s)
+        out["input_ids"][i, :L] = torch.tensor(s.token_ids)
+        out["attention_mask"][i, :L] = 1
+        out["loss_mask"][i, :L] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        out["behaviour_logprobs"][i, :L] = torch.tensor(s.logprobs, dtype=torch.float32)
+        out["versions"][i, :L] = torch.tensor(s.versions)
+        if s.routed_experts is not None:
+            out["routed_experts"][i, :L] = torch.from_numpy(s.routed_experts.astype(np.int16))
+    return out
+
+
+# ------------------------------------------------------------------ messages and the template
+def _text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+
+
+def canonical_message(m: dict) -> dict:
+    """The parts of a chat message the template renders, in one comparable form. Wire-format
+    noise (tool-call ids, `refusal: null`, argument JSON spacing, content as parts) is dropped."""
+    out = {"role": m["role"], "content": _text(m.get("content"))}
+    calls = []
+    for tc in m.get("tool_calls") or []:
+        f = tc.get("function", tc)
+        args = f.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                pass  # keep the raw string; the template renders it verbatim
+        calls.append({"type": "function", "function": {"name": f.get("name", ""), "arguments": args}})
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+class ChatFormat:
+    """The tokenizer and chat template as the accumulator uses them."""
+
+    def __init__(self, tokenizer, end_of_turn: str | None = None):
+        self.tokenizer = tokenizer
+        self.end_of_turn = end_of_turn or tokenizer.eos_token
+        self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.end_of_turn)
+
+    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize *template* text (never generated text) into ids."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def retokenization_drift(fmt: ChatFormat, sampled: list[int]) -> int:
+    """How many sampled ids a retokenization of their decoded text would not reproduce."""
+    if not sampled:
+        return 0
+    again = fmt.encode(fmt.decode(sampled))
+    matched = sum(b.size for b in difflib.SequenceMatcher(None, sampled, again, autojunk=False).get_matching_blocks())
+    return len(sampled) - matched
+
+
+@dataclass
+class TurnPlan:
+    """What the accumulator decided for one request: the engine prompt and how it was built."""
+
+    prompt_ids: list[int]
+    messages: list[dict]  # canonical request messages
+    tools: list | None
+    prompt_text: str  # full render of the request with the generation prompt
+    delta_len: int  # ids added to the segment before sampling
+    new_segment: bool
+    seal_reason: str | None
+    cached: Any = None  # the previous reply, for a retried request
+
+
+class Accumulator:
+    """Exact per-token accumulation for one session (one agent episode)."""
+
+    def __init__(self, fmt: ChatFormat):
+        self.fmt = fmt
+        self.segments: list[Segment] = []
+        self.lock = asyncio.Lock()  # turns of one session are serialised
+        self._conversation: list[dict] | None = None  # request + returned assistant message
+        self._conversation_text = ""  # render of _conversation (no generation prompt)
+        self._tools_key: str | None = None
+        self._closing_text = ""  # template text owed after the last sampled token
+        self._last_request: tuple | None = None
+        self._last_reply: Any = None
+
+    @property
+    def open_segment(self) -> Segment | None:
+        return self.segments[-1] if self.segments and self.segments[-1].seal_reason is None else None
+
+    def plan(self, messages: list[dict], tools: list | None = None) -> TurnPlan:
+        """Decide the engine prompt for a request. Changes nothing until `record`."""
+        msgs = [canonical_message(m) for m in messages]
+        key = (json.dumps(msgs, sort_keys=True), json.dumps(tools, sort_keys=True))
+        full = self.fmt.render(msgs, tools, add_generation_prompt=True)
+        if key == self._last_request and self._last_reply is not None:
+            return TurnPlan([], msgs, tools, full, 0, False, None, cached=self._last_reply)
+        seg, reason = self.open_segment, None
+        if seg is not None and self._conversation is not None:
+            reason = self._why_not_extending(msgs, full)
+            if reason is None:
+                delta = self.fmt.encode(self._closing_text + full[len(self._conversation_text):])
+                return TurnPlan(seg.token_ids + delta, msgs, tools, full, len(delta), False, None)
+        ids = self.fmt.encode(full)
+        return TurnPlan(ids, msgs, tools, full, len(ids), True, reason)
+
+    def _why_not_extending(self, msgs: list[dict], full: str) -> str | None:
+        conv = self._conversation
+        n = len(conv)
+        if len(msgs) <= n or msgs[: n - 1] != conv[: n - 1]:
+            return "history_rewritten"
+        if msgs[n - 1] != conv[n - 1]:
+            return "assistant_changed"
+        if not full.startswith(self._conversation_text):
+            return "template_rewrite"
+        return None
+
+    def record(self, plan: TurnPlan, sample, assistant_message: dict, reply: Any = None) -> Segment:
+        """Append one turn: the plan's delta (non-trainable) and the engine's sampled ids
+        (trainable, with their log-probs and versions), then remember the conversation."""
+        if plan.cached is not None:
+            return self.segments[-1]
+        if plan.new_segment:
+            if self.open_segment is not None:
+                self.seal(plan.seal_reason or "history_rewritten")
+            self.segments.append(Segment())
+        seg = self.segments[-1]
+        seg.append(plan.prompt_ids[len(seg):], trainable=False)
+        sampled = self._append_sampled(seg, sample)
+        seg.stats["identity_mismatch"] += _mismatch(sampled, list(sample.token_ids))
+        seg.stats["retokenization_drift"] += retokenization_drift(self.fmt, sampled)
+        seg.stats["sampled_tokens"] += len(sampled)
+        seg.stats["turns"] += 1
+        self._merge_experts(seg, sample)
+        # Remember what the server returned, and the template text owed after the sampled ids.
+        assistant = canonical_message(assistant_message)
+        self._conversation = plan.messages + [assistant]
+        self._conversation_text = self.fmt.render(self._conversation, plan.tools, add_generation_prompt=False)
+        turn_text = self._conversation_text[len(plan.prompt_text):] if self._conversation_text.startswith(plan.prompt_text) else ""
+        eot = self.fmt.end_of_turn
+        cut = turn_text.rfind(eot)
+        if cut < 0 or not turn_text:  # the template does not append the turn as rendered: next request re-renders
+            self._conversation_text = "\0"  # never a prefix: forces a template_rewrite seal
+            self._closing_text = ""
+        elif sampled and sampled[-1] == self.fmt.end_of_turn_id:
+            self._closing_text = turn_text[cut + len(eot):]  # e.g. "\n" after <|im_end|>
+        else:  # cut by max_tokens / a stop string: end-of-turn and closing enter as template text
+            self._closing_text = turn_text[cut:]
+        self._last_request = (json.dumps(plan.messages, sort_keys=True), json.dumps(plan.tools, sort_keys=True))
+        self._last_reply = reply
+        seg.messages = list(self._conversation)
+        seg.check()
+        return seg
+
+    def _append_sampled(self, seg: Segment, sample) -> list[int]:
+        """Append the ids to train on: exactly the engine's, with their log-probs and versions.
+        (A test overrides this with the classic retokenizing bug to show the statistic catch it.)"""
+        seg.append(sample.token_ids, trainable=True, logprobs=sample.logprobs, versions=sample.versions)
+        return list(sample.token_ids)
+
+    def _merge_experts(self, seg: Segment, sample) -> None:
+        ex = getattr(sample, "routed_experts", None)
+        if ex is None:
+            if seg.routed_experts is not None:  # keep the column aligned: unknown routing is -1
+                pad = np.full((len(seg) - seg.routed_experts.shape[0], *seg.routed_experts.shape[1:]), -1, np.int16)
+                seg.routed_experts = np.concatenate([seg.routed_experts, pad])
+            return
+        ex = np.asarray(ex, dtype=np.int16)[: len(seg)]
+        if ex.shape[0] < len(seg):
+            ex = np.concatenate([ex, np.full((len(seg) - ex.shape[0], *ex.shape[1:]), -1, np.int16)])
+        if seg.routed_experts is None:
+            seg.routed_experts = ex
+        else:  # routing recorded when a token's logits were produced wins; fill only the gaps
+            old = seg.routed_experts
+            merged = ex.copy()
+            keep = (old >= 0).all(axis=(1, 2))
+            merged[: old.shape[0]][keep] = old[keep]
+            seg.routed_experts = merged
+
+    def seal(self, reason: str) -> None:
+        if reason not in SEAL_REASONS:
+            raise ValueError(f"unknown seal reason {reason!r}")
+        seg = self.open_segment
+        if seg is not None:
+            seg.seal_reason = reason
+
+    def close(self) -> list[Segment]:
+        """End the episode: seal the open segment and return all segments (copies)."""
+        self.seal("episode_end")
+        return copy.deepcopy(self.segments)
+
+    def seal_counts(self) -> Counter:
+        return Counter(s.seal_reason for s in self.segments if s.seal_reason)
+
+
+def _mismatch(recorded: list[int], sampled: list[int]) -> int:
+    return sum(a != b for a, b in zip(recorded, sampled)) + abs(len(recorded) - len(sampled))
+
+
+def segment_stats(segments: list[Segment]) -> dict:
+    """Totals of the token-identity measurements over segments."""
+    seals = Counter(s.seal_reason for s in segments if s.seal_reason)
+    return {
+        "segments": len(segments),
+        "identity_mismatch": sum(s.stats["identity_mismatch"] for s in segments),
+        "retokenization_drift": sum(s.stats["retokenization_drift"] for s in segments),
+        "sampled_tokens": sum(s.stats["sampled_tokens"] for s in segments),
+        "seals": dict(seals),
+    }
+
