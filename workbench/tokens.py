@@ -215,6 +215,7 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.end_of_turn = end_of_turn or tokenizer.eos_token
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.end_of_turn)
+        self._backend = tokenizer.backend_tokenizer
 
     def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -222,11 +223,12 @@ class ChatFormat:
         )
 
     def encode(self, text: str) -> list[int]:
-        """Tokenize *template* text (never generated text) into ids."""
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """Tokenize *template* text (never generated text) into ids. (The fast tokenizer's
+        backend directly: same ids, a third of the per-call cost of the transformers wrapper.)"""
+        return self._backend.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def retokenization_drift(fmt: ChatFormat, sampled: list[int]) -> int:
