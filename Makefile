@@ -1,7 +1,7 @@
 # The two commands of README.md. Each first installs what is missing into .venv (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo test bench clean-cache
+.PHONY: setup demo test bench bench-loopback clean-cache
 
 setup:
 	@bash scripts/setup.sh
@@ -16,6 +16,9 @@ test: setup
 
 bench: setup
 	$(PY) bench/engines.py
+
+bench-loopback: setup
+	$(PY) bench/loopback.py
 
 clean-cache:
 	rm -rf $${WORKBENCH_CACHE:-$$HOME/.cache/workbench}/toy

@@ -256,3 +256,26 @@ def test_vllm_dense_loads_in_its_own_actor(ray_local, dense_path):
         assert np.max(np.abs(tf - np.asarray(o.logprobs))) <= VLLM_GAP_BOUND
     finally:
         stop_engine(actor)
+
+
+def test_vllm_abort_stop_strings_and_top_p(vllm_moe, moe_path):
+    p = prompts(moe_path)[2]
+    long = vllm_moe.generate.remote(p, SamplingConfig(max_tokens=600, ignore_eos=True), "to-abort")
+    time.sleep(0.5)
+    ray.get(vllm_moe.abort.remote("to-abort"))
+    aborted = ray.get(long, timeout=60)
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 600
+    assert len(aborted.token_ids) == len(aborted.logprobs) == len(aborted.versions)
+    tok = load_tokenizer(moe_path)
+    chat = tok.apply_chat_template([{"role": "user", "content": "Say something about books."}], add_generation_prompt=True)["input_ids"]
+    free = ray.get(vllm_moe.generate.remote(chat, SamplingConfig(max_tokens=24, temperature=0)))
+    text = tok.decode(free.token_ids, skip_special_tokens=True)
+    assert " " in text, text
+    cut = ray.get(vllm_moe.generate.remote(chat, SamplingConfig(max_tokens=24, temperature=0, stop=[" "])))
+    assert cut.finish_reason == "stop" and len(cut.token_ids) < len(free.token_ids)
+    assert cut.token_ids == free.token_ids[: len(cut.token_ids)]  # the ids that completed the stop string stay
+    nucleus = ray.get(vllm_moe.generate.remote(chat, SamplingConfig(max_tokens=16, top_p=0.5, seed=3)))
+    # top_p < 1: processed log-probs are renormalized over the nucleus, so never below the full-vocab ones
+    model = load_hf_model(moe_path)
+    tf, _ = teacher_forced(model, nucleus)
+    assert all(lp >= t - 1e-4 for lp, t in zip(nucleus.logprobs, tf))

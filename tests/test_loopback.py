@@ -390,3 +390,41 @@ def test_identity_statistic_catches_a_retokenizing_accumulator(vllm_moe, tokeniz
     # ...while the drift measured on what it recorded looks perfect: drift alone cannot catch it
     assert seg.stats["retokenization_drift"] == 0
     assert runs(seg, True)[0] != broken.engine.samples[-1].token_ids
+
+
+def test_stop_strings_in_both_protocols(server):
+    msgs = [{"role": "user", "content": "Say something about books."}]
+    sid = server.open_session()
+    r = oai(server, sid).chat.completions.create(model="policy", messages=msgs, max_tokens=24, temperature=0, stop=[" "])
+    sample = server.engine.samples[-1]
+    assert r.choices[0].finish_reason == "stop" and " " not in r.choices[0].message.content
+    seg, = server.close_session(sid)
+    assert runs(seg, True) == [sample.token_ids]  # the ids that produced the stop string are recorded
+    sid = server.open_session()
+    a = anthropic.Anthropic(base_url=server.base_url(sid, "anthropic"), api_key=server.api_key, max_retries=0)
+    with a.messages.stream(model="policy", max_tokens=24, messages=msgs, stop_sequences=[" "],
+                           extra_body={"temperature": 0}) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == " "
+    assert " " not in final.content[0].text
+    server.close_session(sid)
+
+
+def test_turns_of_one_session_are_serialised(server):
+    """The same request sent twice at once: the second waits for the first and is served from
+    the cache, so the engine samples once and the trajectory holds one turn."""
+    sid = server.open_session()
+    n0 = len(server.engine.samples)
+
+    async def main():
+        client = anthropic.AsyncAnthropic(base_url=server.base_url(sid, "anthropic"), api_key=server.api_key, max_retries=0)
+        msgs = [{"role": "user", "content": "Say something about code."}]
+        replies = await asyncio.gather(*[client.messages.create(model="policy", max_tokens=16, messages=msgs) for _ in range(2)])
+        await client.close()
+        return replies
+
+    a, b = asyncio.run(main())
+    assert a.id == b.id and a.content == b.content
+    assert len(server.engine.samples) == n0 + 1
+    seg, = server.close_session(sid)
+    assert seg.stats["turns"] == 1
