@@ -41,9 +41,24 @@ def vllm_moe(ray_local, moe_path):
     """The session's vLLM engine on the tiny MoE, hosted in a Ray actor."""
     from workbench.rollout.actor import launch_engine, stop_engine
 
-    actor = launch_engine("vllm", model_path=str(moe_path), env={"VLLM_LOGGING_LEVEL": "WARNING"})
+    actor = launch_engine("vllm", model_path=str(moe_path), env={"VLLM_LOGGING_LEVEL": "WARNING"}, keep_log=True)
     yield actor
     stop_engine(actor)
+
+
+@pytest.fixture(scope="session")
+def reference_engines(ray_local, moe_path):
+    """Two pure-PyTorch engines on the tiny MoE (cheap to start): for routing, failover and
+    routed-expert capture tests."""
+    from workbench.rollout.actor import launch_engine, stop_engine
+
+    actors = [launch_engine("reference", model_path=str(moe_path), keep_log=True, seed=i) for i in range(2)]
+    yield actors
+    for a in actors:
+        try:
+            stop_engine(a)
+        except Exception:
+            pass  # a test may have killed it on purpose
 
 
 @pytest.fixture

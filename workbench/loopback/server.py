@@ -17,6 +17,7 @@ nothing already recorded; the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import re
 import secrets
@@ -53,18 +54,24 @@ class ServerStats:
     engine_s: list = field(default_factory=list)  # per request: time waiting for the engine
 
 
-async def call_engine(engine, prompt_ids, sampling):
-    """`engine` is a Ray actor handle (EngineHost) or any object with an async `generate`."""
+async def call_engine(engine, prompt_ids, sampling, session_id=None, return_routed_experts=False):
+    """`engine`: an EngineRouter (gets the session id, for stickiness), a Ray actor handle
+    (EngineHost), or any object with an async `generate(prompt_ids, sampling)`."""
+    if getattr(engine, "routes_sessions", False):
+        return await engine.generate(prompt_ids, sampling, session_id=session_id, return_routed_experts=return_routed_experts)
     gen = engine.generate
     if hasattr(gen, "remote"):
-        return await gen.remote(prompt_ids, sampling)
+        return await gen.remote(prompt_ids, sampling, None, return_routed_experts)
+    if return_routed_experts:
+        return await gen(prompt_ids, sampling, return_routed_experts=True)
     return await gen(prompt_ids, sampling)
 
 
 class LoopbackServer:
     def __init__(self, engine, tokenizer, *, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
                  model_name: str = "workbench-policy", max_model_len: int = 1024, default_max_tokens: int = 256,
-                 tool_parser: str = "hermes", side_engine=None, accumulator_cls=Accumulator):
+                 tool_parser: str = "hermes", side_engine=None, accumulator_cls=Accumulator,
+                 return_routed_experts: bool = False):
         self.engine, self.side_engine = engine, side_engine or engine
         self.fmt = ChatFormat(tokenizer)
         self.api_key = api_key or secrets.token_urlsafe(24)
@@ -72,6 +79,7 @@ class LoopbackServer:
         self.model_name, self.max_model_len, self.default_max_tokens = model_name, max_model_len, default_max_tokens
         self.parse_tools = get_tool_parser(tool_parser)
         self.accumulator_cls = accumulator_cls
+        self.return_routed_experts = return_routed_experts  # MoE: record routing for replay
         self.sessions: dict[str, Accumulator] = {}
         self.stats = ServerStats()
         self.created = int(time.time())
@@ -152,19 +160,30 @@ class LoopbackServer:
         self.sessions[sid] = self.accumulator_cls(self.fmt)
         return sid
 
-    def close_session(self, session_id: str) -> list[Segment]:
-        """End a session (waiting for a turn in flight) and return its segments."""
+    def close_session(self, session_id: str, wait: bool = True) -> list[Segment]:
+        """End a session and return its segments. wait=True waits for a turn in flight;
+        wait=False (a timed-out episode) returns what is recorded now, and a late reply is dropped."""
         if session_id not in self.sessions:
             raise KeyError(f"unknown session {session_id!r}")
         if self.loop is not None and self.loop.is_running():
-            return asyncio.run_coroutine_threadsafe(self.aclose_session(session_id), self.loop).result()
+            return asyncio.run_coroutine_threadsafe(self._close(session_id, wait), self.loop).result()
         return self._finish(session_id)
 
-    async def aclose_session(self, session_id: str) -> list[Segment]:
+    async def close_session_async(self, session_id: str, wait: bool = True) -> list[Segment]:
+        """close_session for callers on another event loop (runner actors): does not block it."""
+        if session_id not in self.sessions:
+            raise KeyError(f"unknown session {session_id!r}")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close(session_id, wait), self.loop))
+
+    async def _close(self, session_id: str, wait: bool) -> list[Segment]:
+        if not wait:
+            return self._finish(session_id)
         async with self.sessions[session_id].lock:
             return self._finish(session_id)
 
     def _finish(self, session_id: str) -> list[Segment]:
+        if hasattr(self.engine, "release"):
+            self.engine.release(session_id)
         segments = self.sessions.pop(session_id).close()
         s = segment_stats(segments)
         self.stats.seals.update(s["seals"])
@@ -221,7 +240,7 @@ class LoopbackServer:
             if sid is not None and sid not in self.sessions:
                 raise RequestError(404, f"unknown session {sid!r}: the framework opens sessions before handing out base URLs")
             req = api.parse_request(body)
-            reply, engine_s = await (self._side_turn(req) if sid is None else self._session_turn(self.sessions[sid], req))
+            reply, engine_s = await (self._side_turn(req) if sid is None else self._session_turn(sid, req))
         except RequestError as e:
             return self._error(protocol, e.status, e.message, e.param, e.code)
         except Exception as e:  # the engine failed: nothing was recorded
@@ -243,7 +262,18 @@ class LoopbackServer:
         req.sampling.max_tokens = req.max_tokens or min(self.default_max_tokens, room)
         return req.sampling
 
-    async def _session_turn(self, acc: Accumulator, req: ChatRequest):
+    async def turn(self, session_id: str, messages: list[dict], tools: list | None, sampling) -> Reply:
+        """One recorded turn without HTTP, for the framework-owned Env loop: the same
+        accumulator and bookkeeping as a request through the SDKs. Callable from any loop."""
+        if session_id not in self.sessions:
+            raise KeyError(f"unknown session {session_id!r}")
+        req = ChatRequest(messages=messages, tools=tools, sampling=copy.copy(sampling), max_tokens=sampling.max_tokens)
+        fut = asyncio.run_coroutine_threadsafe(self._session_turn(session_id, req), self.loop)
+        reply, _ = await asyncio.wrap_future(fut)
+        return reply
+
+    async def _session_turn(self, sid: str, req: ChatRequest):
+        acc = self.sessions[sid]
         async with acc.lock:
             plan = self._plan(acc, req)
             # validated even for a retry: a bad request is refused, cached or not
@@ -252,8 +282,10 @@ class LoopbackServer:
                 self.stats.retries_served_from_cache += 1
                 return plan.cached, 0.0
             t = time.perf_counter()
-            sample = await call_engine(self.engine, plan.prompt_ids, sampling)
+            sample = await call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts)
             engine_s = time.perf_counter() - t
+            if self.sessions.get(sid) is not acc:  # closed meanwhile (episode timed out): drop
+                raise RequestError(404, f"session {sid!r} was closed while this request was in flight")
             reply = self._reply(sample, req, len(plan.prompt_ids))
             acc.record(plan, sample, reply.assistant_message(), reply=reply)
             return reply, engine_s

@@ -13,8 +13,11 @@ from .engine import SamplingConfig, create_engine
 class EngineHost:
     """Actor body: one engine, its async methods exposed one to one."""
 
-    def __init__(self, backend: str, engine_kwargs: dict):
+    def __init__(self, backend: str, engine_kwargs: dict, keep_log: bool = False):
         self.engine = create_engine(backend, **engine_kwargs)
+        # keep_log: remember every (prompt ids, sampled ids), so tests and debugging sessions can
+        # compare recorded trajectories with what this engine really produced
+        self.log: list | None = [] if keep_log else None
 
     async def start(self) -> dict:
         return await self.engine.start()
@@ -23,7 +26,13 @@ class EngineHost:
         return self.engine.info()
 
     async def generate(self, prompt_ids, sampling: SamplingConfig | None = None, request_id=None, return_routed_experts=False):
-        return await self.engine.generate(prompt_ids, sampling, request_id, return_routed_experts)
+        sample = await self.engine.generate(prompt_ids, sampling, request_id, return_routed_experts)
+        if self.log is not None:
+            self.log.append((list(prompt_ids), list(sample.token_ids)))
+        return sample
+
+    async def sample_log(self) -> list:
+        return list(self.log or [])
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -44,7 +53,7 @@ class EngineHost:
         await self.engine.shutdown()
 
 
-def launch_engine(backend: str, name: str | None = None, env: dict | None = None, **engine_kwargs):
+def launch_engine(backend: str, name: str | None = None, env: dict | None = None, keep_log: bool = False, **engine_kwargs):
     """Start an engine actor, wait until its model is loaded, and return the actor handle.
     Stop it with `stop_engine(handle)`."""
     import ray
@@ -54,7 +63,7 @@ def launch_engine(backend: str, name: str | None = None, env: dict | None = None
         options["name"] = name
     if env:
         options["runtime_env"] = {"env_vars": env}
-    actor = ray.remote(EngineHost).options(**options).remote(backend, engine_kwargs)
+    actor = ray.remote(EngineHost).options(**options).remote(backend, engine_kwargs, keep_log)
     ray.get(actor.start.remote())
     return actor
 
@@ -67,3 +76,12 @@ def stop_engine(actor, timeout: float = 60) -> None:
         ray.get(actor.shutdown.remote(), timeout=timeout)
     finally:
         ray.kill(actor)
+
+
+def sync_weights(engines: list, state_dict: dict, version: int | None = None, expected_probe=None, tol: float = 1e-3):
+    """Push weights to every engine (each pauses in keep mode, loads, bumps its version, resumes,
+    and checks its probe): in-flight episodes continue and their tokens span both versions."""
+    import ray
+
+    ref = ray.put(state_dict)  # one copy in the object store, shared by all engines
+    return ray.get([e.update_weights.remote(ref, version, expected_probe, None, tol) for e in engines])

@@ -1,0 +1,191 @@
+"""Agents and rollout on the embedded default: local Ray, the session's vLLM engine (CPU) and
+reference engines, runner actors hosting loopback servers, the example agents end to end."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from workbench.agents import AgentLoadError, Task, load_agent
+from workbench.data import tasks_from_datasets, tasks_from_jsonl, tasks_from_list
+from workbench.rollout.actor import sync_weights
+from workbench.rollout.engine import SamplingConfig, expected_probe_logprobs, probe_ids
+from workbench.rollout.runner import Rollout
+from workbench.toy.models import load_hf_model
+
+EXAMPLES = Path(__file__).parent.parent / "workbench" / "examples"
+AGENTS = Path(__file__).parent / "agents"
+
+
+def trainable_runs(seg):
+    out, cur = [], []
+    for t, m in zip(seg.token_ids, seg.loss_mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            out.append(cur)
+            cur = []
+    return out + ([cur] if cur else [])
+
+
+def assert_exact(trajectories, engines):
+    """Every trainable run of every segment is a completion some engine really sampled, for
+    exactly the prompt that precedes it in the segment."""
+    log = {}
+    for e in engines:
+        for prompt, sampled in ray.get(e.sample_log.remote()):
+            log.setdefault(tuple(prompt), []).append(sampled)  # a group samples one prompt G times
+    n = 0
+    for t in trajectories:
+        for seg in t.segments:
+            assert seg.stats["identity_mismatch"] == 0
+            start = 0
+            for j, m in enumerate(seg.loss_mask + [0]):
+                if m and (j == 0 or not seg.loss_mask[j - 1]):
+                    start = j
+                if not m and j > 0 and seg.loss_mask[j - 1]:
+                    assert seg.token_ids[start:j] in log[tuple(seg.token_ids[:start])]
+                    n += 1
+    return n
+
+
+# ----------------------------------------------------------------------------- loading agents
+@pytest.mark.parametrize("name,match", [
+    ("does_not_exist.py", "does not exist"),
+    ("no_runner.py", "defines no AgentRunner"),
+    ("not_a_runner.py", "must be a class deriving from"),
+    ("broken_import.py", "importing agent file .* failed: ModuleNotFoundError"),
+])
+def test_agent_loading_errors(name, match):
+    with pytest.raises(AgentLoadError, match=match):
+        load_agent(AGENTS / name)
+
+
+def test_examples_load_with_their_tasks():
+    kinds = {p.stem: load_agent(p).kind for p in EXAMPLES.glob("*.py") if p.stem not in ("__init__", "tools")}
+    assert kinds == {"arithmetic_env": "env", "calculator_openai": "chat", "calculator_anthropic": "chat",
+                     "code_agent": "chat", "judge_agent": "chat"}
+    for p in EXAMPLES.glob("*.py"):
+        if p.stem not in ("__init__", "tools"):
+            tasks = load_agent(p).tasks(3, seed=1)
+            assert len(tasks) == 3 and all(isinstance(t, Task) and t.messages for t in tasks)
+
+
+# ----------------------------------------------------------------------------- prompt sources
+def test_prompt_sources(tmp_path):
+    records = [{"prompt": "What is 1+1?", "answer": 2, "source": "a"},
+               {"messages": [{"role": "user", "content": "hi"}], "label": "x", "id": "t2"}]
+    from_list = tasks_from_list(records)
+    assert from_list[0].messages == [{"role": "user", "content": "What is 1+1?"}] and from_list[0].label == 2
+    assert from_list[0].info == {"source": "a"} and from_list[1].id == "t2"
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert [t.label for t in tasks_from_jsonl(path)] == [2, "x"]
+    assert [t.messages for t in tasks_from_datasets(path)] == [t.messages for t in from_list]
+    path.write_text('{"prompt": "ok"}\n{broken\n')
+    with pytest.raises(ValueError, match="p.jsonl:2: not valid JSON"):
+        tasks_from_jsonl(path)
+    with pytest.raises(ValueError, match="needs 'messages' or 'prompt'"):
+        tasks_from_list([{"question": "?"}])
+
+
+# ----------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def rollout_for(vllm_moe, moe_path):
+    made = []
+
+    def make(agent, engines=None, **kw):
+        r = Rollout(str(agent), engines or [vllm_moe], str(moe_path), **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.shutdown()
+
+
+@pytest.mark.parametrize("example", ["arithmetic_env", "calculator_openai", "calculator_anthropic", "code_agent", "judge_agent"])
+def test_example_agents_end_to_end(example, rollout_for, vllm_moe):
+    spec = load_agent(EXAMPLES / f"{example}.py")
+    rollout = rollout_for(spec.path, sampling=SamplingConfig(max_tokens=48), episode_timeout_s=120)
+    groups = rollout.run_groups(spec.tasks(2, seed=3), group_size=2, progress=False)
+    trajs = [t for g in groups for t in g]
+    assert len(groups) == 2 and all(len(g) == 2 and len({t.group_id for t in g}) == 1 for g in groups)
+    assert all(t.error is None for t in trajs), [t.error for t in trajs]
+    assert all(0.0 <= t.reward <= 1.0 and t.segments and t.segments[-1].seal_reason == "episode_end" for t in trajs)
+    assert assert_exact(trajs, [vllm_moe]) >= len(trajs)  # every sampled run is the engine's own
+    if example == "judge_agent":  # one recorded turn; the judge's call recorded nothing
+        assert all(t.segments[0].stats["turns"] == 1 and "verdict" in t.info for t in trajs)
+    if example == "code_agent":
+        runs = [r for t in trajs for r in t.info["runs"]]
+        assert all(set(r) == {"code", "exit_code", "timed_out"} for r in runs)
+
+
+def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
+    task = Task([{"role": "user", "content": "Say something about tools."}])
+    crash = rollout_for(AGENTS / "crashing.py").run_groups([task], group_size=2, progress=False)[0]
+    assert all("agent exploded on purpose" in t.error and t.reward == 0.0 for t in crash)
+    t0 = time.time()
+    hang = rollout_for(AGENTS / "hanging.py", episode_timeout_s=5).run_groups([task], group_size=2, progress=False)[0]
+    assert time.time() - t0 < 60
+    assert all("timed out after 5 s" in t.error for t in hang)
+    assert all(t.segments and t.segments[0].stats["turns"] == 1 for t in hang)  # kept what it recorded
+    ok = rollout_for(AGENTS / "sync_agent.py").run_groups([task], group_size=2, progress=False)[0]
+    assert all(t.error is None and t.reward == 1.0 for t in ok)
+
+
+def test_sticky_routing_and_a_killed_engine(rollout_for, moe_path):
+    from workbench.rollout.actor import launch_engine
+
+    engines = [launch_engine("reference", model_path=str(moe_path), keep_log=True, seed=i) for i in range(2)]
+    rollout = rollout_for(AGENTS / "long_env.py", engines=engines, sampling=SamplingConfig(max_tokens=8))
+    tasks = [Task([{"role": "user", "content": f"Say something about item {k}."}]) for k in range(6)]
+    trajs = [t for g in rollout.run_groups(tasks, group_size=2, progress=False) for t in g]
+    assert all(t.error is None and t.info["turns"] == 4 for t in trajs)
+    logs = [{tuple(p) for p, _ in ray.get(e.sample_log.remote())} for e in engines]
+    assert all(logs), "both engines should have served sessions (least-outstanding placement)"
+    for t in trajs:  # every turn of an episode went to the same engine (its prefix cache)
+        seg = t.segments[0]
+        prompts = {tuple(seg.token_ids[:j]) for j in range(1, len(seg)) if seg.loss_mask[j] and not seg.loss_mask[j - 1]}
+        assert len(prompts) == 4 and any(prompts <= log for log in logs)
+    # kill one engine: its sessions move to the other, the run goes on
+    ray.kill(engines[0])
+    trajs = [t for g in rollout.run_groups(tasks[:3], group_size=2, progress=False) for t in g]
+    assert all(t.error is None for t in trajs)
+    assert ray.get(rollout.runners[0].stats.remote())["router"]["dead"] == [0]
+    # kill the last one: episodes fail with a clear error instead of hanging
+    ray.kill(engines[1])
+    trajs = rollout.run_groups(tasks[:1], group_size=2, progress=False)[0]
+    assert all("rollout engines are dead" in t.error for t in trajs)
+
+
+def test_partial_rollout_records_two_versions_in_one_episode(rollout_for, moe_path, reference_engines):
+    engine = reference_engines[0]
+    rollout = rollout_for(AGENTS / "long_env.py", engines=[engine],
+                          sampling=SamplingConfig(max_tokens=120, ignore_eos=True), return_routed_experts=True)
+    task = Task([{"role": "user", "content": "Say something about books."}])
+    v0 = ray.get(engine.info.remote())["version"]
+    model = load_hf_model(moe_path)
+    new = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(new)
+    probe = expected_probe_logprobs(model, probe_ids(model.config.vocab_size))
+    served = len(ray.get(engine.sample_log.remote()))
+    ref = rollout.runners[0].run_group.remote(task, 2)
+    deadline = time.time() + 120
+    while len(ray.get(engine.sample_log.remote())) < served + 2:  # both episodes finished a turn
+        assert time.time() < deadline
+        time.sleep(0.05)
+    report, = sync_weights([engine], new, expected_probe=probe)
+    assert report.checked and report.version == v0 + 1
+    trajs = ray.get(ref)
+    for t in trajs:
+        seg = t.segments[0]
+        sampled = [v for v, m in zip(seg.versions, seg.loss_mask) if m]
+        assert sampled[0] == v0 and sampled[-1] == v0 + 1 and sampled == sorted(sampled)
+        assert seg.routed_experts is not None and seg.routed_experts.shape[0] == len(seg)
+        assert (seg.routed_experts[:-1] >= 0).all()

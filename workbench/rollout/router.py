@@ -1,0 +1,66 @@
+"""Routing requests over N engine actors: session-sticky (a multi-turn episode stays on one
+engine and keeps its prefix cache), least-outstanding when a session is placed, and failover:
+a request whose engine died is retried on a live one, and when none is left it fails with a
+clear error instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+
+class EngineUnavailable(RuntimeError):
+    pass
+
+
+class EngineRouter:
+    routes_sessions = True  # the loopback server passes session ids to generate()
+
+    def __init__(self, engines: list, request_timeout_s: float | None = 600.0):
+        if not engines:
+            raise ValueError("EngineRouter needs at least one engine actor")
+        self.engines = list(engines)
+        self.outstanding = [0] * len(engines)
+        self.dead: set[int] = set()
+        self.sticky: dict[str, int] = {}
+        self.requests = Counter()  # per engine index: requests served
+        self.request_timeout_s = request_timeout_s
+
+    def pick(self, session_id: str | None) -> int:
+        alive = [i for i in range(len(self.engines)) if i not in self.dead]
+        if not alive:
+            raise EngineUnavailable(f"all {len(self.engines)} rollout engines are dead")
+        i = self.sticky.get(session_id) if session_id is not None else None
+        if i is None or i in self.dead:
+            i = min(alive, key=lambda j: (self.outstanding[j], j))
+            if session_id is not None:
+                self.sticky[session_id] = i
+        return i
+
+    def release(self, session_id: str) -> None:
+        self.sticky.pop(session_id, None)
+
+    async def generate(self, prompt_ids, sampling, session_id: str | None = None, return_routed_experts: bool = False):
+        import ray
+
+        last_error = None
+        for _ in range(len(self.engines)):
+            i = self.pick(session_id)
+            self.outstanding[i] += 1
+            try:
+                ref = self.engines[i].generate.remote(prompt_ids, sampling, None, return_routed_experts)
+                sample = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.request_timeout_s)
+                self.requests[i] += 1
+                return sample
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                self.dead.add(i)  # nothing was recorded for this request: retry it elsewhere
+                last_error = e
+            except asyncio.TimeoutError:
+                raise EngineUnavailable(f"engine {i} did not answer within {self.request_timeout_s} s") from None
+            finally:
+                self.outstanding[i] -= 1
+        raise EngineUnavailable(f"all {len(self.engines)} rollout engines are dead (last error: {last_error})")
+
+    def state(self) -> dict:
+        return {"engines": len(self.engines), "dead": sorted(self.dead), "outstanding": list(self.outstanding),
+                "requests": dict(self.requests), "sessions": len(self.sticky)}

@@ -1,0 +1,153 @@
+"""Rollout on Ray: runner actors host a loopback server and run many agent episodes
+concurrently; `Rollout` is the driver-side handle over them.
+
+    engines (EngineHost actors) <- EngineRouter <- LoopbackServer <- agents   (one runner actor)
+    Rollout.run_groups(tasks, G) -> runner.run_group(task, G) -> G Trajectories per task
+
+An agent that raises, hangs or outlives `episode_timeout_s` fails only its own episode: the
+trajectory keeps what was recorded and carries the error. A dead engine's requests go to a
+live engine; when none is left, episodes fail with a clear error and the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import traceback
+import uuid
+
+from ..agents import AgentContext, Task, as_reward, load_agent
+from ..tokens import Trajectory
+from .engine import SamplingConfig
+
+
+class RolloutRunner:
+    """Ray actor body (also usable in-process, e.g. in tests)."""
+
+    def __init__(self, agent_path: str, engines: list, model_path: str, sampling: SamplingConfig | None = None,
+                 episode_timeout_s: float = 300.0, max_concurrent_episodes: int = 256,
+                 return_routed_experts: bool = False, request_timeout_s: float = 600.0):
+        from ..loopback.server import LoopbackServer
+        from ..toy.models import load_tokenizer
+        from .router import EngineRouter
+
+        self.spec = load_agent(agent_path)
+        self.sampling = sampling or SamplingConfig(max_tokens=128)
+        self.episode_timeout_s = episode_timeout_s
+        self.router = EngineRouter(engines, request_timeout_s)
+        self.server = LoopbackServer(self.router, load_tokenizer(model_path),
+                                     return_routed_experts=return_routed_experts).start()
+        self._slots = max_concurrent_episodes
+        self._sem = None
+
+    def ready(self) -> dict:
+        return {"agent": self.spec.path, "kind": self.spec.kind, "server": self.server.url}
+
+    def stats(self) -> dict:
+        return {"router": self.router.state(), "server": self.server.summary()}
+
+    async def run_group(self, task: Task, n: int, group_id: str | None = None) -> list[Trajectory]:
+        """n episodes of one task (a group, for group-relative advantages), concurrently."""
+        group_id = group_id or uuid.uuid4().hex[:12]
+        return list(await asyncio.gather(*[self.run_episode(task, group_id) for _ in range(n)]))
+
+    async def run_episode(self, task: Task, group_id: str = "") -> Trajectory:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self._slots)
+        async with self._sem:
+            episode_id = uuid.uuid4().hex[:16]
+            sid = self.server.open_session(episode_id)
+            reward, info, error, timed_out = 0.0, {}, None, False
+            try:
+                episode = self._env_episode(task, sid) if self.spec.kind == "env" else self._chat_episode(task, sid, group_id)
+                reward, info = await asyncio.wait_for(episode, self.episode_timeout_s)
+            except asyncio.TimeoutError:
+                timed_out = True
+                error = f"episode timed out after {self.episode_timeout_s:g} s"
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}\n{''.join(traceback.format_exc(limit=-3))}"
+            segments = await self.server.close_session_async(sid, wait=not timed_out)
+            return Trajectory(segments, reward, group_id, episode_id, {"task_id": task.id, **info}, error)
+
+    async def _chat_episode(self, task: Task, sid: str, group_id: str):
+        s = self.server
+        ctx = AgentContext(base_url=s.base_url(sid), anthropic_base_url=s.base_url(sid, "anthropic"),
+                           side_base_url=s.base_url(None), side_anthropic_base_url=s.base_url(None, "anthropic"),
+                           api_key=s.api_key, model=s.model_name, task=task, episode_id=sid, group_id=group_id)
+        agent = self.spec.make()
+        if inspect.iscoroutinefunction(agent.run):
+            result = await agent.run(ctx)
+        else:  # a synchronous agent (stock sync SDK client) runs in a thread, not on this loop
+            result = await asyncio.to_thread(agent.run, ctx)
+        return as_reward(result)
+
+    async def _env_episode(self, task: Task, sid: str):
+        """The framework-owned loop: render -> sample -> env.step, through the server's accumulator."""
+        env = self.spec.make()
+        observation, info = await env.reset(task)
+        messages = [dict(m) for m in observation]
+        tools = env.tools or task.tools
+        total, turns = 0.0, 0
+        for turns in range(1, env.max_turns + 1):
+            reply = await self.server.turn(sid, messages, tools, self.sampling)
+            message = reply.assistant_message()
+            messages.append(message)
+            observation, reward, terminated, truncated, step_info = await env.step(message)
+            total += float(reward)
+            info.update(step_info or {})
+            if terminated or truncated:
+                break
+            messages += [dict(m) for m in observation]
+        return total, {**info, "turns": turns}
+
+    def shutdown(self) -> None:
+        self.server.stop()
+
+
+class Rollout:
+    """Driver-side handle: `num_runners` runner actors over the given engine actors."""
+
+    def __init__(self, agent_path: str, engines: list, model_path: str, num_runners: int = 1, **runner_kwargs):
+        import ray
+
+        load_agent(agent_path)  # fail here, in the caller's process, with a clear error
+        self.engines = list(engines)
+        actor = ray.remote(RolloutRunner).options(num_cpus=0, max_concurrency=1000)
+        self.runners = [actor.remote(str(agent_path), self.engines, str(model_path), **runner_kwargs)
+                        for _ in range(num_runners)]
+        self.info = ray.get([r.ready.remote() for r in self.runners])
+
+    def run_groups(self, tasks: list[Task], group_size: int = 1, progress: bool = True) -> list[list[Trajectory]]:
+        """`group_size` episodes per task; returns one list of trajectories per task, in order."""
+        import ray
+        from tqdm.auto import tqdm
+
+        refs = [self.runners[i % len(self.runners)].run_group.remote(t, group_size) for i, t in enumerate(tasks)]
+        index = {r: i for i, r in enumerate(refs)}
+        out: list = [None] * len(refs)
+        pending = list(refs)
+        with tqdm(total=len(refs), desc=f"rollout ({group_size}/group)", disable=not progress) as bar:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                for r in done:
+                    out[index[r]] = ray.get(r)
+                    bar.update(1)
+        return out
+
+    def run_episodes(self, tasks: list[Task], progress: bool = True) -> list[Trajectory]:
+        return [g[0] for g in self.run_groups(tasks, 1, progress)]
+
+    def stats(self) -> list[dict]:
+        import ray
+
+        return ray.get([r.stats.remote() for r in self.runners])
+
+    def shutdown(self) -> None:
+        import ray
+
+        for r in self.runners:
+            try:
+                ray.get(r.shutdown.remote(), timeout=30)
+            finally:
+                ray.kill(r)
+        self.runners = []
