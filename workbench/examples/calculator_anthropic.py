@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import anthropic
-
 from workbench.agents import ChatAgent
 from workbench.examples.tools import calc, last_number, tool_tasks
 
@@ -21,26 +19,23 @@ def anthropic_tools(openai_tools):
 
 class CalculatorAgent(ChatAgent):
     async def run(self, ctx):
-        client = anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key, max_retries=0)
+        client = ctx.anthropic()  # a stock AsyncAnthropic at this episode's base_url
         system = " ".join(m["content"] for m in ctx.messages if m["role"] == "system")
         messages = [m for m in ctx.messages if m["role"] != "system"]
         answer, calls = None, 0
-        try:
-            for _ in range(MAX_TURNS):
-                r = await client.messages.create(model=ctx.model, system=system, messages=messages,
-                                                 tools=anthropic_tools(ctx.tools), max_tokens=48)
-                messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]})
-                uses = [b for b in r.content if b.type == "tool_use"]
-                if not uses:
-                    answer = "".join(b.text for b in r.content if b.type == "text")
-                    break
-                calls += len(uses)
-                messages.append({"role": "user", "content": [
-                    {"type": "tool_result", "tool_use_id": u.id,
-                     "content": calc(u.input.get("expression", "")) if u.name == "calc" else "error: unknown tool"}
-                    for u in uses]})
-        finally:
-            await client.close()
+        for _ in range(MAX_TURNS):
+            r = await client.messages.create(model=ctx.model, system=system, messages=messages,
+                                             tools=anthropic_tools(ctx.tools), max_tokens=48)
+            messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]})
+            uses = [b for b in r.content if b.type == "tool_use"]
+            if not uses:
+                answer = "".join(b.text for b in r.content if b.type == "text")
+                break
+            calls += len(uses)
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": u.id,
+                 "content": calc(u.input.get("expression", "")) if u.name == "calc" else "error: unknown tool"}
+                for u in uses]})
         return float(last_number(answer) == ctx.label), {"tool_calls": calls, "answer": answer}
 
 

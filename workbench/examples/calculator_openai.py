@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 
-import openai
-
 from workbench.agents import ChatAgent
 from workbench.examples.tools import calc, last_number, tool_tasks
 
@@ -20,23 +18,20 @@ def tasks(n: int, seed: int = 0):
 
 class CalculatorAgent(ChatAgent):
     async def run(self, ctx):
-        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        client = ctx.openai()  # a stock AsyncOpenAI at this episode's base_url
         messages, answer, calls = ctx.messages, None, 0
-        try:
-            for _ in range(MAX_TURNS):
-                r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools, max_tokens=48)
-                msg = r.choices[0].message
-                messages.append(msg.model_dump(exclude_none=True))
-                if not msg.tool_calls:
-                    answer = msg.content
-                    break
-                for call in msg.tool_calls:
-                    calls += 1
-                    args = json.loads(call.function.arguments or "{}")
-                    result = calc(args.get("expression", "")) if call.function.name == "calc" else "error: unknown tool"
-                    messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-        finally:
-            await client.close()
+        for _ in range(MAX_TURNS):
+            r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools, max_tokens=48)
+            msg = r.choices[0].message
+            messages.append(msg.model_dump(exclude_none=True))
+            if not msg.tool_calls:
+                answer = msg.content
+                break
+            for call in msg.tool_calls:
+                calls += 1
+                args = json.loads(call.function.arguments or "{}")
+                result = calc(args.get("expression", "")) if call.function.name == "calc" else "error: unknown tool"
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         return float(last_number(answer) == ctx.label), {"tool_calls": calls, "answer": answer}
 
 

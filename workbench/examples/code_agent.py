@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import openai
-
 from workbench.agents import ChatAgent, Task
 from workbench.examples.tools import last_number, tool_tasks
 from workbench.sandbox import run_python
@@ -26,24 +24,21 @@ class CodeAgent(ChatAgent):
     timeout_s, memory_mb = 5.0, 256
 
     async def run(self, ctx):
-        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        client = ctx.openai()  # a stock AsyncOpenAI at this episode's base_url
         messages, answer, runs = ctx.messages, None, []
-        try:
-            for _ in range(3):
-                r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools, max_tokens=48)
-                msg = r.choices[0].message
-                messages.append(msg.model_dump(exclude_none=True))
-                if not msg.tool_calls:
-                    answer = msg.content
-                    break
-                for call in msg.tool_calls:
-                    args = json.loads(call.function.arguments or "{}")
-                    code = args.get("code") or f"print({args.get('expression', '')})"
-                    res = await asyncio.to_thread(run_python, code, self.timeout_s, self.memory_mb, 1000)
-                    runs.append({"code": code, "exit_code": res.exit_code, "timed_out": res.timed_out})
-                    messages.append({"role": "tool", "tool_call_id": call.id, "content": (res.stdout or res.stderr)[-500:]})
-        finally:
-            await client.close()
+        for _ in range(3):
+            r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools, max_tokens=48)
+            msg = r.choices[0].message
+            messages.append(msg.model_dump(exclude_none=True))
+            if not msg.tool_calls:
+                answer = msg.content
+                break
+            for call in msg.tool_calls:
+                args = json.loads(call.function.arguments or "{}")
+                code = args.get("code") or f"print({args.get('expression', '')})"
+                res = await asyncio.to_thread(run_python, code, self.timeout_s, self.memory_mb, 1000)
+                runs.append({"code": code, "exit_code": res.exit_code, "timed_out": res.timed_out})
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": (res.stdout or res.stderr)[-500:]})
         return float(last_number(answer) == ctx.label), {"runs": runs, "answer": answer}
 
 

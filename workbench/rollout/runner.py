@@ -39,9 +39,12 @@ class RolloutRunner:
                                      return_routed_experts=return_routed_experts).start()
         self._slots = max_concurrent_episodes
         self._sem = None
+        self._clients = None
 
     def ready(self) -> dict:
-        return {"agent": self.spec.path, "kind": self.spec.kind, "server": self.server.url}
+        import os
+
+        return {"agent": self.spec.path, "kind": self.spec.kind, "server": self.server.url, "pid": os.getpid()}
 
     def stats(self) -> dict:
         return {"router": self.router.state(), "server": self.server.summary()}
@@ -69,11 +72,27 @@ class RolloutRunner:
             segments = await self.server.close_session_async(sid, wait=not timed_out)
             return Trajectory(segments, reward, group_id, episode_id, {"task_id": task.id, **info}, error)
 
+    def _shared_clients(self):
+        """One OpenAI and one Anthropic SDK client per runner (made on its event loop); agents get
+        per-episode copies through ctx.openai() / ctx.anthropic() that share their connection pool."""
+        if self._clients is None:
+            import types
+
+            import anthropic
+            import openai
+
+            s = self.server
+            self._clients = types.SimpleNamespace(
+                openai=openai.AsyncOpenAI(base_url=s.base_url(None), api_key=s.api_key, max_retries=0),
+                anthropic=anthropic.AsyncAnthropic(base_url=s.base_url(None, "anthropic"), api_key=s.api_key, max_retries=0))
+        return self._clients
+
     async def _chat_episode(self, task: Task, sid: str, group_id: str):
         s = self.server
         ctx = AgentContext(base_url=s.base_url(sid), anthropic_base_url=s.base_url(sid, "anthropic"),
                            side_base_url=s.base_url(None), side_anthropic_base_url=s.base_url(None, "anthropic"),
-                           api_key=s.api_key, model=s.model_name, task=task, episode_id=sid, group_id=group_id)
+                           api_key=s.api_key, model=s.model_name, task=task, episode_id=sid, group_id=group_id,
+                           clients=self._shared_clients())
         agent = self.spec.make()
         if inspect.iscoroutinefunction(agent.run):
             result = await agent.run(ctx)
