@@ -1,7 +1,7 @@
 # The two commands of README.md. Each first installs what is missing into .venv (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo test bench bench-loopback clean-cache
+.PHONY: setup demo test bench bench-loopback bench-rollout clean-cache
 
 setup:
 	@bash scripts/setup.sh
@@ -19,6 +19,9 @@ bench: setup
 
 bench-loopback: setup
 	$(PY) bench/loopback.py
+
+bench-rollout: setup
+	$(PY) bench/rollout.py
 
 clean-cache:
 	rm -rf $${WORKBENCH_CACHE:-$$HOME/.cache/workbench}/toy
