@@ -266,6 +266,15 @@ def test_vllm_abort_stop_strings_and_top_p(vllm_moe, moe_path):
     aborted = ray.get(long, timeout=60)
     assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 600
     assert len(aborted.token_ids) == len(aborted.logprobs) == len(aborted.versions)
+    # pause keeps a request waiting; resume lets it finish
+    ray.get(vllm_moe.pause.remote())
+    try:
+        held = vllm_moe.generate.remote(p, SamplingConfig(max_tokens=8, ignore_eos=True))
+        ready, _ = ray.wait([held], timeout=1.5)
+        assert not ready
+    finally:
+        ray.get(vllm_moe.resume.remote())
+    assert len(ray.get(held, timeout=60).token_ids) == 8
     tok = load_tokenizer(moe_path)
     chat = tok.apply_chat_template([{"role": "user", "content": "Say something about books."}], add_generation_prompt=True)["input_ids"]
     free = ray.get(vllm_moe.generate.remote(chat, SamplingConfig(max_tokens=24, temperature=0)))

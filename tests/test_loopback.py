@@ -140,10 +140,10 @@ def test_sync_stream_and_logprobs_match_the_engine(server):
     sid = server.open_session()
     client = oai(server, sid)
     r = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Say something about books."}],
-                                       max_tokens=12, logprobs=True, temperature=1.0)
+                                       max_completion_tokens=12, logprobs=True, temperature=1.0, extra_body={"ignore_eos": True})
     sample = server.engine.samples[-1]
     assert [t.logprob for t in r.choices[0].logprobs.content] == pytest.approx(sample.logprobs)
-    assert r.usage.completion_tokens == len(sample.token_ids)
+    assert r.usage.completion_tokens == len(sample.token_ids) == 12 and r.choices[0].finish_reason == "length"
     with client.chat.completions.stream(model="policy", max_tokens=8,
                                         messages=[{"role": "user", "content": "Say something about books."},
                                                   r.choices[0].message.model_dump(exclude_none=True),

@@ -4,6 +4,7 @@ arithmetic task printed with their token ids, behaviour log-probs and policy ver
 weight sync mid-generation (a partial rollout spanning two versions) with its post-sync check.
 
     python -m workbench.demo [--backend vllm|reference] [--model moe|dense] [--prompts 3] [--group 4]
+    python -m workbench.demo --agent workbench/examples/calculator_openai.py   # roll out an agent file
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=4, help="samples per prompt")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--agent", help="an agent file (defines AgentRunner and tasks(n, seed)) to roll out instead")
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -63,6 +65,8 @@ def main(argv=None) -> int:
     engine = launch_engine(args.backend, model_path=str(path), seed=args.seed, env={"VLLM_LOGGING_LEVEL": "WARNING"})
     print(f"      started in {time.perf_counter() - t0:.1f} s: {ray.get(engine.info.remote())}")
     try:
+        if args.agent:
+            return run_agent(args, engine, path)
         print(f"[4/5] {args.prompts} prompts x {args.group} samples (temperature {args.temperature})")
         rng = random.Random(args.seed)
         problems = [arithmetic_problem(rng) for _ in range(args.prompts)]
@@ -99,6 +103,32 @@ def main(argv=None) -> int:
         stop_engine(engine)
         shutdown_ray()
     print("\ndone.")
+    return 0
+
+
+def run_agent(args, engine, path) -> int:
+    """Roll out an agent file's own tasks through runner actors and print what was recorded."""
+    from .agents import load_agent
+    from .rollout.engine import SamplingConfig
+    from .rollout.runner import Rollout
+    from .tokens import segment_stats
+
+    spec = load_agent(args.agent)
+    if spec.tasks is None:
+        raise SystemExit(f"{args.agent} defines no tasks(n, seed) function to draw prompts from")
+    print(f"[4/4] {args.agent} ({spec.kind}): {args.prompts} tasks x {args.group} episodes")
+    rollout = Rollout(args.agent, [engine], str(path), sampling=SamplingConfig(max_tokens=64, temperature=args.temperature))
+    try:
+        groups = rollout.run_groups(spec.tasks(args.prompts, seed=args.seed), group_size=args.group)
+    finally:
+        rollout.shutdown()
+    for g in groups:
+        for t in g:
+            s = segment_stats(t.segments)
+            print(f"  episode {t.episode_id} group {t.group_id}: reward {t.reward:.2f}, {s['segments']} segment(s), "
+                  f"{s['sampled_tokens']} sampled tokens, seals {s['seals']}" + (f", ERROR {t.error.splitlines()[0]}" if t.error else ""))
+    rewards = [t.reward for g in groups for t in g]
+    print(f"\n  mean reward {sum(rewards) / len(rewards):.2f} over {len(rewards)} episodes")
     return 0
 
 

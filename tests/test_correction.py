@@ -1,0 +1,97 @@
+"""Correction math against hand-computed cases, the staleness gate, and refused set-ups."""
+
+import math
+
+import pytest
+import torch
+
+from workbench.correction import CorrectionConfig, CorrectionConfigError, correction_weights
+
+LN = math.log
+
+
+def batch():
+    # two sequences, three positions; position 0 of each is a prompt token (mask 0)
+    behav = torch.tensor([[0.0, LN(0.5), LN(0.5)], [0.0, LN(0.5), LN(0.4)]])
+    old = torch.tensor([[0.0, LN(0.5), LN(0.6)], [0.0, LN(0.25), LN(0.4)]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1]])
+    versions = torch.tensor([[-1, 5, 6], [-1, 1, 6]])
+    return old, behav, mask, versions
+
+
+def run(cfg, trainer_version=6):
+    old, behav, mask, versions = batch()
+    return correction_weights(old, behav, mask, versions, trainer_version, cfg)
+
+
+def test_token_levels_and_modes():
+    # token ratios: seq0 = [1.0, 1.2], seq1 = [0.5, 1.0]
+    c = run(CorrectionConfig(level="token", mode="trunc", low=0.0, high=1.1, max_staleness=None))
+    assert torch.allclose(c.weights, torch.tensor([[0, 1.0, 1.1], [0, 0.5, 1.0]]))
+    c = run(CorrectionConfig(level="token", mode="clip", low=0.8, high=1.1, max_staleness=None))
+    assert torch.allclose(c.weights, torch.tensor([[0, 1.0, 1.1], [0, 0.8, 1.0]]))
+    c = run(CorrectionConfig(level="token", mode="mask", low=0.8, high=1.1, max_staleness=None))
+    assert torch.allclose(c.weights, torch.tensor([[0, 1.0, 0.0], [0, 0.0, 1.0]]))
+    assert c.stats["token_mask_ratio"] == 0.5 and c.stats["gate_pass_ratio"] == 1.0
+
+
+def test_seq_and_geo_levels():
+    # seq ratios: 1.2 and 0.5; geo ratios: sqrt(1.2) and sqrt(0.5)
+    c = run(CorrectionConfig(level="seq", mode="trunc", low=0.0, high=1.1, max_staleness=None))
+    assert torch.allclose(c.weights, torch.tensor([[0, 1.1, 1.1], [0, 0.5, 0.5]]))
+    c = run(CorrectionConfig(level="geo", mode="clip", low=0.9, high=1.05, max_staleness=None))
+    assert torch.allclose(c.weights, torch.tensor([[0, 1.05, 1.05], [0, 0.9, 0.9]]))
+    # geo mask [0.7, 1.1]: seq0 (1.095) kept with TOKEN weights r_t; seq1 (0.707) kept too
+    c = run(CorrectionConfig(level="geo", mode="mask", low=0.7, high=1.1, max_staleness=None))
+    assert torch.allclose(c.weights, torch.tensor([[0, 1.0, 1.2], [0, 0.5, 1.0]]))
+    # a tighter band drops the whole of seq1 and counts it
+    c = run(CorrectionConfig(level="geo", mode="mask", low=0.9, high=1.1, max_staleness=None))
+    assert c.keep.tolist() == [True, False] and c.weights[1].abs().sum() == 0
+    assert c.stats["gate_pass_ratio"] == 0.5 and c.stats["band_dropped"] == 1
+
+
+def test_staleness_gate_drops_sequences_with_an_old_token():
+    # seq1's oldest token is version 1: 5 behind trainer version 6
+    c = run(CorrectionConfig(level="token", mode="trunc", low=0.0, high=2.0, max_staleness=4))
+    assert c.keep.tolist() == [True, False] and c.weights[1].abs().sum() == 0
+    assert c.stats["stale_dropped"] == 1 and c.stats["staleness_hist"] == {0: 2, 1: 1, 5: 1}
+    assert c.stats["tokens_per_version"] == {1: 1, 5: 1, 6: 2}
+    assert run(CorrectionConfig(level="token", mode="trunc", low=0.0, high=2.0, max_staleness=5)).keep.all()
+
+
+def test_kl_estimators_and_delta_p():
+    c = run(CorrectionConfig(level="geo", mode="mask", low=0.9, high=1.1, max_staleness=None))
+    log_r = torch.tensor([0.0, LN(1.2), LN(0.5), 0.0])
+    assert c.stats["kl_k1"] == pytest.approx(float((-log_r).mean()), abs=1e-6)
+    assert c.stats["kl_k3"] == pytest.approx(float((log_r.exp() - 1 - log_r).mean()), abs=1e-6)
+    assert c.stats["max_abs_delta_p"] == pytest.approx(0.25, abs=1e-6)
+    assert sum(c.stats["is_weight_hist"]["counts"]) == 2  # seq1 dropped by the band: its tokens not counted
+
+
+def test_on_policy_batch_is_untouched():
+    old, _, mask, versions = batch()
+    c = correction_weights(old, old.clone(), mask, versions, 6, CorrectionConfig(max_staleness=None))
+    assert torch.equal(c.weights, mask.float()) and c.stats["kl_k1"] == 0 and c.stats["kl_k3"] == 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"level": "tok"}, "level 'tok' unknown"),
+    ({"mode": "cut"}, "mode 'cut' unknown"),
+    ({"low": 1.2, "high": 1.1}, "low <= high"),
+    ({"low": 1.01, "high": 1.05}, "excludes 1.0"),
+    ({"max_staleness": -1}, "max_staleness"),
+])
+def test_meaningless_configs_are_refused(kwargs, match):
+    with pytest.raises(CorrectionConfigError, match=match):
+        CorrectionConfig(**kwargs)
+
+
+def test_correction_refuses_renormalized_behaviour_logprobs():
+    cfg = CorrectionConfig()
+    with pytest.raises(CorrectionConfigError, match="top_p=0.9"):
+        cfg.check_sampling(top_p=0.9)
+    with pytest.raises(CorrectionConfigError, match="processed log-probs"):
+        cfg.check_sampling(logprobs_mode="raw_logprobs")
+    cfg.check_sampling(top_p=1.0)
+    CorrectionConfig(enabled=False).check_sampling(top_p=0.9)  # no correction, nothing to refuse
+    assert CorrectionConfig.tis().mode == "trunc" and CorrectionConfig.tis().high == 2.0

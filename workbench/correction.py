@@ -1,0 +1,145 @@
+"""Invariant 2, policy-version semantics: the only place correction weights are computed.
+
+Every trainable token carries its behaviour log-prob (the engine's, processed) and the policy
+version that sampled it. With r_t = pi_old(t) / pi_behav(t) (pi_old: the trainer's recomputed
+log-prob under the weights the batch is trained from):
+
+    level  token: r_t           seq: exp(sum_t log r_t)        geo: exp(mean_t log r_t)
+    mode   mask:  keep a unit (token, or sequence for seq/geo) only inside [low, high];
+                  kept tokens are weighted by r_t
+           clip:  weight = clamp(ratio, low, high)
+           trunc: weight = min(ratio, high)                     (TIS)
+    gate   a sequence whose oldest token is more than max_staleness versions behind the
+           trainer is dropped, whatever its ratio.
+
+Weights are constants in the loss (computed without gradient). Statistics every step: gate
+pass ratio, k1/k3 KL between behaviour and trainer log-probs, max |delta p|, IS-weight and
+staleness histograms, tokens per version.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+LEVELS = ("token", "seq", "geo")
+MODES = ("mask", "clip", "trunc")
+WEIGHT_BINS = (0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0, 1.01, 1.05, 1.1, 1.25, 2.0, float("inf"))
+
+
+class CorrectionConfigError(ValueError):
+    pass
+
+
+@dataclass
+class CorrectionConfig:
+    level: str = "geo"
+    mode: str = "mask"
+    low: float = 0.99
+    high: float = 1.01
+    max_staleness: int | None = 4  # None: no staleness gate
+    enabled: bool = True  # False: every kept token weighs 1 (the gate still applies)
+
+    @classmethod
+    def tis(cls, cap: float = 2.0, max_staleness: int | None = 4) -> "CorrectionConfig":
+        """Token-level truncated importance sampling: weight = min(r_t, cap)."""
+        return cls(level="token", mode="trunc", low=0.0, high=cap, max_staleness=max_staleness)
+
+    def __post_init__(self):
+        if self.level not in LEVELS:
+            raise CorrectionConfigError(f"correction level {self.level!r} unknown; choose one of {LEVELS}")
+        if self.mode not in MODES:
+            raise CorrectionConfigError(f"correction mode {self.mode!r} unknown; choose one of {MODES}")
+        if not (self.high > 0 and self.low >= 0 and self.low <= self.high):
+            raise CorrectionConfigError(f"correction band must satisfy 0 <= low <= high and high > 0, got [{self.low}, {self.high}]")
+        if self.mode in ("mask", "clip") and not self.low <= 1.0 <= self.high:
+            raise CorrectionConfigError(
+                f"a {self.mode} band [{self.low}, {self.high}] that excludes 1.0 rejects even perfectly on-policy tokens")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise CorrectionConfigError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+
+    def check_sampling(self, top_p: float = 1.0, top_k: int = -1, logprobs_mode: str = "processed_logprobs") -> None:
+        """Refuse sampling set-ups under which the behaviour log-probs cannot be compared with a
+        full-vocabulary trainer log-prob, so the ratio would be meaningless."""
+        if not self.enabled:
+            return
+        if top_p < 1.0 or (top_k not in (-1, 0, None)):
+            raise CorrectionConfigError(
+                f"importance correction with top_p={top_p}, top_k={top_k}: the engine reports log-probs "
+                "renormalized over the kept tokens, which a full-vocabulary trainer log-prob cannot match "
+                "(every ratio would be biased). Sample with top_p=1 and top_k=-1, or disable correction.")
+        if logprobs_mode != "processed_logprobs":
+            raise CorrectionConfigError(
+                f"importance correction needs the engine's processed log-probs (got {logprobs_mode!r}): "
+                "raw log-probs ignore the temperature the tokens were sampled at")
+
+
+@dataclass
+class Correction:
+    weights: torch.Tensor  # [B, T] per-token weight, 0 where dropped or not trainable
+    keep: torch.Tensor  # [B] bool: sequence passed the staleness gate and (seq/geo mask) the band
+    stats: dict
+
+
+def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, loss_mask: torch.Tensor,
+                       versions: torch.Tensor, trainer_version: int, cfg: CorrectionConfig) -> Correction:
+    """All tensors [B, T], aligned per token (see tokens.training_tensors)."""
+    with torch.no_grad():
+        mask = loss_mask.float()
+        m = mask.bool()
+        log_r = (trainer_logprobs.float() - behaviour_logprobs.float()) * mask
+        r = torch.exp(log_r)
+        n_tok = mask.sum(-1).clamp(min=1)
+        B = mask.shape[0]
+
+        # staleness gate, per sequence, on its oldest trainable token
+        stale = (trainer_version - versions).masked_fill(~m, 0)
+        oldest = stale.max(-1).values
+        fresh = torch.ones(B, dtype=torch.bool) if cfg.max_staleness is None else oldest <= cfg.max_staleness
+
+        if cfg.level == "token":
+            unit = r
+        else:
+            seq_log = log_r.sum(-1) if cfg.level == "seq" else log_r.sum(-1) / n_tok
+            unit = torch.exp(seq_log)[:, None].expand_as(r)
+
+        in_band = (unit >= cfg.low) & (unit <= cfg.high)
+        if not cfg.enabled:
+            w = torch.ones_like(r)
+        elif cfg.mode == "mask":
+            w = torch.where(in_band, r, torch.zeros_like(r))
+        elif cfg.mode == "clip":
+            w = unit.clamp(cfg.low, cfg.high)
+        else:
+            w = unit.clamp(max=cfg.high)
+        keep = fresh.clone()
+        if cfg.enabled and cfg.mode == "mask" and cfg.level != "token":
+            keep &= in_band.all(-1)  # the unit is the sequence: its ratio is the same on every token
+        weights = w * mask * keep[:, None].float()
+
+        stats = _stats(trainer_logprobs, behaviour_logprobs, m, r, weights, keep, fresh, stale, versions)
+    return Correction(weights, keep, stats)
+
+
+def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions) -> dict:
+    n = int(m.sum())
+    lr = torch.log(r[m]) if n else torch.zeros(0)
+    kept = m & keep[:, None]
+    w = weights[kept]
+    hist = torch.histogram(w.clamp(max=1e6), bins=torch.tensor(WEIGHT_BINS[:-1] + (1e6,))).hist if w.numel() else torch.zeros(len(WEIGHT_BINS) - 1)
+    return {
+        "gate_pass_ratio": float(keep.float().mean()) if keep.numel() else 1.0,
+        "stale_dropped": int((~fresh).sum()),
+        "band_dropped": int((fresh & ~keep).sum()),
+        "token_mask_ratio": float((weights[m] > 0).float().mean()) if n else 1.0,
+        # KL(behaviour || trainer) estimators on the behaviour samples, with r = pi_old / pi_behav
+        "kl_k1": float((-lr).mean()) if n else 0.0,
+        "kl_k3": float(((r[m] - 1) - lr).mean()) if n else 0.0,
+        "max_abs_delta_p": float((trainer_lp.float().exp() - behav_lp.float().exp())[m].abs().max()) if n else 0.0,
+        "is_weight_hist": {"edges": list(WEIGHT_BINS), "counts": [int(c) for c in hist.tolist()]},
+        "staleness_hist": dict(sorted(Counter(stale[m].tolist()).items())),
+        "tokens_per_version": dict(sorted(Counter(versions[m].tolist()).items())),
+        "tokens": n,
+    }
