@@ -1,0 +1,87 @@
+"""Advantage estimators and surrogates against hand-computed values and gradients."""
+
+import pytest
+import torch
+
+from workbench.trainer.losses import AdvantageInput, aggregate, get_advantage, get_surrogate
+
+MASK = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]])
+
+
+def adv(name, rewards, groups, **kw):
+    return get_advantage(name)(AdvantageInput(torch.tensor(rewards), torch.tensor(groups), MASK, **kw))
+
+
+def test_group_estimators():
+    r, g = [1.0, 0.0, 0.0, 2.0], [0, 0, 1, 1]
+    # group 0: mean .5, std (unbiased) .7071; group 1: mean 1, std 1.4142
+    a = adv("grpo", r, g)
+    assert torch.allclose(a[:, 0], torch.tensor([0.7071, -0.7071, -0.7071, 0.7071]), atol=1e-3)
+    assert a[1, 1] == 0  # masked position
+    assert torch.allclose(adv("dr_grpo", r, g)[:, 0], torch.tensor([0.5, -0.5, -1.0, 1.0]))
+    assert torch.allclose(adv("rloo", r, g)[:, 0], torch.tensor([1.0, -1.0, -2.0, 2.0]))
+    rpp = adv("reinforce_pp_baseline", r, g)[:, 0]
+    centred = torch.tensor([0.5, -0.5, -1.0, 1.0])
+    assert torch.allclose(rpp, centred / centred.std(unbiased=False), atol=1e-4)
+
+
+def test_singleton_group_has_no_leave_one_out_baseline():
+    x = AdvantageInput(torch.tensor([3.0]), torch.tensor([7]), torch.tensor([[1, 1]]))
+    assert get_advantage("rloo")(x).abs().sum() == 0
+
+
+def test_distillation_advantage_is_teacher_minus_student():
+    student = torch.log(torch.tensor([[0.5, 0.5], [0.25, 1.0], [0.5, 0.5], [0.5, 0.5]]))
+    teacher = torch.log(torch.tensor([[0.5, 1.0], [0.5, 1.0], [0.5, 0.5], [0.25, 0.5]]))
+    a = adv("distill", [0.0] * 4, [0] * 4, logprobs=student, teacher_logprobs=teacher)
+    assert torch.allclose(a, (teacher - student) * MASK)
+    with pytest.raises(ValueError, match="teacher_logprobs"):
+        adv("distill", [0.0] * 4, [0] * 4)
+
+
+def test_ppo_clip_values_and_clipped_gradient():
+    old = torch.log(torch.tensor([[0.5, 0.5]]))
+    new = torch.log(torch.tensor([[0.75, 0.5]])).requires_grad_()  # ratios 1.5, 1.0
+    A, w, m = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), torch.ones(1, 2)
+    loss = get_surrogate("ppo_clip")(new, old, A, w, m)
+    assert torch.allclose(loss, torch.tensor([[-1.2, 1.0]]))
+    loss.sum().backward()
+    assert new.grad[0, 0] == 0 and new.grad[0, 1] == pytest.approx(1.0)  # clipped token has no gradient
+
+
+def test_cispo_keeps_gradient_of_clipped_tokens():
+    old = torch.log(torch.tensor([[0.5]]))
+    new = torch.log(torch.tensor([[0.75]])).requires_grad_()
+    loss = get_surrogate("cispo")(new, old, torch.tensor([[1.0]]), torch.ones(1, 1), torch.ones(1, 1))
+    loss.sum().backward()
+    assert new.grad[0, 0] == pytest.approx(-1.2)  # weight capped at 1.2, gradient kept
+
+
+def test_gspo_uses_the_sequence_ratio():
+    old = torch.log(torch.tensor([[0.5, 0.5]]))
+    new = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_()
+    A = torch.tensor([[2.0, 2.0]])
+    loss = get_surrogate("gspo")(new, old, A, torch.ones(1, 2), torch.ones(1, 2))
+    assert torch.allclose(loss, torch.tensor([[-2.0, -2.0]]))
+    loss.sum().backward()
+    assert torch.allclose(new.grad, torch.tensor([[-2.0, -2.0]]))
+
+
+def test_weights_from_correction_scale_and_drop_tokens():
+    old = torch.zeros(1, 3)
+    new = torch.zeros(1, 3, requires_grad=True)
+    w = torch.tensor([[1.0, 0.5, 0.0]])
+    loss = get_surrogate("ppo_clip")(new, old, torch.ones(1, 3), w, torch.ones(1, 3))
+    assert torch.allclose(loss, torch.tensor([[-1.0, -0.5, 0.0]]))
+
+
+def test_aggregations():
+    losses = torch.tensor([[1.0, 3.0], [2.0, 0.0]])
+    m = torch.tensor([[1, 1], [1, 0]])
+    assert aggregate(losses, m, "token_mean") == pytest.approx(2.0)
+    assert aggregate(losses, m, "seq_mean_token_mean") == pytest.approx(2.0)
+    assert aggregate(losses, m, "constant", max_len=4) == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        aggregate(losses, m, "mean")
+    with pytest.raises(ValueError, match="unknown surrogate"):
+        get_surrogate("ppo")

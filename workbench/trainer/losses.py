@@ -1,0 +1,152 @@
+"""Advantage estimators and policy-loss surrogates: small registered functions.
+
+Advantages take an `AdvantageInput` and return per-token advantages [N, T] (sequence-level
+estimators broadcast their scalar over the sequence's tokens). Surrogates take per-token
+log-probs under the current weights (with gradient), the old log-probs (the weights the batch
+is trained from, no gradient), advantages, and the correction weights from
+workbench.correction (0 where a token or sequence is dropped), and return per-token losses.
+`aggregate` turns them into one scalar.
+
+Register more with `@register_advantage(name)` / `@register_surrogate(name)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+ADVANTAGES: dict[str, Callable] = {}
+SURROGATES: dict[str, Callable] = {}
+
+
+def register_advantage(name: str):
+    def deco(fn):
+        ADVANTAGES[name] = fn
+        return fn
+
+    return deco
+
+
+def register_surrogate(name: str):
+    def deco(fn):
+        SURROGATES[name] = fn
+        return fn
+
+    return deco
+
+
+@dataclass
+class AdvantageInput:
+    rewards: torch.Tensor  # [N] one per sequence (its episode's reward)
+    groups: torch.Tensor  # [N] int group index (episodes of one prompt share it)
+    loss_mask: torch.Tensor  # [N, T]
+    logprobs: torch.Tensor | None = None  # [N, T] the student's (old) log-probs, for distillation
+    teacher_logprobs: torch.Tensor | None = None  # [N, T] a teacher's log-probs of the same tokens
+
+
+def _group_stats(x: torch.Tensor, groups: torch.Tensor):
+    """Per-element mean, std (unbiased where a group has > 1 member) and size of its group."""
+    _, idx, counts = torch.unique(groups, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(counts), dtype=x.dtype).index_add_(0, idx, x)
+    mean = (sums / counts)[idx]
+    sq = torch.zeros(len(counts), dtype=x.dtype).index_add_(0, idx, (x - mean) ** 2)
+    std = torch.sqrt(sq / (counts - 1).clamp(min=1))[idx]
+    return mean, std, counts[idx]
+
+
+def _per_token(a: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return a[:, None] * mask.float()
+
+
+@register_advantage("grpo")
+def grpo(x: AdvantageInput, eps: float = 1e-6) -> torch.Tensor:
+    """(r - group mean) / (group std + eps)."""
+    mean, std, _ = _group_stats(x.rewards.float(), x.groups)
+    return _per_token((x.rewards - mean) / (std + eps), x.loss_mask)
+
+
+@register_advantage("dr_grpo")
+def dr_grpo(x: AdvantageInput) -> torch.Tensor:
+    """r - group mean, no std scaling (pair with aggregate="constant")."""
+    mean, _, _ = _group_stats(x.rewards.float(), x.groups)
+    return _per_token(x.rewards - mean, x.loss_mask)
+
+
+@register_advantage("rloo")
+def rloo(x: AdvantageInput) -> torch.Tensor:
+    """r_i minus the mean of the *other* rewards of its group (leave-one-out)."""
+    mean, _, n = _group_stats(x.rewards.float(), x.groups)
+    loo = torch.where(n > 1, (mean * n - x.rewards) / (n - 1).clamp(min=1), torch.zeros_like(mean))
+    return _per_token(torch.where(n > 1, x.rewards - loo, torch.zeros_like(mean)), x.loss_mask)
+
+
+@register_advantage("reinforce_pp_baseline")
+def reinforce_pp_baseline(x: AdvantageInput, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++ with baseline: subtract the group mean, then whiten over the whole batch."""
+    mean, _, _ = _group_stats(x.rewards.float(), x.groups)
+    a = x.rewards - mean
+    return _per_token((a - a.mean()) / (a.std(unbiased=False) + eps), x.loss_mask)
+
+
+@register_advantage("distill")
+def on_policy_distillation(x: AdvantageInput) -> torch.Tensor:
+    """On-policy distillation: per-token advantage log p_teacher - log p_student (the negative
+    per-token reverse KL on the student's own samples)."""
+    if x.teacher_logprobs is None or x.logprobs is None:
+        raise ValueError("on-policy distillation needs teacher_logprobs and the student's logprobs")
+    return (x.teacher_logprobs - x.logprobs) * x.loss_mask.float()
+
+
+@register_surrogate("ppo_clip")
+def ppo_clip(logprobs, old_logprobs, advantages, weights, mask, eps_low: float = 0.2, eps_high: float = 0.2):
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    return -torch.minimum(unclipped, clipped) * weights * mask
+
+
+@register_surrogate("cispo")
+def cispo(logprobs, old_logprobs, advantages, weights, mask, eps_high: float = 0.2, **_):
+    """CISPO: REINFORCE on log-probs, scaled by the clipped, stop-gradient ratio: no token's
+    gradient is ever zeroed by clipping, its weight is only capped."""
+    ratio = torch.exp(logprobs - old_logprobs).detach().clamp(max=1 + eps_high)
+    return -ratio * advantages * logprobs * weights * mask
+
+
+@register_surrogate("gspo")
+def gspo(logprobs, old_logprobs, advantages, weights, mask, eps_low: float = 3e-4, eps_high: float = 4e-4):
+    """GSPO: PPO-style clipping on the sequence's geometric-mean ratio; each token carries the
+    sequence ratio in value and its own log-prob's gradient."""
+    m = mask.float()
+    seq_log = ((logprobs - old_logprobs) * m).sum(-1) / m.sum(-1).clamp(min=1)
+    ratio = torch.exp(seq_log.detach()[:, None] + logprobs - logprobs.detach())
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    return -torch.minimum(unclipped, clipped) * weights * m
+
+
+def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, how: str = "token_mean", max_len: int | None = None):
+    """token_mean: over all trainable tokens; seq_mean_token_mean: per sequence, then over
+    sequences; constant: sum / (sequences x max_len) (Dr.GRPO's length-unbiased form)."""
+    m = mask.float()
+    if how == "token_mean":
+        return token_losses.sum() / m.sum().clamp(min=1)
+    if how == "seq_mean_token_mean":
+        return (token_losses.sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    if how == "constant":
+        return token_losses.sum() / (m.shape[0] * (max_len or m.shape[1]))
+    raise ValueError(f"unknown aggregation {how!r}: token_mean, seq_mean_token_mean or constant")
+
+
+def get_advantage(name: str) -> Callable:
+    if name not in ADVANTAGES:
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGES)}")
+    return ADVANTAGES[name]
+
+
+def get_surrogate(name: str) -> Callable:
+    if name not in SURROGATES:
+        raise ValueError(f"unknown surrogate {name!r}; registered: {sorted(SURROGATES)}")
+    return SURROGATES[name]
