@@ -1,0 +1,97 @@
+"""The FSDP2 trainer on Ray (2 gloo ranks on CPU): log-probs, routing replay, a training step,
+gathering weights, and syncing them into a rollout engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from workbench.correction import CorrectionConfig
+from workbench.rollout.engine import SamplingConfig, create_engine, expected_probe_logprobs, probe_ids
+from workbench.tokens import Segment, training_tensors
+from workbench.toy.models import load_hf_model
+from workbench.trainer.fsdp import Trainer, TrainerConfig, token_logprobs
+
+
+@pytest.fixture(scope="module")
+def samples(moe_path):
+    """Completions of the MoE from the reference sampler, with their routed experts."""
+    async def main():
+        e = create_engine("reference", model_path=str(moe_path))
+        await e.start()
+        outs = await asyncio.gather(*[e.generate(list(range(5 + i, 15 + 2 * i)), SamplingConfig(max_tokens=12, ignore_eos=True),
+                                                 return_routed_experts=True) for i in range(5)])
+        await e.shutdown()
+        return outs
+
+    return asyncio.run(main())
+
+
+def batch_of(samples, rewards=None):
+    segs = []
+    for s in samples:
+        P, T = len(s.prompt_ids), len(s.token_ids)
+        segs.append(Segment(s.prompt_ids + s.token_ids, [0] * P + [1] * T, [0.0] * P + s.logprobs,
+                            [-1] * P + s.versions, s.routed_experts))
+    b = training_tensors(segs)
+    r = torch.tensor(rewards if rewards is not None else [1.0, -1.0] * 3)[: len(segs)]
+    b["advantages"] = r[:, None] * b["loss_mask"]
+    return b
+
+
+@pytest.fixture(scope="module")
+def trainer(ray_local, moe_path):
+    t = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(lr=1e-3, micro_batch_size=2,
+                                                               correction=CorrectionConfig.tis()))
+    yield t
+    t.shutdown()
+
+
+def test_fsdp_logprobs_equal_the_sampler_with_replay(trainer, samples):
+    b = batch_of(samples)
+    lp = trainer.logprobs(b)
+    m = b["loss_mask"].bool()
+    assert torch.max(torch.abs(lp[m] - b["behaviour_logprobs"][m])) <= 1e-5
+
+
+def test_replay_in_a_single_forward_catches_wrong_experts(moe_path, samples):
+    model = load_hf_model(moe_path)
+    b = batch_of(samples[:1])
+    lp, stats = token_logprobs(model, b["input_ids"], b["attention_mask"], experts=b["routed_experts"])
+    assert stats.disagreement_rate == 0 and stats.replayed[0] == b["input_ids"].shape[1] - 1
+    wrong = torch.where(b["routed_experts"] >= 0, (b["routed_experts"] + 3) % 8, b["routed_experts"])
+    lp_wrong, stats_wrong = token_logprobs(model, b["input_ids"], b["attention_mask"], experts=wrong)
+    assert stats_wrong.disagreement_rate > 0.5 and not torch.allclose(lp, lp_wrong)
+
+
+def test_train_step_moves_the_policy_and_sync_reaches_an_engine(trainer, samples, moe_path):
+    b = batch_of(samples)
+    before = trainer.logprobs(b)
+    stats = trainer.train_step(b)
+    assert stats["version"] == 1 and np.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    assert stats["replay_positions"] > 0 and stats["replay_disagree"] == 0
+    after = trainer.logprobs(b)
+    m = b["loss_mask"].bool()
+    adv = b["advantages"][m]
+    delta = (after - before)[m]
+    assert (delta * adv).sum() > 0  # positive-advantage tokens became likelier, negative ones less
+    sd = trainer.state_dict()
+    model = load_hf_model(moe_path)
+    assert set(sd) == set(model.state_dict()) and all(sd[k].shape == v.shape for k, v in model.state_dict().items())
+    model.load_state_dict(sd)
+    lp_hf, _ = token_logprobs(model, b["input_ids"], b["attention_mask"], experts=b["routed_experts"])
+    assert torch.max(torch.abs(lp_hf[m] - after[m])) <= 1e-5  # the gathered weights are the trained ones
+
+    async def sync():
+        e = create_engine("reference", model_path=str(moe_path))
+        await e.start()
+        report = await e.update_weights(sd, expected_probe=expected_probe_logprobs(model, probe_ids(model.config.vocab_size)), tol=1e-5)
+        await e.shutdown()
+        return report
+
+    report = asyncio.run(sync())
+    assert report.checked and report.version == 1
