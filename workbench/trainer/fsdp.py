@@ -139,6 +139,18 @@ class TrainerWorker:
         return {"loss": total, "grad_norm": float(grad_norm), "correction": corr.stats,
                 "replay_disagree": disagree, "replay_positions": replayed}
 
+    def probe(self, ids: list[int]) -> list[float]:
+        """log p(ids[i+1] | ids[:i+1]) at temperature 1, live routing: what a synced engine's
+        probe must match (every rank must call: FSDP forwards are collectives)."""
+        self.model.eval()
+        with torch.no_grad():
+            t = torch.tensor([ids], device=self.device)
+            lp, _ = token_logprobs(self.model, t, torch.ones_like(t))
+        return lp[0, 1:].cpu().tolist()
+
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
     def full_state_dict(self) -> dict | None:
         """HF-named full tensors on CPU, on rank 0 (every rank must call: it is a collective)."""
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
@@ -199,6 +211,17 @@ class Trainer:
                 "replay_disagree": sum(s["replay_disagree"] for s in stats),
                 "replay_positions": sum(s["replay_positions"] for s in stats),
                 "correction": [s["correction"] for s in stats]}
+
+    def probe(self, ids: list[int]) -> list[float]:
+        import ray
+
+        return ray.get([w.probe.remote(ids) for w in self.workers])[0]
+
+    @property
+    def vocab_size(self) -> int:
+        import ray
+
+        return ray.get(self.workers[0].vocab_size.remote())
 
     def state_dict(self) -> dict:
         import ray
