@@ -111,8 +111,7 @@ def test_rl_loop_raises_reward_on_the_toy_task(ray_local, vllm_moe, moe_path, ca
     rollout = Rollout(agent, [vllm_moe], str(moe_path), sampling=SamplingConfig(max_tokens=8))
     trainer = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(lr=1e-3, micro_batch_size=64, correction=CorrectionConfig.tis()))
     try:
-        v0 = ray.get(vllm_moe.info.remote())["version"]
-        trainer.version = v0  # continue the engine's version numbering
+        v0 = ray.get(vllm_moe.info.remote())["version"] + 1  # the initial sync to the trainer's weights
         hist = run_sync(rollout, trainer, [vllm_moe], lambda n, step: spec.tasks(n, seed=1000 + step),
                         LoopConfig(steps=24, prompts_per_step=16, group_size=8), progress=False)
     finally:
@@ -126,5 +125,6 @@ def test_rl_loop_raises_reward_on_the_toy_task(ray_local, vllm_moe, moe_path, ca
               f"{sum(h['step_s'] for h in hist):.0f} s for {len(hist)} steps; exact answers "
               f"{np.mean([h['correct_rate'] for h in hist[:4]]):.3f} -> {np.mean([h['correct_rate'] for h in hist[-8:]]):.3f}")
     assert all(h["failed_episodes"] == 0 and h["sync_max_abs_diff"] <= 1e-3 for h in hist)
+    assert hist[0]["kl_k3"] < 1e-6  # rollouts came from exactly the trainer's weights
     assert [h["version"] for h in hist] == list(range(v0 + 1, v0 + 25))
     assert last > first + 0.06, [round(h["reward_mean"], 3) for h in hist]

@@ -1,7 +1,9 @@
 """Command-line demo of the engine stack on the embedded default (`make demo`):
 local Ray, the tiny MoE in vLLM inside a Ray actor, a few sampled episodes of the toy
 arithmetic task printed with their token ids, behaviour log-probs and policy versions, then a
-weight sync mid-generation (a partial rollout spanning two versions) with its post-sync check.
+weight sync mid-generation (a partial rollout spanning two versions) with its post-sync check,
+and a short RL run on the toy task (rollouts -> FSDP2 trainer -> checked weight sync) whose
+reward rises.
 
     python -m workbench.demo [--backend vllm|reference] [--model moe|dense] [--prompts 3] [--group 4]
     python -m workbench.demo --agent workbench/examples/calculator_openai.py   # roll out an agent file
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 import random
 import re
 import time
@@ -41,6 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--agent", help="an agent file (defines AgentRunner and tasks(n, seed)) to roll out instead")
+    ap.add_argument("--rl-steps", type=int, default=16, help="steps of the short RL run at the end (0 skips it)")
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -53,21 +57,21 @@ def main(argv=None) -> int:
     from .toy.models import load_hf_model, load_tokenizer, toy_model_path
     from .toy.tasks import arithmetic_problem
 
-    print(f"[1/5] tiny {args.model} checkpoint (built once, then cached)")
+    print(f"[1/6] tiny {args.model} checkpoint (built once, then cached)")
     path = toy_model_path(args.model)
     tokenizer = load_tokenizer(path)
     print(f"      {path}")
 
-    print("[2/5] local Ray")
+    print("[2/6] local Ray")
     init_ray()
-    print(f"[3/5] {args.backend} engine in a Ray actor")
+    print(f"[3/6] {args.backend} engine in a Ray actor")
     t0 = time.perf_counter()
     engine = launch_engine(args.backend, model_path=str(path), seed=args.seed, env={"VLLM_LOGGING_LEVEL": "WARNING"})
     print(f"      started in {time.perf_counter() - t0:.1f} s: {ray.get(engine.info.remote())}")
     try:
         if args.agent:
             return run_agent(args, engine, path)
-        print(f"[4/5] {args.prompts} prompts x {args.group} samples (temperature {args.temperature})")
+        print(f"[4/6] {args.prompts} prompts x {args.group} samples (temperature {args.temperature})")
         rng = random.Random(args.seed)
         problems = [arithmetic_problem(rng) for _ in range(args.prompts)]
         prompt_ids = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True)["input_ids"] for p in problems]
@@ -86,7 +90,7 @@ def main(argv=None) -> int:
             print(token_table(tokenizer, samples[0]))
         print(f"\n  mean reward {total / (args.prompts * args.group):.2f}")
 
-        print("\n[5/5] weight sync during generation (partial rollout) with the post-sync check")
+        print("\n[5/6] weight sync during generation (partial rollout) with the post-sync check")
         model = load_hf_model(path)
         g = torch.Generator().manual_seed(1)
         new = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
@@ -99,11 +103,38 @@ def main(argv=None) -> int:
         print(f"      synced to version {report.version} in {report.seconds:.2f} s "
               f"({report.bytes / 1e6:.1f} MB); probe log-prob max |diff| {report.probe_max_abs_diff:.2e}: engine serves the new weights")
         print(f"      the in-flight request's {len(s.token_ids)} tokens by version: {spans}")
+        if args.rl_steps:
+            run_rl(args, engine, path)
     finally:
         stop_engine(engine)
         shutdown_ray()
     print("\ndone.")
     return 0
+
+
+def run_rl(args, engine, path) -> None:
+    """A short sync RL run on the toy Env: rollouts on this engine, 2 FSDP2 ranks, GRPO + PPO clip."""
+    from .agents import load_agent
+    from .correction import CorrectionConfig
+    from .loop import LoopConfig, run_sync
+    from .rollout.engine import SamplingConfig
+    from .rollout.runner import Rollout
+    from .trainer.fsdp import Trainer, TrainerConfig
+
+    agent = str(Path(__file__).parent / "examples" / "arithmetic_env.py")
+    spec = load_agent(agent)
+    print(f"\n[6/6] RL on the toy task: {args.rl_steps} steps x 16 prompts x 8 samples, 2 FSDP2 ranks (gloo)")
+    rollout = Rollout(agent, [engine], str(path), sampling=SamplingConfig(max_tokens=8))
+    trainer = Trainer(str(path), world_size=2, cfg=TrainerConfig(lr=1e-3, micro_batch_size=64, correction=CorrectionConfig.tis()))
+    try:
+        run_sync(rollout, trainer, [engine], lambda n, step: spec.tasks(n, seed=1000 + step),
+                 LoopConfig(steps=args.rl_steps, prompts_per_step=16, group_size=8), progress=False,
+                 on_step=lambda m: print(f"      step {m['step']:>2}  reward {m['reward_mean']:.3f}  exact {m['correct_rate']:.3f}  "
+                                         f"loss {m['loss']:+.4f}  k3 {m['kl_k3']:.1e}  sync |diff| {m['sync_max_abs_diff']:.1e}  "
+                                         f"{m['step_s']:.1f} s"))
+    finally:
+        rollout.shutdown()
+        trainer.shutdown()
 
 
 def run_agent(args, engine, path) -> int:

@@ -28,6 +28,7 @@ class LoopConfig:
     group_size: int = 8
     advantage: str = "grpo"
     sync_tol: float = 1e-3
+    initial_sync: bool = True  # first make the engines serve the trainer's weights
 
 
 def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: int = 0) -> tuple[dict, dict]:
@@ -57,7 +58,13 @@ def run_sync(rollout, trainer, engines: list, task_source: Callable[[int, int], 
     """`task_source(n, step)` gives the prompts of each step. Returns one metrics dict per step."""
     from tqdm.auto import tqdm
 
+    import ray
+
     history = []
+    if cfg.initial_sync:  # rollouts must come from the trainer's weights, not whatever the engines hold
+        trainer.version = max(ray.get([e.info.remote() for e in engines]), key=lambda i: i["version"])["version"] + 1
+        sync_weights(engines, trainer.state_dict(), version=trainer.version,
+                     expected_probe=trainer.probe(probe_ids(trainer.vocab_size)), tol=cfg.sync_tol)
     for step in tqdm(range(cfg.steps), desc="RL steps", disable=not progress):
         t0 = time.perf_counter()
         groups = rollout.run_groups(task_source(cfg.prompts_per_step, step), cfg.group_size, progress=False)
