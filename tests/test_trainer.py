@@ -128,3 +128,61 @@ def test_rl_loop_raises_reward_on_the_toy_task(ray_local, vllm_moe, moe_path, ca
     assert hist[0]["kl_k3"] < 1e-6  # rollouts came from exactly the trainer's weights
     assert [h["version"] for h in hist] == list(range(v0 + 1, v0 + 25))
     assert last > first + 0.06, [round(h["reward_mean"], 3) for h in hist]
+
+
+def test_checkpoint_then_resume_gives_the_same_next_step(ray_local, moe_path, samples, tmp_path):
+    cfg = TrainerConfig(lr=1e-3, micro_batch_size=2, correction=CorrectionConfig.tis())
+    b1, b2 = batch_of(samples), batch_of(samples, rewards=[-1.0, 1.0, 0.5, -0.5, 1.0])
+    a = Trainer(str(moe_path), world_size=2, cfg=cfg)
+    try:
+        a.train_step(b1)
+        a.save(str(tmp_path / "ckpt"), {"next_step": 1})
+        uninterrupted = a.train_step(b2)
+        after_a = a.logprobs(b2)
+    finally:
+        a.shutdown()
+    b = Trainer(str(moe_path), world_size=2, cfg=cfg)
+    try:
+        assert b.restore(str(tmp_path / "ckpt"))["next_step"] == 1 and b.version == 1
+        resumed = b.train_step(b2)
+        after_b = b.logprobs(b2)
+    finally:
+        b.shutdown()
+    assert resumed["loss"] == pytest.approx(uninterrupted["loss"], abs=1e-6)
+    assert resumed["version"] == uninterrupted["version"] == 2
+    assert torch.allclose(after_a, after_b, atol=1e-6)  # optimizer state restored too, not only weights
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        Trainer.restore(b, str(tmp_path / "nothing"))
+
+
+def test_resumed_loop_neither_repeats_nor_skips_steps(ray_local, vllm_moe, moe_path, tmp_path):
+    from workbench.agents import load_agent
+    from workbench.loop import LoopConfig, run_sync
+    from workbench.rollout.actor import sync_weights
+    from workbench.rollout.runner import Rollout
+
+    agent = "workbench/examples/arithmetic_env.py"
+    spec = load_agent(agent)
+    seen = []
+
+    def source(n, step):
+        seen.append(step)
+        return spec.tasks(n, seed=step)
+
+    original = load_hf_model(moe_path).state_dict()
+    rollout = Rollout(agent, [vllm_moe], str(moe_path), sampling=SamplingConfig(max_tokens=8))
+    cfg = LoopConfig(steps=2, prompts_per_step=4, group_size=2)
+    try:
+        for steps in (2, 4):  # a first run of 2 steps, then a "restarted" run asked for 4 in all
+            trainer = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(micro_batch_size=8))
+            try:
+                cfg.steps = steps
+                hist = run_sync(rollout, trainer, [vllm_moe], source, cfg, progress=False,
+                                checkpoint_dir=str(tmp_path / "run"), checkpoint_every=1)
+            finally:
+                trainer.shutdown()
+            assert [h["step"] for h in hist] == list(range(steps - 2, steps))
+    finally:
+        rollout.shutdown()
+        sync_weights([vllm_moe], original)
+    assert seen == [0, 1, 2, 3]

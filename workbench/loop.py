@@ -54,18 +54,26 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
 
 
 def run_sync(rollout, trainer, engines: list, task_source: Callable[[int, int], list[Task]], cfg: LoopConfig,
-             on_step: Callable[[dict], None] | None = None, progress: bool = True) -> list[dict]:
-    """`task_source(n, step)` gives the prompts of each step. Returns one metrics dict per step."""
-    from tqdm.auto import tqdm
+             on_step: Callable[[dict], None] | None = None, progress: bool = True,
+             checkpoint_dir: str | None = None, checkpoint_every: int = 0) -> list[dict]:
+    """`task_source(n, step)` gives the prompts of each step (so the data position is the step).
+    With `checkpoint_dir`, a checkpoint found there is resumed from (the next step is the one
+    after it: no step is repeated or skipped), and one is written every `checkpoint_every`
+    steps. Returns one metrics dict per step run."""
+    import os
 
     import ray
+    from tqdm.auto import tqdm
 
-    history = []
+    history, first = [], 0
+    if checkpoint_dir and os.path.isfile(os.path.join(checkpoint_dir, "run_state.json")):
+        first = trainer.restore(checkpoint_dir)["next_step"]
     if cfg.initial_sync:  # rollouts must come from the trainer's weights, not whatever the engines hold
-        trainer.version = max(ray.get([e.info.remote() for e in engines]), key=lambda i: i["version"])["version"] + 1
+        engine_version = max(i["version"] for i in ray.get([e.info.remote() for e in engines]))
+        trainer.version = max(engine_version, trainer.version) + 1  # versions only ever increase
         sync_weights(engines, trainer.state_dict(), version=trainer.version,
                      expected_probe=trainer.probe(probe_ids(trainer.vocab_size)), tol=cfg.sync_tol)
-    for step in tqdm(range(cfg.steps), desc="RL steps", disable=not progress):
+    for step in tqdm(range(first, cfg.steps), desc="RL steps", initial=first, total=cfg.steps, disable=not progress):
         t0 = time.perf_counter()
         groups = rollout.run_groups(task_source(cfg.prompts_per_step, step), cfg.group_size, progress=False)
         t_rollout = time.perf_counter() - t0
@@ -89,6 +97,8 @@ def run_sync(rollout, trainer, engines: list, task_source: Callable[[int, int], 
             "rollout_s": t_rollout, "train_s": t_train, "step_s": time.perf_counter() - t0,
         }
         history.append(metrics)
+        if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
+            trainer.save(checkpoint_dir, {"next_step": step + 1})
         if on_step is not None:
             on_step(metrics)
     return history

@@ -157,6 +157,29 @@ class TrainerWorker:
                 for k, v in self.model.state_dict().items()}
         return full if self.rank == 0 else None
 
+    def save(self, path: str) -> None:
+        """Sharded model + optimizer state with torch.distributed.checkpoint, and this rank's RNG."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+        torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                   os.path.join(path, f"rng_rank{self.rank}.pt"))
+
+    def load(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng = torch.load(os.path.join(path, f"rng_rank{self.rank}.pt"), weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 
@@ -227,6 +250,38 @@ class Trainer:
         import ray
 
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
+
+    def save(self, path: str, run_state: dict | None = None) -> str:
+        """Checkpoint to `path` (a directory every rank can reach): sharded weights and optimizer
+        (torch.distributed.checkpoint), per-rank RNG, and run_state.json (the trainer version
+        plus whatever the caller passes: step, data position, ...)."""
+        import json
+
+        import ray
+
+        os.makedirs(path, exist_ok=True)
+        ray.get([w.save.remote(path) for w in self.workers])
+        with open(os.path.join(path, "run_state.json"), "w") as f:
+            json.dump({**(run_state or {}), "version": self.version, "world_size": len(self.workers)}, f)
+        return path
+
+    def restore(self, path: str) -> dict:
+        """Load a checkpoint written by save(); returns its run_state."""
+        import json
+
+        import ray
+
+        state_file = os.path.join(path, "run_state.json")
+        if not os.path.isfile(state_file):
+            raise FileNotFoundError(f"no checkpoint at {path!r} (run_state.json missing)")
+        with open(state_file) as f:
+            run_state = json.load(f)
+        if run_state["world_size"] != len(self.workers):
+            raise ValueError(f"checkpoint {path!r} was written by {run_state['world_size']} ranks, this trainer has "
+                             f"{len(self.workers)} (resharding a checkpoint is not supported yet)")
+        ray.get([w.load.remote(path) for w in self.workers])
+        self.version = run_state["version"]
+        return run_state
 
     def shutdown(self) -> None:
         import ray
