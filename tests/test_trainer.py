@@ -186,3 +186,31 @@ def test_resumed_loop_neither_repeats_nor_skips_steps(ray_local, vllm_moe, moe_p
         rollout.shutdown()
         sync_weights([vllm_moe], original)
     assert seen == [0, 1, 2, 3]
+
+
+def test_kl_statistic_catches_a_missing_weight_sync(ray_local, vllm_moe, moe_path):
+    """Invariant 2's measurement catching a broken mechanism: if the engines are not synced to
+    the trainer's weights, behaviour and trainer log-probs disagree and k3 / max |delta p| show it."""
+    from workbench.agents import load_agent
+    from workbench.loop import LoopConfig, run_sync
+    from workbench.rollout.actor import sync_weights
+    from workbench.rollout.runner import Rollout
+
+    agent = "workbench/examples/arithmetic_env.py"
+    spec = load_agent(agent)
+    original = load_hf_model(moe_path).state_dict()
+    g = torch.Generator().manual_seed(5)
+    sync_weights([vllm_moe], {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()})
+    rollout = Rollout(agent, [vllm_moe], str(moe_path), sampling=SamplingConfig(max_tokens=8))
+    trainer = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(micro_batch_size=64))
+    try:
+        broken = run_sync(rollout, trainer, [vllm_moe], lambda n, s: spec.tasks(n, seed=s),
+                          LoopConfig(steps=1, prompts_per_step=8, group_size=4, initial_sync=False), progress=False)
+        fixed = run_sync(rollout, trainer, [vllm_moe], lambda n, s: spec.tasks(n, seed=s),
+                         LoopConfig(steps=1, prompts_per_step=8, group_size=4), progress=False)
+    finally:
+        rollout.shutdown()
+        trainer.shutdown()
+        sync_weights([vllm_moe], original)
+    assert broken[0]["kl_k3"] > 0.01 and broken[0]["max_abs_delta_p"] > 0.05
+    assert fixed[0]["kl_k3"] < 1e-6 and fixed[0]["max_abs_delta_p"] < 1e-4

@@ -68,9 +68,11 @@ def run_sync(rollout, trainer, engines: list, task_source: Callable[[int, int], 
     history, first = [], 0
     if checkpoint_dir and os.path.isfile(os.path.join(checkpoint_dir, "run_state.json")):
         first = trainer.restore(checkpoint_dir)["next_step"]
+    # one version counter for trainer and engines; it only ever increases
+    engine_version = max(i["version"] for i in ray.get([e.info.remote() for e in engines]))
+    trainer.version = max(engine_version, trainer.version)
     if cfg.initial_sync:  # rollouts must come from the trainer's weights, not whatever the engines hold
-        engine_version = max(i["version"] for i in ray.get([e.info.remote() for e in engines]))
-        trainer.version = max(engine_version, trainer.version) + 1  # versions only ever increase
+        trainer.version += 1
         sync_weights(engines, trainer.state_dict(), version=trainer.version,
                      expected_probe=trainer.probe(probe_ids(trainer.vocab_size)), tol=cfg.sync_tol)
     for step in tqdm(range(first, cfg.steps), desc="RL steps", initial=first, total=cfg.steps, disable=not progress):

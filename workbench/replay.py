@@ -28,14 +28,39 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
+# How each router class turns logits into gate weights for its chosen ids, mirrored exactly so
+# that a replayed forward equals the recorded one (dtype included). Add a rule per new router.
+REPLAY_RULES = {}
+
+
+def register_replay_rule(router_class_name: str):
+    def deco(fn):
+        REPLAY_RULES[router_class_name] = fn
+        return fn
+
+    return deco
+
+
+def _softmax_gather(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    w = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
+    return w / w.sum(dim=-1, keepdim=True) if renormalize else w
+
+
+@register_replay_rule("Qwen3MoeTopKRouter")
+def _qwen3_moe(router, logits, ids):
+    # fp32 softmax over all experts, gather, renormalize when norm_topk_prob, back to logits dtype
+    return _softmax_gather(logits, ids, router.norm_topk_prob).to(logits.dtype)
+
+
+@register_replay_rule("MixtralTopKRouter")
+def _mixtral(router, logits, ids):
+    # fp32 softmax, gather, always renormalized over the top-k; the weights stay fp32
+    return _softmax_gather(logits, ids, True)
+
+
 def _gate_weights(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Gate weights at the given expert ids, computed exactly as the router computes them for
-    its own top-k (softmax in fp32 over all experts, gather, optional renormalization)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    w = probs.gather(-1, ids)
-    if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalizes over its top-k
-        w = w / w.sum(dim=-1, keepdim=True)
-    return w.to(logits.dtype)
+    """Gate weights at the given expert ids, computed exactly as `router` does for its own top-k."""
+    return REPLAY_RULES[type(router).__name__](router, logits, ids)
 
 
 class RouterCapture:
@@ -97,6 +122,10 @@ def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None):
     if experts is None or not routers:
         yield stats
         return
+    unknown = sorted({type(r).__name__ for r in routers} - set(REPLAY_RULES))
+    if unknown:
+        raise NotImplementedError(f"no routing-replay rule for router class(es) {unknown}; "
+                                  f"register one with workbench.replay.register_replay_rule (known: {sorted(REPLAY_RULES)})")
     experts = torch.as_tensor(experts)
     if experts.shape[-2] != len(routers):
         raise ValueError(f"recorded experts have {experts.shape[-2]} MoE layers, model has {len(routers)}")
