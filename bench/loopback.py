@@ -86,8 +86,6 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-    import ray
-
     from workbench.cluster import init_ray, shutdown_ray
     from workbench.loopback.server import LoopbackServer
     from workbench.rollout.actor import launch_engine, stop_engine

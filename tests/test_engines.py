@@ -107,11 +107,9 @@ def test_reference_stop_length_abort_pause(dense_path):
         p = prompts(dense_path)[0]
         cut = await e.generate(p, SamplingConfig(max_tokens=3, ignore_eos=True))
         assert cut.finish_reason == "length" and len(cut.token_ids) == 3
-        first = cut.token_ids[0]
-        stopped = await e.generate(p, SamplingConfig(max_tokens=3, temperature=0, stop_token_ids=[first]))
-        greedy_first = stopped.token_ids[0]
-        if greedy_first == first:
-            assert stopped.finish_reason == "stop" and len(stopped.token_ids) == 1
+        greedy = await e.generate(p, SamplingConfig(max_tokens=3, temperature=0, ignore_eos=True))
+        stopped = await e.generate(p, SamplingConfig(max_tokens=3, temperature=0, stop_token_ids=[greedy.token_ids[0]]))
+        assert stopped.finish_reason == "stop" and stopped.token_ids == greedy.token_ids[:1]
         # abort mid-flight
         task = asyncio.create_task(e.generate(p, SamplingConfig(max_tokens=900, ignore_eos=True), request_id="long"))
         await asyncio.sleep(0.3)

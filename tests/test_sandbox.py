@@ -1,6 +1,5 @@
 """The code-execution sandbox: output comes back; network, time and memory are denied."""
 
-import pytest
 
 from workbench.sandbox import network_isolation_prefix, run_python
 

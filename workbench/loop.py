@@ -9,7 +9,7 @@ builds on the same pieces and is not here yet.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch

@@ -373,9 +373,6 @@ class Accumulator:
         self.seal("episode_end")
         return copy.deepcopy(self.segments)
 
-    def seal_counts(self) -> Counter:
-        return Counter(s.seal_reason for s in self.segments if s.seal_reason)
-
 
 def _mismatch(recorded: list[int], sampled: list[int]) -> int:
     return sum(a != b for a, b in zip(recorded, sampled)) + abs(len(recorded) - len(sampled))

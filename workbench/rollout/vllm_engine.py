@@ -94,7 +94,6 @@ class VLLMEngine(RolloutEngine):
         )
         self.llm = None
         self._shm = tempfile.mkdtemp(prefix="workbench-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self._user_paused = False
 
     async def start(self) -> dict:
         from vllm.engine.arg_utils import AsyncEngineArgs
