@@ -18,6 +18,8 @@ import os
 import time
 from pathlib import Path
 
+from replay_direct import group_episodes, replay_direct
+
 FOLLOW_UPS = ["Are you sure? Say it again.", "Now add one to it.", "And once more.", "Thanks."]
 
 
@@ -64,19 +66,6 @@ async def through_server(server, n_sessions: int, turns: int, reply_tokens: int,
     return sum(map(sum, per_session)), seconds
 
 
-async def direct(actor, episodes: list[list[tuple]]):
-    """Each episode's recorded engine calls, in order; episodes concurrently."""
-    async def episode(calls):
-        n = 0
-        for prompt_ids, sampling, _ in calls:
-            n += len((await actor.generate.remote(prompt_ids, sampling)).token_ids)
-        return n
-
-    t0 = time.perf_counter()
-    counts = await asyncio.gather(*[episode(c) for c in episodes])
-    return sum(counts), time.perf_counter() - t0
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 32])
@@ -106,18 +95,9 @@ def main() -> None:
                 tok_a, sec_a = asyncio.run(through_server(server, n, args.turns, reply_tokens, 0))
                 cpu_a = time.process_time() - cpu0
                 summary = server.summary()
-            # regroup the recorded calls into episodes: every call of an episode extends its previous prompt
-            episodes: list[list[tuple]] = []
-            for call in rec.calls:
-                for ep in episodes:
-                    last = ep[-1][0]
-                    if len(call[0]) > len(last) and call[0][: len(last)] == last:
-                        ep.append(call)
-                        break
-                else:
-                    episodes.append([call])
+            episodes = group_episodes(rec.calls)
             cpu0 = time.process_time()
-            tok_b, sec_b = asyncio.run(direct(actor, episodes))
+            tok_b, sec_b = asyncio.run(replay_direct(actor, episodes, lambda call: call[1]))
             cpu_b = time.process_time() - cpu0
             r = {"sessions": n, "reply_tokens": reply_tokens or "natural", "server_tokens": tok_a, "server_s": sec_a, "server_tok_s": tok_a / sec_a,
                  "direct_tokens": tok_b, "direct_s": sec_b, "direct_tok_s": tok_b / sec_b,

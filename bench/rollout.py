@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+from replay_direct import group_episodes, replay_direct
+
 AGENT = Path(__file__).parent / "agents" / "multi_turn_chat.py"
 
 
@@ -34,32 +36,6 @@ def cpu_by_process(runner_pids: list[int]) -> dict:
             except psutil.Error:
                 pass
     return {k: v.user + v.system for k, v in out.items()}
-
-
-def episodes_from_log(log):
-    """Regroup (prompt, sampled) calls into episodes: each call extends its episode's last prompt."""
-    episodes: list[list] = []
-    for prompt, sampled in log:
-        for ep in episodes:
-            last = ep[-1][0]
-            if len(prompt) > len(last) and prompt[: len(last)] == last:
-                ep.append((prompt, sampled))
-                break
-        else:
-            episodes.append([(prompt, sampled)])
-    return episodes
-
-
-async def direct(actor, episodes, sampling):
-    async def run(calls):
-        n = 0
-        for prompt, _ in calls:
-            n += len((await actor.generate.remote(prompt, sampling)).token_ids)
-        return n
-
-    t0 = time.perf_counter()
-    counts = await asyncio.gather(*[run(c) for c in episodes])
-    return sum(counts), time.perf_counter() - t0
 
 
 def main() -> None:
@@ -99,10 +75,10 @@ def main() -> None:
         trajs = [t for g in groups for t in g]
         errors = [t.error for t in trajs if t.error]
         full_tokens = sum(s.stats["sampled_tokens"] for t in trajs for s in t.segments)
-        episodes = episodes_from_log(ray.get(engine.sample_log.remote())[seen:])
+        episodes = group_episodes(ray.get(engine.sample_log.remote())[seen:])
         sampling = SamplingConfig(max_tokens=args.reply_tokens, ignore_eos=True)
         procs = cpu_by_process(pids)
-        direct_tokens, direct_s = asyncio.run(direct(engine, episodes, sampling))
+        direct_tokens, direct_s = asyncio.run(replay_direct(engine, episodes, lambda call: sampling))
         cpu_direct = {k: v - procs[k] for k, v in cpu_by_process(pids).items() if k in procs}
     finally:
         rollout.shutdown()
