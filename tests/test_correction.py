@@ -95,3 +95,16 @@ def test_correction_refuses_renormalized_behaviour_logprobs():
     cfg.check_sampling(top_p=1.0)
     CorrectionConfig(enabled=False).check_sampling(top_p=0.9)  # no correction, nothing to refuse
     assert CorrectionConfig.tis().mode == "trunc" and CorrectionConfig.tis().high == 2.0
+
+
+def test_stats_of_a_split_batch_merge_to_the_whole():
+    from workbench.correction import merge_stats
+
+    old, behav, mask, versions = batch()
+    cfg = CorrectionConfig(level="token", mode="trunc", low=0.0, high=2.0, max_staleness=None)
+    whole = correction_weights(old, behav, mask, versions, 6, cfg).stats
+    parts = [correction_weights(old[i:i + 1], behav[i:i + 1], mask[i:i + 1], versions[i:i + 1], 6, cfg).stats for i in range(2)]
+    merged = merge_stats(parts)
+    for k in ("kl_k1", "kl_k3", "max_abs_delta_p", "gate_pass_ratio", "token_mask_ratio"):
+        assert merged[k] == pytest.approx(whole[k], abs=1e-6), k
+    assert merged["is_weight_hist"] == whole["is_weight_hist"] and merged["tokens_per_version"] == whole["tokens_per_version"]

@@ -22,17 +22,6 @@ EXAMPLES = Path(__file__).parent.parent / "workbench" / "examples"
 AGENTS = Path(__file__).parent / "agents"
 
 
-def trainable_runs(seg):
-    out, cur = [], []
-    for t, m in zip(seg.token_ids, seg.loss_mask):
-        if m:
-            cur.append(t)
-        elif cur:
-            out.append(cur)
-            cur = []
-    return out + ([cur] if cur else [])
-
-
 def assert_exact(trajectories, engines):
     """Every trainable run of every segment is a completion some engine really sampled, for
     exactly the prompt that precedes it in the segment."""

@@ -143,3 +143,29 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions) ->
         "tokens_per_version": dict(sorted(Counter(versions[m].tolist()).items())),
         "tokens": n,
     }
+
+
+def merge_stats(parts: list[dict]) -> dict:
+    """One statistics dict for a batch computed in parts (one per trainer rank): token-weighted
+    means, maxima, sums, and summed histograms."""
+    tokens = sum(p["tokens"] for p in parts)
+
+    def wmean(k):
+        return sum(p[k] * p["tokens"] for p in parts) / tokens if tokens else 0.0
+
+    def add(k):
+        out = Counter()
+        for p in parts:
+            out.update(p[k])
+        return dict(sorted(out.items()))
+
+    return {
+        "gate_pass_ratio": sum(p["gate_pass_ratio"] for p in parts) / len(parts),
+        "stale_dropped": sum(p["stale_dropped"] for p in parts),
+        "band_dropped": sum(p["band_dropped"] for p in parts),
+        "token_mask_ratio": wmean("token_mask_ratio"), "kl_k1": wmean("kl_k1"), "kl_k3": wmean("kl_k3"),
+        "max_abs_delta_p": max(p["max_abs_delta_p"] for p in parts),
+        "is_weight_hist": {"edges": parts[0]["is_weight_hist"]["edges"],
+                           "counts": [sum(c) for c in zip(*(p["is_weight_hist"]["counts"] for p in parts))]},
+        "staleness_hist": add("staleness_hist"), "tokens_per_version": add("tokens_per_version"), "tokens": tokens,
+    }

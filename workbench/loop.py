@@ -89,7 +89,7 @@ def run_sync(rollout, trainer, engines: list, task_source: Callable[[int, int], 
         sd = trainer.state_dict()
         reports = sync_weights(engines, sd, version=stats["version"], expected_probe=trainer.probe(probe_ids(trainer.vocab_size)),
                                tol=cfg.sync_tol)
-        corr = stats["correction"][0]
+        corr = stats["correction"]
         metrics = {
             "step": step, "version": stats["version"], "reward_mean": sum(rewards) / max(len(rewards), 1),
             "correct_rate": sum(correct) / len(correct) if correct else None,

@@ -276,9 +276,9 @@ class Accumulator:
         """Decide the engine prompt for a request. Changes nothing until `record`."""
         msgs = [canonical_message(m) for m in messages]
         key = (json.dumps(msgs, sort_keys=True), json.dumps(tools, sort_keys=True))
+        if key == self._last_request and self._last_reply is not None:  # a retry: nothing to render
+            return TurnPlan([], msgs, tools, "", 0, False, None, cached=self._last_reply)
         full = self.fmt.render(msgs, tools, add_generation_prompt=True)
-        if key == self._last_request and self._last_reply is not None:
-            return TurnPlan([], msgs, tools, full, 0, False, None, cached=self._last_reply)
         seg, reason = self.open_segment, None
         if seg is not None and self._conversation is not None:
             reason = self._why_not_extending(msgs, full)

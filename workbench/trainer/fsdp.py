@@ -21,12 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..correction import CorrectionConfig, correction_weights
+from ..correction import CorrectionConfig, correction_weights, merge_stats
 from ..replay import routing_replay
 from .losses import aggregate, get_surrogate
-
-BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "behaviour_logprobs", "versions", "advantages", "routed_experts")
-
 
 @dataclass
 class TrainerConfig:
@@ -233,7 +230,7 @@ class Trainer:
         return {"version": self.version, "loss": sum(s["loss"] for s in stats), "grad_norm": stats[0]["grad_norm"],
                 "replay_disagree": sum(s["replay_disagree"] for s in stats),
                 "replay_positions": sum(s["replay_positions"] for s in stats),
-                "correction": [s["correction"] for s in stats]}
+                "correction": merge_stats([s["correction"] for s in stats])}
 
     def probe(self, ids: list[int]) -> list[float]:
         import ray
