@@ -58,6 +58,35 @@ def test_fsdp_logprobs_equal_the_sampler_with_replay(trainer, samples):
     assert torch.max(torch.abs(lp[m] - b["behaviour_logprobs"][m])) <= 1e-5
 
 
+def test_without_replay_routing_disagrees_and_the_statistics_show_it(trainer, moe_path):
+    """Forward consistency's broken-mechanism test. A bf16 sampler (as vLLM serves on GPU) picks
+    different experts than the fp32 trainer at ~1% of positions. Replay follows the sampler's
+    choice; without it the trainer routes its own way: the disagreement statistic counts those
+    positions, and the train-vs-rollout KL is larger."""
+    async def main():
+        e = create_engine("reference", model_path=str(moe_path), dtype="bfloat16", seed=3)
+        await e.start()
+        outs = await asyncio.gather(*[e.generate(list(range(5 + i, 25 + i)), SamplingConfig(max_tokens=24, ignore_eos=True),
+                                                 return_routed_experts=True) for i in range(12)])
+        await e.shutdown()
+        return outs
+
+    b = batch_of(asyncio.run(main()), rewards=[1.0, -1.0] * 6)
+    m = b["loss_mask"].bool()
+
+    def k3(lp):
+        lr = (lp - b["behaviour_logprobs"])[m]
+        return float((lr.exp() - 1 - lr).mean())
+
+    lp_replay, st_replay = trainer.logprobs(b, replay=True, with_stats=True)
+    lp_live, st_live = trainer.logprobs(b, replay=False, with_stats=True)
+    assert st_live["disagree_rate"] > 0 and len(st_live["disagree_rate_per_layer"]) == 2
+    assert st_live["disagree"] == st_replay["disagree"]  # the same live-vs-recorded positions, counted either way
+    assert k3(lp_live) > 1.5 * k3(lp_replay), (k3(lp_live), k3(lp_replay))
+    print(f"\n[measured] bf16 sampler vs fp32 trainer: disagreement {st_live['disagree_rate']:.4f}, "
+          f"k3 with replay {k3(lp_replay):.2e}, without {k3(lp_live):.2e}")
+
+
 def test_replay_in_a_single_forward_catches_wrong_experts(moe_path, samples):
     model = load_hf_model(moe_path)
     b = batch_of(samples[:1])
@@ -71,9 +100,17 @@ def test_replay_in_a_single_forward_catches_wrong_experts(moe_path, samples):
 def test_train_step_moves_the_policy_and_sync_reaches_an_engine(trainer, samples, moe_path):
     b = batch_of(samples)
     before = trainer.logprobs(b)
-    stats = trainer.train_step(b)
+    stats = trainer.train_step(b, report=True)
     assert stats["version"] == 1 and np.isfinite(stats["loss"]) and stats["grad_norm"] > 0
-    assert stats["replay_positions"] > 0 and stats["replay_disagree"] == 0
+    # the per-token report (the token journey's data) adds up to the step's loss and carries
+    # this step's trainer log-probs and IS weights
+    rep, m = stats["report"], b["loss_mask"].bool()
+    assert rep["loss_contribution"].shape == b["input_ids"].shape
+    assert abs(float(rep["loss_contribution"].sum()) - stats["loss"]) < 1e-5
+    assert torch.equal(rep["trainer_logprobs"], before) and torch.equal(rep["input_ids"], b["input_ids"])
+    assert torch.allclose(rep["is_weight"][m], torch.ones(int(m.sum())), atol=1e-4) and rep["gate_keep"][m].all()
+    assert not rep["gate_keep"][~m].any() and (rep["loss_contribution"][~m] == 0).all()
+    assert sum(stats["replay"]["replayed"]) > 0 and stats["replay"]["disagree_rate"] == 0
     after = trainer.logprobs(b)
     m = b["loss_mask"].bool()
     adv = b["advantages"][m]
@@ -214,3 +251,42 @@ def test_kl_statistic_catches_a_missing_weight_sync(ray_local, vllm_moe, moe_pat
         sync_weights([vllm_moe], original)
     assert broken[0]["kl_k3"] > 0.01 and broken[0]["max_abs_delta_p"] > 0.05
     assert fixed[0]["kl_k3"] < 1e-6 and fixed[0]["max_abs_delta_p"] < 1e-4
+
+
+def test_async_loop_overlaps_rollout_with_training_and_corrects_staleness(ray_local, vllm_moe, moe_path):
+    """Async mode: the rollout of step k+1 runs while step k trains, so some tokens are one
+    version stale when trained; they keep their sampling version and the gate lets them through
+    (staleness 1 <= max_staleness). A lag beyond max_staleness is refused up front."""
+    import threading
+
+    from workbench.agents import load_agent
+    from workbench.loop import LoopConfig, run
+    from workbench.rollout.actor import sync_weights
+    from workbench.rollout.runner import Rollout
+
+    agent = "workbench/examples/arithmetic_env.py"
+    spec = load_agent(agent)
+    original = load_hf_model(moe_path).state_dict()
+    rollout = Rollout(agent, [vllm_moe], str(moe_path), sampling=SamplingConfig(max_tokens=8))
+    trainer = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(lr=1e-3, micro_batch_size=64,
+                                                                     correction=CorrectionConfig.tis(max_staleness=1)))
+    try:
+        with pytest.raises(ValueError, match="max_staleness=1"):
+            run(rollout, trainer, [vllm_moe], lambda n, s: spec.tasks(n, seed=s), LoopConfig(mode="async", async_lag=2))
+        stop = threading.Event()
+        hist = run(rollout, trainer, [vllm_moe], lambda n, s: spec.tasks(n, seed=100 + s),
+                   LoopConfig(steps=6, prompts_per_step=8, group_size=8, mode="async", async_lag=1), progress=False,
+                   on_step=lambda m: m["step"] == 3 and stop.set(), stop=stop)
+    finally:
+        rollout.shutdown()
+        trainer.shutdown()
+        sync_weights([vllm_moe], original)
+    assert [h["step"] for h in hist] == [0, 1, 2, 3]  # the stop event ended the run after step 3
+    assert all(h["failed_episodes"] == 0 and h["sync_max_abs_diff"] <= 1e-3 for h in hist)
+    # overlap: step k+1's rollout started before step k's training ended
+    assert any(b["rollout_start"] < a["train_end"] for a, b in zip(hist, hist[1:]))
+    stale = [h["staleness_hist"] for h in hist[1:]]
+    assert any(s.get(1, 0) > 0 for s in stale) and all(max(s) <= 1 for s in stale)
+    assert all(h["gate_pass_ratio"] == 1.0 and h["stale_dropped"] == 0 for h in hist)
+    assert hist[0]["kl_k3"] < 1e-6  # step 0 was sampled by exactly the trainer's weights
+    assert any(h["kl_k3"] > 1e-7 for h in hist[1:])  # stale tokens: the k3 statistic sees the version gap

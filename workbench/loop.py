@@ -1,13 +1,22 @@
-"""The RL loop (sync mode): rollout -> training tensors -> advantages -> one trainer step ->
-weight sync with the post-sync check, repeated. Metrics per step go to a list (and the
-caller's callback), so a notebook or a script can plot them.
+"""The RL loop: rollout -> training tensors -> advantages -> one trainer step -> weight sync
+with the post-sync check, repeated. Metrics per step go to a list (and the caller's callback),
+so a notebook or a script can plot them.
 
-Async mode (rollout of step k+1 overlapping training of step k, bounded by max_staleness)
-builds on the same pieces and is not here yet.
+Two modes (LoopConfig.mode):
+- "sync": the rollout of step k starts after step k-1 is trained and synced. Every token is
+  sampled by the weights it is trained against (staleness 0).
+- "async": a producer thread runs the rollout of step k+1 (up to `async_lag` steps ahead)
+  while the trainer trains step k. Weight syncs land mid-episode (engines pause in keep mode),
+  so an episode's tokens can span versions; each token keeps the version it was sampled by,
+  and correction.py weights and gates them per token. Staleness is at most `async_lag`, so the
+  trainer's max_staleness must allow it (checked up front).
 """
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -18,7 +27,9 @@ from .agents import Task
 from .rollout.actor import sync_weights
 from .rollout.engine import probe_ids
 from .tokens import Trajectory, training_tensors
-from .trainer.losses import AdvantageInput, get_advantage
+from .trainer.losses import ADVANTAGES, AdvantageInput, get_advantage
+
+MODES = ("sync", "async")
 
 
 @dataclass
@@ -29,6 +40,17 @@ class LoopConfig:
     advantage: str = "grpo"
     sync_tol: float = 1e-3
     initial_sync: bool = True  # first make the engines serve the trainer's weights
+    mode: str = "sync"
+    async_lag: int = 1  # async: how many steps the rollout may run ahead of training
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"LoopConfig.mode {self.mode!r} unknown; choose one of {MODES}")
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(f"LoopConfig.advantage {self.advantage!r} unknown; registered: {sorted(ADVANTAGES)}")
+        for name in ("steps", "prompts_per_step", "group_size", "async_lag"):
+            if getattr(self, name) < (0 if name == "steps" else 1):
+                raise ValueError(f"LoopConfig.{name} must be positive, got {getattr(self, name)}")
 
 
 def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: int = 0) -> tuple[dict, dict]:
@@ -53,19 +75,35 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     return batch, {"segments": len(segments), "failed_episodes": failed}
 
 
-def run_sync(rollout, trainer, engines: list, task_source: Callable[[int, int], list[Task]], cfg: LoopConfig,
-             on_step: Callable[[dict], None] | None = None, progress: bool = True,
-             checkpoint_dir: str | None = None, checkpoint_every: int = 0) -> list[dict]:
-    """`task_source(n, step)` gives the prompts of each step (so the data position is the step).
-    With `checkpoint_dir`, a checkpoint found there is resumed from (the next step is the one
-    after it: no step is repeated or skipped), and one is written every `checkpoint_every`
-    steps. Returns one metrics dict per step run."""
-    import os
+def sync_engines(trainer, engines: list, tol: float) -> list:
+    """Push the trainer's current weights to every engine under the trainer's version and check
+    each engine's probe against the trainer's own log-probs."""
+    return sync_weights(engines, trainer.state_dict(), version=trainer.version,
+                        expected_probe=trainer.probe(probe_ids(trainer.vocab_size)), tol=tol)
 
+
+def _check_staleness(trainer, cfg: LoopConfig) -> None:
+    max_staleness = trainer.cfg.correction.max_staleness
+    if cfg.mode == "async" and trainer.cfg.correction.enabled and max_staleness is not None and cfg.async_lag > max_staleness:
+        raise ValueError(f"async_lag={cfg.async_lag} lets tokens be {cfg.async_lag} versions stale, but the trainer's "
+                         f"correction gate drops sequences older than max_staleness={max_staleness}: raise max_staleness "
+                         f"or lower async_lag")
+
+
+def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[Task]], cfg: LoopConfig,
+        on_step: Callable[[dict], None] | None = None, progress: bool = True,
+        checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+        stop: threading.Event | None = None, on_groups: Callable[[int, list], None] | None = None) -> list[dict]:
+    """Run the loop in `cfg.mode`. `task_source(n, step)` gives the prompts of each step (so the
+    data position is the step). With `checkpoint_dir`, a checkpoint found there is resumed from
+    (the next step is the one after it: no step is repeated or skipped), and one is written
+    every `checkpoint_every` steps. `stop` (an Event) ends the loop after the current step.
+    `on_groups(step, groups)` sees each step's trajectories. Returns one metrics dict per step."""
     import ray
     from tqdm.auto import tqdm
 
-    history, first = [], 0
+    _check_staleness(trainer, cfg)
+    first = 0
     if checkpoint_dir and os.path.isfile(os.path.join(checkpoint_dir, "run_state.json")):
         first = trainer.restore(checkpoint_dir)["next_step"]
     # one version counter for trainer and engines; it only ever increases
@@ -73,34 +111,96 @@ def run_sync(rollout, trainer, engines: list, task_source: Callable[[int, int], 
     trainer.version = max(engine_version, trainer.version)
     if cfg.initial_sync:  # rollouts must come from the trainer's weights, not whatever the engines hold
         trainer.version += 1
-        sync_weights(engines, trainer.state_dict(), version=trainer.version,
-                     expected_probe=trainer.probe(probe_ids(trainer.vocab_size)), tol=cfg.sync_tol)
-    for step in tqdm(range(first, cfg.steps), desc="RL steps", initial=first, total=cfg.steps, disable=not progress):
-        t0 = time.perf_counter()
-        groups = rollout.run_groups(task_source(cfg.prompts_per_step, step), cfg.group_size, progress=False)
-        t_rollout = time.perf_counter() - t0
-        ran = [t for g in groups for t in g if t.error is None]
-        rewards = [t.reward for t in ran]
-        correct = [bool(t.info["correct"]) for t in ran if "correct" in t.info]
-        batch, info = batch_from_groups(groups, cfg.advantage)
-        t1 = time.perf_counter()
-        stats = trainer.train_step(batch)
-        t_train = time.perf_counter() - t1
-        sd = trainer.state_dict()
-        reports = sync_weights(engines, sd, version=stats["version"], expected_probe=trainer.probe(probe_ids(trainer.vocab_size)),
-                               tol=cfg.sync_tol)
-        corr = stats["correction"]
-        metrics = {
-            "step": step, "version": stats["version"], "reward_mean": sum(rewards) / max(len(rewards), 1),
-            "correct_rate": sum(correct) / len(correct) if correct else None,
-            "episodes": len(rewards), **info, "loss": stats["loss"], "grad_norm": stats["grad_norm"],
-            "gate_pass_ratio": corr["gate_pass_ratio"], "kl_k3": corr["kl_k3"], "max_abs_delta_p": corr["max_abs_delta_p"],
-            "replay_disagree": stats["replay_disagree"], "sync_max_abs_diff": max(r.probe_max_abs_diff for r in reports),
-            "rollout_s": t_rollout, "train_s": t_train, "step_s": time.perf_counter() - t0,
-        }
-        history.append(metrics)
-        if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
-            trainer.save(checkpoint_dir, {"next_step": step + 1})
-        if on_step is not None:
-            on_step(metrics)
+        sync_engines(trainer, engines, cfg.sync_tol)
+
+    stop = stop or threading.Event()
+    trained = threading.Semaphore(cfg.async_lag if cfg.mode == "async" else 0)  # rollouts allowed ahead of training
+    batches: queue.Queue = queue.Queue()
+
+    def produce():
+        for step in range(first, cfg.steps):
+            if step > first or cfg.mode == "sync":
+                while not trained.acquire(timeout=0.5):
+                    if stop.is_set():
+                        return
+            if stop.is_set():
+                return
+            try:
+                t0 = time.time()
+                groups = rollout.run_groups(task_source(cfg.prompts_per_step, step), cfg.group_size, progress=False)
+                batches.put((step, groups, t0, time.time()))
+            except BaseException as e:  # surfaced in the training thread
+                batches.put((step, e, 0.0, 0.0))
+                return
+
+    if cfg.mode == "sync":
+        trained.release()  # the first rollout may start at once
+    producer = threading.Thread(target=produce, name="workbench-rollout", daemon=True)
+    producer.start()
+    history = []
+    try:
+        for step in tqdm(range(first, cfg.steps), desc=f"RL steps ({cfg.mode})", initial=first, total=cfg.steps,
+                         disable=not progress):
+            got_step, groups, r0, r1 = _next_batch(batches, stop, producer)
+            if got_step is None:
+                break
+            if isinstance(groups, BaseException):
+                raise RuntimeError(f"rollout of step {got_step} failed: {groups}") from groups
+            if on_groups is not None:
+                on_groups(step, groups)
+            metrics = _train_on(trainer, engines, groups, cfg, step, r0, r1)
+            trained.release()
+            history.append(metrics)
+            if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
+                trainer.save(checkpoint_dir, {"next_step": step + 1})
+            if on_step is not None:
+                on_step(metrics)
+            if stop.is_set():
+                break
+    finally:
+        stop.set()
+        producer.join(timeout=600)  # an in-flight rollout finishes; its batch is dropped
     return history
+
+
+def _next_batch(batches: queue.Queue, stop: threading.Event, producer: threading.Thread):
+    while True:
+        try:
+            return batches.get(timeout=0.5)
+        except queue.Empty:
+            if stop.is_set() or not producer.is_alive() and batches.empty():
+                return None, None, 0.0, 0.0
+
+
+def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r1: float) -> dict:
+    t1 = time.time()
+    ran = [t for g in groups for t in g if t.error is None]
+    rewards = [t.reward for t in ran]
+    correct = [bool(t.info["correct"]) for t in ran if "correct" in t.info]
+    batch, info = batch_from_groups(groups, cfg.advantage)
+    stats = trainer.train_step(batch)
+    t2 = time.time()
+    reports = sync_engines(trainer, engines, cfg.sync_tol)
+    corr, replay = stats["correction"], stats["replay"]
+    return {
+        "step": step, "version": stats["version"], "mode": cfg.mode,
+        "reward_mean": sum(rewards) / max(len(rewards), 1),
+        "correct_rate": sum(correct) / len(correct) if correct else None,
+        "episodes": len(rewards), **info, "loss": stats["loss"], "grad_norm": stats["grad_norm"],
+        "gate_pass_ratio": corr["gate_pass_ratio"], "stale_dropped": corr["stale_dropped"], "band_dropped": corr["band_dropped"],
+        "kl_k1": corr["kl_k1"], "kl_k3": corr["kl_k3"], "max_abs_delta_p": corr["max_abs_delta_p"],
+        "staleness_hist": corr["staleness_hist"], "tokens_per_version": corr["tokens_per_version"],
+        "is_weight_hist": corr["is_weight_hist"],
+        "replay_disagree_rate": replay["disagree_rate"], "replay_disagree_per_layer": replay["disagree_rate_per_layer"],
+        "replay_fallback": sum(replay["fallback"]), "kl_k3_live": stats["kl_k3_live"],
+        "sync_max_abs_diff": max(r.probe_max_abs_diff for r in reports),
+        "rollout_s": r1 - r0, "train_s": t2 - t1, "sync_s": time.time() - t2, "step_s": time.time() - min(r0, t1),
+        "rollout_start": r0, "rollout_end": r1, "train_start": t1, "train_end": t2,
+    }
+
+
+def run_sync(rollout, trainer, engines: list, task_source, cfg: LoopConfig, **kwargs) -> list[dict]:
+    """`run` in sync mode (kept for callers that name the mode in the call)."""
+    if cfg.mode != "sync":
+        raise ValueError(f"run_sync got a LoopConfig with mode={cfg.mode!r}; call run()")
+    return run(rollout, trainer, engines, task_source, cfg, **kwargs)

@@ -109,13 +109,22 @@ class ReplayStats:
         return sum(self.disagree) / n if n else 0.0
 
 
+def _in_backward() -> bool:
+    # autograd's current graph task is -1 outside a backward pass (torch.utils.checkpoint
+    # uses the same test to tell a recompute from a forward)
+    return torch._C._current_graph_task_id() != -1
+
+
 @contextmanager
-def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None):
+def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: bool = True):
     """Within this context, every forward of `model` routes with the recorded `experts`.
 
     `experts`: [B, S, layers, top_k] or [S, layers, top_k] matching the next forward's
     input_ids. Yields a ReplayStats filled in as forwards run. With `experts=None` nothing is
-    replayed (live routing) and nothing is counted.
+    replayed (live routing) and nothing is counted. `apply=False` observes only: live routing
+    runs, and the statistics count where it disagrees with `experts` (what replay would have
+    changed). With activation checkpointing, run the
+    backward inside the context too: its recompute forwards must replay the same experts.
     """
     routers = moe_routers(model)
     stats = ReplayStats([0] * len(routers), [0] * len(routers), [0] * len(routers))
@@ -142,10 +151,16 @@ def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None):
             rec = flat[:, layer, :].to(live_ids.device)
             captured = (rec >= 0).all(dim=-1)
             ids = torch.where(captured[:, None], rec, live_ids)
-            stats.replayed[layer] += int(captured.sum())
-            stats.fallback[layer] += int((~captured).sum())
-            differs = (live_ids.sort(-1).values != ids.sort(-1).values).any(-1) & captured
-            stats.disagree[layer] += int(differs.sum())
+            # Activation checkpointing re-runs this forward inside backward: the replay must
+            # apply there too (hence the context must stay open across backward), but the
+            # positions are counted once, on the real forward.
+            if not _in_backward():
+                stats.replayed[layer] += int(captured.sum())
+                stats.fallback[layer] += int((~captured).sum())
+                differs = (live_ids.sort(-1).values != ids.sort(-1).values).any(-1) & captured
+                stats.disagree[layer] += int(differs.sum())
+            if not apply:
+                return None  # keep the router's own output
             return logits, _gate_weights(module, logits, ids), ids.to(live_ids.dtype)
 
         return hook

@@ -23,7 +23,7 @@ import torch
 
 from ..correction import CorrectionConfig, correction_weights, merge_stats
 from ..replay import routing_replay
-from .losses import aggregate, get_surrogate
+from .losses import get_surrogate
 
 @dataclass
 class TrainerConfig:
@@ -37,24 +37,76 @@ class TrainerConfig:
     aggregation: str = "token_mean"
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     routing_replay: bool = True  # MoE: replay the rollout's expert ids when the batch has them
-    dtype: str = "float32"  # "bfloat16" on GPU
+    # MoE with recorded experts: one more no-grad forward per step with live routing, to report
+    # the train-vs-rollout KL without replay next to the one with it (what replay buys)
+    measure_live_routing: bool = True
+    activation_checkpointing: bool = False  # recompute layer activations in backward (replay holds there)
+    dtype: str = "float32"  # the parameters' dtype (the FSDP shards and the optimizer state)
+    # FSDP2 mixed precision: compute in this dtype ("bfloat16" on GPU), reduce gradients in fp32,
+    # keep fp32 master weights. None: compute in `dtype`.
+    mixed_precision: str | None = None
     seed: int = 0
 
+    def __post_init__(self):
+        for name in ("dtype", "mixed_precision"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(getattr(torch, str(v), None), torch.dtype):
+                raise ValueError(f"TrainerConfig.{name}={v!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"TrainerConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.aggregation not in ("token_mean", "seq_mean_token_mean", "constant"):
+            raise ValueError(f"TrainerConfig.aggregation {self.aggregation!r} unknown: token_mean, seq_mean_token_mean or constant")
+        get_surrogate(self.surrogate)  # unknown names fail here, not on the first step
 
-def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None):
-    """Per-token log-probs of `input_ids` under `model` ([B, T], column 0 = 0), with routing
-    replay when `experts` ([B, T, layers, k]) is given. Returns (logprobs, ReplayStats)."""
-    with routing_replay(model, experts) as stats:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(input_ids[:, i] | < i) from a forward's logits, [B, T], column 0 = 0."""
     lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     picked = lp.gather(-1, input_ids[:, 1:, None])[..., 0]
-    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1), stats
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None, apply_replay: bool = True):
+    """Per-token log-probs of `input_ids` under `model` ([B, T], column 0 = 0), with routing
+    replay when `experts` ([B, T, layers, k]) is given. Returns (logprobs, ReplayStats).
+    `apply_replay=False` routes live but still counts where live routing disagrees with `experts`."""
+    with routing_replay(model, experts, apply=apply_replay) as stats:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    return sampled_logprobs(logits, input_ids, temperature), stats
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _add_replay(acc: dict | None, st) -> dict:
+    """Sum ReplayStats over micro-batches, per layer."""
+    d = {"replayed": list(st.replayed), "fallback": list(st.fallback), "disagree": list(st.disagree)}
+    if acc is None:
+        return d
+    return {k: [a + b for a, b in zip(acc[k], d[k])] for k in d}
+
+
+def replay_summary(parts: list[dict | None]) -> dict:
+    """Replay statistics summed over ranks: per-layer replayed / fallback / disagree counts,
+    the overall disagreement rate (live top-k differs from the recorded one) and per layer."""
+    parts = [p for p in parts if p is not None]
+    if not parts or not parts[0]["replayed"]:
+        return {"replayed": [], "fallback": [], "disagree": [], "disagree_rate": 0.0, "disagree_rate_per_layer": []}
+    acc = {k: [sum(col) for col in zip(*(p[k] for p in parts))] for k in ("replayed", "fallback", "disagree")}
+    acc["disagree_rate"] = sum(acc["disagree"]) / max(sum(acc["replayed"]), 1)
+    acc["disagree_rate_per_layer"] = [d / max(r, 1) for d, r in zip(acc["disagree"], acc["replayed"])]
+    return acc
+
+
+def _kl_k3(trainer_lp, behaviour_lp, loss_mask) -> dict:
+    """k3 KL estimate between behaviour and trainer log-probs over trainable tokens (sum and
+    count, so ranks can be merged)."""
+    m = loss_mask.bool()
+    lr = (trainer_lp - behaviour_lp).float()[m]
+    return {"sum": float((lr.exp() - 1 - lr).sum()), "tokens": int(m.sum())}
 
 
 class TrainerWorker:
@@ -78,9 +130,19 @@ class TrainerWorker:
             backend = "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
         self.model = load_hf_model(model_path, dtype=getattr(torch, cfg.dtype)).to(self.device)
+        if cfg.activation_checkpointing:
+            # non-reentrant: the recompute runs inside backward, where routing_replay's hooks
+            # still apply because train_step keeps the replay context open across backward
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        shard_kwargs = {}
+        if cfg.mixed_precision:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            shard_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.mixed_precision),
+                                                             reduce_dtype=torch.float32)
         for layer in self.model.model.layers:
-            fully_shard(layer)
-        fully_shard(self.model)
+            fully_shard(layer, **shard_kwargs)
+        fully_shard(self.model, **shard_kwargs)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def ready(self) -> int:
@@ -95,46 +157,78 @@ class TrainerWorker:
             yield {k: (v[s: s + self.cfg.micro_batch_size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
     def _experts(self, mb):
-        return mb.get("routed_experts") if self.cfg.routing_replay else None
+        return mb.get("routed_experts")
 
-    def logprobs(self, batch: dict) -> torch.Tensor:
-        """Log-probs of this rank's rows (no grad), on CPU."""
+    def logprobs(self, batch: dict, replay: bool | None = None) -> tuple[torch.Tensor, dict]:
+        """Log-probs of this rank's rows (no grad), on CPU, and the replay statistics (summed
+        ReplayStats fields, per MoE layer). `replay`: None follows the config."""
         batch = self._to(batch)
-        out = []
+        replay = self.cfg.routing_replay if replay is None else replay
+        out, stats = [], None
         self.model.eval()
         with torch.no_grad():
             for mb in self._micro(batch):
-                lp, _ = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature, self._experts(mb))
+                lp, st = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
+                                        self._experts(mb), apply_replay=replay)
                 out.append(lp.cpu())
-        return torch.cat(out)
+                stats = _add_replay(stats, st)
+        return torch.cat(out), stats
 
-    def train_step(self, batch: dict, trainer_version: int, global_tokens: int) -> dict:
+    def train_step(self, batch: dict, trainer_version: int, global_tokens: int, report: bool = False) -> dict:
         """One optimizer step on this rank's rows. `global_tokens`: trainable tokens over all
-        ranks, so that a token_mean loss is the same whatever the split."""
+        ranks, so that a token_mean loss is the same whatever the split. `report`: also return
+        per-token tensors of this step (for the token-journey view)."""
         batch = self._to(batch)
-        old = self.logprobs(batch).to(self.device)
+        old, old_replay = self.logprobs(batch)
+        old = old.to(self.device)
         corr = correction_weights(old, batch["behaviour_logprobs"], batch["loss_mask"], batch["versions"],
                                   trainer_version, self.cfg.correction)
         batch["old_logprobs"], batch["weights"] = old, corr.weights.to(self.device)
+        live = None
+        if self.cfg.routing_replay and self.cfg.measure_live_routing and batch.get("routed_experts") is not None:
+            live = _kl_k3(self.logprobs(batch, replay=False)[0].to(self.device), batch["behaviour_logprobs"], batch["loss_mask"])
         surrogate = get_surrogate(self.cfg.surrogate)
         self.model.train()
-        total, disagree, replayed = 0.0, 0, 0
+        total, contributions = 0.0, []
         for mb in self._micro(batch):
-            lp, rstats = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature, self._experts(mb))
-            tl = surrogate(lp, mb["old_logprobs"], mb["advantages"], mb["weights"], mb["loss_mask"].float(), **self.cfg.surrogate_kwargs)
-            if self.cfg.aggregation == "token_mean":  # sum / global tokens; FSDP averages grads over ranks
-                loss = tl.sum() * self.world_size / max(global_tokens, 1)
-            else:
-                loss = aggregate(tl, mb["loss_mask"], self.cfg.aggregation) * mb["input_ids"].shape[0] / batch["input_ids"].shape[0]
-            loss.backward()
+            # the replay context spans backward: activation-checkpoint recompute must replay too
+            with routing_replay(self.model, self._experts(mb), apply=self.cfg.routing_replay):
+                logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+                lp = sampled_logprobs(logits, mb["input_ids"], self.cfg.temperature)
+                tl = surrogate(lp, mb["old_logprobs"], mb["advantages"], mb["weights"], mb["loss_mask"].float(),
+                               **self.cfg.surrogate_kwargs)
+                scale = self._token_scale(mb, batch, global_tokens)  # per token: d loss / d token loss
+                loss = (tl * scale).sum()
+                loss.backward()
             total += float(loss)
-            disagree, replayed = disagree + sum(rstats.disagree), replayed + sum(rstats.replayed)
+            if report:
+                contributions.append((tl * scale).detach().cpu())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": total, "grad_norm": float(grad_norm), "correction": corr.stats,
-                "replay_disagree": disagree, "replay_positions": replayed}
+        out = {"loss": total, "grad_norm": float(grad_norm), "correction": corr.stats, "replay": old_replay,
+               "kl_k3_live": live}
+        if report:
+            out["report"] = {"input_ids": batch["input_ids"].cpu(), "loss_mask": batch["loss_mask"].cpu(),
+                             "behaviour_logprobs": batch["behaviour_logprobs"].cpu(), "versions": batch["versions"].cpu(),
+                             "trainer_logprobs": old.cpu(), "is_weight": corr.weights.cpu(),
+                             "gate_keep": corr.keep[:, None].expand_as(batch["loss_mask"]).cpu() & batch["loss_mask"].bool().cpu(),
+                             "advantages": batch["advantages"].cpu(), "loss_contribution": torch.cat(contributions)}
+            if batch.get("routed_experts") is not None:
+                out["report"]["routed_experts"] = batch["routed_experts"].cpu()
+        return out
+
+    def _token_scale(self, mb: dict, batch: dict, global_tokens: int):
+        """Each token loss's factor in this rank's loss, per aggregation. FSDP averages gradients
+        over ranks, hence the world_size factor for the token mean over all ranks' tokens."""
+        m = mb["loss_mask"].float()
+        if self.cfg.aggregation == "token_mean":
+            return m * self.world_size / max(global_tokens, 1)
+        rows = mb["input_ids"].shape[0] / batch["input_ids"].shape[0]
+        if self.cfg.aggregation == "seq_mean_token_mean":
+            return m / m.sum(-1, keepdim=True).clamp(min=1) / m.shape[0] * rows
+        return m / (m.shape[0] * m.shape[1]) * rows  # constant
 
     def probe(self, ids: list[int]) -> list[float]:
         """log p(ids[i+1] | ids[:i+1]) at temperature 1, live routing: what a synced engine's
@@ -214,23 +308,35 @@ class Trainer:
             padded[k] = torch.cat([v, pad])
         return [{k: v[r * per: (r + 1) * per] for k, v in padded.items()} for r in range(w)]
 
-    def logprobs(self, batch: dict) -> torch.Tensor:
+    def logprobs(self, batch: dict, replay: bool | None = None, with_stats: bool = False):
+        """Trainer log-probs of every row ([B, T]). `replay`: None follows the config; False routes
+        live. `with_stats`: also return the replay statistics (per MoE layer; see replay_summary)."""
         import ray
 
         n = batch["input_ids"].shape[0]
-        return torch.cat(ray.get([wk.logprobs.remote(part) for wk, part in zip(self.workers, self._split(batch))]))[:n]
+        outs = ray.get([wk.logprobs.remote(part, replay) for wk, part in zip(self.workers, self._split(batch))])
+        lp = torch.cat([o[0] for o in outs])[:n]
+        return (lp, replay_summary([o[1] for o in outs])) if with_stats else lp
 
-    def train_step(self, batch: dict) -> dict:
+    def train_step(self, batch: dict, report: bool = False) -> dict:
+        """One optimizer step on `batch` (see tokens.training_tensors, plus "advantages").
+        Returns the step's statistics; with `report`, also per-token tensors of every row
+        (trainer log-prob, IS weight, gate decision, advantage, loss contribution, ...)."""
         import ray
 
         tokens = int(batch["loss_mask"].sum())
         parts = self._split(batch)
-        stats = ray.get([wk.train_step.remote(p, self.version, tokens) for wk, p in zip(self.workers, parts)])
+        stats = ray.get([wk.train_step.remote(p, self.version, tokens, report) for wk, p in zip(self.workers, parts)])
         self.version += 1
-        return {"version": self.version, "loss": sum(s["loss"] for s in stats), "grad_norm": stats[0]["grad_norm"],
-                "replay_disagree": sum(s["replay_disagree"] for s in stats),
-                "replay_positions": sum(s["replay_positions"] for s in stats),
-                "correction": merge_stats([s["correction"] for s in stats])}
+        out = {"version": self.version, "loss": sum(s["loss"] for s in stats), "grad_norm": stats[0]["grad_norm"],
+               "correction": merge_stats([s["correction"] for s in stats]),
+               "replay": replay_summary([s["replay"] for s in stats])}
+        lives = [s["kl_k3_live"] for s in stats if s["kl_k3_live"] is not None]
+        out["kl_k3_live"] = sum(x["sum"] for x in lives) / max(sum(x["tokens"] for x in lives), 1) if lives else None
+        if report:
+            n = batch["input_ids"].shape[0]
+            out["report"] = {k: torch.cat([s["report"][k] for s in stats])[:n] for k in stats[0]["report"]}
+        return out
 
     def probe(self, ids: list[int]) -> list[float]:
         import ray
