@@ -1,7 +1,7 @@
 # The two commands of README.md. Each first installs what is missing into .venv (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo test bench bench-loopback bench-rollout clean-cache
+.PHONY: setup demo test bench bench-loopback bench-rollout clean-cache kernels lab
 
 setup:
 	@bash scripts/setup.sh
@@ -25,3 +25,16 @@ bench-rollout: setup
 
 clean-cache:
 	rm -rf $${WORKBENCH_CACHE:-$$HOME/.cache/workbench}/toy
+
+# Jupyter kernelspecs in .venv: workbench-local, and workbench-cluster with RAY_ADDRESS in its
+# env (make kernels RAY_ADDRESS=ray://head:10001). See kernels_config/README.md.
+RAY_ADDRESS ?= ray://127.0.0.1:10001
+kernels: setup
+	$(PY) -m workbench.kernels --sys-prefix --ray-address $(RAY_ADDRESS)
+
+# JupyterLab on 127.0.0.1:$(LAB_PORT), notebooks/ as root, no browser (open the printed URL).
+# RAY_ADDRESS is removed from the server's env so that the local kernel stays local.
+LAB_PORT ?= 8888
+lab: kernels
+	env -u RAY_ADDRESS $(PY) -m jupyterlab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
+		--ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)

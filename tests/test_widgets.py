@@ -1,0 +1,247 @@
+"""The notebook widgets, headless: ipywidgets run outside a kernel on a dummy comm, so these
+check the logic each widget shows (spans, drift marks, trace data, journey values) without a
+browser, Ray or an engine. Segments and trajectories are built by hand."""
+
+import numpy as np
+import pytest
+import torch
+
+from workbench.tokens import ChatFormat, Segment, Trajectory
+from workbench.widgets import (
+    GateMonitor,
+    ReplayMonitor,
+    RolloutStepper,
+    SegmentInspector,
+    TokenJourney,
+    callback,
+    drift_positions,
+    journey,
+    spans_html,
+    token_spans,
+)
+
+SYS = {"role": "system", "content": "You are a careful assistant."}
+USER = {"role": "user", "content": "What is 6+6?"}
+
+
+def seg(ids, mask, lps=None, versions=None, seal="episode_end", experts=None, messages=()):
+    n = len(ids)
+    return Segment(list(ids), list(mask), list(lps or [0.0] * n), list(versions or [-1] * n), experts,
+                   list(messages), seal)
+
+
+def tokens(spans):
+    return [s for s in spans if s["kind"] == "token"]
+
+
+# ------------------------------------------------------------------ rollout stepper
+def test_stepper_keeps_and_shows_episodes_and_groups():
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 6, "b": 6}'}}]}
+    msgs = [SYS, USER, call, {"role": "tool", "content": "12"}, {"role": "assistant", "content": "It is 12."}]
+    one = Trajectory([seg([1, 2], [0, 1], seal="history_rewritten"), seg([3, 4], [0, 1], messages=msgs)], reward=1.0,
+                     group_id="g0", episode_id="e0")
+    group = [Trajectory([seg([5], [1], messages=[USER])], reward=0.25, group_id="g1", episode_id="e1"),
+             Trajectory([], reward=0.0, group_id="g1", episode_id="e2", error="TimeoutError: episode took 30 s")]
+    st = RolloutStepper(lambda: one, lambda: group)
+    assert st.episode() is one and st.trajectories == [one]
+    v = st.view.value
+    # the last segment's messages are the conversation: roles, contents, the tool call with its arguments
+    for text in ("system", "What is 6+6?", "add", "{&quot;a&quot;: 6, &quot;b&quot;: 6}", "tool", "It is 12.", "history_rewritten"):
+        assert text in v, text
+    assert "reward <b>1</b>" in v and "episode e0" in v
+    st.buttons[1].click()  # the button calls .group()
+    assert st.trajectories == [one, *group]
+    assert "episode e2" in st.view.value and "TimeoutError: episode took 30 s" in st.view.value
+    assert "episode e0" not in st.view.value  # the view shows the last step
+    assert "1 failed" in st.status.value
+
+
+def test_stepper_button_shows_a_failing_step():
+    def boom():
+        raise RuntimeError("no engine")
+
+    st = RolloutStepper(boom, boom)
+    st.buttons[0].click()
+    assert "RuntimeError: no engine" in st.status.value and st.trajectories == []
+    assert not st.buttons[0].disabled
+    with pytest.raises(RuntimeError):  # called directly, the error reaches the caller
+        st.episode()
+
+
+# ------------------------------------------------------------------ segment inspector
+def test_spans_colour_by_mask_logprob_version_and_experts():
+    ex = np.array([[[-1, -1], [-1, -1]], [[0, 1], [2, 3]], [[5, 1], [2, 3]]], dtype=np.int16)
+    s = seg([7, 8, 9], [0, 1, 1], [0.0, -0.25, -4.5], [-1, 3, 4], experts=ex)
+    by_mask = tokens(token_spans(s, "loss_mask"))
+    assert by_mask[0]["color"] != by_mask[1]["color"] == by_mask[2]["color"]
+    by_lp = tokens(token_spans(s, "logprob"))
+    assert len({t["color"] for t in by_lp}) == 3  # grey prompt, two different log-probs
+    assert "logprob -0.2500" in by_lp[1]["title"] and "version 3" in by_lp[1]["title"] and "id 8" in by_lp[1]["title"]
+    by_v = tokens(token_spans(s, "version"))
+    assert by_v[1]["color"] != by_v[2]["color"]
+    l0, l1 = tokens(token_spans(s, "experts", layer=0)), tokens(token_spans(s, "experts", layer=1))
+    assert l0[1]["experts"] == [0, 1] and l0[2]["experts"] == [5, 1] and l0[1]["color"] != l0[2]["color"]
+    assert l1[1]["experts"] == l1[2]["experts"] == [2, 3] and l1[1]["color"] == l1[2]["color"]
+    assert "L0[0, 1] L1[2, 3]" in l0[1]["title"] and "not captured" in l0[0]["title"]
+    with pytest.raises(ValueError, match="color_by"):
+        token_spans(s, "entropy")
+
+
+def test_seal_markers_with_reasons_between_segments():
+    t = Trajectory([seg([1, 2], [0, 1], seal="history_rewritten"), seg([3], [1], seal="episode_end")])
+    spans = token_spans(t)
+    assert [(s["kind"], s.get("reason")) for s in spans] == [
+        ("token", None), ("token", None), ("seal", "history_rewritten"), ("token", None), ("seal", "episode_end")]
+    html = spans_html(spans)
+    assert html.index("sealed: history_rewritten") < html.index(">3 <") < html.index("sealed: episode_end")
+    assert "context compaction" in html  # the reason's explanation is the marker's hover
+
+
+@pytest.fixture(scope="module")
+def fmt(moe_path):
+    from workbench.toy.models import load_tokenizer
+
+    return ChatFormat(load_tokenizer(moe_path))
+
+
+def sampled_reply(fmt, digits_one_by_one: bool):
+    """A one-turn segment whose reply "12" was sampled digit by digit (drift) or canonically."""
+    prompt = fmt.encode(fmt.render([SYS, USER], None, True))
+    reply = [fmt.tokenizer.convert_tokens_to_ids(c) for c in "12"] if digits_one_by_one else fmt.encode("12")
+    s = Segment(messages=[SYS, USER, {"role": "assistant", "content": "12"}], seal_reason="episode_end")
+    s.append(prompt, trainable=False)
+    s.append(reply + [fmt.end_of_turn_id], trainable=True, logprobs=[-0.1] * (len(reply) + 1), versions=[0] * (len(reply) + 1))
+    s.stats["retokenization_drift"] = 2 if digits_one_by_one else 0
+    return s, len(prompt)
+
+
+def test_drift_positions_marked_where_ids_do_not_round_trip(fmt):
+    s, p = sampled_reply(fmt, digits_one_by_one=True)
+    assert drift_positions(s, fmt) == [p, p + 1]  # "1","2" where the template text gives "12"
+    spans = tokens(token_spans(s, tokenizer=fmt.tokenizer))  # a plain HF tokenizer works too
+    assert [t["index"] for t in spans if t["drift"]] == [p, p + 1]
+    assert spans[p]["text"] == "1" and "retokenization drift" in spans[p]["title"]
+    assert spans_html(spans).count("outline:2px solid") == 2
+    clean, _ = sampled_reply(fmt, digits_one_by_one=False)
+    assert drift_positions(clean, fmt) == []
+    ins = SegmentInspector(s, tokenizer=fmt)
+    assert f"[{p}, {p + 1}]" in ins.summary.value and "outline:2px solid" in ins.tokens.value
+
+
+def test_inspector_without_tokenizer_shows_recorded_drift_and_switches_colour():
+    s = seg([5, 6, 7], [0, 1, 1], [0.0, -0.1, -3.0], [-1, 0, 1])
+    s.stats = {"retokenization_drift": 4}
+    ins = SegmentInspector(Trajectory([s]))
+    assert "retokenization drift (recorded): 4" in ins.summary.value and "give a tokenizer" in ins.summary.value
+    assert not any(t["drift"] for t in tokens(ins.spans))
+    before = ins.tokens.value
+    assert tokens(ins.spans)[1]["color"] == tokens(ins.spans)[2]["color"]  # both sampled
+    ins.color_by.value = "logprob"  # the dropdown redraws
+    assert tokens(ins.spans)[1]["color"] != tokens(ins.spans)[2]["color"] and ins.tokens.value != before
+    assert "log-prob" in ins.summary.value
+
+
+# ------------------------------------------------------------------ monitors
+HISTORY = [
+    {"step": 0, "gate_pass_ratio": 1.0, "kl_k1": 0.01, "kl_k3": 0.02, "max_abs_delta_p": 0.1,
+     "replay_disagree_rate": 0.0, "kl_k3_live": 0.05},
+    {"step": 1, "gate_pass_ratio": 0.75, "kl_k3": 0.03, "max_abs_delta_p": 0.2, "replay_disagree_rate": 0.125},
+    {"step": 2, "gate_pass_ratio": 0.5, "kl_k1": 0.02, "kl_k3": 0.04, "max_abs_delta_p": 0.3, "replay_disagree_rate": 0.25,
+     "kl_k3_live": 0.5, "staleness_hist": {"1": 10, "0": 30}, "tokens_per_version": {3: 10, 4: 30},
+     "replay_disagree_per_layer": [0.5, 0.0, 0.25], "is_weight_hist": {"edges": [0.0, 1.0, 2.0], "counts": [3, 4]}},
+]
+
+
+def test_gate_monitor_traces_equal_the_history():
+    mon = GateMonitor()
+    mon.update(HISTORY)
+    for key in ("gate_pass_ratio", "kl_k3", "max_abs_delta_p"):
+        assert list(mon.trace(key).x) == [0, 1, 2] and list(mon.trace(key).y) == [m[key] for m in HISTORY]
+    assert list(mon.trace("kl_k1").y) == [0.01, None, 0.02]  # a missing value is a gap
+    assert list(mon.trace("staleness_hist").x) == [0, 1] and list(mon.trace("staleness_hist").y) == [30, 10]
+    assert list(mon.trace("tokens_per_version").x) == [3, 4] and list(mon.trace("tokens_per_version").y) == [10, 30]
+    assert list(mon.trace("is_weight_hist").y) == [3, 4]
+    mon.update([{"step": 0, "loss": 1.0}])  # an older history without these keys
+    assert list(mon.trace("kl_k3").y) == [None] and list(mon.trace("staleness_hist").y) == []
+
+
+def test_replay_monitor_tolerates_missing_keys_and_writes_html(tmp_path):
+    mon = ReplayMonitor(HISTORY[:2])
+    assert list(mon.trace("replay_disagree_rate").y) == [0.0, 0.125]
+    assert list(mon.trace("kl_k3_live").y) == [0.05, None] and list(mon.trace("replay_disagree_per_layer").y) == []
+    mon.on_step(HISTORY[2])
+    assert mon.history == HISTORY and list(mon.trace("kl_k3").y) == [0.02, 0.03, 0.04]
+    assert list(mon.trace("replay_disagree_per_layer").x) == [0, 1, 2]
+    assert list(mon.trace("replay_disagree_per_layer").y) == [0.5, 0.0, 0.25]
+    page = mon.write_html(tmp_path / "out" / "replay.html").read_text()
+    assert "replay_disagree_rate" in page and "0.125" in page
+    assert len(page) > 1_000_000  # plotly.js inlined: opens offline
+
+
+def test_callback_feeds_every_monitor():
+    gate, replay = GateMonitor(), ReplayMonitor()
+    on_step = callback(gate, replay)
+    for m in HISTORY:
+        on_step(m)
+    assert gate.history == replay.history == HISTORY
+    assert list(gate.trace("gate_pass_ratio").y) == [1.0, 0.75, 0.5]
+    assert list(replay.trace("replay_disagree_rate").y) == [0.0, 0.125, 0.25]
+
+
+# ------------------------------------------------------------------ token journey
+def report():
+    return {
+        "input_ids": torch.tensor([[11, 12, 13, 14], [21, 22, 23, 0]]),
+        "loss_mask": torch.tensor([[0, 0, 1, 1], [0, 1, 1, 0]], dtype=torch.float32),
+        "behaviour_logprobs": torch.tensor([[0.0, 0.0, -0.5, -1.0], [0.0, -0.2, -0.3, 0.0]]),
+        "versions": torch.tensor([[-1, -1, 3, 4], [-1, 2, 2, -1]]),
+        "trainer_logprobs": torch.tensor([[-9.0, -9.0, -0.6, -1.0], [-9.0, -0.2, -0.4, -9.0]]),
+        "is_weight": torch.tensor([[0.0, 0.0, 0.905, 1.0], [0.0, 1.0, 0.0, 0.0]]),
+        "gate_keep": torch.tensor([[False, False, True, True], [False, True, False, False]]),
+        "advantages": torch.tensor([[0.0, 0.0, 0.7, 0.7], [0.0, -0.7, -0.7, 0.0]]),
+        "loss_contribution": torch.tensor([[0.0, 0.0, -0.01, -0.02], [0.0, 0.03, 0.0, 0.0]]),
+        "routed_experts": torch.arange(2 * 4 * 2 * 2).reshape(2, 4, 2, 2),
+    }
+
+
+def test_journey_values_equal_the_report():
+    r = report()
+    j = journey(r, 0, 2)
+    assert j["token_id"] == 13 and j["version"] == 3 and j["gate_keep"] is True
+    for name, key in (("behaviour_logprob", "behaviour_logprobs"), ("trainer_logprob", "trainer_logprobs"),
+                      ("is_weight", "is_weight"), ("advantage", "advantages"), ("loss_contribution", "loss_contribution")):
+        assert j[name] == pytest.approx(float(r[key][0, 2])), name
+    assert j["experts"] == r["routed_experts"][0, 2].tolist()
+    assert j["ratio"] == pytest.approx(np.exp(-0.1), rel=1e-5)
+    assert journey(r, 1, 2)["gate_keep"] is False
+    r["gate_keep"] = torch.tensor([True, False])  # the gate decides per sequence: [B] works too
+    r["advantages"] = [0.5, -0.5]
+    assert journey(r, 1, 1)["gate_keep"] is False and journey(r, 1, 1)["advantage"] == -0.5
+
+
+def test_journey_refuses_prompt_tokens_out_of_range_and_missing_columns():
+    r = report()
+    with pytest.raises(ValueError, match=r"\(0, 1\) has loss_mask 0"):
+        journey(r, 0, 1)
+    with pytest.raises(IndexError, match=r"\[B, T\] = \[2, 4\]"):
+        journey(r, 0, 4)
+    with pytest.raises(IndexError):
+        journey(r, -1, 2)
+    del r["is_weight"]
+    with pytest.raises(KeyError, match="is_weight"):
+        journey(r, 0, 2)
+
+
+def test_token_journey_widget(fmt):
+    tj = TokenJourney(report(), 1, 1, tokenizer=fmt)
+    assert tj.values["token_id"] == 22 and tj.values["text"] == fmt.decode([22])
+    assert "-0.2" in tj.table.value and "policy version that sampled it" in tj.table.value
+    tj.col.value = 0  # a prompt token: the widget says why instead of failing
+    assert "loss_mask 0" in tj.table.value and tj.values["token_id"] == 22
+    tj.col.value = 2
+    assert tj.values["token_id"] == 23
+    tj.show(0, 3)  # from code: the row/col boxes follow
+    assert (tj.row.value, tj.col.value, tj.values["token_id"]) == (0, 3, 14)
+    with pytest.raises(ValueError):
+        TokenJourney(report(), 0, 0)

@@ -1,0 +1,367 @@
+"""Notebook widgets: rollout stepper, segment inspector, gate and replay monitors, token journey.
+
+Every widget takes plain data or plain callables, never a session object, so the session API
+wires them up and tests drive them headless (ipywidgets run outside a kernel on a dummy comm).
+What a widget shows is computed by a pure function (`trajectory_html`, `token_spans`,
+`drift_positions`, `journey`) or kept in plain attributes (`.trajectories`, `.spans`,
+`.history`, the figures' trace data), so tests assert on the logic, not on pixels.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import threading
+from html import escape
+from pathlib import Path
+from typing import Callable
+
+import ipywidgets as W
+
+from .tokens import SEAL_REASONS, ChatFormat, Segment, Trajectory, canonical_message
+
+GREY = "#e6e6e6"
+PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462",
+           "#b3de69", "#fccde5", "#bc80bd", "#ccebc5", "#ffed6f", "#a6cee3")
+COLOR_BY = ("loss_mask", "logprob", "version", "experts")
+LEGEND = {
+    "loss_mask": "green: sampled by the policy (trained on); grey: prompt, template and tool tokens",
+    "logprob": "sampled tokens from green (log-prob 0) to red (log-prob <= -5); grey: not sampled",
+    "version": "one colour per policy version that sampled the token; grey: not sampled",
+    "experts": "colour of the first routed expert at the chosen MoE layer; grey: not captured",
+}
+ROLE_COLOR = {"system": "#777", "user": "#1f6feb", "assistant": "#1a7f37", "tool": "#9a6700"}
+
+
+def _fmt(tokenizer) -> ChatFormat | None:
+    """A ChatFormat from a ChatFormat or a fast HF tokenizer (None stays None)."""
+    return tokenizer if tokenizer is None or isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
+
+
+def _segments(obj) -> list[Segment]:
+    return obj.segments if isinstance(obj, Trajectory) else [obj]
+
+
+# ------------------------------------------------------------------ rollout stepper
+def trajectory_html(t: Trajectory) -> str:
+    """One trajectory as HTML: header (ids, reward, seals, error) and its conversation. The last
+    segment's messages are the whole conversation (earlier segments were sealed off it)."""
+    seals = ", ".join(s.seal_reason or "open" for s in t.segments)
+    sampled = sum(sum(s.loss_mask) for s in t.segments)
+    out = [f"<div style='border-left:3px solid #ccc;padding-left:6px;margin:6px 0'><b>episode {escape(t.episode_id)}</b> "
+           f"group {escape(t.group_id)} · reward <b>{t.reward:.4g}</b> · {len(t.segments)} segment(s) ({escape(seals)}) "
+           f"· {sampled} sampled tokens"]
+    if t.error:
+        out.append(f"<pre style='color:#c00;white-space:pre-wrap'>error: {escape(t.error)}</pre>")
+    for m in (t.segments[-1].messages if t.segments else []):
+        m = canonical_message(m)
+        calls = "".join(f"<div>&rarr; tool call <code>{escape(tc['function']['name'])}"
+                        f"({escape(json.dumps(tc['function']['arguments']))})</code></div>" for tc in m.get("tool_calls", []))
+        out.append(f"<div style='margin:2px 0 2px 8px'><b style='color:{ROLE_COLOR.get(m['role'], '#000')}'>{escape(m['role'])}</b> "
+                   f"<span style='white-space:pre-wrap'>{escape(m['content'])}</span>{calls}</div>")
+    return "".join(out) + "</div>"
+
+
+class RolloutStepper(W.VBox):
+    """Buttons "one episode" / "one group". `.trajectories` keeps everything stepped; the view
+    shows the last step. `.episode()` / `.group()` are what the buttons call."""
+
+    def __init__(self, step_episode: Callable[[], Trajectory], step_group: Callable[[], list[Trajectory]]):
+        super().__init__()
+        self._step_episode, self._step_group = step_episode, step_group
+        self.trajectories: list[Trajectory] = []
+        self.buttons = (W.Button(description="one episode"), W.Button(description="one group"))
+        self.buttons[0].on_click(lambda _: self._click(self.episode))
+        self.buttons[1].on_click(lambda _: self._click(self.group))
+        self.status, self.view = W.HTML(), W.HTML()
+        self.children = [W.HBox(list(self.buttons)), self.status, self.view]
+
+    def episode(self) -> Trajectory:
+        return self._show([self._step_episode()])[0]
+
+    def group(self) -> list[Trajectory]:
+        return self._show(list(self._step_group()))
+
+    def _click(self, step):
+        # An exception in a button callback only reaches the kernel log: show it where the user looks.
+        self.status.value, self.buttons[0].disabled, self.buttons[1].disabled = "<i>running...</i>", True, True
+        try:
+            step()
+        except Exception as e:
+            self.status.value = f"<b style='color:#c00'>{escape(type(e).__name__)}: {escape(str(e))}</b>"
+        finally:
+            self.buttons[0].disabled = self.buttons[1].disabled = False
+
+    def _show(self, trajs: list[Trajectory]) -> list[Trajectory]:
+        self.trajectories += trajs
+        rewards = ", ".join(f"{t.reward:.3g}" for t in trajs)
+        failed = sum(t.error is not None for t in trajs)
+        self.status.value = (f"stepped {len(trajs)} (rewards {rewards}; {failed} failed); "
+                             f"{len(self.trajectories)} trajectories in total")
+        self.view.value = "".join(trajectory_html(t) for t in trajs)
+        return trajs
+
+
+# ------------------------------------------------------------------ segment inspector
+def drift_positions(segment: Segment, tokenizer, tools: list | None = None) -> list[int]:
+    """Positions of `segment.token_ids` that re-rendering `segment.messages` through the chat
+    template and re-tokenizing does not reproduce: where a text-based pipeline would train on
+    other ids than the ones sampled (tokens.retokenization_drift counts the sampled part)."""
+    if not segment.messages:
+        return []
+    fmt = _fmt(tokenizer)
+    again = fmt.encode(fmt.render(segment.messages, tools, add_generation_prompt=False))
+    same = set()
+    for a, _, n in difflib.SequenceMatcher(None, segment.token_ids, again, autojunk=False).get_matching_blocks():
+        same.update(range(a, a + n))
+    return [i for i in range(len(segment)) if i not in same]
+
+
+def _color(color_by: str, mask: int, lp: float, version: int, experts: list[int] | None) -> str:
+    if color_by == "loss_mask":
+        return "#b7e4c7" if mask else GREY
+    if color_by == "logprob":  # 0 (certain) green .. -5 and below red: the surprising tokens stand out
+        return f"hsl({120 * max(0.0, 1 + lp / 5):.0f},70%,75%)" if mask else GREY
+    if color_by == "version":
+        return PALETTE[version % len(PALETTE)] if version >= 0 else GREY
+    return PALETTE[experts[0] % len(PALETTE)] if experts and experts[0] >= 0 else GREY
+
+
+def token_spans(segment_or_trajectory, color_by: str = "loss_mask", tokenizer=None, layer: int = 0,
+                tools: list | None = None) -> list[dict]:
+    """One dict per token (kind "token": index, id, text, loss_mask, logprob, version, experts of
+    `layer`, drift, color, title) and one seal marker after each segment (kind "seal": reason)."""
+    if color_by not in COLOR_BY:
+        raise ValueError(f"color_by {color_by!r} unknown; choose one of {COLOR_BY}")
+    fmt, out = _fmt(tokenizer), []
+    for si, seg in enumerate(_segments(segment_or_trajectory)):
+        drift = set(drift_positions(seg, fmt, tools)) if fmt else set()
+        ex = seg.routed_experts
+        for i, tid in enumerate(seg.token_ids):
+            m, lp, v = seg.loss_mask[i], seg.logprobs[i], seg.versions[i]
+            e = [int(x) for x in ex[i, layer]] if ex is not None and layer < ex.shape[1] else None
+            text = fmt.decode([tid]) if fmt else f"{tid} "
+            title = f"#{i} id {tid}" + (f" {text!r}" if fmt else "") + f"\nloss_mask {m}  logprob {lp:.4f}  version {v}"
+            if ex is not None:
+                title += "\nexperts " + (" ".join(f"L{j}{ex[i, j].tolist()}" for j in range(ex.shape[1]))
+                                         if (ex[i] >= 0).all() else "not captured")
+            if i in drift:
+                title += "\nretokenization drift: re-rendering the messages gives other ids here"
+            out.append({"kind": "token", "segment": si, "index": i, "id": tid, "text": text, "loss_mask": m,
+                        "logprob": lp, "version": v, "experts": e, "drift": i in drift,
+                        "color": _color(color_by, m, lp, v, e), "title": title})
+        out.append({"kind": "seal", "segment": si, "reason": seg.seal_reason or "open",
+                    "why": SEAL_REASONS.get(seg.seal_reason, "the segment is still open")})
+    return out
+
+
+def spans_html(spans: list[dict]) -> str:
+    parts = []
+    for s in spans:
+        if s["kind"] == "seal":
+            parts.append(f"<div style='border-top:2px dashed #c00;margin:4px 0;color:#c00;font-size:11px' "
+                         f"title='{escape(s['why'])}'>segment {s['segment']} sealed: {escape(s['reason'])}</div>")
+        else:
+            drift = ";outline:2px solid #d00;text-decoration:underline wavy #d00" if s["drift"] else ""
+            parts.append(f"<span style='background:{s['color']}{drift}' title='{escape(s['title'])}'>{escape(s['text'])}</span>")
+    return f"<div style='font-family:monospace;white-space:pre-wrap;line-height:1.7'>{''.join(parts)}</div>"
+
+
+class SegmentInspector(W.VBox):
+    """Tokens of a segment (or every segment of a trajectory, with seal markers) as coloured
+    spans; hover a token for its details. `.spans` holds what is shown (see `token_spans`)."""
+
+    def __init__(self, segment_or_trajectory, tokenizer=None, color_by: str = "loss_mask", layer: int = 0,
+                 tools: list | None = None):
+        super().__init__()
+        self.source, self.tokenizer, self.tools = segment_or_trajectory, _fmt(tokenizer), tools
+        segs = _segments(segment_or_trajectory)
+        layers = max((s.routed_experts.shape[1] for s in segs if s.routed_experts is not None), default=1)
+        self.color_by = W.Dropdown(options=COLOR_BY, value=color_by, description="colour by")
+        self.moe_layer = W.Dropdown(options=list(range(layers)), value=min(layer, layers - 1), description="MoE layer")
+        self.summary, self.tokens = W.HTML(), W.HTML()
+        self.children = [W.HBox([self.color_by, self.moe_layer]), self.summary, self.tokens]
+        self.color_by.observe(lambda _: self.refresh(), "value")
+        self.moe_layer.observe(lambda _: self.refresh(), "value")
+        self.refresh()
+
+    def refresh(self):
+        self.spans = token_spans(self.source, self.color_by.value, self.tokenizer, self.moe_layer.value, self.tools)
+        lines = [f"<i>{LEGEND[self.color_by.value]}</i>"]
+        for si, seg in enumerate(_segments(self.source)):
+            marked = [s["index"] for s in self.spans if s["kind"] == "token" and s["segment"] == si and s["drift"]]
+            where = (f"{len(marked)} position(s) differ when the messages are re-rendered: {marked[:50]}" if self.tokenizer
+                     else "give a tokenizer to locate them")
+            lines.append(f"segment {si}: {len(seg)} tokens, {sum(seg.loss_mask)} sampled, seal: {seg.seal_reason or 'open'}; "
+                         f"retokenization drift (recorded): {seg.stats.get('retokenization_drift', 'n/a')} sampled ids; {where}")
+        self.summary.value = "<br>".join(lines)
+        self.tokens.value = spans_html(self.spans)
+
+
+# ------------------------------------------------------------------ gate and replay monitors
+def _num(v):
+    return None if v is None else float(v)
+
+
+def _bars(v) -> tuple[list, list]:
+    """x, y of a last-step distribution: {key: count}, a list per index, or {"edges", "counts"}."""
+    if not v:
+        return [], []
+    if isinstance(v, dict) and "counts" in v:
+        e = v["edges"]
+        return [f"[{a:g}, {b:g})" for a, b in zip(e, e[1:])], list(v["counts"])
+    if isinstance(v, dict):  # keys may be strings after a JSON round trip
+        items = sorted(v.items(), key=lambda kv: float(kv[0]))
+        return [int(float(k)) for k, _ in items], [c for _, c in items]
+    return list(range(len(v))), [_num(c) for c in v]
+
+
+class _Monitor(W.VBox):
+    GRID, HEIGHT = (1, 1), 480
+    TITLES: tuple = ()
+    LINES: tuple = ()  # (metric key, row, col): one value per step
+    BARS: tuple = ()  # (metric key, row, col): a distribution of the last step
+
+    def __init__(self, history: list[dict] | None = None, height: int | None = None):
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        super().__init__()
+        fig = make_subplots(rows=self.GRID[0], cols=self.GRID[1], subplot_titles=self.TITLES)
+        for key, r, c in self.LINES:
+            fig.add_trace(go.Scatter(name=key, x=[], y=[], mode="lines+markers"), row=r, col=c)
+        for key, r, c in self.BARS:
+            fig.add_trace(go.Bar(name=key, x=[], y=[]), row=r, col=c)
+        fig.update_layout(height=height or self.HEIGHT, margin=dict(l=40, r=10, t=40, b=30))
+        self.fig = go.FigureWidget(fig)
+        self.history: list[dict] = []
+        self._lock = threading.Lock()  # on_step may come from a training loop's thread
+        self.children = [self.fig]
+        self.update(history or [])
+
+    def trace(self, name: str):
+        return next(t for t in self.fig.data if t.name == name)
+
+    def update(self, history: list[dict]):
+        """Redraw from a whole history (one metrics dict per step); missing keys leave gaps."""
+        with self._lock:
+            self._draw(list(history))
+
+    def _draw(self, history: list[dict]):
+        self.history = history
+        steps = [m.get("step", i) for i, m in enumerate(self.history)]
+        last = self.history[-1] if self.history else {}
+        with self.fig.batch_update():
+            for key, *_ in self.LINES:
+                self.trace(key).update(x=steps, y=[_num(m.get(key)) for m in self.history])
+            for key, *_ in self.BARS:
+                x, y = _bars(last.get(key))
+                self.trace(key).update(x=x, y=y)
+
+    def on_step(self, metrics: dict):
+        """Append one step's metrics and redraw (safe to call from a training loop's thread)."""
+        with self._lock:
+            self._draw(self.history + [metrics])
+
+    def write_html(self, path) -> Path:
+        """A standalone page with plotly.js inlined: updates made after display are not in a
+        saved notebook's widget state, so a papermill run should leave this file as its record."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fig.write_html(str(path), include_plotlyjs=True)
+        return path
+
+
+class GateMonitor(_Monitor):
+    GRID = (2, 3)
+    TITLES = ("gate pass ratio", "KL(behaviour || trainer): k1, k3", "max |delta p|",
+              "staleness (last step)", "tokens per version (last step)", "IS weights (last step)")
+    LINES = (("gate_pass_ratio", 1, 1), ("kl_k1", 1, 2), ("kl_k3", 1, 2), ("max_abs_delta_p", 1, 3))
+    BARS = (("staleness_hist", 2, 1), ("tokens_per_version", 2, 2), ("is_weight_hist", 2, 3))
+
+
+class ReplayMonitor(_Monitor):
+    GRID, HEIGHT = (1, 3), 320
+    TITLES = ("routing disagreement rate", "disagreement per layer (last step)", "KL k3: replayed vs live routing")
+    LINES = (("replay_disagree_rate", 1, 1), ("kl_k3", 1, 3), ("kl_k3_live", 1, 3))
+    BARS = (("replay_disagree_per_layer", 1, 2),)
+
+
+def callback(*monitors: _Monitor) -> Callable[[dict], None]:
+    """One `on_step(metrics)` for a training loop that feeds several monitors."""
+    def on_step(metrics: dict):
+        for m in monitors:
+            m.on_step(metrics)
+    return on_step
+
+
+# ------------------------------------------------------------------ token journey
+# (journey key, report column or None when derived, label), in the order a token travels
+JOURNEY = (("token_id", "input_ids", "token id"), ("text", None, "decoded"),
+           ("behaviour_logprob", "behaviour_logprobs", "behaviour log-prob (engine)"),
+           ("version", "versions", "policy version that sampled it"), ("experts", None, "routed experts per layer"),
+           ("trainer_logprob", "trainer_logprobs", "trainer log-prob"), ("ratio", None, "ratio exp(trainer - behaviour)"),
+           ("is_weight", "is_weight", "IS weight (a constant in the loss)"), ("gate_keep", "gate_keep", "gate decision (kept)"),
+           ("advantage", "advantages", "advantage"), ("loss_contribution", "loss_contribution", "loss contribution"))
+
+
+def _at(x, row: int, col: int):
+    v = x[row]
+    if hasattr(v, "__len__") and not (hasattr(v, "shape") and len(v.shape) == 0):
+        v = v[col]  # per token; otherwise a per-sequence value (e.g. the gate's keep, [B])
+    return v.item() if hasattr(v, "item") else v
+
+
+def journey(report: dict, row: int, col: int, tokenizer=None) -> dict:
+    """One token from sample to gradient: its values in each per-token [B, T] column of `report`."""
+    missing = [k for k in ("loss_mask", *(k for _, k, _ in JOURNEY if k)) if k not in report]
+    if missing:
+        raise KeyError(f"the report lacks {missing}")
+    ids = report["input_ids"]
+    if not (0 <= row < len(ids) and 0 <= col < len(ids[row])):
+        raise IndexError(f"token ({row}, {col}) is outside the report's [B, T] = [{len(ids)}, {len(ids[0])}]")
+    if not _at(report["loss_mask"], row, col):
+        raise ValueError(f"token ({row}, {col}) has loss_mask 0: a prompt, template, tool or padding token the policy did "
+                         "not sample, so it has no behaviour log-prob, IS weight or gradient; pick a sampled token")
+    out = {"row": row, "col": col}
+    out.update({name: _at(report[key], row, col) for name, key, _ in JOURNEY if key})
+    out["token_id"], out["version"], out["gate_keep"] = int(out["token_id"]), int(out["version"]), bool(out["gate_keep"])
+    out["text"] = _fmt(tokenizer).decode([out["token_id"]]) if tokenizer is not None else None
+    ex = report.get("routed_experts")
+    out["experts"] = None if ex is None else [[int(e) for e in layer] for layer in ex[row][col]]
+    # the ratio the IS weight derives from, so a reader can check the weight against it
+    out["ratio"] = math.exp(out["trainer_logprob"] - out["behaviour_logprob"])
+    return out
+
+
+class TokenJourney(W.VBox):
+    """The journey of the token at (row, col) as a table; change row/col to follow another."""
+
+    def __init__(self, report: dict, row: int, col: int, tokenizer=None):
+        super().__init__()
+        self.report, self.tokenizer = report, tokenizer
+        self.row, self.col = W.IntText(row, description="row"), W.IntText(col, description="col")
+        self.table = W.HTML()
+        self.children = [W.HBox([self.row, self.col]), self.table]
+        self._moving = False
+        self.show(row, col)  # a bad first token raises here, where the caller sees it
+        for w in (self.row, self.col):
+            w.observe(lambda _: self._moving or self._follow(), "value")
+
+    def show(self, row: int, col: int) -> dict:
+        self.values = journey(self.report, row, col, self.tokenizer)
+        self._moving = True  # move the boxes without re-entering through their observers
+        self.row.value, self.col.value = row, col
+        self._moving = False
+        cell = lambda x: "n/a" if x is None else f"{x:.6g}" if isinstance(x, float) else escape(str(x))  # noqa: E731
+        self.table.value = "<table style='font-family:monospace'>" + "".join(
+            f"<tr><td style='padding-right:12px'>{escape(label)}</td><td>{cell(self.values[k])}</td></tr>"
+            for k, _, label in JOURNEY) + "</table>"
+        return self.values
+
+    def _follow(self):
+        try:
+            self.show(self.row.value, self.col.value)
+        except (IndexError, ValueError) as e:  # typing a prompt position is normal use: say why, keep going
+            self.table.value = f"<b style='color:#c00'>{escape(str(e))}</b>"
