@@ -12,6 +12,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, quiet: boo
 
     if ray.is_initialized():
         return ray.get_runtime_context()
+    address = address or os.environ.get("RAY_ADDRESS")  # e.g. the cluster kernel's env
     kwargs = dict(include_dashboard=False, log_to_driver=not quiet)
     if address is None:
         kwargs["num_cpus"] = num_cpus or os.cpu_count()

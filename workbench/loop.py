@@ -93,17 +93,19 @@ def _check_staleness(trainer, cfg: LoopConfig) -> None:
 def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[Task]], cfg: LoopConfig,
         on_step: Callable[[dict], None] | None = None, progress: bool = True,
         checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-        stop: threading.Event | None = None, on_groups: Callable[[int, list], None] | None = None) -> list[dict]:
+        stop: threading.Event | None = None, on_groups: Callable[[int, list], None] | None = None,
+        start_step: int = 0) -> list[dict]:
     """Run the loop in `cfg.mode`. `task_source(n, step)` gives the prompts of each step (so the
     data position is the step). With `checkpoint_dir`, a checkpoint found there is resumed from
     (the next step is the one after it: no step is repeated or skipped), and one is written
     every `checkpoint_every` steps. `stop` (an Event) ends the loop after the current step.
-    `on_groups(step, groups)` sees each step's trajectories. Returns one metrics dict per step."""
+    `on_groups(step, groups)` sees each step's trajectories. `start_step`: the first step's
+    index (a session continuing earlier steps). Returns one metrics dict per step."""
     import ray
     from tqdm.auto import tqdm
 
     _check_staleness(trainer, cfg)
-    first = 0
+    first = start_step
     if checkpoint_dir and os.path.isfile(os.path.join(checkpoint_dir, "run_state.json")):
         first = trainer.restore(checkpoint_dir)["next_step"]
     # one version counter for trainer and engines; it only ever increases

@@ -1,0 +1,71 @@
+"""The notebook surface: workbench.connect(), its handles and its run directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import workbench
+from workbench.session import ConfigError, WorkbenchConfig
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match=r"unknown config field\(s\) \['bogus'\]"):
+        WorkbenchConfig.from_dict({"bogus": 1})
+    with pytest.raises(ConfigError, match=r"unknown trainer field\(s\) \['lrr'\]"):
+        WorkbenchConfig.from_dict({"trainer": {"lrr": 1e-3}})
+    with pytest.raises(ConfigError, match="LoopConfig.mode 'fast' unknown"):
+        WorkbenchConfig.from_dict({"loop": {"mode": "fast"}})
+    with pytest.raises(ConfigError, match="backend 'sglang' unknown"):
+        WorkbenchConfig(backend="sglang")
+    with pytest.raises(ConfigError, match="neither a toy model name"):
+        WorkbenchConfig(model="/nonexistent/model")
+    with pytest.raises(ConfigError, match="num_engines must be an integer >= 1"):
+        WorkbenchConfig(num_engines=0)
+    cfg = WorkbenchConfig.from_dict({"trainer": {"lr": 0.5, "correction": {"max_staleness": 2}}})
+    assert cfg.trainer.lr == 0.5 and cfg.trainer.correction.max_staleness == 2
+    assert cfg.trainer.correction.mode == "trunc"  # the rest of the default (TIS) is kept
+
+
+def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
+    """connect() on the reference backend (it records MoE experts): step a rollout, one trainer
+    step with its token report, sync, a background run with monitors, save and restore."""
+    wb = workbench.connect(backend="reference", run_dir=str(tmp_path / "run"), loop={"prompts_per_step": 4, "group_size": 4})
+    try:
+        t = wb.rollout.episode()
+        assert t.error is None and t.segments[0].routed_experts is not None and wb.rollout.last is t
+        groups = wb.rollout.groups(2, progress=False)
+        assert [len(g) for g in groups] == [4, 4]
+        stats = wb.trainer.step()
+        assert stats["version"] == wb.trainer.version and stats["replay"]["disagree_rate"] == 0
+        assert stats["correction"]["kl_k3"] < 1e-6  # sampled by exactly the trainer's weights (after connect's sync)
+        j = wb.journey()
+        assert j.values["behaviour_logprob"] == pytest.approx(j.values["trainer_logprob"], abs=1e-5)
+        reports = wb.sync()
+        assert all(r.checked for r in reports) and reports[0].version == wb.trainer.version
+        gate, replay = wb.monitors()
+        run = wb.run(2, monitors=[gate, replay], progress=False)
+        hist = run.wait(600)
+        assert [h["step"] for h in hist] == [0, 1] and run.done and wb.next_step == 2
+        assert list(gate.trace("gate_pass_ratio").y) == [h["gate_pass_ratio"] for h in hist]
+        lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in lines] == [0, 1] and all(m["replay_disagree_rate"] == 0 for m in lines)
+        assert sorted(p.name for p in (tmp_path / "run" / "trajectories").iterdir()) == ["step_00000.parquet", "step_00001.parquet"]
+        assert json.loads((tmp_path / "run" / "config.json").read_text())["backend"] == "reference"
+        path = wb.save()
+        v = wb.trainer.version
+        wb.run(1, background=False, progress=False)
+        assert wb.next_step == 3
+        assert wb.restore(path)["next_step"] == 2 and wb.next_step == 2
+        assert wb.trainer.version > v  # restoring syncs the engines under a new version
+        wb.rollout.last_groups = None
+        with pytest.raises(LookupError, match="no groups to train on"):
+            wb.trainer.step()
+    finally:
+        wb.shutdown()
+    assert wb.engines == [] and wb._trainer is None
+    import ray
+
+    assert ray.is_initialized()  # the session joined the test session's Ray and left it running

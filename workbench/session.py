@@ -1,0 +1,455 @@
+"""The notebook surface: `wb = workbench.connect()` and its handles.
+
+`connect()` starts the embedded default (local Ray, one engine, one rollout runner and a
+2-rank FSDP2 trainer on the tiny MoE, the toy arithmetic Env); `connect("ray://head:10001")`
+attaches to a running Ray cluster instead. Everything the session does goes through the same
+pieces as a script would use (rollout.runner.Rollout, trainer.fsdp.Trainer, loop.run), so a
+notebook cell and a papermill run exercise the production path.
+
+A session writes its run directory (`WorkbenchConfig.run_dir`): config.json, metrics.jsonl
+(one line per RL step), trajectories/step_NNNNN.parquet, plots/*.html, checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .agents import Task, load_agent
+from .correction import CorrectionConfig
+from .loop import LoopConfig, batch_from_groups, run as run_loop, sync_engines
+from .trainer.fsdp import TrainerConfig
+
+DEFAULT_AGENT = str(Path(__file__).parent / "examples" / "arithmetic_env.py")
+
+
+class ConfigError(ValueError):
+    """A WorkbenchConfig field is wrong; the message names it."""
+
+
+def _default_trainer() -> TrainerConfig:
+    return TrainerConfig(lr=1e-3, micro_batch_size=64, correction=CorrectionConfig.tis())
+
+
+@dataclass
+class WorkbenchConfig:
+    model: str = "moe"  # a toy model name ("moe", "dense") or an HF checkpoint directory
+    agent: str = DEFAULT_AGENT  # a .py file defining AgentRunner (workbench.agents)
+    tasks: Any = None  # None: the agent file's tasks(n, seed); or a list of Task / dicts; or callable(n, seed)
+    backend: str = "vllm"  # rollout engine: "vllm" or "reference" (the only one that records MoE experts on CPU)
+    num_engines: int = 1
+    num_runners: int = 1
+    trainer_ranks: int = 2
+    max_tokens: int = 8  # per turn
+    temperature: float = 1.0
+    seed: int = 0
+    run_dir: str | None = None  # None: runs/<date-time> under the current directory
+    engine_kwargs: dict = field(default_factory=dict)
+    trainer: TrainerConfig = field(default_factory=_default_trainer)
+    loop: LoopConfig = field(default_factory=lambda: LoopConfig(prompts_per_step=16, group_size=8))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WorkbenchConfig":
+        """Build from plain values (nested dicts for trainer, trainer.correction and loop)."""
+        d = dict(d)
+        nested = {"trainer": TrainerConfig, "loop": LoopConfig}
+        for key, kind in nested.items():
+            if isinstance(d.get(key), dict):
+                sub = dict(d[key])
+                if key == "trainer" and isinstance(sub.get("correction"), dict):  # over the default (TIS)
+                    sub["correction"] = _build(CorrectionConfig, {**dataclasses.asdict(CorrectionConfig.tis()), **sub["correction"]},
+                                               "trainer.correction")
+                base = dataclasses.asdict(_default_trainer()) if key == "trainer" else {}
+                if key == "trainer":
+                    base["correction"] = CorrectionConfig.tis()
+                d[key] = _build(kind, {**base, **sub}, key)
+        return _build(cls, d, "config")
+
+    def __post_init__(self):
+        from .rollout import reference, vllm_engine  # noqa: F401  (import registers the backends)
+        from .rollout.engine import ENGINE_BACKENDS
+
+        if self.backend not in ENGINE_BACKENDS:
+            raise ConfigError(f"backend {self.backend!r} unknown; registered engines: {sorted(ENGINE_BACKENDS)}")
+        for name in ("num_engines", "num_runners", "trainer_ranks", "max_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not (self.model in ("moe", "dense") or Path(self.model).is_dir()):
+            raise ConfigError(f"model {self.model!r} is neither a toy model name ('moe', 'dense') nor a checkpoint directory")
+        if not isinstance(self.trainer, TrainerConfig) or not isinstance(self.loop, LoopConfig):
+            raise ConfigError("trainer must be a TrainerConfig and loop a LoopConfig (or dicts, via from_dict)")
+
+
+def _build(kind, values: dict, where: str):
+    known = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown {where} field(s) {unknown}; known: {sorted(known)}")
+    try:
+        return kind(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def connect(address: str | None = None, config: WorkbenchConfig | dict | None = None, **overrides) -> "Workbench":
+    """Start a session. `address`: None for the embedded default (a local Ray started here),
+    or a Ray cluster address ("ray://head:10001", "auto"). `config`: a WorkbenchConfig or a dict;
+    keyword overrides win (e.g. `connect(backend="reference", model="dense")`)."""
+    if isinstance(config, WorkbenchConfig):
+        config = dataclasses.replace(config, **overrides) if overrides else config
+    else:
+        config = WorkbenchConfig.from_dict({**(config or {}), **overrides})
+    return Workbench(config, address)
+
+
+class Workbench:
+    """One session: engines, rollout runners and the trainer, with handles for each."""
+
+    def __init__(self, cfg: WorkbenchConfig, address: str | None = None):
+        import ray
+        from tqdm.auto import tqdm
+
+        from .cluster import init_ray
+        from .rollout.actor import launch_engine
+        from .rollout.engine import SamplingConfig
+        from .rollout.runner import Rollout
+        from .toy.models import load_tokenizer, toy_model_path
+        from .trainer.fsdp import Trainer
+
+        self.cfg, self.address = cfg, address
+        self.spec = load_agent(cfg.agent)  # AgentLoadError names what is wrong, before anything starts
+        self.task_source = _task_source(cfg.tasks, self.spec)
+        self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+        self.history: list[dict] = []  # every RL step's metrics, across run() calls
+        self.next_step = 0
+        self._run: RunHandle | None = None
+        address = address or os.environ.get("RAY_ADDRESS")  # the cluster kernel sets it
+        self._owns_ray = not ray.is_initialized() and address is None
+        self.engines, self._rollout, self._trainer = [], None, None
+        bar = tqdm(total=4 + cfg.num_engines, desc="connect", unit="part")
+        try:
+            bar.set_postfix_str("ray"); init_ray(address); bar.update()
+            self.model_path = str(toy_model_path(cfg.model) if cfg.model in ("moe", "dense") else Path(cfg.model).resolve())
+            self.tokenizer = load_tokenizer(self.model_path)
+            capture = cfg.backend == "reference" and cfg.model == "moe"  # record experts for routing replay
+            for i in range(cfg.num_engines):
+                bar.set_postfix_str(f"{cfg.backend} engine {i + 1}/{cfg.num_engines}")
+                self.engines.append(launch_engine(cfg.backend, model_path=self.model_path, seed=cfg.seed + i, **cfg.engine_kwargs))
+                bar.update()
+            bar.set_postfix_str("rollout runners")
+            self._rollout = Rollout(cfg.agent, self.engines, self.model_path, num_runners=cfg.num_runners,
+                                   sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature),
+                                   return_routed_experts=capture)
+            bar.update()
+            bar.set_postfix_str(f"trainer ({cfg.trainer_ranks} ranks)")
+            self._trainer = Trainer(self.model_path, world_size=cfg.trainer_ranks, cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature))
+            bar.update()
+            bar.set_postfix_str("weight sync")
+            self.sync()  # the engines serve the trainer's weights from the first rollout on
+            bar.update()
+        except BaseException:
+            bar.close()
+            self.shutdown()
+            raise
+        bar.close()
+        self.rollout = RolloutHandle(self)  # wb.rollout: step episodes and groups, look at trajectories
+        self.trainer = TrainerHandle(self)  # wb.trainer: one step on a batch, statistics
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(_jsonable(dataclasses.asdict(cfg)), indent=1))
+
+    def sync(self) -> list:
+        """Push the trainer's weights to every engine under a new version; each engine checks
+        its probe log-probs against the trainer's. Returns the engines' WeightSyncReports."""
+        import ray
+
+        engine_version = max(i["version"] for i in ray.get([e.info.remote() for e in self.engines]))
+        self._trainer.version = max(self._trainer.version, engine_version) + 1
+        return sync_engines(self._trainer, self.engines, self.cfg.loop.sync_tol)
+
+    def run(self, steps: int, background: bool = True, monitors: list | None = None, progress: bool = True,
+            checkpoint_every: int = 0, **loop_overrides) -> "RunHandle":
+        """Run `steps` more RL steps (the loop in `cfg.loop.mode`, or `mode=` here). In the
+        background by default: returns at once with a RunHandle; each step's metrics reach
+        `monitors` (objects with on_step(metrics), e.g. widgets.GateMonitor), history, and
+        metrics.jsonl in the run directory."""
+        if self._run is not None and not self._run.done:
+            raise RuntimeError("a run is already in progress: wait for it (wb.wait()) or stop it (wb.stop())")
+        cfg = dataclasses.replace(self.cfg.loop, steps=self.next_step + steps, initial_sync=False, **loop_overrides)
+        handle = RunHandle(self, cfg, list(monitors or []), progress, checkpoint_every)
+        self._run = handle
+        handle.start() if background else handle.run()
+        if not background and handle.error is not None:
+            raise handle.error
+        return handle
+
+    def wait(self, timeout: float | None = None) -> list[dict]:
+        return self._run.wait(timeout) if self._run else []
+
+    def stop(self) -> None:
+        if self._run is not None:
+            self._run.stop()
+
+    def save(self, path: str | None = None) -> str:
+        """Checkpoint the trainer (sharded weights, optimizer, RNG) and the run state."""
+        self._idle("save")
+        return self._trainer.save(str(path or self.run_dir / "checkpoint"), {"next_step": self.next_step})
+
+    def restore(self, path: str | None = None) -> dict:
+        """Load a checkpoint written by save(); the engines are synced to it."""
+        self._idle("restore")
+        state = self._trainer.restore(str(path or self.run_dir / "checkpoint"))
+        self.next_step = state["next_step"]
+        self.sync()
+        return state
+
+    def _idle(self, what: str) -> None:
+        if self._run is not None and not self._run.done:
+            raise RuntimeError(f"cannot {what} while a run is in progress: wb.wait() or wb.stop() first")
+
+    def shutdown(self) -> None:
+        """Stop the run, then every runner, the trainer and every engine, by their handles;
+        and Ray if this session started it."""
+        from .cluster import shutdown_ray
+        from .rollout.actor import stop_engine
+
+        if self._run is not None:
+            self._run.stop()
+            self._run.wait()
+        for stop in ([self._rollout.shutdown] if self._rollout else []) + ([self._trainer.shutdown] if self._trainer else []):
+            try:
+                stop()
+            except Exception as e:  # keep shutting the rest down
+                print(f"workbench: shutdown: {e}")
+        for e in self.engines:
+            try:
+                stop_engine(e)
+            except Exception as err:
+                print(f"workbench: engine shutdown: {err}")
+        self.engines, self._rollout, self._trainer = [], None, None
+        if self._owns_ray:
+            shutdown_ray()
+
+    # ---------------------------------------------------------------- widgets (workbench.widgets)
+    def stepper(self):
+        """A rollout stepper: buttons for one episode / one group on this session."""
+        from .widgets import RolloutStepper
+
+        return RolloutStepper(self.rollout.episode, self.rollout.group)
+
+    def inspect(self, trajectory=None, color_by: str = "loss_mask"):
+        """A segment inspector on `trajectory` (default: the last one rolled out)."""
+        from .widgets import SegmentInspector
+
+        return SegmentInspector(trajectory if trajectory is not None else self.rollout.last, self.tokenizer, color_by=color_by)
+
+    def monitors(self) -> tuple:
+        """(GateMonitor, ReplayMonitor) filled with this session's history; pass them to run()."""
+        from .widgets import GateMonitor, ReplayMonitor
+
+        return GateMonitor(self.history), ReplayMonitor(self.history)
+
+    def journey(self, row: int | None = None, col: int | None = None):
+        """One token from sample to gradient, from the last wb.trainer.step() (default: the
+        first sampled token of row 0)."""
+        from .widgets import TokenJourney
+
+        report = self.trainer.last_report
+        if report is None:
+            raise LookupError("no training step to trace yet: run wb.trainer.step() first")
+        row = row or 0
+        if col is None:
+            col = int(report["loss_mask"][row].nonzero()[0, 0])
+        return TokenJourney(report, row, col, self.tokenizer)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return (f"Workbench(model={self.cfg.model!r}, backend={self.cfg.backend!r}, engines={len(self.engines)}, "
+                f"trainer_ranks={self.cfg.trainer_ranks}, agent={Path(self.cfg.agent).name!r}, next_step={self.next_step}, "
+                f"run_dir={str(self.run_dir)!r})")
+
+
+class RolloutHandle:
+    """`wb.rollout`: run one episode, one group, or N, on the session's engines, outside the RL
+    loop (tasks from the session's task source, at their own data position). Everything run is
+    kept in `.trajectories` (newest last)."""
+
+    def __init__(self, wb: Workbench):
+        self._wb = wb
+        self.trajectories: list = []
+        self.last_groups: list[list] | None = None  # what wb.trainer.step() trains on by default
+        self._cursor = 1_000_000  # interactive tasks use seeds apart from the loop's (which are its steps)
+
+    @property
+    def driver(self):
+        return self._wb._rollout
+
+    def _tasks(self, n: int) -> list[Task]:
+        self._cursor += 1
+        return list(self._wb.task_source(n, self._cursor))
+
+    def episode(self, task: Task | None = None):
+        """One episode; returns its Trajectory."""
+        return self.episodes(1, [task] if task is not None else None, progress=False)[0]
+
+    def episodes(self, n: int, tasks: list[Task] | None = None, progress: bool = True) -> list:
+        out = self.driver.run_episodes(tasks or self._tasks(n), progress=progress)
+        self.trajectories += out
+        return out
+
+    def group(self, task: Task | None = None, size: int | None = None) -> list:
+        """`size` episodes (default: the loop's group_size) of one task: an RL group."""
+        return self.groups(1, size, [task] if task is not None else None, progress=False)[0]
+
+    def groups(self, n: int, size: int | None = None, tasks: list[Task] | None = None, progress: bool = True) -> list[list]:
+        out = self.driver.run_groups(tasks or self._tasks(n), size or self._wb.cfg.loop.group_size, progress=progress)
+        self.trajectories += [t for g in out for t in g]
+        self.last_groups = out
+        return out
+
+    @property
+    def last(self):
+        if not self.trajectories:
+            raise LookupError("no trajectory yet: run wb.rollout.episode() or wb.rollout.group() first")
+        return self.trajectories[-1]
+
+    def stats(self) -> list[dict]:
+        """Per runner: the router's engine state and the loopback server's request summary."""
+        return self.driver.stats()
+
+
+class TrainerHandle:
+    """`wb.trainer`: one training step on groups of trajectories, with per-token records of it
+    (`.last_report`, what the token-journey widget shows). Call wb.sync() afterwards for the
+    engines to sample with the new weights."""
+
+    def __init__(self, wb: Workbench):
+        self._wb = wb
+        self.last_stats: dict | None = None
+        self.last_report: dict | None = None
+
+    @property
+    def driver(self):
+        return self._wb._trainer
+
+    @property
+    def version(self) -> int:
+        return self.driver.version
+
+    def batch(self, groups: list[list]) -> dict:
+        """Training tensors (with advantages) for groups of trajectories; rows are segments."""
+        return batch_from_groups(groups, self._wb.cfg.loop.advantage)[0]
+
+    def step(self, groups: list[list] | None = None) -> dict:
+        """One optimizer step on `groups` (default: the last groups wb.rollout ran)."""
+        self._wb._idle("step the trainer")
+        if groups is None:
+            groups = self._wb.rollout.last_groups
+            if groups is None:
+                raise LookupError("no groups to train on: run wb.rollout.group() or pass groups=")
+        stats = self.driver.train_step(self.batch(groups), report=True)
+        self.last_report = stats.pop("report")
+        self.last_stats = stats
+        return stats
+
+    def logprobs(self, groups: list[list], replay: bool | None = None) -> tuple:
+        """The trainer's log-probs of the groups' tokens and the replay statistics."""
+        return self.driver.logprobs(self.batch(groups), replay=replay, with_stats=True)
+
+
+class RunHandle:
+    """An RL run started by wb.run(): `.history`, `.done`, `.error`, `.wait()`, `.stop()`."""
+
+    def __init__(self, wb: Workbench, cfg: LoopConfig, monitors: list, progress: bool, checkpoint_every: int):
+        self._wb, self.cfg, self.monitors, self.progress = wb, cfg, monitors, progress
+        self.checkpoint_every = checkpoint_every
+        self.history: list[dict] = []
+        self.error: BaseException | None = None
+        self.done = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="workbench-run", daemon=True)
+        self._thread.start()
+
+    def run(self) -> None:
+        from .tokens import write_trajectories
+
+        wb = self._wb
+        (wb.run_dir / "trajectories").mkdir(parents=True, exist_ok=True)
+        metrics_file = open(wb.run_dir / "metrics.jsonl", "a")
+
+        def on_step(m):
+            self.history.append(m)
+            wb.history.append(m)
+            wb.next_step = m["step"] + 1
+            metrics_file.write(json.dumps(_jsonable(m)) + "\n")
+            metrics_file.flush()
+            for mon in self.monitors:
+                mon.on_step(m)
+            if self.checkpoint_every and wb.next_step % self.checkpoint_every == 0:
+                wb._trainer.save(str(wb.run_dir / "checkpoint"), {"next_step": wb.next_step})
+
+        try:
+            run_loop(wb._rollout, wb._trainer, wb.engines, wb.task_source, self.cfg, on_step=on_step, progress=self.progress,
+                     stop=self._stop, start_step=wb.next_step,
+                     on_groups=lambda step, groups: write_trajectories([t for g in groups for t in g],
+                                                                       wb.run_dir / "trajectories" / f"step_{step:05d}.parquet"))
+        except BaseException as e:  # kept for wait() to raise; what was recorded stays recorded
+            self.error = e
+        finally:
+            metrics_file.close()
+            self.done = True
+
+    def wait(self, timeout: float | None = None) -> list[dict]:
+        """Block until the run ends (or `timeout` s); re-raises the run's error."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.error is not None:
+            raise RuntimeError(f"the run stopped with an error after {len(self.history)} step(s): {self.error}") from self.error
+        return self.history
+
+    def stop(self) -> None:
+        """End the run after the step in progress."""
+        self._stop.set()
+
+    def __repr__(self) -> str:
+        state = "error" if self.error else "done" if self.done else "running"
+        return f"RunHandle({state}, steps={len(self.history)}/{self.cfg.steps - (self.history[0]['step'] if self.history else 0)})"
+
+
+def _task_source(tasks, spec) -> Callable[[int, int], list[Task]]:
+    """`source(n, seed)`: n tasks, deterministic in seed (the data position)."""
+    from .data import tasks_from_list
+
+    if tasks is None:
+        if spec.tasks is None:
+            raise ConfigError(f"agent file {spec.path!r} has no tasks(n, seed) function: pass tasks= (a list or a callable)")
+        return spec.tasks
+    if callable(tasks):
+        return tasks
+    pool = tasks_from_list(tasks)
+    if not pool:
+        raise ConfigError("tasks is an empty list")
+    return lambda n, seed: [pool[(seed * n + i) % len(pool)] for i in range(n)]
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x if isinstance(x, (str, int, float, bool, type(None))) else repr(x)
