@@ -1,13 +1,19 @@
 # The two commands of README.md. Each first installs what is missing into .venv (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo test bench bench-loopback bench-rollout clean-cache kernels lab
+.PHONY: setup demo demo-script test bench bench-loopback bench-rollout clean-cache kernels lab
 
 setup:
 	@bash scripts/setup.sh
 
 # The main job on the embedded default (local Ray, CPU, tiny model).
+# It runs notebooks/00_quickstart.ipynb through papermill and leaves the executed notebook and
+# the run directory (metrics.jsonl, trajectories/, plots/, checkpoint/, results.json) in runs/quickstart.
 demo: setup
+	$(PY) -m workbench.notebooks 00_quickstart --run-dir runs/quickstart
+
+# The same pieces as a plain script, step by step (python -m workbench.demo --help: --agent FILE, ...).
+demo-script: setup
 	$(PY) -m workbench.demo
 
 # The whole test suite (real vLLM, Ray and torch on CPU).

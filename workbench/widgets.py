@@ -264,12 +264,13 @@ class _Monitor(W.VBox):
         with self._lock:
             self._draw(self.history + [metrics])
 
-    def write_html(self, path) -> Path:
+    def write_html(self, path, include_plotlyjs=True) -> Path:
         """A standalone page with plotly.js inlined: updates made after display are not in a
-        saved notebook's widget state, so a papermill run should leave this file as its record."""
+        saved notebook's widget state, so a papermill run should leave this file as its record.
+        `include_plotlyjs="directory"`: one plotly.min.js beside several pages (offline too)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.fig.write_html(str(path), include_plotlyjs=True)
+        self.fig.write_html(str(path), include_plotlyjs=include_plotlyjs)
         return path
 
 

@@ -1,0 +1,43 @@
+"""notebooks/00_quickstart.ipynb, run headless through papermill exactly as `make demo` does,
+on the embedded default (local Ray in the kernel, vLLM on CPU, 2 FSDP2 ranks, tiny MoE).
+The assertions read what the notebook recorded in its run directory."""
+
+from __future__ import annotations
+
+import json
+
+import nbformat
+
+from workbench.notebooks import NOTEBOOK_DIR, run_notebook
+
+
+def test_committed_notebooks_have_no_outputs_and_a_parameters_cell():
+    for path in sorted(NOTEBOOK_DIR.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert all(not c.outputs and c.execution_count is None for c in code), f"{path.name} was committed with outputs"
+        assert "parameters" in code[0].metadata.get("tags", []), f"{path.name}: first code cell is not tagged 'parameters'"
+        assert "widgets" not in nb.metadata, f"{path.name} carries widget state"
+
+
+def test_quickstart_trains_and_leaves_a_run_directory(tmp_path, capsys):
+    out = run_notebook("00_quickstart", tmp_path, progress=False)
+    run = tmp_path
+    results = json.loads((run / "results.json").read_text())
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    with capsys.disabled():
+        print(f"\n[measured] quickstart: reward {results['reward_first']:.3f} -> {results['reward_last']:.3f}, exact answers "
+              f"{results['correct_first']:.3f} -> {results['correct_last']:.3f} over {results['steps']} steps "
+              f"({sum(m['step_s'] for m in metrics):.0f} s of RL steps)")
+    assert out.is_file() and nbformat.read(out, as_version=4).cells[-1].cell_type == "code"
+    assert results["steps"] == 24 and [m["step"] for m in metrics] == list(range(24))
+    # the RL run clearly raises the toy reward (last quarter vs first quarter of the steps)
+    assert results["reward_last"] > results["reward_first"] + 0.05, [round(m["reward_mean"], 3) for m in metrics]
+    # every step trained on the weights it sampled with, and every sync passed its probe check
+    assert all(m["failed_episodes"] == 0 and m["sync_max_abs_diff"] <= 1e-3 for m in metrics)
+    assert results["first_step_kl_k3"] < 1e-6 and all(m["gate_pass_ratio"] == 1.0 for m in metrics)
+    versions = [m["version"] for m in metrics]
+    assert versions == list(range(versions[0], versions[0] + 24))  # one version per step, no gaps
+    assert len(list((run / "trajectories").glob("step_*.parquet"))) == 24
+    assert {p.name for p in (run / "plots").iterdir()} >= {"reward.html", "gate.html", "replay.html"}
+    assert (run / "checkpoint" / "run_state.json").is_file() and json.loads((run / "config.json").read_text())["backend"] == "vllm"
