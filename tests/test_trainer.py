@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import ray
 import pytest
 import torch
 
@@ -256,3 +257,14 @@ def test_async_loop_overlaps_rollout_with_training_and_corrects_staleness(ray_lo
     assert all(h["gate_pass_ratio"] == 1.0 and h["stale_dropped"] == 0 for h in hist)
     assert hist[0]["kl_k3"] < 1e-6  # step 0 was sampled by exactly the trainer's weights
     assert any(h["kl_k3"] > 1e-7 for h in hist[1:])  # stale tokens: the k3 statistic sees the version gap
+
+
+def test_nccl_weight_sync_is_refused_clearly_without_gpus(trainer, vllm_moe):
+    """The GPU path is wired end to end (trainer ranks, engine actor, vLLM engine); on CPU each
+    side refuses with a message that names the CPU path. (tests/test_nccl_sync.py covers its
+    logic over gloo into vLLM's own receiver.)"""
+    with pytest.raises(ray.exceptions.RayTaskError, match="before init_nccl"):
+        ray.get(vllm_moe.update_weights_nccl.remote({"names": [], "dtype_names": [], "shapes": []}))
+    with pytest.raises(ray.exceptions.RayTaskError, match="NCCL weight sync needs CUDA GPUs.*On CPU use the file path"):
+        trainer.init_nccl_sync([vllm_moe])
+    assert trainer.nccl is None  # syncs keep the CPU path

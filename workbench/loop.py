@@ -77,9 +77,12 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
 
 def sync_engines(trainer, engines: list, tol: float) -> list:
     """Push the trainer's current weights to every engine under the trainer's version and check
-    each engine's probe against the trainer's own log-probs."""
-    return sync_weights(engines, trainer.state_dict(), version=trainer.version,
-                        expected_probe=trainer.probe(probe_ids(trainer.vocab_size)), tol=tol)
+    each engine's probe against the trainer's own log-probs. By NCCL broadcast once
+    trainer.init_nccl_sync(engines) ran (GPU); else the CPU path (a state dict through Ray)."""
+    expected = trainer.probe(probe_ids(trainer.vocab_size))
+    if getattr(trainer, "nccl", None) is not None:
+        return trainer.sync_weights_nccl(engines, trainer.version, expected, tol)
+    return sync_weights(engines, trainer.state_dict(), version=trainer.version, expected_probe=expected, tol=tol)
 
 
 def _check_staleness(trainer, cfg: LoopConfig) -> None:

@@ -46,6 +46,12 @@ class EngineHost:
     async def update_weights(self, state_dict, version=None, expected_probe=None, probe=None, tol=1e-3):
         return await self.engine.update_weights(state_dict, version, expected_probe, probe, tol)
 
+    async def init_nccl(self, cfg, rank_offset: int, world_size: int) -> None:
+        await self.engine.init_nccl(cfg, rank_offset, world_size)
+
+    async def update_weights_nccl(self, meta, version=None, expected_probe=None, probe=None, tol=1e-3):
+        return await self.engine.update_weights_nccl(meta, version, expected_probe, probe, tol)
+
     async def probe_logprobs(self, ids):
         return await self.engine.probe_logprobs(ids)
 

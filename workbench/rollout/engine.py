@@ -164,14 +164,19 @@ class RolloutEngine(abc.ABC):
 
         In-flight requests are paused (kept), not aborted: tokens sampled after the sync carry
         the new version, so one completion can span two versions (partial rollout)."""
+        nbytes = sum(v.numel() * v.element_size() for v in state_dict.values())
+        return await self._update(lambda v: self._load_weights(state_dict), nbytes, version, expected_probe, probe, tol)
+
+    async def _update(self, load, nbytes: int, version, expected_probe, probe, tol) -> WeightSyncReport:
+        """The one sync sequence every transfer path shares: check the version, pause (keep),
+        `await load(new_version)`, set the version, resume, then the probe check."""
         new_version = self.version + 1 if version is None else int(version)
         if new_version <= self.version:
             raise ValueError(f"policy version must increase: engine is at {self.version}, got {new_version}")
         t0 = time.perf_counter()
-        nbytes = sum(v.numel() * v.element_size() for v in state_dict.values())
         await self.pause()
         try:
-            await self._load_weights(state_dict)
+            await load(new_version)
             self.version = new_version
             await self._set_version(new_version)
         finally:

@@ -18,6 +18,7 @@ import tempfile
 import uuid
 
 from .engine import RolloutEngine, Sample, SamplingConfig, register_engine
+from .nccl_sync import engine_kwargs as nccl_engine_kwargs
 
 
 def on_cpu() -> bool:
@@ -63,6 +64,7 @@ class VLLMEngine(RolloutEngine):
         tensor_parallel_size: int = 1,
         enable_prefix_caching: bool = True,
         enable_return_routed_experts: bool = False,
+        weight_transfer: str | None = None,
         **engine_kwargs,
     ):
         super().__init__()
@@ -90,9 +92,13 @@ class VLLMEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WorkerExtension",
             **({"enable_return_routed_experts": True} if enable_return_routed_experts else {}),
+            **(nccl_engine_kwargs() if weight_transfer == "nccl" else {}),
             **engine_kwargs,
         )
+        if weight_transfer not in (None, "nccl"):
+            raise ValueError(f"weight_transfer {weight_transfer!r} unknown: None (the CPU file path) or 'nccl' (GPU)")
         self.llm = None
+        self._rx = None  # NcclReceiver once init_nccl ran
         self._shm = tempfile.mkdtemp(prefix="workbench-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
 
     async def start(self) -> dict:
@@ -174,6 +180,30 @@ class VLLMEngine(RolloutEngine):
     async def _set_version(self, version: int) -> None:
         await self.llm.update_weight_version(str(version))
 
+    # GPU path (rollout/nccl_sync.py): start the engine with weight_transfer="nccl", join the
+    # trainer's NCCL group once, then receive every sync by broadcast instead of a file.
+    async def init_nccl(self, cfg, rank_offset: int, world_size: int) -> None:
+        from .nccl_sync import NcclReceiver, hf_meta
+
+        self._rx = NcclReceiver(self.llm, cfg, rank_offset, world_size, expected=hf_meta(self.model_path))
+        await self._rx.init()
+
+    async def update_weights_nccl(self, meta: dict, version=None, expected_probe=None, probe=None, tol: float = 1e-3):
+        """update_weights, with the weights arriving by NCCL broadcast (the trainer sends at the
+        same time; see Trainer.sync_weights_nccl). `meta`: TransferMeta.update_info() fields."""
+        if self._rx is None:
+            raise RuntimeError("update_weights_nccl before init_nccl: start the engine with weight_transfer='nccl' "
+                               "and call Trainer.init_nccl_sync(engines) once")
+
+        async def load(v: int) -> None:
+            await self._rx.receive_update(meta["names"], meta["dtype_names"], meta["shapes"], v)
+            await self.llm.reset_prefix_cache()
+
+        from .nccl_sync import TransferMeta
+
+        nbytes = sum(TransferMeta(meta["names"], meta["dtype_names"], meta["shapes"]).nbytes())
+        return await self._update(load, nbytes, version, expected_probe, probe, tol)
+
     async def probe_logprobs(self, ids: list[int]) -> list[float]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -185,6 +215,9 @@ class VLLMEngine(RolloutEngine):
         return [d[t].logprob for t, d in zip(ids[1:], final.prompt_logprobs[1:])]
 
     async def shutdown(self) -> None:
+        if self._rx is not None:
+            await self._rx.close()
+            self._rx = None
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None

@@ -242,6 +242,30 @@ class TrainerWorker:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    # GPU weight sync by NCCL broadcast (rollout/nccl_sync.py); rank 0 joins the engines' group
+    def nccl_endpoint(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def connect_nccl(self, cfg, world_size: int) -> None:
+        from ..rollout.nccl_sync import TrainerSender
+
+        self._tx = TrainerSender(cfg, world_size, self.rank)
+        self._tx.connect()
+
+    def weight_meta(self, wire: str | None) -> dict:
+        """Names, dtypes and global shapes of the weights (nothing gathered)."""
+        from ..rollout.nccl_sync import TransferMeta
+
+        return TransferMeta.from_tensors(self.model.state_dict().items(), wire).update_info()
+
+    def send_weights_nccl(self, meta: dict) -> int:
+        """Every rank: gather one tensor at a time; rank 0 broadcasts it to the engines."""
+        from ..rollout.nccl_sync import TransferMeta, full_tensors
+
+        return self._tx.send(full_tensors(self.model), TransferMeta(**meta))
+
     def full_state_dict(self) -> dict | None:
         """HF-named full tensors on CPU, on rank 0 (every rank must call: it is a collective)."""
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
@@ -286,6 +310,8 @@ class Trainer:
 
         self.cfg = cfg or TrainerConfig()
         self.version = 0
+        self.model_path = str(model_path)
+        self.nccl = None  # NcclSyncConfig once init_nccl_sync ran (GPU weight sync)
         init_method = f"tcp://{address}:{free_port()}"
         actor = ray.remote(TrainerWorker).options(num_cpus=0, num_gpus=1 if torch.cuda.is_available() else 0)
         self.workers = [actor.remote(r, world_size, init_method, str(model_path), self.cfg) for r in range(world_size)]
@@ -353,6 +379,37 @@ class Trainer:
         import ray
 
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
+
+    def init_nccl_sync(self, engines: list, engine_world_sizes: list[int] | None = None, **cfg_kwargs) -> None:
+        """GPU: one NCCL group of trainer rank 0 and every engine worker (engines started with
+        weight_transfer="nccl"). Afterwards loop.sync_engines uses sync_weights_nccl."""
+        import ray
+
+        from ..rollout.nccl_sync import NcclSyncConfig, group_layout
+
+        host, port = ray.get(self.workers[0].nccl_endpoint.remote())
+        cfg = NcclSyncConfig(master_port=port, master_address=host, **cfg_kwargs)
+        offsets, world = group_layout(engine_world_sizes or [1] * len(engines))
+        # both sides meet in the same rendezvous: launch them together, then wait for all
+        ray.get([w.connect_nccl.remote(cfg, world) for w in self.workers]
+                + [e.init_nccl.remote(cfg, off, world) for e, off in zip(engines, offsets)])
+        self.nccl = cfg
+
+    def sync_weights_nccl(self, engines: list, version: int, expected_probe=None, tol: float = 1e-3) -> list:
+        """Broadcast the weights to the engines (each pauses, receives, bumps its version, resumes
+        and checks its probe). The names are checked here first: a refusal inside an engine
+        would leave trainer rank 0 blocked in a broadcast, and NCCL has no timeout."""
+        import ray
+
+        from ..rollout.nccl_sync import TransferMeta, check_meta, hf_meta, plan_buckets
+
+        meta = ray.get(self.workers[0].weight_meta.remote(self.nccl.wire_dtype))
+        check_meta(TransferMeta(**meta), hf_meta(self.model_path))
+        if self.nccl.packed:
+            plan_buckets(TransferMeta(**meta), self.nccl.bucket_bytes)
+        receive = [e.update_weights_nccl.remote(meta, version, expected_probe, None, tol) for e in engines]
+        ray.get([w.send_weights_nccl.remote(meta) for w in self.workers])
+        return ray.get(receive)
 
     def save(self, path: str, run_state: dict | None = None) -> str:
         """Checkpoint to `path` (a directory every rank can reach): sharded weights and optimizer
