@@ -69,3 +69,48 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
     import ray
 
     assert ray.is_initialized()  # the session joined the test session's Ray and left it running
+
+
+CLUSTER = """
+import signal, sys, time, ray
+ray.init(address="local", num_cpus=2, include_dashboard=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+signal.signal(signal.SIGTERM, lambda *a: (ray.shutdown(), sys.exit(0)))
+while True:
+    time.sleep(1)
+"""
+
+CLIENT = """
+import json, sys, ray, workbench
+wb = workbench.connect(sys.argv[1], backend="reference", trainer_ranks=1, run_dir=sys.argv[2])
+t = wb.rollout.episode()
+joined = ray.get_runtime_context().gcs_address
+wb.shutdown()
+print("RESULT " + json.dumps({"error": t.error, "owns_ray": wb._owns_ray, "gcs": joined, "still_connected": ray.is_initialized()}))
+"""
+
+
+def test_connect_with_an_address_joins_that_cluster_and_leaves_it_running(tmp_path):
+    """connect(address) attaches to a running Ray (here one owned by another process, as a
+    cluster head would be): the session's actors run there, and shutdown leaves it up."""
+    import os
+    import subprocess
+    import sys
+
+    # token authentication (Ray's default) needs the cluster's token in the client; a real cluster
+    # hands it out (RAY_AUTH_TOKEN); these two local processes opt out instead
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "disabled"}
+    cluster = subprocess.Popen([sys.executable, "-c", CLUSTER], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        address = cluster.stdout.readline().strip()
+        assert address, "the cluster process did not start Ray"
+        out = subprocess.run([sys.executable, "-c", CLIENT, address, str(tmp_path / "run")], env=env, capture_output=True,
+                             text=True, timeout=600)
+        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        assert line, out.stderr[-3000:]
+        result = json.loads(line[0][len("RESULT "):])
+        assert result == {"error": None, "owns_ray": False, "gcs": address, "still_connected": True}
+        assert cluster.poll() is None  # the cluster outlived the session
+    finally:
+        cluster.terminate()
+        cluster.wait(60)

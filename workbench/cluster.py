@@ -15,6 +15,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, quiet: boo
     address = address or os.environ.get("RAY_ADDRESS")  # e.g. the cluster kernel's env
     kwargs = dict(include_dashboard=False, log_to_driver=not quiet)
     if address is None:
+        # "local": always a new instance here. (With no address, ray.init would join a cluster a
+        # `ray start` left on this machine, and refuse num_cpus.)
+        address = "local"
         kwargs["num_cpus"] = num_cpus or os.cpu_count()
     ray.init(address=address, **kwargs)
     return ray.get_runtime_context()
