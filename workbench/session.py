@@ -222,7 +222,10 @@ class Workbench:
 
         if self._run is not None:
             self._run.stop()
-            self._run.wait()
+            try:
+                self._run.wait()
+            except RuntimeError as e:  # the run's error was already reported by wait(); shut down anyway
+                print(f"workbench: {e}")
         for stop in ([self._rollout.shutdown] if self._rollout else []) + ([self._trainer.shutdown] if self._trainer else []):
             try:
                 stop()
