@@ -1,0 +1,88 @@
+"""The workshop notebooks, run headless through papermill on the embedded default (reference
+backend, tiny MoE, local Ray started inside the notebook's kernel). Each breaks the mechanism
+of one invariant; the assertions read, from the notebook's results.json, the statistic that
+catches it.
+
+These tests do not use the `ray_local` fixture: the kernel is another process and starts its
+own local Ray (run_notebook hides a RAY_ADDRESS this process may carry), and every notebook
+ends with wb.shutdown()."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+
+from workbench.notebooks import run_notebook
+
+
+@pytest.fixture(scope="session")
+def kernel():
+    """The workbench-local kernelspec, (re)installed into this venv so its kernel runs this python."""
+    subprocess.run([sys.executable, "-m", "workbench.kernels", "--sys-prefix"], check=True, capture_output=True)
+    spec = KernelSpecManager().get_kernel_spec("workbench-local")
+    assert spec.argv[0] == sys.executable, f"workbench-local runs {spec.argv[0]}, not this venv's {sys.executable}"
+    assert "RAY_ADDRESS" not in (spec.env or {})
+    return "workbench-local"
+
+
+def execute(name: str, run_dir, kernel: str, **parameters) -> dict:
+    run_notebook(name, run_dir, kernel=kernel, progress=False, timeout_s=600, **parameters)
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def plots(run_dir) -> set[str]:
+    return {p.name for p in (run_dir / "plots").iterdir()}
+
+
+def test_01_token_identity_mismatch_catches_a_retokenizing_recorder(kernel, tmp_path, capsys):
+    r = execute("01_token_identity", tmp_path, kernel)
+    with capsys.disabled():
+        print(f"\n[measured] 01: drift example {r['drift_example']}; {r['drift_tokens']} of {r['sampled_tokens']} sampled "
+              f"ids drift; identity_mismatch correct {r['identity_mismatch_correct']}, broken {r['identity_mismatch_broken']}")
+    ex = r["drift_example"]
+    assert ex["drift"] > 0 and ex["sampled"] != ex["retokenized"]  # decode -> encode does not round-trip
+    assert r["drift_tokens"] > 0  # ... and the engine really samples such splits
+    assert r["record_equals_engine_correct"] and r["identity_mismatch_correct"] == 0
+    assert r["identity_mismatch_broken"] > 0 and not r["record_equals_engine_broken"]
+    assert r["drift_recorded_broken"] == 0  # drift alone cannot see the bug
+    assert plots(tmp_path) >= {"identity.html", "segment_correct.html", "segment_broken.html"}
+
+
+def test_02_policy_versions_partial_rollout_and_the_staleness_gate(kernel, tmp_path, capsys):
+    r = execute("02_policy_versions", tmp_path, kernel)
+    with capsys.disabled():
+        print(f"\n[measured] 02: {r['partial_episodes']}/{r['episodes']} episodes span {r['versions_in_episode']} versions; "
+              f"partial step staleness {r['partial_step']['staleness_hist']} pass {r['partial_step']['gate_pass_ratio']}; "
+              f"stale batch: pass ratio {r['gate_pass_ratio_nogate']:.3f} -> {r['gate_pass_ratio_gate']:.3f}, "
+              f"k3 trained on {r['kl_k3_nogate']:.3g} -> {r['kl_k3_gate']:.3g}")
+    # a weight sync mid-episode: one episode's tokens carry two versions
+    assert r["versions_in_episode"] >= 2 and r["partial_episodes"] > 0
+    part = r["partial_step"]
+    assert set(part["staleness_hist"]) == {"0", "1"} and part["gate_pass_ratio"] == 1.0 and part["stale_dropped"] == 0
+    # engines that missed their syncs: the gate drops the stale sequences, and only those
+    assert r["stale_dropped_nogate"] == 0 and r["gate_pass_ratio_nogate"] == 1.0
+    assert r["stale_dropped_gate"] > 0 and 0 < r["gate_pass_ratio_gate"] < 1
+    assert max(int(k) for k in r["batch_staleness_hist"]) > r["max_staleness"]
+    assert r["kl_k3_nogate"] > 100 * max(r["kl_k3_gate"], 1e-6) and r["kl_k3_gate"] < 1e-5
+    assert r["max_abs_delta_p_nogate"] > r["max_abs_delta_p_gate"]
+    assert plots(tmp_path) >= {"gate_partial.html", "gate_vs_no_gate.html", "segment_versions.html"}
+
+
+def test_03_routing_replay_lowers_train_vs_rollout_kl(kernel, tmp_path, capsys):
+    r = execute("03_routing_replay", tmp_path, kernel)
+    with capsys.disabled():
+        print(f"\n[measured] 03: bf16 sampler vs fp32 trainer: disagreement {r['disagree_rate']:.4f} "
+              f"(per layer {[round(x, 4) for x in r['disagree_rate_per_layer']]}), k3 replay {r['kl_k3_replay']:.3g}, "
+              f"live {r['kl_k3_live']:.3g} over {r['sampled_tokens']} sampled tokens")
+    assert r["engine_dtype"] == "bfloat16" and r["disagree_rate"] > 0
+    assert len(r["disagree_rate_per_layer"]) == 2 and max(r["disagree_rate_per_layer"]) > 0
+    assert r["kl_k3_live"] > 2 * r["kl_k3_replay"] and r["max_abs_delta_p_live"] > r["max_abs_delta_p_replay"]
+    # the training step reports the same two numbers on its own
+    step = r["train_step"]
+    assert step["kl_k3"] == pytest.approx(r["kl_k3_replay"], rel=1e-3)
+    assert step["kl_k3_live"] == pytest.approx(r["kl_k3_live"], rel=1e-3)
+    assert plots(tmp_path) >= {"replay_vs_live.html", "replay_monitor.html", "segment_experts.html"}
