@@ -81,7 +81,10 @@ def test_without_replay_routing_disagrees_and_the_statistics_show_it(trainer, mo
     lp_replay, st_replay = trainer.logprobs(b, replay=True, with_stats=True)
     lp_live, st_live = trainer.logprobs(b, replay=False, with_stats=True)
     assert st_live["disagree_rate"] > 0 and len(st_live["disagree_rate_per_layer"]) == 2
-    assert st_live["disagree"] == st_replay["disagree"]  # the same live-vs-recorded positions, counted either way
+    # layer 0 sees the same input either way, so it counts the same flips; later layers' inputs
+    # already depend on the routing before them
+    assert st_live["disagree"][0] == st_replay["disagree"][0] > 0
+    assert st_live["fallback"] == st_replay["fallback"] == [len(b["input_ids"])] * 2  # only each row's last token
     assert k3(lp_live) > 1.5 * k3(lp_replay), (k3(lp_live), k3(lp_replay))
     print(f"\n[measured] bf16 sampler vs fp32 trainer: disagreement {st_live['disagree_rate']:.4f}, "
           f"k3 with replay {k3(lp_replay):.2e}, without {k3(lp_live):.2e}")

@@ -116,14 +116,16 @@ def _in_backward() -> bool:
 
 
 @contextmanager
-def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: bool = True):
+def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: bool = True,
+                  positions: torch.Tensor | None = None):
     """Within this context, every forward of `model` routes with the recorded `experts`.
 
     `experts`: [B, S, layers, top_k] or [S, layers, top_k] matching the next forward's
     input_ids. Yields a ReplayStats filled in as forwards run. With `experts=None` nothing is
     replayed (live routing) and nothing is counted. `apply=False` observes only: live routing
     runs, and the statistics count where it disagrees with `experts` (what replay would have
-    changed). With activation checkpointing, run the
+    changed). `positions` ([B, S] or [S], e.g. the attention mask): count only these positions
+    (padding is neither a replay nor a fallback). With activation checkpointing, run the
     backward inside the context too: its recompute forwards must replay the same experts.
     """
     routers = moe_routers(model)
@@ -139,6 +141,7 @@ def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: 
     if experts.shape[-2] != len(routers):
         raise ValueError(f"recorded experts have {experts.shape[-2]} MoE layers, model has {len(routers)}")
     flat = experts.reshape(-1, experts.shape[-2], experts.shape[-1]).long()
+    counted = None if positions is None else torch.as_tensor(positions).reshape(-1).bool()
 
     def hook_for(layer: int):
         def hook(module, args, output):
@@ -155,9 +158,10 @@ def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: 
             # apply there too (hence the context must stay open across backward), but the
             # positions are counted once, on the real forward.
             if not _in_backward():
-                stats.replayed[layer] += int(captured.sum())
-                stats.fallback[layer] += int((~captured).sum())
-                differs = (live_ids.sort(-1).values != ids.sort(-1).values).any(-1) & captured
+                real = torch.ones_like(captured) if counted is None else counted.to(captured.device)
+                stats.replayed[layer] += int((captured & real).sum())
+                stats.fallback[layer] += int((~captured & real).sum())
+                differs = (live_ids.sort(-1).values != ids.sort(-1).values).any(-1) & captured & real
                 stats.disagree[layer] += int(differs.sum())
             if not apply:
                 return None  # keep the router's own output

@@ -170,8 +170,10 @@ class Workbench:
         its probe log-probs against the trainer's. Returns the engines' WeightSyncReports."""
         import ray
 
+        # the trainer's version names its weights (a step already bumped it); only when the engines
+        # are at or past it (no step since the last sync) does the sync need a fresh number
         engine_version = max(i["version"] for i in ray.get([e.info.remote() for e in self.engines]))
-        self._trainer.version = max(self._trainer.version, engine_version) + 1
+        self._trainer.version = max(self._trainer.version, engine_version + 1)
         return sync_engines(self._trainer, self.engines, self.cfg.loop.sync_tol)
 
     def run(self, steps: int, background: bool = True, monitors: list | None = None, progress: bool = True,
@@ -247,11 +249,13 @@ class Workbench:
 
         return RolloutStepper(self.rollout.episode, self.rollout.group)
 
-    def inspect(self, trajectory=None, color_by: str = "loss_mask"):
-        """A segment inspector on `trajectory` (default: the last one rolled out)."""
+    def inspect(self, trajectory=None, color_by: str = "loss_mask", layer: int = 0):
+        """A segment inspector on `trajectory` (default: the last one rolled out); `layer`: the
+        MoE layer whose experts color_by="experts" shows."""
         from .widgets import SegmentInspector
 
-        return SegmentInspector(trajectory if trajectory is not None else self.rollout.last, self.tokenizer, color_by=color_by)
+        return SegmentInspector(trajectory if trajectory is not None else self.rollout.last, self.tokenizer,
+                                color_by=color_by, layer=layer)
 
     def monitors(self) -> tuple:
         """(GateMonitor, ReplayMonitor) filled with this session's history; pass them to run()."""

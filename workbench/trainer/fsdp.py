@@ -70,7 +70,7 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, e
     """Per-token log-probs of `input_ids` under `model` ([B, T], column 0 = 0), with routing
     replay when `experts` ([B, T, layers, k]) is given. Returns (logprobs, ReplayStats).
     `apply_replay=False` routes live but still counts where live routing disagrees with `experts`."""
-    with routing_replay(model, experts, apply=apply_replay) as stats:
+    with routing_replay(model, experts, apply=apply_replay, positions=attention_mask) as stats:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
     return sampled_logprobs(logits, input_ids, temperature), stats
 
@@ -192,7 +192,7 @@ class TrainerWorker:
         total, contributions = 0.0, []
         for mb in self._micro(batch):
             # the replay context spans backward: activation-checkpoint recompute must replay too
-            with routing_replay(self.model, self._experts(mb), apply=self.cfg.routing_replay):
+            with routing_replay(self.model, self._experts(mb), apply=self.cfg.routing_replay, positions=mb["attention_mask"]):
                 logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
                 lp = sampled_logprobs(logits, mb["input_ids"], self.cfg.temperature)
                 tl = surrogate(lp, mb["old_logprobs"], mb["advantages"], mb["weights"], mb["loss_mask"].float(),
