@@ -1,7 +1,7 @@
 # The two commands of README.md. Each first installs what is missing into .venv (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-script test bench bench-loopback bench-rollout clean-cache kernels lab
+.PHONY: setup demo demo-script test bench bench-loopback bench-rollout bench-trainer clean-cache kernels lab
 
 setup:
 	@bash scripts/setup.sh
@@ -28,6 +28,9 @@ bench-loopback: setup
 
 bench-rollout: setup
 	$(PY) bench/rollout.py
+
+bench-trainer: setup
+	$(PY) bench/trainer.py
 
 clean-cache:
 	rm -rf $${WORKBENCH_CACHE:-$$HOME/.cache/workbench}/toy

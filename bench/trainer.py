@@ -1,0 +1,234 @@
+"""Trainer benchmark, each number against a baseline measured in the same run:
+
+1. tokens/s of `Trainer.train_step` (FSDP2 ranks in Ray actors) vs a plain HF loop on the same
+   model and batches (forward, log-prob gather, policy-gradient loss, backward, clip, AdamW);
+   target >= 0.9. The trainer also runs the no-grad forward for old log-probs that correction
+   needs, so a second baseline does that forward too (the fair ratio).
+2. routing replay on vs off (tiny MoE): forward + backward of token_logprobs; target <= 1.1.
+3. weight sync seconds per MB into one vLLM engine, and into the reference backend.
+
+    .venv/bin/python bench/trainer.py [--steps 10] [--batch 16] [--seq-len 256] [--model moe]
+                                      [--world-size 1 2] [--experts] [--skip-sync]
+
+World sizes 1 and 2 are both measured: on 2 cores, 1 rank x 2 threads is the like-for-like
+comparison with the plain loop (one process, 2 threads), 2 ranks x 1 thread is what the loop
+and tests run. Timed steps of all variants are interleaved, so other work on a shared machine
+hits each alike; medians are reported, and ratios of the best (least disturbed) steps too.
+Results go to bench/results/trainer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from workbench.cluster import init_ray, shutdown_ray
+from workbench.replay import RouterCapture
+from workbench.rollout.actor import launch_engine, stop_engine, sync_weights
+from workbench.rollout.engine import expected_probe_logprobs, probe_ids
+from workbench.tokens import Segment, training_tensors
+from workbench.toy.models import load_hf_model, toy_model_path
+from workbench.trainer.fsdp import Trainer, TrainerConfig, token_logprobs
+
+
+def synthetic_batch(path: str, rows: int, seq_len: int, seed: int = 0) -> dict:
+    """training_tensors' keys: random ids, lengths in [seq_len/2, seq_len] (right padding as in
+    real batches), the first quarter prompt (loss_mask 0), behaviour log-probs of the initial
+    model (correction weights ~1), advantages +-1 per row."""
+    g = torch.Generator().manual_seed(seed)
+    model, segs = load_hf_model(path), []
+    for _ in range(rows):
+        n = int(torch.randint(seq_len // 2, seq_len + 1, (1,), generator=g))
+        p, ids = n // 4, torch.randint(0, model.config.vocab_size, (n,), generator=g)
+        with torch.no_grad():
+            lp = token_logprobs(model, ids[None], torch.ones(1, n, dtype=torch.long))[0][0]
+        segs.append(Segment(ids.tolist(), [0] * p + [1] * (n - p), [0.0] * p + lp[p:].tolist(), [-1] * p + [0] * (n - p)))
+    b = training_tensors(segs)
+    b["advantages"] = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None] * b["loss_mask"]
+    return b
+
+
+class PlainLoop:
+    """The baseline: a stock HF model and AdamW in this process, same micro-batches, lr, clip."""
+
+    def __init__(self, path: str, lr: float, micro: int, old_forward: bool):
+        self.model, self.micro, self.old_forward = load_hf_model(path), micro, old_forward
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+
+    def logprobs(self, ids, attn):
+        logits = self.model(input_ids=ids, attention_mask=attn).logits
+        return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    def step(self, b: dict) -> None:
+        chunks = [slice(s, s + self.micro) for s in range(0, b["input_ids"].shape[0], self.micro)]
+        if self.old_forward:  # what a PPO-style ratio (and the trainer's correction) needs first
+            with torch.no_grad():
+                old = [self.logprobs(b["input_ids"][c], b["attention_mask"][c]) for c in chunks]
+        self.model.train()
+        for i, c in enumerate(chunks):
+            lp = self.logprobs(b["input_ids"][c], b["attention_mask"][c])
+            ratio = torch.exp(lp - old[i]) if self.old_forward else lp
+            (-(ratio * b["advantages"][c, 1:] * b["loss_mask"][c, 1:]).sum() / b["loss_mask"].sum()).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def timed(fn, *a) -> float:
+    t0 = time.perf_counter()
+    fn(*a)
+    return time.perf_counter() - t0
+
+
+def interleaved(runs: dict, arg, warmup: int, steps: int) -> dict:
+    """Step i of every variant, then step i + 1 of every variant, ...; {name: {median_s, min_s}}."""
+    times = {k: [] for k in runs}
+    for i in range(warmup + steps):
+        for k, fn in runs.items():
+            t = timed(fn, arg)
+            if i >= warmup:
+                times[k].append(t)
+    return {k: {"median_s": statistics.median(v), "min_s": min(v), "steps_s": v} for k, v in times.items()}
+
+
+def bench_trainer(args, path: str, batch: dict) -> dict:
+    cfg = TrainerConfig(micro_batch_size=args.micro)
+    runs = {"plain": PlainLoop(path, cfg.lr, args.micro, False).step,
+            "plain+old_forward": PlainLoop(path, cfg.lr, args.micro, True).step}
+    trainers = []
+    try:
+        for ws in args.world_size:
+            trainers.append(Trainer(path, world_size=ws, cfg=cfg))
+            runs[f"trainer_ws{ws}"] = trainers[-1].train_step
+        out = interleaved(runs, batch, args.warmup, args.steps)
+        for ws, t in zip(args.world_size, trainers):  # what the loop does before every sync
+            out[f"trainer_ws{ws}"]["state_dict_gather_s"] = timed(t.state_dict)
+    finally:
+        for t in trainers:
+            t.shutdown()
+    for r in out.values():
+        r["tokens_per_s"] = int(batch["attention_mask"].sum()) / r["median_s"]
+    return out
+
+
+def record_experts(model, batch: dict) -> torch.Tensor:
+    """The MoE's own routing of the batch, [B, T, layers, top_k] int16, as a rollout records it."""
+    cap = RouterCapture(model)
+    cap.active = True
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    cap.remove()
+    return cap.pop().reshape(*batch["input_ids"].shape, -1, model.config.num_experts_per_tok)
+
+
+def bench_replay(args, batch: dict) -> dict:
+    """Same model, same batch; the only difference is the routing_replay hooks."""
+    model = load_hf_model(toy_model_path("moe")).train()
+    ids, attn, experts = batch["input_ids"], batch["attention_mask"], record_experts(model, batch)
+
+    def fwd_bwd(e):
+        lp, _ = token_logprobs(model, ids, attn, experts=e)
+        (lp * batch["loss_mask"]).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    r = interleaved({"off": lambda _: fwd_bwd(None), "on": lambda _: fwd_bwd(experts)}, None, args.warmup, args.steps)
+    return {**r, "ratio_on_off": r["on"]["median_s"] / r["off"]["median_s"]}
+
+
+def bench_sync(args, path: str) -> dict:
+    """sync_weights wall time (ray.put, pause, load, version, resume, probe check) per backend."""
+    import ray
+
+    model = load_hf_model(path)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {"state_dict_mb": sum(v.numel() * v.element_size() for v in sd.values()) / 1e6}
+    expected = expected_probe_logprobs(model, probe_ids(model.config.vocab_size))
+    for backend in ("vllm", "reference"):
+        engine = launch_engine(backend, model_path=path, env={"VLLM_LOGGING_LEVEL": "WARNING"})
+        try:
+            v = ray.get(engine.info.remote())["version"]
+            walls, inside = [], []
+            for i in range(1 + args.syncs):  # the first is a warm-up
+                t0 = time.perf_counter()
+                report = sync_weights([engine], sd, version=v + 1 + i, expected_probe=expected, tol=1e-3)[0]
+                walls.append(time.perf_counter() - t0)
+                inside.append(report.seconds)
+        finally:
+            stop_engine(engine)
+        med = statistics.median(walls[1:])
+        out[backend] = {"median_s": med, "s_per_mb": med / out["state_dict_mb"], "engine_side_s": statistics.median(inside[1:])}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16, help="rows (segments) per batch")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--micro", type=int, default=8, help="micro-batch size (the trainer's default)")
+    ap.add_argument("--model", default="moe", choices=["moe", "dense"])
+    ap.add_argument("--world-size", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--experts", action="store_true", help="moe: batches carry recorded experts (the trainer "
+                    "replays them and runs its live-routing KL forward; the plain loops route live)")
+    ap.add_argument("--syncs", type=int, default=3)
+    ap.add_argument("--skip-sync", action="store_true")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    init_ray()
+    # Ray starts its workers (the trainer's ranks) at its own niceness + 15. The plain loop runs
+    # here, so it takes the same (after init_ray, else Ray would add 15 on top; before torch's
+    # first op, so its threads inherit it): other work on a shared machine then slows both alike.
+    os.nice(15)
+    try:
+        path = str(toy_model_path(args.model))
+        batch = synthetic_batch(path, args.batch, args.seq_len)
+        moe_batch = batch if args.model == "moe" else synthetic_batch(str(toy_model_path("moe")), args.batch, args.seq_len)
+        if args.experts and args.model == "moe":
+            batch = {**batch, "routed_experts": record_experts(load_hf_model(path), batch)}
+        # The plain loop uses torch's default threads (= cores), a trainer rank cores / world_size
+        # (fsdp.py): every variant uses all cores and no more.
+        print(f"{args.model}, {args.batch} rows x <= {args.seq_len} tokens ({int(batch['attention_mask'].sum())} tokens), "
+              f"{torch.get_num_threads()} torch threads here, {os.cpu_count()} cores")
+        res = {"trainer": bench_trainer(args, path, batch)}
+        res["replay"] = bench_replay(args, moe_batch)
+        if not args.skip_sync:
+            res["sync"] = bench_sync(args, path)
+    finally:
+        shutdown_ray()
+
+    tr, res["ratios"] = res["trainer"], {}
+    print(f"\n{'variant':<20} {'tokens/s':>10} {'median s':>9} {'min s':>7}")
+    for k, r in tr.items():
+        print(f"{k:<20} {r['tokens_per_s']:>10.0f} {r['median_s']:>9.3f} {r['min_s']:>7.3f}")
+    for ws in args.world_size:  # a tokens/s ratio is the inverse ratio of step times
+        k = f"trainer_ws{ws}"
+        r = {f"{k}/{b}{best}": tr[b][stat] / tr[k][stat] for b in ("plain", "plain+old_forward")
+             for stat, best in (("median_s", ""), ("min_s", " best"))}
+        res["ratios"].update(r)
+        print(f"{k}: {r[f'{k}/plain']:.2f}x plain (target >= 0.9), {r[f'{k}/plain+old_forward']:.2f}x plain with the same "
+              f"no-grad forward (best steps {r[f'{k}/plain best']:.2f}x, {r[f'{k}/plain+old_forward best']:.2f}x); "
+              f"state_dict gather {tr[k]['state_dict_gather_s']:.3f} s")
+    rp = res["replay"]
+    print(f"routing replay on/off, moe fwd+bwd: {rp['on']['median_s']:.3f} / {rp['off']['median_s']:.3f} s = "
+          f"{rp['ratio_on_off']:.2f}x (target <= 1.1)")
+    if "sync" in res:
+        s = res["sync"]
+        for b in ("vllm", "reference"):
+            print(f"weight sync {b:<9}: {s[b]['s_per_mb']:.3f} s/MB ({s[b]['median_s']:.3f} s for {s['state_dict_mb']:.1f} MB, "
+                  f"{s[b]['engine_side_s']:.3f} s inside the engine)")
+        print(f"ratio vllm / reference s/MB: {s['vllm']['s_per_mb'] / s['reference']['s_per_mb']:.2f}x")
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / "trainer.json").write_text(json.dumps({"args": vars(args), **res}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
