@@ -108,3 +108,20 @@ def test_stats_of_a_split_batch_merge_to_the_whole():
     for k in ("kl_k1", "kl_k3", "max_abs_delta_p", "gate_pass_ratio", "token_mask_ratio"):
         assert merged[k] == pytest.approx(whole[k], abs=1e-6), k
     assert merged["is_weight_hist"] == whole["is_weight_hist"] and merged["tokens_per_version"] == whole["tokens_per_version"]
+
+
+def test_gate_ratio_ignores_padding_rows_and_merges_over_unequal_parts():
+    """Trainer ranks pad with all-masked rows and micro-batches differ in size: neither may
+    move the gate pass ratio."""
+    from workbench.correction import merge_stats
+
+    old, behav, mask, versions = batch()
+    cfg = CorrectionConfig(level="geo", mode="mask", low=0.99, high=1.01, max_staleness=1)
+    whole = correction_weights(old, behav, mask, versions, 6, cfg).stats
+    pad = lambda t: torch.cat([t, torch.zeros_like(t[:1])])  # noqa: E731
+    padded = correction_weights(pad(old), pad(behav), pad(mask), pad(versions), 6, cfg).stats
+    assert padded["gate_pass_ratio"] == whole["gate_pass_ratio"] and padded["sequences"] == whole["sequences"] == 2
+    assert padded["stale_dropped"] + padded["band_dropped"] == whole["stale_dropped"] + whole["band_dropped"]
+    parts = [correction_weights(pad(old[:1]), pad(behav[:1]), pad(mask[:1]), pad(versions[:1]), 6, cfg).stats,
+             correction_weights(old[1:], behav[1:], mask[1:], versions[1:], 6, cfg).stats]
+    assert merge_stats(parts)["gate_pass_ratio"] == pytest.approx(whole["gate_pass_ratio"])

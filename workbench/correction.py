@@ -97,7 +97,7 @@ def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
         # staleness gate, per sequence, on its oldest trainable token
         stale = (trainer_version - versions).masked_fill(~m, 0)
         oldest = stale.max(-1).values
-        fresh = torch.ones(B, dtype=torch.bool) if cfg.max_staleness is None else oldest <= cfg.max_staleness
+        fresh = torch.ones(B, dtype=torch.bool, device=m.device) if cfg.max_staleness is None else oldest <= cfg.max_staleness
 
         if cfg.level == "token":
             unit = r
@@ -124,15 +124,20 @@ def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
 
 
 def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions) -> dict:
+    # on CPU: small tensors, and torch.histogram has no CUDA kernel
+    trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions = (
+        t.detach().cpu() for t in (trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions))
     n = int(m.sum())
+    rows = m.any(-1)  # sequences with trainable tokens (padding rows are neither kept nor dropped)
     lr = torch.log(r[m]) if n else torch.zeros(0)
     kept = m & keep[:, None]
     w = weights[kept]
     hist = torch.histogram(w.clamp(max=1e6), bins=torch.tensor(WEIGHT_BINS[:-1] + (1e6,))).hist if w.numel() else torch.zeros(len(WEIGHT_BINS) - 1)
     return {
-        "gate_pass_ratio": float(keep.float().mean()) if keep.numel() else 1.0,
-        "stale_dropped": int((~fresh).sum()),
-        "band_dropped": int((fresh & ~keep).sum()),
+        "gate_pass_ratio": float(keep[rows].float().mean()) if rows.any() else 1.0,
+        "sequences": int(rows.sum()),
+        "stale_dropped": int((~fresh & rows).sum()),
+        "band_dropped": int((fresh & ~keep & rows).sum()),
         "token_mask_ratio": float((weights[m] > 0).float().mean()) if n else 1.0,
         # KL(behaviour || trainer) estimators on the behaviour samples, with r = pi_old / pi_behav
         "kl_k1": float((-lr).mean()) if n else 0.0,
@@ -146,9 +151,10 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions) ->
 
 
 def merge_stats(parts: list[dict]) -> dict:
-    """One statistics dict for a batch computed in parts (one per trainer rank): token-weighted
-    means, maxima, sums, and summed histograms."""
+    """One statistics dict for a batch computed in parts (per micro-batch, per trainer rank):
+    token-weighted means, sequence-weighted gate ratio, maxima, sums, summed histograms."""
     tokens = sum(p["tokens"] for p in parts)
+    sequences = sum(p["sequences"] for p in parts)
 
     def wmean(k):
         return sum(p[k] * p["tokens"] for p in parts) / tokens if tokens else 0.0
@@ -160,7 +166,8 @@ def merge_stats(parts: list[dict]) -> dict:
         return dict(sorted(out.items()))
 
     return {
-        "gate_pass_ratio": sum(p["gate_pass_ratio"] for p in parts) / len(parts),
+        "gate_pass_ratio": sum(p["gate_pass_ratio"] * p["sequences"] for p in parts) / sequences if sequences else 1.0,
+        "sequences": sequences,
         "stale_dropped": sum(p["stale_dropped"] for p in parts),
         "band_dropped": sum(p["band_dropped"] for p in parts),
         "token_mask_ratio": wmean("token_mask_ratio"), "kl_k1": wmean("kl_k1"), "kl_k3": wmean("kl_k3"),

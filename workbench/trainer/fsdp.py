@@ -41,6 +41,9 @@ class TrainerConfig:
     # the train-vs-rollout KL without replay next to the one with it (what replay buys)
     measure_live_routing: bool = True
     activation_checkpointing: bool = False  # recompute layer activations in backward (replay holds there)
+    # FSDP2: free each layer's gathered parameters after its forward (True: least memory) or keep
+    # them for the backward (False: one all-gather per layer and micro-batch fewer; ZeRO-2-like)
+    reshard_after_forward: bool = True
     dtype: str = "float32"  # the parameters' dtype (the FSDP shards and the optimizer state)
     # FSDP2 mixed precision: compute in this dtype ("bfloat16" on GPU), reduce gradients in fp32,
     # keep fp32 master weights. None: compute in `dtype`.
@@ -134,7 +137,7 @@ class TrainerWorker:
             # non-reentrant: the recompute runs inside backward, where routing_replay's hooks
             # still apply because train_step keeps the replay context open across backward
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        shard_kwargs = {}
+        shard_kwargs = {"reshard_after_forward": cfg.reshard_after_forward}
         if cfg.mixed_precision:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -177,44 +180,49 @@ class TrainerWorker:
     def train_step(self, batch: dict, trainer_version: int, global_tokens: int, report: bool = False) -> dict:
         """One optimizer step on this rank's rows. `global_tokens`: trainable tokens over all
         ranks, so that a token_mean loss is the same whatever the split. `report`: also return
-        per-token tensors of this step (for the token-journey view)."""
+        per-token tensors of this step (for the token-journey view).
+
+        The old log-probs (pi_old in the ratios) are the gradient forward's own, detached: a
+        step makes one optimizer update per batch, so the weights they need are exactly the
+        ones this forward uses, and a separate no-grad forward would only repeat it (it cost a
+        quarter of the step; bench/trainer.py). Correction weights are per row, so computing
+        them per micro-batch gives the whole batch's."""
         batch = self._to(batch)
-        old, old_replay = self.logprobs(batch)
-        old = old.to(self.device)
-        corr = correction_weights(old, batch["behaviour_logprobs"], batch["loss_mask"], batch["versions"],
-                                  trainer_version, self.cfg.correction)
-        batch["old_logprobs"], batch["weights"] = old, corr.weights.to(self.device)
         live = None
         if self.cfg.routing_replay and self.cfg.measure_live_routing and batch.get("routed_experts") is not None:
             live = _kl_k3(self.logprobs(batch, replay=False)[0].to(self.device), batch["behaviour_logprobs"], batch["loss_mask"])
         surrogate = get_surrogate(self.cfg.surrogate)
         self.model.train()
-        total, contributions = 0.0, []
+        total, corr_parts, replay, rows = 0.0, [], None, []
         for mb in self._micro(batch):
             # the replay context spans backward: activation-checkpoint recompute must replay too
-            with routing_replay(self.model, self._experts(mb), apply=self.cfg.routing_replay, positions=mb["attention_mask"]):
+            with routing_replay(self.model, self._experts(mb), apply=self.cfg.routing_replay,
+                                positions=mb["attention_mask"]) as rstats:
                 logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
                 lp = sampled_logprobs(logits, mb["input_ids"], self.cfg.temperature)
-                tl = surrogate(lp, mb["old_logprobs"], mb["advantages"], mb["weights"], mb["loss_mask"].float(),
-                               **self.cfg.surrogate_kwargs)
+                old = lp.detach()
+                corr = correction_weights(old, mb["behaviour_logprobs"], mb["loss_mask"], mb["versions"],
+                                          trainer_version, self.cfg.correction)
+                tl = surrogate(lp, old, mb["advantages"], corr.weights, mb["loss_mask"].float(), **self.cfg.surrogate_kwargs)
                 scale = self._token_scale(mb, batch, global_tokens)  # per token: d loss / d token loss
                 loss = (tl * scale).sum()
                 loss.backward()
             total += float(loss)
+            corr_parts.append(corr.stats)
+            replay = _add_replay(replay, rstats)
             if report:
-                contributions.append((tl * scale).detach().cpu())
+                keep = corr.keep[:, None].expand_as(mb["loss_mask"]) & mb["loss_mask"].bool()
+                rows.append({"trainer_logprobs": old, "is_weight": corr.weights, "gate_keep": keep,
+                             "loss_contribution": (tl * scale).detach()})
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = {"loss": total, "grad_norm": float(grad_norm), "correction": corr.stats, "replay": old_replay,
+        out = {"loss": total, "grad_norm": float(grad_norm), "correction": merge_stats(corr_parts), "replay": replay,
                "kl_k3_live": live}
         if report:
-            out["report"] = {"input_ids": batch["input_ids"].cpu(), "loss_mask": batch["loss_mask"].cpu(),
-                             "behaviour_logprobs": batch["behaviour_logprobs"].cpu(), "versions": batch["versions"].cpu(),
-                             "trainer_logprobs": old.cpu(), "is_weight": corr.weights.cpu(),
-                             "gate_keep": corr.keep[:, None].expand_as(batch["loss_mask"]).cpu() & batch["loss_mask"].bool().cpu(),
-                             "advantages": batch["advantages"].cpu(), "loss_contribution": torch.cat(contributions)}
+            out["report"] = {k: batch[k].cpu() for k in ("input_ids", "loss_mask", "behaviour_logprobs", "versions", "advantages")}
+            out["report"].update({k: torch.cat([r[k] for r in rows]).cpu() for k in rows[0]})
             if batch.get("routed_experts") is not None:
                 out["report"]["routed_experts"] = batch["routed_experts"].cpu()
         return out
