@@ -1,5 +1,7 @@
 """Advantage estimators and surrogates against hand-computed values and gradients."""
 
+import math
+
 import pytest
 import torch
 
@@ -85,3 +87,14 @@ def test_aggregations():
         aggregate(losses, m, "mean")
     with pytest.raises(ValueError, match="unknown surrogate"):
         get_surrogate("ppo")
+
+
+def test_kl_estimators_against_hand_values():
+    from workbench.trainer.losses import KL_ESTIMATORS
+
+    d = torch.tensor([0.0, math.log(2.0), -math.log(2.0)])  # log pi - log pi_ref
+    assert torch.allclose(KL_ESTIMATORS["k1"](d), d)
+    assert torch.allclose(KL_ESTIMATORS["k2"](d), 0.5 * d * d)
+    # k3 = pi_ref/pi - 1 - log(pi_ref/pi): 0 at d = 0; 0.5 - 1 + ln 2 at d = ln 2; 2 - 1 - ln 2 at d = -ln 2
+    assert torch.allclose(KL_ESTIMATORS["k3"](d), torch.tensor([0.0, math.log(2.0) - 0.5, 1 - math.log(2.0)]))
+    assert (KL_ESTIMATORS["k3"](torch.linspace(-3, 3, 61)) >= -1e-7).all()  # never negative (up to rounding)

@@ -271,3 +271,35 @@ def test_nccl_weight_sync_is_refused_clearly_without_gpus(trainer, vllm_moe):
     with pytest.raises(ray.exceptions.RayTaskError, match="NCCL weight sync needs CUDA GPUs.*On CPU use the file path"):
         trainer.init_nccl_sync([vllm_moe])
     assert trainer.nccl is None  # syncs keep the CPU path
+
+
+def test_dense_bf16_mixed_precision_with_a_kl_penalty_to_the_reference(ray_local, dense_path):
+    """A dense model, FSDP2 mixed precision (bf16 compute, fp32 master weights and gradient
+    reduction; what GPUs run, here on gloo), and the KL-to-reference penalty: 0 while the
+    policy equals its reference, > 0 once it has moved."""
+    g = torch.Generator().manual_seed(0)
+    segs = [Segment(torch.randint(3, 500, (40,), generator=g).tolist(), [0] * 20 + [1] * 20, [0.0] * 40, [-1] * 20 + [0] * 20)
+            for _ in range(6)]
+    b = training_tensors(segs)
+    b["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])[:, None] * b["loss_mask"]
+    m = b["loss_mask"].bool()
+    model = load_hf_model(dense_path)
+    with torch.no_grad():
+        lp_fp32, _ = token_logprobs(model, b["input_ids"], b["attention_mask"])
+    t = Trainer(str(dense_path), world_size=2, cfg=TrainerConfig(lr=1e-3, micro_batch_size=4, mixed_precision="bfloat16",
+                                                                 kl_coef=0.5, correction=CorrectionConfig.tis()))
+    try:
+        lp = t.logprobs(b)
+        gap = float((lp - lp_fp32)[m].abs().max())
+        assert 0 < gap < 0.2, gap  # bf16 compute: close to fp32, not equal
+        b["behaviour_logprobs"] = lp * b["loss_mask"]
+        first = t.train_step(b)
+        assert first["kl_ref"] == 0.0 and first["correction"]["kl_k3"] < 1e-6
+        second = t.train_step(b)
+        assert second["kl_ref"] > 0 and np.isfinite(second["loss"])
+        after = t.logprobs(b)
+        assert float(((after - lp) * b["advantages"])[m].sum()) > 0  # moved in the advantages' direction
+        sd = t.state_dict()
+        assert all(v.dtype == torch.float32 for v in sd.values())  # master weights stay fp32
+    finally:
+        t.shutdown()

@@ -197,7 +197,7 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         "staleness_hist": corr["staleness_hist"], "tokens_per_version": corr["tokens_per_version"],
         "is_weight_hist": corr["is_weight_hist"],
         "replay_disagree_rate": replay["disagree_rate"], "replay_disagree_per_layer": replay["disagree_rate_per_layer"],
-        "replay_fallback": sum(replay["fallback"]), "kl_k3_live": stats["kl_k3_live"],
+        "replay_fallback": sum(replay["fallback"]), "kl_k3_live": stats["kl_k3_live"], "kl_ref": stats["kl_ref"],
         "sync_max_abs_diff": max(r.probe_max_abs_diff for r in reports),
         "rollout_s": r1 - r0, "train_s": t2 - t1, "sync_s": time.time() - t2, "step_s": time.time() - min(r0, t1),
         "rollout_start": r0, "rollout_end": r1, "train_start": t1, "train_end": t2,

@@ -23,7 +23,7 @@ import torch
 
 from ..correction import CorrectionConfig, correction_weights, merge_stats
 from ..replay import routing_replay
-from .losses import get_surrogate
+from .losses import KL_ESTIMATORS, get_surrogate
 
 @dataclass
 class TrainerConfig:
@@ -35,6 +35,11 @@ class TrainerConfig:
     surrogate: str = "ppo_clip"
     surrogate_kwargs: dict = field(default_factory=dict)
     aggregation: str = "token_mean"
+    # optional KL penalty to a frozen reference (the initial weights, or ref_model_path): each
+    # token loss gains kl_coef * KL_ESTIMATORS[kl_estimator](log pi - log pi_ref)
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    ref_model_path: str | None = None
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     routing_replay: bool = True  # MoE: replay the rollout's expert ids when the batch has them
     # MoE with recorded experts: one more no-grad forward per step with live routing, to report
@@ -60,6 +65,10 @@ class TrainerConfig:
         if self.aggregation not in ("token_mean", "seq_mean_token_mean", "constant"):
             raise ValueError(f"TrainerConfig.aggregation {self.aggregation!r} unknown: token_mean, seq_mean_token_mean or constant")
         get_surrogate(self.surrogate)  # unknown names fail here, not on the first step
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"TrainerConfig.kl_estimator {self.kl_estimator!r} unknown: {sorted(KL_ESTIMATORS)}")
+        if self.kl_coef < 0:
+            raise ValueError(f"TrainerConfig.kl_coef must be >= 0, got {self.kl_coef}")
 
 
 def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -146,6 +155,13 @@ class TrainerWorker:
         for layer in self.model.model.layers:
             fully_shard(layer, **shard_kwargs)
         fully_shard(self.model, **shard_kwargs)
+        self.ref_model = None
+        if cfg.kl_coef > 0:  # frozen, sharded the same way, never in the optimizer
+            self.ref_model = load_hf_model(cfg.ref_model_path or model_path, dtype=getattr(torch, cfg.dtype)).to(self.device)
+            self.ref_model.requires_grad_(False)
+            for layer in self.ref_model.model.layers:
+                fully_shard(layer, **shard_kwargs)
+            fully_shard(self.ref_model, **shard_kwargs)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def ready(self) -> int:
@@ -193,7 +209,7 @@ class TrainerWorker:
             live = _kl_k3(self.logprobs(batch, replay=False)[0].to(self.device), batch["behaviour_logprobs"], batch["loss_mask"])
         surrogate = get_surrogate(self.cfg.surrogate)
         self.model.train()
-        total, corr_parts, replay, rows = 0.0, [], None, []
+        total, corr_parts, replay, rows, kl_sum = 0.0, [], None, [], 0.0
         for mb in self._micro(batch):
             # the replay context spans backward: activation-checkpoint recompute must replay too
             with routing_replay(self.model, self._experts(mb), apply=self.cfg.routing_replay,
@@ -204,6 +220,10 @@ class TrainerWorker:
                 corr = correction_weights(old, mb["behaviour_logprobs"], mb["loss_mask"], mb["versions"],
                                           trainer_version, self.cfg.correction)
                 tl = surrogate(lp, old, mb["advantages"], corr.weights, mb["loss_mask"].float(), **self.cfg.surrogate_kwargs)
+                if self.ref_model is not None:
+                    kl = self._kl_to_reference(mb, lp)
+                    tl = tl + self.cfg.kl_coef * kl
+                    kl_sum += float(kl.detach().sum())
                 scale = self._token_scale(mb, batch, global_tokens)  # per token: d loss / d token loss
                 loss = (tl * scale).sum()
                 loss.backward()
@@ -219,13 +239,22 @@ class TrainerWorker:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         out = {"loss": total, "grad_norm": float(grad_norm), "correction": merge_stats(corr_parts), "replay": replay,
-               "kl_k3_live": live}
+               "kl_k3_live": live, "kl_ref": {"sum": kl_sum, "tokens": int(batch["loss_mask"].sum())} if self.ref_model else None}
         if report:
             out["report"] = {k: batch[k].cpu() for k in ("input_ids", "loss_mask", "behaviour_logprobs", "versions", "advantages")}
             out["report"].update({k: torch.cat([r[k] for r in rows]).cpu() for k in rows[0]})
             if batch.get("routed_experts") is not None:
                 out["report"]["routed_experts"] = batch["routed_experts"].cpu()
         return out
+
+    def _kl_to_reference(self, mb: dict, lp: torch.Tensor) -> torch.Tensor:
+        """Per-token KL(pi || pi_ref) estimate on the sampled tokens (routing replayed in the
+        reference too: the same experts the tokens were sampled with)."""
+        self.ref_model.eval()
+        with torch.no_grad():
+            ref, _ = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
+                                    self._experts(mb), apply_replay=self.cfg.routing_replay)
+        return KL_ESTIMATORS[self.cfg.kl_estimator](lp - ref) * mb["loss_mask"].float()
 
     def _token_scale(self, mb: dict, batch: dict, global_tokens: int):
         """Each token loss's factor in this rank's loss, per aggregation. FSDP averages gradients
@@ -365,8 +394,9 @@ class Trainer:
         out = {"version": self.version, "loss": sum(s["loss"] for s in stats), "grad_norm": stats[0]["grad_norm"],
                "correction": merge_stats([s["correction"] for s in stats]),
                "replay": replay_summary([s["replay"] for s in stats])}
-        lives = [s["kl_k3_live"] for s in stats if s["kl_k3_live"] is not None]
-        out["kl_k3_live"] = sum(x["sum"] for x in lives) / max(sum(x["tokens"] for x in lives), 1) if lives else None
+        for key in ("kl_k3_live", "kl_ref"):  # token-weighted over ranks
+            vals = [s[key] for s in stats if s[key] is not None]
+            out[key] = sum(x["sum"] for x in vals) / max(sum(x["tokens"] for x in vals), 1) if vals else None
         if report:
             n = batch["input_ids"].shape[0]
             out["report"] = {k: torch.cat([s["report"][k] for s in stats])[:n] for k in stats[0]["report"]}

@@ -5,7 +5,8 @@ estimators broadcast their scalar over the sequence's tokens). Surrogates take p
 log-probs under the current weights (with gradient), the old log-probs (the weights the batch
 is trained from, no gradient), advantages, and the correction weights from
 workbench.correction (0 where a token or sequence is dropped), and return per-token losses.
-`aggregate` turns them into one scalar.
+`aggregate` turns them into one scalar. `KL_ESTIMATORS` give the optional per-token KL penalty
+to a frozen reference model (TrainerConfig.kl_coef).
 
 Register more with `@register_advantage(name)` / `@register_surrogate(name)`.
 """
@@ -19,6 +20,14 @@ import torch
 
 ADVANTAGES: dict[str, Callable] = {}
 SURROGATES: dict[str, Callable] = {}
+# Per-token estimators of KL(pi || pi_ref) on tokens sampled from pi, as functions of
+# d = log pi - log pi_ref (differentiable in log pi): k1 = d; k2 = d^2 / 2; k3 = e^-d - 1 + d
+# (unbiased and never negative). Used for the optional KL-to-reference penalty.
+KL_ESTIMATORS: dict[str, Callable] = {
+    "k1": lambda d: d,
+    "k2": lambda d: 0.5 * d * d,
+    "k3": lambda d: torch.exp(-d) - 1 + d,
+}
 
 
 def register_advantage(name: str):
