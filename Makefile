@@ -10,6 +10,7 @@ setup:
 # It runs notebooks/00_quickstart.ipynb through papermill and leaves the executed notebook and
 # the run directory (metrics.jsonl, trajectories/, plots/, checkpoint/, results.json) in runs/quickstart.
 demo: setup
+	rm -rf runs/quickstart  # a fresh record each time (a session refuses a run_dir that holds a run)
 	$(PY) -m workbench.notebooks 00_quickstart --run-dir runs/quickstart
 
 # The same pieces as a plain script, step by step (python -m workbench.demo --help: --agent FILE, ...).

@@ -66,6 +66,18 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
     finally:
         wb.shutdown()
     assert wb.engines == [] and wb._trainer is None
+    # the run directory now holds a run: a new session refuses it, unless it resumes it
+    with pytest.raises(ConfigError, match="already holds a run"):
+        workbench.connect(backend="reference", run_dir=str(tmp_path / "run"))
+    again = workbench.connect(backend="reference", run_dir=str(tmp_path / "run"), resume=True,
+                              loop={"prompts_per_step": 4, "group_size": 4})
+    try:
+        assert again.next_step == 2 and [h["step"] for h in again.history] == [0, 1, 2]  # the saved checkpoint's position
+        again.run(1, background=False, progress=False)
+        lines = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert lines == [0, 1, 2, 2]  # appended; step 2 re-run from the checkpoint taken before it
+    finally:
+        again.shutdown()
     import ray
 
     assert ray.is_initialized()  # the session joined the test session's Ray and left it running

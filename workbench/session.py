@@ -50,6 +50,9 @@ class WorkbenchConfig:
     temperature: float = 1.0
     seed: int = 0
     run_dir: str | None = None  # None: runs/<date-time> under the current directory
+    # a run_dir that already holds a run (metrics.jsonl) is refused unless resume=True, which
+    # restores its checkpoint (if any) and appends to its record
+    resume: bool = False
     engine_kwargs: dict = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=_default_trainer)
     loop: LoopConfig = field(default_factory=lambda: LoopConfig(prompts_per_step=16, group_size=8))
@@ -128,6 +131,9 @@ class Workbench:
         self.spec = load_agent(cfg.agent)  # AgentLoadError names what is wrong, before anything starts
         self.task_source = _task_source(cfg.tasks, self.spec)
         self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+        if (self.run_dir / "metrics.jsonl").exists() and not cfg.resume:  # before anything starts
+            raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run (metrics.jsonl): choose another "
+                              f"run_dir, or pass resume=True to continue it")
         self.history: list[dict] = []  # every RL step's metrics, across run() calls
         self.next_step = 0
         self._run: RunHandle | None = None
@@ -164,6 +170,11 @@ class Workbench:
         self.trainer = TrainerHandle(self)  # wb.trainer: one step on a batch, statistics
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(_jsonable(dataclasses.asdict(cfg)), indent=1))
+        if cfg.resume:
+            metrics = self.run_dir / "metrics.jsonl"
+            self.history = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+            if (self.run_dir / "checkpoint" / "run_state.json").exists():
+                self.restore()  # next_step and the trainer's weights, optimizer and RNG; engines synced
 
     def sync(self) -> list:
         """Push the trainer's weights to every engine under a new version; each engine checks
