@@ -103,7 +103,9 @@ def check_probe(got: list[float], expected: list[float] | None, tol: float, vers
     if not diff <= tol:  # also catches NaN
         raise WeightSyncError(
             f"after the sync to version {version} the engine's probe log-probs differ from the "
-            f"trainer's by up to {diff:.3g} (tolerance {tol:g}): it does not serve the new weights"
+            f"trainer's by up to {diff:.3g} (tolerance {tol:g}): it does not serve the new weights "
+            f"(or it computes in a lower precision than the trainer, e.g. a bf16 engine: then raise the "
+            f"tolerance, LoopConfig.sync_tol)"
         )
     return diff
 
