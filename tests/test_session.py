@@ -47,6 +47,10 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
         assert all(r.checked for r in reports) and reports[0].version == wb.trainer.version
         gate, replay = wb.monitors()
         run = wb.run(2, monitors=[gate, replay], progress=False)
+        # while it runs, nothing else may drive the trainer (a second thread's collectives could interleave)
+        for call in (wb.sync, wb.trainer.step, wb.save, lambda: wb.run(1)):
+            with pytest.raises(RuntimeError, match="in progress"):
+                call()
         hist = run.wait(600)
         assert [h["step"] for h in hist] == [0, 1] and run.done and wb.next_step == 2
         assert list(gate.trace("gate_pass_ratio").y) == [h["gate_pass_ratio"] for h in hist]
@@ -69,10 +73,13 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
     # the run directory now holds a run: a new session refuses it, unless it resumes it
     with pytest.raises(ConfigError, match="already holds a run"):
         workbench.connect(backend="reference", run_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="no checkpoint/ to resume from"):
+        workbench.connect(backend="reference", run_dir=str(tmp_path / "empty"), resume=True)
     again = workbench.connect(backend="reference", run_dir=str(tmp_path / "run"), resume=True,
                               loop={"prompts_per_step": 4, "group_size": 4})
     try:
-        assert again.next_step == 2 and [h["step"] for h in again.history] == [0, 1, 2]  # the saved checkpoint's position
+        # the checkpoint's position, and the history up to it (step 2 after it was an abandoned branch)
+        assert again.next_step == 2 and [h["step"] for h in again.history] == [0, 1]
         again.run(1, background=False, progress=False)
         lines = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert lines == [0, 1, 2, 2]  # appended; step 2 re-run from the checkpoint taken before it

@@ -281,7 +281,7 @@ def test_dense_bf16_mixed_precision_with_a_kl_penalty_to_the_reference(ray_local
     segs = [Segment(torch.randint(3, 500, (40,), generator=g).tolist(), [0] * 20 + [1] * 20, [0.0] * 40, [-1] * 20 + [0] * 20)
             for _ in range(6)]
     b = training_tensors(segs)
-    b["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])[:, None] * b["loss_mask"]
+    b["advantages"] = torch.tensor([1.0, 1.0, 0.5, 0.5, 1.0, -1.0])[:, None] * b["loss_mask"]
     m = b["loss_mask"].bool()
     model = load_hf_model(dense_path)
     with torch.no_grad():
@@ -294,12 +294,38 @@ def test_dense_bf16_mixed_precision_with_a_kl_penalty_to_the_reference(ray_local
         assert 0 < gap < 0.2, gap  # bf16 compute: close to fp32, not equal
         b["behaviour_logprobs"] = lp * b["loss_mask"]
         first = t.train_step(b)
-        assert first["kl_ref"] == 0.0 and first["correction"]["kl_k3"] < 1e-6
+        assert first["kl_ref"] == 0.0 and first["correction"]["kl_k3"] < 1e-6 and first["policy_shift"] == 0.0
+        # at ratio 1 the PPO loss is -(token mean of the advantages), whatever the number of ranks
+        assert first["loss"] == pytest.approx(-float(b["advantages"][m].mean()), abs=2e-3)
         second = t.train_step(b)
         assert second["kl_ref"] > 0 and np.isfinite(second["loss"])
         after = t.logprobs(b)
         assert float(((after - lp) * b["advantages"])[m].sum()) > 0  # moved in the advantages' direction
         sd = t.state_dict()
         assert all(v.dtype == torch.float32 for v in sd.values())  # master weights stay fp32
+    finally:
+        t.shutdown()
+
+
+def test_several_updates_per_step_move_the_ratios_off_one(ray_local, dense_path):
+    """updates_per_step=2: two AdamW steps against one pi_old, so the second update's ratios
+    differ from 1 (where PPO clipping acts); the loss is still the objective's mean."""
+    g = torch.Generator().manual_seed(1)
+    segs = [Segment(torch.randint(3, 500, (30,), generator=g).tolist(), [0] * 10 + [1] * 20, [0.0] * 30, [-1] * 10 + [0] * 20)
+            for _ in range(5)]  # 5 rows on 2 ranks: one padding row
+    b = training_tensors(segs)
+    b["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])[:, None] * b["loss_mask"]
+    t = Trainer(str(dense_path), world_size=2, cfg=TrainerConfig(lr=1e-2, micro_batch_size=2, updates_per_step=2,
+                                                                 aggregation="seq_mean_token_mean",
+                                                                 correction=CorrectionConfig(enabled=False, max_staleness=None)))
+    try:
+        before = t.logprobs(b)
+        b["behaviour_logprobs"] = before * b["loss_mask"]
+        stats = t.train_step(b, report=True)
+        assert stats["policy_shift"] > 1e-3
+        assert abs(float(stats["report"]["loss_contribution"].sum()) - stats["loss"]) < 1e-6
+        assert torch.equal(stats["report"]["trainer_logprobs"], before)  # pi_old: the weights at the step's start
+        m = b["loss_mask"].bool()
+        assert float(((t.logprobs(b) - before) * b["advantages"])[m].sum()) > 0
     finally:
         t.shutdown()

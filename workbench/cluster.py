@@ -28,3 +28,11 @@ def shutdown_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+def cluster_gpus() -> int:
+    """GPUs in the Ray cluster this process is connected to. Actors ask for GPUs by this, not by
+    `torch.cuda.is_available()` here: a notebook on a CPU-only head node still drives GPU workers."""
+    import ray
+
+    return int(ray.cluster_resources().get("GPU", 0))

@@ -85,9 +85,10 @@ def sync_engines(trainer, engines: list, tol: float) -> list:
     return sync_weights(engines, trainer.state_dict(), version=trainer.version, expected_probe=expected, tol=tol)
 
 
-def _check_staleness(trainer, cfg: LoopConfig) -> None:
+def check_staleness(trainer, cfg: LoopConfig) -> None:
     max_staleness = trainer.cfg.correction.max_staleness
-    if cfg.mode == "async" and trainer.cfg.correction.enabled and max_staleness is not None and cfg.async_lag > max_staleness:
+    # the gate applies even with correction disabled (correction_weights keeps only fresh rows)
+    if cfg.mode == "async" and max_staleness is not None and cfg.async_lag > max_staleness:
         raise ValueError(f"async_lag={cfg.async_lag} lets tokens be {cfg.async_lag} versions stale, but the trainer's "
                          f"correction gate drops sequences older than max_staleness={max_staleness}: raise max_staleness "
                          f"or lower async_lag")
@@ -107,7 +108,7 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
     import ray
     from tqdm.auto import tqdm
 
-    _check_staleness(trainer, cfg)
+    check_staleness(trainer, cfg)
     first = start_step
     if checkpoint_dir and os.path.isfile(os.path.join(checkpoint_dir, "run_state.json")):
         first = trainer.restore(checkpoint_dir)["next_step"]
@@ -164,7 +165,7 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
                 break
     finally:
         stop.set()
-        producer.join(timeout=600)  # an in-flight rollout finishes; its batch is dropped
+        producer.join()  # an in-flight rollout finishes (episodes have timeouts); its batch is dropped
     return history
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from .agents import Task, load_agent
 from .correction import CorrectionConfig
-from .loop import LoopConfig, batch_from_groups, run as run_loop, sync_engines
+from .loop import LoopConfig, batch_from_groups, check_staleness, run as run_loop, sync_engines
 from .trainer.fsdp import TrainerConfig
 
 DEFAULT_AGENT = str(Path(__file__).parent / "examples" / "arithmetic_env.py")
@@ -134,6 +134,9 @@ class Workbench:
         if (self.run_dir / "metrics.jsonl").exists() and not cfg.resume:  # before anything starts
             raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run (metrics.jsonl): choose another "
                               f"run_dir, or pass resume=True to continue it")
+        if cfg.resume and not (self.run_dir / "checkpoint" / "run_state.json").exists():
+            raise ConfigError(f"resume=True, but {str(self.run_dir)!r} has no checkpoint/ to resume from "
+                              f"(wb.save() writes one; wb.run(..., checkpoint_every=N) too)")
         self.history: list[dict] = []  # every RL step's metrics, across run() calls
         self.next_step = 0
         self._run: RunHandle | None = None
@@ -159,8 +162,12 @@ class Workbench:
             self._trainer = Trainer(self.model_path, world_size=cfg.trainer_ranks, cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature))
             bar.update()
             bar.set_postfix_str("weight sync")
+            if cfg.engine_kwargs.get("weight_transfer") == "nccl":  # GPU: join the engines' NCCL group once
+                self._trainer.init_nccl_sync(self.engines, [cfg.engine_kwargs.get("tensor_parallel_size", 1)] * len(self.engines))
             self.sync()  # the engines serve the trainer's weights from the first rollout on
             bar.update()
+            if cfg.resume:  # the run's checkpoint (weights, optimizer, RNG, next step) and its history to there
+                self.restore()
         except BaseException:
             bar.close()
             self.shutdown()
@@ -169,18 +176,15 @@ class Workbench:
         self.rollout = RolloutHandle(self)  # wb.rollout: step episodes and groups, look at trajectories
         self.trainer = TrainerHandle(self)  # wb.trainer: one step on a batch, statistics
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(_jsonable(dataclasses.asdict(cfg)), indent=1))
-        if cfg.resume:
-            metrics = self.run_dir / "metrics.jsonl"
-            self.history = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-            if (self.run_dir / "checkpoint" / "run_state.json").exists():
-                self.restore()  # next_step and the trainer's weights, optimizer and RNG; engines synced
+        config_file = self.run_dir / ("config.json" if not cfg.resume else f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        config_file.write_text(json.dumps(_jsonable(dataclasses.asdict(cfg)), indent=1))
 
     def sync(self) -> list:
         """Push the trainer's weights to every engine under a new version; each engine checks
         its probe log-probs against the trainer's. Returns the engines' WeightSyncReports."""
         import ray
 
+        self._idle("sync")  # a running loop syncs itself; a second driver thread could interleave collectives
         # the trainer's version names its weights (a step already bumped it); only when the engines
         # are at or past it (no step since the last sync) does the sync need a fresh number
         engine_version = max(i["version"] for i in ray.get([e.info.remote() for e in self.engines]))
@@ -195,7 +199,13 @@ class Workbench:
         metrics.jsonl in the run directory."""
         if self._run is not None and not self._run.done:
             raise RuntimeError("a run is already in progress: wait for it (wb.wait()) or stop it (wb.stop())")
+        import ray
+
         cfg = dataclasses.replace(self.cfg.loop, steps=self.next_step + steps, initial_sync=False, **loop_overrides)
+        check_staleness(self._trainer, cfg)  # here, not in the background thread where it would only be stored
+        engine_version = max(i["version"] for i in ray.get([e.info.remote() for e in self.engines]))
+        if engine_version < self._trainer.version:  # wb.trainer.step() ran without a wb.sync() after it
+            self.sync()
         handle = RunHandle(self, cfg, list(monitors or []), progress, checkpoint_every)
         self._run = handle
         handle.start() if background else handle.run()
@@ -220,6 +230,11 @@ class Workbench:
         self._idle("restore")
         state = self._trainer.restore(str(path or self.run_dir / "checkpoint"))
         self.next_step = state["next_step"]
+        metrics = self.run_dir / "metrics.jsonl"
+        if not self.history and metrics.exists():  # a resumed session: what the run recorded
+            self.history = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        # steps after the checkpoint belong to a branch that is abandoned now
+        self.history = [h for h in self.history if h["step"] < self.next_step]
         self.sync()
         return state
 
@@ -384,6 +399,7 @@ class TrainerHandle:
 
     def logprobs(self, groups: list[list], replay: bool | None = None) -> tuple:
         """The trainer's log-probs of the groups' tokens and the replay statistics."""
+        self._wb._idle("compute trainer log-probs")
         return self.driver.logprobs(self.batch(groups), replay=replay, with_stats=True)
 
 
@@ -428,6 +444,10 @@ class RunHandle:
                                                                        wb.run_dir / "trajectories" / f"step_{step:05d}.parquet"))
         except BaseException as e:  # kept for wait() to raise; what was recorded stays recorded
             self.error = e
+            import sys
+
+            print(f"workbench: the run stopped after {len(self.history)} step(s): {type(e).__name__}: {e} "
+                  f"(run.wait() re-raises it)", file=sys.stderr)
         finally:
             metrics_file.close()
             self.done = True

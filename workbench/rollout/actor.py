@@ -64,7 +64,12 @@ def launch_engine(backend: str, name: str | None = None, env: dict | None = None
     Stop it with `stop_engine(handle)`."""
     import ray
 
-    options = {"num_cpus": 0, "max_concurrency": 1000}
+    from ..cluster import cluster_gpus
+
+    # on a GPU cluster the engine's actor holds its tensor-parallel GPUs (vLLM's workers run
+    # inside it and see only those); on CPU it asks for nothing
+    gpus = engine_kwargs.get("tensor_parallel_size", 1) if cluster_gpus() else 0
+    options = {"num_cpus": 0, "num_gpus": gpus, "max_concurrency": 1000}
     if name:
         options["name"] = name
     if env:

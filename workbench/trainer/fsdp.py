@@ -23,7 +23,7 @@ import torch
 
 from ..correction import CorrectionConfig, correction_weights, merge_stats
 from ..replay import routing_replay
-from .losses import KL_ESTIMATORS, get_surrogate
+from .losses import KL_ESTIMATORS, aggregation_weights, get_surrogate
 
 @dataclass
 class TrainerConfig:
@@ -31,8 +31,13 @@ class TrainerConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8
+    # optimizer updates per train_step: the batch's rows are cut into this many mini-batches, one
+    # AdamW step each, all against the same pi_old (the weights at the start of the step). With 1,
+    # pi_old is the gradient forward's own log-probs and every surrogate's ratio is exactly 1
+    # (PPO clipping, CISPO's cap and GSPO act only from the second update on).
+    updates_per_step: int = 1
     temperature: float = 1.0  # the sampling temperature: trainer log-probs use logits / T
-    surrogate: str = "ppo_clip"
+    surrogate: str = "ppo_clip"  # with updates_per_step=1 every surrogate sees ratio 1 (see updates_per_step)
     surrogate_kwargs: dict = field(default_factory=dict)
     aggregation: str = "token_mean"
     # optional KL penalty to a frozen reference (the initial weights, or ref_model_path): each
@@ -60,8 +65,9 @@ class TrainerConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(getattr(torch, str(v), None), torch.dtype):
                 raise ValueError(f"TrainerConfig.{name}={v!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"TrainerConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.micro_batch_size < 1 or self.updates_per_step < 1:
+            raise ValueError(f"TrainerConfig.micro_batch_size and updates_per_step must be >= 1, got "
+                             f"{self.micro_batch_size}, {self.updates_per_step}")
         if self.aggregation not in ("token_mean", "seq_mean_token_mean", "constant"):
             raise ValueError(f"TrainerConfig.aggregation {self.aggregation!r} unknown: token_mean, seq_mean_token_mean or constant")
         get_surrogate(self.surrogate)  # unknown names fail here, not on the first step
@@ -78,11 +84,14 @@ def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature:
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None, apply_replay: bool = True):
+def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None, apply_replay: bool = True,
+                   positions=None):
     """Per-token log-probs of `input_ids` under `model` ([B, T], column 0 = 0), with routing
     replay when `experts` ([B, T, layers, k]) is given. Returns (logprobs, ReplayStats).
-    `apply_replay=False` routes live but still counts where live routing disagrees with `experts`."""
-    with routing_replay(model, experts, apply=apply_replay, positions=attention_mask) as stats:
+    `apply_replay=False` routes live but still counts where live routing disagrees with `experts`.
+    `positions`: where replay statistics count (default: the attention mask)."""
+    positions = attention_mask if positions is None else positions
+    with routing_replay(model, experts, apply=apply_replay, positions=positions) as stats:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
     return sampled_logprobs(logits, input_ids, temperature), stats
 
@@ -178,6 +187,12 @@ class TrainerWorker:
     def _experts(self, mb):
         return mb.get("routed_experts")
 
+    @staticmethod
+    def _counted(mb):
+        """Positions replay statistics count: real tokens of real rows (Trainer._split's padding
+        rows are attended, to avoid NaN, but are neither replays nor fallbacks)."""
+        return mb["attention_mask"] * mb["loss_mask"].any(-1, keepdim=True)
+
     def logprobs(self, batch: dict, replay: bool | None = None) -> tuple[torch.Tensor, dict]:
         """Log-probs of this rank's rows (no grad), on CPU, and the replay statistics (summed
         ReplayStats fields, per MoE layer). `replay`: None follows the config."""
@@ -188,58 +203,74 @@ class TrainerWorker:
         with torch.no_grad():
             for mb in self._micro(batch):
                 lp, st = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
-                                        self._experts(mb), apply_replay=replay)
+                                        self._experts(mb), apply_replay=replay, positions=self._counted(mb))
                 out.append(lp.cpu())
                 stats = _add_replay(stats, st)
         return torch.cat(out), stats
 
-    def train_step(self, batch: dict, trainer_version: int, global_tokens: int, report: bool = False) -> dict:
-        """One optimizer step on this rank's rows. `global_tokens`: trainable tokens over all
-        ranks, so that a token_mean loss is the same whatever the split. `report`: also return
-        per-token tensors of this step (for the token-journey view).
+    def train_step(self, batch: dict, trainer_version: int, report: bool = False) -> dict:
+        """`updates_per_step` optimizer updates on this rank's rows (every rank runs this at
+        once). `report`: also return per-token tensors of this step (the token-journey view).
 
-        The old log-probs (pi_old in the ratios) are the gradient forward's own, detached: a
-        step makes one optimizer update per batch, so the weights they need are exactly the
-        ones this forward uses, and a separate no-grad forward would only repeat it (it cost a
-        quarter of the step; bench/trainer.py). Correction weights are per row, so computing
-        them per micro-batch gives the whole batch's."""
+        pi_old (the ratios' denominator) is the policy at the start of the step. With one update
+        it is the gradient forward's own log-probs, detached: a separate no-grad forward would
+        only repeat it (it cost a quarter of the step; bench/trainer.py). Correction weights are
+        per row, so computing them per micro-batch gives the whole batch's."""
+        import torch.distributed as dist
+
         batch = self._to(batch)
         live = None
         if self.cfg.routing_replay and self.cfg.measure_live_routing and batch.get("routed_experts") is not None:
             live = _kl_k3(self.logprobs(batch, replay=False)[0].to(self.device), batch["behaviour_logprobs"], batch["loss_mask"])
+        updates = self.cfg.updates_per_step
+        if updates > 1:
+            batch["old_logprobs"] = self.logprobs(batch)[0].to(self.device)
         surrogate = get_surrogate(self.cfg.surrogate)
         self.model.train()
-        total, corr_parts, replay, rows, kl_sum = 0.0, [], None, [], 0.0
-        for mb in self._micro(batch):
-            # the replay context spans backward: activation-checkpoint recompute must replay too
-            with routing_replay(self.model, self._experts(mb), apply=self.cfg.routing_replay,
-                                positions=mb["attention_mask"]) as rstats:
-                logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-                lp = sampled_logprobs(logits, mb["input_ids"], self.cfg.temperature)
-                old = lp.detach()
-                corr = correction_weights(old, mb["behaviour_logprobs"], mb["loss_mask"], mb["versions"],
-                                          trainer_version, self.cfg.correction)
-                tl = surrogate(lp, old, mb["advantages"], corr.weights, mb["loss_mask"].float(), **self.cfg.surrogate_kwargs)
-                if self.ref_model is not None:
-                    kl = self._kl_to_reference(mb, lp)
-                    tl = tl + self.cfg.kl_coef * kl
-                    kl_sum += float(kl.detach().sum())
-                scale = self._token_scale(mb, batch, global_tokens)  # per token: d loss / d token loss
-                loss = (tl * scale).sum()
-                loss.backward()
-            total += float(loss)
-            corr_parts.append(corr.stats)
-            replay = _add_replay(replay, rstats)
-            if report:
-                keep = corr.keep[:, None].expand_as(mb["loss_mask"]) & mb["loss_mask"].bool()
-                rows.append({"trainer_logprobs": old, "is_weight": corr.weights, "gate_keep": keep,
-                             "loss_contribution": (tl * scale).detach()})
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        out = {"loss": total, "grad_norm": float(grad_norm), "correction": merge_stats(corr_parts), "replay": replay,
-               "kl_k3_live": live, "kl_ref": {"sum": kl_sum, "tokens": int(batch["loss_mask"].sum())} if self.ref_model else None}
+        loss_sum, norms, corr_parts, replay, rows, kl_sum, shift_sum = 0.0, [], [], None, [], 0.0, 0.0
+        per = -(-batch["input_ids"].shape[0] // updates)
+        for u in range(updates):
+            ub = {k: (v[u * per: (u + 1) * per] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+            # the mini-batch's trainable tokens and sequences over all ranks: what its mean divides by
+            counts = torch.tensor([float(ub["loss_mask"].sum()), float(ub["loss_mask"].any(-1).sum())], device=self.device)
+            dist.all_reduce(counts)
+            for mb in self._micro(ub):
+                # the replay context spans backward: activation-checkpoint recompute must replay too
+                with routing_replay(self.model, self._experts(mb), apply=self.cfg.routing_replay,
+                                    positions=self._counted(mb)) as rstats:
+                    logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+                    lp = sampled_logprobs(logits, mb["input_ids"], self.cfg.temperature)
+                    old = lp.detach() if updates == 1 else mb["old_logprobs"]
+                    corr = correction_weights(old, mb["behaviour_logprobs"], mb["loss_mask"], mb["versions"],
+                                              trainer_version, self.cfg.correction)
+                    tl = surrogate(lp, old, mb["advantages"], corr.weights, mb["loss_mask"].float(), **self.cfg.surrogate_kwargs)
+                    if self.ref_model is not None:
+                        kl = self._kl_to_reference(mb, lp)
+                        tl = tl + self.cfg.kl_coef * kl
+                        kl_sum += float(kl.detach().sum())
+                    # this rank's share of the mini-batch's loss; x world size because FSDP averages
+                    # the ranks' gradients, where the loss is their sum
+                    w = aggregation_weights(mb["loss_mask"], self.cfg.aggregation, *counts.tolist())
+                    (tl * w).sum().mul(self.world_size).backward()
+                contribution = (tl * w).detach() / updates  # of the step's reported loss (mean over updates)
+                shift_sum += float(((lp.detach() - old).abs() * mb["loss_mask"]).sum())
+                loss_sum += float(contribution.sum())
+                corr_parts.append(corr.stats)
+                replay = _add_replay(replay, rstats)
+                if report:
+                    keep = corr.keep[:, None].expand_as(mb["loss_mask"]) & mb["loss_mask"].bool()
+                    rows.append({"trainer_logprobs": old, "is_weight": corr.weights, "gate_keep": keep,
+                                 "loss_contribution": contribution})
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        out = {"loss": loss_sum, "grad_norm": sum(norms) / len(norms), "correction": merge_stats(corr_parts),
+               "replay": replay, "kl_k3_live": live,
+               "kl_ref": {"sum": kl_sum, "tokens": int(batch["loss_mask"].sum())} if self.ref_model else None,
+               # mean |log pi - log pi_old| over the step's tokens: 0 with one update per step; how far
+               # later updates' ratios move from 1 (where the surrogates' clipping acts) otherwise
+               "policy_shift": {"sum": shift_sum, "tokens": int(batch["loss_mask"].sum())}}
         if report:
             out["report"] = {k: batch[k].cpu() for k in ("input_ids", "loss_mask", "behaviour_logprobs", "versions", "advantages")}
             out["report"].update({k: torch.cat([r[k] for r in rows]).cpu() for k in rows[0]})
@@ -255,17 +286,6 @@ class TrainerWorker:
             ref, _ = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
                                     self._experts(mb), apply_replay=self.cfg.routing_replay)
         return KL_ESTIMATORS[self.cfg.kl_estimator](lp - ref) * mb["loss_mask"].float()
-
-    def _token_scale(self, mb: dict, batch: dict, global_tokens: int):
-        """Each token loss's factor in this rank's loss, per aggregation. FSDP averages gradients
-        over ranks, hence the world_size factor for the token mean over all ranks' tokens."""
-        m = mb["loss_mask"].float()
-        if self.cfg.aggregation == "token_mean":
-            return m * self.world_size / max(global_tokens, 1)
-        rows = mb["input_ids"].shape[0] / batch["input_ids"].shape[0]
-        if self.cfg.aggregation == "seq_mean_token_mean":
-            return m / m.sum(-1, keepdim=True).clamp(min=1) / m.shape[0] * rows
-        return m / (m.shape[0] * m.shape[1]) * rows  # constant
 
     def probe(self, ids: list[int]) -> list[float]:
         """log p(ids[i+1] | ids[:i+1]) at temperature 1, live routing: what a synced engine's
@@ -350,7 +370,10 @@ class Trainer:
         self.model_path = str(model_path)
         self.nccl = None  # NcclSyncConfig once init_nccl_sync ran (GPU weight sync)
         init_method = f"tcp://{address}:{free_port()}"
-        actor = ray.remote(TrainerWorker).options(num_cpus=0, num_gpus=1 if torch.cuda.is_available() else 0)
+        from ..cluster import cluster_gpus
+
+        # one GPU per rank where the cluster has GPUs (NCCL), none on CPU (gloo)
+        actor = ray.remote(TrainerWorker).options(num_cpus=0, num_gpus=1 if cluster_gpus() else 0)
         self.workers = [actor.remote(r, world_size, init_method, str(model_path), self.cfg) for r in range(world_size)]
         ray.get([w.ready.remote() for w in self.workers])
 
@@ -387,14 +410,13 @@ class Trainer:
         (trainer log-prob, IS weight, gate decision, advantage, loss contribution, ...)."""
         import ray
 
-        tokens = int(batch["loss_mask"].sum())
         parts = self._split(batch)
-        stats = ray.get([wk.train_step.remote(p, self.version, tokens, report) for wk, p in zip(self.workers, parts)])
+        stats = ray.get([wk.train_step.remote(p, self.version, report) for wk, p in zip(self.workers, parts)])
         self.version += 1
         out = {"version": self.version, "loss": sum(s["loss"] for s in stats), "grad_norm": stats[0]["grad_norm"],
                "correction": merge_stats([s["correction"] for s in stats]),
                "replay": replay_summary([s["replay"] for s in stats])}
-        for key in ("kl_k3_live", "kl_ref"):  # token-weighted over ranks
+        for key in ("kl_k3_live", "kl_ref", "policy_shift"):  # token-weighted over ranks
             vals = [s[key] for s in stats if s[key] is not None]
             out[key] = sum(x["sum"] for x in vals) / max(sum(x["tokens"] for x in vals), 1) if vals else None
         if report:

@@ -136,17 +136,28 @@ def gspo(logprobs, old_logprobs, advantages, weights, mask, eps_low: float = 3e-
     return -torch.minimum(unclipped, clipped) * weights * m
 
 
-def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, how: str = "token_mean", max_len: int | None = None):
-    """token_mean: over all trainable tokens; seq_mean_token_mean: per sequence, then over
-    sequences; constant: sum / (sequences x max_len) (Dr.GRPO's length-unbiased form)."""
+def aggregation_weights(mask: torch.Tensor, how: str = "token_mean", total_tokens: float | None = None,
+                        total_rows: float | None = None, max_len: int | None = None) -> torch.Tensor:
+    """Each token loss's weight in the aggregated loss ([B, T]): sum(token_losses * weights) is
+    the loss. token_mean: over all trainable tokens; seq_mean_token_mean: per sequence, then over
+    sequences; constant: sum / (sequences x max_len) (Dr.GRPO's length-unbiased form). Rows
+    without trainable tokens (padding) count as no sequence. `total_tokens` / `total_rows`: the
+    whole batch's counts when `mask` is only a part of it (a micro-batch, a rank's rows)."""
     m = mask.float()
+    tokens = float(m.sum()) if total_tokens is None else float(total_tokens)
+    rows = float(m.any(-1).sum()) if total_rows is None else float(total_rows)
     if how == "token_mean":
-        return token_losses.sum() / m.sum().clamp(min=1)
+        return m / max(tokens, 1.0)
     if how == "seq_mean_token_mean":
-        return (token_losses.sum(-1) / m.sum(-1).clamp(min=1)).mean()
+        return m / m.sum(-1, keepdim=True).clamp(min=1) / max(rows, 1.0)
     if how == "constant":
-        return token_losses.sum() / (m.shape[0] * (max_len or m.shape[1]))
+        return m / (max(rows, 1.0) * (max_len or m.shape[1]))
     raise ValueError(f"unknown aggregation {how!r}: token_mean, seq_mean_token_mean or constant")
+
+
+def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, how: str = "token_mean", max_len: int | None = None):
+    """The aggregated loss of a whole batch (see aggregation_weights)."""
+    return (token_losses * aggregation_weights(mask, how, max_len=max_len)).sum()
 
 
 def get_advantage(name: str) -> Callable:
