@@ -245,3 +245,15 @@ def test_token_journey_widget(fmt):
     assert (tj.row.value, tj.col.value, tj.values["token_id"]) == (0, 3, 14)
     with pytest.raises(ValueError):
         TokenJourney(report(), 0, 0)
+
+
+def test_inspector_keys_its_colours_and_hides_experts_without_captures():
+    from workbench.widgets import SegmentInspector
+
+    seg = Segment([5, 6, 7, 8], [0, 1, 1, 1], [0.0, -0.5, -1.0, -2.0], [-1, 3, 3, 4])
+    ins = SegmentInspector(seg, color_by="version")
+    assert "experts" not in ins.color_by.options and ins.moe_layer.layout.display == "none"
+    assert ">v3<" in ins.summary.value and ">v4<" in ins.summary.value  # a swatch per version present
+    seg.routed_experts = np.array([[[1, 2]], [[3, 4]], [[3, 5]], [[13, 0]]], dtype=np.int16)
+    ins = SegmentInspector(seg, color_by="experts")
+    assert ">E1<" in ins.summary.value and ">E13<" in ins.summary.value and "repeat every" in ins.summary.value

@@ -13,7 +13,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, quiet: boo
     if ray.is_initialized():
         return ray.get_runtime_context()
     address = address or os.environ.get("RAY_ADDRESS")  # e.g. the cluster kernel's env
-    kwargs = dict(include_dashboard=False, log_to_driver=not quiet)
+    import logging
+
+    # quiet: no INFO lines from Ray ("Started a local Ray instance", ...) in a notebook's output;
+    # its warnings still show
+    kwargs = dict(include_dashboard=False, log_to_driver=not quiet, logging_level=logging.WARNING if quiet else logging.INFO)
     if address is None:
         # "local": always a new instance here. (With no address, ray.init would join a cluster a
         # `ray start` left on this machine, and refuse num_cpus.)

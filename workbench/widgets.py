@@ -177,9 +177,13 @@ class SegmentInspector(W.VBox):
         super().__init__()
         self.source, self.tokenizer, self.tools = segment_or_trajectory, _fmt(tokenizer), tools
         segs = _segments(segment_or_trajectory)
-        layers = max((s.routed_experts.shape[1] for s in segs if s.routed_experts is not None), default=1)
-        self.color_by = W.Dropdown(options=COLOR_BY, value=color_by, description="colour by")
-        self.moe_layer = W.Dropdown(options=list(range(layers)), value=min(layer, layers - 1), description="MoE layer")
+        layers = max((s.routed_experts.shape[1] for s in segs if s.routed_experts is not None), default=0)
+        # without recorded experts (vLLM on CPU, dense models) there is nothing to colour by expert
+        options = COLOR_BY if layers else tuple(c for c in COLOR_BY if c != "experts")
+        self.color_by = W.Dropdown(options=options, value=color_by if color_by in options else "loss_mask",
+                                   description="colour by")
+        self.moe_layer = W.Dropdown(options=list(range(max(layers, 1))), value=min(layer, max(layers - 1, 0)),
+                                    description="MoE layer", layout=W.Layout(display=None if layers else "none"))
         self.summary, self.tokens = W.HTML(), W.HTML()
         self.children = [W.HBox([self.color_by, self.moe_layer]), self.summary, self.tokens]
         self.color_by.observe(lambda _: self.refresh(), "value")
@@ -188,15 +192,33 @@ class SegmentInspector(W.VBox):
 
     def refresh(self):
         self.spans = token_spans(self.source, self.color_by.value, self.tokenizer, self.moe_layer.value, self.tools)
-        lines = [f"<i>{LEGEND[self.color_by.value]}</i>"]
+        lines = [f"<i>{LEGEND[self.color_by.value]}</i> {_key(self.spans, self.color_by.value)}"]
         for si, seg in enumerate(_segments(self.source)):
             marked = [s["index"] for s in self.spans if s["kind"] == "token" and s["segment"] == si and s["drift"]]
-            where = (f"{len(marked)} position(s) differ when the messages are re-rendered: {marked[:50]}" if self.tokenizer
-                     else "give a tokenizer to locate them")
+            where = ((f"{len(marked)} position(s) differ when the messages are re-rendered: {marked[:50]}" if marked
+                      else "re-rendering the messages reproduces every id") if self.tokenizer else "give a tokenizer to locate them")
             lines.append(f"segment {si}: {len(seg)} tokens, {sum(seg.loss_mask)} sampled, seal: {seg.seal_reason or 'open'}; "
                          f"retokenization drift (recorded): {seg.stats.get('retokenization_drift', 'n/a')} sampled ids; {where}")
         self.summary.value = "<br>".join(lines)
         self.tokens.value = spans_html(self.spans)
+
+
+def _key(spans: list[dict], color_by: str) -> str:
+    """Swatches naming the colours in use: versions or experts present; a log-prob scale."""
+    def swatch(color, label):
+        return f"<span style='background:{color};padding:0 4px;margin-right:2px;font-family:monospace'>{label}</span>"
+
+    if color_by == "logprob":
+        return " ".join(swatch(_color("logprob", 1, lp, 0, None), f"{lp:g}") for lp in (0, -1, -2, -3, -4, -5))
+    if color_by == "version":
+        values = sorted({s["version"] for s in spans if s.get("kind") == "token" and s["version"] >= 0})
+        return " ".join(swatch(PALETTE[v % len(PALETTE)], f"v{v}") for v in values)
+    if color_by == "experts":
+        values = sorted({s["experts"][0] for s in spans  # a span's experts are those of the chosen layer
+                         if s.get("kind") == "token" and s.get("experts") and s["experts"][0] >= 0})
+        note = f" (colours repeat every {len(PALETTE)})" if values and max(values) >= len(PALETTE) else ""
+        return " ".join(swatch(PALETTE[e % len(PALETTE)], f"E{e}") for e in values) + note
+    return ""
 
 
 # ------------------------------------------------------------------ gate and replay monitors
@@ -228,12 +250,17 @@ class _Monitor(W.VBox):
         from plotly.subplots import make_subplots
 
         super().__init__()
-        fig = make_subplots(rows=self.GRID[0], cols=self.GRID[1], subplot_titles=self.TITLES)
+        fig = make_subplots(rows=self.GRID[0], cols=self.GRID[1], subplot_titles=self.TITLES,
+                            horizontal_spacing=0.09, vertical_spacing=0.3 if self.GRID[0] > 1 else 0.1)
         for key, r, c in self.LINES:
             fig.add_trace(go.Scatter(name=key, x=[], y=[], mode="lines+markers"), row=r, col=c)
         for key, r, c in self.BARS:
             fig.add_trace(go.Bar(name=key, x=[], y=[]), row=r, col=c)
-        fig.update_layout(height=height or self.HEIGHT, margin=dict(l=40, r=10, t=40, b=30))
+        # legend under the plots (full width for them), small titles, 1e-7 rather than "100n"
+        fig.update_layout(height=height or self.HEIGHT, margin=dict(l=50, r=10, t=40, b=30),
+                          legend=dict(orientation="h", yanchor="top", y=-0.12 if self.GRID[0] == 1 else -0.08))
+        fig.update_annotations(font_size=12)
+        fig.update_yaxes(exponentformat="e")
         self.fig = go.FigureWidget(fig)
         self.history: list[dict] = []
         self._lock = threading.Lock()  # on_step may come from a training loop's thread
@@ -275,16 +302,20 @@ class _Monitor(W.VBox):
 
 
 class GateMonitor(_Monitor):
-    GRID = (2, 3)
-    TITLES = ("gate pass ratio", "KL(behaviour || trainer): k1, k3", "max |delta p|",
-              "staleness (last step)", "tokens per version (last step)", "IS weights (last step)")
+    GRID, HEIGHT = (2, 3), 560
+    TITLES = ("gate pass ratio", "KL(behaviour||trainer) k1, k3", "max |delta p|",
+              "staleness (last step)", "tokens per version", "IS weights (last step)")
+
+    def __init__(self, history: list[dict] | None = None, height: int | None = None):
+        super().__init__(history, height)
+        self.fig.update_xaxes(tickangle=-45, row=2, col=3)  # interval labels
     LINES = (("gate_pass_ratio", 1, 1), ("kl_k1", 1, 2), ("kl_k3", 1, 2), ("max_abs_delta_p", 1, 3))
     BARS = (("staleness_hist", 2, 1), ("tokens_per_version", 2, 2), ("is_weight_hist", 2, 3))
 
 
 class ReplayMonitor(_Monitor):
-    GRID, HEIGHT = (1, 3), 320
-    TITLES = ("routing disagreement rate", "disagreement per layer (last step)", "KL k3: replayed vs live routing")
+    GRID, HEIGHT = (1, 3), 380
+    TITLES = ("routing disagreement", "per layer (last step)", "k3: replayed vs live")
     LINES = (("replay_disagree_rate", 1, 1), ("kl_k3", 1, 3), ("kl_k3_live", 1, 3))
     BARS = (("replay_disagree_per_layer", 1, 2),)
 
