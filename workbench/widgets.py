@@ -309,6 +309,8 @@ class GateMonitor(_Monitor):
     def __init__(self, history: list[dict] | None = None, height: int | None = None):
         super().__init__(history, height)
         self.fig.update_xaxes(tickangle=-45, row=2, col=3)  # interval labels
+        self.fig.update_xaxes(dtick=1, row=2, col=1)  # staleness and versions are integers
+        self.fig.update_xaxes(dtick=1, row=2, col=2)
     LINES = (("gate_pass_ratio", 1, 1), ("kl_k1", 1, 2), ("kl_k3", 1, 2), ("max_abs_delta_p", 1, 3))
     BARS = (("staleness_hist", 2, 1), ("tokens_per_version", 2, 2), ("is_weight_hist", 2, 3))
 
@@ -319,6 +321,9 @@ class ReplayMonitor(_Monitor):
     LINES = (("replay_disagree_rate", 1, 1), ("kl_k3", 1, 3), ("kl_k3_live", 1, 3))
     BARS = (("replay_disagree_per_layer", 1, 2),)
 
+    def __init__(self, history: list[dict] | None = None, height: int | None = None):
+        super().__init__(history, height)
+        self.fig.update_xaxes(dtick=1, row=1, col=2)  # MoE layer indices
 
 def callback(*monitors: _Monitor) -> Callable[[dict], None]:
     """One `on_step(metrics)` for a training loop that feeds several monitors."""
