@@ -189,6 +189,23 @@ def test_callback_feeds_every_monitor():
     assert list(replay.trace("replay_disagree_rate").y) == [0.0, 0.125, 0.25]
 
 
+
+def test_monitor_state_traits_hold_the_figure_for_views_opened_later():
+    # a view opened later (the notebook reopened on its live kernel) draws from these traits,
+    # not from the restyle messages sent before it existed
+    gate = GateMonitor()
+    for m in HISTORY:
+        gate.on_step(m)
+    state = {t["name"]: t for t in gate.fig._widget_data}
+    assert list(state["gate_pass_ratio"]["y"]) == [1.0, 0.75, 0.5] and list(state["kl_k1"]["y"]) == [0.01, None, 0.02]
+    assert list(state["staleness_hist"]["x"]) == [0, 1] and list(state["is_weight_hist"]["y"]) == [3, 4]
+    assert gate.fig._widget_layout["xaxis4"]["dtick"] == 1 and gate.fig._widget_layout["xaxis6"]["tickangle"] == -45
+    replay = ReplayMonitor(HISTORY)
+    state = {t["name"]: t for t in replay.fig._widget_data}
+    assert list(state["replay_disagree_rate"]["y"]) == [0.0, 0.125, 0.25]
+    assert list(state["replay_disagree_per_layer"]["y"]) == [0.5, 0.0, 0.25]
+    assert replay.fig._widget_layout["xaxis2"]["dtick"] == 1
+
 # ------------------------------------------------------------------ token journey
 def report():
     return {

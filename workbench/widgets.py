@@ -13,6 +13,7 @@ import difflib
 import json
 import math
 import threading
+from copy import deepcopy
 from html import escape
 from pathlib import Path
 from typing import Callable
@@ -261,11 +262,15 @@ class _Monitor(W.VBox):
                           legend=dict(orientation="h", yanchor="top", y=-0.12 if self.GRID[0] == 1 else -0.08))
         fig.update_annotations(font_size=12)
         fig.update_yaxes(exponentformat="e")
+        self._style(fig)
         self.fig = go.FigureWidget(fig)
         self.history: list[dict] = []
         self._lock = threading.Lock()  # on_step may come from a training loop's thread
         self.children = [self.fig]
         self.update(history or [])
+
+    def _style(self, fig):
+        """Per-monitor axis settings, made on the figure before it becomes a widget."""
 
     def trace(self, name: str):
         return next(t for t in self.fig.data if t.name == name)
@@ -285,6 +290,16 @@ class _Monitor(W.VBox):
             for key, *_ in self.BARS:
                 x, y = _bars(last.get(key))
                 self.trace(key).update(x=x, y=y)
+        self._sync_state()
+
+    def _sync_state(self):
+        """Copy the figure into the widget's state traits. plotly sends updates as restyle/relayout
+        messages and leaves `_widget_data`/`_widget_layout` as they were at construction, yet a
+        view opened later (the notebook reopened on its live kernel) draws from those traits: it
+        would show the empty plots of the start. plotly does the same copy when a figure is
+        displayed (BaseFigureWidget._repr_mimebundle_); an unchanged copy sends nothing."""
+        self.fig._widget_layout = deepcopy(self.fig._layout_obj._props)
+        self.fig._widget_data = deepcopy(self.fig._data)
 
     def on_step(self, metrics: dict):
         """Append one step's metrics and redraw (safe to call from a training loop's thread)."""
@@ -306,13 +321,13 @@ class GateMonitor(_Monitor):
     TITLES = ("gate pass ratio", "KL(behaviour||trainer) k1, k3", "max |delta p|",
               "staleness (last step)", "tokens per version", "IS weights (last step)")
 
-    def __init__(self, history: list[dict] | None = None, height: int | None = None):
-        super().__init__(history, height)
-        self.fig.update_xaxes(tickangle=-45, row=2, col=3)  # interval labels
-        self.fig.update_xaxes(dtick=1, row=2, col=1)  # staleness and versions are integers
-        self.fig.update_xaxes(dtick=1, row=2, col=2)
     LINES = (("gate_pass_ratio", 1, 1), ("kl_k1", 1, 2), ("kl_k3", 1, 2), ("max_abs_delta_p", 1, 3))
     BARS = (("staleness_hist", 2, 1), ("tokens_per_version", 2, 2), ("is_weight_hist", 2, 3))
+
+    def _style(self, fig):
+        fig.update_xaxes(tickangle=-45, row=2, col=3)  # interval labels
+        fig.update_xaxes(dtick=1, row=2, col=1)  # staleness and versions are integers
+        fig.update_xaxes(dtick=1, row=2, col=2)
 
 
 class ReplayMonitor(_Monitor):
@@ -321,9 +336,9 @@ class ReplayMonitor(_Monitor):
     LINES = (("replay_disagree_rate", 1, 1), ("kl_k3", 1, 3), ("kl_k3_live", 1, 3))
     BARS = (("replay_disagree_per_layer", 1, 2),)
 
-    def __init__(self, history: list[dict] | None = None, height: int | None = None):
-        super().__init__(history, height)
-        self.fig.update_xaxes(dtick=1, row=1, col=2)  # MoE layer indices
+    def _style(self, fig):
+        fig.update_xaxes(dtick=1, row=1, col=2)  # MoE layer indices
+
 
 def callback(*monitors: _Monitor) -> Callable[[dict], None]:
     """One `on_step(metrics)` for a training loop that feeds several monitors."""
