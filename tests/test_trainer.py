@@ -164,7 +164,7 @@ def test_checkpoint_then_resume_gives_the_same_next_step(ray_local, moe_path, sa
 
 def test_resumed_loop_neither_repeats_nor_skips_steps(ray_local, vllm_moe, moe_path, tmp_path):
     from workbench.agents import load_agent
-    from workbench.loop import LoopConfig, run_sync
+    from workbench.loop import LoopConfig, run
     from workbench.rollout.actor import sync_weights
     from workbench.rollout.runner import Rollout
 
@@ -184,7 +184,7 @@ def test_resumed_loop_neither_repeats_nor_skips_steps(ray_local, vllm_moe, moe_p
             trainer = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(micro_batch_size=8))
             try:
                 cfg.steps = steps
-                hist = run_sync(rollout, trainer, [vllm_moe], source, cfg, progress=False,
+                hist = run(rollout, trainer, [vllm_moe], source, cfg, progress=False,
                                 checkpoint_dir=str(tmp_path / "run"), checkpoint_every=1)
             finally:
                 trainer.shutdown()
@@ -199,7 +199,7 @@ def test_kl_statistic_catches_a_missing_weight_sync(ray_local, vllm_moe, moe_pat
     """Invariant 2's measurement catching a broken mechanism: if the engines are not synced to
     the trainer's weights, behaviour and trainer log-probs disagree and k3 / max |delta p| show it."""
     from workbench.agents import load_agent
-    from workbench.loop import LoopConfig, run_sync
+    from workbench.loop import LoopConfig, run
     from workbench.rollout.actor import sync_weights
     from workbench.rollout.runner import Rollout
 
@@ -211,9 +211,9 @@ def test_kl_statistic_catches_a_missing_weight_sync(ray_local, vllm_moe, moe_pat
     rollout = Rollout(agent, [vllm_moe], str(moe_path), sampling=SamplingConfig(max_tokens=8))
     trainer = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(micro_batch_size=64))
     try:
-        broken = run_sync(rollout, trainer, [vllm_moe], lambda n, s: spec.tasks(n, seed=s),
+        broken = run(rollout, trainer, [vllm_moe], lambda n, s: spec.tasks(n, seed=s),
                           LoopConfig(steps=1, prompts_per_step=8, group_size=4, initial_sync=False), progress=False)
-        fixed = run_sync(rollout, trainer, [vllm_moe], lambda n, s: spec.tasks(n, seed=s),
+        fixed = run(rollout, trainer, [vllm_moe], lambda n, s: spec.tasks(n, seed=s),
                          LoopConfig(steps=1, prompts_per_step=8, group_size=4), progress=False)
     finally:
         rollout.shutdown()

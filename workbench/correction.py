@@ -123,6 +123,15 @@ def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
     return Correction(weights, keep, stats)
 
 
+def kl_k3_sum(trainer_lp: torch.Tensor, behaviour_lp: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, int]:
+    """Sum over trainable tokens of k3 = r - 1 - log r (r = pi_trainer / pi_behaviour), an
+    unbiased, never negative estimate of KL(behaviour || trainer), and the token count (so parts
+    of a batch can be merged)."""
+    m = loss_mask.bool()
+    lr = (trainer_lp.double() - behaviour_lp.double())[m]  # float64: near 0, fp32 rounding would go negative
+    return float((lr.exp() - 1 - lr).sum()), int(m.sum())
+
+
 def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions) -> dict:
     # on CPU: small tensors, and torch.histogram has no CUDA kernel
     trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions = (
@@ -141,7 +150,7 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions) ->
         "token_mask_ratio": float((weights[m] > 0).float().mean()) if n else 1.0,
         # KL(behaviour || trainer) estimators on the behaviour samples, with r = pi_old / pi_behav
         "kl_k1": float((-lr).mean()) if n else 0.0,
-        "kl_k3": float(((r[m] - 1) - lr).mean()) if n else 0.0,
+        "kl_k3": kl_k3_sum(trainer_lp, behav_lp, m)[0] / n if n else 0.0,
         "max_abs_delta_p": float((trainer_lp.float().exp() - behav_lp.float().exp())[m].abs().max()) if n else 0.0,
         "is_weight_hist": {"edges": list(WEIGHT_BINS), "counts": [int(c) for c in hist.tolist()]},
         "staleness_hist": dict(sorted(Counter(stale[m].tolist()).items())),

@@ -116,7 +116,7 @@ def run_rl(args, engine, path) -> None:
     """A short sync RL run on the toy Env: rollouts on this engine, 2 FSDP2 ranks, GRPO + PPO clip."""
     from .agents import load_agent
     from .correction import CorrectionConfig
-    from .loop import LoopConfig, run_sync
+    from .loop import LoopConfig, run
     from .rollout.engine import SamplingConfig
     from .rollout.runner import Rollout
     from .trainer.fsdp import Trainer, TrainerConfig
@@ -127,7 +127,7 @@ def run_rl(args, engine, path) -> None:
     rollout = Rollout(agent, [engine], str(path), sampling=SamplingConfig(max_tokens=8))
     trainer = Trainer(str(path), world_size=2, cfg=TrainerConfig(lr=1e-3, micro_batch_size=64, correction=CorrectionConfig.tis()))
     try:
-        run_sync(rollout, trainer, [engine], lambda n, step: spec.tasks(n, seed=1000 + step),
+        run(rollout, trainer, [engine], lambda n, step: spec.tasks(n, seed=1000 + step),
                  LoopConfig(steps=args.rl_steps, prompts_per_step=16, group_size=8), progress=False,
                  on_step=lambda m: print(f"      step {m['step']:>2}  reward {m['reward_mean']:.3f}  exact {m['correct_rate']:.3f}  "
                                          f"loss {m['loss']:+.4f}  k3 {m['kl_k3']:.1e}  sync |diff| {m['sync_max_abs_diff']:.1e}  "

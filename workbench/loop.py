@@ -75,6 +75,13 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     return batch, {"segments": len(segments), "failed_episodes": failed}
 
 
+def engines_version(engines: list) -> int:
+    """The newest policy version any engine serves."""
+    import ray
+
+    return max(i["version"] for i in ray.get([e.info.remote() for e in engines]))
+
+
 def sync_engines(trainer, engines: list, tol: float) -> list:
     """Push the trainer's current weights to every engine under the trainer's version and check
     each engine's probe against the trainer's own log-probs. By NCCL broadcast once
@@ -105,7 +112,6 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
     every `checkpoint_every` steps. `stop` (an Event) ends the loop after the current step.
     `on_groups(step, groups)` sees each step's trajectories. `start_step`: the first step's
     index (a session continuing earlier steps). Returns one metrics dict per step."""
-    import ray
     from tqdm.auto import tqdm
 
     check_staleness(trainer, cfg)
@@ -113,19 +119,20 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
     if checkpoint_dir and os.path.isfile(os.path.join(checkpoint_dir, "run_state.json")):
         first = trainer.restore(checkpoint_dir)["next_step"]
     # one version counter for trainer and engines; it only ever increases
-    engine_version = max(i["version"] for i in ray.get([e.info.remote() for e in engines]))
-    trainer.version = max(engine_version, trainer.version)
+    trainer.version = max(engines_version(engines), trainer.version)
     if cfg.initial_sync:  # rollouts must come from the trainer's weights, not whatever the engines hold
         trainer.version += 1
         sync_engines(trainer, engines, cfg.sync_tol)
 
     stop = stop or threading.Event()
-    trained = threading.Semaphore(cfg.async_lag if cfg.mode == "async" else 0)  # rollouts allowed ahead of training
+    # how many rollouts beyond the first may start before their predecessors are trained: 0 is
+    # sync (the rollout of step k waits for step k-1's training and sync)
+    trained = threading.Semaphore(cfg.async_lag if cfg.mode == "async" else 0)
     batches: queue.Queue = queue.Queue()
 
     def produce():
         for step in range(first, cfg.steps):
-            if step > first or cfg.mode == "sync":
+            if step > first:
                 while not trained.acquire(timeout=0.5):
                     if stop.is_set():
                         return
@@ -139,8 +146,6 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
                 batches.put((step, e, 0.0, 0.0))
                 return
 
-    if cfg.mode == "sync":
-        trained.release()  # the first rollout may start at once
     producer = threading.Thread(target=produce, name="workbench-rollout", daemon=True)
     producer.start()
     history = []
@@ -203,10 +208,3 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         "rollout_s": r1 - r0, "train_s": t2 - t1, "sync_s": time.time() - t2, "step_s": time.time() - min(r0, t1),
         "rollout_start": r0, "rollout_end": r1, "train_start": t1, "train_end": t2,
     }
-
-
-def run_sync(rollout, trainer, engines: list, task_source, cfg: LoopConfig, **kwargs) -> list[dict]:
-    """`run` in sync mode (kept for callers that name the mode in the call)."""
-    if cfg.mode != "sync":
-        raise ValueError(f"run_sync got a LoopConfig with mode={cfg.mode!r}; call run()")
-    return run(rollout, trainer, engines, task_source, cfg, **kwargs)

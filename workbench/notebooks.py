@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
@@ -52,16 +52,11 @@ def run_notebook(name: str, run_dir: str | Path, kernel: str = "workbench-local"
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / f"{name}.ipynb"
     ensure_kernel(kernel)
-    with (_local_env() if kernel == "workbench-local" else _nullcontext()):
+    with (_local_env() if kernel == "workbench-local" else nullcontext()):
         papermill.execute_notebook(str(src), str(out), parameters={"run_dir": str(run_dir), **parameters},
                                    kernel_name=kernel, cwd=str(NOTEBOOK_DIR.parent), progress_bar=progress,
                                    execution_timeout=timeout_s)
     return out
-
-
-@contextmanager
-def _nullcontext():
-    yield
 
 
 def main(argv: list[str] | None = None) -> int:

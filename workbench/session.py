@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from .agents import Task, load_agent
 from .correction import CorrectionConfig
-from .loop import LoopConfig, batch_from_groups, check_staleness, run as run_loop, sync_engines
+from .loop import LoopConfig, batch_from_groups, check_staleness, engines_version, run as run_loop, sync_engines
 from .trainer.fsdp import TrainerConfig
 
 DEFAULT_AGENT = str(Path(__file__).parent / "examples" / "arithmetic_env.py")
@@ -55,23 +55,19 @@ class WorkbenchConfig:
     resume: bool = False
     engine_kwargs: dict = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=_default_trainer)
-    loop: LoopConfig = field(default_factory=lambda: LoopConfig(prompts_per_step=16, group_size=8))
+    loop: LoopConfig = field(default_factory=LoopConfig)
 
     @classmethod
     def from_dict(cls, d: dict) -> "WorkbenchConfig":
         """Build from plain values (nested dicts for trainer, trainer.correction and loop)."""
         d = dict(d)
-        nested = {"trainer": TrainerConfig, "loop": LoopConfig}
-        for key, kind in nested.items():
-            if isinstance(d.get(key), dict):
+        for key, default in (("trainer", _default_trainer()), ("loop", LoopConfig())):
+            if isinstance(d.get(key), dict):  # over the defaults
                 sub = dict(d[key])
-                if key == "trainer" and isinstance(sub.get("correction"), dict):  # over the default (TIS)
-                    sub["correction"] = _build(CorrectionConfig, {**dataclasses.asdict(CorrectionConfig.tis()), **sub["correction"]},
+                if key == "trainer" and isinstance(sub.get("correction"), dict):
+                    sub["correction"] = _build(CorrectionConfig, {**_fields(default.correction), **sub["correction"]},
                                                "trainer.correction")
-                base = dataclasses.asdict(_default_trainer()) if key == "trainer" else {}
-                if key == "trainer":
-                    base["correction"] = CorrectionConfig.tis()
-                d[key] = _build(kind, {**base, **sub}, key)
+                d[key] = _build(type(default), {**_fields(default), **sub}, key)
         return _build(cls, d, "config")
 
     def __post_init__(self):
@@ -87,6 +83,11 @@ class WorkbenchConfig:
             raise ConfigError(f"model {self.model!r} is neither a toy model name ('moe', 'dense') nor a checkpoint directory")
         if not isinstance(self.trainer, TrainerConfig) or not isinstance(self.loop, LoopConfig):
             raise ConfigError("trainer must be a TrainerConfig and loop a LoopConfig (or dicts, via from_dict)")
+
+
+def _fields(obj) -> dict:
+    """A dataclass's fields, one level deep (nested config objects stay objects)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 def _build(kind, values: dict, where: str):
@@ -182,13 +183,10 @@ class Workbench:
     def sync(self) -> list:
         """Push the trainer's weights to every engine under a new version; each engine checks
         its probe log-probs against the trainer's. Returns the engines' WeightSyncReports."""
-        import ray
-
         self._idle("sync")  # a running loop syncs itself; a second driver thread could interleave collectives
         # the trainer's version names its weights (a step already bumped it); only when the engines
         # are at or past it (no step since the last sync) does the sync need a fresh number
-        engine_version = max(i["version"] for i in ray.get([e.info.remote() for e in self.engines]))
-        self._trainer.version = max(self._trainer.version, engine_version + 1)
+        self._trainer.version = max(self._trainer.version, engines_version(self.engines) + 1)
         return sync_engines(self._trainer, self.engines, self.cfg.loop.sync_tol)
 
     def run(self, steps: int, background: bool = True, monitors: list | None = None, progress: bool = True,
@@ -199,12 +197,9 @@ class Workbench:
         metrics.jsonl in the run directory."""
         if self._run is not None and not self._run.done:
             raise RuntimeError("a run is already in progress: wait for it (wb.wait()) or stop it (wb.stop())")
-        import ray
-
         cfg = dataclasses.replace(self.cfg.loop, steps=self.next_step + steps, initial_sync=False, **loop_overrides)
         check_staleness(self._trainer, cfg)  # here, not in the background thread where it would only be stored
-        engine_version = max(i["version"] for i in ray.get([e.info.remote() for e in self.engines]))
-        if engine_version < self._trainer.version:  # wb.trainer.step() ran without a wb.sync() after it
+        if engines_version(self.engines) < self._trainer.version:  # wb.trainer.step() ran without a wb.sync() after it
             self.sync()
         handle = RunHandle(self, cfg, list(monitors or []), progress, checkpoint_every)
         self._run = handle

@@ -15,13 +15,14 @@ given tokens < i; column 0 is 0.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass, field
 
 import torch
 
-from ..correction import CorrectionConfig, correction_weights, merge_stats
+from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_stats
 from ..replay import routing_replay
 from .losses import KL_ESTIMATORS, aggregation_weights, get_surrogate
 
@@ -102,32 +103,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _add_replay(acc: dict | None, st) -> dict:
-    """Sum ReplayStats over micro-batches, per layer."""
-    d = {"replayed": list(st.replayed), "fallback": list(st.fallback), "disagree": list(st.disagree)}
-    if acc is None:
-        return d
-    return {k: [a + b for a, b in zip(acc[k], d[k])] for k in d}
+def _sum_replay(parts: list) -> dict:
+    """Per-layer replayed / fallback / disagree counts (ReplayStats or their dicts), summed."""
+    parts = [dataclasses.asdict(p) if dataclasses.is_dataclass(p) else p for p in parts]
+    return {k: [sum(col) for col in zip(*(p[k] for p in parts))] for k in ("replayed", "fallback", "disagree")}
 
 
-def replay_summary(parts: list[dict | None]) -> dict:
+def replay_summary(parts: list[dict]) -> dict:
     """Replay statistics summed over ranks: per-layer replayed / fallback / disagree counts,
     the overall disagreement rate (live top-k differs from the recorded one) and per layer."""
-    parts = [p for p in parts if p is not None]
-    if not parts or not parts[0]["replayed"]:
-        return {"replayed": [], "fallback": [], "disagree": [], "disagree_rate": 0.0, "disagree_rate_per_layer": []}
-    acc = {k: [sum(col) for col in zip(*(p[k] for p in parts))] for k in ("replayed", "fallback", "disagree")}
+    acc = _sum_replay(parts)
     acc["disagree_rate"] = sum(acc["disagree"]) / max(sum(acc["replayed"]), 1)
     acc["disagree_rate_per_layer"] = [d / max(r, 1) for d, r in zip(acc["disagree"], acc["replayed"])]
     return acc
-
-
-def _kl_k3(trainer_lp, behaviour_lp, loss_mask) -> dict:
-    """k3 KL estimate between behaviour and trainer log-probs over trainable tokens (sum and
-    count, so ranks can be merged)."""
-    m = loss_mask.bool()
-    lr = (trainer_lp - behaviour_lp).float()[m]
-    return {"sum": float((lr.exp() - 1 - lr).sum()), "tokens": int(m.sum())}
 
 
 class TrainerWorker:
@@ -198,15 +186,15 @@ class TrainerWorker:
         ReplayStats fields, per MoE layer). `replay`: None follows the config."""
         batch = self._to(batch)
         replay = self.cfg.routing_replay if replay is None else replay
-        out, stats = [], None
+        out, stats = [], []
         self.model.eval()
         with torch.no_grad():
             for mb in self._micro(batch):
                 lp, st = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
                                         self._experts(mb), apply_replay=replay, positions=self._counted(mb))
                 out.append(lp.cpu())
-                stats = _add_replay(stats, st)
-        return torch.cat(out), stats
+                stats.append(st)
+        return torch.cat(out), _sum_replay(stats)
 
     def train_step(self, batch: dict, trainer_version: int, report: bool = False) -> dict:
         """`updates_per_step` optimizer updates on this rank's rows (every rank runs this at
@@ -221,13 +209,14 @@ class TrainerWorker:
         batch = self._to(batch)
         live = None
         if self.cfg.routing_replay and self.cfg.measure_live_routing and batch.get("routed_experts") is not None:
-            live = _kl_k3(self.logprobs(batch, replay=False)[0].to(self.device), batch["behaviour_logprobs"], batch["loss_mask"])
+            live = dict(zip(("sum", "tokens"), kl_k3_sum(self.logprobs(batch, replay=False)[0].to(self.device),
+                                                         batch["behaviour_logprobs"], batch["loss_mask"])))
         updates = self.cfg.updates_per_step
         if updates > 1:
             batch["old_logprobs"] = self.logprobs(batch)[0].to(self.device)
         surrogate = get_surrogate(self.cfg.surrogate)
         self.model.train()
-        loss_sum, norms, corr_parts, replay, rows, kl_sum, shift_sum = 0.0, [], [], None, [], 0.0, 0.0
+        loss_sum, norms, corr_parts, replay, rows, kl_sum, shift_sum = 0.0, [], [], [], [], 0.0, 0.0
         per = -(-batch["input_ids"].shape[0] // updates)
         for u in range(updates):
             ub = {k: (v[u * per: (u + 1) * per] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
@@ -256,7 +245,7 @@ class TrainerWorker:
                 shift_sum += float(((lp.detach() - old).abs() * mb["loss_mask"]).sum())
                 loss_sum += float(contribution.sum())
                 corr_parts.append(corr.stats)
-                replay = _add_replay(replay, rstats)
+                replay.append(rstats)
                 if report:
                     keep = corr.keep[:, None].expand_as(mb["loss_mask"]) & mb["loss_mask"].bool()
                     rows.append({"trainer_logprobs": old, "is_weight": corr.weights, "gate_keep": keep,
@@ -266,7 +255,7 @@ class TrainerWorker:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         out = {"loss": loss_sum, "grad_norm": sum(norms) / len(norms), "correction": merge_stats(corr_parts),
-               "replay": replay, "kl_k3_live": live,
+               "replay": _sum_replay(replay), "kl_k3_live": live,
                "kl_ref": {"sum": kl_sum, "tokens": int(batch["loss_mask"].sum())} if self.ref_model else None,
                # mean |log pi - log pi_old| over the step's tokens: 0 with one update per step; how far
                # later updates' ratios move from 1 (where the surrogates' clipping acts) otherwise
