@@ -10,6 +10,22 @@ VENV=.venv
 STAMP=$VENV/.workbench-installed
 want=$(cat pyproject.toml requirements/cpu.lock scripts/setup.sh | sha256sum | cut -c1-16)
 
+# The code sandbox (workbench/sandbox.py) runs untrusted code under bubblewrap (with libseccomp).
+# Checked on every run (cheap), installed where missing and possible (root with apt-get). If it
+# cannot be installed, setup carries on; the sandbox then refuses to run and names the package.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing bubblewrap (the code sandbox) ..."
+    export DEBIAN_FRONTEND=noninteractive
+    apt_install() { apt-get install -y -q -o DPkg::Lock::Timeout=120 bubblewrap libseccomp2 >/dev/null; }
+    apt_install 2>/dev/null || { apt-get update -q >/dev/null && apt_install; } \
+      || echo "[setup] WARNING: could not install bubblewrap; sandboxed code execution will refuse to run" >&2
+  else
+    echo "[setup] WARNING: bwrap is missing: install the package bubblewrap (as root: apt-get install -y bubblewrap)" \
+      "or sandboxed code execution will refuse to run" >&2
+  fi
+fi
+
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi

@@ -1,7 +1,40 @@
-"""The code-execution sandbox: output comes back; network, time and memory are denied."""
+"""The code-execution sandbox: output comes back; each escape the review found (run as root, and
+as an unprivileged user in test_sandbox_unprivileged.py) fails and leaves the host unchanged.
+Without bwrap these tests fail with SandboxUnavailable naming the package; none is skipped."""
+
+import ast
+import asyncio
+import errno
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+import uuid
+from textwrap import dedent
+
+import pytest
+
+from workbench import sandbox
+from workbench.sandbox import SandboxUnavailable, check_sandbox, run_python
 
 
-from workbench.sandbox import network_isolation_prefix, run_python
+@pytest.fixture(autouse=True)
+def _no_opt_out(monkeypatch):
+    monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
+
+
+def run(code: str, **kw):
+    return run_python(dedent(code), **kw)
+
+
+def test_sandbox_is_available_here():
+    check_sandbox()  # fails (not skips) with the reason, e.g. "Debian package `bubblewrap`"
 
 
 def test_runs_code_and_returns_output():
@@ -9,23 +42,281 @@ def test_runs_code_and_returns_output():
     assert r.ok and r.stdout.strip() == "42" and not r.truncated
 
 
-def test_no_network_even_to_loopback():
-    import socket
-    import threading
+def test_stdin_is_passed():
+    r = run_python("import sys; print(sys.stdin.read().upper())", stdin="abc")
+    assert r.ok and r.stdout.strip() == "ABC"
 
+
+def test_concurrent_calls_from_threads_like_the_code_agent():
+    async def main():  # CodeAgent calls asyncio.to_thread(run_python, code, timeout_s, memory_mb, max_output)
+        return await asyncio.gather(*[asyncio.to_thread(run_python, f"print({i} * 2)", 5.0, 256, 1000) for i in range(8)])
+
+    results = asyncio.run(main())
+    assert [r.stdout.strip() for r in results] == [str(i * 2) for i in range(8)] and all(r.ok for r in results)
+
+
+def _listener():
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    port = srv.getsockname()[1]
-    threading.Thread(target=lambda: srv.accept(), daemon=True).start()
+    srv.listen(8)
+    srv.setblocking(False)
+    return srv
+
+
+def _accepted(srv) -> bool:
     try:
-        code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
-        r = run_python(code)
-        assert network_isolation_prefix() is not None
+        srv.accept()[0].close()
+        return True
+    except BlockingIOError:
+        return False
+
+
+def test_no_network_even_to_loopback():
+    srv = _listener()
+    try:
+        r = run(f"""
+            import socket
+            socket.create_connection(('127.0.0.1', {srv.getsockname()[1]}), timeout=2)
+            print('connected')""")
         assert "connected" not in r.stdout and r.exit_code != 0
-        assert "unreachable" in r.stderr.lower() or "refused" in r.stderr.lower(), r.stderr
+        assert "refused" in r.stderr.lower() or "unreachable" in r.stderr.lower(), r.stderr
+        assert not _accepted(srv)
     finally:
         srv.close()
+
+
+def test_setns_into_the_parents_network_namespace_fails():
+    srv = _listener()
+    try:
+        r = run(f"""
+            import ctypes, os, socket
+            libc = ctypes.CDLL(None, use_errno=True)
+            for path in ['/proc/{os.getpid()}/ns/net', '/proc/{os.getppid()}/ns/net', '/proc/1/ns/net', '/proc/self/ns/net']:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError as e:
+                    print('open', path, e.errno); continue
+                rc = libc.setns(fd, 0x40000000)  # CLONE_NEWNET
+                print('setns', path, rc, ctypes.get_errno())
+                if rc == 0:
+                    print('SETNS_OK')
+            try:
+                socket.create_connection(('127.0.0.1', {srv.getsockname()[1]}), timeout=2)
+                print('CONNECTED')
+            except OSError as e:
+                print('connect', e)""")
+        assert "SETNS_OK" not in r.stdout and "CONNECTED" not in r.stdout, r.stdout + r.stderr
+        assert f"open /proc/{os.getpid()}/ns/net {errno.ENOENT}" in r.stdout  # the host's /proc is not there
+        assert f"setns /proc/self/ns/net -1 {errno.EPERM}" in r.stdout  # setns itself is refused
+        assert not _accepted(srv)
+    finally:
+        srv.close()
+
+
+def test_unix_sockets_outside_are_unreachable(tmp_path):
+    path = tmp_path / "outside.sock"
+    abstract = f"\0workbench-test-{uuid.uuid4().hex}"
+    servers = []
+    for addr in (str(path), abstract):
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(addr)
+        s.listen(8)
+        s.setblocking(False)
+        servers.append(s)
+    try:
+        r = run(f"""
+            import socket
+            for addr in [{str(path)!r}, {abstract!r}, '/tmp/ray/session_latest/sockets/raylet']:
+                s = socket.socket(socket.AF_UNIX)
+                try:
+                    s.connect(addr); print('CONNECTED', addr)
+                except OSError as e:
+                    print('refused', e.errno)""")
+        assert r.ok and "CONNECTED" not in r.stdout and r.stdout.count("refused") == 3, r.stdout + r.stderr
+        assert not any(_accepted(s) for s in servers)
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_etc_shadow_is_not_readable():
+    r = run("""
+        import os
+        print(os.path.exists('/etc'))
+        print('READ', open('/etc/shadow').read())""")
+    assert "READ" not in r.stdout and "root:" not in r.stdout
+    assert r.stdout.strip() == "False" and "FileNotFoundError" in r.stderr
+
+
+def test_writes_outside_the_work_dir_do_not_reach_the_host(tmp_path):
+    token = uuid.uuid4().hex
+    here = os.path.dirname(os.path.abspath(__file__))
+    targets = [str(tmp_path / "escaped.txt"), f"/tmp/{token}", f"{here}/{token}", f"/root/{token}", f"/etc/{token}",
+               f"/{token}", f"/usr/lib/{token}", f"{os.path.dirname(os.__file__)}/{token}.py", f"/dev/shm/{token}",
+               f"/proc/{token}"]
+    r = run(f"""
+        import os
+        for p in {targets!r}:
+            try:
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                with open(p, 'w') as f:
+                    f.write('x')
+                print('WROTE', p)
+            except OSError as e:
+                print('denied', p, e.errno)""")
+    assert r.ok, r.stderr
+    for p in targets:
+        assert not os.path.exists(p), p
+    # only the sandbox's own /tmp (a tmpfs; tmp_path is under /tmp too) took writes, gone with it
+    wrote = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("WROTE")]
+    assert sorted(wrote) == sorted(targets[:2]), r.stdout
+
+
+def test_parent_environment_is_not_readable(monkeypatch):
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    monkeypatch.setenv("WB_TEST_SECRET", secret)
+    r = run(f"""
+        import os
+        print(dict(os.environ))
+        for pid in ['{os.getpid()}', '{os.getppid()}', *[p for p in os.listdir('/proc') if p.isdigit()]]:
+            try:
+                print(pid, open(f'/proc/{{pid}}/environ', 'rb').read())
+            except OSError as e:
+                print(pid, 'denied', e.errno)""")
+    assert r.ok and f"{os.getpid()} denied {errno.ENOENT}" in r.stdout, r.stdout + r.stderr
+    assert secret not in r.stdout and secret not in r.stderr
+
+
+def test_host_processes_are_invisible_and_cannot_be_signalled():
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        r = run(f"""
+            import os, signal
+            print('pids', sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))
+            for pid in ({os.getpid()}, {bystander.pid}, os.getppid(), -1):
+                try:
+                    os.kill(pid, signal.SIGKILL); print('sent', pid)
+                except OSError as e:
+                    print('kill', pid, e.errno)""")
+        pids = ast.literal_eval(r.stdout.splitlines()[0].removeprefix("pids "))
+        assert pids == [1, 2], r.stdout  # the namespace's init (bwrap) and the code itself
+        assert f"kill {os.getpid()} {errno.ESRCH}" in r.stdout and f"kill {bystander.pid} {errno.ESRCH}" in r.stdout
+        assert bystander.poll() is None  # kill(-1) reached nothing outside either
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_no_subprocesses():
+    r = run("""
+        import os, subprocess, sys
+        for argv in (['/bin/sh', '-c', 'echo hi'], ['ls'], [sys.executable, '-c', 'print(1)']):
+            try:
+                subprocess.run(argv, timeout=5); print('SPAWNED', argv)
+            except OSError as e:
+                print('refused', e.errno)
+        print('system', os.system('echo hi'))""")
+    assert r.ok and "SPAWNED" not in r.stdout and "hi" not in r.stdout, r.stdout + r.stderr
+    assert f"refused {errno.EPERM}" in r.stdout  # even the sandbox's own interpreter: no new processes
+
+
+def test_fork_bomb_is_stopped_at_the_process_limit():
+    t0 = time.monotonic()
+    r = run("""
+        import os, time
+        children = 0
+        for _ in range(150):
+            try:
+                if os.fork() == 0:
+                    time.sleep(60); os._exit(0)
+                children += 1
+            except OSError as e:
+                err = e.errno
+        print('children', children, 'errno', err)
+        import threading
+        t = threading.Thread(target=print, args=('threads ok',)); t.start(); t.join()""", timeout_s=5)
+    assert r.ok and f"children 0 errno {errno.EPERM}" in r.stdout and "threads ok" in r.stdout, r.stdout + r.stderr
+    assert time.monotonic() - t0 < 3
+
+
+def test_cpu_limit_cannot_be_raised():
+    t0 = time.monotonic()
+    r = run("""
+        import resource
+        try:
+            resource.setrlimit(resource.RLIMIT_CPU, (resource.RLIM_INFINITY, resource.RLIM_INFINITY)); print('RAISED')
+        except (ValueError, OSError) as e:
+            print('refused', e, flush=True)
+        while True: pass""", timeout_s=1.5)
+    assert "refused" in r.stdout and "RAISED" not in r.stdout
+    assert r.timed_out and not r.ok and time.monotonic() - t0 < 3.5
+
+
+def _survivors(token: str) -> str:
+    return subprocess.run(["pgrep", "-af", token], capture_output=True, text=True).stdout
+
+
+def test_escaping_grandchild_does_not_outlive_the_timeout():
+    token = f"tok{uuid.uuid4().hex}"
+    t0 = time.monotonic()
+    r = run(f"""
+        # {token}
+        import os, time
+        try:
+            if os.fork() == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    time.sleep(20); os._exit(0)
+                os._exit(0)
+        except OSError as e:
+            print('fork', e.errno, flush=True)
+        time.sleep(20)""", timeout_s=2.0)
+    elapsed = time.monotonic() - t0
+    assert r.timed_out and elapsed < 3.5, elapsed
+    assert f"fork {errno.EPERM}" in r.stdout
+    assert _survivors(token) == ""
+
+
+def test_sandbox_dies_with_its_caller():
+    # the caller is SIGKILLed mid-run, so no timeout of ours fires: --die-with-parent does it
+    token = f"tok{uuid.uuid4().hex}"
+    caller = subprocess.Popen([sys.executable, "-c", dedent(f"""
+        import importlib.util, os, sys
+        spec = importlib.util.spec_from_file_location("sb", {sandbox.__file__!r})
+        sb = importlib.util.module_from_spec(spec); sys.modules["sb"] = sb; spec.loader.exec_module(sb)
+        sb.run_python("# " + os.environ["TOKEN"] + "\\nimport time; time.sleep(60)", timeout_s=60)""")],
+        env={**os.environ, "TOKEN": token})  # not on any command line but the sandboxed code's
+    try:
+        deadline = time.monotonic() + 10
+        while not _survivors(token) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _survivors(token), "the sandbox never started"
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 2
+    while _survivors(token) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _survivors(token) == ""
+
+
+def test_output_flood_is_read_with_bounded_memory():
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tracemalloc.start()
+    try:
+        r = run("""
+            import sys
+            chunk = b'x' * (1 << 20)
+            for _ in range(200):
+                sys.stdout.buffer.write(chunk)
+            sys.stderr.write('e' * (1 << 20))""", timeout_s=30, max_output=4096)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    rss_growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    assert r.ok and r.truncated and len(r.stdout) == 4096 and len(r.stderr) == 4096
+    assert peak < 4 << 20, peak  # a few chunks, never the 200 MB
+    assert rss_growth_mb < 50, rss_growth_mb
 
 
 def test_wall_clock_timeout_kills():
@@ -49,5 +340,115 @@ def test_output_is_truncated():
 
 
 def test_isolated_interpreter_sees_no_site_packages():
-    r = run_python("import torch")
-    assert r.exit_code != 0 and "ModuleNotFoundError" in r.stderr
+    for module in ("torch", "pytest", "IPython"):  # the venv's and the base install's packages
+        r = run_python(f"import {module}")
+        assert r.exit_code != 0 and "ModuleNotFoundError" in r.stderr, module
+
+
+def test_no_inherited_file_descriptors(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s3cr3t")
+    fd = os.open(secret, os.O_RDONLY)
+    os.set_inheritable(fd, True)
+    try:
+        r = run("""
+            import os
+            print(sorted(int(f) for f in os.listdir('/proc/self/fd')))
+            for fd in range(3, 1024):
+                try:
+                    print('OPEN', fd, os.readlink(f'/proc/self/fd/{fd}'), os.read(fd, 100))
+                except OSError:
+                    pass""")
+    finally:
+        os.close(fd)
+    assert r.ok and r.stdout.splitlines()[0] == "[0, 1, 2, 3]"  # 3: listdir's own
+    assert "s3cr3t" not in r.stdout and "OPEN" not in r.stdout, r.stdout
+
+
+def test_task_files_are_read_only_and_fresh_each_call():
+    files = {"test_task.py": "assert solve() == 42\n", "data/input.txt": "1 2 3\n"}
+    r = run("""
+        import os
+        print(open('test_task.py').read(), end='')
+        attempts = [
+            ('write', lambda: open('test_task.py', 'w').write('pass')),
+            ('append', lambda: open('test_task.py', 'a').write('pass')),
+            ('unlink', lambda: os.unlink('test_task.py')),
+            ('rename', lambda: os.rename('test_task.py', 'x.py')),
+            ('chmod', lambda: os.chmod('test_task.py', 0o666)),
+            ('nested', lambda: open('data/input.txt', 'w').write('0')),
+        ]
+        for name, f in attempts:
+            try:
+                f(); print('DONE', name)
+            except OSError as e:
+                print('denied', name, e.errno)
+        open('scratch.txt', 'w').write('the work dir itself is writable')""", files=files)
+    assert r.ok and r.stdout.startswith("assert solve() == 42"), r.stdout + r.stderr
+    assert "DONE" not in r.stdout and r.stdout.count("denied") == 6, r.stdout
+    again = run("import os; print(open('test_task.py').read(), end=''); print(os.listdir('.'))", files=files)
+    assert again.stdout.startswith("assert solve() == 42") and "scratch.txt" not in again.stdout
+
+
+def test_other_episodes_work_dirs_are_invisible():
+    token = uuid.uuid4().hex
+    first = {}
+    t = threading.Thread(target=lambda: first.update(r=run(f"""
+        import time
+        open('/tmp/{token}', 'w').write('episode A')
+        print('written', time.time(), flush=True)
+        time.sleep(2.5)""", timeout_s=10)))
+    t.start()
+    time.sleep(0.7)
+    second = run(f"""
+        import os, time
+        t0 = time.time()
+        found = [os.path.join(d, f) for d, _, fs in os.walk('/') for f in fs if '{token}' in f]
+        print('found', found, t0, time.time(), os.listdir('/tmp'))""")
+    t.join()
+    assert first["r"].ok and "written" in first["r"].stdout
+    assert second.ok and second.stdout.startswith("found []"), second.stdout
+    written = float(first["r"].stdout.split()[1])
+    searched_from, searched_to = map(float, second.stdout.split()[2:4])
+    assert written < searched_from and searched_to < written + 2.5  # the search ran while A's file existed
+    assert not os.path.exists(f"/tmp/{token}")
+
+
+def test_disk_exhaustion_hits_enospc_in_a_bounded_tmpfs():
+    free0 = shutil.disk_usage("/").free
+    r = run("""
+        import errno, os
+        st = os.statvfs('.')
+        print('size', st.f_blocks * st.f_frsize)
+        written = 0
+        try:
+            for i in range(100):
+                with open(f'fill{i}', 'wb') as f:
+                    for _ in range(4):
+                        f.write(b'x' * (1 << 20)); written += 1 << 20
+        except OSError as e:
+            print('errno', e.errno, 'written', written)""", disk_mb=64)
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert r.ok and int(lines["size"]) == 64 << 20, r.stdout + r.stderr
+    err, written = lines["errno"].split(" written ")
+    assert int(err) == errno.ENOSPC and 48 << 20 < int(written) <= 64 << 20
+    # the 64 MB went to memory, not to the host's disk (tolerance for other processes' writes)
+    assert free0 - shutil.disk_usage("/").free < 32 << 20
+
+
+def test_refuses_without_the_sandbox_unless_opted_out(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    reason = sandbox._sandbox_problem.__wrapped__()
+    assert "bubblewrap" in reason and "apt-get install -y bubblewrap" in reason
+    monkeypatch.undo()
+    monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
+    monkeypatch.setattr(sandbox, "_sandbox_problem", lambda: reason)
+    with pytest.raises(SandboxUnavailable, match=f"bubblewrap.*{sandbox.UNSAFE_ENV}=1"):
+        run_python("print(1)")
+    monkeypatch.setenv(sandbox.UNSAFE_ENV, "1")
+    with pytest.warns(RuntimeWarning, match="UNSANDBOXED"):
+        r = run_python("print(open('t.txt').read())", files={"t.txt": "unsafe but limited"})
+    assert r.ok and r.stdout.strip() == "unsafe but limited"
+    with pytest.warns(RuntimeWarning):
+        r = run_python("while True: pass", timeout_s=1.0)
+    assert r.timed_out
