@@ -41,9 +41,13 @@ def test_seq_and_geo_levels():
     assert torch.allclose(c.weights, torch.tensor([[0, 1.1, 1.1], [0, 0.5, 0.5]]))
     c = run(CorrectionConfig(level="geo", mode="clip", low=0.9, high=1.05, max_staleness=None))
     assert torch.allclose(c.weights, torch.tensor([[0, 1.05, 1.05], [0, 0.9, 0.9]]))
-    # geo mask [0.7, 1.1]: seq0 (1.095) kept with TOKEN weights r_t; seq1 (0.707) kept too
+    # geo mask [0.7, 1.1]: seq0 (1.095) and seq1 (0.707) kept, each with its SEQUENCE weight
+    # (never its tokens' own ratios 1.2 / 0.5, which the band did not bound)
     c = run(CorrectionConfig(level="geo", mode="mask", low=0.7, high=1.1, max_staleness=None))
-    assert torch.allclose(c.weights, torch.tensor([[0, 1.0, 1.2], [0, 0.5, 1.0]]))
+    g0, g1 = math.sqrt(1.2), math.sqrt(0.5)
+    assert torch.allclose(c.weights, torch.tensor([[0, g0, g0], [0, g1, g1]]))
+    c = run(CorrectionConfig(level="geo", mode="mask", low=0.7, high=1.1, max_staleness=None, kept_weight="one"))
+    assert torch.equal(c.weights, torch.tensor([[0, 1.0, 1.0], [0, 1.0, 1.0]]))
     # a tighter band drops the whole of seq1 and counts it
     c = run(CorrectionConfig(level="geo", mode="mask", low=0.9, high=1.1, max_staleness=None))
     assert c.keep.tolist() == [True, False] and c.weights[1].abs().sum() == 0
@@ -125,3 +129,48 @@ def test_gate_ratio_ignores_padding_rows_and_merges_over_unequal_parts():
     parts = [correction_weights(pad(old[:1]), pad(behav[:1]), pad(mask[:1]), pad(versions[:1]), 6, cfg).stats,
              correction_weights(old[1:], behav[1:], mask[1:], versions[1:], 6, cfg).stats]
     assert merge_stats(parts)["gate_pass_ratio"] == pytest.approx(whole["gate_pass_ratio"])
+
+
+def test_a_kept_sequence_never_carries_an_unbounded_token_weight():
+    """The review's case: 20 tokens whose geometric-mean ratio is exactly 1, one of them with
+    r = 20.1. The geo mask keeps the sequence; before the fix that token was weighted 20.1."""
+    n = 20
+    log_r = torch.full((1, n), -math.log(20.1) / (n - 1))
+    log_r[0, 7] = math.log(20.1)  # sum 0: geometric mean exactly 1
+    behav = torch.full((1, n), -2.0)
+    old = behav + log_r
+    mask, versions = torch.ones(1, n), torch.zeros(1, n, dtype=torch.long)
+    c = correction_weights(old, behav, mask, versions, 0, CorrectionConfig(level="geo", mode="mask"))
+    assert c.keep.tolist() == [True]
+    assert torch.allclose(c.weights, torch.ones(1, n), atol=1e-5) and float(c.weights.max()) < 1.01
+    # seq level: the unit is the product of the ratios, also exactly 1
+    c = correction_weights(old, behav, mask, versions, 0, CorrectionConfig(level="seq", mode="mask"))
+    assert c.keep.tolist() == [True] and float(c.weights.max()) < 1.01
+    # the token veto rejects the sequence that holds the outlier, and counts it
+    c = correction_weights(old, behav, mask, versions, 0, CorrectionConfig(level="geo", mode="mask", veto_high=10.0))
+    assert c.keep.tolist() == [False] and c.weights.abs().sum() == 0 and not c.token_keep.any()
+    assert c.stats["veto_dropped"] == 1 and c.stats["band_dropped"] == 0 and c.stats["gate_pass_ratio"] == 0.0
+
+
+def test_token_veto_by_hand():
+    # token ratios: seq0 = [1.0, 1.2], seq1 = [0.5, 1.0]; TIS keeps both unless vetoed
+    c = run(CorrectionConfig(level="token", mode="trunc", low=0.0, high=2.0, max_staleness=None, veto_low=0.6))
+    assert c.keep.tolist() == [True, False] and torch.allclose(c.weights[0], torch.tensor([0, 1.0, 1.2]))
+    assert c.stats["veto_dropped"] == 1
+    c = run(CorrectionConfig(level="token", mode="trunc", low=0.0, high=2.0, max_staleness=None, veto_high=1.1))
+    assert c.keep.tolist() == [False, True] and torch.allclose(c.weights[1], torch.tensor([0, 0.5, 1.0]))
+    # token mask: a rejected token is out of every loss term (token_keep), a kept one in
+    c = run(CorrectionConfig(level="token", mode="mask", low=0.8, high=1.1, max_staleness=None))
+    assert c.token_keep.tolist() == [[False, True, False], [False, False, True]]
+    for bad in ({"veto_low": 0.0}, {"veto_low": 1.5}, {"veto_high": 0.5}, {"kept_weight": "unit"}):
+        with pytest.raises(CorrectionConfigError):
+            CorrectionConfig(**bad)
+
+
+def test_sampling_check_refuses_a_temperature_the_trainer_does_not_use():
+    cfg = CorrectionConfig()
+    with pytest.raises(CorrectionConfigError, match="temperature 0.7 but the trainer computes log-probs at 1.0"):
+        cfg.check_sampling(temperature=0.7, trainer_temperature=1.0)
+    with pytest.raises(CorrectionConfigError, match="greedy"):
+        cfg.check_sampling(temperature=0.0, trainer_temperature=0.0)
+    cfg.check_sampling(temperature=0.7, trainer_temperature=0.7)

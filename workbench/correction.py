@@ -2,18 +2,37 @@
 
 Every trainable token carries its behaviour log-prob (the engine's, processed) and the policy
 version that sampled it. With r_t = pi_old(t) / pi_behav(t) (pi_old: the trainer's recomputed
-log-prob under the weights the batch is trained from):
+log-prob under the weights the batch is trained from), the *unit* ratio at each level is
 
-    level  token: r_t           seq: exp(sum_t log r_t)        geo: exp(mean_t log r_t)
-    mode   mask:  keep a unit (token, or sequence for seq/geo) only inside [low, high];
-                  kept tokens are weighted by r_t
-           clip:  weight = clamp(ratio, low, high)
-           trunc: weight = min(ratio, high)                     (TIS)
-    gate   a sequence whose oldest token is more than max_staleness versions behind the
-           trainer is dropped, whatever its ratio.
+    token: u = r_t              seq: u = exp(sum_t log r_t)      geo: u = exp(mean_t log r_t)
 
-Weights are constants in the loss (computed without gradient). Statistics every step: gate
-pass ratio, k1/k3 KL between behaviour and trainer log-probs, max |delta p|, IS-weight and
+and the weight every trainable token of a kept unit carries is
+
+    mask:  keep the unit only when low <= u <= high (a sequence for seq/geo, a token for
+           token); a kept unit weighs u (kept_weight="ratio", bounded by the band) or 1
+           (kept_weight="one": pure rejection sampling)
+    clip:  w = clamp(u, low, high)
+    trunc: w = min(u, high)                                      (TIS)
+
+Sequence-level masks never hand a kept sequence its per-token ratios: a sequence whose
+geometric mean is exactly 1 can hold one token with r_t = 20, and weighting that token by 20
+is the unbounded variance the sequence-level test was meant to remove. Two sequence gates
+apply at every level, whatever the mode:
+
+    staleness  a sequence whose oldest token is more than max_staleness versions behind the
+               trainer is dropped, whatever its ratio.
+    veto       a sequence holding any token with r_t < veto_low or r_t > veto_high is dropped
+               (the per-token veto of sequence-level rejection sampling).
+
+References: token TIS, Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+Off-Policy RL Training"; sequence-level and geometric-mean masks and the token veto, Liu et
+al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference
+Mismatch" (MIS), also verl's rollout-correction options.
+
+Weights are constants in the loss (computed without gradient). `Correction.token_keep` is the
+mask of tokens that take part in the loss at all: every other loss term (the KL penalty to a
+reference) uses it, so a gated sequence gets no gradient from anything. Statistics every step:
+gate pass ratio, k1/k3 KL between behaviour and trainer log-probs, max |delta p|, IS-weight and
 staleness histograms, tokens per version.
 """
 
@@ -26,6 +45,7 @@ import torch
 
 LEVELS = ("token", "seq", "geo")
 MODES = ("mask", "clip", "trunc")
+KEPT_WEIGHTS = ("ratio", "one")
 WEIGHT_BINS = (0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0, 1.01, 1.05, 1.1, 1.25, 2.0, float("inf"))
 
 
@@ -40,7 +60,10 @@ class CorrectionConfig:
     low: float = 0.99
     high: float = 1.01
     max_staleness: int | None = 4  # None: no staleness gate
-    enabled: bool = True  # False: every kept token weighs 1 (the gate still applies)
+    enabled: bool = True  # False: every kept token weighs 1 (the gates still apply)
+    kept_weight: str = "ratio"  # mask mode: a kept unit weighs its ratio u ("ratio") or 1 ("one")
+    veto_low: float | None = None  # drop a sequence holding any token ratio below this (e.g. 1e-4)
+    veto_high: float | None = None  # ... or above this
 
     @classmethod
     def tis(cls, cap: float = 2.0, max_staleness: int | None = 4) -> "CorrectionConfig":
@@ -59,10 +82,27 @@ class CorrectionConfig:
                 f"a {self.mode} band [{self.low}, {self.high}] that excludes 1.0 rejects even perfectly on-policy tokens")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise CorrectionConfigError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+        if self.kept_weight not in KEPT_WEIGHTS:
+            raise CorrectionConfigError(f"kept_weight {self.kept_weight!r} unknown; choose one of {KEPT_WEIGHTS}")
+        lo, hi = self.veto_low, self.veto_high
+        if (lo is not None and not 0 < lo <= 1) or (hi is not None and hi < 1):
+            raise CorrectionConfigError(f"a token veto needs 0 < veto_low <= 1 <= veto_high, got veto_low={lo}, veto_high={hi}")
 
-    def check_sampling(self, top_p: float = 1.0, top_k: int = -1, logprobs_mode: str = "processed_logprobs") -> None:
-        """Refuse sampling set-ups under which the behaviour log-probs cannot be compared with a
-        full-vocabulary trainer log-prob, so the ratio would be meaningless."""
+    def check_sampling(self, top_p: float = 1.0, top_k: int = -1, logprobs_mode: str = "processed_logprobs",
+                       temperature: float | None = None, trainer_temperature: float | None = None) -> None:
+        """Refuse sampling set-ups under which the behaviour log-probs cannot be compared with the
+        trainer's log-probs, so every ratio would be biased. Called wherever a run starts
+        (loop.run) with the rollout's policy sampling and the trainer's temperature."""
+        if temperature is not None and trainer_temperature is not None:
+            if temperature <= 0:
+                raise CorrectionConfigError(
+                    f"the policy samples at temperature {temperature}: greedy tokens have no sampling "
+                    "distribution to train on; use a temperature > 0 for recorded turns")
+            if abs(temperature - trainer_temperature) > 1e-6:
+                raise CorrectionConfigError(
+                    f"the rollout samples at temperature {temperature} but the trainer computes log-probs at "
+                    f"{trainer_temperature}: every ratio would be biased. Set one temperature for both "
+                    "(WorkbenchConfig.temperature sets both)")
         if not self.enabled:
             return
         if top_p < 1.0 or (top_k not in (-1, 0, None)):
@@ -79,8 +119,9 @@ class CorrectionConfig:
 @dataclass
 class Correction:
     weights: torch.Tensor  # [B, T] per-token weight, 0 where dropped or not trainable
-    keep: torch.Tensor  # [B] bool: sequence passed the staleness gate and (seq/geo mask) the band
+    keep: torch.Tensor  # [B] bool: sequence passed the staleness gate, the veto and (seq/geo mask) the band
     stats: dict
+    token_keep: torch.Tensor | None = None  # [B, T] bool: trainable tokens of kept units (every loss term's mask)
 
 
 def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, loss_mask: torch.Tensor,
@@ -108,19 +149,33 @@ def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
         in_band = (unit >= cfg.low) & (unit <= cfg.high)
         if not cfg.enabled:
             w = torch.ones_like(r)
-        elif cfg.mode == "mask":
-            w = torch.where(in_band, r, torch.zeros_like(r))
+        elif cfg.mode == "mask":  # a kept unit weighs its own ratio (inside the band) or 1
+            w = torch.where(in_band, unit if cfg.kept_weight == "ratio" else torch.ones_like(r), torch.zeros_like(r))
         elif cfg.mode == "clip":
             w = unit.clamp(cfg.low, cfg.high)
         else:
             w = unit.clamp(max=cfg.high)
         keep = fresh.clone()
+        vetoed = torch.zeros_like(fresh)
+        if cfg.enabled and (cfg.veto_low is not None or cfg.veto_high is not None):
+            bad = torch.zeros_like(m)
+            if cfg.veto_low is not None:
+                bad |= r < cfg.veto_low
+            if cfg.veto_high is not None:
+                bad |= r > cfg.veto_high
+            vetoed = (bad & m).any(-1)
+            keep &= ~vetoed
         if cfg.enabled and cfg.mode == "mask" and cfg.level != "token":
             keep &= in_band.all(-1)  # the unit is the sequence: its ratio is the same on every token
         weights = w * mask * keep[:, None].float()
+        token_keep = m & keep[:, None]
+        if cfg.enabled and cfg.mode == "mask" and cfg.level == "token":
+            token_keep &= in_band
 
         stats = _stats(trainer_logprobs, behaviour_logprobs, m, r, weights, keep, fresh, stale, versions)
-    return Correction(weights, keep, stats)
+        stats["veto_dropped"] = int((fresh & vetoed & m.any(-1)).sum())
+        stats["band_dropped"] -= stats["veto_dropped"]
+    return Correction(weights, keep, stats, token_keep)
 
 
 def kl_k3_sum(trainer_lp: torch.Tensor, behaviour_lp: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, int]:
@@ -179,6 +234,7 @@ def merge_stats(parts: list[dict]) -> dict:
         "sequences": sequences,
         "stale_dropped": sum(p["stale_dropped"] for p in parts),
         "band_dropped": sum(p["band_dropped"] for p in parts),
+        "veto_dropped": sum(p.get("veto_dropped", 0) for p in parts),
         "token_mask_ratio": wmean("token_mask_ratio"), "kl_k1": wmean("kl_k1"), "kl_k3": wmean("kl_k3"),
         "max_abs_delta_p": max(p["max_abs_delta_p"] for p in parts),
         "is_weight_hist": {"edges": parts[0]["is_weight_hist"]["edges"],

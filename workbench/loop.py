@@ -27,9 +27,14 @@ from .agents import Task
 from .rollout.actor import sync_weights
 from .rollout.engine import probe_ids
 from .tokens import Trajectory, training_tensors
-from .trainer.losses import ADVANTAGES, AdvantageInput, get_advantage
+from .trainer.losses import ADVANTAGES, PER_TOKEN_ADVANTAGES, AdvantageInput, get_advantage
 
 MODES = ("sync", "async")
+# What a step does with an episode that failed (the agent raised or timed out, an engine died)
+# or was truncated (its conversation outgrew the context): leave it out of the batch, keep it
+# with the reward it got, or keep it with reward 0. Kept episodes count in their group's
+# statistics and train on what they recorded.
+EPISODE_RULES = ("drop", "keep", "zero")
 
 
 @dataclass
@@ -42,37 +47,68 @@ class LoopConfig:
     initial_sync: bool = True  # first make the engines serve the trainer's weights
     mode: str = "sync"
     async_lag: int = 1  # async: how many steps the rollout may run ahead of training
+    # failed episodes carry no reward the agent computed (a crash or a timeout), so by default
+    # they leave the batch; truncated ones ran and were scored, so they stay with their reward
+    on_failed: str = "drop"
+    on_truncated: str = "keep"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"LoopConfig.mode {self.mode!r} unknown; choose one of {MODES}")
         if self.advantage not in ADVANTAGES:
             raise ValueError(f"LoopConfig.advantage {self.advantage!r} unknown; registered: {sorted(ADVANTAGES)}")
+        if self.advantage in PER_TOKEN_ADVANTAGES:
+            raise ValueError(f"LoopConfig.advantage {self.advantage!r} needs per-token teacher log-probs, which no part of "
+                             f"the loop computes yet; use a reward-based estimator ({sorted(set(ADVANTAGES) - PER_TOKEN_ADVANTAGES)})")
+        for name in ("on_failed", "on_truncated"):
+            if getattr(self, name) not in EPISODE_RULES:
+                raise ValueError(f"LoopConfig.{name} {getattr(self, name)!r} unknown; choose one of {EPISODE_RULES}")
         for name in ("steps", "prompts_per_step", "group_size", "async_lag"):
             if getattr(self, name) < (0 if name == "steps" else 1):
                 raise ValueError(f"LoopConfig.{name} must be positive, got {getattr(self, name)}")
 
 
-def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: int = 0) -> tuple[dict, dict]:
-    """Training tensors for every segment of every trajectory that ran without error, with
-    advantages from the registered estimator (each segment gets its episode's reward)."""
-    segments, rewards, group_index = [], [], []
+def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: int = 0, on_failed: str = "drop",
+                      on_truncated: str = "keep") -> tuple[dict, dict]:
+    """Training tensors (one row per trainable segment) with advantages computed over EPISODES:
+    the registered estimator sees one reward per episode and its group, and every segment of
+    an episode gets that episode's advantage (an episode sealed into five segments weighs once
+    in its group's statistics). `batch["episode_tokens"]` holds each row's episode's trainable
+    tokens, so sequence-level aggregations average over episodes too. Failed and truncated
+    episodes follow `on_failed` / `on_truncated` (EPISODE_RULES)."""
+    segments, seg_episode, rewards, group_index = [], [], [], []
+    info = {"episodes": 0, "segments": 0, "failed_episodes": 0, "truncated_episodes": 0, "dropped_episodes": 0,
+            "sampling_overridden": 0}
     for gi, group in enumerate(groups):
         for t in group:
-            if t.error is not None:
+            failed = t.error is not None
+            truncated = bool(getattr(t, "truncated", False)) and not failed
+            info["failed_episodes"] += failed
+            info["truncated_episodes"] += truncated
+            info["sampling_overridden"] += sum(s.stats.get("sampling_overridden", 0) for s in t.segments)
+            rule = on_failed if failed else on_truncated if truncated else "keep"
+            if rule == "drop":
+                info["dropped_episodes"] += 1
                 continue
             for s in t.segments:
                 if any(s.loss_mask):
                     segments.append(s)
-                    rewards.append(t.reward)
-                    group_index.append(gi)
+                    seg_episode.append(len(rewards))
+            rewards.append(0.0 if rule == "zero" else float(t.reward))
+            group_index.append(gi)
     if not segments:
-        raise RuntimeError("no trainable segment in this batch: every episode failed or sampled nothing")
+        raise RuntimeError(f"no trainable segment in this batch: every episode was dropped or sampled nothing ({info})")
     batch = training_tensors(segments, pad_id)
-    x = AdvantageInput(torch.tensor(rewards, dtype=torch.float32), torch.tensor(group_index), batch["loss_mask"])
-    batch["advantages"] = get_advantage(advantage)(x).float()
-    failed = sum(t.error is not None for g in groups for t in g)
-    return batch, {"segments": len(segments), "failed_episodes": failed}
+    # one row per episode (an episode without trainable tokens still counts in its group's baseline)
+    x = AdvantageInput(torch.tensor(rewards, dtype=torch.float32), torch.tensor(group_index),
+                       torch.ones(len(rewards), 1))
+    per_episode = get_advantage(advantage)(x).float()[:, 0]
+    index = torch.tensor(seg_episode)
+    batch["advantages"] = per_episode[index][:, None] * batch["loss_mask"]
+    tokens = batch["loss_mask"].sum(-1)
+    batch["episode_tokens"] = torch.zeros(len(rewards)).index_add_(0, index, tokens)[index]
+    info.update(episodes=len(rewards), segments=len(segments))
+    return batch, info
 
 
 def engines_version(engines: list) -> int:
@@ -101,6 +137,16 @@ def check_staleness(trainer, cfg: LoopConfig) -> None:
                          f"or lower async_lag")
 
 
+def check_sampling(rollout, trainer) -> None:
+    """The rollout's policy sampling must be what the trainer's log-probs assume (the same
+    temperature, a full-vocabulary distribution): CorrectionConfig.check_sampling."""
+    sampling = getattr(rollout, "sampling", None)
+    if sampling is None:
+        return
+    trainer.cfg.correction.check_sampling(top_p=sampling.top_p, temperature=sampling.temperature,
+                                          trainer_temperature=trainer.cfg.temperature)
+
+
 def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[Task]], cfg: LoopConfig,
         on_step: Callable[[dict], None] | None = None, progress: bool = True,
         checkpoint_dir: str | None = None, checkpoint_every: int = 0,
@@ -115,6 +161,7 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
     from tqdm.auto import tqdm
 
     check_staleness(trainer, cfg)
+    check_sampling(rollout, trainer)
     first = start_step
     if checkpoint_dir and os.path.isfile(os.path.join(checkpoint_dir, "run_state.json")):
         first = trainer.restore(checkpoint_dir)["next_step"]
@@ -188,7 +235,7 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     ran = [t for g in groups for t in g if t.error is None]
     rewards = [t.reward for t in ran]
     correct = [bool(t.info["correct"]) for t in ran if "correct" in t.info]
-    batch, info = batch_from_groups(groups, cfg.advantage)
+    batch, info = batch_from_groups(groups, cfg.advantage, on_failed=cfg.on_failed, on_truncated=cfg.on_truncated)
     stats = trainer.train_step(batch)
     t2 = time.time()
     reports = sync_engines(trainer, engines, cfg.sync_tol)
@@ -197,8 +244,9 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         "step": step, "version": stats["version"], "mode": cfg.mode,
         "reward_mean": sum(rewards) / max(len(rewards), 1),
         "correct_rate": sum(correct) / len(correct) if correct else None,
-        "episodes": len(rewards), **info, "loss": stats["loss"], "grad_norm": stats["grad_norm"],
+        **info, "loss": stats["loss"], "grad_norm": stats["grad_norm"],
         "gate_pass_ratio": corr["gate_pass_ratio"], "stale_dropped": corr["stale_dropped"], "band_dropped": corr["band_dropped"],
+        "veto_dropped": corr.get("veto_dropped", 0),
         "kl_k1": corr["kl_k1"], "kl_k3": corr["kl_k3"], "max_abs_delta_p": corr["max_abs_delta_p"],
         "staleness_hist": corr["staleness_hist"], "tokens_per_version": corr["tokens_per_version"],
         "is_weight_hist": corr["is_weight_hist"],

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from .agents import Task, load_agent
 from .correction import CorrectionConfig
-from .loop import LoopConfig, batch_from_groups, check_staleness, engines_version, run as run_loop, sync_engines
+from .loop import LoopConfig, batch_from_groups, check_sampling, check_staleness, engines_version, run as run_loop, sync_engines
 from .trainer.fsdp import TrainerConfig
 
 DEFAULT_AGENT = str(Path(__file__).parent / "examples" / "arithmetic_env.py")
@@ -47,7 +47,16 @@ class WorkbenchConfig:
     num_runners: int = 1
     trainer_ranks: int = 2
     max_tokens: int = 8  # per turn
+    # the policy's sampling: the engine samples every recorded turn at this temperature (top_p 1)
+    # and the trainer computes log-probs at it; an agent's own temperature/top_p on the wire is
+    # overridden and counted (sampling="override", metrics: sampling_overridden) or refused with
+    # a 400 (sampling="strict"). Side calls (judges) keep the agent's values.
     temperature: float = 1.0
+    sampling: str = "override"
+    # the context an episode has (engine and loopback server), and how tool calls are parsed;
+    # a turn with no room left ends the episode as truncated (LoopConfig.on_truncated)
+    max_model_len: int = 1024
+    tool_parser: str = "hermes"
     seed: int = 0
     run_dir: str | None = None  # None: runs/<date-time> under the current directory
     # a run_dir that already holds a run (metrics.jsonl) is refused unless resume=True, which
@@ -76,7 +85,12 @@ class WorkbenchConfig:
 
         if self.backend not in ENGINE_BACKENDS:
             raise ConfigError(f"backend {self.backend!r} unknown; registered engines: {sorted(ENGINE_BACKENDS)}")
-        for name in ("num_engines", "num_runners", "trainer_ranks", "max_tokens"):
+        if self.sampling not in ("override", "strict"):
+            raise ConfigError(f"sampling {self.sampling!r} unknown: 'override' (the policy's values replace an agent's, "
+                              f"counted) or 'strict' (an agent's differing values are refused with a 400)")
+        if not isinstance(self.temperature, (int, float)) or self.temperature <= 0:
+            raise ConfigError(f"temperature must be > 0 (the trainer computes log-probs at it), got {self.temperature!r}")
+        for name in ("num_engines", "num_runners", "trainer_ranks", "max_tokens", "max_model_len"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not (self.model in ("moe", "dense") or Path(self.model).is_dir()):
@@ -152,11 +166,13 @@ class Workbench:
             capture = cfg.backend == "reference" and cfg.model == "moe"  # record experts for routing replay
             for i in range(cfg.num_engines):
                 bar.set_postfix_str(f"{cfg.backend} engine {i + 1}/{cfg.num_engines}")
-                self.engines.append(launch_engine(cfg.backend, model_path=self.model_path, seed=cfg.seed + i, **cfg.engine_kwargs))
+                self.engines.append(launch_engine(cfg.backend, model_path=self.model_path, seed=cfg.seed + i,
+                                                  **{"max_model_len": cfg.max_model_len, **cfg.engine_kwargs}))
                 bar.update()
             bar.set_postfix_str("rollout runners")
             self._rollout = Rollout(cfg.agent, self.engines, self.model_path, num_runners=cfg.num_runners,
                                    sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature),
+                                   sampling_mode=cfg.sampling, max_model_len=cfg.max_model_len, tool_parser=cfg.tool_parser,
                                    return_routed_experts=capture)
             bar.update()
             bar.set_postfix_str(f"trainer ({cfg.trainer_ranks} ranks)")
@@ -199,6 +215,7 @@ class Workbench:
             raise RuntimeError("a run is already in progress: wait for it (wb.wait()) or stop it (wb.stop())")
         cfg = dataclasses.replace(self.cfg.loop, steps=self.next_step + steps, initial_sync=False, **loop_overrides)
         check_staleness(self._trainer, cfg)  # here, not in the background thread where it would only be stored
+        check_sampling(self._rollout, self._trainer)
         if engines_version(self.engines) < self._trainer.version:  # wb.trainer.step() ran without a wb.sync() after it
             self.sync()
         handle = RunHandle(self, cfg, list(monitors or []), progress, checkpoint_every)
@@ -378,7 +395,8 @@ class TrainerHandle:
 
     def batch(self, groups: list[list]) -> dict:
         """Training tensors (with advantages) for groups of trajectories; rows are segments."""
-        return batch_from_groups(groups, self._wb.cfg.loop.advantage)[0]
+        loop = self._wb.cfg.loop
+        return batch_from_groups(groups, loop.advantage, on_failed=loop.on_failed, on_truncated=loop.on_truncated)[0]
 
     def step(self, groups: list[list] | None = None) -> dict:
         """One optimizer step on `groups` (default: the last groups wb.rollout ran)."""

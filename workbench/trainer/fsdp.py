@@ -24,7 +24,7 @@ import torch
 
 from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_stats
 from ..replay import routing_replay
-from .losses import KL_ESTIMATORS, aggregation_weights, get_surrogate
+from .losses import KL_ESTIMATORS, aggregation_weights, episode_units, get_surrogate
 
 @dataclass
 class TrainerConfig:
@@ -40,7 +40,10 @@ class TrainerConfig:
     temperature: float = 1.0  # the sampling temperature: trainer log-probs use logits / T
     surrogate: str = "ppo_clip"  # with updates_per_step=1 every surrogate sees ratio 1 (see updates_per_step)
     surrogate_kwargs: dict = field(default_factory=dict)
-    aggregation: str = "token_mean"
+    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | constant (losses.aggregation_weights)
+    # "constant" (Dr.GRPO) divides each episode's token-loss sum by this fixed length (e.g. the
+    # rollout's max tokens per episode), never by the batch's padded width, which changes per batch
+    constant_len: int | None = None
     # optional KL penalty to a frozen reference (the initial weights, or ref_model_path): each
     # token loss gains kl_coef * KL_ESTIMATORS[kl_estimator](log pi - log pi_ref)
     kl_coef: float = 0.0
@@ -71,6 +74,9 @@ class TrainerConfig:
                              f"{self.micro_batch_size}, {self.updates_per_step}")
         if self.aggregation not in ("token_mean", "seq_mean_token_mean", "constant"):
             raise ValueError(f"TrainerConfig.aggregation {self.aggregation!r} unknown: token_mean, seq_mean_token_mean or constant")
+        if self.aggregation == "constant" and not (isinstance(self.constant_len, int) and self.constant_len > 0):
+            raise ValueError("TrainerConfig.aggregation='constant' needs constant_len, a fixed positive length (e.g. the "
+                             f"rollout's max tokens per episode), got {self.constant_len!r}")
         get_surrogate(self.surrogate)  # unknown names fail here, not on the first step
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"TrainerConfig.kl_estimator {self.kl_estimator!r} unknown: {sorted(KL_ESTIMATORS)}")
@@ -220,8 +226,9 @@ class TrainerWorker:
         per = -(-batch["input_ids"].shape[0] // updates)
         for u in range(updates):
             ub = {k: (v[u * per: (u + 1) * per] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-            # the mini-batch's trainable tokens and sequences over all ranks: what its mean divides by
-            counts = torch.tensor([float(ub["loss_mask"].sum()), float(ub["loss_mask"].any(-1).sum())], device=self.device)
+            # the mini-batch's trainable tokens and episodes over all ranks: what its means divide by
+            counts = torch.tensor([float(ub["loss_mask"].sum()), float(episode_units(ub["loss_mask"], ub.get("episode_tokens")).sum())],
+                                  device=self.device)
             dist.all_reduce(counts)
             for mb in self._micro(ub):
                 # the replay context spans backward: activation-checkpoint recompute must replay too
@@ -235,11 +242,14 @@ class TrainerWorker:
                     tl = surrogate(lp, old, mb["advantages"], corr.weights, mb["loss_mask"].float(), **self.cfg.surrogate_kwargs)
                     if self.ref_model is not None:
                         kl = self._kl_to_reference(mb, lp)
-                        tl = tl + self.cfg.kl_coef * kl
-                        kl_sum += float(kl.detach().sum())
+                        # gated like the surrogate (a dropped sequence gets no KL gradient either), not
+                        # IS-weighted: the penalty is on the current policy's own tokens, not a correction
+                        tl = tl + self.cfg.kl_coef * kl * corr.token_keep
+                        kl_sum += float(kl.detach().sum())  # the statistic: KL on every trainable token
                     # this rank's share of the mini-batch's loss; x world size because FSDP averages
                     # the ranks' gradients, where the loss is their sum
-                    w = aggregation_weights(mb["loss_mask"], self.cfg.aggregation, *counts.tolist())
+                    w = aggregation_weights(mb["loss_mask"], self.cfg.aggregation, *counts.tolist(),
+                                            max_len=self.cfg.constant_len, episode_tokens=mb.get("episode_tokens"))
                     (tl * w).sum().mul(self.world_size).backward()
                 contribution = (tl * w).detach() / updates  # of the step's reported loss (mean over updates)
                 shift_sum += float(((lp.detach() - old).abs() * mb["loss_mask"]).sum())
@@ -247,8 +257,7 @@ class TrainerWorker:
                 corr_parts.append(corr.stats)
                 replay.append(rstats)
                 if report:
-                    keep = corr.keep[:, None].expand_as(mb["loss_mask"]) & mb["loss_mask"].bool()
-                    rows.append({"trainer_logprobs": old, "is_weight": corr.weights, "gate_keep": keep,
+                    rows.append({"trainer_logprobs": old, "is_weight": corr.weights, "gate_keep": corr.token_keep,
                                  "loss_contribution": contribution})
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))

@@ -1,7 +1,12 @@
 """Advantage estimators and policy-loss surrogates: small registered functions.
 
 Advantages take an `AdvantageInput` and return per-token advantages [N, T] (sequence-level
-estimators broadcast their scalar over the sequence's tokens). Surrogates take per-token
+estimators broadcast their scalar over the sequence's tokens). The unit of credit is the
+*episode*: loop.batch_from_groups calls a sequence-level estimator with one row per episode
+(its reward, its group) and hands each of the episode's segments the episode's advantage, so
+an episode that sealed into five segments weighs once in its group's mean and std, not five
+times. Estimators registered with `per_token=True` (distillation) need per-token inputs the
+loop does not provide yet and are refused by LoopConfig. Surrogates take per-token
 log-probs under the current weights (with gradient), the old log-probs (the weights the batch
 is trained from, no gradient), advantages, and the correction weights from
 workbench.correction (0 where a token or sequence is dropped), and return per-token losses.
@@ -19,6 +24,7 @@ from typing import Callable
 import torch
 
 ADVANTAGES: dict[str, Callable] = {}
+PER_TOKEN_ADVANTAGES: set[str] = set()  # estimators that need per-token inputs (teacher log-probs)
 SURROGATES: dict[str, Callable] = {}
 # Per-token estimators of KL(pi || pi_ref) on tokens sampled from pi, as functions of
 # d = log pi - log pi_ref (differentiable in log pi): k1 = d; k2 = d^2 / 2; k3 = e^-d - 1 + d
@@ -30,9 +36,11 @@ KL_ESTIMATORS: dict[str, Callable] = {
 }
 
 
-def register_advantage(name: str):
+def register_advantage(name: str, per_token: bool = False):
     def deco(fn):
         ADVANTAGES[name] = fn
+        if per_token:
+            PER_TOKEN_ADVANTAGES.add(name)
         return fn
 
     return deco
@@ -48,7 +56,7 @@ def register_surrogate(name: str):
 
 @dataclass
 class AdvantageInput:
-    rewards: torch.Tensor  # [N] one per sequence (its episode's reward)
+    rewards: torch.Tensor  # [N] one per row: an episode (loop.batch_from_groups) or a sequence
     groups: torch.Tensor  # [N] int group index (episodes of one prompt share it)
     loss_mask: torch.Tensor  # [N, T]
     logprobs: torch.Tensor | None = None  # [N, T] the student's (old) log-probs, for distillation
@@ -99,7 +107,7 @@ def reinforce_pp_baseline(x: AdvantageInput, eps: float = 1e-6) -> torch.Tensor:
     return _per_token((a - a.mean()) / (a.std(unbiased=False) + eps), x.loss_mask)
 
 
-@register_advantage("distill")
+@register_advantage("distill", per_token=True)
 def on_policy_distillation(x: AdvantageInput) -> torch.Tensor:
     """On-policy distillation: per-token advantage log p_teacher - log p_student (the negative
     per-token reverse KL on the student's own samples)."""
@@ -136,28 +144,50 @@ def gspo(logprobs, old_logprobs, advantages, weights, mask, eps_low: float = 3e-
     return -torch.minimum(unclipped, clipped) * weights * m
 
 
+def episode_units(mask: torch.Tensor, episode_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """How much of an episode each row is: its trainable tokens / its episode's trainable tokens
+    (rows of one episode sum to 1; padding rows are 0). Without `episode_tokens` every row is
+    its own episode."""
+    m = mask.float()
+    own = m.sum(-1)
+    et = own if episode_tokens is None else episode_tokens.to(m.dtype)
+    return torch.where(own > 0, own / et.clamp(min=1), torch.zeros_like(own))
+
+
 def aggregation_weights(mask: torch.Tensor, how: str = "token_mean", total_tokens: float | None = None,
-                        total_rows: float | None = None, max_len: int | None = None) -> torch.Tensor:
+                        total_episodes: float | None = None, max_len: int | None = None,
+                        episode_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Each token loss's weight in the aggregated loss ([B, T]): sum(token_losses * weights) is
-    the loss. token_mean: over all trainable tokens; seq_mean_token_mean: per sequence, then over
-    sequences; constant: sum / (sequences x max_len) (Dr.GRPO's length-unbiased form). Rows
-    without trainable tokens (padding) count as no sequence. `total_tokens` / `total_rows`: the
-    whole batch's counts when `mask` is only a part of it (a micro-batch, a rank's rows)."""
+    the loss. A "sequence" is an episode (all its segments, `episode_tokens` [B]: the trainable
+    tokens of each row's episode; None: each row is one).
+
+        token_mean           sum / trainable tokens
+        seq_mean_token_mean  mean over episodes of (sum over the episode's tokens / its tokens)
+        constant             sum / (episodes x max_len)   Dr.GRPO; max_len is a fixed, configured
+                             length (the padded width changes with every batch)
+
+    `total_tokens` / `total_episodes`: the whole batch's counts when `mask` is only a part of it
+    (a micro-batch, a rank's rows; see episode_units)."""
     m = mask.float()
     tokens = float(m.sum()) if total_tokens is None else float(total_tokens)
-    rows = float(m.any(-1).sum()) if total_rows is None else float(total_rows)
+    episodes = float(episode_units(m, episode_tokens).sum()) if total_episodes is None else float(total_episodes)
     if how == "token_mean":
         return m / max(tokens, 1.0)
     if how == "seq_mean_token_mean":
-        return m / m.sum(-1, keepdim=True).clamp(min=1) / max(rows, 1.0)
+        et = m.sum(-1) if episode_tokens is None else episode_tokens.to(m.dtype)
+        return m / et[:, None].clamp(min=1) / max(episodes, 1e-9)
     if how == "constant":
-        return m / (max(rows, 1.0) * (max_len or m.shape[1]))
+        if not max_len:
+            raise ValueError("the 'constant' aggregation divides by a fixed length: set max_len "
+                             "(TrainerConfig.constant_len), not the batch's padded width")
+        return m / (max(episodes, 1e-9) * max_len)
     raise ValueError(f"unknown aggregation {how!r}: token_mean, seq_mean_token_mean or constant")
 
 
-def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, how: str = "token_mean", max_len: int | None = None):
+def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, how: str = "token_mean", max_len: int | None = None,
+              episode_tokens: torch.Tensor | None = None):
     """The aggregated loss of a whole batch (see aggregation_weights)."""
-    return (token_losses * aggregation_weights(mask, how, max_len=max_len)).sum()
+    return (token_losses * aggregation_weights(mask, how, max_len=max_len, episode_tokens=episode_tokens)).sum()
 
 
 def get_advantage(name: str) -> Callable:

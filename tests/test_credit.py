@@ -1,0 +1,93 @@
+"""Episodes, not segments, are the unit of credit: advantages and sequence-level aggregations
+over episodes however many segments an episode sealed into; failed and truncated episodes
+follow the loop's setting. Constructed trajectories, hand-computed values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench.loop import LoopConfig, batch_from_groups
+from workbench.tokens import Segment, Trajectory
+from workbench.trainer.losses import aggregate, aggregation_weights
+
+
+def seg(n_prompt: int, n_sampled: int, tok: int = 7) -> Segment:
+    return Segment([tok] * (n_prompt + n_sampled), [0] * n_prompt + [1] * n_sampled, [0.0] * n_prompt + [-1.0] * n_sampled,
+                   [-1] * n_prompt + [0] * n_sampled)
+
+
+def episode(reward: float, n_segments: int = 1, **kw) -> Trajectory:
+    return Trajectory([seg(2, 2) for _ in range(n_segments)], reward, **kw)
+
+
+def per_episode_advantage(batch, info):
+    """The advantage of each row (its first trainable token's)."""
+    return [float(a[m.bool()][0]) for a, m in zip(batch["advantages"], batch["loss_mask"])]
+
+
+@pytest.mark.parametrize("estimator,expected", [("grpo", [-1.5, 0.5, 0.5, 0.5]), ("rloo", [-1.0, 1 / 3, 1 / 3, 1 / 3]),
+                                                ("dr_grpo", [-0.75, 0.25, 0.25, 0.25])])
+def test_an_episode_of_five_segments_weighs_once_in_its_group(estimator, expected):
+    one_each = [[episode(0.0), episode(1.0), episode(1.0), episode(1.0)]]
+    five = [[episode(0.0, n_segments=5), episode(1.0), episode(1.0), episode(1.0)]]
+    b1, _ = batch_from_groups(one_each, estimator)
+    b5, info = batch_from_groups(five, estimator)
+    a1, a5 = per_episode_advantage(b1, None), per_episode_advantage(b5, None)
+    assert a1 == pytest.approx(expected, abs=1e-5)
+    # the five segments of episode 0 each carry episode 0's advantage; the others are unchanged
+    # (before the fix: -0.725 and 1.208 for GRPO, the five-segment episode counted five times)
+    assert a5 == pytest.approx([expected[0]] * 5 + expected[1:], abs=1e-5)
+    assert info["episodes"] == 4 and info["segments"] == 8
+    assert b5["episode_tokens"].tolist() == [10.0] * 5 + [2.0] * 3
+
+
+def test_sequence_level_aggregations_average_over_episodes():
+    groups = [[episode(0.0, n_segments=5), episode(1.0), episode(1.0), episode(1.0)]]
+    b, _ = batch_from_groups(groups, "grpo")
+    m, et = b["loss_mask"], b["episode_tokens"]
+    # every episode's weights sum to 1/4, however many segments and tokens it has
+    w = aggregation_weights(m, "seq_mean_token_mean", episode_tokens=et)
+    per_row = w.sum(-1)
+    assert float(per_row[:5].sum()) == pytest.approx(0.25) and per_row[5:].tolist() == pytest.approx([0.25] * 3)
+    # a token loss of 1 on episode 0 only: its mean is 1, the mean over episodes 1/4
+    losses = torch.zeros_like(m)
+    losses[:5] = 1.0
+    assert float(aggregate(losses, m, "seq_mean_token_mean", episode_tokens=et)) == pytest.approx(0.25)
+    # constant (Dr.GRPO): sum / (episodes x a FIXED length), whatever the padded width
+    c = float(aggregate(losses * m, m, "constant", max_len=16, episode_tokens=et))
+    assert c == pytest.approx(10 / (4 * 16))
+    wide = torch.nn.functional.pad(m, (0, 9))
+    assert float(aggregate(torch.nn.functional.pad(losses * m, (0, 9)), wide, "constant", max_len=16, episode_tokens=et)) == pytest.approx(c)
+    with pytest.raises(ValueError, match="fixed length"):
+        aggregation_weights(m, "constant")
+    from workbench.trainer.fsdp import TrainerConfig
+
+    with pytest.raises(ValueError, match="constant_len"):
+        TrainerConfig(aggregation="constant")
+
+
+def test_failed_and_truncated_episodes_follow_the_setting():
+    def groups():
+        return [[episode(1.0), episode(0.0), episode(0.6, truncated=True), episode(0.0, error="boom")]]
+
+    def rewards_seen(**kw):
+        b, info = batch_from_groups(groups(), "dr_grpo", **kw)  # dr_grpo: a = r - group mean
+        return per_episode_advantage(b, info), info
+
+    a, info = rewards_seen()  # defaults: failed dropped, truncated kept with its reward
+    assert info["failed_episodes"] == 1 and info["truncated_episodes"] == 1 and info["dropped_episodes"] == 1
+    assert info["episodes"] == 3 and a == pytest.approx([1 - 1.6 / 3, -1.6 / 3, 0.6 - 1.6 / 3])
+    a, info = rewards_seen(on_truncated="drop")
+    assert info["episodes"] == 2 and a == pytest.approx([0.5, -0.5])
+    a, info = rewards_seen(on_truncated="zero", on_failed="zero")
+    assert info["episodes"] == 4 and a == pytest.approx([0.75, -0.25, -0.25, -0.25])
+    a, info = rewards_seen(on_failed="keep")
+    assert info["episodes"] == 4 and len(a) == 4
+    with pytest.raises(ValueError, match="on_truncated"):
+        LoopConfig(on_truncated="clip")
+
+
+def test_distillation_without_teacher_logprobs_is_refused_up_front():
+    with pytest.raises(ValueError, match="teacher log-probs"):
+        LoopConfig(advantage="distill")
