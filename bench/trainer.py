@@ -6,6 +6,10 @@
    optimizer update per batch; a separate no-grad forward had cost it a quarter of the step.)
 2. routing replay on vs off (tiny MoE): forward + backward of token_logprobs; target <= 1.1.
 3. weight sync seconds per MB into one vLLM engine, and into the reference backend.
+4. peak memory of the trainer's log-prob forward + backward with full [batch, length, vocab]
+   fp32 logits vs in chunks (TrainerConfig.logprob_chunk_mb, trainer/logprobs.py), on a tiny
+   Qwen3 with Qwen3's real vocabulary size (151,936), each in a fresh process (peak RSS above
+   the loaded model); `--logprob-memory-only` runs just this part.
 
     .venv/bin/python bench/trainer.py [--steps 10] [--batch 32] [--seq-len 256] [--model moe]
                                       [--world-size 2] [--experts] [--skip-sync]
@@ -163,6 +167,56 @@ def bench_sync(args, path: str) -> dict:
     return out
 
 
+def logprob_memory_child(args) -> None:
+    """One fwd + bwd of the trainer's log-prob path; prints peak RSS above the loaded model (MB)."""
+    import resource
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from workbench.trainer.logprobs import forward_logprobs
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=151_936, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32))
+    rows, tokens = args.logprob_shape
+    ids = torch.randint(0, 151_936, (rows, tokens))
+    attn = torch.ones_like(ids)
+    chunk = None if args.logprob_child < 0 else args.logprob_child
+    forward_logprobs(model, ids[:, :8], attn[:, :8], 1.0, chunk).sum().backward()  # warm up, grads allocated
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    t = time.perf_counter()
+    lp = forward_logprobs(model, ids, attn, 1.0, chunk)
+    lp.sum().backward()
+    secs = time.perf_counter() - t
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"peak_above_model_mb": peak - base, "seconds": secs, "logprob_sum": float(lp.sum())}))
+
+
+def report_logprob_memory(args) -> dict:
+    import subprocess
+    import sys
+
+    from workbench.trainer.fsdp import TrainerConfig
+
+    chunk = TrainerConfig().logprob_chunk_mb
+    out = {}
+    for name, c in (("full_logits", -1.0), (f"chunked_{chunk:g}mb", chunk)):
+        r = subprocess.run([sys.executable, __file__, "--logprob-child", str(c), "--logprob-shape",
+                            *map(str, args.logprob_shape)], capture_output=True, text=True, check=True)
+        out[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    full, chunked = out["full_logits"], out[f"chunked_{chunk:g}mb"]
+    rows, tokens = args.logprob_shape
+    print(f"\nlog-prob fwd+bwd, {rows} x {tokens} tokens, vocab 151,936 "
+          f"({rows * tokens * 151_936 * 4 / 2**20:.0f} MB of fp32 logits):")
+    for k, v in out.items():
+        print(f"  {k:<16} peak {v['peak_above_model_mb']:>7.0f} MB above the model, {v['seconds']:.2f} s")
+    out["ratio_peak_chunked_full"] = chunked["peak_above_model_mb"] / full["peak_above_model_mb"]
+    out["ratio_time_chunked_full"] = chunked["seconds"] / full["seconds"]
+    out["max_abs_logprob_sum_diff"] = abs(full["logprob_sum"] - chunked["logprob_sum"])
+    print(f"  chunked / full: peak memory {out['ratio_peak_chunked_full']:.3f}x, time {out['ratio_time_chunked_full']:.2f}x")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
@@ -178,7 +232,14 @@ def main() -> None:
                     help="TrainerConfig(reshard_after_forward=False): keep gathered layers until backward")
     ap.add_argument("--syncs", type=int, default=3)
     ap.add_argument("--skip-sync", action="store_true")
+    ap.add_argument("--logprob-memory-only", action="store_true", help="only part 4")
+    ap.add_argument("--logprob-shape", type=int, nargs=2, default=[4, 1024], metavar=("ROWS", "TOKENS"))
+    ap.add_argument("--logprob-child", type=float, default=None, help=argparse.SUPPRESS)  # -1: full logits
     args = ap.parse_args()
+    if args.logprob_child is not None:
+        return logprob_memory_child(args)
+    if args.logprob_memory_only:
+        return report_logprob_memory(args)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     init_ray()
@@ -200,6 +261,7 @@ def main() -> None:
         res["replay"] = bench_replay(args, moe_batch)
         if not args.skip_sync:
             res["sync"] = bench_sync(args, path)
+        res["logprob_memory"] = report_logprob_memory(args)
     finally:
         shutdown_ray()
 

@@ -24,6 +24,7 @@ import torch
 
 from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_stats
 from ..replay import routing_replay
+from .logprobs import forward_logprobs, sampled_logprobs  # noqa: F401  (sampled_logprobs: re-exported)
 from .losses import KL_ESTIMATORS, aggregation_weights, episode_units, get_surrogate
 
 @dataclass
@@ -38,6 +39,9 @@ class TrainerConfig:
     # (PPO clipping, CISPO's cap and GSPO act only from the second update on).
     updates_per_step: int = 1
     temperature: float = 1.0  # the sampling temperature: trainer log-probs use logits / T
+    # log-probs of the sampled ids a chunk of positions at a time, each chunk's fp32 logits at
+    # most this many MB (trainer/logprobs.py); None: full [batch, length, vocab] logits
+    logprob_chunk_mb: float | None = 256.0
     surrogate: str = "ppo_clip"  # with updates_per_step=1 every surrogate sees ratio 1 (see updates_per_step)
     surrogate_kwargs: dict = field(default_factory=dict)
     aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | constant (losses.aggregation_weights)
@@ -84,23 +88,17 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.kl_coef must be >= 0, got {self.kl_coef}")
 
 
-def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(input_ids[:, i] | < i) from a forward's logits, [B, T], column 0 = 0."""
-    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    picked = lp.gather(-1, input_ids[:, 1:, None])[..., 0]
-    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
-
-
 def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None, apply_replay: bool = True,
-                   positions=None):
+                   positions=None, chunk_mb: float | None = 256.0):
     """Per-token log-probs of `input_ids` under `model` ([B, T], column 0 = 0), with routing
     replay when `experts` ([B, T, layers, k]) is given. Returns (logprobs, ReplayStats).
     `apply_replay=False` routes live but still counts where live routing disagrees with `experts`.
-    `positions`: where replay statistics count (default: the attention mask)."""
+    `positions`: where replay statistics count (default: the attention mask). `chunk_mb`: the
+    largest fp32 logits chunk (trainer/logprobs.py; None: full logits)."""
     positions = attention_mask if positions is None else positions
     with routing_replay(model, experts, apply=apply_replay, positions=positions) as stats:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    return sampled_logprobs(logits, input_ids, temperature), stats
+        lp = forward_logprobs(model, input_ids, attention_mask, temperature, chunk_mb)
+    return lp, stats
 
 
 def free_port() -> int:
@@ -197,7 +195,8 @@ class TrainerWorker:
         with torch.no_grad():
             for mb in self._micro(batch):
                 lp, st = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
-                                        self._experts(mb), apply_replay=replay, positions=self._counted(mb))
+                                        self._experts(mb), apply_replay=replay, positions=self._counted(mb),
+                                        chunk_mb=self.cfg.logprob_chunk_mb)
                 out.append(lp.cpu())
                 stats.append(st)
         return torch.cat(out), _sum_replay(stats)
@@ -234,8 +233,8 @@ class TrainerWorker:
                 # the replay context spans backward: activation-checkpoint recompute must replay too
                 with routing_replay(self.model, self._experts(mb), apply=self.cfg.routing_replay,
                                     positions=self._counted(mb)) as rstats:
-                    logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-                    lp = sampled_logprobs(logits, mb["input_ids"], self.cfg.temperature)
+                    lp = forward_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
+                                          self.cfg.logprob_chunk_mb)
                     old = lp.detach() if updates == 1 else mb["old_logprobs"]
                     corr = correction_weights(old, mb["behaviour_logprobs"], mb["loss_mask"], mb["versions"],
                                               trainer_version, self.cfg.correction)
@@ -282,7 +281,7 @@ class TrainerWorker:
         self.ref_model.eval()
         with torch.no_grad():
             ref, _ = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
-                                    self._experts(mb), apply_replay=self.cfg.routing_replay)
+                                    self._experts(mb), apply_replay=self.cfg.routing_replay, chunk_mb=self.cfg.logprob_chunk_mb)
         return KL_ESTIMATORS[self.cfg.kl_estimator](lp - ref) * mb["loss_mask"].float()
 
     def probe(self, ids: list[int]) -> list[float]:
