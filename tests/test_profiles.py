@@ -1,0 +1,66 @@
+"""Model profiles: the family is read off the checkpoint (toy spec, model_type, special tokens),
+overrides apply over it, and unknown checkpoints or fields are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from workbench.profiles import ProfileError, profile_for
+
+
+def checkpoint(tmp_path, model_type: str, specials=(), **config):
+    d = tmp_path / model_type
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": model_type, "max_position_embeddings": 131072, **config}))
+    (d / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"content": s} for s in specials]}))
+    return d
+
+
+@pytest.mark.parametrize("model_type,specials,config,family,expect", [
+    ("qwen3", ["<|im_end|>"], {}, "qwen3", {"reasoning_parser": "qwen3", "chat_template_kwargs": {"enable_thinking": True},
+                                            "moe": False, "capture_experts": False, "max_model_len": 32768}),
+    ("qwen3_moe", ["<|im_end|>"], {"num_experts": 128}, "qwen3", {"moe": True, "capture_experts": True,
+                                                                  "replay_rule": "Qwen3MoeTopKRouter"}),
+    ("qwen2", ["<|im_end|>"], {}, "qwen2.5", {"tool_parser": "hermes", "reasoning_parser": None}),
+    ("llama", ["<|begin_of_text|>", "<|eot_id|>", "<|eom_id|>"], {}, "llama3",
+     {"end_of_turn": "<|eot_id|>", "stop_tokens": ("<|eom_id|>",), "tool_parser": "llama3_json",
+      "chat_template_kwargs": {"date_string": "01 Jan 2026"}}),
+    ("mistral", ["[TOOL_CALLS]"], {}, "mistral", {"tool_parser": "mistral", "end_of_turn": "</s>"}),
+    ("mixtral", [], {"num_local_experts": 8}, "mistral", {"moe": True, "replay_rule": "MixtralTopKRouter"}),
+    ("gpt_oss", ["<|return|>", "<|call|>", "<|end|>"], {}, "gpt-oss",
+     {"end_of_turn": "<|end|>", "stop_tokens": ("<|return|>", "<|call|>"), "reasoning_parser": "openai_gptoss"}),
+    ("deepseek_v3", [], {"n_routed_experts": 256}, "deepseek-v3", {"moe": True, "replay_rule": None}),
+])
+def test_each_family_is_read_off_its_checkpoint(tmp_path, model_type, specials, config, family, expect):
+    p = profile_for(checkpoint(tmp_path, model_type, specials, **config))
+    assert p.family == family
+    for k, v in expect.items():
+        assert getattr(p, k) == v, k
+    assert p.dtype == "bfloat16"
+
+
+def test_toy_checkpoints_and_overrides(moe_path, dense_path):
+    from workbench.toy.models import load_tokenizer
+
+    moe = profile_for(moe_path)
+    assert moe.family == "toy" and moe.moe and moe.capture_experts and moe.dtype == "float32" and moe.max_model_len == 1024
+    assert moe.stop_token_ids(load_tokenizer(moe_path)) == [load_tokenizer(moe_path).convert_tokens_to_ids("<|im_end|>")]
+    dense = profile_for(dense_path, {"max_model_len": 256, "tool_parser": "hermes"})
+    assert dense.family == "toy" and not dense.moe and dense.max_model_len == 256
+    with pytest.raises(ProfileError, match="unknown profile field"):
+        profile_for(dense_path, {"context": 256})
+    with pytest.raises(ProfileError, match="does not describe"):
+        profile_for(dense_path, "llama3")
+    with pytest.raises(ProfileError, match="has no token"):
+        moe.replace(stop_tokens=("<|eot_id|>",)).stop_token_ids(load_tokenizer(moe_path))
+
+
+def test_unknown_checkpoints_are_refused_by_name(tmp_path):
+    with pytest.raises(ProfileError, match=r"no model family claims .* \(model_type 'falcon'\)"):
+        profile_for(checkpoint(tmp_path, "falcon"))
+    with pytest.raises(ProfileError, match="no config.json"):
+        profile_for(tmp_path)
+    with pytest.raises(ProfileError, match="unknown model family 'gpt5'"):
+        profile_for(checkpoint(tmp_path, "qwen3"), "gpt5")
