@@ -187,6 +187,98 @@ def test_bad_requests_are_refused(dense_path):
     asyncio.run(main())
 
 
+def test_reference_stops_on_every_id_of_an_eos_list(dense_path, tmp_path):
+    """Llama 3 configs give eos_token_id as a list: the reference backend starts and stops on
+    each of its ids (vLLM does), not only on the tokenizer's end of turn."""
+    import json
+    import shutil
+
+    async def greedy(path, p, **kw):
+        e = await start("reference", path)
+        out = await e.generate(p, SamplingConfig(max_tokens=12, temperature=0, **kw))
+        await e.shutdown()
+        return out
+
+    eot = load_tokenizer(dense_path).eos_token_id
+    tok = load_tokenizer(dense_path)
+    p = tok.apply_chat_template([{"role": "user", "content": "Say something about books."}], add_generation_prompt=True)["input_ids"]
+    free = asyncio.run(greedy(dense_path, p, ignore_eos=True))
+    before_eot = free.token_ids[: free.token_ids.index(eot)] if eot in free.token_ids else free.token_ids
+    k, stop_id = next((k, t) for k, t in reversed(list(enumerate(before_eot))) if t not in before_eot[:k])
+    llama_like = tmp_path / "llama_like"
+    shutil.copytree(dense_path, llama_like)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((llama_like / name).read_text())
+        cfg["eos_token_id"] = [eot, stop_id]
+        (llama_like / name).write_text(json.dumps(cfg))
+    out = asyncio.run(greedy(llama_like, p))
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: k + 1] and stop_id != eot
+
+
+def test_reference_and_vllm_agree_at_temperature_zero_and_below_vllms_minimum(vllm_moe, moe_path):
+    """Greedy (temperature 0): vLLM 0.32 reports the log-prob of the unscaled logits, i.e.
+    log_softmax(logits) (sampler.py: greedy requests skip the temperature), and so does the
+    reference backend. 0 < temperature < 0.01 is raised to 0.01 by vLLM (sampling_params.py);
+    the reference backend does the same, instead of dividing by the tiny temperature."""
+    tok = load_tokenizer(moe_path)
+    chat = tok.apply_chat_template([{"role": "user", "content": "Say something about books."}], add_generation_prompt=True)["input_ids"]
+    cases = [(p, t) for p in [chat] + prompts(moe_path)[:2] for t in (0.0, 0.001)]
+
+    async def reference():
+        e = await start("reference", moe_path)
+        outs = [await e.generate(p, SamplingConfig(max_tokens=12, temperature=t, ignore_eos=True)) for p, t in cases]
+        await e.shutdown()
+        return outs
+
+    ours = asyncio.run(reference())
+    theirs = ray.get([vllm_moe.generate.remote(p, SamplingConfig(max_tokens=12, temperature=t, ignore_eos=True)) for p, t in cases])
+    model = load_hf_model(moe_path)
+    for (p, t), a, b in zip(cases, ours, theirs):
+        assert a.token_ids == b.token_ids
+        assert np.max(np.abs(np.asarray(a.logprobs) - np.asarray(b.logprobs))) <= VLLM_GAP_BOUND, (t, a.logprobs, b.logprobs)
+        if t == 0:
+            tf, _ = teacher_forced(model, b)  # temperature 1: the unscaled logits
+            assert np.max(np.abs(tf - np.asarray(b.logprobs))) <= VLLM_GAP_BOUND
+    # the cases do reach a near tie, where the temperature used below 0.01 shows in the log-prob
+    assert min(lp for (p, t), b in zip(cases, theirs) if t > 0 for lp in b.logprobs) < -1e-2
+
+
+def test_vllm_tokens_without_a_weight_version_raise(moe_path):
+    """A token vLLM returns without a weight-version label (weight_versions None: no label was
+    ever set; or spans that do not cover every token) must not be recorded as version -1,
+    which every staleness check would take for a prompt token. vLLM 0.32 does this only when
+    update_weight_version was never called, which VLLMEngine.start always does; so the engine's
+    AsyncLLM is replaced here by a stub that returns vLLM's own output objects."""
+    import shutil
+    import types
+
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, WeightVersionSpan
+
+    from workbench.rollout.vllm_engine import VLLMEngine
+
+    def stub(spans):
+        async def generate(prompt, params, request_id):
+            yield types.SimpleNamespace(outputs=[CompletionOutput(
+                index=0, text="ab", token_ids=[7, 8], cumulative_logprob=-0.3,
+                logprobs=[{7: Logprob(-0.1)}, {8: Logprob(-0.2)}], finish_reason="length", weight_versions=spans)])
+        return types.SimpleNamespace(generate=generate)
+
+    e = VLLMEngine(str(moe_path))
+    try:
+        for spans, match in [(None, "no weight version for 2 of the 2"),
+                             ([WeightVersionSpan("3", 0, 1)], "no weight version for 1 of the 2"),
+                             ([WeightVersionSpan("v3", 0, 2)], "integer labels")]:
+            e.llm = stub(spans)
+            with pytest.raises(RuntimeError, match=match):
+                asyncio.run(e.generate([5, 6], SamplingConfig(max_tokens=2)))
+        e.llm = stub([WeightVersionSpan("3", 0, 1), WeightVersionSpan("4", 1, 2)])
+        out = asyncio.run(e.generate([5, 6], SamplingConfig(max_tokens=2)))
+        assert out.versions == [3, 4] and out.logprobs == [-0.1, -0.2]
+    finally:
+        shutil.rmtree(e._shm, ignore_errors=True)
+
+
 # ----------------------------------------------------------------------------- vLLM (CPU build)
 def test_vllm_moe_samples_well_formed_and_match_hf(vllm_moe, moe_path, capsys):
     model = load_hf_model(moe_path)

@@ -4,16 +4,23 @@ and not), backed by the session's real vLLM engine on the tiny MoE."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+import threading
+import time
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
+import ray
+import torch
 
 from workbench.loopback.server import LoopbackServer
+from workbench.rollout.engine import SamplingConfig
 from workbench.tokens import Accumulator
-from workbench.toy.models import load_tokenizer
+from workbench.toy.models import load_hf_model, load_tokenizer
 from workbench.toy.tasks import CALC_TOOL, TOOL_SYSTEM_PROMPT
 
 SYS = {"role": "system", "content": TOOL_SYSTEM_PROMPT}
@@ -26,9 +33,10 @@ class Tap:
     compare the recorded trajectory with the engine's own output (a tap, not a fake)."""
 
     def __init__(self, actor):
-        self.actor, self.samples = actor, []
+        self.actor, self.samples, self.sampling = actor, [], []
 
     async def generate(self, prompt_ids, sampling):
+        self.sampling.append(copy.deepcopy(sampling))  # what the engine was asked to sample with
         sample = await self.actor.generate.remote(prompt_ids, sampling)
         self.samples.append(sample)
         return sample
@@ -42,6 +50,22 @@ def tokenizer(moe_path):
 @pytest.fixture(scope="module")
 def server(vllm_moe, tokenizer):
     srv = LoopbackServer(Tap(vllm_moe), tokenizer).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def hot(vllm_moe, tokenizer):
+    """A server whose policy samples at temperature 1.6: non-canonical splits show up soon."""
+    srv = LoopbackServer(Tap(vllm_moe), tokenizer, policy_sampling=SamplingConfig(temperature=1.6)).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def greedy(vllm_moe, tokenizer):
+    """A server whose policy samples greedily (temperature 0)."""
+    srv = LoopbackServer(Tap(vllm_moe), tokenizer, policy_sampling=SamplingConfig(temperature=0.0)).start()
     yield srv
     srv.stop()
 
@@ -82,9 +106,10 @@ def tool_turns(server, client, temperature, seed, turns=3):
     return msgs
 
 
-def test_openai_multi_turn_tools_records_exactly_the_sampled_ids(server):
+def test_openai_multi_turn_tools_records_exactly_the_sampled_ids(hot):
     """Multi-turn tool use where the tokenizer does not round-trip the sampled ids: the record
     is exactly the engine's sampled ids plus the template deltas, not the transcript's tokens."""
+    server = hot
     for attempt in range(8):  # high temperature: non-canonical splits show up within a few tries
         sid = server.open_session()
         n0 = len(server.engine.samples)
@@ -148,7 +173,10 @@ def test_sync_stream_and_logprobs_match_the_engine(server):
                                         messages=[{"role": "user", "content": "Say something about books."},
                                                   r.choices[0].message.model_dump(exclude_none=True),
                                                   {"role": "user", "content": "More."}]) as s:
-        final = s.get_final_completion()
+        try:
+            final = s.get_final_completion()
+        except openai.LengthFinishReasonError as e:  # the helper refuses to parse a reply cut by max_tokens
+            final = e.completion
     assert final.choices[0].finish_reason in ("stop", "length")
     seg, = server.close_session(sid)
     assert seg.stats["turns"] == 2
@@ -237,7 +265,8 @@ def test_template_that_rewrites_earlier_turns_seals(vllm_moe, moe_path):
     assert "[earlier reply]" in srv.fmt.decode(segs[1].token_ids)
 
 
-def test_reply_cut_by_max_tokens_then_closing_tokens_are_template(server):
+def test_reply_cut_by_max_tokens_then_closing_tokens_are_template(greedy):
+    server = greedy
     sid = server.open_session()
     client = oai(server, sid)
     msgs = [{"role": "user", "content": "Say something about books."}]
@@ -252,17 +281,55 @@ def test_reply_cut_by_max_tokens_then_closing_tokens_are_template(server):
     assert server.fmt.decode(second).startswith("<|im_end|>\n<|im_start|>user\nGo on.")
 
 
-def test_retry_returns_cached_reply_and_records_once(server):
+def test_sdk_retry_of_a_lost_reply_is_served_from_the_cache(server, vllm_moe):
+    """A real retry, as the stock SDK makes it: the engine is paused, so the first attempt times
+    out at the client while the server still holds the turn; the SDK retries (sending
+    x-stainless-retry-count: 1), the retry waits for the turn in flight and gets its reply. The
+    engine sampled once and the trajectory holds one turn."""
+    sid = server.open_session()
+    msgs = [{"role": "user", "content": "Say something about code."}]
+    n0, seen0, cached0 = len(server.engine.samples), server.stats.requests["openai:session"], server.stats.retries_served_from_cache
+
+    def resume_once_retried():
+        deadline = time.time() + 60
+        while server.stats.requests["openai:session"] < seen0 + 2 and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # the retry is now waiting for the session's turn in flight
+        ray.get(vllm_moe.resume.remote())
+
+    ray.get(vllm_moe.pause.remote())
+    waiter = threading.Thread(target=resume_once_retried)
+    waiter.start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url(sid), api_key=server.api_key, max_retries=3, timeout=2.0)
+        r = client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)
+    finally:
+        waiter.join()
+        ray.get(vllm_moe.resume.remote())
+    assert server.stats.requests["openai:session"] >= seen0 + 2  # the SDK really sent it again
+    assert len(server.engine.samples) == n0 + 1 and server.stats.retries_served_from_cache > cached0
+    seg, = server.close_session(sid)
+    sample = server.engine.samples[-1]
+    assert seg.stats["turns"] == 1 and runs(seg, True) == [sample.token_ids]
+    assert r.usage.completion_tokens == len(sample.token_ids)
+
+
+def test_identical_requests_without_retry_header_are_new_samples(server):
+    """An agent that asks the same thing twice wants two samples: without the SDK's retry
+    header (x-stainless-retry-count 0) an identical request is sampled again; with it (a retry)
+    it is served from the cache."""
     sid = server.open_session()
     client = oai(server, sid)
     msgs = [{"role": "user", "content": "Say something about code."}]
     n0 = len(server.engine.samples)
-    a = client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)
-    b = client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)
-    assert a.id == b.id and a.choices[0].message.content == b.choices[0].message.content
-    assert len(server.engine.samples) == n0 + 1
-    seg, = server.close_session(sid)
-    assert seg.stats["turns"] == 1 and seg.loss_mask.count(1) == len(server.engine.samples[-1].token_ids)
+    a = client.chat.completions.create(model="policy", messages=msgs, max_tokens=8, temperature=1.0)
+    b = client.chat.completions.create(model="policy", messages=msgs, max_tokens=8, temperature=1.0)
+    c = client.chat.completions.create(model="policy", messages=msgs, max_tokens=8, extra_headers={"x-stainless-retry-count": "1"})
+    assert a.id != b.id and b.id == c.id
+    assert len(server.engine.samples) == n0 + 2
+    segs = server.close_session(sid)
+    assert [s.seal_reason for s in segs] == ["history_rewritten", "episode_end"]
+    assert [runs(s, True) for s in segs] == [[x.token_ids] for x in server.engine.samples[n0:]]
 
 
 def test_concurrent_sessions_do_not_mix(server):
@@ -306,8 +373,9 @@ def test_bad_input_gets_protocol_errors_and_loses_nothing(server):
         (f"{url}/chat/completions", key, json.dumps({"messages": msgs, "temperature": "hot"}).encode(), 400, "temperature"),
         (f"{url}/chat/completions", key, json.dumps({"messages": msgs, "n": 2}).encode(), 400, "n > 1"),
         (f"{url}/chat/completions", key, json.dumps({"messages": msgs, "tool_choice": "required"}).encode(), 400, "tool_choice"),
-        (f"{url}/chat/completions", key, json.dumps({"messages": [{"role": "user", "content": "x " * 1500}]}).encode(), 400, "context"),
-        (f"{url}/chat/completions", key, json.dumps({"messages": msgs, "max_tokens": 5000}).encode(), 400, "context"),
+        # a side request with no room left in the context (a recorded turn ends as truncated instead)
+        (server.base_url(None) + "/chat/completions", key, json.dumps({"messages": [{"role": "user", "content": "x " * 1500}]}).encode(), 400, "context"),
+        (server.base_url(None) + "/chat/completions", key, json.dumps({"messages": msgs, "top_k": 5}).encode(), 400, "top_k"),
         (f"{url}/chat/completions", {"Authorization": "Bearer wrong"}, json.dumps({"messages": msgs}).encode(), 401, "API key"),
         (server.base_url("nosuch") + "/chat/completions", key, json.dumps({"messages": msgs}).encode(), 404, "unknown session"),
         (f"{url}/nowhere", key, b"{}", 404, "no route"),
@@ -336,7 +404,7 @@ def test_bad_input_gets_protocol_errors_and_loses_nothing(server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).chat.completions.create(model="p", messages=msgs)
     with pytest.raises(anthropic.BadRequestError):
-        anthropic.Anthropic(base_url=server.base_url(sid, "anthropic"), api_key=server.api_key, max_retries=0).messages.create(
+        anthropic.Anthropic(base_url=server.base_url(None, "anthropic"), api_key=server.api_key, max_retries=0).messages.create(
             model="p", max_tokens=5, messages=[{"role": "user", "content": "x " * 1500}])
     # nothing recorded was lost or changed, and the server keeps serving the session
     assert [list(s.token_ids) for s in server.sessions[sid].segments] == before
@@ -374,7 +442,8 @@ class RetokenizingAccumulator(Accumulator):
 
 
 def test_identity_statistic_catches_a_retokenizing_accumulator(vllm_moe, tokenizer):
-    with LoopbackServer(Tap(vllm_moe), tokenizer, accumulator_cls=RetokenizingAccumulator) as broken:
+    with LoopbackServer(Tap(vllm_moe), tokenizer, accumulator_cls=RetokenizingAccumulator,
+                        policy_sampling=SamplingConfig(temperature=1.8)) as broken:
         for attempt in range(8):
             sid = broken.open_session()
             oai(broken, sid).chat.completions.create(
@@ -392,7 +461,8 @@ def test_identity_statistic_catches_a_retokenizing_accumulator(vllm_moe, tokeniz
     assert runs(seg, True)[0] != broken.engine.samples[-1].token_ids
 
 
-def test_stop_strings_in_both_protocols(server):
+def test_stop_strings_in_both_protocols(greedy):
+    server = greedy
     msgs = [{"role": "user", "content": "Say something about books."}]
     sid = server.open_session()
     r = oai(server, sid).chat.completions.create(model="policy", messages=msgs, max_tokens=24, temperature=0, stop=[" "])
@@ -411,8 +481,9 @@ def test_stop_strings_in_both_protocols(server):
 
 
 def test_turns_of_one_session_are_serialised(server):
-    """The same request sent twice at once: the second waits for the first and is served from
-    the cache, so the engine samples once and the trajectory holds one turn."""
+    """The same request sent twice at once (two samples: no retry header): the second is
+    planned only after the first is recorded, so it sees that turn and seals it into its own
+    segment; without the lock both would be planned on the empty session."""
     sid = server.open_session()
     n0 = len(server.engine.samples)
 
@@ -424,7 +495,112 @@ def test_turns_of_one_session_are_serialised(server):
         return replies
 
     a, b = asyncio.run(main())
-    assert a.id == b.id and a.content == b.content
-    assert len(server.engine.samples) == n0 + 1
-    seg, = server.close_session(sid)
-    assert seg.stats["turns"] == 1
+    assert a.id != b.id
+    assert len(server.engine.samples) == n0 + 2
+    segs = server.close_session(sid)
+    assert [s.seal_reason for s in segs] == ["history_rewritten", "episode_end"]
+    assert [runs(s, True) for s in segs] == [[x.token_ids] for x in server.engine.samples[n0:]]
+
+
+def teacher_forced(model, prompt_ids, token_ids, temperature):
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt_ids) + list(token_ids)])).logits[0].float()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    return np.asarray([lp[len(prompt_ids) - 1 + j, t].item() for j, t in enumerate(token_ids)])
+
+
+def test_policy_owns_the_sampling_of_recorded_turns(vllm_moe, tokenizer, moe_path):
+    """An agent sends temperature 0.7 and top_p 0.95: its recorded turn is sampled at the
+    policy's temperature (0.9, top_p 1), so its behaviour log-probs are the trainer's
+    log_softmax(logits / 0.9); its max_tokens, seed, stop strings and ignore_eos are kept. The
+    override is counted per turn; a request that sends no temperature (or the policy's) is no
+    override; the side route keeps the agent's 0.7."""
+    with LoopbackServer(Tap(vllm_moe), tokenizer, policy_sampling=SamplingConfig(temperature=0.9)) as srv:
+        sid = srv.open_session()
+        client = oai(srv, sid)
+        msgs = [{"role": "user", "content": "Say something about books."}]
+        r = client.chat.completions.create(model="policy", messages=msgs, max_tokens=16, temperature=0.7, top_p=0.95,
+                                           seed=5, stop=["zzz"], logprobs=True, extra_body={"ignore_eos": True})
+        first, asked = srv.engine.samples[-1], srv.engine.sampling[-1]
+        assert (asked.temperature, asked.top_p) == (0.9, 1.0)
+        assert (asked.max_tokens, asked.seed, asked.stop, asked.ignore_eos) == (16, 5, ["zzz"], True)
+        assert [t.logprob for t in r.choices[0].logprobs.content] == pytest.approx(first.logprobs)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+        client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)  # sends no temperature
+        r3 = client.chat.completions.create(model="policy", max_tokens=8, temperature=0.9, messages=msgs[:1] + [  # the policy's value
+            r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Other."}])
+        assert r3.choices[0].finish_reason in ("stop", "length") and srv.engine.sampling[-1].temperature == 0.9
+        sid2 = srv.open_session()
+        anthropic.Anthropic(base_url=srv.base_url(sid2, "anthropic"), api_key=srv.api_key, max_retries=0).messages.create(
+            model="policy", max_tokens=8, extra_body={"temperature": 0.5, "top_k": 5}, messages=[{"role": "user", "content": "Hi."}])
+        assert (srv.engine.sampling[-1].temperature, srv.engine.sampling[-1].top_p) == (0.9, 1.0)
+        side = openai.OpenAI(base_url=srv.base_url(None), api_key=srv.api_key, max_retries=0)
+        side.chat.completions.create(model="judge", messages=msgs[:1], max_tokens=4, temperature=0.7)
+        assert srv.engine.sampling[-1].temperature == 0.7  # a side call keeps the agent's sampling
+        segs = srv.close_session(sid)
+        assert [s.stats["sampling_overridden"] for s in segs] == [1, 0] and segs[0].stats["turns"] == 2
+        srv.close_session(sid2)
+        assert srv.summary()["sampling_overridden"] == 2
+    model = load_hf_model(moe_path)
+    at_policy = teacher_forced(model, first.prompt_ids, first.token_ids, 0.9)
+    at_agent = teacher_forced(model, first.prompt_ids, first.token_ids, 0.7)
+    assert np.max(np.abs(at_policy - np.asarray(first.logprobs))) <= 1e-4
+    assert np.max(np.abs(at_agent - np.asarray(first.logprobs))) > 1e-2
+
+
+def test_strict_sampling_refuses_other_sampling_with_a_400(vllm_moe, tokenizer):
+    with pytest.raises(ValueError, match="sampling_mode"):
+        LoopbackServer(Tap(vllm_moe), tokenizer, sampling_mode="lenient")
+    with LoopbackServer(Tap(vllm_moe), tokenizer, policy_sampling=SamplingConfig(temperature=0.9), sampling_mode="strict") as srv:
+        sid = srv.open_session()
+        client = oai(srv, sid)
+        msgs = [{"role": "user", "content": "Say something about books."}]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="policy", messages=msgs, max_tokens=8, temperature=0.7)
+        err = e.value.body
+        assert err["param"] == "temperature" and "temperature 0.9" in err["message"] and "0.7" in err["message"]
+        a = anthropic.Anthropic(base_url=srv.base_url(sid, "anthropic"), api_key=srv.api_key, max_retries=0)
+        with pytest.raises(anthropic.BadRequestError, match="top_k"):
+            a.messages.create(model="policy", max_tokens=8, extra_body={"top_k": 5}, messages=msgs)
+        with pytest.raises(anthropic.BadRequestError, match="top_p"):
+            a.messages.create(model="policy", max_tokens=8, extra_body={"top_p": 0.5}, messages=msgs)
+        assert srv.engine.samples == [] and srv.sessions[sid].segments == []  # nothing sampled or recorded
+        assert srv.summary()["sampling_refused"] == {"temperature": 1, "top_k": 1, "top_p": 1}
+        client.chat.completions.create(model="policy", messages=msgs, max_tokens=4, temperature=0.9)  # the policy's: fine
+        openai.OpenAI(base_url=srv.base_url(None), api_key=srv.api_key, max_retries=0).chat.completions.create(
+            model="judge", messages=msgs, max_tokens=4, temperature=0.7)  # the side route is not the policy's
+        assert [x.temperature for x in srv.engine.sampling] == [0.9, 0.7]
+        seg, = srv.close_session(sid)
+        assert seg.stats["turns"] == 1 and seg.stats["sampling_overridden"] == 0
+
+
+def test_context_clamps_max_tokens_and_a_full_context_ends_the_turn(vllm_moe, tokenizer):
+    """max_tokens beyond the room the context leaves is clamped; a turn cut there, and a turn
+    with no room at all (empty reply, finish "length" in both protocols, no engine call,
+    nothing recorded) mark the session truncated. The agent's own max_tokens cut is not."""
+    with LoopbackServer(Tap(vllm_moe), tokenizer, max_model_len=64) as srv:
+        sid = srv.open_session()
+        client = oai(srv, sid)
+        msgs = [{"role": "user", "content": "Say something about books."}]
+        room = 64 - len(srv.fmt.encode(srv.fmt.render(msgs, None, True)))
+        r = client.chat.completions.create(model="policy", messages=msgs, max_tokens=500, extra_body={"ignore_eos": True})
+        sample = srv.engine.samples[-1]
+        assert srv.engine.sampling[-1].max_tokens == room == len(sample.token_ids) and r.choices[0].finish_reason == "length"
+        assert srv.sessions[sid].truncated
+        n = len(srv.engine.samples)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+        full = client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)
+        assert full.choices[0].finish_reason == "length" and full.choices[0].message.content == ""
+        assert full.usage.completion_tokens == 0 and full.usage.prompt_tokens > 64
+        a = anthropic.Anthropic(base_url=srv.base_url(sid, "anthropic"), api_key=srv.api_key, max_retries=0)
+        m = a.messages.create(model="policy", max_tokens=8, messages=msgs)
+        assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 0 and [b.text for b in m.content] == [""]
+        assert len(srv.engine.samples) == n  # the engine was not called
+        segs, state = srv.close_session(sid, details=True)
+        assert state["truncated"] and len(segs) == 1 and runs(segs[0], True) == [sample.token_ids]
+        assert segs[0].stats["turns"] == 1
+        sid = srv.open_session()  # the agent's own max_tokens: a cut reply, not a truncated session
+        r = oai(srv, sid).chat.completions.create(model="policy", messages=msgs[:1], max_tokens=2, extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length"
+        _, state = srv.close_session(sid, details=True)
+        assert not state["truncated"] and srv.summary()["truncated_sessions"] == 1

@@ -178,3 +178,43 @@ def test_partial_rollout_records_two_versions_in_one_episode(rollout_for, moe_pa
         assert sampled[0] == v0 and sampled[-1] == v0 + 1 and sampled == sorted(sampled)
         assert seg.routed_experts is not None and seg.routed_experts.shape[0] == len(seg)
         assert (seg.routed_experts[:-1] >= 0).all()
+
+
+# ----------------------------------------------------------------------------- context and sampling
+def test_an_episode_that_outgrows_the_context_is_truncated_not_failed(rollout_for, vllm_moe):
+    """The runner's context (max_model_len=160) comes from configuration: long_env's turns of
+    120 tokens fill it on the second turn (max_tokens clamped to the room left, then cut), and
+    the third finds no room, which ends the framework's Env loop. The episode keeps exactly what
+    was sampled, is marked truncated and carries no error."""
+    rollout = rollout_for(AGENTS / "long_env.py", sampling=SamplingConfig(max_tokens=120, ignore_eos=True),
+                          max_model_len=160, tool_parser="hermes")
+    task = Task([{"role": "user", "content": "Say something about books."}])
+    trajs = rollout.run_groups([task], group_size=2, progress=False)[0]
+    for t in trajs:
+        assert t.error is None and t.truncated and t.info["turns"] == 3, (t.error, t.info)
+        seg, = t.segments
+        assert len(seg) <= 160 and seg.stats["turns"] == 2 and seg.seal_reason == "episode_end"
+        sampled = [m for m in seg.loss_mask if m]
+        assert len(sampled) == seg.stats["sampled_tokens"] and len(sampled) < 2 * 120  # the second turn was clamped
+    assert assert_exact(trajs, [vllm_moe]) == 2 * len(trajs)  # every sampled run is the engine's own
+    assert ray.get(rollout.runners[0].stats.remote())["server"]["truncated_sessions"] == 2
+    short = rollout_for(AGENTS / "long_env.py", sampling=SamplingConfig(max_tokens=8))
+    assert not any(t.truncated for t in short.run_groups([task], group_size=2, progress=False)[0])
+
+
+def test_rollout_keeps_the_policy_sampling_and_applies_it(rollout_for, vllm_moe):
+    """own_sampling.py sends temperature 0.7 / top_p 0.9 on each of its two turns: with the
+    default mode both turns are sampled at the policy's and counted; with sampling="strict" the
+    agent's requests are refused (its episodes fail, nothing recorded)."""
+    with pytest.raises(ValueError, match="sampling_mode"):
+        Rollout(str(AGENTS / "own_sampling.py"), [vllm_moe], "unused", sampling_mode="loose")
+    spec = load_agent(AGENTS / "own_sampling.py")
+    rollout = rollout_for(spec.path)
+    assert rollout.sampling == SamplingConfig(max_tokens=128) and rollout.sampling_mode == "override"
+    trajs = rollout.run_groups(spec.tasks(2, seed=1), group_size=1, progress=False)
+    assert all(t.error is None and sum(s.stats["sampling_overridden"] for s in t.segments) == 2 for t in [g[0] for g in trajs])
+    policy = SamplingConfig(max_tokens=8, temperature=0.7)
+    strict = rollout_for(spec.path, sampling=policy, sampling_mode="strict")
+    assert strict.sampling is policy and strict.sampling_mode == "strict"
+    t = strict.run_episodes(spec.tasks(1, seed=1), progress=False)[0]
+    assert "BadRequestError" in t.error and "top_p" in t.error and not t.segments

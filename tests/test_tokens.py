@@ -3,7 +3,10 @@
 format and training tensors. The same accumulator under the live server is tested in
 test_loopback.py."""
 
+import sys
+
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -14,6 +17,8 @@ from workbench.tokens import (
     Segment,
     Trajectory,
     read_trajectories,
+    retokenization_drift,
+    segment_stats,
     training_tensors,
     write_trajectories,
 )
@@ -78,10 +83,77 @@ def test_retry_is_served_from_cache_and_recorded_once(fmt):
     plan = acc.plan(msgs)
     acc.record(plan, reply(fmt, "12"), {"role": "assistant", "content": "12"}, reply="REPLY")
     before = list(acc.segments[0].token_ids)
-    again = acc.plan(msgs)
+    again = acc.plan(msgs, retry=True)  # the client says so (the SDKs' x-stainless-retry-count >= 1)
     assert again.cached == "REPLY"
     acc.record(again, reply(fmt, "99"), {"role": "assistant", "content": "99"})
     assert acc.segments[0].token_ids == before and acc.segments[0].stats["turns"] == 1
+
+
+def test_identical_request_that_is_no_retry_is_a_new_sample(fmt):
+    """n identical requests are n samples unless the client marks a retry: each new sample
+    seals the open segment (the conversation does not extend) and starts its own."""
+    acc = Accumulator(fmt)
+    msgs = [SYS, USER]
+    samples = [reply(fmt, "12"), reply(fmt, "7"), reply(fmt, "99")]
+    for s, text in zip(samples, ("12", "7", "99")):
+        plan = acc.plan(msgs)
+        assert plan.cached is None and plan.prompt_ids == fmt.encode(fmt.render(msgs, None, True))
+        acc.record(plan, s, {"role": "assistant", "content": text}, reply=text)
+    segs = acc.close()
+    assert [s.seal_reason for s in segs] == ["history_rewritten", "history_rewritten", "episode_end"]
+    assert [[t for t, m in zip(seg.token_ids, seg.loss_mask) if m] for seg in segs] == [s.token_ids for s in samples]
+    acc.forget_last_request()  # after a failed engine call even a marked retry is planned anew
+    assert acc.plan(msgs, retry=True).cached is None
+
+
+def test_sampling_overridden_is_counted_per_recorded_turn(fmt):
+    acc = Accumulator(fmt)
+    plan = acc.plan([SYS, USER])
+    acc.record(plan, reply(fmt, "12"), {"role": "assistant", "content": "12"}, sampling_overridden=True)
+    plan = acc.plan([SYS, USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "ok"}])
+    seg = acc.record(plan, reply(fmt, "7"), {"role": "assistant", "content": "7"})
+    assert seg.stats["sampling_overridden"] == 1 and seg.stats["turns"] == 2
+    old = Segment([1], [1], [0.0], [0], stats={"identity_mismatch": 0, "retokenization_drift": 0, "sampled_tokens": 1, "turns": 1})
+    assert segment_stats(acc.close() + [old])["sampling_overridden"] == 1  # segments from older files count 0
+
+
+def test_drift_of_a_long_repetitive_reply_costs_linear_work(fmt):
+    """The drift statistic runs on the server's event loop for every turn: it must stay linear
+    in the reply's length. (difflib, used before, took ~60 s at 8k and ~525 s at 16k tokens of
+    this repetitive reply on 2 busy cores.) Work is counted as Python and C function calls, so
+    the bound does not depend on the machine's speed."""
+    digits = [fmt.tokenizer.convert_tokens_to_ids(c) for c in "12"]
+    assert fmt.encode("12") != digits  # "12" is one token: "1","2" drift
+    assert retokenization_drift(fmt, digits + [fmt.end_of_turn_id]) == 2
+    accented = fmt.encode("héllo wörld")
+    assert len(accented) > len("héllo wörld")  # byte tokens: é and ö are two tokens each
+    assert retokenization_drift(fmt, accented) == 0  # a character split over tokens is no drift
+    assert retokenization_drift(fmt, fmt.encode("a") + digits + fmt.encode(" é")) == 2
+    base = fmt.encode("The answer is ") + digits + fmt.encode(" so héllo wörld. ")
+    per_base = retokenization_drift(fmt, base)
+    assert per_base >= 2
+
+    def work(ids, budget):
+        calls = 0
+
+        def count(frame, event, arg):
+            nonlocal calls
+            calls += 1
+            if calls > budget:
+                raise AssertionError(f"drift of {len(ids)} tokens took more than {budget} calls: not linear")
+
+        sys.setprofile(count)
+        try:
+            drift = retokenization_drift(fmt, ids)
+        finally:
+            sys.setprofile(None)
+        return drift, calls
+
+    repeats = 16_384 // len(base)
+    drift, calls = work(base * repeats, budget=30 * len(base) * repeats)
+    assert drift == per_base * repeats
+    _, half = work(base * (repeats // 2), budget=30 * len(base) * repeats)
+    assert calls <= 2.1 * half  # doubling the reply doubles the work
 
 
 @pytest.mark.parametrize("edit,reason", [
@@ -122,8 +194,12 @@ def test_parquet_round_trip_and_training_tensors(tmp_path):
     a = Segment([1, 2, 3, 4], [0, 0, 1, 1], [0.0, 0.0, -0.1, -0.2], [-1, -1, 3, 4],
                 np.arange(16, dtype=np.int16).reshape(4, 2, 2), [{"role": "user", "content": "x"}], "episode_end")
     b = Segment([5, 6], [0, 1], [0.0, -0.3], [-1, 4], None, [], "history_rewritten")
-    t = Trajectory([a, b], reward=1.5, group_id="g", episode_id="e", info={"k": 1}, error=None)
-    back = read_trajectories(write_trajectories([t], tmp_path / "t.parquet"))[0]
+    t = Trajectory([a, b], reward=1.5, group_id="g", episode_id="e", info={"k": 1}, error=None, truncated=True)
+    path = write_trajectories([t, Trajectory([b], episode_id="f")], tmp_path / "t.parquet")
+    back, other = read_trajectories(path)
+    assert back.truncated and not other.truncated
+    pq.write_table(pq.read_table(path).drop(["truncated"]), tmp_path / "old.parquet")  # a file from before the column
+    assert [x.truncated for x in read_trajectories(tmp_path / "old.parquet")] == [False, False]
     assert back.reward == 1.5 and back.info == {"k": 1} and [s.seal_reason for s in back.segments] == ["episode_end", "history_rewritten"]
     assert back.segments[0].token_ids == a.token_ids and np.array_equal(back.segments[0].routed_experts, a.routed_experts)
     assert np.allclose(back.segments[0].logprobs, a.logprobs) and back.segments[1].routed_experts is None

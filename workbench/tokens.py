@@ -12,19 +12,26 @@ session with messages M (DESIGN.md, "Token identity"):
    render of M.
 3. A reply cut by max_tokens has no end-of-turn token: the template's closing tokens
    (end-of-turn included) enter the next delta as non-trainable tokens.
-4. A retried request (the same messages as the last one) returns the cached reply and
-   records nothing twice. Turns of one session are serialised by a lock.
+4. A retry returns the cached reply and records nothing twice. A request is a retry when it
+   repeats the last request's messages and tools AND the client says it is one: the stock
+   Stainless-generated SDKs (openai, anthropic) send `x-stainless-retry-count` on every request,
+   0 on the first attempt and k on their k-th retry (timeouts, 5xx, lost connections). An
+   identical request without that (count 0 or no header) is a new sample: it does not extend the
+   conversation, so the open segment is sealed (`history_rewritten`) and the sample starts a new
+   one; n identical requests give n samples. Turns of one session are serialised by a lock, so a
+   retry sent while its original is still in flight waits for it and gets its reply.
 
 Measured per segment: `identity_mismatch` (trainable ids that differ from the engine's sampled
-ids; 0 whenever this mechanism works) and `retokenization_drift` (sampled ids that a
-retokenization of their decoded text would change: the damage a text-based pipeline would do).
+ids; 0 whenever this mechanism works), `retokenization_drift` (sampled ids that a
+retokenization of their decoded text would change: the damage a text-based pipeline would do)
+and `sampling_overridden` (recorded turns whose request asked for other sampling than the
+policy's; the server replaced it). A session whose turn was cut by the context is `truncated`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import difflib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -56,7 +63,8 @@ class Segment:
     routed_experts: np.ndarray | None = None
     messages: list[dict] = field(default_factory=list)
     seal_reason: str | None = None  # None while the segment is open
-    stats: dict = field(default_factory=lambda: {"identity_mismatch": 0, "retokenization_drift": 0, "sampled_tokens": 0, "turns": 0})
+    stats: dict = field(default_factory=lambda: {"identity_mismatch": 0, "retokenization_drift": 0, "sampled_tokens": 0,
+                                                 "turns": 0, "sampling_overridden": 0})
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -78,7 +86,9 @@ class Segment:
 
 @dataclass
 class Trajectory:
-    """One agent episode: its segments plus reward, ids, info and error (None when it ran)."""
+    """One agent episode: its segments plus reward, ids, info and error (None when it ran).
+    `truncated`: a turn was cut by the context (the conversation outgrew max_model_len); what
+    was recorded is exact, the episode just could not go on."""
 
     segments: list[Segment] = field(default_factory=list)
     reward: float = 0.0
@@ -86,6 +96,7 @@ class Trajectory:
     episode_id: str = ""
     info: dict = field(default_factory=dict)
     error: str | None = None
+    truncated: bool = False
 
 
 # ------------------------------------------------------------------ on-disk format (parquet)
@@ -103,6 +114,7 @@ def _schema():
         ("token_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
         ("logprobs", pa.list_(pa.float32())), ("versions", pa.list_(pa.int32())),
         ("routed_experts", pa.list_(pa.int16())), ("routed_experts_shape", pa.list_(pa.int32())),
+        ("truncated", pa.bool_()),
     ])
 
 
@@ -124,6 +136,7 @@ def write_trajectories(trajectories: list[Trajectory], path: str | Path) -> Path
                 "logprobs": s.logprobs, "versions": s.versions,
                 "routed_experts": None if ex is None else ex.reshape(-1).tolist(),
                 "routed_experts_shape": None if ex is None else list(ex.shape),
+                "truncated": bool(t.truncated),
             })
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +151,7 @@ def read_trajectories(path: str | Path) -> list[Trajectory]:
     for r in pq.read_table(path).to_pylist():
         t = out.setdefault(r["episode_id"], Trajectory(
             reward=r["reward"], group_id=r["group_id"], episode_id=r["episode_id"],
-            info=json.loads(r["info"]), error=r["error"]))
+            info=json.loads(r["info"]), error=r["error"], truncated=bool(r.get("truncated"))))  # older files: no column
         ex = None
         if r["routed_experts"] is not None:
             ex = np.asarray(r["routed_experts"], dtype=np.int16).reshape(r["routed_experts_shape"])
@@ -231,13 +244,52 @@ class ChatFormat:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
+_MAX_PENDING = 16  # tokens without a complete character; a UTF-8 character spans at most 4 byte tokens
+
+
+def text_units(fmt: ChatFormat, ids: list[int]) -> list[tuple[int, int, tuple]] | None:
+    """The ids cut into units at character boundaries: (start, end, ids) where text[start:end]
+    is what those ids decode to, in order. A unit is one token, or a run of tokens that only
+    together complete a character (byte-level BPE splits multi-byte characters). One streaming
+    decode step per token (tokenizers' DecodeStream keeps a window of a few ids): linear time.
+    None when the stream cannot be cut this way (a long run of undecodable bytes)."""
+    from tokenizers.decoders import DecodeStream
+
+    step = DecodeStream(skip_special_tokens=False).step
+    units, pos, start = [], 0, 0
+    for k, i in enumerate(ids):
+        chunk = step(fmt._backend, i)
+        if chunk is None:  # an incomplete character: the unit goes on
+            if k + 1 - start > _MAX_PENDING:
+                return None
+            continue
+        units.append((pos, pos + len(chunk), tuple(ids[start : k + 1])))
+        pos += len(chunk)
+        start = k + 1
+    if start < len(ids):  # trailing bytes that never completed a character
+        units.append((pos, -1, tuple(ids[start:])))
+    return units
+
+
 def retokenization_drift(fmt: ChatFormat, sampled: list[int]) -> int:
-    """How many sampled ids a retokenization of their decoded text would not reproduce."""
+    """How many sampled ids a retokenization of their decoded text would not reproduce: both
+    the sampled ids and `encode(decode(sampled))` are cut into character-aligned units
+    (`text_units`), and a sampled token drifts when its unit (character span and ids) is not
+    among the retokenization's units. Linear in the number of tokens (difflib, used before, was
+    quadratic on repetitive output: ~7 s at 16k tokens, on the server's event loop)."""
     if not sampled:
         return 0
     again = fmt.encode(fmt.decode(sampled))
-    matched = sum(b.size for b in difflib.SequenceMatcher(None, sampled, again, autojunk=False).get_matching_blocks())
-    return len(sampled) - matched
+    if again == sampled:
+        return 0
+    mine, theirs = text_units(fmt, sampled), text_units(fmt, again)
+    if mine is None or theirs is None:  # undecodable runs: count what differs between the common ends
+        n, m = len(sampled), len(again)
+        head = next((k for k in range(min(n, m)) if sampled[k] != again[k]), min(n, m))
+        tail = next((k for k in range(min(n, m) - head) if sampled[n - 1 - k] != again[m - 1 - k]), min(n, m) - head)
+        return n - head - tail
+    theirs = set(theirs)
+    return sum(len(u[2]) for u in mine if u not in theirs)
 
 
 @dataclass
@@ -267,16 +319,19 @@ class Accumulator:
         self._closing_text = ""  # template text owed after the last sampled token
         self._last_request: tuple | None = None
         self._last_reply: Any = None
+        self.truncated = False  # a turn was cut by the context (the server sets it; see LoopbackServer)
 
     @property
     def open_segment(self) -> Segment | None:
         return self.segments[-1] if self.segments and self.segments[-1].seal_reason is None else None
 
-    def plan(self, messages: list[dict], tools: list | None = None) -> TurnPlan:
-        """Decide the engine prompt for a request. Changes nothing until `record`."""
+    def plan(self, messages: list[dict], tools: list | None = None, retry: bool = False) -> TurnPlan:
+        """Decide the engine prompt for a request. Changes nothing until `record`. `retry`: the
+        client says this request is a retry of its previous one (rule 4); only then is a
+        repeat of the last request served from the cache."""
         msgs = [canonical_message(m) for m in messages]
         key = (json.dumps(msgs, sort_keys=True), json.dumps(tools, sort_keys=True))
-        if key == self._last_request and self._last_reply is not None:  # a retry: nothing to render
+        if retry and key == self._last_request and self._last_reply is not None:  # nothing to render
             return TurnPlan([], msgs, tools, "", 0, False, None, cached=self._last_reply)
         full = self.fmt.render(msgs, tools, add_generation_prompt=True)
         seg, reason = self.open_segment, None
@@ -299,9 +354,11 @@ class Accumulator:
             return "template_rewrite"
         return None
 
-    def record(self, plan: TurnPlan, sample, assistant_message: dict, reply: Any = None) -> Segment:
+    def record(self, plan: TurnPlan, sample, assistant_message: dict, reply: Any = None,
+               sampling_overridden: bool = False) -> Segment:
         """Append one turn: the plan's delta (non-trainable) and the engine's sampled ids
-        (trainable, with their log-probs and versions), then remember the conversation."""
+        (trainable, with their log-probs and versions), then remember the conversation.
+        `sampling_overridden`: the request asked for other sampling than the policy's (counted)."""
         if plan.cached is not None:
             return self.segments[-1]
         if plan.new_segment:
@@ -315,6 +372,7 @@ class Accumulator:
         seg.stats["retokenization_drift"] += retokenization_drift(self.fmt, sampled)
         seg.stats["sampled_tokens"] += len(sampled)
         seg.stats["turns"] += 1
+        seg.stats["sampling_overridden"] = seg.stats.get("sampling_overridden", 0) + int(bool(sampling_overridden))
         self._merge_experts(seg, sample)
         # Remember what the server returned, and the template text owed after the sampled ids.
         assistant = canonical_message(assistant_message)
@@ -335,6 +393,11 @@ class Accumulator:
         seg.messages = list(self._conversation)
         seg.check()
         return seg
+
+    def forget_last_request(self) -> None:
+        """A request failed after planning (engine error): a retry of it must not be answered
+        with the reply of an older, identical request."""
+        self._last_request = self._last_reply = None
 
     def _append_sampled(self, seg: Segment, sample) -> list[int]:
         """Append the ids to train on: exactly the engine's, with their log-probs and versions.
@@ -386,6 +449,7 @@ def segment_stats(segments: list[Segment]) -> dict:
         "identity_mismatch": sum(s.stats["identity_mismatch"] for s in segments),
         "retokenization_drift": sum(s.stats["retokenization_drift"] for s in segments),
         "sampled_tokens": sum(s.stats["sampled_tokens"] for s in segments),
+        "sampling_overridden": sum(s.stats.get("sampling_overridden", 0) for s in segments),  # older files: absent
         "seals": dict(seals),
     }
 

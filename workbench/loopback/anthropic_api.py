@@ -102,13 +102,12 @@ def parse_request(body: dict) -> ChatRequest:
     choice = want(body, "tool_choice", dict, default={"type": "auto"})
     if choice.get("type") not in ("auto", "none"):
         raise RequestError(400, f"tool_choice {choice.get('type')!r} is not supported (use 'auto' or 'none'): the loopback server does not constrain decoding")
-    if body.get("top_k") not in (None, -1):
-        raise RequestError(400, "'top_k' is not supported", param="top_k")
     stop = want(body, "stop_sequences", list, default=[])
     if not all(isinstance(s, str) for s in stop):
         raise RequestError(400, "'stop_sequences' must be a list of strings", param="stop_sequences")
+    sampling, sent = sampling_from(body, max_tokens, stop)
     return ChatRequest(messages=_messages(messages, system), tools=specs or None,
-                       sampling=sampling_from(body, max_tokens, stop), max_tokens=max_tokens,
+                       sampling=sampling, max_tokens=max_tokens, sent=sent,
                        stream=want(body, "stream", bool, default=False), parse_tools=choice.get("type") != "none")
 
 

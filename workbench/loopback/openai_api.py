@@ -77,11 +77,11 @@ def parse_request(body: dict) -> ChatRequest:
     if top_logprobs:
         raise RequestError(400, "top_logprobs > 0 is not supported; logprobs=true returns each sampled token's log-prob", param="top_logprobs")
     opts = want(body, "stream_options", dict, default={})
-    sampling = sampling_from(body, max_tokens, stop)
+    sampling, sent = sampling_from(body, max_tokens, stop)
     # vLLM's OpenAI server accepts ignore_eos as an extra field (SDK: extra_body); so do we
     sampling.ignore_eos = want(body, "ignore_eos", bool, default=False)
     return ChatRequest(
-        messages=msgs, tools=tools or None, sampling=sampling, max_tokens=max_tokens,
+        messages=msgs, tools=tools or None, sampling=sampling, max_tokens=max_tokens, sent=sent,
         stream=want(body, "stream", bool, default=False), include_usage=bool(opts.get("include_usage")),
         logprobs=want(body, "logprobs", bool, default=False), parse_tools=choice != "none",
     )

@@ -29,6 +29,8 @@ class ChatRequest:
     include_usage: bool = False
     logprobs: bool = False
     parse_tools: bool = True  # False for tool_choice "none"
+    sent: dict = field(default_factory=dict)  # distribution fields the request sent (protocol.sampling_from)
+    retry: bool = False  # the client says this is a retry of its previous request (x-stainless-retry-count >= 1)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Reply:
     logprobs: list[float] = field(default_factory=list)
     token_strs: list[str] = field(default_factory=list)
     created: int = 0
+    truncated: bool = False  # cut by the context: max_tokens clamped to the room left and hit, or no room at all
 
     def assistant_message(self) -> dict:
         """The assistant message as the accumulator records it (and as clients send it back)."""
@@ -72,7 +75,26 @@ def want(body: dict, name: str, types, required: bool = False, default=None):
     return value
 
 
-def sampling_from(body: dict, max_tokens: int | None, stop: list[str]) -> SamplingConfig | None:
+# Request fields that change the per-token distribution the engine samples from, with the value
+# that means "not applied". The engine implements temperature and top_p; the others it cannot
+# honour. On recorded turns the policy's sampling replaces all of them (server.py); on the side
+# route temperature/top_p are the agent's and the others are refused unless they are "off".
+DISTRIBUTION_FIELDS = {"temperature": None, "top_p": None, "top_k": (None, -1, 0), "min_p": (None, 0),
+                       "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+                       "repetition_penalty": (None, 1), "logit_bias": (None, {})}
+SAMPLING_MODES = ("override", "strict")
+
+
+def check_sampling_mode(mode: str) -> str:
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"sampling_mode {mode!r} unknown: 'override' (the policy's sampling replaces an agent's, "
+                         f"counted as sampling_overridden) or 'strict' (such a request gets a 400)")
+    return mode
+
+
+def sampling_from(body: dict, max_tokens: int | None, stop: list[str]) -> tuple[SamplingConfig, dict]:
+    """The request's SamplingConfig, and the distribution fields it *sent* ({name: value}; a
+    field that is absent or null is not in it), which the server checks against the policy."""
     temperature = want(body, "temperature", (int, float), default=1.0)
     top_p = want(body, "top_p", (int, float), default=1.0)
     seed = want(body, "seed", int)
@@ -82,5 +104,21 @@ def sampling_from(body: dict, max_tokens: int | None, stop: list[str]) -> Sampli
         raise RequestError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
     if max_tokens is not None and max_tokens < 1:
         raise RequestError(400, f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens")
+    sent = {}
+    for name in DISTRIBUTION_FIELDS:
+        if body.get(name) is not None:
+            sent[name] = want(body, name, dict if name == "logit_bias" else (int, float))
     return SamplingConfig(temperature=float(temperature), top_p=float(top_p), max_tokens=max_tokens or 1,
-                          stop=stop, seed=seed)
+                          stop=stop, seed=seed), sent
+
+
+def policy_value(policy: SamplingConfig, name: str):
+    """What the policy's sampling means for a distribution field (None: not applied)."""
+    return getattr(policy, name) if name in ("temperature", "top_p") else None
+
+
+def differs(name: str, sent, policy: SamplingConfig) -> bool:
+    """Whether a sent distribution field asks for something other than the policy's sampling."""
+    if name in ("temperature", "top_p"):
+        return abs(float(sent) - getattr(policy, name)) > 1e-9
+    return sent not in DISTRIBUTION_FIELDS[name]

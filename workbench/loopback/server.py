@@ -12,6 +12,26 @@ never knows it is being trained.
 Binds 127.0.0.1 on a free port by default and checks a per-run API key (`Authorization:
 Bearer` or `x-api-key`). Bad input gets a 4xx in the protocol's own error shape and changes
 nothing already recorded; the server keeps serving.
+
+The policy owns the sampling of recorded turns. The engine samples them with the server's
+`policy_sampling` (temperature, top_p: whatever changes the per-token distribution the trainer
+must reproduce); the agent's max_tokens, stop strings, seed and ignore_eos are honoured. A
+request that *sends* a distribution field (protocol.DISTRIBUTION_FIELDS) with another value
+than the policy's is, with `sampling_mode="override"` (default), sampled at the policy's and
+counted (Segment.stats["sampling_overridden"], one per recorded turn; summary()), or, with
+"strict", refused with a 400 naming the field and the policy's value, recording nothing. An
+absent field is no override. The side route keeps the agent's temperature and top_p.
+
+Retries: a request that repeats the session's last request (same messages and tools) is served
+from the cache only when the client marks it as a retry, `x-stainless-retry-count` >= 1 (the
+stock openai and anthropic SDKs send this header on every request: 0 first, k on their k-th
+retry). Without it (or with 0) it is a new sample: n identical requests give n samples.
+
+Context: max_tokens is clamped to the room the context (`max_model_len`) leaves. When the clamp
+cut a recorded turn (finish "length") or no room is left at all (then the engine is not called,
+the reply is empty with finish "length" and nothing is recorded for the turn), the session is
+marked truncated (close_session(..., details=True), Reply.truncated). A side request with no
+room left gets a 400.
 """
 
 from __future__ import annotations
@@ -33,9 +53,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from ..rollout.engine import SamplingConfig
 from ..tokens import Accumulator, ChatFormat, Segment, segment_stats
 from . import anthropic_api, openai_api
-from .protocol import ChatRequest, Reply, RequestError
+from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, differs, policy_value
 from .toolcalls import get_tool_parser
 
 PROTOCOLS = {"openai": openai_api, "anthropic": anthropic_api}
@@ -50,6 +71,9 @@ class ServerStats:
     identity_mismatch: int = 0
     retokenization_drift: int = 0
     sampled_tokens: int = 0
+    sampling_overridden: int = 0  # recorded turns, over closed sessions
+    truncated_sessions: int = 0  # closed sessions cut by the context
+    sampling_refused: Counter = field(default_factory=Counter)  # strict mode: 400s by field
     overhead_s: list = field(default_factory=list)  # per request: server time minus engine time
     engine_s: list = field(default_factory=list)  # per request: time waiting for the engine
 
@@ -67,12 +91,24 @@ async def call_engine(engine, prompt_ids, sampling, session_id=None, return_rout
     return await gen(prompt_ids, sampling)
 
 
+def retry_count(request: Request) -> int:
+    """The client's retry count (`x-stainless-retry-count`, sent by the stock openai and
+    anthropic SDKs on every request); 0 when absent or unreadable."""
+    try:
+        return int(request.headers.get("x-stainless-retry-count", "0"))
+    except ValueError:
+        return 0
+
+
 class LoopbackServer:
     def __init__(self, engine, tokenizer, *, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
                  model_name: str = "workbench-policy", max_model_len: int = 1024, default_max_tokens: int = 256,
                  tool_parser: str = "hermes", side_engine=None, accumulator_cls=Accumulator,
-                 return_routed_experts: bool = False):
+                 return_routed_experts: bool = False, policy_sampling: SamplingConfig | None = None,
+                 sampling_mode: str = "override"):
         self.engine, self.side_engine = engine, side_engine or engine
+        self.policy_sampling = policy_sampling or SamplingConfig()  # what recorded turns are sampled with
+        self.sampling_mode = check_sampling_mode(sampling_mode)
         self.fmt = ChatFormat(tokenizer)
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.host, self.port = host, port
@@ -160,37 +196,44 @@ class LoopbackServer:
         self.sessions[sid] = self.accumulator_cls(self.fmt)
         return sid
 
-    def close_session(self, session_id: str, wait: bool = True) -> list[Segment]:
+    def close_session(self, session_id: str, wait: bool = True, details: bool = False):
         """End a session and return its segments. wait=True waits for a turn in flight;
-        wait=False (a timed-out episode) returns what is recorded now, and a late reply is dropped."""
+        wait=False (a timed-out episode) returns what is recorded now, and a late reply is dropped.
+        details=True returns (segments, {"truncated": bool}): whether a turn was cut by the context."""
         if session_id not in self.sessions:
             raise KeyError(f"unknown session {session_id!r}")
         if self.loop is not None and self.loop.is_running():
-            return asyncio.run_coroutine_threadsafe(self._close(session_id, wait), self.loop).result()
-        return self._finish(session_id)
+            out = asyncio.run_coroutine_threadsafe(self._close(session_id, wait), self.loop).result()
+        else:
+            out = self._finish(session_id)
+        return out if details else out[0]
 
-    async def close_session_async(self, session_id: str, wait: bool = True) -> list[Segment]:
+    async def close_session_async(self, session_id: str, wait: bool = True, details: bool = False):
         """close_session for callers on another event loop (runner actors): does not block it."""
         if session_id not in self.sessions:
             raise KeyError(f"unknown session {session_id!r}")
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close(session_id, wait), self.loop))
+        out = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close(session_id, wait), self.loop))
+        return out if details else out[0]
 
-    async def _close(self, session_id: str, wait: bool) -> list[Segment]:
+    async def _close(self, session_id: str, wait: bool) -> tuple[list[Segment], dict]:
         if not wait:
             return self._finish(session_id)
         async with self.sessions[session_id].lock:
             return self._finish(session_id)
 
-    def _finish(self, session_id: str) -> list[Segment]:
+    def _finish(self, session_id: str) -> tuple[list[Segment], dict]:
         if hasattr(self.engine, "release"):
             self.engine.release(session_id)
-        segments = self.sessions.pop(session_id).close()
+        acc = self.sessions.pop(session_id)
+        segments = acc.close()
         s = segment_stats(segments)
         self.stats.seals.update(s["seals"])
         self.stats.identity_mismatch += s["identity_mismatch"]
         self.stats.retokenization_drift += s["retokenization_drift"]
         self.stats.sampled_tokens += s["sampled_tokens"]
-        return segments
+        self.stats.sampling_overridden += s["sampling_overridden"]
+        self.stats.truncated_sessions += int(acc.truncated)
+        return segments, {"truncated": acc.truncated}
 
     # ------------------------------------------------------------------ HTTP plumbing
     def _error(self, protocol: str, status: int, message: str, param=None, code=None) -> JSONResponse:
@@ -240,6 +283,7 @@ class LoopbackServer:
             if sid is not None and sid not in self.sessions:
                 raise RequestError(404, f"unknown session {sid!r}: the framework opens sessions before handing out base URLs")
             req = api.parse_request(body)
+            req.retry = retry_count(request) >= 1
             reply, engine_s = await (self._side_turn(req) if sid is None else self._session_turn(sid, req))
         except RequestError as e:
             return self._error(protocol, e.status, e.message, e.param, e.code)
@@ -253,21 +297,43 @@ class LoopbackServer:
         return JSONResponse(api.response_body(reply, req, self.model_name))
 
     # ------------------------------------------------------------------ turns
-    def _sampling(self, req: ChatRequest, prompt_len: int):
+    def _fit(self, req: ChatRequest, sampling: SamplingConfig, prompt_len: int) -> tuple[bool, bool]:
+        """Set sampling.max_tokens: the request's (or the default), clamped to the room the
+        context leaves. Returns (room left?, clamped?)."""
         room = self.max_model_len - prompt_len
-        if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
-            raise RequestError(400, f"the prompt is {prompt_len} tokens and max_tokens is {req.max_tokens}, "
-                                    f"but the context is {self.max_model_len} tokens", param="messages",
-                               code="context_length_exceeded")
-        req.sampling.max_tokens = req.max_tokens or min(self.default_max_tokens, room)
-        return req.sampling
+        wanted = req.max_tokens or self.default_max_tokens
+        if room < 1:
+            return False, True
+        sampling.max_tokens = min(wanted, room)
+        return True, sampling.max_tokens < wanted
+
+    def _policy_sampling(self, req: ChatRequest) -> tuple[SamplingConfig, list[str]]:
+        """The sampling of a recorded turn: the policy's distribution, the agent's max_tokens,
+        stop strings, seed and ignore_eos. Also the sent fields that differ from the policy's
+        (override mode counts them; strict mode refuses the request here)."""
+        p, a = self.policy_sampling, req.sampling
+        differing = [n for n, v in req.sent.items() if differs(n, v, p)]
+        if differing and self.sampling_mode == "strict":
+            n = differing[0]
+            self.stats.sampling_refused[n] += 1
+            value = policy_value(p, n)
+            policy = f"the policy's {n} {value}" if value is not None else f"the policy's sampling, which does not apply {n}"
+            fix = f"omit '{n}' or send {value}" if value is not None else f"omit '{n}'"
+            raise RequestError(400, f"'{n}' is {req.sent[n]!r}, but recorded turns are sampled with {policy} "
+                                    f"(sampling='strict'): {fix}", param=n, code="sampling_not_policy")
+        return SamplingConfig(temperature=p.temperature, top_p=p.top_p, max_tokens=1,
+                              stop=list(dict.fromkeys(p.stop + a.stop)),
+                              stop_token_ids=list(dict.fromkeys(p.stop_token_ids + a.stop_token_ids)),
+                              ignore_eos=a.ignore_eos or p.ignore_eos, seed=a.seed if a.seed is not None else p.seed), differing
 
     async def turn(self, session_id: str, messages: list[dict], tools: list | None, sampling) -> Reply:
         """One recorded turn without HTTP, for the framework-owned Env loop: the same
-        accumulator and bookkeeping as a request through the SDKs. Callable from any loop."""
+        accumulator and bookkeeping as a request through the SDKs (`sampling` counts as sent:
+        its temperature and top_p meet the policy's like a request's). Callable from any loop."""
         if session_id not in self.sessions:
             raise KeyError(f"unknown session {session_id!r}")
-        req = ChatRequest(messages=messages, tools=tools, sampling=copy.copy(sampling), max_tokens=sampling.max_tokens)
+        req = ChatRequest(messages=messages, tools=tools, sampling=copy.copy(sampling), max_tokens=sampling.max_tokens,
+                          sent={"temperature": sampling.temperature, "top_p": sampling.top_p})
         fut = asyncio.run_coroutine_threadsafe(self._session_turn(session_id, req), self.loop)
         reply, _ = await asyncio.wrap_future(fut)
         return reply
@@ -275,35 +341,53 @@ class LoopbackServer:
     async def _session_turn(self, sid: str, req: ChatRequest):
         acc = self.sessions[sid]
         async with acc.lock:
+            sampling, differing = self._policy_sampling(req)  # strict mode refuses here: nothing recorded
+            req.sampling = sampling  # stop strings are applied to the reply from here
             plan = self._plan(acc, req)
-            # validated even for a retry: a bad request is refused, cached or not
-            sampling = self._sampling(req, plan.cached.prompt_tokens if plan.cached else len(plan.prompt_ids))
             if plan.cached is not None:
                 self.stats.retries_served_from_cache += 1
                 return plan.cached, 0.0
+            room, clamped = self._fit(req, sampling, len(plan.prompt_ids))
+            if not room:  # the conversation has outgrown the context: end the turn, record nothing
+                acc.truncated = True
+                return Reply(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", content="", tool_calls=[], finish="length",
+                             stop_sequence=None, prompt_tokens=len(plan.prompt_ids), completion_tokens=0,
+                             created=int(time.time()), truncated=True), 0.0
             t = time.perf_counter()
-            sample = await call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts)
+            try:
+                sample = await call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts)
+            except BaseException:
+                acc.forget_last_request()  # its retry must not get an older identical request's reply
+                raise
             engine_s = time.perf_counter() - t
             if self.sessions.get(sid) is not acc:  # closed meanwhile (episode timed out): drop
                 raise RequestError(404, f"session {sid!r} was closed while this request was in flight")
             reply = self._reply(sample, req, len(plan.prompt_ids))
-            acc.record(plan, sample, reply.assistant_message(), reply=reply)
+            if clamped and sample.finish_reason == "length":  # cut by the context, not by the agent's max_tokens
+                reply.truncated = acc.truncated = True
+            acc.record(plan, sample, reply.assistant_message(), reply=reply, sampling_overridden=bool(differing))
             return reply, engine_s
 
     def _plan(self, acc: Accumulator, req: ChatRequest):
         try:
-            return acc.plan(req.messages, req.tools)
+            return acc.plan(req.messages, req.tools, retry=req.retry)
         except Exception as e:  # template errors (e.g. a role it refuses) are the request's fault
             raise RequestError(400, f"the chat template cannot render these messages: {e}", param="messages")
 
     async def _side_turn(self, req: ChatRequest):
+        for n, v in req.sent.items():  # the agent's temperature/top_p are honoured; others cannot be
+            if n not in ("temperature", "top_p") and differs(n, v, self.policy_sampling):
+                raise RequestError(400, f"'{n}' is not supported: the engine samples with temperature and top_p only", param=n)
         try:
             ids = self.fmt.encode(self.fmt.render(req.messages, req.tools, add_generation_prompt=True))
         except Exception as e:
             raise RequestError(400, f"the chat template cannot render these messages: {e}", param="messages")
-        sampling = self._sampling(req, len(ids))
+        room, _ = self._fit(req, req.sampling, len(ids))
+        if not room:
+            raise RequestError(400, f"the prompt is {len(ids)} tokens, but the context is {self.max_model_len} tokens",
+                               param="messages", code="context_length_exceeded")
         t = time.perf_counter()
-        sample = await call_engine(self.side_engine, ids, sampling)
+        sample = await call_engine(self.side_engine, ids, req.sampling)
         return self._reply(sample, req, len(ids)), time.perf_counter() - t
 
     def _reply(self, sample, req: ChatRequest, prompt_len: int) -> Reply:
@@ -335,5 +419,8 @@ class LoopbackServer:
             "identity_mismatch": self.stats.identity_mismatch + open_stats["identity_mismatch"],
             "retokenization_drift": self.stats.retokenization_drift + open_stats["retokenization_drift"],
             "sampled_tokens": self.stats.sampled_tokens + open_stats["sampled_tokens"],
+            "sampling_overridden": self.stats.sampling_overridden + open_stats["sampling_overridden"],
+            "sampling_refused": dict(self.stats.sampling_refused),
+            "truncated_sessions": self.stats.truncated_sessions + sum(acc.truncated for acc in self.sessions.values()),
             "overhead_p50_s": pct(0.5), "overhead_p99_s": pct(0.99),
         }

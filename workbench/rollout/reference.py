@@ -39,13 +39,20 @@ class _Request:
     finish_reason: str | None = None
 
 
+# As vLLM 0.32 (sampling_params.py, v1/sample/sampler.py): temperature 0 is greedy and reports
+# the log-prob of the unscaled logits (log_softmax(logits), the temperature-1 distribution);
+# 0 < temperature < 0.01 is raised to 0.01 ("may cause numerical errors"). tests/test_engines.py
+# compares both backends at temperature 0 and below 0.01.
+GREEDY_EPS, MIN_TEMPERATURE = 1e-5, 1e-2
+
+
 def sample_next(logits: torch.Tensor, s: SamplingConfig, generator: torch.Generator) -> tuple[int, float]:
     """Sample one token from a [V] logit row; return (id, processed log-prob)."""
-    if s.temperature == 0:
+    if s.temperature < GREEDY_EPS:
         lp = torch.log_softmax(logits.float(), dim=-1)
         tok = int(torch.argmax(lp))
         return tok, float(lp[tok])
-    lp = torch.log_softmax(logits.float() / s.temperature, dim=-1)
+    lp = torch.log_softmax(logits.float() / max(s.temperature, MIN_TEMPERATURE), dim=-1)
     if s.top_p < 1.0:
         sorted_lp, order = torch.sort(lp, descending=True)
         cum = sorted_lp.exp().cumsum(-1)
@@ -55,6 +62,16 @@ def sample_next(logits: torch.Tensor, s: SamplingConfig, generator: torch.Genera
         lp = torch.log_softmax(lp, dim=-1)  # renormalized over the kept tokens, as vLLM reports
     tok = int(torch.multinomial(lp.exp(), 1, generator=generator))
     return tok, float(lp[tok])
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """Every id that ends a sequence: the config's and generation config's eos_token_id (an int
+    or, e.g. in Llama 3 configs, a list) and the tokenizer's, as vLLM stops on each of them."""
+    out = set()
+    for value in (model.config.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                  getattr(tokenizer, "eos_token_id", None)):
+        out.update(value if isinstance(value, (list, tuple, set)) else [value])
+    return {int(i) for i in out if i is not None}
 
 
 @register_engine("reference")
@@ -76,7 +93,7 @@ class ReferenceEngine(RolloutEngine):
         self.model = load_hf_model(self.model_path, dtype=self.dtype)
         self.tokenizer = load_tokenizer(self.model_path)
         self.vocab_size = self.model.config.vocab_size
-        self.eos_ids = {self.model.config.eos_token_id} - {None}
+        self.eos_ids = eos_ids(self.model, self.tokenizer)
         self.capture = RouterCapture(self.model)
         self._unpaused = asyncio.Event()
         self._unpaused.set()

@@ -5,8 +5,13 @@ concurrently; `Rollout` is the driver-side handle over them.
     Rollout.run_groups(tasks, G) -> runner.run_group(task, G) -> G Trajectories per task
 
 An agent that raises, hangs or outlives `episode_timeout_s` fails only its own episode: the
-trajectory keeps what was recorded and carries the error. A dead engine's requests go to a
-live engine; when none is left, episodes fail with a clear error and the run goes on.
+trajectory keeps what was recorded and carries the error. An episode whose conversation outgrew
+the context (`max_model_len`) is not an error: it keeps what was recorded and is marked
+`Trajectory.truncated` (the framework-owned Env loop ends at a turn with no room left).
+A dead engine's requests go to a live engine; when none is left, episodes fail with a clear
+error and the run goes on. `sampling` is the policy's: the loopback server samples every
+recorded turn with its temperature/top_p, whatever an agent sends (`sampling_mode`, see
+loopback/server.py).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ class RolloutRunner:
 
     def __init__(self, agent_path: str, engines: list, model_path: str, sampling: SamplingConfig | None = None,
                  episode_timeout_s: float = 300.0, max_concurrent_episodes: int = 256,
-                 return_routed_experts: bool = False, request_timeout_s: float = 600.0):
+                 return_routed_experts: bool = False, request_timeout_s: float = 600.0,
+                 sampling_mode: str = "override", max_model_len: int = 1024, tool_parser: str = "hermes"):
         from ..loopback.server import LoopbackServer
         from ..toy.models import load_tokenizer
         from .router import EngineRouter
@@ -35,8 +41,9 @@ class RolloutRunner:
         self.sampling = sampling or SamplingConfig(max_tokens=128)
         self.episode_timeout_s = episode_timeout_s
         self.router = EngineRouter(engines, request_timeout_s)
-        self.server = LoopbackServer(self.router, load_tokenizer(model_path),
-                                     return_routed_experts=return_routed_experts).start()
+        self.server = LoopbackServer(self.router, load_tokenizer(model_path), max_model_len=max_model_len,
+                                     tool_parser=tool_parser, return_routed_experts=return_routed_experts,
+                                     policy_sampling=self.sampling, sampling_mode=sampling_mode).start()
         self._slots = max_concurrent_episodes
         self._sem = None
         self._clients = None
@@ -69,8 +76,9 @@ class RolloutRunner:
                 error = f"episode timed out after {self.episode_timeout_s:g} s"
             except Exception as e:
                 error = f"{type(e).__name__}: {e}\n{''.join(traceback.format_exc(limit=-3))}"
-            segments = await self.server.close_session_async(sid, wait=not timed_out)
-            return Trajectory(segments, reward, group_id, episode_id, {"task_id": task.id, **info}, error)
+            segments, state = await self.server.close_session_async(sid, wait=not timed_out, details=True)
+            return Trajectory(segments, reward, group_id, episode_id, {"task_id": task.id, **info}, error,
+                              truncated=state["truncated"])
 
     def _shared_clients(self):
         """One OpenAI and one Anthropic SDK client per runner (made on its event loop); agents get
@@ -109,6 +117,8 @@ class RolloutRunner:
         total, turns = 0.0, 0
         for turns in range(1, env.max_turns + 1):
             reply = await self.server.turn(sid, messages, tools, self.sampling)
+            if reply.truncated and not reply.token_ids:  # no room left in the context: the episode ends here
+                break
             message = reply.assistant_message()
             messages.append(message)
             observation, reward, terminated, truncated, step_info = await env.step(message)
@@ -129,7 +139,13 @@ class Rollout:
     def __init__(self, agent_path: str, engines: list, model_path: str, num_runners: int = 1, **runner_kwargs):
         import ray
 
+        from ..loopback.protocol import check_sampling_mode
+
         load_agent(agent_path)  # fail here, in the caller's process, with a clear error
+        # the policy's sampling, as the runners use it (the loop checks it against the trainer's)
+        self.sampling = runner_kwargs.setdefault("sampling", None) or SamplingConfig(max_tokens=128)
+        runner_kwargs["sampling"] = self.sampling
+        self.sampling_mode = check_sampling_mode(runner_kwargs.setdefault("sampling_mode", "override"))
         self.engines = list(engines)
         actor = ray.remote(RolloutRunner).options(num_cpus=0, max_concurrency=1000)
         self.runners = [actor.remote(str(agent_path), self.engines, str(model_path), **runner_kwargs)

@@ -50,6 +50,30 @@ class WorkerExtension:
         return repacked
 
 
+def token_versions(n: int, spans, request_id: str = "") -> list[int]:
+    """The policy version of each of n sampled tokens from vLLM's `weight_versions` spans. vLLM
+    returns None when no version label was ever set (update_weight_version not called) and a
+    version must be an integer label: anything that leaves a token without one raises, since
+    a token recorded at version -1 would pass as a prompt token to every staleness check."""
+    versions: list[int | None] = [None] * n
+    for span in spans or []:
+        try:
+            v = int(span.version)
+        except (TypeError, ValueError):
+            raise RuntimeError(f"vLLM reported weight version {span.version!r} for request {request_id}; "
+                               f"versions must be integer labels (RolloutEngine sets them)") from None
+        if not 0 <= span.start <= span.end <= n:
+            raise RuntimeError(f"vLLM weight-version span [{span.start}, {span.end}) is outside the {n} sampled tokens "
+                               f"of request {request_id}")
+        versions[span.start : span.end] = [v] * (span.end - span.start)
+    missing = [i for i, v in enumerate(versions) if v is None]
+    if missing:
+        raise RuntimeError(f"vLLM returned no weight version for {len(missing)} of the {n} tokens of request {request_id} "
+                           f"(weight_versions={spans!r}); the engine must be started with a version label "
+                           f"(VLLMEngine.start calls update_weight_version)")
+    return versions
+
+
 @register_engine("vllm")
 class VLLMEngine(RolloutEngine):
     backend = "vllm"
@@ -138,9 +162,7 @@ class VLLMEngine(RolloutEngine):
         o = final.outputs[0]
         ids = list(o.token_ids)
         logprobs = [d[t].logprob for t, d in zip(ids, o.logprobs or [])]
-        versions = [-1] * len(ids)
-        for span in getattr(o, "weight_versions", None) or []:
-            versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+        versions = token_versions(len(ids), getattr(o, "weight_versions", None), request_id)
         experts = None
         if return_routed_experts and getattr(o, "routed_experts", None) is not None:
             experts = o.routed_experts.astype("int16")
