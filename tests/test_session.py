@@ -20,8 +20,14 @@ def test_config_errors_name_the_field():
         WorkbenchConfig.from_dict({"loop": {"mode": "fast"}})
     with pytest.raises(ConfigError, match="backend 'sglang' unknown"):
         WorkbenchConfig(backend="sglang")
-    with pytest.raises(ConfigError, match="neither a toy model name"):
+    with pytest.raises(ConfigError, match=r"neither a named model \(\['dense', 'moe', 'smollm2', 'tiny-qwen3'\]\)"):
         WorkbenchConfig(model="/nonexistent/model")
+    with pytest.raises(ConfigError, match="sampling 'loose' unknown"):
+        WorkbenchConfig(sampling="loose")
+    with pytest.raises(ConfigError, match="temperature must be > 0"):
+        WorkbenchConfig(temperature=0.0)
+    with pytest.raises(ConfigError, match="profile must be None, a family name or a dict"):
+        WorkbenchConfig(profile=3)
     with pytest.raises(ConfigError, match="num_engines must be an integer >= 1"):
         WorkbenchConfig(num_engines=0)
     cfg = WorkbenchConfig.from_dict({"trainer": {"lr": 0.5, "correction": {"max_staleness": 2}}})
@@ -82,7 +88,11 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
         assert again.next_step == 2 and [h["step"] for h in again.history] == [0, 1]
         again.run(1, background=False, progress=False)
         lines = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-        assert lines == [0, 1, 2, 2]  # appended; step 2 re-run from the checkpoint taken before it
+        assert lines == [0, 1, 2]  # step 2 re-run from the checkpoint taken before it
+        # the first step 2 (trained after that checkpoint, abandoned by wb.restore) was set aside, not deleted
+        [aside] = list((tmp_path / "run" / "abandoned").iterdir())
+        assert [json.loads(x)["step"] for x in (aside / "metrics.jsonl").read_text().splitlines()] == [2]
+        assert [p.name for p in (aside / "trajectories").iterdir()] == ["step_00002.parquet"]
     finally:
         again.shutdown()
     import ray

@@ -131,9 +131,10 @@ def _qwen3(ck: Checkpoint):
     if ck.model_type not in ("qwen3", "qwen3_moe"):
         return None
     moe = ck.model_type == "qwen3_moe"
+    tiny = (ck.path / "workbench_tiny.json").is_file()  # workbench.checkpoints.tiny_qwen3_path: CPU-sized, fp32
     return ModelProfile("qwen3", chat_template_kwargs={"enable_thinking": True}, end_of_turn="<|im_end|>",
                         tool_parser="hermes", reasoning_parser="qwen3", max_model_len=min(ck.context, 32768),
-                        dtype="bfloat16", moe=moe, capture_experts=moe, replay_rule="Qwen3MoeTopKRouter" if moe else None,
+                        dtype="float32" if tiny else "bfloat16", moe=moe, capture_experts=moe, replay_rule="Qwen3MoeTopKRouter" if moe else None,
                         notes="the template strips earlier <think> blocks once a new user turn arrives: a "
                               "template_rewrite seal at every user turn with thinking on")
 

@@ -224,15 +224,22 @@ def canonical_message(m: dict) -> dict:
 class ChatFormat:
     """The tokenizer and chat template as the accumulator uses them."""
 
-    def __init__(self, tokenizer, end_of_turn: str | None = None):
+    def __init__(self, tokenizer, end_of_turn: str | None = None, template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
         self.end_of_turn = end_of_turn or tokenizer.eos_token
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.end_of_turn)
+        self.template_kwargs = dict(template_kwargs or {})  # the model profile's (Qwen3's enable_thinking, ...)
         self._backend = tokenizer.backend_tokenizer
+
+    @classmethod
+    def for_profile(cls, tokenizer, profile) -> "ChatFormat":
+        """The format a model profile (workbench.profiles) describes: its end of turn and template kwargs."""
+        return cls(tokenizer, profile.end_of_turn, profile.chat_template_kwargs)
 
     def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
+            **self.template_kwargs,
         )
 
     def encode(self, text: str) -> list[int]:

@@ -359,9 +359,21 @@ class TrainerWorker:
 class Trainer:
     """Driver-side handle over `world_size` TrainerWorker actors."""
 
-    def __init__(self, model_path: str, world_size: int = 2, cfg: TrainerConfig | None = None, address: str = "127.0.0.1"):
+    def __init__(self, model_path: str, world_size: int = 2, cfg: TrainerConfig | None = None, address: str = "127.0.0.1",
+                 profile=None):
+        """`profile` (workbench.profiles.ModelProfile; None: read off the checkpoint): an MoE
+        profile that captures experts must name a router whose replay rule is registered, or
+        routing replay could not reproduce the rollout's forward (refused here, not mid-run)."""
         import ray
 
+        from ..profiles import profile_for
+        from ..replay import REPLAY_RULES
+
+        self.profile = profile or profile_for(model_path)
+        if self.profile.capture_experts and self.profile.replay_rule not in REPLAY_RULES:
+            raise ValueError(f"profile {self.profile.family!r} captures experts for routing replay, but its router rule "
+                             f"{self.profile.replay_rule!r} is not registered (known: {sorted(REPLAY_RULES)}); register one "
+                             f"with workbench.replay.register_replay_rule or set capture_experts=False in the profile")
         self.cfg = cfg or TrainerConfig()
         self.version = 0
         self.model_path = str(model_path)
