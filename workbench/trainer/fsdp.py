@@ -366,13 +366,18 @@ class Trainer:
         routing replay could not reproduce the rollout's forward (refused here, not mid-run)."""
         import ray
 
-        from ..profiles import profile_for
+        from ..profiles import ProfileError, profile_for
         from ..replay import REPLAY_RULES
 
-        self.profile = profile or profile_for(model_path)
-        if self.profile.capture_experts and self.profile.replay_rule not in REPLAY_RULES:
-            raise ValueError(f"profile {self.profile.family!r} captures experts for routing replay, but its router rule "
-                             f"{self.profile.replay_rule!r} is not registered (known: {sorted(REPLAY_RULES)}); register one "
+        if profile is None:  # a checkpoint no family claims still trains; replay then checks its routers itself
+            try:
+                profile = profile_for(model_path)
+            except ProfileError:
+                profile = None
+        self.profile = profile
+        if profile is not None and profile.capture_experts and profile.replay_rule not in REPLAY_RULES:
+            raise ValueError(f"profile {profile.family!r} captures experts for routing replay, but its router rule "
+                             f"{profile.replay_rule!r} is not registered (known: {sorted(REPLAY_RULES)}); register one "
                              f"with workbench.replay.register_replay_rule or set capture_experts=False in the profile")
         self.cfg = cfg or TrainerConfig()
         self.version = 0
