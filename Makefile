@@ -44,7 +44,10 @@ kernels: setup
 
 # JupyterLab on 127.0.0.1:$(LAB_PORT), notebooks/ as root, no browser (open the printed URL).
 # RAY_ADDRESS is removed from the server's env so that the local kernel stays local.
+# Locked down: loopback only (LAB_IP to change it; prefer an SSH tunnel) and Jupyter's token on
+# (never pass an empty --ServerApp.token: a Jupyter server runs any code). tests/test_lockdown.py.
 LAB_PORT ?= 8888
+LAB_IP ?= 127.0.0.1
 lab: kernels
-	env -u RAY_ADDRESS $(PY) -m jupyterlab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
+	env -u RAY_ADDRESS $(PY) -m jupyterlab --no-browser --ServerApp.ip=$(LAB_IP) --ServerApp.port=$(LAB_PORT) \
 		--ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)

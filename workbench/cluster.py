@@ -1,18 +1,127 @@
 """Ray connection. The embedded default is a local Ray on this host; a cluster address
-("ray://head:10001" or "auto") attaches to a running cluster instead."""
+("ray://head:10001" or "auto") attaches to a running cluster instead.
+
+A Ray cluster runs whatever code its clients send, so joining one over the network needs Ray's
+token authentication (Ray >= 2.52): `check_ray_address` refuses a non-local address unless this
+process has the cluster's token (RAY_AUTH_TOKEN, a file named by RAY_AUTH_TOKEN_PATH, or
+~/.ray/auth_token) and token mode is not switched off (RAY_AUTH_MODE=disabled). With a token and
+RAY_AUTH_MODE unset it turns token mode on for this process (Ray itself does that only for a
+cluster it finds on its own, address "auto"). See cluster/README.md, "Security".
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
+
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+class InsecureRayAddress(ValueError):
+    """A non-local Ray address without the cluster's authentication token."""
+
+
+def ray_address_host(address: str) -> str | None:
+    """The host of a Ray address ("ray://h:10001", "h:6379", "[::1]:6379"); None for the
+    addresses that name no host ("local", "auto")."""
+    a = address.strip()
+    if a in ("local", "auto", ""):
+        return None
+    if "://" in a:
+        a = a.split("://", 1)[1]
+    a = a.split("/", 1)[0]
+    if a.startswith("["):  # [v6]:port
+        return a[1:].split("]", 1)[0]
+    if a.count(":") > 1:  # a bare IPv6 address
+        return a
+    return a.rsplit(":", 1)[0] if ":" in a else a
+
+
+def is_local_address(address: str | None) -> bool:
+    """True for the embedded default (None, "local"), "auto" (a cluster `ray start` left on this
+    host), loopback hosts (localhost, 127.0.0.0/8, ::1; e.g. an SSH tunnel to a head node) and
+    this host's own IP addresses (a local Ray's GCS address is the node's IP)."""
+    if address is None:
+        return True
+    host = ray_address_host(address)
+    if host is None:
+        return True
+    if host.lower() == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a hostname: not resolved here (a name may resolve anywhere)
+    if ip.is_loopback:
+        return True
+    if ip.is_unspecified or ip.is_multicast:
+        return False
+    # one of this host's addresses: only those can be bound to
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((host, 0))
+            return True
+        except OSError:
+            return False
+
+
+def _has_token() -> bool:
+    """Whether Ray would find an authentication token (its own loader: RAY_AUTH_TOKEN, the file
+    at RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+    except ImportError:  # an older Ray: the same three places, checked here
+        path = os.environ.get(TOKEN_PATH_ENV) or os.path.expanduser("~/.ray/auth_token")
+        return bool(os.environ.get(TOKEN_ENV)) or (os.path.isfile(path) and os.path.getsize(path) > 0)
+    loader = AuthenticationTokenLoader.instance()
+    loader.reset_cache()
+    try:
+        return bool(loader.has_token(ignore_auth_mode=True))
+    except Exception:  # e.g. RAY_AUTH_TOKEN_PATH names a missing or empty file
+        return False
+
+
+def check_ray_address(address: str | None) -> None:
+    """Refuse a non-local Ray address without token authentication, before connecting. With a
+    token and RAY_AUTH_MODE unset, switch this process to token mode so that Ray sends it."""
+    if is_local_address(address):
+        return
+    mode = os.environ.get(AUTH_MODE_ENV, "").strip().lower()
+    if mode == "disabled":
+        raise InsecureRayAddress(
+            f"refusing to join the Ray cluster at {address!r} with {AUTH_MODE_ENV}=disabled: a non-local Ray address needs "
+            f"token authentication. Unset {AUTH_MODE_ENV} (or set it to 'token') and set {TOKEN_ENV} to the cluster's token "
+            f"(see cluster/README.md, 'Security')")
+    if not _has_token():
+        path = os.environ.get(TOKEN_PATH_ENV)
+        where = f" ({TOKEN_PATH_ENV}={path!r} names no readable, non-empty file)" if path else ""
+        raise InsecureRayAddress(
+            f"refusing to join the Ray cluster at {address!r} without an authentication token{where}: set {TOKEN_ENV} to "
+            f"the cluster's token (or {TOKEN_PATH_ENV} to a file holding it; `ray get-auth-token` on the head node prints "
+            f"it). The Ray client, GCS and dashboard ports run any code sent to them and are for the cluster's internal "
+            f"network only (see cluster/README.md, 'Security')")
+    if mode != "token":
+        os.environ[AUTH_MODE_ENV] = "token"
+        try:  # Ray caches its config; refresh it as ray's own _enable_token_auth does
+            from ray._raylet import Config
+
+            Config.initialize("")
+        except Exception:
+            pass
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, quiet: bool = True):
-    """Start (address None) or join a Ray instance; a no-op when this process already has one."""
+    """Start (address None) or join a Ray instance; a no-op when this process already has one.
+    A non-local address without the cluster's token is refused (check_ray_address)."""
     import ray
 
     if ray.is_initialized():
         return ray.get_runtime_context()
     address = address or os.environ.get("RAY_ADDRESS")  # e.g. the cluster kernel's env
+    check_ray_address(address)
     import logging
 
     # quiet: no INFO lines from Ray ("Started a local Ray instance", ...) in a notebook's output;

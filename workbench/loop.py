@@ -111,21 +111,191 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     return batch, info
 
 
-def engines_version(engines: list) -> int:
-    """The newest policy version any engine serves."""
+class EnginesLost(RuntimeError):
+    """Every rollout engine is dead."""
+
+
+def drop_dead_engines(engines: list, lost: list) -> None:
+    """Remove the engines in `lost` ((engine, error) pairs) from `engines`, IN PLACE: the list is
+    the session's (or the caller's) list of live engines, so everyone holding it stops syncing and
+    stopping a dead actor. The runners' routers find out on their own (their next request to it
+    fails and is retried elsewhere). Raises EnginesLost when none is left."""
+    import sys
+
+    for engine, err in lost:
+        if engine in engines:
+            engines.remove(engine)
+            first = " ".join(str(err).split())[:300]
+            print(f"workbench: a rollout engine died and was dropped ({len(engines)} left): {first}", file=sys.stderr)
+    if not engines:
+        raise EnginesLost(f"every rollout engine is dead (last error: {lost[-1][1] if lost else '?'}); "
+                          f"the run cannot continue without one")
+
+
+def engines_version(engines: list, lost: list | None = None) -> int:
+    """The newest policy version any live engine serves (dead engines are dropped from
+    `engines`, see drop_dead_engines, and added to `lost` when given)."""
     import ray
 
-    return max(i["version"] for i in ray.get([e.info.remote() for e in engines]))
+    refs = [e.info.remote() for e in engines]
+    versions, dead = [], []
+    for e, r in zip(list(engines), refs):
+        try:
+            versions.append(ray.get(r)["version"])
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+            dead.append((e, err))
+    drop_dead_engines(engines, dead)
+    if lost is not None:
+        lost += dead
+    return max(versions)
 
 
-def sync_engines(trainer, engines: list, tol: float) -> list:
+def sync_engines(trainer, engines: list, tol: float, lost: list | None = None) -> list:
     """Push the trainer's current weights to every engine under the trainer's version and check
     each engine's probe against the trainer's own log-probs. By NCCL broadcast once
-    trainer.init_nccl_sync(engines) ran (GPU); else the CPU path (a state dict through Ray)."""
+    trainer.init_nccl_sync(engines) ran (GPU); else the CPU path (a state dict through Ray), where
+    an engine found dead is dropped from `engines` (drop_dead_engines; added to `lost` when given)
+    and the live ones are synced. (The NCCL group includes every engine: a dead one fails it.)"""
     expected = trainer.probe(probe_ids(trainer.vocab_size))
     if getattr(trainer, "nccl", None) is not None:
         return trainer.sync_weights_nccl(engines, trainer.version, expected, tol)
-    return sync_weights(engines, trainer.state_dict(), version=trainer.version, expected_probe=expected, tol=tol)
+    dead: list = []
+    reports = sync_weights(list(engines), trainer.state_dict(), version=trainer.version, expected_probe=expected, tol=tol,
+                           lost=dead)
+    drop_dead_engines(engines, dead)
+    if lost is not None:
+        lost += dead
+    return reports
+
+
+def save_checkpoint(trainer, path: str, run_state: dict) -> str:
+    """Trainer.save into `path`, atomically: the checkpoint is written beside it (`path.new`,
+    complete once its run_state.json exists, which Trainer.save writes last), then swapped in by
+    two renames. A process killed at any point leaves a complete checkpoint that
+    recover_checkpoint finds: the old one, or the new one."""
+    import shutil
+
+    path = os.path.abspath(path)
+    new, old = path + ".new", path + ".old"
+    shutil.rmtree(new, ignore_errors=True)
+    trainer.save(new, run_state)
+    if os.path.isdir(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(new, path)
+    shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def _complete(path: str) -> bool:
+    import json
+
+    try:
+        with open(os.path.join(path, "run_state.json")) as f:
+            return "next_step" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def recover_checkpoint(path: str) -> bool:
+    """Finish or undo a save_checkpoint that a killed process left half done; True when a complete
+    checkpoint is at `path` afterwards: the newest complete one of `path.new`, `path`, `path.old`
+    (a partial `path.new`, killed while being written, is removed)."""
+    import shutil
+
+    path = os.path.abspath(path)
+    new, old = path + ".new", path + ".old"
+    for candidate in (new, path, old):
+        if _complete(candidate):
+            if candidate != path:
+                shutil.rmtree(path, ignore_errors=True)
+                os.rename(candidate, path)
+            break
+    for leftover in (new, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return _complete(path)
+
+
+class TrainerRankDied(RuntimeError):
+    """A trainer rank's actor died; the trainer group was stopped."""
+
+    def __init__(self, message: str, rank: int, actor_id: str):
+        super().__init__(message)
+        self.rank, self.actor_id = rank, actor_id
+
+
+class TrainerWatch:
+    """Watches the trainer's rank actors while the loop runs. When one rank dies, the others wait
+    in their next collective (gloo until its timeout, NCCL for ever) and the driver's call on them
+    with it, so at the first death this kills the whole trainer group: the driver's pending calls
+    fail at once and the loop raises TrainerRankDied naming the rank.
+
+    How it sees a death without disturbing a step: it keeps one `__ray_ready__` call queued on
+    every rank (a rank runs its calls in order, so during a step the call waits behind it); the
+    call of a dead rank fails with RayActorError."""
+
+    def __init__(self, trainer, interval: float = 0.5):
+        self.workers = list(getattr(trainer, "workers", None) or [])
+        self.interval = interval
+        self.failure: TrainerRankDied | None = None
+        self._failed = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="workbench-trainer-watch", daemon=True)
+
+    def __enter__(self) -> "TrainerWatch":
+        if self.workers:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        import ray
+
+        pending: dict = {}  # ref -> rank
+        while not self._stop.is_set():
+            for rank, w in enumerate(self.workers):
+                if rank not in pending.values():
+                    pending[w.__ray_ready__.remote()] = rank
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.interval)
+            for ref in done:
+                rank = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                    self._died(rank, e)
+                    return
+            if len(done) == len(self.workers):  # idle ranks answer at once: poll, do not spin
+                self._stop.wait(self.interval)
+
+    def _died(self, rank: int, error: BaseException) -> None:
+        import ray
+
+        actor_id = self.workers[rank]._actor_id.hex()
+        reason = " ".join(str(error).split())[:400]
+        for w in self.workers:  # the whole group: its other ranks would wait in a collective
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        self.failure = TrainerRankDied(
+            f"trainer rank {rank} of {len(self.workers)} (actor {actor_id}) died; the trainer group was stopped (its other "
+            f"ranks would wait in a collective). What was recorded before stays recorded; resume from the last checkpoint "
+            f"(a session: workbench.connect(run_dir=..., resume=True)). Cause: {reason}", rank, actor_id)
+        self._failed.set()
+
+    def explain(self, error: BaseException, wait_s: float = 3.0) -> BaseException:
+        """The error to raise for `error`, which a trainer call raised: TrainerRankDied when a rank
+        died (waiting up to `wait_s` for the watch to see it; a surviving rank may have failed
+        first, e.g. gloo's 'connection closed by peer'), else `error` itself."""
+        import ray
+
+        if self.failure is None and isinstance(error, ray.exceptions.RayError) and self._thread.is_alive():
+            self._failed.wait(wait_s)
+        return self.failure or error
 
 
 def check_staleness(trainer, cfg: LoopConfig) -> None:
@@ -157,13 +327,32 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
     (the next step is the one after it: no step is repeated or skipped), and one is written
     every `checkpoint_every` steps. `stop` (an Event) ends the loop after the current step.
     `on_groups(step, groups)` sees each step's trajectories. `start_step`: the first step's
-    index (a session continuing earlier steps). Returns one metrics dict per step."""
-    from tqdm.auto import tqdm
+    index (a session continuing earlier steps). Returns one metrics dict per step.
 
+    Faults: an engine that dies is dropped from `engines` (in place) and the run goes on with the
+    others (its in-flight requests were retried on them by the runners' routers); a rollout runner
+    that dies fails the episodes it was running (Rollout.run_groups) and the run goes on; a trainer
+    rank that dies stops the run with TrainerRankDied (TrainerWatch), with the trainer group killed
+    so that nothing waits in a collective."""
     check_staleness(trainer, cfg)
     check_sampling(rollout, trainer)
+    with TrainerWatch(trainer) as watch:
+        try:
+            return _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every,
+                        stop, on_groups, start_step)
+        except Exception as e:
+            err = watch.explain(e)
+            if err is e:
+                raise
+            raise err from e
+
+
+def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every, stop, on_groups,
+         start_step) -> list[dict]:
+    from tqdm.auto import tqdm
+
     first = start_step
-    if checkpoint_dir and os.path.isfile(os.path.join(checkpoint_dir, "run_state.json")):
+    if checkpoint_dir and recover_checkpoint(checkpoint_dir):
         first = trainer.restore(checkpoint_dir)["next_step"]
     # one version counter for trainer and engines; it only ever increases
     trainer.version = max(engines_version(engines), trainer.version)
@@ -210,7 +399,7 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
             trained.release()
             history.append(metrics)
             if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
-                trainer.save(checkpoint_dir, {"next_step": step + 1})
+                save_checkpoint(trainer, checkpoint_dir, {"next_step": step + 1})
             if on_step is not None:
                 on_step(metrics)
             if stop.is_set():
@@ -238,13 +427,19 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     batch, info = batch_from_groups(groups, cfg.advantage, on_failed=cfg.on_failed, on_truncated=cfg.on_truncated)
     stats = trainer.train_step(batch)
     t2 = time.time()
-    reports = sync_engines(trainer, engines, cfg.sync_tol)
+    lost: list = []
+    reports = sync_engines(trainer, engines, cfg.sync_tol, lost)
     corr, replay = stats["correction"], stats["replay"]
+    reasons: dict[str, int] = {}  # why episodes failed: the first line of each error, counted
+    for t in (t for g in groups for t in g if t.error is not None):
+        line = (t.error.strip().splitlines() or ["?"])[0][:200]
+        reasons[line] = reasons.get(line, 0) + 1
     return {
         "step": step, "version": stats["version"], "mode": cfg.mode,
         "reward_mean": sum(rewards) / max(len(rewards), 1),
         "correct_rate": sum(correct) / len(correct) if correct else None,
-        **info, "loss": stats["loss"], "grad_norm": stats["grad_norm"],
+        **info, "failure_reasons": reasons, "engines": len(engines), "engines_lost": len(lost),
+        "loss": stats["loss"], "grad_norm": stats["grad_norm"],
         "gate_pass_ratio": corr["gate_pass_ratio"], "stale_dropped": corr["stale_dropped"], "band_dropped": corr["band_dropped"],
         "veto_dropped": corr.get("veto_dropped", 0),
         "kl_k1": corr["kl_k1"], "kl_k3": corr["kl_k3"], "max_abs_delta_p": corr["max_abs_delta_p"],

@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 from .agents import Task, load_agent
 from .correction import CorrectionConfig
-from .loop import LoopConfig, batch_from_groups, check_sampling, check_staleness, engines_version, run as run_loop, sync_engines
+from .loop import (LoopConfig, TrainerRankDied, batch_from_groups, check_sampling, check_staleness, engines_version,
+                   recover_checkpoint, run as run_loop, save_checkpoint, sync_engines)
 from .trainer.fsdp import TrainerConfig
 
 DEFAULT_AGENT = str(Path(__file__).parent / "examples" / "arithmetic_env.py")
@@ -135,7 +136,7 @@ class Workbench:
         import ray
         from tqdm.auto import tqdm
 
-        from .cluster import init_ray
+        from .cluster import check_ray_address, init_ray
         from .rollout.actor import launch_engine
         from .rollout.engine import SamplingConfig
         from .rollout.runner import Rollout
@@ -149,13 +150,16 @@ class Workbench:
         if (self.run_dir / "metrics.jsonl").exists() and not cfg.resume:  # before anything starts
             raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run (metrics.jsonl): choose another "
                               f"run_dir, or pass resume=True to continue it")
-        if cfg.resume and not (self.run_dir / "checkpoint" / "run_state.json").exists():
+        # (recover_checkpoint: a driver killed while saving left a complete old or new checkpoint beside it)
+        if cfg.resume and not recover_checkpoint(str(self.run_dir / "checkpoint")):
             raise ConfigError(f"resume=True, but {str(self.run_dir)!r} has no checkpoint/ to resume from "
                               f"(wb.save() writes one; wb.run(..., checkpoint_every=N) too)")
         self.history: list[dict] = []  # every RL step's metrics, across run() calls
         self.next_step = 0
         self._run: RunHandle | None = None
+        self._broken: str | None = None  # why the session can no longer train (its trainer group died)
         address = address or os.environ.get("RAY_ADDRESS")  # the cluster kernel sets it
+        check_ray_address(address)  # a non-local cluster only with its token, refused before anything starts
         self._owns_ray = not ray.is_initialized() and address is None
         self.engines, self._rollout, self._trainer = [], None, None
         bar = tqdm(total=4 + cfg.num_engines, desc="connect", unit="part")
@@ -213,6 +217,7 @@ class Workbench:
         metrics.jsonl in the run directory."""
         if self._run is not None and not self._run.done:
             raise RuntimeError("a run is already in progress: wait for it (wb.wait()) or stop it (wb.stop())")
+        self._idle("run")
         cfg = dataclasses.replace(self.cfg.loop, steps=self.next_step + steps, initial_sync=False, **loop_overrides)
         check_staleness(self._trainer, cfg)  # here, not in the background thread where it would only be stored
         check_sampling(self._rollout, self._trainer)
@@ -235,22 +240,68 @@ class Workbench:
     def save(self, path: str | None = None) -> str:
         """Checkpoint the trainer (sharded weights, optimizer, RNG) and the run state."""
         self._idle("save")
-        return self._trainer.save(str(path or self.run_dir / "checkpoint"), {"next_step": self.next_step})
+        return save_checkpoint(self._trainer, str(path or self.run_dir / "checkpoint"), {"next_step": self.next_step})
 
     def restore(self, path: str | None = None) -> dict:
-        """Load a checkpoint written by save(); the engines are synced to it."""
+        """Load a checkpoint written by save(); the engines are synced to it. The run's record of
+        steps at or after the checkpoint's next step (a branch abandoned now: steps trained but
+        not checkpointed, a step cut off mid-way) is moved out of metrics.jsonl and trajectories/
+        into abandoned/<time>/, so the record holds each step once and the two agree."""
         self._idle("restore")
-        state = self._trainer.restore(str(path or self.run_dir / "checkpoint"))
+        path = str(path or self.run_dir / "checkpoint")
+        recover_checkpoint(path)
+        state = self._trainer.restore(path)
         self.next_step = state["next_step"]
-        metrics = self.run_dir / "metrics.jsonl"
-        if not self.history and metrics.exists():  # a resumed session: what the run recorded
-            self.history = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-        # steps after the checkpoint belong to a branch that is abandoned now
+        kept = self._set_aside(self.next_step)
+        if not self.history:  # a resumed session: what the run recorded
+            self.history = kept
         self.history = [h for h in self.history if h["step"] < self.next_step]
         self.sync()
         return state
 
+    def _set_aside(self, next_step: int) -> list[dict]:
+        """Move the record of steps >= next_step (metrics.jsonl lines, a torn last line included,
+        and trajectories/step_*.parquet) into abandoned/<time>/; nothing is deleted. Returns the
+        metrics that stay."""
+        metrics, traj = self.run_dir / "metrics.jsonl", self.run_dir / "trajectories"
+        kept, keep_lines, drop_lines = [], [], []
+        for line in (metrics.read_text().splitlines() if metrics.exists() else []):
+            if not line.strip():
+                continue
+            try:
+                m = json.loads(line)
+                step = int(m["step"])
+            except (ValueError, KeyError, TypeError):  # a line cut off by a killed driver
+                drop_lines.append(line)
+                continue
+            if step < next_step:
+                kept.append(m)
+                keep_lines.append(line)
+            else:
+                drop_lines.append(line)
+        files = sorted(p for p in traj.glob("step_*.parquet") if p.stem[5:].isdigit() and int(p.stem[5:]) >= next_step)
+        if not drop_lines and not files:
+            return kept
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        dest = self.run_dir / "abandoned" / stamp
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = self.run_dir / "abandoned" / f"{stamp}-{n}"
+        (dest / "trajectories").mkdir(parents=True)
+        if drop_lines:
+            (dest / "metrics.jsonl").write_text("\n".join(drop_lines) + "\n")
+        for p in files:
+            os.replace(p, dest / "trajectories" / p.name)
+        tmp = metrics.with_name("metrics.jsonl.tmp")
+        tmp.write_text("".join(x + "\n" for x in keep_lines))
+        os.replace(tmp, metrics)
+        print(f"workbench: steps >= {next_step} were not in the checkpoint; their record was moved to {dest}")
+        return kept
+
     def _idle(self, what: str) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"cannot {what}: {self._broken}")
         if self._run is not None and not self._run.done:
             raise RuntimeError(f"cannot {what} while a run is in progress: wb.wait() or wb.stop() first")
 
@@ -448,7 +499,7 @@ class RunHandle:
             for mon in self.monitors:
                 mon.on_step(m)
             if self.checkpoint_every and wb.next_step % self.checkpoint_every == 0:
-                wb._trainer.save(str(wb.run_dir / "checkpoint"), {"next_step": wb.next_step})
+                save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), {"next_step": wb.next_step})
 
         try:
             run_loop(wb._rollout, wb._trainer, wb.engines, wb.task_source, self.cfg, on_step=on_step, progress=self.progress,
@@ -459,6 +510,11 @@ class RunHandle:
             self.error = e
             import sys
 
+            if isinstance(e, TrainerRankDied):  # the trainer group is gone: this session cannot train any more
+                wb._broken = (f"{e} -- this session's trainer is gone: wb.shutdown(), then "
+                              f"workbench.connect(run_dir={str(wb.run_dir)!r}, resume=True)")
+            with open(wb.run_dir / "errors.jsonl", "a") as f:  # the run's record says why it stopped, and where
+                f.write(json.dumps({"time": time.time(), "next_step": wb.next_step, "error": f"{type(e).__name__}: {e}"}) + "\n")
             print(f"workbench: the run stopped after {len(self.history)} step(s): {type(e).__name__}: {e} "
                   f"(run.wait() re-raises it)", file=sys.stderr)
         finally:

@@ -89,10 +89,23 @@ def stop_engine(actor, timeout: float = 60) -> None:
         ray.kill(actor)
 
 
-def sync_weights(engines: list, state_dict: dict, version: int | None = None, expected_probe=None, tol: float = 1e-3):
+def sync_weights(engines: list, state_dict: dict, version: int | None = None, expected_probe=None, tol: float = 1e-3,
+                 lost: list | None = None):
     """Push weights to every engine (each pauses in keep mode, loads, bumps its version, resumes,
-    and checks its probe): in-flight episodes continue and their tokens span both versions."""
+    and checks its probe): in-flight episodes continue and their tokens span both versions.
+    `lost`: a list that collects (engine, error) for engines found dead instead of raising; the
+    reports of the live ones are returned (a refused probe still raises)."""
     import ray
 
     ref = ray.put(state_dict)  # one copy in the object store, shared by all engines
-    return ray.get([e.update_weights.remote(ref, version, expected_probe, None, tol) for e in engines])
+    refs = [e.update_weights.remote(ref, version, expected_probe, None, tol) for e in engines]
+    if lost is None:
+        return ray.get(refs)
+    reports = []
+    for e, r in zip(engines, refs):
+        try:
+            reports.append(ray.get(r))
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+            lost.append((e, err))
+    return reports
+

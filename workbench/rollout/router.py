@@ -24,6 +24,7 @@ class EngineRouter:
         self.dead: set[int] = set()
         self.sticky: dict[str, int] = {}
         self.requests = Counter()  # per engine index: requests served
+        self.failovers = 0  # requests whose engine died under them and that were retried on another
         self.request_timeout_s = request_timeout_s
 
     def pick(self, session_id: str | None) -> int:
@@ -54,6 +55,7 @@ class EngineRouter:
                 return sample
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                 self.dead.add(i)  # nothing was recorded for this request: retry it elsewhere
+                self.failovers += 1
                 last_error = e
             except asyncio.TimeoutError:
                 raise EngineUnavailable(f"engine {i} did not answer within {self.request_timeout_s} s") from None
@@ -63,4 +65,4 @@ class EngineRouter:
 
     def state(self) -> dict:
         return {"engines": len(self.engines), "dead": sorted(self.dead), "outstanding": list(self.outstanding),
-                "requests": dict(self.requests), "sessions": len(self.sticky)}
+                "requests": dict(self.requests), "sessions": len(self.sticky), "failovers": self.failovers}

@@ -133,8 +133,19 @@ class RolloutRunner:
         self.server.stop()
 
 
+class RunnersLost(RuntimeError):
+    """Every rollout runner actor of a Rollout is dead."""
+
+
 class Rollout:
-    """Driver-side handle: `num_runners` runner actors over the given engine actors."""
+    """Driver-side handle: `num_runners` runner actors over the given engine actors.
+
+    A runner that dies (its process killed, out of memory, ...) fails the groups it was running:
+    each of their episodes comes back as a failed Trajectory (no segments, `error` naming the
+    runner and the cause), which the loop counts and drops (LoopConfig.on_failed). They are not
+    re-run on another runner: a task that kills its runner would kill every runner in turn, and
+    nothing of those episodes was recorded (their segments lived in the dead process). Groups not
+    yet started go to the live runners; with none left, run_groups raises RunnersLost."""
 
     def __init__(self, agent_path: str, engines: list, model_path: str, num_runners: int = 1, **runner_kwargs):
         import ray
@@ -147,26 +158,66 @@ class Rollout:
         runner_kwargs["sampling"] = self.sampling
         self.sampling_mode = check_sampling_mode(runner_kwargs.setdefault("sampling_mode", "override"))
         self.engines = list(engines)
+        # groups in flight per runner: enough to fill its episode slots (it runs no more at once);
+        # the rest wait here, so that they go to whichever runner is alive and free
+        self._slots = runner_kwargs.get("max_concurrent_episodes", 256)
         actor = ray.remote(RolloutRunner).options(num_cpus=0, max_concurrency=1000)
         self.runners = [actor.remote(str(agent_path), self.engines, str(model_path), **runner_kwargs)
                         for _ in range(num_runners)]
         self.info = ray.get([r.ready.remote() for r in self.runners])
+        self._names = {id(r): f"rollout runner {i} (pid {info['pid']})" for i, (r, info) in enumerate(zip(self.runners, self.info))}
+        self.lost: list[str] = []  # the runners that died, and why
+
+    def _lose(self, runner, error: BaseException) -> str:
+        import sys
+
+        name, cause = self._names[id(runner)], " ".join(str(error).split())[:300]
+        if runner in self.runners:
+            self.runners.remove(runner)
+            self.lost.append(f"{name} died: {cause}")
+            print(f"workbench: {name} died ({len(self.runners)} runner(s) left): {cause}", file=sys.stderr)
+        return f"{name} died while running this episode: {cause}"
 
     def run_groups(self, tasks: list[Task], group_size: int = 1, progress: bool = True) -> list[list[Trajectory]]:
-        """`group_size` episodes per task; returns one list of trajectories per task, in order."""
+        """`group_size` episodes per task; returns one list of trajectories per task, in order.
+        Each runner has at most as many groups in flight as fill its episode slots; the others
+        go to the first runner with room (round robin while all are free)."""
         import ray
         from tqdm.auto import tqdm
 
-        refs = [self.runners[i % len(self.runners)].run_group.remote(t, group_size) for i, t in enumerate(tasks)]
-        index = {r: i for i, r in enumerate(refs)}
-        out: list = [None] * len(refs)
-        pending = list(refs)
-        with tqdm(total=len(refs), desc=f"rollout ({group_size}/group)", disable=not progress) as bar:
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                for r in done:
-                    out[index[r]] = ray.get(r)
+        if not self.runners:
+            raise RunnersLost(f"no rollout runner left: {'; '.join(self.lost) or 'all were shut down'}")
+        per_runner = max(1, self._slots // max(group_size, 1))
+        waiting = list(range(len(tasks)))[::-1]  # pop() takes the next task
+        load = {id(r): 0 for r in self.runners}
+        inflight: dict = {}  # ref -> (task index, runner)
+        out: list = [None] * len(tasks)
+
+        def submit():
+            while waiting:
+                free = [r for r in self.runners if load[id(r)] < per_runner]
+                if not free:
+                    return
+                r = min(free, key=lambda x: load[id(x)])
+                i = waiting.pop()
+                inflight[r.run_group.remote(tasks[i], group_size)] = (i, r)
+                load[id(r)] += 1
+
+        submit()
+        with tqdm(total=len(tasks), desc=f"rollout ({group_size}/group)", disable=not progress) as bar:
+            while inflight:
+                done, _ = ray.wait(list(inflight), num_returns=1)
+                for ref in done:
+                    i, r = inflight.pop(ref)
+                    load[id(r)] -= 1
+                    try:
+                        out[i] = ray.get(ref)
+                    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                        out[i] = _failed_group(tasks[i], group_size, self._lose(r, e))
                     bar.update(1)
+                if not self.runners:
+                    raise RunnersLost(f"every rollout runner died: {'; '.join(self.lost)}")
+                submit()
         return out
 
     def run_episodes(self, tasks: list[Task], progress: bool = True) -> list[Trajectory]:
@@ -183,6 +234,14 @@ class Rollout:
         for r in self.runners:
             try:
                 ray.get(r.shutdown.remote(), timeout=30)
+            except Exception:  # dead or stuck: killed below all the same
+                pass
             finally:
                 ray.kill(r)
         self.runners = []
+
+
+def _failed_group(task: Task, n: int, reason: str) -> list[Trajectory]:
+    group_id = uuid.uuid4().hex[:12]
+    return [Trajectory([], 0.0, group_id, uuid.uuid4().hex[:16], {"task_id": task.id, "runner_lost": True}, reason)
+            for _ in range(n)]
