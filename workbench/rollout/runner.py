@@ -32,18 +32,31 @@ class RolloutRunner:
     def __init__(self, agent_path: str, engines: list, model_path: str, sampling: SamplingConfig | None = None,
                  episode_timeout_s: float = 300.0, max_concurrent_episodes: int = 256,
                  return_routed_experts: bool = False, request_timeout_s: float = 600.0,
-                 sampling_mode: str = "override", max_model_len: int = 1024, tool_parser: str = "hermes"):
+                 sampling_mode: str = "override", max_model_len: int | None = None, tool_parser: str | None = None,
+                 profile=None):
+        """`profile`: the checkpoint's ModelProfile (None: read off `model_path`); it sets the
+        server's template kwargs, end of turn, parser and context, and adds the family's stop
+        tokens to the policy sampling. `max_model_len` / `tool_parser` override it."""
+        import dataclasses
+
         from ..loopback.server import LoopbackServer
+        from ..profiles import profile_for
         from ..toy.models import load_tokenizer
         from .router import EngineRouter
 
         self.spec = load_agent(agent_path)
-        self.sampling = sampling or SamplingConfig(max_tokens=128)
+        self.profile = profile or profile_for(model_path)
+        tokenizer = load_tokenizer(model_path)
+        sampling = sampling or SamplingConfig(max_tokens=128)
+        if not sampling.ignore_eos:  # the family's turn-ending tokens stop a turn (unless told to run on)
+            stops = sorted(set(sampling.stop_token_ids) | set(self.profile.stop_token_ids(tokenizer)))
+            sampling = dataclasses.replace(sampling, stop_token_ids=stops)
+        self.sampling = sampling
         self.episode_timeout_s = episode_timeout_s
         self.router = EngineRouter(engines, request_timeout_s)
-        self.server = LoopbackServer(self.router, load_tokenizer(model_path), max_model_len=max_model_len,
+        self.server = LoopbackServer(self.router, tokenizer, max_model_len=max_model_len,
                                      tool_parser=tool_parser, return_routed_experts=return_routed_experts,
-                                     policy_sampling=self.sampling, sampling_mode=sampling_mode).start()
+                                     policy_sampling=self.sampling, sampling_mode=sampling_mode, profile=self.profile).start()
         self._slots = max_concurrent_episodes
         self._sem = None
         self._clients = None
