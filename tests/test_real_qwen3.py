@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 
+import types
+
 import pytest
-import ray
+from test_rollout import assert_exact  # every trainable run is a completion the engine sampled
 
 from workbench.checkpoints import CALC_TOOL
 
@@ -27,25 +29,6 @@ def tiny_qwen3(ray_local):
                            gpu_memory_utilization=0.15, keep_log=True)
     yield path, prof, engine
     stop_engine(engine)
-
-
-def exact_runs(segments, engine) -> int:
-    """Assert every trainable run is a completion the engine sampled for exactly the ids before
-    it in its segment; return how many runs were checked."""
-    log = {}
-    for prompt, sampled in ray.get(engine.sample_log.remote()):
-        log.setdefault(tuple(prompt), []).append(sampled)
-    n = 0
-    for seg in segments:
-        assert seg.stats["identity_mismatch"] == 0
-        start = 0
-        for j, m in enumerate(seg.loss_mask + [0]):
-            if m and (j == 0 or not seg.loss_mask[j - 1]):
-                start = j
-            if not m and j > 0 and seg.loss_mask[j - 1]:
-                assert seg.token_ids[start:j] in log[tuple(seg.token_ids[:start])]
-                n += 1
-    return n
 
 
 async def openai_episode(client, turns: int = 3):
@@ -108,7 +91,7 @@ def test_sdk_tool_episodes_record_exact_real_ids(tiny_qwen3, thinking):
         calls = asyncio.run(main())
         segments = [server.close_session(s) for s in sids]
     flat = [seg for segs in segments for seg in segs]
-    assert exact_runs(flat, engine) == 8 * 3  # every turn recorded once, exactly as sampled
+    assert assert_exact([types.SimpleNamespace(segments=flat)], [engine]) == 8 * 3  # every turn once, exactly as sampled
     assert all(seg.seal_reason in SEAL_REASONS for seg in flat)
     # the real template: the system prompt carries the tool list, the generation prompt is
     # Qwen3's; with thinking off the prompt holds an empty <think></think> block
