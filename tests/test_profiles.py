@@ -64,3 +64,24 @@ def test_unknown_checkpoints_are_refused_by_name(tmp_path):
         profile_for(tmp_path)
     with pytest.raises(ProfileError, match="unknown model family 'gpt5'"):
         profile_for(checkpoint(tmp_path, "qwen3"), "gpt5")
+
+
+@pytest.mark.parametrize("family,parser", [("llama3.1", "llama3_json"), ("mistral-v3", "mistral")])
+def test_the_loopback_parses_tool_calls_with_the_profiles_parser(family, parser):
+    """A profile's tool parser other than our hermes is vLLM's registered one, run on the reply
+    text with the policy's tokenizer: every recorded real tool call of the family is parsed."""
+    from workbench.loopback.toolcalls import get_tool_parser
+    from workbench.real_models import load_family
+
+    fam = load_family(family)
+    parse = get_tool_parser(parser, fam.tokenizer)
+    cases = [x for x in fam.fixtures() if (x.get("expected") or {}).get("tool_calls")]
+    assert len(cases) >= 8
+    for x in cases:
+        _, calls = parse(x["raw_output"])
+        want = [(c["name"], c["arguments"] if isinstance(c["arguments"], dict) else json.loads(c["arguments"]))
+                for c in x["expected"]["tool_calls"]]
+        assert [(c["name"], c["arguments"]) for c in calls] == want, x["id"]
+    assert parse("no call here") == ("no call here", [])
+    with pytest.raises(ValueError, match="unknown tool parser 'nope'"):
+        get_tool_parser("nope", fam.tokenizer)

@@ -119,7 +119,7 @@ class LoopbackServer:
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.host, self.port = host, port
         self.model_name, self.max_model_len, self.default_max_tokens = model_name, max_model_len, default_max_tokens
-        self.parse_tools = get_tool_parser(tool_parser)
+        self.parse_tools = get_tool_parser(tool_parser, tokenizer)  # ours (hermes) or vLLM's of that name
         self.accumulator_cls = accumulator_cls
         self.return_routed_experts = return_routed_experts  # MoE: record routing for replay
         self.sessions: dict[str, Accumulator] = {}
