@@ -1,7 +1,7 @@
 # The two commands of README.md. Each first installs what is missing into .venv (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-script test bench bench-loopback bench-rollout bench-trainer clean-cache kernels lab
+.PHONY: setup demo demo-script test bench bench-loopback bench-loopback-capacity bench-rollout bench-trainer clean-cache kernels lab
 
 setup:
 	@bash scripts/setup.sh
@@ -26,6 +26,11 @@ bench: setup
 
 bench-loopback: setup
 	$(PY) bench/loopback.py
+
+# The largest number of concurrent sessions one runner's loopback server sustains with p99 added
+# latency <= 50 ms (ramps 16..512 sessions; BENCH_ARGS="--bound-ms 20 --agents subprocess ...").
+bench-loopback-capacity: setup
+	$(PY) bench/loopback_capacity.py $(BENCH_ARGS)
 
 bench-rollout: setup
 	$(PY) bench/rollout.py

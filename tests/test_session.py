@@ -30,6 +30,8 @@ def test_config_errors_name_the_field():
         WorkbenchConfig(profile=3)
     with pytest.raises(ConfigError, match="num_engines must be an integer >= 1"):
         WorkbenchConfig(num_engines=0)
+    with pytest.raises(ConfigError, match="max_request_bytes must be an integer >= 1"):
+        WorkbenchConfig(max_request_bytes=0)
     cfg = WorkbenchConfig.from_dict({"trainer": {"lr": 0.5, "correction": {"max_staleness": 2}}})
     assert cfg.trainer.lr == 0.5 and cfg.trainer.correction.max_staleness == 2
     assert cfg.trainer.correction.mode == "trunc"  # the rest of the default (TIS) is kept

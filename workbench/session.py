@@ -89,6 +89,8 @@ class WorkbenchConfig:
     # (LoopConfig.on_truncated)
     max_model_len: int | None = None
     tool_parser: str | None = None
+    # the largest request body an agent may send its loopback server (a larger one gets a 413)
+    max_request_bytes: int = 4 * 2**20
     seed: int = 0
     run_dir: str | None = None  # None: runs/<date-time> under the current directory
     # a run_dir that already holds a run (metrics.jsonl) is refused unless resume=True, which
@@ -122,7 +124,7 @@ class WorkbenchConfig:
                               f"counted) or 'strict' (an agent's differing values are refused with a 400)")
         if not isinstance(self.temperature, (int, float)) or self.temperature <= 0:
             raise ConfigError(f"temperature must be > 0 (the trainer computes log-probs at it), got {self.temperature!r}")
-        for name in ("num_engines", "num_runners", "trainer_ranks", "max_tokens", "max_model_len"):
+        for name in ("num_engines", "num_runners", "trainer_ranks", "max_tokens", "max_model_len", "max_request_bytes"):
             if name == "max_model_len" and self.max_model_len is None:
                 continue
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -221,7 +223,8 @@ class Workbench:
             bar.set_postfix_str("rollout runners")
             self._rollout = Rollout(cfg.agent, self.engines, self.model_path, num_runners=cfg.num_runners,
                                    sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature),
-                                   sampling_mode=cfg.sampling, profile=self.profile, return_routed_experts=capture)
+                                   sampling_mode=cfg.sampling, profile=self.profile, return_routed_experts=capture,
+                                   max_request_bytes=cfg.max_request_bytes)
             bar.update()
             bar.set_postfix_str(f"trainer ({cfg.trainer_ranks} ranks)")
             self._trainer = Trainer(self.model_path, world_size=cfg.trainer_ranks, profile=self.profile,

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 
-from .protocol import ChatRequest, Reply, RequestError, sampling_from, want
+from .protocol import ChatRequest, Reply, RequestError, number, sampling_from, short, stop_strings, want
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-            413: "request_too_large", 429: "rate_limit_error"}.get(
+            413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}.get(
         status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
 
@@ -21,8 +21,10 @@ def _blocks(content, where: str) -> list[dict]:
     if not isinstance(content, list):
         raise RequestError(400, f"{where}.content must be a string or a list of content blocks")
     for j, b in enumerate(content):
-        if not isinstance(b, dict) or "type" not in b:
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
             raise RequestError(400, f"{where}.content[{j}] must be a content block with a 'type'")
+        if b["type"] == "text" and not isinstance(b.get("text", ""), str):
+            raise RequestError(400, f"{where}.content[{j}].text must be a string")
     return content
 
 
@@ -47,7 +49,7 @@ def _messages(messages: list, system) -> list[dict]:
             raise RequestError(400, f"{where} must be an object")
         role = m.get("role")
         if role not in ("user", "assistant"):
-            raise RequestError(400, f"{where}.role: unknown role {role!r} (expected 'user' or 'assistant')")
+            raise RequestError(400, f"{where}.role: unknown role {short(role)} (expected 'user' or 'assistant')")
         if "content" not in m:
             raise RequestError(400, f"{where}: missing required field 'content'")
         blocks = _blocks(m["content"], where)
@@ -77,6 +79,8 @@ def _messages(messages: list, system) -> list[dict]:
                     out.append({"role": "user", "content": "".join(pending)})
                     pending = []
                 content = b.get("content", "")
+                if not isinstance(b.get("tool_use_id", ""), (str, type(None))):
+                    raise RequestError(400, f"{where}.content[{j}].tool_use_id must be a string")
                 out.append({"role": "tool", "content": _text_of(content, f"{where}.content[{j}]"),
                             "tool_call_id": b.get("tool_use_id")})
             else:
@@ -90,21 +94,21 @@ def parse_request(body: dict) -> ChatRequest:
     messages = want(body, "messages", list, required=True)
     if not messages:
         raise RequestError(400, "'messages' must not be empty", param="messages")
-    max_tokens = want(body, "max_tokens", int, required=True)
+    max_tokens = number(body, "max_tokens", required=True)
     system = want(body, "system", (str, list))
     tools = want(body, "tools", list)
     specs = []
     for j, t in enumerate(tools or []):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise RequestError(400, f"tools[{j}] needs a 'name'", param="tools")
+        if not isinstance(t.get("description", ""), str) or not isinstance(t.get("input_schema", {}), dict):
+            raise RequestError(400, f"tools[{j}]: 'description' must be a string and 'input_schema' an object", param="tools")
         specs.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                                        "parameters": t.get("input_schema", {})}})
     choice = want(body, "tool_choice", dict, default={"type": "auto"})
     if choice.get("type") not in ("auto", "none"):
         raise RequestError(400, f"tool_choice {choice.get('type')!r} is not supported (use 'auto' or 'none'): the loopback server does not constrain decoding")
-    stop = want(body, "stop_sequences", list, default=[])
-    if not all(isinstance(s, str) for s in stop):
-        raise RequestError(400, "'stop_sequences' must be a list of strings", param="stop_sequences")
+    stop = stop_strings(want(body, "stop_sequences", list, default=[]), "stop_sequences")
     sampling, sent = sampling_from(body, max_tokens, stop)
     return ChatRequest(messages=_messages(messages, system), tools=specs or None,
                        sampling=sampling, max_tokens=max_tokens, sent=sent,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .protocol import ChatRequest, Reply, RequestError, sampling_from, want
+from .protocol import ChatRequest, Reply, RequestError, loads, number, sampling_from, short, stop_strings, want
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -12,6 +12,7 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
         status, "invalid_request_error" if status < 500 else "server_error")
+    code = code or {413: "request_too_large", 503: "engine_unavailable"}.get(status)
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -27,12 +28,28 @@ def _content(m: dict, i: int):
     raise RequestError(400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
 
 
+def _arguments(args, where: str):
+    """A tool call's arguments: a JSON string (the wire form; text that is not JSON is kept
+    verbatim, the template renders it as is) or an object. JSON inside the string is held to
+    the body's bounds (depth, number sizes), as the accumulator parses it to compare turns."""
+    if isinstance(args, dict):
+        return args
+    if not isinstance(args, str):
+        raise RequestError(400, f"{where} must be a JSON string, got {type(args).__name__}", param=where)
+    try:
+        loads(args, what=where)
+    except RequestError as e:
+        if e.code is not None:  # too deep, a number too long, a lone surrogate: refused
+            raise RequestError(400, e.message, param=where, code=e.code) from None
+    return args or "{}"
+
+
 def _message(m, i: int) -> dict:
     if not isinstance(m, dict):
         raise RequestError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
     role = m.get("role")
-    if role not in ROLES:
-        raise RequestError(400, f"messages[{i}].role: unknown role {role!r} (expected one of {sorted(ROLES)})", param=f"messages[{i}].role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise RequestError(400, f"messages[{i}].role: unknown role {short(role)} (expected one of {sorted(ROLES)})", param=f"messages[{i}].role")
     out = {"role": "system" if role == "developer" else role, "content": _content(m, i) or ""}
     if role == "assistant" and m.get("tool_calls"):
         calls = m["tool_calls"]
@@ -43,8 +60,11 @@ def _message(m, i: int) -> dict:
             f = tc.get("function") if isinstance(tc, dict) else None
             if not isinstance(f, dict) or not isinstance(f.get("name"), str):
                 raise RequestError(400, f"messages[{i}].tool_calls[{j}] needs function.name", param=f"messages[{i}].tool_calls")
-            out["tool_calls"].append({"type": "function", "function": {"name": f["name"], "arguments": f.get("arguments") or "{}"}})
+            args = _arguments(f.get("arguments") or "{}", f"messages[{i}].tool_calls[{j}].function.arguments")
+            out["tool_calls"].append({"type": "function", "function": {"name": f["name"], "arguments": args}})
     if role == "tool" and m.get("tool_call_id") is not None:
+        if not isinstance(m["tool_call_id"], str):
+            raise RequestError(400, f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id")
         out["tool_call_id"] = m["tool_call_id"]
     return out
 
@@ -54,7 +74,7 @@ def parse_request(body: dict) -> ChatRequest:
     if not messages:
         raise RequestError(400, "'messages' must not be empty", param="messages")
     msgs = [_message(m, i) for i, m in enumerate(messages)]
-    n = want(body, "n", int, default=1)
+    n = number(body, "n", default=1)
     if n != 1:
         raise RequestError(400, "n > 1 is not supported: send n separate requests (each is its own sample)", param="n")
     tools = want(body, "tools", list)
@@ -63,20 +83,23 @@ def parse_request(body: dict) -> ChatRequest:
             if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
                     and isinstance(t["function"].get("name"), str)):
                 raise RequestError(400, f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
+            f = t["function"]
+            if not isinstance(f.get("description", ""), (str, type(None))) or not isinstance(f.get("parameters", {}), (dict, type(None))):
+                raise RequestError(400, f"tools[{j}].function: 'description' must be a string and 'parameters' an object", param="tools")
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
         raise RequestError(400, f"tool_choice {choice!r} is not supported (use 'auto' or 'none'): the loopback server does not constrain decoding", param="tool_choice")
-    max_tokens = want(body, "max_completion_tokens", int)
+    max_tokens = number(body, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = want(body, "max_tokens", int)
+        max_tokens = number(body, "max_tokens")
     stop = want(body, "stop", (str, list), default=[])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) for s in stop):
-        raise RequestError(400, "'stop' must be a string or a list of strings", param="stop")
-    top_logprobs = want(body, "top_logprobs", int, default=0)
+    stop = stop_strings([stop] if isinstance(stop, str) else stop, "stop")
+    top_logprobs = number(body, "top_logprobs", default=0)
     if top_logprobs:
         raise RequestError(400, "top_logprobs > 0 is not supported; logprobs=true returns each sampled token's log-prob", param="top_logprobs")
     opts = want(body, "stream_options", dict, default={})
+    if not isinstance(opts.get("include_usage", False), (bool, type(None))):
+        raise RequestError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
     sampling, sent = sampling_from(body, max_tokens, stop)
     # vLLM's OpenAI server accepts ignore_eos as an extra field (SDK: extra_body); so do we
     sampling.ignore_eos = want(body, "ignore_eos", bool, default=False)

@@ -32,13 +32,28 @@ cut a recorded turn (finish "length") or no room is left at all (then the engine
 the reply is empty with finish "length" and nothing is recorded for the turn), the session is
 marked truncated (close_session(..., details=True), Reply.truncated). A side request with no
 room left gets a 400.
+
+Bad input and outages: every bad request is a 4xx, every outage a 503, in the protocol's own
+error shape, and none changes anything recorded. The body is read incrementally up to
+`max_request_bytes` (4 MiB; over it: 413) and parsed with bounds (protocol.loads: nesting at
+most 64 levels, number literals at most 100 characters, no NaN/Infinity, no lone surrogates);
+every numeric field, `seed` and the stop strings are checked against what vLLM accepts
+(protocol.NUMBER_BOUNDS: seed a signed 64-bit integer, non-empty stop strings, ...), each 400
+naming the field and the bound. An engine call that fails is answered by what failed
+(engine_error): the engine's own validation (vLLM's VLLMClientError family, ValueError) a 400
+with its reason, an engine that is dead or unreachable (Ray actor errors, the router's
+EngineUnavailable, vLLM's EngineDeadError) a 503 with `Retry-After: retry_after_s`, anything
+else a 500 with an error id; messages are scrubbed of tracebacks, pids, addresses and actor ids,
+and the detail goes to the `workbench.loopback.server` log. Requests over `thread_plan_bytes`
+are rendered and tokenized in a worker thread with the GIL released (tokenizers' encode_batch),
+so one huge request does not stall the other sessions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import json
+import logging
 import re
 import secrets
 import socket
@@ -49,17 +64,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..rollout.engine import SamplingConfig
 from ..tokens import Accumulator, ChatFormat, Segment, segment_stats
 from . import anthropic_api, openai_api
-from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, differs, policy_value
+from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, differs, loads, policy_value
 from .toolcalls import get_tool_parser
 
 PROTOCOLS = {"openai": openai_api, "anthropic": anthropic_api}
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,6 +92,9 @@ class ServerStats:
     sampling_refused: Counter = field(default_factory=Counter)  # strict mode: 400s by field
     overhead_s: list = field(default_factory=list)  # per request: server time minus engine time
     engine_s: list = field(default_factory=list)  # per request: time waiting for the engine
+    # failures no check foresaw, by where: "parse" (answered 400), "internal" (answered 500).
+    # Logged with their traceback; 0 is the expectation (tests/test_loopback_faults.py).
+    unexpected_errors: Counter = field(default_factory=Counter)
 
 
 async def call_engine(engine, prompt_ids, sampling, session_id=None, return_routed_experts=False):
@@ -91,6 +110,85 @@ async def call_engine(engine, prompt_ids, sampling, session_id=None, return_rout
     return await gen(prompt_ids, sampling)
 
 
+# Engine failures, by the names of the exception's classes (Ray's, vLLM's, the router's; no import
+# needed). Unavailable: the engine (or every engine) is gone or not answering now; a later
+# attempt may find one: 503 with Retry-After. Refused: the engine's own validation (vLLM's
+# VLLMClientError family, VLLMValidationError among it, "errors caused by the client request
+# (4xx)"; a ValueError / OverflowError, as the reference engine raises): the request's fault, 400.
+# Anything else: 500.
+ENGINE_REFUSED = {"VLLMClientError", "ValueError", "OverflowError"}
+ENGINE_UNAVAILABLE = {"RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError",
+                      "WorkerCrashedError", "NodeDiedError", "ObjectLostError", "OwnerDiedError", "OutOfMemoryError",
+                      "RaySystemError", "GetTimeoutError", "EngineUnavailable", "EngineDeadError"}
+_SCRUB = [(re.compile(p), r) for p, r in [
+    (r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b", "<ip>"), (r"(?<![\w:])(?:[0-9a-fA-F]{1,4}:|:){2,7}[0-9a-fA-F]{1,4}(?![\w:])", "<ip>"),
+    (r"(?i)\bpid[=: ]*\d+", "pid <n>"), (r"\b(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{16,}\b", "<id>"), (r"ray::\S+", "<task>"),
+]]
+
+
+def scrub(text: str, n: int = 300) -> str:
+    """An exception's message as a client may see it: its first line, without addresses,
+    process ids, actor/task ids; at most n characters."""
+    text = (str(text).strip().splitlines() or [""])[0]
+    for pattern, repl in _SCRUB:
+        text = pattern.sub(repl, text)
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def _names(e: BaseException) -> set[str]:
+    return {c.__name__ for c in type(e).__mro__}
+
+
+def unwrap(e: BaseException) -> BaseException:
+    """The exception a Ray task error wraps (the engine's own), else e."""
+    while "RayTaskError" in _names(e) and isinstance(getattr(e, "cause", None), BaseException):
+        e = e.cause
+    return e
+
+
+def engine_error(e: Exception, retry_after_s: float) -> RequestError | None:
+    """The client's view of an exception from an engine call: RequestError(503, Retry-After)
+    when no engine can serve it now, RequestError(400) when the engine refused the request,
+    None (a 500) otherwise. A Ray task error is judged by the exception it wraps."""
+    e = unwrap(e)
+    names = _names(e)
+    if names & ENGINE_UNAVAILABLE or isinstance(e, (TimeoutError, ConnectionError)):
+        return RequestError(503, f"no rollout engine can serve this request now ({type(e).__name__}); retry later",
+                            code="engine_unavailable", headers={"Retry-After": f"{retry_after_s:g}"})
+    if names & ENGINE_REFUSED:
+        return RequestError(400, f"the engine refused the request: {scrub(e)}", code="engine_refused")
+    return None
+
+
+class _ThreadedFormat:
+    """The server's ChatFormat as turns use it from worker threads. tokenizers' `encode` holds
+    the GIL for the whole call (2.4 s on a 1 MB prompt: the event loop, and every other session,
+    would stall), `encode_batch` releases it and gives the same ids. Used only for ChatFormat's
+    own `encode` (a format class that overrides it is used as it is)."""
+
+    def __init__(self, fmt: ChatFormat):
+        self._fmt = fmt
+
+    def __getattr__(self, name):
+        return getattr(self._fmt, name)
+
+    def encode(self, text: str) -> list[int]:
+        return self._fmt._backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+class EngineCallFailed(Exception):
+    """An engine call raised `error`; nothing was recorded for the request. The HTTP routes
+    answer it by engine_error(); turn() re-raises `error` itself."""
+
+    def __init__(self, error: Exception):
+        super().__init__(type(error).__name__)
+        self.error = error
+
+
+def threaded_format(fmt):
+    return _ThreadedFormat(fmt) if type(fmt).encode is ChatFormat.encode else fmt
+
+
 def retry_count(request: Request) -> int:
     """The client's retry count (`x-stainless-retry-count`, sent by the stock openai and
     anthropic SDKs on every request); 0 when absent or unreadable."""
@@ -101,14 +199,31 @@ def retry_count(request: Request) -> int:
 
 
 class LoopbackServer:
+    # Limits, per instance (server.max_request_bytes = ...) or per subclass. A body over
+    # max_request_bytes gets a 413 (read incrementally: never buffered beyond the limit; the rest
+    # is read and dropped, up to drain_request_bytes, so the client sees the 413 rather than a
+    # reset connection). A 503 (no engine can serve now) carries Retry-After: retry_after_s.
+    # Bodies over thread_json_bytes are parsed, and turns of requests over thread_plan_bytes
+    # rendered and tokenized, in a worker thread (smaller ones cost less than the thread hop).
+    max_request_bytes: int = 4 * 2**20
+    drain_request_bytes: int = 64 * 2**20
+    retry_after_s: float = 1.0
+    thread_json_bytes: int = 64 * 2**10
+    thread_plan_bytes: int = 16 * 2**10
+
     def __init__(self, engine, tokenizer, *, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
                  model_name: str = "workbench-policy", max_model_len: int | None = None, default_max_tokens: int = 256,
                  tool_parser: str | None = None, side_engine=None, accumulator_cls=Accumulator,
                  return_routed_experts: bool = False, policy_sampling: SamplingConfig | None = None,
-                 sampling_mode: str = "override", profile=None):
+                 sampling_mode: str = "override", profile=None, max_request_bytes: int | None = None):
         """`profile` (workbench.profiles.ModelProfile; None: the toy's defaults) gives the chat
         template's kwargs, the end of turn, the tool parser and the context; `max_model_len` and
-        `tool_parser`, when given, win over it."""
+        `tool_parser`, when given, win over it. `max_request_bytes` (None: the class's 4 MiB):
+        a larger body gets a 413."""
+        if max_request_bytes is not None:
+            if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+                raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
+            self.max_request_bytes = max_request_bytes
         self.engine, self.side_engine = engine, side_engine or engine
         self.policy_sampling = policy_sampling or SamplingConfig()  # what recorded turns are sampled with
         self.sampling_mode = check_sampling_mode(sampling_mode)
@@ -199,7 +314,7 @@ class LoopbackServer:
             raise ValueError(f"session id {sid!r} must be 1-128 of [A-Za-z0-9_.-]")
         if sid in self.sessions:
             raise ValueError(f"session {sid!r} is already open")
-        self.sessions[sid] = self.accumulator_cls(self.fmt)
+        self.sessions[sid] = self.accumulator_cls(threaded_format(self.fmt))  # turns are planned in worker threads
         return sid
 
     def close_session(self, session_id: str, wait: bool = True, details: bool = False):
@@ -242,9 +357,52 @@ class LoopbackServer:
         return segments, {"truncated": acc.truncated}
 
     # ------------------------------------------------------------------ HTTP plumbing
-    def _error(self, protocol: str, status: int, message: str, param=None, code=None) -> JSONResponse:
+    def _error(self, protocol: str, status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
         self.stats.errors[status] += 1
-        return JSONResponse(PROTOCOLS[protocol].error_body(status, message, param, code), status_code=status)
+        return JSONResponse(PROTOCOLS[protocol].error_body(status, message, param, code), status_code=status, headers=headers)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The request body, read chunk by chunk and refused (413) once it exceeds
+        max_request_bytes; nothing beyond the limit is kept. The rest of a refused body is read
+        and dropped up to drain_request_bytes, so that a client still sending reads the 413
+        instead of a reset connection; a larger declared Content-Length is refused unread."""
+        limit = self.max_request_bytes
+        too_large = RequestError(413, f"the request body exceeds this server's limit of {limit} bytes "
+                                      f"(max_request_bytes)", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared and (not declared.isdigit() or len(declared) > 18 or int(declared) > self.drain_request_bytes):
+            raise too_large if declared.isdigit() else RequestError(400, "the Content-Length header is not a number")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                chunks = None  # over the limit: drop what was read, drain the rest
+                if size > self.drain_request_bytes:
+                    break  # the connection is closed after the response
+            else:
+                chunks.append(chunk)
+        if chunks is None:
+            raise too_large
+        return b"".join(chunks)
+
+    def _parse_request(self, api, body: dict, protocol: str) -> ChatRequest:
+        """api.parse_request; a failure its checks did not foresee is still the request's fault
+        (it depends on nothing else): a 400, logged and counted (unexpected_errors["parse"])."""
+        try:
+            return api.parse_request(body)
+        except RequestError:
+            raise
+        except Exception as e:
+            self.stats.unexpected_errors["parse"] += 1
+            log.warning("loopback %s request: unforeseen parse failure", protocol, exc_info=True)
+            raise RequestError(400, f"the request does not follow the {protocol} schema ({type(e).__name__})") from None
+
+    async def _parse_json(self, raw: bytes):
+        """protocol.loads (bounded depth, number sizes, valid Unicode), in a worker thread for
+        large bodies."""
+        if len(raw) > self.thread_json_bytes:
+            return await asyncio.to_thread(loads, raw)
+        return loads(raw)
 
     def _authorized(self, request: Request) -> bool:
         auth = request.headers.get("authorization", "")
@@ -281,20 +439,36 @@ class LoopbackServer:
             return self._error(protocol, 401, "invalid API key")
         try:
             try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise RequestError(400, f"request body is not valid JSON: {e}")
+                raw = await self._read_body(request)
+            except ClientDisconnect:
+                raise RequestError(400, "the client disconnected while sending the request") from None
+            body = await self._parse_json(raw)
             if not isinstance(body, dict):
                 raise RequestError(400, "request body must be a JSON object")
             if sid is not None and sid not in self.sessions:
                 raise RequestError(404, f"unknown session {sid!r}: the framework opens sessions before handing out base URLs")
-            req = api.parse_request(body)
-            req.retry = retry_count(request) >= 1
+            req = self._parse_request(api, body, protocol)
+            req.retry, req.size = retry_count(request) >= 1, len(raw)
             reply, engine_s = await (self._side_turn(req) if sid is None else self._session_turn(sid, req))
         except RequestError as e:
-            return self._error(protocol, e.status, e.message, e.param, e.code)
-        except Exception as e:  # the engine failed: nothing was recorded
-            return self._error(protocol, 503 if "actor" in type(e).__name__.lower() else 500, f"generation failed: {type(e).__name__}: {e}")
+            return self._error(protocol, e.status, e.message, e.param, e.code, e.headers)
+        except EngineCallFailed as f:  # nothing was recorded; the client sees no traceback, pid, host or actor id
+            e = engine_error(f.error, self.retry_after_s)
+            if e is not None:
+                log.log(logging.WARNING if e.status >= 500 else logging.INFO, "loopback %s request: engine call failed, "
+                        "answered %d (session %s)", protocol, e.status, sid, exc_info=f.error)
+                return self._error(protocol, e.status, e.message, e.param, e.code, e.headers)
+            error_id = uuid.uuid4().hex[:12]
+            self.stats.unexpected_errors["internal"] += 1
+            log.error("loopback %s request: engine call failed (error %s, session %s)", protocol, error_id, sid, exc_info=f.error)
+            return self._error(protocol, 500, f"generation failed: internal engine error {type(unwrap(f.error)).__name__} "
+                                              f"(error id {error_id}); the detail is in the server's log")
+        except Exception:  # a failure no check foresaw: nothing was recorded; the detail goes to the log only
+            error_id = uuid.uuid4().hex[:12]
+            self.stats.unexpected_errors["internal"] += 1
+            log.error("loopback %s request failed (error %s, session %s)", protocol, error_id, sid, exc_info=True)
+            return self._error(protocol, 500, f"internal server error (error id {error_id}); the detail is in the "
+                                              f"server's log")
         self.stats.overhead_s.append(time.perf_counter() - t0 - engine_s)
         self.stats.engine_s.append(engine_s)
         if req.stream:
@@ -339,9 +513,13 @@ class LoopbackServer:
         if session_id not in self.sessions:
             raise KeyError(f"unknown session {session_id!r}")
         req = ChatRequest(messages=messages, tools=tools, sampling=copy.copy(sampling), max_tokens=sampling.max_tokens,
-                          sent={"temperature": sampling.temperature, "top_p": sampling.top_p})
+                          sent={"temperature": sampling.temperature, "top_p": sampling.top_p},
+                          size=sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 1024 for m in messages))
         fut = asyncio.run_coroutine_threadsafe(self._session_turn(session_id, req), self.loop)
-        reply, _ = await asyncio.wrap_future(fut)
+        try:
+            reply, _ = await asyncio.wrap_future(fut)
+        except EngineCallFailed as e:
+            raise e.error from None  # the framework's own loop sees the engine's exception
         return reply
 
     async def _session_turn(self, sid: str, req: ChatRequest):
@@ -349,7 +527,7 @@ class LoopbackServer:
         async with acc.lock:
             sampling, differing = self._policy_sampling(req)  # strict mode refuses here: nothing recorded
             req.sampling = sampling  # stop strings are applied to the reply from here
-            plan = self._plan(acc, req)
+            plan = await self._plan(acc, req)  # render + encode in a worker thread
             if plan.cached is not None:
                 self.stats.retries_served_from_cache += 1
                 return plan.cached, 0.0
@@ -362,8 +540,10 @@ class LoopbackServer:
             t = time.perf_counter()
             try:
                 sample = await call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts)
-            except BaseException:
+            except BaseException as e:
                 acc.forget_last_request()  # its retry must not get an older identical request's reply
+                if isinstance(e, Exception):
+                    raise EngineCallFailed(e) from e
                 raise
             engine_s = time.perf_counter() - t
             if self.sessions.get(sid) is not acc:  # closed meanwhile (episode timed out): drop
@@ -374,26 +554,38 @@ class LoopbackServer:
             acc.record(plan, sample, reply.assistant_message(), reply=reply, sampling_overridden=bool(differing))
             return reply, engine_s
 
-    def _plan(self, acc: Accumulator, req: ChatRequest):
+    async def _plan(self, acc: Accumulator, req: ChatRequest):
+        """acc.plan (template render + encode); for a request over thread_plan_bytes in a worker
+        thread, so that a huge request does not stall the event loop and every other session
+        (the session's lock, held by the caller, keeps its turns in order; plan changes nothing)."""
         try:
+            if req.size > self.thread_plan_bytes:
+                return await asyncio.to_thread(acc.plan, req.messages, req.tools, retry=req.retry)
             return acc.plan(req.messages, req.tools, retry=req.retry)
         except Exception as e:  # template errors (e.g. a role it refuses) are the request's fault
-            raise RequestError(400, f"the chat template cannot render these messages: {e}", param="messages")
+            raise RequestError(400, f"the chat template cannot render these messages: {scrub(e)}", param="messages")
 
     async def _side_turn(self, req: ChatRequest):
         for n, v in req.sent.items():  # the agent's temperature/top_p are honoured; others cannot be
             if n not in ("temperature", "top_p") and differs(n, v, self.policy_sampling):
                 raise RequestError(400, f"'{n}' is not supported: the engine samples with temperature and top_p only", param=n)
+        fmt = threaded_format(self.fmt)
         try:
-            ids = self.fmt.encode(self.fmt.render(req.messages, req.tools, add_generation_prompt=True))
+            def prompt():
+                return fmt.encode(fmt.render(req.messages, req.tools, add_generation_prompt=True))
+
+            ids = await asyncio.to_thread(prompt) if req.size > self.thread_plan_bytes else prompt()
         except Exception as e:
-            raise RequestError(400, f"the chat template cannot render these messages: {e}", param="messages")
+            raise RequestError(400, f"the chat template cannot render these messages: {scrub(e)}", param="messages")
         room, _ = self._fit(req, req.sampling, len(ids))
         if not room:
             raise RequestError(400, f"the prompt is {len(ids)} tokens, but the context is {self.max_model_len} tokens",
                                param="messages", code="context_length_exceeded")
         t = time.perf_counter()
-        sample = await call_engine(self.side_engine, ids, req.sampling)
+        try:
+            sample = await call_engine(self.side_engine, ids, req.sampling)
+        except Exception as e:
+            raise EngineCallFailed(e) from e
         return self._reply(sample, req, len(ids)), time.perf_counter() - t
 
     def _reply(self, sample, req: ChatRequest, prompt_len: int) -> Reply:
@@ -428,5 +620,6 @@ class LoopbackServer:
             "sampling_overridden": self.stats.sampling_overridden + open_stats["sampling_overridden"],
             "sampling_refused": dict(self.stats.sampling_refused),
             "truncated_sessions": self.stats.truncated_sessions + sum(acc.truncated for acc in self.sessions.values()),
+            "unexpected_errors": dict(self.stats.unexpected_errors),
             "overhead_p50_s": pct(0.5), "overhead_p99_s": pct(0.99),
         }

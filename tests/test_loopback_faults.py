@@ -1,0 +1,400 @@
+"""Bad input and engine faults at the loopback server: every bad request is a 4xx and every
+outage a 503 (with Retry-After), in the protocol's own error shape, with no traceback, process
+id, address or actor id in the message; none of them changes anything already recorded.
+
+Real components throughout: the session's vLLM engine (tiny MoE), a reference engine actor that
+is killed for real, the stock SDKs and real HTTP. The cases are the ones a review found drawing
+500s: JSON nested 2,000-100,000 levels, integers of thousands of digits in temperature / seed /
+max_tokens, seeds outside vLLM's int64 range, `stop: [""]` and lone surrogates, a list as an
+OpenAI role, engine errors leaking Ray tracebacks, unbounded bodies tokenized on the event loop,
+and dead engines answering 500."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import threading
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+import ray
+
+from workbench.loopback.protocol import INT64_MAX, INT64_MIN, MAX_JSON_DEPTH, MAX_NUMBER_CHARS, MAX_STOP, MAX_STOP_CHARS
+from workbench.loopback.server import LoopbackServer
+from workbench.rollout.engine import SamplingConfig
+from workbench.rollout.router import EngineRouter
+from workbench.toy.models import load_tokenizer
+
+# what must never reach a client: tracebacks, file paths of frames, pids, IPv4 addresses, Ray
+# task names, actor/object ids (long hex)
+LEAK = re.compile(r"Traceback|File \"|\bpid\b|pid=|\b\d{1,3}(?:\.\d{1,3}){3}\b|ray::|actor_id|\b(?=[0-9a-f]*[a-f])[0-9a-f]{16,}\b")
+USER = [{"role": "user", "content": "Say something about books."}]
+
+
+class SessionTap:
+    """Passes every request to the real engine actor and keeps (session id, sample), so tests can
+    compare what a session recorded with what the engine sampled for it (a tap, not a fake)."""
+
+    routes_sessions = True  # the server passes the session id
+
+    def __init__(self, actor):
+        self.actor, self.samples = actor, []
+
+    async def generate(self, prompt_ids, sampling, session_id=None, return_routed_experts=False):
+        sample = await self.actor.generate.remote(prompt_ids, sampling)
+        self.samples.append((session_id, sample))
+        return sample
+
+
+@pytest.fixture(scope="module")
+def tokenizer(moe_path):
+    return load_tokenizer(moe_path)
+
+
+@pytest.fixture(scope="module")
+def server(vllm_moe, tokenizer):
+    srv = LoopbackServer(SessionTap(vllm_moe), tokenizer).start()
+    yield srv
+    srv.stop()
+
+
+def snapshot(server) -> dict:
+    """Everything recorded in every open session."""
+    return {sid: ([dataclasses.asdict(s) for s in acc.segments], acc.truncated) for sid, acc in server.sessions.items()}
+
+
+def sessions_with_a_turn(server):
+    """An OpenAI and an Anthropic session, each with one recorded turn."""
+    o, a = server.open_session(), server.open_session()
+    openai.OpenAI(base_url=server.base_url(o), api_key=server.api_key, max_retries=0).chat.completions.create(
+        model="p", messages=USER, max_tokens=4)
+    anthropic.Anthropic(base_url=server.base_url(a, "anthropic"), api_key=server.api_key, max_retries=0).messages.create(
+        model="p", messages=USER, max_tokens=4)
+    assert all(len(server.sessions[s].segments) == 1 for s in (o, a))
+    return o, a
+
+
+def nest(depth: int, kind: str = "array") -> str:
+    return ("[" * depth + "]" * depth) if kind == "array" else ('{"a":' * depth + "1" + "}" * depth)
+
+
+MSGS = json.dumps(USER)
+# (name, raw JSON body of an OpenAI request, text the message must hold, param or None)
+OPENAI_CASES = [
+    ("array nested 2,000 deep", f'{{"messages": {MSGS}, "max_tokens": 4, "x": {nest(2000)}}}', f"deeper than {MAX_JSON_DEPTH}", None),
+    ("array nested 100,000 deep", nest(100_000), f"deeper than {MAX_JSON_DEPTH}", None),
+    ("object nested 2,000 deep", f'{{"messages": {MSGS}, "metadata": {nest(2000, "object")}}}', f"deeper than {MAX_JSON_DEPTH}", None),
+    ("object nested 100,000 deep", nest(100_000, "object"), f"deeper than {MAX_JSON_DEPTH}", None),
+    ("nested 100 deep (parses, over the bound)", f'{{"messages": {MSGS}, "x": {nest(100)}}}', f"deeper than {MAX_JSON_DEPTH}", None),
+    ("content nested 3,000 deep", '{"messages": [{"role": "user", "content": ' + nest(3000) + "}]}", "deeper than", None),
+    ("temperature of 5,000 digits", f'{{"messages": {MSGS}, "temperature": {"7" * 5000}}}', f"at most {MAX_NUMBER_CHARS}", None),
+    ("seed of 5,000 digits", f'{{"messages": {MSGS}, "seed": {"9" * 5000}}}', "number literal of 5000 characters", None),
+    ("max_tokens of 5,000 digits", f'{{"messages": {MSGS}, "max_tokens": {"9" * 5000}}}', "number literal", None),
+    ("temperature 10**60", f'{{"messages": {MSGS}, "temperature": {10**60}}}', "'temperature' must be a number in [0, 2]", "temperature"),
+    ("temperature 1e999 (inf)", f'{{"messages": {MSGS}, "temperature": 1e999}}', "'temperature' must be a finite number", "temperature"),
+    ("temperature NaN", f'{{"messages": {MSGS}, "temperature": NaN}}', "not a JSON number", None),
+    ("top_p -Infinity", f'{{"messages": {MSGS}, "top_p": -Infinity}}', "not a JSON number", None),
+    ("seed 2**63", f'{{"messages": {MSGS}, "seed": {2**63}}}', "'seed' must be an integer in [-2**63, 2**63-1]", "seed"),
+    ("seed -2**63-1", f'{{"messages": {MSGS}, "seed": {INT64_MIN - 1}}}', "'seed' must be an integer in [-2**63, 2**63-1]", "seed"),
+    ("seed 2**64", f'{{"messages": {MSGS}, "seed": {2**64}}}', "'seed' must be an integer", "seed"),
+    ("seed 1.5", f'{{"messages": {MSGS}, "seed": 1.5}}', "'seed' must be int", "seed"),
+    ("max_tokens 2**63", f'{{"messages": {MSGS}, "max_tokens": {INT64_MAX + 1}}}', "'max_tokens' must be an integer in [1, 2**63-1]", "max_tokens"),
+    ("max_tokens 0", f'{{"messages": {MSGS}, "max_tokens": 0}}', "'max_tokens' must be an integer in [1,", "max_tokens"),
+    ("max_completion_tokens -5", f'{{"messages": {MSGS}, "max_completion_tokens": -5}}', "'max_completion_tokens' must be", "max_completion_tokens"),
+    ("n 10**40", f'{{"messages": {MSGS}, "n": {10**40}}}', "'n' must be an integer in [1, 2**63-1]", "n"),
+    ("top_logprobs 10**30", f'{{"messages": {MSGS}, "top_logprobs": {10**30}}}', "'top_logprobs' must be an integer in [0, 20]", "top_logprobs"),
+    ("top_k 1.5", f'{{"messages": {MSGS}, "top_k": 1.5}}', "'top_k' must be int", "top_k"),
+    ("top_k -7", f'{{"messages": {MSGS}, "top_k": -7}}', "'top_k' must be an integer in [-1,", "top_k"),
+    ("min_p 2", f'{{"messages": {MSGS}, "min_p": 2}}', "'min_p' must be a number in [0, 1]", "min_p"),
+    ("presence_penalty 10**50", f'{{"messages": {MSGS}, "presence_penalty": {10**50}}}', "in [-2, 2]", "presence_penalty"),
+    ("repetition_penalty 0", f'{{"messages": {MSGS}, "repetition_penalty": 0}}', "in (0, inf)", "repetition_penalty"),
+    ("logit_bias key not a token id", f'{{"messages": {MSGS}, "logit_bias": {{"x": 1}}}}', "token ids", "logit_bias"),
+    ("logit_bias value 1000", f'{{"messages": {MSGS}, "logit_bias": {{"5": 1000}}}}', "[-100, 100]", "logit_bias"),
+    ('stop [""]', f'{{"messages": {MSGS}, "stop": [""]}}', "empty stop string", "stop"),
+    ('stop ""', f'{{"messages": {MSGS}, "stop": ""}}', "empty stop string", "stop"),
+    ("stop with a lone surrogate", f'{{"messages": {MSGS}, "stop": ["ab\\ud800"]}}', "lone surrogate", "stop[0]"),
+    ("stop a lone low surrogate", f'{{"messages": {MSGS}, "stop": "\\udfff"}}', "lone surrogate", "stop"),
+    ("too many stop strings", json.dumps({"messages": USER, "stop": [f"s{i}" for i in range(MAX_STOP + 1)]}), f"at most {MAX_STOP}", "stop"),
+    ("stop string too long", json.dumps({"messages": USER, "stop": ["x" * (MAX_STOP_CHARS + 1)]}), f"at most {MAX_STOP_CHARS}", "stop"),
+    ("stop a number", f'{{"messages": {MSGS}, "stop": [5]}}', "'stop' must be a string or a list of strings", "stop"),
+    ("role is a list", json.dumps({"messages": [{"role": ["user"], "content": "x"}]}), "unknown role", "messages[0].role"),
+    ("role is an object", json.dumps({"messages": [{"role": {"a": 1}, "content": "x"}]}), "unknown role", "messages[0].role"),
+    ("content with a lone surrogate", '{"messages": [{"role": "user", "content": "hi \\ud83d there"}]}', "lone surrogate", "messages[0].content"),
+    ("key with a lone surrogate", '{"messages": [{"role": "user", "content": "hi", "\\udc00": 1}]}', "lone surrogate", None),
+    ("tool_call_id an object", json.dumps({"messages": USER + [{"role": "assistant", "content": "x"}, {"role": "tool", "tool_call_id": {"a": 1}, "content": "5"}]}),
+     "tool_call_id must be a string", None),
+    ("tool-call arguments nested 200 deep", json.dumps({"messages": USER + [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "calc", "arguments": nest(200)}}]},
+        {"role": "user", "content": "ok"}]}), "deeper than", None),
+    ("tool-call arguments with a 300-digit number", json.dumps({"messages": USER + [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "calc", "arguments": '{"a": ' + "1" * 300 + "}"}}]},
+        {"role": "user", "content": "ok"}]}), "number literal of 300", None),
+    ("tool-call arguments a list", json.dumps({"messages": USER + [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "calc", "arguments": [1]}}]}]}),
+     "must be a JSON string", None),
+    ("tool parameters a string", json.dumps({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}),
+     "'parameters' an object", "tools"),
+    ("stream_options.include_usage a string", json.dumps({"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}}),
+     "include_usage", None),
+    ("invalid UTF-8", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "not valid UTF-8", None),
+]
+ANTHROPIC_CASES = [
+    ("array nested 100,000 deep", nest(100_000), f"deeper than {MAX_JSON_DEPTH}", None),
+    ("object nested 2,000 deep", f'{{"messages": {MSGS}, "max_tokens": 4, "metadata": {nest(2000, "object")}}}', "deeper than", None),
+    ("max_tokens of 5,000 digits", f'{{"messages": {MSGS}, "max_tokens": {"9" * 5000}}}', "number literal", None),
+    ("max_tokens 2**64", f'{{"messages": {MSGS}, "max_tokens": {2**64}}}', "'max_tokens' must be an integer in [1, 2**63-1]", None),
+    ("temperature of 5,000 digits", f'{{"messages": {MSGS}, "max_tokens": 4, "temperature": {"1" * 5000}}}', "number literal", None),
+    ("temperature 10**60", f'{{"messages": {MSGS}, "max_tokens": 4, "temperature": {10**60}}}', "'temperature' must be a number in [0, 2]", None),
+    ("seed 2**63 (an extra field)", f'{{"messages": {MSGS}, "max_tokens": 4, "seed": {2**63}}}', "'seed' must be an integer in [-2**63, 2**63-1]", None),
+    ("top_k 2.5", f'{{"messages": {MSGS}, "max_tokens": 4, "top_k": 2.5}}', "'top_k' must be int", None),
+    ('stop_sequences [""]', f'{{"messages": {MSGS}, "max_tokens": 4, "stop_sequences": [""]}}', "empty stop string", None),
+    ("stop_sequences with a lone surrogate", f'{{"messages": {MSGS}, "max_tokens": 4, "stop_sequences": ["\\ud800"]}}', "lone surrogate", None),
+    ("role is a list", json.dumps({"max_tokens": 4, "messages": [{"role": ["user"], "content": "x"}]}), "unknown role", None),
+    ("text block with a number as text", json.dumps({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
+     "text must be a string", None),
+    ("block type a list", json.dumps({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": ["text"]}]}]}), "with a 'type'", None),
+    ("system with a lone surrogate", f'{{"messages": {MSGS}, "max_tokens": 4, "system": "\\udbff"}}', "lone surrogate", None),
+    ("tool input_schema a list", json.dumps({"max_tokens": 4, "messages": USER, "tools": [{"name": "f", "input_schema": [1]}]}), "'input_schema' an object", None),
+    ("tool_use_id an object", json.dumps({"max_tokens": 4, "messages": USER + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "calc", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": {"a": 1}, "content": "5"}]}]}), "tool_use_id must be a string", None),
+]
+
+
+def _post(http, url, headers, body):
+    return http.post(url, headers={**headers, "content-type": "application/json"},
+                     content=body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass"))
+
+
+def test_bad_requests_are_400s_in_both_shapes_and_change_nothing(server):
+    """Each case above, to a recorded session of its protocol and to the side route: a 400 in
+    the protocol's error shape naming the field and the bound, no leak, no unforeseen failure,
+    and every session's record (segments, truncated) exactly as before. The sessions then go on."""
+    o, a = sessions_with_a_turn(server)
+    before, n_samples = snapshot(server), len(server.engine.samples)
+    key = {"Authorization": f"Bearer {server.api_key}"}
+    akey = {"x-api-key": server.api_key, "anthropic-version": "2023-06-01"}
+    with httpx.Client(timeout=60) as http:
+        for name, body, text, param in OPENAI_CASES:
+            for url in (server.base_url(o) + "/chat/completions", server.base_url(None) + "/chat/completions"):
+                r = _post(http, url, key, body)
+                assert r.status_code == 400, (name, r.status_code, r.text[:300])
+                err = r.json()["error"]
+                assert text in err["message"] and err["type"] == "invalid_request_error", (name, err)
+                assert param is None or err["param"] == param, (name, err)
+                assert not LEAK.search(err["message"]) and len(err["message"]) < 400, (name, err)
+        for name, body, text, _ in ANTHROPIC_CASES:
+            for url in (server.base_url(a, "anthropic") + "/v1/messages", server.base_url(None, "anthropic") + "/v1/messages"):
+                r = _post(http, url, akey, body)
+                assert r.status_code == 400, (name, r.status_code, r.text[:300])
+                j = r.json()
+                assert j["type"] == "error" and j["error"]["type"] == "invalid_request_error", (name, j)
+                assert text in j["error"]["message"] and not LEAK.search(j["error"]["message"]), (name, j)
+    assert snapshot(server) == before and len(server.engine.samples) == n_samples  # nothing sampled, nothing changed
+    assert server.summary()["unexpected_errors"] == {}  # every case met a check that names it
+    # the SDKs surface them as their own 400s
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        openai.OpenAI(base_url=server.base_url(o), api_key=server.api_key, max_retries=0).chat.completions.create(
+            model="p", messages=USER, max_tokens=4, seed=2**64)
+    with pytest.raises(anthropic.BadRequestError, match="empty stop string"):
+        anthropic.Anthropic(base_url=server.base_url(a, "anthropic"), api_key=server.api_key, max_retries=0).messages.create(
+            model="p", messages=USER, max_tokens=4, stop_sequences=[""])
+    # accepted edges: vLLM's seed range ends, a stop string at the bound
+    client = openai.OpenAI(base_url=server.base_url(None), api_key=server.api_key, max_retries=0)
+    for seed in (INT64_MIN, INT64_MAX, -1):
+        assert client.chat.completions.create(model="p", messages=USER, max_tokens=2, seed=seed).usage.completion_tokens > 0
+    client.chat.completions.create(model="p", messages=USER, max_tokens=2, stop=["y" * MAX_STOP_CHARS] * MAX_STOP)
+    assert snapshot(server) == before
+    for sid in (o, a):
+        seg, = server.close_session(sid)
+        assert seg.stats["turns"] == 1 and seg.stats["identity_mismatch"] == 0
+
+
+def test_engine_refusal_is_a_400_and_an_engine_bug_a_500_without_internals(vllm_moe, tokenizer):
+    """Real engine-side errors. The server believes in a 4096-token context, the vLLM engine
+    has 1024: vLLM's own validation refuses the long prompt (VLLMValidationError inside the Ray
+    actor, a RayTaskError here, whose text carries the traceback, pid, IP and actor id): a 400
+    naming vLLM's reason and nothing else. Asking the CPU engine for routed experts raises
+    NotImplementedError inside the actor: a 500 naming the class and an error id, no internals."""
+    long_msgs = [{"role": "user", "content": "books and code " * 500}]
+    with LoopbackServer(SessionTap(vllm_moe), tokenizer, max_model_len=4096) as srv:
+        o = srv.open_session()
+        client = openai.OpenAI(base_url=srv.base_url(o), api_key=srv.api_key, max_retries=0)
+        client.chat.completions.create(model="p", messages=USER, max_tokens=4)
+        before = snapshot(srv)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="p", messages=long_msgs, max_tokens=4)
+        msg = e.value.body["message"]
+        assert msg.startswith("the engine refused the request:") and "maximum context length is 1024" in msg and not LEAK.search(msg), msg
+        assert e.value.body["code"] == "engine_refused"
+        a = anthropic.Anthropic(base_url=srv.base_url(o, "anthropic"), api_key=srv.api_key, max_retries=0)
+        with pytest.raises(anthropic.BadRequestError, match="maximum context length is 1024") as e:
+            a.messages.create(model="p", messages=long_msgs, max_tokens=4)
+        assert not LEAK.search(e.value.body["error"]["message"])
+        assert snapshot(srv) == before
+        # the session goes on: its retry cache was cleared, its record is intact
+        r = client.chat.completions.create(model="p", messages=USER + [{"role": "assistant", "content": "x"}], max_tokens=4)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        srv.close_session(o)
+    with LoopbackServer(vllm_moe, tokenizer, return_routed_experts=True) as srv:  # the actor itself: its real error
+        o = srv.open_session()
+        with pytest.raises(openai.InternalServerError) as e:
+            openai.OpenAI(base_url=srv.base_url(o), api_key=srv.api_key, max_retries=0).chat.completions.create(
+                model="p", messages=USER, max_tokens=4)
+        msg = e.value.body["message"]
+        assert e.value.status_code == 500 and "NotImplementedError" in msg and "error id" in msg and not LEAK.search(msg), msg
+        assert srv.sessions[o].segments == [] and srv.summary()["unexpected_errors"] == {"internal": 1}
+
+
+@pytest.fixture
+def doomed_engine(ray_local, moe_path):
+    """A reference engine actor of this test's own, to be killed."""
+    from workbench.rollout.actor import launch_engine
+
+    actor = launch_engine("reference", model_path=str(moe_path), seed=3)
+    yield actor
+    ray.kill(actor)
+
+
+def test_dead_engines_are_503s_with_retry_after(doomed_engine, tokenizer):
+    """The engine actor is killed for real (ray.kill): a recorded turn and a side call get a 503
+    with Retry-After in both protocols (the SDKs: InternalServerError / ServiceUnavailableError),
+    no Ray internals; the stock SDK honours the hint when it retries. Through an EngineRouter whose
+    engines are all dead: the same. The framework's own loop (turn()) still sees the engine's
+    exception. Nothing recorded changes."""
+    srv = LoopbackServer(doomed_engine, tokenizer).start()
+    routed = LoopbackServer(EngineRouter([doomed_engine]), tokenizer).start()
+    try:
+        o = srv.open_session()
+        client = openai.OpenAI(base_url=srv.base_url(o), api_key=srv.api_key, max_retries=0)
+        client.chat.completions.create(model="p", messages=USER, max_tokens=4)
+        before = snapshot(srv)
+        ray.kill(doomed_engine)
+        time.sleep(0.5)
+        for s in (srv, routed):
+            sid = o if s is srv else s.open_session()
+            with pytest.raises(openai.InternalServerError) as e:
+                openai.OpenAI(base_url=s.base_url(sid), api_key=s.api_key, max_retries=0).chat.completions.create(
+                    model="p", messages=USER + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}], max_tokens=4)
+            assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+            assert e.value.body["code"] == "engine_unavailable" and not LEAK.search(e.value.body["message"]), e.value.body
+            with pytest.raises(anthropic.ServiceUnavailableError) as e:
+                anthropic.Anthropic(base_url=s.base_url(None, "anthropic"), api_key=s.api_key, max_retries=0).messages.create(
+                    model="p", messages=USER, max_tokens=4)
+            assert e.value.response.headers["retry-after"] == "1" and e.value.body["error"]["type"] == "overloaded_error"
+            assert not LEAK.search(e.value.body["error"]["message"])
+        assert snapshot(srv) == before
+        # the SDK retries a 503 after the Retry-After it was given (1 s), not its own shorter backoff
+        n0, t0 = srv.stats.requests["openai:session"], time.perf_counter()
+        with pytest.raises(openai.InternalServerError):
+            openai.OpenAI(base_url=srv.base_url(o), api_key=srv.api_key, max_retries=1).chat.completions.create(
+                model="p", messages=USER, max_tokens=4)
+        assert srv.stats.requests["openai:session"] == n0 + 2 and time.perf_counter() - t0 >= 1.0
+        with pytest.raises(ray.exceptions.RayActorError):  # turn(): the engine's own exception
+            asyncio.run(srv.turn(o, USER, None, SamplingConfig(max_tokens=4)))
+        assert snapshot(srv) == before and srv.summary()["errors"] == {503: 4} and srv.summary()["unexpected_errors"] == {}
+    finally:
+        srv.stop()
+        routed.stop()
+
+
+def test_request_size_limit_is_a_413_read_incrementally(server):
+    """A body over max_request_bytes gets a 413 in the protocol's shape: declared
+    (Content-Length) or streamed without a length (chunked), and through both SDKs; a body at the
+    limit is served. The server buffers no more than the limit and keeps serving."""
+    assert LoopbackServer.max_request_bytes == 4 * 2**20
+    server.max_request_bytes = 64 * 1024
+    try:
+        o, a = sessions_with_a_turn(server)
+        before = snapshot(server)
+        big = [{"role": "user", "content": "x" * 70_000}]
+        with pytest.raises(openai.APIStatusError) as e:
+            openai.OpenAI(base_url=server.base_url(o), api_key=server.api_key, max_retries=0).chat.completions.create(
+                model="p", messages=big, max_tokens=4)
+        assert e.value.status_code == 413 and "65536 bytes" in e.value.body["message"] and e.value.body["code"] == "request_too_large"
+        with pytest.raises(anthropic.RequestTooLargeError) as e:
+            anthropic.Anthropic(base_url=server.base_url(a, "anthropic"), api_key=server.api_key, max_retries=0).messages.create(
+                model="p", messages=big, max_tokens=4)
+        assert e.value.body["error"]["type"] == "request_too_large"
+
+        def chunks():  # no Content-Length: Transfer-Encoding chunked
+            yield b'{"messages": [{"role": "user", "content": "'
+            for _ in range(40):
+                yield b"y" * 4096
+            yield b'"}]}'
+
+        with httpx.Client(timeout=60) as http:
+            r = http.post(server.base_url(o) + "/chat/completions", content=chunks(),
+                          headers={"Authorization": f"Bearer {server.api_key}", "content-type": "application/json"})
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+            at_limit = json.dumps({"messages": [{"role": "user", "content": "z"}], "max_tokens": 2, "pad": ""}).encode()
+            at_limit = at_limit[:-2] + b"p" * (64 * 1024 - len(at_limit)) + b'"}'
+            assert len(at_limit) == 64 * 1024
+            r = http.post(server.base_url(None) + "/chat/completions", content=at_limit,
+                          headers={"Authorization": f"Bearer {server.api_key}", "content-type": "application/json"})
+            assert r.status_code == 200, r.text
+        assert snapshot(server) == before
+    finally:
+        del server.max_request_bytes  # back to the class default
+    for sid in (o, a):
+        server.close_session(sid)
+
+
+def test_a_huge_request_is_tokenized_off_the_event_loop(server):
+    """A 3 MB request (2M tokens: about 4 s of tokenizing on 2 busy cores) to one session
+    while another session's agent keeps working: the template render and the encode run in a
+    worker thread with the GIL released, so the event loop keeps answering (/health, at most
+    1 s apart) and the other session's turns complete meanwhile. (Planned on the event loop, as
+    before, or in a thread with tokenizers' GIL-holding `encode`, every other request waits
+    for the whole tokenization: both fail this test.)"""
+    big_sid, sid = server.open_session(), server.open_session()
+    client, msgs = openai.OpenAI(base_url=server.base_url(sid), api_key=server.api_key, max_retries=0), list(USER)
+    r = client.chat.completions.create(model="p", messages=msgs, max_tokens=2)
+    msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
+    huge = [{"role": "user", "content": "words and more words, " * 140_000}]
+    done, out = threading.Event(), {}
+
+    def huge_request():
+        t = time.perf_counter()
+        r = openai.OpenAI(base_url=server.base_url(big_sid), api_key=server.api_key, max_retries=0, timeout=120).chat.completions.create(
+            model="p", messages=huge, max_tokens=4)
+        out["seconds"], out["reply"] = time.perf_counter() - t, r
+        done.set()
+
+    pings = []  # when each /health answer arrived: a stalled event loop (or a held GIL) is a long interval
+
+    def pinger():
+        with httpx.Client() as http:
+            while not done.is_set():
+                assert http.get(server.url + "/health").status_code == 200
+                pings.append(time.perf_counter())
+                time.sleep(0.01)
+
+    n0 = server.stats.requests["openai:session"]
+    threads = [threading.Thread(target=huge_request), threading.Thread(target=pinger)]
+    for th in threads:
+        th.start()
+    turns = 0
+    while server.stats.requests["openai:session"] == n0:  # the huge request has arrived
+        time.sleep(0.01)
+    time.sleep(0.3)  # ... and is being tokenized
+    while turns < 3 and not done.is_set():  # the other session's agent goes on meanwhile
+        r = client.chat.completions.create(model="p", messages=msgs, max_tokens=2)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"more {turns}"}]
+        turns += 1
+    turns_during = turns if not done.is_set() else turns - 1
+    for th in threads:
+        th.join()
+    gap = max((b - a for a, b in zip(pings, pings[1:])), default=float("inf"))
+    assert out["seconds"] > 2.0, out  # it really was a long tokenization
+    assert out["reply"].choices[0].finish_reason == "length" and out["reply"].usage.prompt_tokens > 1_500_000  # no room: truncated, nothing sampled
+    assert turns_during == 3 and gap < 1.0, (gap, turns_during, out["seconds"])
+    assert server.sessions[big_sid].segments == [] and server.sessions[big_sid].truncated
+    seg, = server.close_session(sid)
+    assert seg.stats["turns"] == 4 and seg.seal_reason == "episode_end"
+    server.close_session(big_sid)
