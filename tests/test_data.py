@@ -1,0 +1,91 @@
+"""Prompt data from files (workbench.data): GSM8K-format field mapping over JSONL, Parquet and
+`datasets` directories, the seeded shuffle per epoch, and positions that a resumed run can
+continue from. No engine: these are pure functions of the files."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from workbench.data import FIELD_PRESETS, TaskDataset, final_answer, load_records, load_tasks
+from workbench.toy.word_problems import SHIPPED, word_problems, write_shipped
+
+TRAIN = SHIPPED / "word_problems_train.jsonl"
+
+
+def test_shipped_set_is_generated_and_gsm8k_format(tmp_path):
+    # the shipped files are exactly what the generator writes (regenerable, seeded)
+    for made in write_shipped(tmp_path):
+        assert made.read_bytes() == (SHIPPED / made.name).read_bytes()
+    rows = load_records(TRAIN)
+    assert len(rows) == 128 and set(rows[0]) == {"question", "answer"}
+    for r in rows:
+        # every worked step's calculator note is right, and the last one is the final answer
+        notes = re.findall(r"<<([\d+\-*/ ]+)=(\d+)>>", r["answer"])
+        assert notes and all(eval(expr) == int(val) for expr, val in notes)
+        assert final_answer(r["answer"]) == notes[-1][1]
+
+
+def test_gsm8k_fields_from_jsonl_parquet_and_datasets_dir(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = word_problems(6, seed=5) + [{"question": "Lin has 1,000 pens and buys 234. How many?",
+                                         "answer": "1,000 + 234 = <<1000+234=1234>>1234\n#### 1,234"}]
+    jsonl = tmp_path / "gsm.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "gsm.parquet")
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "gsm_ds"))
+
+    from_jsonl = load_tasks(jsonl, fields="gsm8k")
+    assert [t.label for t in from_jsonl] == [final_answer(r["answer"]) for r in rows]
+    assert from_jsonl[-1].label == "1234"  # after '####', thousands separator removed
+    t0 = from_jsonl[0]
+    assert t0.messages == [{"role": "user", "content": rows[0]["question"]}]
+    assert t0.info["solution"] == rows[0]["answer"] and t0.id == "gsm:0"
+    for other in (load_tasks(tmp_path / "gsm.parquet", fields="gsm8k"),
+                  load_tasks(tmp_path / "gsm_ds", fields="gsm8k", split="test")):
+        assert [(t.messages, t.label, t.info) for t in other] == [(t.messages, t.label, t.info) for t in from_jsonl]
+    # a dict mapping with a prompt template and a system message; unmapped columns go to info
+    custom = load_tasks(jsonl, fields={"label": "answer", "final_answer": "####"}, template="Q: {question}\nA:", limit=2)
+    assert len(custom) == 2 and custom[0].messages[0]["content"] == f"Q: {rows[0]['question']}\nA:"
+    assert custom[0].info == {"question": rows[0]["question"], "solution": rows[0]["answer"]}
+    assert FIELD_PRESETS["gsm8k"]["prompt"] == "question"
+
+
+def test_field_mapping_errors_name_what_is_wrong(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"q": "?", "answer": "4"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl\[0\]: no column\(s\) \['question'\] .* has \['answer', 'q'\]"):
+        load_tasks(path, fields="gsm8k")
+    with pytest.raises(ValueError, match=r"bad.jsonl\[0\]: no '####' final answer in '4'"):
+        load_tasks(path, fields={"prompt": "q", "label": "answer", "final_answer": "####"})
+    with pytest.raises(ValueError, match="unknown field preset 'gsm'"):
+        load_tasks(path, fields="gsm")
+    with pytest.raises(ValueError, match=r"\['question'\] are not task fields"):
+        load_tasks(path, fields={"question": "q"})
+    (tmp_path / "x.txt").write_text("{}")
+    with pytest.raises(ValueError, match="unsupported data file"):
+        load_records(tmp_path / "x.txt")
+
+
+def test_seeded_shuffle_per_epoch_and_positions():
+    ds = TaskDataset.from_file(TRAIN, fields="gsm8k", seed=7)
+    n = len(ds)
+    ids = [t.id for t in ds.take(0, 3 * n)]
+    epochs = [ids[e * n:(e + 1) * n] for e in range(3)]
+    # each epoch serves every task exactly once, in its own order, the same for the same seed
+    assert all(sorted(e) == sorted(t.id for t in ds.tasks) for e in epochs)
+    assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != [t.id for t in ds.tasks]
+    assert [t.id for t in TaskDataset.from_file(TRAIN, fields="gsm8k", seed=7).take(0, 3 * n)] == ids
+    assert [t.id for t in TaskDataset.from_file(TRAIN, fields="gsm8k", seed=8).take(0, n)] != epochs[0]
+    # take(position, k) is a pure function: a run resumed at position p draws what it would have
+    for p, k in ((0, 5), (n - 2, 5), (2 * n + 3, 4)):
+        assert [t.id for t in ds.take(p, k)] == ids[p:p + k]
+    assert ds.epoch(n - 1) == 0 and ds.epoch(n) == 1
+    assert [t.id for t in ds(4, 3)] == ids[12:16]  # the plain source(n, step) contract: position step * n
+    plain = TaskDataset(ds.tasks, shuffle=False)
+    assert [t.id for t in plain.take(n - 1, 2)] == [ds.tasks[-1].id, ds.tasks[0].id]
