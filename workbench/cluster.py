@@ -149,3 +149,61 @@ def cluster_gpus() -> int:
     import ray
 
     return int(ray.cluster_resources().get("GPU", 0))
+
+
+def load_config_file(path: str) -> dict:
+    """A session config file: JSON, or YAML (.yaml/.yml), holding WorkbenchConfig fields."""
+    with open(path) as f:
+        text = f.read()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        import json
+
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config file holds a mapping of WorkbenchConfig fields, got {type(data).__name__}")
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m workbench.cluster plan --nodes 2 --gpus-per-node 8 [--config FILE]`: which
+    actor goes where (workbench.placement), or why the shape cannot fit (exit status 2)."""
+    import argparse
+    import sys
+
+    from .placement import ClusterSpec, PlacementError, plan_inputs, plan_placement
+
+    parser = argparse.ArgumentParser(prog="python -m workbench.cluster")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="print the placement of trainer ranks and engines on a cluster of this shape")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--config", help="a session config file (JSON or YAML of WorkbenchConfig fields)")
+    p.add_argument("--trainer-ranks", type=int, help="overrides the config's trainer_ranks")
+    p.add_argument("--engines", type=int, help="overrides the config's num_engines")
+    p.add_argument("--tensor-parallel-size", type=int, help="overrides the config's engine_kwargs.tensor_parallel_size")
+    p.add_argument("--mode", choices=("split", "colocated"), help="overrides the config's placement")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config_file(args.config) if args.config else {}
+        inputs = plan_inputs(config)
+        for key, value in (("trainer_ranks", args.trainer_ranks), ("num_engines", args.engines),
+                           ("tensor_parallel_size", args.tensor_parallel_size), ("mode", args.mode)):
+            if value is not None:
+                inputs[key] = value
+        if inputs["mode"] == "none":
+            print("placement 'none': Ray schedules each actor where it fits; there is no plan to print")
+            return 0
+        plan = plan_placement(ClusterSpec.uniform(args.nodes, args.gpus_per_node), **inputs)
+    except (PlacementError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(plan.render())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -77,6 +77,10 @@ class WorkbenchConfig:
     num_engines: int = 1
     num_runners: int = 1
     trainer_ranks: int = 2
+    # on a GPU cluster: "split" (trainer ranks and engines on their own GPUs, each pinned to a node
+    # by a placement group: workbench.placement), "colocated" (rank i and engine i share GPU i) or
+    # "none" (Ray schedules each actor where it fits). On CPU (no GPUs) nothing is placed.
+    placement: str = "split"
     max_tokens: int = 8  # per turn
     # the policy's sampling: the engine samples every recorded turn at this temperature (top_p 1)
     # and the trainer computes log-probs at it; an agent's own temperature/top_p on the wire is
@@ -119,6 +123,8 @@ class WorkbenchConfig:
 
         if self.backend not in ENGINE_BACKENDS:
             raise ConfigError(f"backend {self.backend!r} unknown; registered engines: {sorted(ENGINE_BACKENDS)}")
+        if self.placement not in ("split", "colocated", "none"):
+            raise ConfigError(f"placement {self.placement!r} unknown: 'split', 'colocated' or 'none' (workbench.placement)")
         if self.sampling not in ("override", "strict"):
             raise ConfigError(f"sampling {self.sampling!r} unknown: 'override' (the policy's values replace an agent's, "
                               f"counted) or 'strict' (an agent's differing values are refused with a 400)")
@@ -200,9 +206,14 @@ class Workbench:
         check_ray_address(address)  # a non-local cluster only with its token, refused before anything starts
         self._owns_ray = not ray.is_initialized() and address is None
         self.engines, self._rollout, self._trainer = [], None, None
+        self.placement = None  # workbench.placement.Placement on a GPU cluster (cfg.placement)
         bar = tqdm(total=4 + cfg.num_engines, desc="connect", unit="part")
         try:
             bar.set_postfix_str("ray"); init_ray(address); bar.update()
+            if cfg.placement != "none" and cluster_gpus():  # before any actor takes a GPU
+                from .placement import ClusterSpec, Placement, plan_inputs, plan_placement
+
+                self.placement = Placement.create(plan_placement(ClusterSpec.from_ray(), **plan_inputs(cfg)))
             self.model_path = str(NAMED_MODELS[cfg.model]() if cfg.model in NAMED_MODELS else Path(cfg.model).resolve())
             self.tokenizer = load_tokenizer(self.model_path)
             # one profile for every part (engine, server, runners, trainer); the session's fields win
@@ -216,9 +227,15 @@ class Workbench:
             engine_kwargs = {"max_model_len": self.profile.max_model_len, "dtype": self.profile.dtype,
                              **({"enable_return_routed_experts": True} if capture and cfg.backend == "vllm" else {}),
                              **cfg.engine_kwargs}
+            if self.placement is not None and cfg.backend == "vllm" and engine_kwargs.get("tensor_parallel_size", 1) > 1:
+                # inside a placement group vLLM would default to its Ray executor and look for one
+                # bundle per worker; the engine's actor holds all its GPUs, so its workers are processes
+                engine_kwargs.setdefault("distributed_executor_backend", "mp")
             for i in range(cfg.num_engines):
                 bar.set_postfix_str(f"{cfg.backend} engine {i + 1}/{cfg.num_engines}")
-                self.engines.append(launch_engine(cfg.backend, model_path=self.model_path, seed=cfg.seed + i, **engine_kwargs))
+                self.engines.append(launch_engine(cfg.backend, model_path=self.model_path, seed=cfg.seed + i,
+                                                  actor_options=self.placement and self.placement.options("engine", i),
+                                                  **engine_kwargs))
                 bar.update()
             bar.set_postfix_str("rollout runners")
             self._rollout = Rollout(cfg.agent, self.engines, self.model_path, num_runners=cfg.num_runners,
@@ -228,7 +245,9 @@ class Workbench:
             bar.update()
             bar.set_postfix_str(f"trainer ({cfg.trainer_ranks} ranks)")
             self._trainer = Trainer(self.model_path, world_size=cfg.trainer_ranks, profile=self.profile,
-                                    cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature))
+                                    cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature),
+                                    actor_options=self.placement and [self.placement.options("trainer", r)
+                                                                      for r in range(cfg.trainer_ranks)])
             bar.update()
             bar.set_postfix_str("weight sync")
             if cfg.engine_kwargs.get("weight_transfer") == "nccl":  # GPU: join the engines' NCCL group once
@@ -386,6 +405,9 @@ class Workbench:
             except Exception as err:
                 print(f"workbench: engine shutdown: {err}")
         self.engines, self._rollout, self._trainer = [], None, None
+        if getattr(self, "placement", None) is not None:  # the GPUs it reserved, back to the cluster
+            self.placement.remove()
+            self.placement = None
         if self._owns_ray:
             shutdown_ray()
 

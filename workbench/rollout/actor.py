@@ -59,9 +59,11 @@ class EngineHost:
         await self.engine.shutdown()
 
 
-def launch_engine(backend: str, name: str | None = None, env: dict | None = None, keep_log: bool = False, **engine_kwargs):
+def launch_engine(backend: str, name: str | None = None, env: dict | None = None, keep_log: bool = False,
+                  actor_options: dict | None = None, **engine_kwargs):
     """Start an engine actor, wait until its model is loaded, and return the actor handle.
-    Stop it with `stop_engine(handle)`."""
+    Stop it with `stop_engine(handle)`. `actor_options`: Ray actor options over the defaults
+    (workbench.placement's Placement.options("engine", i): its GPUs and placement-group bundle)."""
     import ray
 
     from ..cluster import cluster_gpus
@@ -74,6 +76,7 @@ def launch_engine(backend: str, name: str | None = None, env: dict | None = None
         options["name"] = name
     if env:
         options["runtime_env"] = {"env_vars": env}
+    options.update(actor_options or {})
     actor = ray.remote(EngineHost).options(**options).remote(backend, engine_kwargs, keep_log)
     ray.get(actor.start.remote())
     return actor

@@ -102,9 +102,14 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, e
 
 
 def free_port() -> int:
+    """A TCP port free on every interface of this host (a rendezvous on the cluster network
+    listens on all of them, not only on loopback)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
+
+
+RENDEZVOUS_TIMEOUT_S = 600  # how long ranks wait for each other (loading a large model on every rank comes first)
 
 
 def _sum_replay(parts: list) -> dict:
@@ -123,15 +128,49 @@ def replay_summary(parts: list[dict]) -> dict:
 
 
 class TrainerWorker:
-    """One rank (Ray actor body)."""
+    """One rank (Ray actor body). Built in two calls: the constructor only records its place;
+    rank 0's `rendezvous()` opens the process group's store on its own node; then every rank's
+    `setup(host, port)` joins it, loads and shards the model."""
 
-    def __init__(self, rank: int, world_size: int, init_method: str, model_path: str, cfg: TrainerConfig):
+    def __init__(self, rank: int, world_size: int, model_path: str, cfg: TrainerConfig):
+        self.rank, self.world_size, self.cfg, self.model_path = rank, world_size, cfg, model_path
+        self._store = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: the process group's TCP store, listening on this node at a port the OS picks
+        here (port 0: free on this node by construction, and held from now on, so no other
+        process can take it between choosing and binding). Returns (this node's IP, the port):
+        what the other ranks, on any node, connect to."""
+        import datetime
+
+        import ray
+        from torch.distributed import TCPStore
+
+        host = ray.util.get_node_ip_address()
+        self._store = TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+        return host, self._store.port
+
+    def node(self) -> dict:
+        """Where this rank runs: Ray node id and IP, and the process group's backend."""
+        import ray
         import torch.distributed as dist
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "backend": dist.get_backend() if dist.is_initialized() else None}
+
+    def setup(self, host: str, port: int) -> int:
+        """Join the process group at rank 0's store (NCCL on GPUs, gloo on CPU), then load the
+        model and shard it."""
+        import datetime
+
+        import torch.distributed as dist
+        from torch.distributed import TCPStore
         from torch.distributed.fsdp import fully_shard
 
         from ..toy.models import load_hf_model
 
-        self.rank, self.world_size, self.cfg = rank, world_size, cfg
+        rank, world_size, cfg, model_path = self.rank, self.world_size, self.cfg, self.model_path
         torch.manual_seed(cfg.seed)
         if torch.cuda.is_available():
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
@@ -141,7 +180,9 @@ class TrainerWorker:
             self.device = torch.device("cpu")
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
             backend = "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+        store = self._store if rank == 0 else TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         self.model = load_hf_model(model_path, dtype=getattr(torch, cfg.dtype)).to(self.device)
         if cfg.activation_checkpointing:
             # non-reentrant: the recompute runs inside backward, where routing_replay's hooks
@@ -164,6 +205,7 @@ class TrainerWorker:
                 fully_shard(layer, **shard_kwargs)
             fully_shard(self.ref_model, **shard_kwargs)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return rank
 
     def ready(self) -> int:
         return self.rank
@@ -356,12 +398,31 @@ class TrainerWorker:
             dist.destroy_process_group()
 
 
+def _get_all(refs: list) -> list:
+    """ray.get of every ref, raising as soon as any fails: a rank that fails to load leaves the
+    others waiting in the rendezvous, so waiting on them in order would hang until its timeout."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+    return ray.get(refs)
+
+
 class Trainer:
     """Driver-side handle over `world_size` TrainerWorker actors."""
 
-    def __init__(self, model_path: str, world_size: int = 2, cfg: TrainerConfig | None = None, address: str = "127.0.0.1",
-                 profile=None):
-        """`profile` (workbench.profiles.ModelProfile; None: read off the checkpoint): an MoE
+    def __init__(self, model_path: str, world_size: int = 2, cfg: TrainerConfig | None = None, profile=None,
+                 actor_options: list[dict] | None = None):
+        """`actor_options`: per rank, Ray actor options that place it (workbench.placement's
+        Placement.options("trainer", rank): its GPU and placement-group bundle); None: one GPU per
+        rank where the cluster has GPUs, Ray chooses where.
+
+        The ranks meet at rank 0: it opens the process group's store on its own node (its IP, a
+        port free there), so ranks on other nodes can join; nothing of the driver's host is used.
+
+        `profile` (workbench.profiles.ModelProfile; None: read off the checkpoint): an MoE
         profile that captures experts must name a router whose replay rule is registered, or
         routing replay could not reproduce the rollout's forward (refused here, not mid-run)."""
         import ray
@@ -383,13 +444,27 @@ class Trainer:
         self.version = 0
         self.model_path = str(model_path)
         self.nccl = None  # NcclSyncConfig once init_nccl_sync ran (GPU weight sync)
-        init_method = f"tcp://{address}:{free_port()}"
         from ..cluster import cluster_gpus
 
+        if actor_options is not None and len(actor_options) != world_size:
+            raise ValueError(f"actor_options has {len(actor_options)} entries for {world_size} ranks")
         # one GPU per rank where the cluster has GPUs (NCCL), none on CPU (gloo)
-        actor = ray.remote(TrainerWorker).options(num_cpus=0, num_gpus=1 if cluster_gpus() else 0)
-        self.workers = [actor.remote(r, world_size, init_method, str(model_path), self.cfg) for r in range(world_size)]
-        ray.get([w.ready.remote() for w in self.workers])
+        default = {"num_cpus": 0, "num_gpus": 1 if cluster_gpus() else 0}
+        self.workers = [ray.remote(TrainerWorker).options(**{**default, **(actor_options[r] if actor_options else {})})
+                        .remote(r, world_size, str(model_path), self.cfg) for r in range(world_size)]
+        try:
+            self.rendezvous = tuple(ray.get(self.workers[0].rendezvous.remote()))
+            _get_all([w.setup.remote(*self.rendezvous) for w in self.workers])
+        except BaseException:
+            for w in self.workers:
+                ray.kill(w)
+            raise
+
+    def nodes(self) -> list[dict]:
+        """Per rank: its Ray node id, IP and process-group backend."""
+        import ray
+
+        return ray.get([w.node.remote() for w in self.workers])
 
     def _split(self, batch: dict) -> list[dict]:
         """Rows split evenly over ranks; short ranks get all-masked padding rows, so every rank

@@ -1,0 +1,136 @@
+"""The 2x8 GPU cluster on CPU: placement plans (workbench.placement, `python -m workbench.cluster
+plan`), and Ray's own multi-node simulation (tests/cluster_sim.py, in a subprocess): actors land
+where the plan says, and the FSDP2 trainer trains a step with one rank on each node."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench.cluster import main as cluster_main
+from workbench.placement import ClusterSpec, PlacementError, plan_inputs, plan_placement
+
+ROOT = Path(__file__).resolve().parents[1]
+TWO_BY_EIGHT = ClusterSpec.uniform(2, 8)
+
+
+def nodes_of(plan, role):
+    return [s.node for s in plan.slots if s.role == role]
+
+
+def test_split_plan_for_2x8_puts_the_trainer_on_one_node_and_the_engines_on_the_other():
+    plan = plan_placement(TWO_BY_EIGHT, trainer_ranks=8, num_engines=4, tensor_parallel_size=2)
+    assert nodes_of(plan, "trainer") == ["node0"] * 8
+    assert nodes_of(plan, "engine") == ["node1"] * 4
+    assert plan.group("trainer").strategy == "STRICT_PACK" and plan.group("trainer").bundles[0] == {"GPU": 1.0}
+    assert plan.group("engine").strategy == "STRICT_PACK" and plan.group("engine").bundles[0] == {"GPU": 2.0}
+    text = plan.render()
+    assert "node1      6-7     engine 3 (tensor_parallel_size 2)" in text and "node0      7       trainer rank 7" in text
+    # a small trainer still gets a node of its own: engines go to the node without trainer ranks first
+    small = plan_placement(TWO_BY_EIGHT, trainer_ranks=2, num_engines=3)
+    assert nodes_of(small, "trainer") == ["node0"] * 2 and nodes_of(small, "engine") == ["node1"] * 3
+
+
+def test_a_trainer_larger_than_a_node_spans_whole_nodes_with_contiguous_ranks():
+    plan = plan_placement(TWO_BY_EIGHT, trainer_ranks=12, num_engines=2, tensor_parallel_size=2)
+    assert nodes_of(plan, "trainer") == ["node0"] * 8 + ["node1"] * 4
+    assert nodes_of(plan, "engine") == ["node1"] * 2
+    assert plan.group("trainer").strategy == "PACK"
+
+
+@pytest.mark.parametrize("shape, words", [
+    (dict(trainer_ranks=8, num_engines=5, tensor_parallel_size=2), ["18 GPUs", "2 GPU(s) short"]),
+    (dict(trainer_ranks=2, num_engines=1, tensor_parallel_size=16), ["tensor_parallel_size 16", "largest node has 8"]),
+    # fits in number (6 + 3 x 3 = 15 GPUs) but not in shape: after 6 ranks on node0 and two engines
+    # of 3 on node1, 2 GPUs are left on each node
+    (dict(trainer_ranks=6, num_engines=3, tensor_parallel_size=3), ["engine 2 needs 3 GPUs on one node",
+                                                                    "node0: 2, node1: 2"]),
+    (dict(trainer_ranks=8, num_engines=8, tensor_parallel_size=2, mode="colocated"), ["tensor_parallel_size 1"]),
+    (dict(trainer_ranks=2, num_engines=1, mode="spread"), ["'spread' unknown"]),
+    (dict(trainer_ranks=0, num_engines=1), ["trainer_ranks must be an integer >= 1"]),
+])
+def test_shapes_that_cannot_fit_are_refused_with_the_reason(shape, words):
+    with pytest.raises(PlacementError) as e:
+        plan_placement(TWO_BY_EIGHT, **shape)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_colocated_plan_pairs_rank_i_and_engine_i_on_gpu_i():
+    plan = plan_placement(TWO_BY_EIGHT, trainer_ranks=8, num_engines=8, mode="colocated")
+    assert [g.role for g in plan.groups] == ["colocated"] and len(plan.group("colocated").bundles) == 8
+    for i in range(8):
+        t, e = plan.slot("trainer", i), plan.slot("engine", i)
+        assert (t.bundle, t.gpus) == (e.bundle, e.gpus) == (i, 0.5)
+
+
+def test_plan_inputs_come_from_the_session_config():
+    from workbench.session import ConfigError, WorkbenchConfig
+
+    cfg = WorkbenchConfig(trainer_ranks=4, num_engines=2, engine_kwargs={"tensor_parallel_size": 2}, placement="split")
+    assert plan_inputs(cfg) == {"trainer_ranks": 4, "num_engines": 2, "tensor_parallel_size": 2, "mode": "split"}
+    assert plan_inputs({}) == {"trainer_ranks": 2, "num_engines": 1, "tensor_parallel_size": 1, "mode": "split"}
+    with pytest.raises(ConfigError, match="placement 'spread' unknown"):
+        WorkbenchConfig(placement="spread")
+
+
+def test_cli_prints_the_plan_and_fails_clearly(capsys, tmp_path):
+    assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "node0      1       trainer rank 1" in out and "node1      0       engine 0" in out
+    config = tmp_path / "big.yaml"
+    config.write_text("trainer_ranks: 8\nnum_engines: 5\nengine_kwargs: {tensor_parallel_size: 2}\n")
+    assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot place 8 trainer rank(s)") and "2 GPU(s) short" in err
+    # the command line form the docs give, as a subprocess
+    r = subprocess.run([sys.executable, "-m", "workbench.cluster", "plan", "--nodes", "2", "--gpus-per-node", "8",
+                        "--trainer-ranks", "8", "--engines", "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "node1      7       engine 7" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def simulated(dense_path):
+    """tests/cluster_sim.py on a two-node ray.cluster_utils.Cluster, in its own process (the test
+    session's shared Ray cannot be in the same process as a Cluster)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "cluster_sim.py"), str(dense_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"cluster_sim.py printed no result (exit {r.returncode}):\n{r.stderr[-3000:]}"
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert "error" not in out, f"{out['error']}\n{out.get('traceback', '')}"
+    return out
+
+
+def test_simulated_two_node_cluster_actors_land_where_the_plan_says(simulated):
+    nodes = simulated["nodes"]
+    assert set(nodes) == {"sim0", "sim1"}  # named by their workbench/node labels
+    for slot in simulated["plan"]:
+        key = f"{slot['role']} {slot['index']}"
+        assert simulated["landed"][key] == nodes[slot["node"]], (key, slot)
+    assert {s["node"] for s in simulated["plan"] if s["role"] == "trainer"} == {"sim0"}
+    assert {s["node"] for s in simulated["plan"] if s["role"] == "engine"} == {"sim1"}
+    # each bundle holds its own fake GPU: the two actors of a node see different devices
+    for node in ("sim0", "sim1"):
+        gpus = [simulated["visible_gpus"][f"{s['role']} {s['index']}"] for s in simulated["plan"] if s["node"] == node]
+        assert len(set(gpus)) == 2, gpus
+
+
+def test_simulated_two_node_cluster_trains_a_step_with_one_rank_per_node(simulated):
+    ranks = simulated["ranks"]
+    assert simulated["trainer_plan"] == ["sim0", "sim1"]
+    assert [r["node_id"] for r in ranks] == [simulated["nodes"]["sim0"], simulated["nodes"]["sim1"]]
+    assert all(r["backend"] == "gloo" for r in ranks)
+    host, port = simulated["rendezvous"]
+    assert host == ranks[0]["ip"] and port > 0  # rank 0's own node, not the driver's loopback
+    step = simulated["step"]
+    assert step["version"] == 1 and math.isfinite(step["loss"]) and step["grad_norm"] > 0
+    assert simulated["max_weight_change"] > 0  # the step's update reached the gathered weights
