@@ -132,7 +132,17 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, quiet: boo
         # `ray start` left on this machine, and refuse num_cpus.)
         address = "local"
         kwargs["num_cpus"] = num_cpus or os.cpu_count()
-    ray.init(address=address, **kwargs)
+    for attempt in range(3):
+        try:
+            ray.init(address=address, **kwargs)
+            break
+        except Exception as e:
+            # Ray waits a fixed 30 s for a new local raylet to register; on a loaded machine it can
+            # miss that, and a second start (the first one's processes gone) usually makes it
+            if address != "local" or "timed out during startup" not in str(e) or attempt == 2:
+                raise
+            logging.getLogger(__name__).warning("local Ray did not start within its 30 s (%s); starting it again", e)
+            ray.shutdown()
     return ray.get_runtime_context()
 
 
