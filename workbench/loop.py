@@ -51,6 +51,31 @@ class LoopConfig:
     # they leave the batch; truncated ones ran and were scored, so they stay with their reward
     on_failed: str = "drop"
     on_truncated: str = "keep"
+    # dynamic sampling (DAPO): a group whose rewards (as the batch sees them: episode rules and
+    # overlong shaping applied) are all equal has zero advantage and teaches nothing; it is
+    # filtered and replaced by the groups of freshly drawn tasks, in up to `dynamic_sampling_rounds`
+    # more rollouts per step (metrics: ds_filtered_groups, ds_rounds, ds_groups, ds_short)
+    dynamic_sampling: bool = False
+    dynamic_sampling_rounds: int = 2
+    # overlong reward shaping (DAPO): an episode of L sampled tokens gets a penalty rising linearly
+    # from 0 at L = overlong_max_tokens - overlong_band to overlong_coef at L = overlong_max_tokens
+    # (and overlong_coef beyond), subtracted from its reward before advantages (metrics:
+    # overlong_penalized, overlong_penalty_mean); the recorded reward stays the agent's
+    overlong_shaping: bool = False
+    overlong_max_tokens: int = 0
+    overlong_band: int = 0
+    overlong_coef: float = 1.0
+    # evaluation on held-out tasks every `eval_every` steps (0: never), after the step's weight
+    # sync: `eval_n` samples per task at the policy's temperature (pass@1, pass@k for k = 1, 2,
+    # 4, ..., eval_n) and, with eval_greedy, one greedy episode per task (greedy pass@1); merged
+    # into that step's metrics as eval_* (workbench.evaluation). Its episodes never train.
+    eval_every: int = 0
+    eval_n: int = 4
+    eval_greedy: bool = True
+
+    def overlong(self) -> tuple | None:
+        """(max_tokens, band, coef) for batch_from_groups when overlong shaping is on, else None."""
+        return (self.overlong_max_tokens, self.overlong_band, self.overlong_coef) if self.overlong_shaping else None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -63,30 +88,74 @@ class LoopConfig:
         for name in ("on_failed", "on_truncated"):
             if getattr(self, name) not in EPISODE_RULES:
                 raise ValueError(f"LoopConfig.{name} {getattr(self, name)!r} unknown; choose one of {EPISODE_RULES}")
-        for name in ("steps", "prompts_per_step", "group_size", "async_lag"):
-            if getattr(self, name) < (0 if name == "steps" else 1):
+        for name in ("steps", "prompts_per_step", "group_size", "async_lag", "dynamic_sampling_rounds", "eval_every",
+                     "eval_n"):
+            if getattr(self, name) < (1 if name in ("prompts_per_step", "group_size", "async_lag", "eval_n") else 0):
                 raise ValueError(f"LoopConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.overlong_shaping and not 0 < self.overlong_band <= self.overlong_max_tokens:
+            raise ValueError(f"LoopConfig.overlong_shaping needs 0 < overlong_band <= overlong_max_tokens (the penalty "
+                             f"rises over the last overlong_band tokens before overlong_max_tokens), got overlong_band="
+                             f"{self.overlong_band}, overlong_max_tokens={self.overlong_max_tokens}")
+
+
+def overlong_penalty(length: int, max_tokens: int, band: int, coef: float = 1.0) -> float:
+    """DAPO's soft overlong penalty: 0 up to max_tokens - band sampled tokens, then rising
+    linearly to `coef` at max_tokens, and `coef` beyond."""
+    start = max_tokens - band
+    return 0.0 if length <= start else coef * min(1.0, (length - start) / band)
+
+
+def sampled_tokens(t: Trajectory) -> int:
+    """The tokens the policy sampled in an episode (every turn, every segment)."""
+    return int(sum(sum(s.loss_mask) for s in t.segments))
+
+
+def episode_reward(t: Trajectory, on_failed: str = "drop", on_truncated: str = "keep",
+                   overlong: tuple | None = None) -> tuple[str, float | None, float]:
+    """(rule, reward the batch trains on or None when dropped, overlong penalty) of one episode:
+    the episode rules (EPISODE_RULES) first, then the overlong penalty (`overlong`: (max_tokens,
+    band, coef), LoopConfig.overlong()) subtracted from a kept reward. An evaluation episode
+    (info["eval"]) is refused: evaluation episodes never enter a training batch."""
+    if t.info.get("eval"):
+        raise ValueError(f"episode {t.episode_id} is an evaluation episode (info['eval']): evaluation episodes never "
+                         f"enter a training batch")
+    failed = t.error is not None
+    truncated = bool(getattr(t, "truncated", False)) and not failed
+    rule = on_failed if failed else on_truncated if truncated else "keep"
+    if rule == "drop":
+        return rule, None, 0.0
+    penalty = overlong_penalty(sampled_tokens(t), *overlong) if overlong else 0.0
+    return rule, (0.0 if rule == "zero" else float(t.reward)) - penalty, penalty
+
+
+def zero_variance(group: list[Trajectory], on_failed: str = "drop", on_truncated: str = "keep",
+                  overlong: tuple | None = None, tol: float = 1e-9) -> bool:
+    """True when the rewards the batch would train this group on (episode_reward) are all equal
+    (or fewer than two are kept): every advantage of the group is then 0, so it teaches nothing."""
+    rewards = [r for _, r, _ in (episode_reward(t, on_failed, on_truncated, overlong) for t in group) if r is not None]
+    return len(rewards) < 2 or max(rewards) - min(rewards) <= tol
 
 
 def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: int = 0, on_failed: str = "drop",
-                      on_truncated: str = "keep") -> tuple[dict, dict]:
+                      on_truncated: str = "keep", overlong: tuple | None = None) -> tuple[dict, dict]:
     """Training tensors (one row per trainable segment) with advantages computed over EPISODES:
     the registered estimator sees one reward per episode and its group, and every segment of
     an episode gets that episode's advantage (an episode sealed into five segments weighs once
     in its group's statistics). `batch["episode_tokens"]` holds each row's episode's trainable
     tokens, so sequence-level aggregations average over episodes too. Failed and truncated
-    episodes follow `on_failed` / `on_truncated` (EPISODE_RULES)."""
+    episodes follow `on_failed` / `on_truncated` (EPISODE_RULES); `overlong` (max_tokens, band,
+    coef) shapes rewards (episode_reward)."""
     segments, seg_episode, rewards, group_index = [], [], [], []
     info = {"episodes": 0, "segments": 0, "failed_episodes": 0, "truncated_episodes": 0, "dropped_episodes": 0,
             "sampling_overridden": 0}
+    penalties = []
     for gi, group in enumerate(groups):
         for t in group:
             failed = t.error is not None
-            truncated = bool(getattr(t, "truncated", False)) and not failed
             info["failed_episodes"] += failed
-            info["truncated_episodes"] += truncated
+            info["truncated_episodes"] += bool(getattr(t, "truncated", False)) and not failed
             info["sampling_overridden"] += sum(s.stats.get("sampling_overridden", 0) for s in t.segments)
-            rule = on_failed if failed else on_truncated if truncated else "keep"
+            rule, reward, penalty = episode_reward(t, on_failed, on_truncated, overlong)
             if rule == "drop":
                 info["dropped_episodes"] += 1
                 continue
@@ -94,8 +163,12 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
                 if any(s.loss_mask):
                     segments.append(s)
                     seg_episode.append(len(rewards))
-            rewards.append(0.0 if rule == "zero" else float(t.reward))
+            rewards.append(reward)
+            penalties.append(penalty)
             group_index.append(gi)
+    if overlong:
+        info["overlong_penalized"] = sum(p > 0 for p in penalties)
+        info["overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
     if not segments:
         raise RuntimeError(f"no trainable segment in this batch: every episode was dropped or sampled nothing ({info})")
     batch = training_tensors(segments, pad_id)
@@ -109,6 +182,52 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     batch["episode_tokens"] = torch.zeros(len(rewards)).index_add_(0, index, tokens)[index]
     info.update(episodes=len(rewards), segments=len(segments))
     return batch, info
+
+
+# A plain task source `source(n, seed)` is called with seed = step for a step's tasks; the
+# replacement draws of dynamic sampling need other tasks, so they get seeds from this range
+# (REFILL_SEED + step * 1000 + round), apart from the steps' and from wb.rollout's (1e6 on).
+REFILL_SEED = 2_000_000_000
+
+
+def draw_tasks(source, n: int, step: int, position: int, round: int = 0) -> list[Task]:
+    """n tasks for `step`: from data position `position` when the source is positional (has
+    take(position, n), e.g. data.TaskDataset), else source(n, seed) as above."""
+    if hasattr(source, "take"):
+        return list(source.take(position, n))
+    return list(source(n, step if round == 0 else REFILL_SEED + step * 1000 + round))
+
+
+def collect_groups(rollout, source, cfg: "LoopConfig", step: int, position: int) -> tuple[list, dict, int]:
+    """The groups step `step` trains on, drawn from data position `position`: (groups, stats,
+    next position). With cfg.dynamic_sampling, groups of zero reward variance (zero_variance)
+    are filtered and replaced by the groups of freshly drawn tasks, up to
+    cfg.dynamic_sampling_rounds more rollouts; a step still short trains on the groups it kept
+    (ds_short counts the missing ones), and one left with none trains on its first draw (every
+    advantage 0: no signal, but the step and its statistics happen)."""
+    n = cfg.prompts_per_step
+    groups = rollout.run_groups(draw_tasks(source, n, step, position), cfg.group_size, progress=False)
+    position += n
+    if not cfg.dynamic_sampling:
+        return groups, {}, position
+    rule = {"on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated, "overlong": cfg.overlong()}
+    kept = [g for g in groups if not zero_variance(g, **rule)]
+    filtered, rounds, sampled = len(groups) - len(kept), 0, list(groups)
+    while len(kept) < n and rounds < cfg.dynamic_sampling_rounds:
+        rounds += 1
+        more = rollout.run_groups(draw_tasks(source, n - len(kept), step, position, rounds), cfg.group_size,
+                                  progress=False)
+        position += n - len(kept)
+        sampled += more
+        good = [g for g in more if not zero_variance(g, **rule)]
+        filtered += len(more) - len(good)
+        kept += good
+    rewards = [t.reward for g in sampled for t in g if t.error is None]
+    stats = {"ds_filtered_groups": filtered, "ds_rounds": rounds, "ds_kept_groups": len(kept), "ds_short": n - len(kept),
+             # the mean reward of every episode rolled out this step, filtered ones included
+             # (reward_mean, over the trained groups, leans toward mixed groups)
+             "ds_reward_mean_sampled": sum(rewards) / max(len(rewards), 1)}
+    return kept or groups, stats, position
 
 
 class EnginesLost(RuntimeError):
@@ -321,13 +440,17 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
         on_step: Callable[[dict], None] | None = None, progress: bool = True,
         checkpoint_dir: str | None = None, checkpoint_every: int = 0,
         stop: threading.Event | None = None, on_groups: Callable[[int, list], None] | None = None,
-        start_step: int = 0) -> list[dict]:
+        start_step: int = 0, start_position: int | None = None,
+        evaluate: Callable[[int], dict] | None = None) -> list[dict]:
     """Run the loop in `cfg.mode`. `task_source(n, step)` gives the prompts of each step (so the
     data position is the step). With `checkpoint_dir`, a checkpoint found there is resumed from
     (the next step is the one after it: no step is repeated or skipped), and one is written
     every `checkpoint_every` steps. `stop` (an Event) ends the loop after the current step.
     `on_groups(step, groups)` sees each step's trajectories. `start_step`: the first step's
-    index (a session continuing earlier steps). Returns one metrics dict per step.
+    index (a session continuing earlier steps); `start_position`: its data position (default
+    start_step * prompts_per_step; a checkpoint's `data_position` wins). `evaluate(step)` runs
+    every cfg.eval_every steps after the step's sync; its dict joins the step's metrics.
+    Returns one metrics dict per step.
 
     Faults: an engine that dies is dropped from `engines` (in place) and the run goes on with the
     others (its in-flight requests were retried on them by the runners' routers); a rollout runner
@@ -339,7 +462,7 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
     with TrainerWatch(trainer) as watch:
         try:
             return _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every,
-                        stop, on_groups, start_step)
+                        stop, on_groups, start_step, start_position, evaluate)
         except Exception as e:
             err = watch.explain(e)
             if err is e:
@@ -348,12 +471,15 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
 
 
 def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every, stop, on_groups,
-         start_step) -> list[dict]:
+         start_step, start_position=None, evaluate=None) -> list[dict]:
     from tqdm.auto import tqdm
 
     first = start_step
     if checkpoint_dir and recover_checkpoint(checkpoint_dir):
-        first = trainer.restore(checkpoint_dir)["next_step"]
+        state = trainer.restore(checkpoint_dir)
+        first, start_position = state["next_step"], state.get("data_position")
+    # the data position: tasks drawn so far (the producer advances it, replacements included)
+    position = first * cfg.prompts_per_step if start_position is None else start_position
     # one version counter for trainer and engines; it only ever increases
     trainer.version = max(engines_version(engines), trainer.version)
     if cfg.initial_sync:  # rollouts must come from the trainer's weights, not whatever the engines hold
@@ -367,6 +493,7 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     batches: queue.Queue = queue.Queue()
 
     def produce():
+        nonlocal position
         for step in range(first, cfg.steps):
             if step > first:
                 while not trained.acquire(timeout=0.5):
@@ -375,11 +502,11 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
             if stop.is_set():
                 return
             try:
-                t0 = time.time()
-                groups = rollout.run_groups(task_source(cfg.prompts_per_step, step), cfg.group_size, progress=False)
-                batches.put((step, groups, t0, time.time()))
+                t0, start = time.time(), position
+                groups, extra, position = collect_groups(rollout, task_source, cfg, step, position)
+                batches.put((step, groups, t0, time.time(), {"data_position": start, "data_next": position, **extra}))
             except BaseException as e:  # surfaced in the training thread
-                batches.put((step, e, 0.0, 0.0))
+                batches.put((step, e, 0.0, 0.0, {}))
                 return
 
     producer = threading.Thread(target=produce, name="workbench-rollout", daemon=True)
@@ -388,18 +515,20 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     try:
         for step in tqdm(range(first, cfg.steps), desc=f"RL steps ({cfg.mode})", initial=first, total=cfg.steps,
                          disable=not progress):
-            got_step, groups, r0, r1 = _next_batch(batches, stop, producer)
+            got_step, groups, r0, r1, extra = _next_batch(batches, stop, producer)
             if got_step is None:
                 break
             if isinstance(groups, BaseException):
                 raise RuntimeError(f"rollout of step {got_step} failed: {groups}") from groups
             if on_groups is not None:
                 on_groups(step, groups)
-            metrics = _train_on(trainer, engines, groups, cfg, step, r0, r1)
+            metrics = {**_train_on(trainer, engines, groups, cfg, step, r0, r1), **extra}
             trained.release()
+            if evaluate is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                metrics.update(evaluate(step))  # on the weights just synced; never part of a batch
             history.append(metrics)
             if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
-                save_checkpoint(trainer, checkpoint_dir, {"next_step": step + 1})
+                save_checkpoint(trainer, checkpoint_dir, {"next_step": step + 1, "data_position": metrics["data_next"]})
             if on_step is not None:
                 on_step(metrics)
             if stop.is_set():
@@ -416,7 +545,7 @@ def _next_batch(batches: queue.Queue, stop: threading.Event, producer: threading
             return batches.get(timeout=0.5)
         except queue.Empty:
             if stop.is_set() or not producer.is_alive() and batches.empty():
-                return None, None, 0.0, 0.0
+                return None, None, 0.0, 0.0, {}
 
 
 def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r1: float) -> dict:
@@ -424,7 +553,8 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     ran = [t for g in groups for t in g if t.error is None]
     rewards = [t.reward for t in ran]
     correct = [bool(t.info["correct"]) for t in ran if "correct" in t.info]
-    batch, info = batch_from_groups(groups, cfg.advantage, on_failed=cfg.on_failed, on_truncated=cfg.on_truncated)
+    batch, info = batch_from_groups(groups, cfg.advantage, on_failed=cfg.on_failed, on_truncated=cfg.on_truncated,
+                                    overlong=cfg.overlong())
     stats = trainer.train_step(batch)
     t2 = time.time()
     lost: list = []

@@ -72,7 +72,16 @@ class WorkbenchConfig:
     # name, or a dict of profile fields over it (e.g. {"chat_template_kwargs": {"enable_thinking": False}})
     profile: Any = None
     agent: str = DEFAULT_AGENT  # a .py file defining AgentRunner (workbench.agents)
-    tasks: Any = None  # None: the agent file's tasks(n, seed); or a list of Task / dicts; or callable(n, seed)
+    # None: the agent file's tasks(n, seed); a list of Task / dicts (served in order); a data file's
+    # path, or a dict of workbench.data.TaskDataset.from_file arguments ({"path": ..., "fields":
+    # "gsm8k"}: a seeded shuffle per epoch, seed defaulting to `seed`); a TaskDataset; or callable(n, seed)
+    tasks: Any = None
+    # held-out tasks for wb.eval() and LoopConfig.eval_every: a list of Task / dicts, a data file's
+    # path or a dict of workbench.data.load_tasks arguments; all of them are evaluated each time
+    eval_tasks: Any = None
+    # metrics beside metrics.jsonl (workbench.tracking): "tensorboard" (run_dir/tensorboard/),
+    # "wandb" (offline, run_dir/wandb/); both need the `tracking` extra
+    loggers: list = field(default_factory=list)
     backend: str = "vllm"  # rollout engine: "vllm" or "reference" (the only one that records MoE experts on CPU)
     num_engines: int = 1
     num_runners: int = 1
@@ -141,6 +150,7 @@ class WorkbenchConfig:
             raise ConfigError(f"profile must be None, a family name or a dict of profile fields, got {type(self.profile).__name__}")
         if not isinstance(self.trainer, TrainerConfig) or not isinstance(self.loop, LoopConfig):
             raise ConfigError("trainer must be a TrainerConfig and loop a LoopConfig (or dicts, via from_dict)")
+        _check_loggers(self.loggers)
 
 
 def _fields(obj) -> dict:
@@ -189,7 +199,8 @@ class Workbench:
 
         self.cfg, self.address = cfg, address
         self.spec = load_agent(cfg.agent)  # AgentLoadError names what is wrong, before anything starts
-        self.task_source = _task_source(cfg.tasks, self.spec)
+        self.task_source = _task_source(cfg.tasks, self.spec, cfg.seed)
+        self.eval_tasks = _eval_tasks(cfg.eval_tasks) if cfg.eval_tasks is not None else None
         self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
         if (self.run_dir / "metrics.jsonl").exists() and not cfg.resume:  # before anything starts
             raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run (metrics.jsonl): choose another "
@@ -200,6 +211,10 @@ class Workbench:
                               f"(wb.save() writes one; wb.run(..., checkpoint_every=N) too)")
         self.history: list[dict] = []  # every RL step's metrics, across run() calls
         self.next_step = 0
+        self.next_position: int | None = None  # the data position after next_step - 1 (None: next_step x prompts)
+        self._greedy_rollout = None  # runners sampling at temperature 0, for greedy evaluation (made on first use)
+        self._loggers: list = []
+        self.eval_episode_ids: set[str] = set()  # every evaluation episode of this session (never trained on)
         self._run: RunHandle | None = None
         self._broken: str | None = None  # why the session can no longer train (its trainer group died)
         address = address or os.environ.get("RAY_ADDRESS")  # the cluster kernel sets it
@@ -298,6 +313,8 @@ class Workbench:
         cfg = dataclasses.replace(self.cfg.loop, steps=self.next_step + steps, initial_sync=False, **loop_overrides)
         check_staleness(self._trainer, cfg)  # here, not in the background thread where it would only be stored
         check_sampling(self._rollout, self._trainer)
+        if cfg.eval_every and self.eval_tasks is None:
+            raise ConfigError(f"loop.eval_every={cfg.eval_every} needs held-out tasks: connect(eval_tasks=...)")
         if engines_version(self.engines) < self._trainer.version:  # wb.trainer.step() ran without a wb.sync() after it
             self.sync()
         handle = RunHandle(self, cfg, list(monitors or []), progress, checkpoint_every)
@@ -314,10 +331,72 @@ class Workbench:
         if self._run is not None:
             self._run.stop()
 
+    def eval(self, tasks=None, n: int | None = None, greedy: bool | None = None, ks: list[int] | None = None,
+             success_reward: float = 1.0) -> dict:
+        """Evaluate the current policy on `tasks` (default: the session's eval_tasks): `n`
+        samples per task (default loop.eval_n) for pass@1 and unbiased pass@k, and with `greedy`
+        (default loop.eval_greedy) one greedy episode per task (workbench.evaluation). Recorded
+        in eval.jsonl (step: the last trained step, -1 before any) and the loggers; its episodes
+        never train (info["eval"], refused by batch_from_groups)."""
+        self._idle("evaluate")
+        tasks = self.eval_tasks if tasks is None else _eval_tasks(tasks)
+        if tasks is None:
+            raise ConfigError("no tasks to evaluate: wb.eval(tasks) or connect(eval_tasks=...)")
+        loop = self.cfg.loop
+        metrics = self._evaluate(tasks, n or loop.eval_n, loop.eval_greedy if greedy is None else greedy, ks, success_reward)
+        record = {"step": self.next_step - 1, "version": self._trainer.version, **metrics}
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps(_jsonable(record)) + "\n")
+        self._log(record)
+        return record
+
+    def _evaluate(self, tasks: list, n: int, greedy: bool, ks=None, success_reward: float = 1.0) -> dict:
+        from .evaluation import evaluate
+
+        metrics, groups = evaluate(self._rollout, tasks, n, self._greedy() if greedy else None, ks, success_reward)
+        self.eval_episode_ids.update(t.episode_id for g in groups for t in g)
+        return metrics
+
+    def _greedy(self):
+        """Runners like the training ones but whose policy sampling is greedy (temperature 0)."""
+        if self._greedy_rollout is None:
+            from .rollout.engine import SamplingConfig
+            from .rollout.runner import Rollout
+
+            cfg = self.cfg
+            self._greedy_rollout = Rollout(cfg.agent, self.engines, self.model_path, num_runners=1,
+                                           sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=0.0),
+                                           sampling_mode=cfg.sampling, profile=self.profile,
+                                           max_request_bytes=cfg.max_request_bytes)
+        return self._greedy_rollout
+
+    def _log(self, metrics: dict) -> None:
+        """Metrics to the loggers (cfg.loggers, made on first use); a logger that fails is
+        reported and dropped, the run goes on (metrics.jsonl stays the record)."""
+        import sys
+
+        from .tracking import make_loggers
+
+        if self.cfg.loggers and not self._loggers:
+            self._loggers = make_loggers(self.cfg.loggers, self.run_dir, _jsonable(dataclasses.asdict(self.cfg)))
+        for logger in list(self._loggers):
+            try:
+                logger.log(metrics, int(metrics["step"]))
+            except Exception as e:
+                self._loggers.remove(logger)
+                print(f"workbench: logger {type(logger).__name__} failed and was dropped: {type(e).__name__}: {e}",
+                      file=sys.stderr)
+
     def save(self, path: str | None = None) -> str:
         """Checkpoint the trainer (sharded weights, optimizer, RNG) and the run state."""
         self._idle("save")
-        return save_checkpoint(self._trainer, str(path or self.run_dir / "checkpoint"), {"next_step": self.next_step})
+        return save_checkpoint(self._trainer, str(path or self.run_dir / "checkpoint"), self._run_state())
+
+    def _run_state(self) -> dict:
+        """What a checkpoint records of the run: the next step and the data position."""
+        return {"next_step": self.next_step,
+                **({"data_position": self.next_position} if self.next_position is not None else {})}
 
     def restore(self, path: str | None = None) -> dict:
         """Load a checkpoint written by save(); the engines are synced to it. The run's record of
@@ -329,6 +408,7 @@ class Workbench:
         recover_checkpoint(path)
         state = self._trainer.restore(path)
         self.next_step = state["next_step"]
+        self.next_position = state.get("data_position")
         kept = self._set_aside(self.next_step)
         if not self.history:  # a resumed session: what the run recorded
             self.history = kept
@@ -399,6 +479,12 @@ class Workbench:
                 stop()
             except Exception as e:  # keep shutting the rest down
                 print(f"workbench: shutdown: {e}")
+        for part in ([self._greedy_rollout] if self._greedy_rollout else []) + self._loggers:
+            try:
+                part.shutdown() if hasattr(part, "shutdown") else part.close()
+            except Exception as err:
+                print(f"workbench: shutdown: {err}")
+        self._greedy_rollout, self._loggers = None, []
         for e in self.engines:
             try:
                 stop_engine(e)
@@ -527,7 +613,8 @@ class TrainerHandle:
     def batch(self, groups: list[list]) -> dict:
         """Training tensors (with advantages) for groups of trajectories; rows are segments."""
         loop = self._wb.cfg.loop
-        return batch_from_groups(groups, loop.advantage, on_failed=loop.on_failed, on_truncated=loop.on_truncated)[0]
+        return batch_from_groups(groups, loop.advantage, on_failed=loop.on_failed, on_truncated=loop.on_truncated,
+                                 overlong=loop.overlong())[0]
 
     def step(self, groups: list[list] | None = None) -> dict:
         """One optimizer step on `groups` (default: the last groups wb.rollout ran)."""
@@ -574,16 +661,20 @@ class RunHandle:
             self.history.append(m)
             wb.history.append(m)
             wb.next_step = m["step"] + 1
+            wb.next_position = m.get("data_next", wb.next_position)
+            wb._log(m)
             metrics_file.write(json.dumps(_jsonable(m)) + "\n")
             metrics_file.flush()
             for mon in self.monitors:
                 mon.on_step(m)
             if self.checkpoint_every and wb.next_step % self.checkpoint_every == 0:
-                save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), {"next_step": wb.next_step})
+                save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), wb._run_state())
 
         try:
             run_loop(wb._rollout, wb._trainer, wb.engines, wb.task_source, self.cfg, on_step=on_step, progress=self.progress,
-                     stop=self._stop, start_step=wb.next_step,
+                     stop=self._stop, start_step=wb.next_step, start_position=wb.next_position,
+                     evaluate=(lambda step: wb._evaluate(wb.eval_tasks, self.cfg.eval_n, self.cfg.eval_greedy))
+                     if self.cfg.eval_every else None,
                      on_groups=lambda step, groups: write_trajectories([t for g in groups for t in g],
                                                                        wb.run_dir / "trajectories" / f"step_{step:05d}.parquet"))
         except BaseException as e:  # kept for wait() to raise; what was recorded stays recorded
@@ -618,7 +709,7 @@ class RunHandle:
         return f"RunHandle({state}, steps={len(self.history)}/{self.cfg.steps - (self.history[0]['step'] if self.history else 0)})"
 
 
-def _task_source(tasks, spec) -> Callable[[int, int], list[Task]]:
+def _task_source(tasks, spec, seed: int = 0) -> Callable[[int, int], list[Task]]:
     """`source(n, seed)`: n tasks, deterministic in seed (the data position)."""
     from .data import tasks_from_list
 
@@ -626,12 +717,54 @@ def _task_source(tasks, spec) -> Callable[[int, int], list[Task]]:
         if spec.tasks is None:
             raise ConfigError(f"agent file {spec.path!r} has no tasks(n, seed) function: pass tasks= (a list or a callable)")
         return spec.tasks
-    if callable(tasks):
+    from .data import TaskDataset
+
+    if isinstance(tasks, (str, Path, dict)):  # a data file: a seeded shuffle per epoch, positional
+        spec_ = {"path": tasks} if not isinstance(tasks, dict) else dict(tasks)
+        try:
+            return TaskDataset.from_file(**{"seed": seed, **spec_})
+        except (TypeError, ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"tasks: {e}") from e
+    if callable(tasks):  # a TaskDataset too (positional: the loop draws from its data position)
         return tasks
     pool = tasks_from_list(tasks)
     if not pool:
         raise ConfigError("tasks is an empty list")
-    return lambda n, seed: [pool[(seed * n + i) % len(pool)] for i in range(n)]
+    return TaskDataset(pool, shuffle=False)  # in order: step s draws pool[(s * n + i) % len]
+
+
+def _eval_tasks(tasks) -> list[Task]:
+    """Held-out tasks: a list of Task / dicts, a TaskDataset, a data file's path, or a dict of
+    workbench.data.load_tasks arguments."""
+    from .data import TaskDataset, load_tasks, tasks_from_list
+
+    try:
+        if isinstance(tasks, TaskDataset):
+            return list(tasks.tasks)
+        if isinstance(tasks, (str, Path)):
+            return load_tasks(tasks)
+        if isinstance(tasks, dict):
+            return load_tasks(**tasks)
+        out = tasks_from_list(tasks)
+    except (TypeError, ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"eval_tasks: {e}") from e
+    if not out:
+        raise ConfigError("eval_tasks is empty")
+    return out
+
+
+def _check_loggers(loggers) -> None:
+    import importlib.util
+
+    from .tracking import EXTRA_HINT, LOGGERS
+
+    if not isinstance(loggers, (list, tuple)):
+        raise ConfigError(f"loggers must be a list of names from {LOGGERS}, got {loggers!r}")
+    for name in loggers:
+        if name not in LOGGERS:
+            raise ConfigError(f"loggers: {name!r} unknown; known: {LOGGERS}")
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"loggers: {name!r} needs the {name} package: {EXTRA_HINT}")
 
 
 def _jsonable(x):

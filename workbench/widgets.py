@@ -340,6 +340,19 @@ class ReplayMonitor(_Monitor):
         fig.update_xaxes(dtick=1, row=1, col=2)  # MoE layer indices
 
 
+class RewardMonitor(_Monitor):
+    """Training reward beside held-out evaluation (LoopConfig.eval_every, workbench.evaluation):
+    the evaluated steps' points are joined across the steps without one."""
+
+    GRID, HEIGHT = (1, 2), 380
+    TITLES = ("training reward", "held-out evaluation")
+    LINES = (("reward_mean", 1, 1), ("correct_rate", 1, 1), ("ds_reward_mean_sampled", 1, 1),
+             ("eval_pass@1", 1, 2), ("eval_greedy_pass@1", 1, 2), ("eval_reward_mean", 1, 2))
+
+    def _style(self, fig):
+        fig.update_traces(connectgaps=True)  # evaluation runs every eval_every steps only
+
+
 def callback(*monitors: _Monitor) -> Callable[[dict], None]:
     """One `on_step(metrics)` for a training loop that feeds several monitors."""
     def on_step(metrics: dict):

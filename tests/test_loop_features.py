@@ -1,0 +1,257 @@
+"""The research-loop features of issue 15 on constructed groups (no engine): overlong reward
+shaping, dynamic sampling (zero-variance groups filtered and replaced up to a limit), the
+unbiased pass@k estimator, evaluation episodes kept out of training batches, and the
+TensorBoard / W&B-offline loggers. The same features on a live session (the toy model):
+tests/test_loop_features.py::test_session_eval_data_position_and_loggers at the end."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from math import comb
+
+import pytest
+import torch
+
+from workbench.agents import Task
+from workbench.data import TaskDataset
+from workbench.evaluation import default_ks, pass_at_k, summarize
+from workbench.loop import (LoopConfig, batch_from_groups, collect_groups, overlong_penalty, sampled_tokens,
+                            zero_variance)
+from workbench.tokens import Segment, Trajectory
+
+
+def episode(reward: float, sampled: int = 3, *, error: str | None = None, task: str = "t", eval: bool = False):
+    """An episode with 2 prompt tokens and `sampled` policy tokens."""
+    seg = Segment([1, 2] + [5] * sampled, [0, 0] + [1] * sampled, [0.0, 0.0] + [-1.0] * sampled,
+                  [-1, -1] + [0] * sampled)
+    info = {"task_id": task, **({"eval": True} if eval else {})}
+    return Trajectory([seg], reward, f"g-{task}", f"e{id(seg)}", info, error)
+
+
+# ----------------------------------------------------------------------------- overlong shaping
+def test_overlong_penalty_band_hand_computed():
+    # max 10 tokens, band 4: no penalty up to 6, then 0.25 per token, capped at coef beyond 10
+    assert [overlong_penalty(L, 10, 4) for L in (0, 6, 7, 8, 10, 11, 50)] == [0, 0, 0.25, 0.5, 1, 1, 1]
+    assert overlong_penalty(9, 10, 4, coef=0.5) == pytest.approx(0.375)
+    with pytest.raises(ValueError, match="0 < overlong_band <= overlong_max_tokens"):
+        LoopConfig(overlong_shaping=True, overlong_max_tokens=4, overlong_band=8)
+
+
+def test_overlong_shaping_changes_the_advantages():
+    # two episodes with reward 1: a short one (4 tokens) and one inside the band (9 of 10, band 4)
+    groups = [[episode(1.0, 4), episode(1.0, 9)]]
+    assert [sampled_tokens(t) for t in groups[0]] == [4, 9]
+    off = LoopConfig(advantage="dr_grpo")
+    on = LoopConfig(advantage="dr_grpo", overlong_shaping=True, overlong_max_tokens=10, overlong_band=4)
+    batch, info = batch_from_groups(groups, off.advantage, overlong=off.overlong())
+    assert batch["advantages"].abs().sum() == 0 and "overlong_penalized" not in info  # equal rewards: no signal
+    batch, info = batch_from_groups(groups, on.advantage, overlong=on.overlong())
+    # shaped rewards 1 and 1 - 0.75 = 0.25; Dr.GRPO: r - mean = +0.375 / -0.375 on every sampled token
+    assert batch["advantages"][0, 2:6].tolist() == [0.375] * 4 and batch["advantages"][1, 2:11].tolist() == [-0.375] * 9
+    assert info["overlong_penalized"] == 1 and info["overlong_penalty_mean"] == pytest.approx(0.375)
+    assert groups[0][1].reward == 1.0  # the recorded reward stays the agent's
+    # a zero-variance group under the raw reward has variance once shaped: dynamic sampling sees that
+    assert zero_variance(groups[0]) and not zero_variance(groups[0], overlong=on.overlong())
+
+
+# ----------------------------------------------------------------------------- dynamic sampling
+class ConstructedRollout:
+    """Stands in for Rollout.run_groups: each task's label is the list of rewards its group gets."""
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+
+    def run_groups(self, tasks, group_size, progress=False):
+        self.calls.append([t.id for t in tasks])
+        return [[episode(r, task=t.id) for r in t.label[:group_size]] for t in tasks]
+
+
+def pool(rewards: list[list[float]]) -> TaskDataset:
+    return TaskDataset([Task([{"role": "user", "content": str(i)}], label=r, id=f"t{i}") for i, r in enumerate(rewards)],
+                       shuffle=False)
+
+
+def test_dynamic_sampling_filters_and_replaces_up_to_the_limit():
+    mixed, ones, zeros = [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]
+    source = pool([ones, mixed, zeros, zeros, mixed, ones, mixed, zeros, zeros, zeros])
+    cfg = LoopConfig(prompts_per_step=3, group_size=2, dynamic_sampling=True, dynamic_sampling_rounds=2)
+    rollout = ConstructedRollout()
+    groups, stats, nxt = collect_groups(rollout, source, cfg, step=0, position=0)
+    # first draw t0 t1 t2 keeps t1; refill of 2 (t3 t4) keeps t4; refill of 1 (t5) keeps none: limit reached
+    assert rollout.calls == [["t0", "t1", "t2"], ["t3", "t4"], ["t5"]]
+    assert [g[0].info["task_id"] for g in groups] == ["t1", "t4"]
+    assert stats == {"ds_filtered_groups": 4, "ds_rounds": 2, "ds_kept_groups": 2, "ds_short": 1,
+                     "ds_reward_mean_sampled": pytest.approx(6 / 12)}
+    assert nxt == 6  # every drawn task advances the data position: the next step starts at t6
+    groups, stats, nxt = collect_groups(ConstructedRollout(), source, cfg, step=1, position=nxt)
+    # t6 t7 t8 keeps t6; refill t9 t0 (into the next epoch) keeps none; refill t1 t2 keeps t1
+    assert [g[0].info["task_id"] for g in groups] == ["t6", "t1"] and stats["ds_filtered_groups"] == 5 and nxt == 13
+    # no group with signal within the limit: the step trains on its first draw (all advantages 0)
+    cfg0 = LoopConfig(prompts_per_step=2, group_size=2, dynamic_sampling=True, dynamic_sampling_rounds=0)
+    groups, stats, _ = collect_groups(ConstructedRollout(), source, cfg0, step=0, position=8)
+    assert [g[0].info["task_id"] for g in groups] == ["t8", "t9"] and stats["ds_kept_groups"] == 0
+    assert batch_from_groups(groups, "grpo")[0]["advantages"].abs().sum() == 0
+    # switched off: the first draw, whatever its variance, and no ds_ statistics
+    groups, stats, nxt = collect_groups(ConstructedRollout(), source, LoopConfig(prompts_per_step=3, group_size=2), 0, 0)
+    assert len(groups) == 3 and stats == {} and nxt == 3
+
+
+def test_zero_variance_follows_the_episode_rules():
+    group = [episode(1.0), episode(0.0, error="boom")]
+    assert zero_variance(group)  # the failed episode is dropped (on_failed="drop"): one reward left
+    assert not zero_variance(group, on_failed="zero") and zero_variance([episode(0.5), episode(0.5)])
+
+
+def test_plain_callable_sources_refill_with_their_own_seeds():
+    seen = []
+
+    def source(n, seed):
+        seen.append((n, seed))
+        return [Task([{"role": "user", "content": "x"}], label=[1.0, 1.0], id=f"s{seed}-{i}") for i in range(n)]
+
+    cfg = LoopConfig(prompts_per_step=2, group_size=2, dynamic_sampling=True, dynamic_sampling_rounds=1)
+    collect_groups(ConstructedRollout(), source, cfg, step=5, position=10)
+    assert seen == [(2, 5), (2, 2_000_000_000 + 5 * 1000 + 1)]  # the step's seed, then the refill range
+
+
+# ----------------------------------------------------------------------------- evaluation
+def test_pass_at_k_is_the_unbiased_estimator():
+    for n, c in itertools.product(range(1, 7), range(0, 7)):
+        if c > n:
+            continue
+        for k in range(1, n + 1):
+            # the chance that a k-subset of the n samples holds a correct one, by enumeration
+            subsets = list(itertools.combinations([1] * c + [0] * (n - c), k))
+            assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+            assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k))
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 2) == 0.5 and pass_at_k(4, 0, 4) == 0
+    assert default_ks(8) == [1, 2, 4, 8] and default_ks(6) == [1, 2, 4, 6] and default_ks(1) == [1]
+    # two tasks: 1 of 4 correct and 3 of 4 correct (info["correct"] wins over the reward)
+    groups = [[episode(1.0), episode(0.0), episode(0.0), episode(0.0)], [episode(0.2)] * 3 + [episode(0.0)]]
+    for t in groups[1][:3]:
+        t.info = {"correct": True}
+    m = summarize(groups)
+    assert m["eval_pass@1"] == pytest.approx((0.25 + 0.75) / 2) and m["eval_pass@2"] == pytest.approx((0.5 + 1.0) / 2)
+    assert m["eval_pass@4"] == 1.0 and m["eval_tasks"] == 2 and m["eval_n"] == 4
+    with pytest.raises(ValueError, match="pass@8 needs at least 8 samples per task, got 4"):
+        summarize(groups, ks=[8])
+
+
+def test_evaluation_episodes_never_enter_a_training_batch():
+    groups = [[episode(1.0), episode(0.0, eval=True)]]
+    with pytest.raises(ValueError, match="is an evaluation episode .* never enter a training batch"):
+        batch_from_groups(groups, "grpo")
+    with pytest.raises(ValueError, match="evaluation episode"):
+        zero_variance(groups[0])
+
+
+# ----------------------------------------------------------------------------- tracking
+def test_tensorboard_event_file_reads_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from workbench.tracking import TensorBoardLogger, make_loggers, scalars
+
+    assert scalars({"step": 3, "loss": 0.5, "ok": True, "mode": "sync", "x": None, "h": {"0": 2, "1": 1}, "l": [1]}) == \
+        {"step": 3.0, "loss": 0.5, "ok": 1.0, "h/0": 2.0, "h/1": 1.0}
+    tb = TensorBoardLogger(tmp_path / "tb")
+    for step, loss in enumerate([0.9, 0.7, 0.4]):
+        tb.on_step({"step": step, "loss": loss, "eval_pass@1": 0.1 * step, "staleness_hist": {"0": 8}})
+    tb.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert {"loss", "eval_pass@1", "staleness_hist/0"} <= set(acc.Tags()["scalars"])
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("loss")] == [(0, 0.9), (1, 0.7), (2, 0.4)]
+    with pytest.raises(ValueError, match="unknown logger 'mlflow'"):
+        make_loggers(["mlflow"], tmp_path)
+
+
+def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
+    from workbench.tracking import WandbLogger
+
+    monkeypatch.setenv("WANDB_API_KEY", "")  # no account: offline needs none
+    w = WandbLogger(tmp_path, {"lr": 1e-3}, name="t")
+    w.on_step({"step": 0, "reward_mean": 0.25})
+    w.on_step({"step": 1, "reward_mean": 0.5})
+    w.close()
+    [run] = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    data = run.read_bytes()
+    assert b"reward_mean" in data and b"0.5" in data  # the history records, as `wandb sync` would upload them
+
+
+def test_config_refuses_unknown_loggers():
+    from workbench.session import ConfigError, WorkbenchConfig
+
+    with pytest.raises(ConfigError, match=r"loggers: 'neptune' unknown; known: \('tensorboard', 'wandb'\)"):
+        WorkbenchConfig(loggers=["neptune"])
+    with pytest.raises(ConfigError, match="LoopConfig.eval_n must be positive"):
+        WorkbenchConfig.from_dict({"loop": {"eval_n": 0}})
+
+
+# ----------------------------------------------------------------------------- on a live session
+def test_session_eval_data_position_and_loggers(ray_local, moe_path, tmp_path):
+    """The toy model on the reference backend: wb.eval (sampled and greedy), eval_every in the
+    run, dynamic sampling and overlong shaping switched on, the data position recorded per step
+    and in the checkpoint (a restored run draws from there), the TensorBoard record, and no
+    evaluation episode in any training batch."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import workbench
+    from workbench.examples.arithmetic_env import tasks as arithmetic_tasks
+    from workbench.tokens import read_trajectories
+
+    run_dir = tmp_path / "run"
+    train = TaskDataset(arithmetic_tasks(24, seed=0), seed=3)
+    wb = workbench.connect(backend="reference", run_dir=str(run_dir), tasks=train, eval_tasks=arithmetic_tasks(3, seed=99),
+                           loggers=["tensorboard"],
+                           loop={"prompts_per_step": 2, "group_size": 4, "eval_every": 1, "eval_n": 4,
+                                 "dynamic_sampling": True, "dynamic_sampling_rounds": 1,
+                                 "overlong_shaping": True, "overlong_max_tokens": 8, "overlong_band": 4})
+    try:
+        before = wb.eval(n=2)
+        assert before["step"] == -1 and before["eval_tasks"] == 3 and before["eval_n"] == 2
+        assert 0 <= before["eval_pass@1"] <= before["eval_pass@2"] <= 1 and "eval_greedy_pass@1" in before
+        again = wb.eval(n=2)  # the same weights: greedy episodes are the same (temperature 0)
+        assert again["eval_greedy_reward_mean"] == before["eval_greedy_reward_mean"]
+        [m0] = wb.run(1, background=False, progress=False, checkpoint_every=1).history
+        [m1] = wb.run(1, background=False, progress=False).history
+        for m in (m0, m1):
+            assert 0 <= m["eval_pass@1"] <= m["eval_pass@2"] <= m["eval_pass@4"] <= 1 and m["eval_n"] == 4
+            assert {"eval_greedy_pass@1", "ds_filtered_groups", "ds_kept_groups", "overlong_penalized"} <= set(m)
+            # 2 tasks, plus one refill of the filtered ones (at most 2) when any was filtered
+            drawn = m["data_next"] - m["data_position"]
+            assert 2 <= drawn <= 4 and (drawn == 2) == (m["ds_rounds"] == 0) == (m["ds_filtered_groups"] == 0)
+        assert m0["data_position"] == 0 and m1["data_position"] == m0["data_next"]
+        # the checkpoint (after step 0) recorded the data position; a restored run draws from it
+        assert wb.restore()["data_position"] == m0["data_next"] and wb.next_position == m0["data_next"]
+        [redo] = wb.run(1, background=False, progress=False).history
+        assert redo["step"] == 1 and redo["data_position"] == m0["data_next"]
+        window = {t.id for t in train.take(redo["data_position"], redo["data_next"] - redo["data_position"])}
+        trained = read_trajectories(run_dir / "trajectories" / "step_00001.parquet")
+        assert {t.info["task_id"] for t in trained} <= window
+        # no evaluation episode in any step's batch (the kept steps and the abandoned one)
+        files = list(run_dir.glob("trajectories/*.parquet")) + list(run_dir.glob("abandoned/*/trajectories/*.parquet"))
+        assert len(files) == 3
+        trained_ids = {t.episode_id for f in files for t in read_trajectories(f)}
+        assert len(wb.eval_episode_ids) == 2 * 3 * (2 + 1) + 3 * 3 * (4 + 1) and not trained_ids & wb.eval_episode_ids
+        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in lines] == [0, 1] and lines[1]["eval_pass@1"] == redo["eval_pass@1"]
+        assert len((run_dir / "eval.jsonl").read_text().splitlines()) == 2
+    finally:
+        wb.shutdown()
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval_pass@4")] == [0, 1, 1]  # step 1 twice: the abandoned one and its redo
+    assert [e.step for e in acc.Scalars("eval_pass@1")] == [-1, -1, 0, 1, 1]
+    assert acc.Scalars("reward_mean")[-1].value == pytest.approx(redo["reward_mean"])
+
+
+def test_reward_monitor_plots_evaluation_beside_training_reward():
+    from workbench.widgets import RewardMonitor
+
+    history = [{"step": 0, "reward_mean": 0.2}, {"step": 1, "reward_mean": 0.3, "eval_pass@1": 0.5},
+               {"step": 2, "reward_mean": 0.4}, {"step": 3, "reward_mean": 0.5, "eval_pass@1": 0.75}]
+    m = RewardMonitor(history)
+    assert list(m.trace("reward_mean").y) == [0.2, 0.3, 0.4, 0.5]
+    evals = m.trace("eval_pass@1")
+    assert [y for y in evals.y if y == y and y is not None] == [0.5, 0.75] and evals.connectgaps
