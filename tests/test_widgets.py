@@ -13,6 +13,7 @@ from workbench.widgets import (
     RolloutStepper,
     SegmentInspector,
     TokenJourney,
+    Views,
     callback,
     drift_positions,
     journey,
@@ -205,6 +206,79 @@ def test_monitor_state_traits_hold_the_figure_for_views_opened_later():
     assert list(state["replay_disagree_rate"]["y"]) == [0.0, 0.125, 0.25]
     assert list(state["replay_disagree_per_layer"]["y"]) == [0.5, 0.0, 0.25]
     assert replay.fig._widget_layout["xaxis2"]["dtick"] == 1
+
+# ------------------------------------------------------------------ a run is independent of its views
+class FailingView:
+    """A view whose comm fails, as ipykernel's did after an interrupt (a fault we cannot cause)."""
+
+    def __init__(self, after: int = 0):
+        self.calls, self.after = 0, after
+
+    def on_step(self, metrics):
+        self.calls += 1
+        if self.calls > self.after:
+            raise RuntimeError("Socket operation on non-socket")
+
+
+def test_views_catch_count_report_once_and_detach_a_failing_view():
+    said, bad, gate = [], FailingView(after=1), GateMonitor()
+    views = Views([bad, gate], report=said.append)
+    for m in HISTORY:
+        views.on_step(m)
+    views.on_end()
+    assert views.errors == 1 and bad.calls == 2  # failed on its 2nd step, never called again
+    assert views.views == [gate] and views.detached[0][0] is bad
+    assert len(said) == 1 and "FailingView" in said[0] and "Socket operation on non-socket" in said[0]
+    assert gate.history == HISTORY  # the other views go on
+
+
+def test_a_run_survives_a_failing_view_and_an_interrupted_wait(ray_local, moe_path, tmp_path, capfd):
+    """A real session (reference engine, one trainer rank): a view that raises in on_step is
+    detached and the run trains every step; an interrupt during wait() interrupts the wait only
+    (the run goes on, the message names wb.stop()); re-running wb.run() before the interrupted run
+    is collected is refused; after wb.shutdown() the stepper says the session is shut down."""
+    import _thread
+    import threading
+
+    import workbench
+
+    wb = workbench.connect(backend="reference", trainer_ranks=1, run_dir=str(tmp_path / "run"),
+                           loop={"prompts_per_step": 2, "group_size": 2})
+    try:
+        gate, bad = GateMonitor(), FailingView()
+        release = threading.Event()  # holds the run at step 0 until the interrupt has been handled
+
+        class Hold:
+            def on_step(self, metrics):
+                release.wait(120)
+
+        run = wb.run(3, monitors=[bad, gate, Hold()])
+        # the notebook's stop button while the cell waits: SIGINT -> KeyboardInterrupt in the main thread
+        timer = threading.Timer(0.5, _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            run.wait()
+        assert run.interrupted and not run.done
+        release.set()
+        with pytest.raises(RuntimeError, match=r"interrupted while waiting .*wb.wait\(\) collects it"):
+            wb.run(3)  # re-running the run cell does not silently train again
+        hist = wb.wait(600)
+        assert [h["step"] for h in hist] == [0, 1, 2] and run.error is None and run.collected
+        assert run.views.errors == 1 and bad.calls == 1 and gate.history == hist
+        err = capfd.readouterr()
+        assert err.out.count("interrupted the wait, not the run") == 1 and "wb.stop()" in err.out
+        assert err.err.count("FailingView") == 1  # reported once
+        assert "RunHandle(done, 3/3 steps)" == repr(run)
+        again = wb.run(1, progress=False)  # collected: a new run may start, and counts its own steps
+        assert again.wait(600)[0]["step"] == 3 and repr(again) == "RunHandle(done, 1/1 steps, from step 3)"
+        stepper = wb.stepper()
+    finally:
+        wb.shutdown()
+    stepper.buttons[0].click()
+    assert "shut down" in stepper.status.value and "workbench.connect" in stepper.status.value
+    with pytest.raises(RuntimeError, match="shut down"):
+        wb.run(1)
+
 
 # ------------------------------------------------------------------ token journey
 def report():

@@ -217,6 +217,7 @@ class Workbench:
         self.eval_episode_ids: set[str] = set()  # every evaluation episode of this session (never trained on)
         self._run: RunHandle | None = None
         self._broken: str | None = None  # why the session can no longer train (its trainer group died)
+        self._shut_down = False
         address = address or os.environ.get("RAY_ADDRESS")  # the cluster kernel sets it
         check_ray_address(address)  # a non-local cluster only with its token, refused before anything starts
         self._owns_ray = not ray.is_initialized() and address is None
@@ -307,7 +308,13 @@ class Workbench:
         background by default: returns at once with a RunHandle; each step's metrics reach
         `monitors` (objects with on_step(metrics), e.g. widgets.GateMonitor), history, and
         metrics.jsonl in the run directory."""
-        if self._run is not None and not self._run.done:
+        prev = self._run
+        if prev is not None and prev.interrupted and not prev.collected:
+            # re-running a run cell after an interrupt must not silently train `steps` more
+            state = "is still training" if not prev.done else "has ended"
+            raise RuntimeError(f"the last run was interrupted while waiting and {state} ({prev.progress_text()}): "
+                               f"wb.wait() collects it (wb.stop() first to end it at the next step), then run again")
+        if prev is not None and not prev.done:
             raise RuntimeError("a run is already in progress: wait for it (wb.wait()) or stop it (wb.stop())")
         self._idle("run")
         cfg = dataclasses.replace(self.cfg.loop, steps=self.next_step + steps, initial_sync=False, **loop_overrides)
@@ -317,7 +324,7 @@ class Workbench:
             raise ConfigError(f"loop.eval_every={cfg.eval_every} needs held-out tasks: connect(eval_tasks=...)")
         if engines_version(self.engines) < self._trainer.version:  # wb.trainer.step() ran without a wb.sync() after it
             self.sync()
-        handle = RunHandle(self, cfg, list(monitors or []), progress, checkpoint_every)
+        handle = RunHandle(self, cfg, list(monitors or []), progress, checkpoint_every, steps)
         self._run = handle
         handle.start() if background else handle.run()
         if not background and handle.error is not None:
@@ -456,7 +463,13 @@ class Workbench:
         print(f"workbench: steps >= {next_step} were not in the checkpoint; their record was moved to {dest}")
         return kept
 
+    def _open(self, what: str) -> None:
+        if self._shut_down:
+            raise RuntimeError(f"cannot {what}: this session is shut down (wb.shutdown()); start a new one with "
+                               f"workbench.connect(...)")
+
     def _idle(self, what: str) -> None:
+        self._open(what)
         if self._broken is not None:
             raise RuntimeError(f"cannot {what}: {self._broken}")
         if self._run is not None and not self._run.done:
@@ -494,6 +507,7 @@ class Workbench:
         if getattr(self, "placement", None) is not None:  # the GPUs it reserved, back to the cluster
             self.placement.remove()
             self.placement = None
+        self._shut_down = True  # the handles and widgets say so instead of failing on a None
         if self._owns_ray:
             shutdown_ray()
 
@@ -556,6 +570,7 @@ class RolloutHandle:
 
     @property
     def driver(self):
+        self._wb._open("roll out")
         return self._wb._rollout
 
     def _tasks(self, n: int) -> list[Task]:
@@ -604,6 +619,7 @@ class TrainerHandle:
 
     @property
     def driver(self):
+        self._wb._open("use the trainer")
         return self._wb._trainer
 
     @property
@@ -635,14 +651,30 @@ class TrainerHandle:
 
 
 class RunHandle:
-    """An RL run started by wb.run(): `.history`, `.done`, `.error`, `.wait()`, `.stop()`."""
+    """An RL run started by wb.run(): `.history`, `.done`, `.error`, `.wait()`, `.stop()`.
 
-    def __init__(self, wb: Workbench, cfg: LoopConfig, monitors: list, progress: bool, checkpoint_every: int):
+    The run is independent of its views: monitors and the progress bar are fed through
+    widgets.Views, so a view that raises is detached and reported once (`.views.errors`,
+    `.views.detached`) while training goes on. An interrupt (the notebook's stop button) while
+    waiting on the run interrupts only the wait: the run keeps training in the background, and
+    a message names wb.stop() (end it after the step in progress) and wb.wait() (wait again).
+    Until the interrupted run is collected with wait(), wb.run() refuses to start another."""
+
+    def __init__(self, wb: Workbench, cfg: LoopConfig, monitors: list, progress: bool, checkpoint_every: int,
+                 steps: int | None = None):
+        from .widgets import RunProgress, Views
+
         self._wb, self.cfg, self.monitors, self.progress = wb, cfg, monitors, progress
         self.checkpoint_every = checkpoint_every
+        self.first_step = wb.next_step
+        self.steps = steps if steps is not None else cfg.steps - self.first_step  # this run's steps, not the session's
         self.history: list[dict] = []
         self.error: BaseException | None = None
         self.done = False
+        self.interrupted = False  # a wait() on it was interrupted
+        self.collected = False  # a wait() returned (or raised the run's error) after the run ended
+        bar = [RunProgress(self.steps, self.first_step, desc=f"RL steps ({cfg.mode})")] if progress else []
+        self.views = Views([*monitors, *bar])
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -665,13 +697,13 @@ class RunHandle:
             wb._log(m)
             metrics_file.write(json.dumps(_jsonable(m)) + "\n")
             metrics_file.flush()
-            for mon in self.monitors:
-                mon.on_step(m)
+            self.views.on_step(m)  # guarded: a failing view is detached, training goes on
             if self.checkpoint_every and wb.next_step % self.checkpoint_every == 0:
                 save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), wb._run_state())
 
         try:
-            run_loop(wb._rollout, wb._trainer, wb.engines, wb.task_source, self.cfg, on_step=on_step, progress=self.progress,
+            # progress=False: this run's bar is one of self.views (a bar that fails cannot end the run)
+            run_loop(wb._rollout, wb._trainer, wb.engines, wb.task_source, self.cfg, on_step=on_step, progress=False,
                      stop=self._stop, start_step=wb.next_step, start_position=wb.next_position,
                      evaluate=(lambda step: wb._evaluate(wb.eval_tasks, self.cfg.eval_n, self.cfg.eval_greedy))
                      if self.cfg.eval_every else None,
@@ -690,12 +722,26 @@ class RunHandle:
                   f"(run.wait() re-raises it)", file=sys.stderr)
         finally:
             metrics_file.close()
+            self.views.on_end()
             self.done = True
 
+    def progress_text(self) -> str:
+        return f"{len(self.history)}/{self.steps} steps" + (f", from step {self.first_step}" if self.first_step else "")
+
     def wait(self, timeout: float | None = None) -> list[dict]:
-        """Block until the run ends (or `timeout` s); re-raises the run's error."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Block until the run ends (or `timeout` s); re-raises the run's error. An interrupt
+        (KeyboardInterrupt) stops the waiting, not the run: see the class docstring."""
+        try:
+            if self._thread is not None:
+                self._thread.join(timeout)
+        except KeyboardInterrupt:
+            if not self.done:
+                self.interrupted = True
+                print(f"workbench: interrupted the wait, not the run: it keeps training in the background "
+                      f"({self.progress_text()}). wb.stop() ends it after the step in progress; wb.wait() waits "
+                      f"again and collects it (wb.run() refuses to start another until then).", flush=True)
+            raise
+        self.collected = self.done
         if self.error is not None:
             raise RuntimeError(f"the run stopped with an error after {len(self.history)} step(s): {self.error}") from self.error
         return self.history
@@ -706,7 +752,7 @@ class RunHandle:
 
     def __repr__(self) -> str:
         state = "error" if self.error else "done" if self.done else "running"
-        return f"RunHandle({state}, steps={len(self.history)}/{self.cfg.steps - (self.history[0]['step'] if self.history else 0)})"
+        return f"RunHandle({state}, {self.progress_text()})"
 
 
 def _task_source(tasks, spec, seed: int = 0) -> Callable[[int, int], list[Task]]:

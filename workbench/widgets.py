@@ -361,6 +361,73 @@ def callback(*monitors: _Monitor) -> Callable[[dict], None]:
     return on_step
 
 
+# ------------------------------------------------------------------ views kept apart from a run
+class Views:
+    """The views a run feeds (monitors, its progress bar), kept apart from the training thread.
+
+    A view talks to the browser through the kernel's comm; that can fail in ways the run cannot
+    prevent (after a kernel interrupt, ipykernel's socket raised "Socket operation on non-socket"
+    from a monitor's on_step and ended the run). A display failure must never end training, so
+    each call is guarded: an exception in a view is caught and counted (`.errors`), reported once
+    (`report`, stderr by default), and that view is detached (`.detached`); the others go on.
+    `views` are objects with `on_step(metrics)` and optionally `on_end()` (called once when the
+    run ends, guarded the same way)."""
+
+    def __init__(self, views, report: Callable[[str], None] | None = None):
+        self.views = list(views)
+        self.errors = 0
+        self.detached: list[tuple[object, BaseException]] = []
+        self._report = report or _stderr
+
+    def _call(self, view, what: str, *args) -> None:
+        fn = getattr(view, what, None)
+        if fn is None:
+            return
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 -- any view failure; never KeyboardInterrupt/SystemExit
+            self.errors += 1
+            if view in self.views:
+                self.views.remove(view)
+            self.detached.append((view, e))
+            self._report(f"workbench: a view ({type(view).__name__}) failed in {what}: {type(e).__name__}: {e}. "
+                         f"It is detached; the run keeps training (its metrics still reach wb.history and metrics.jsonl).")
+
+    def on_step(self, metrics: dict) -> None:
+        for v in list(self.views):
+            self._call(v, "on_step", metrics)
+
+    def on_end(self) -> None:
+        for v in list(self.views):
+            self._call(v, "on_end")
+
+
+def _stderr(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr, flush=True)
+
+
+class RunProgress:
+    """The progress bar of one run, as a view (so a failing bar cannot end the run): counts this
+    run's steps (0..steps), not every step the session ever trained."""
+
+    def __init__(self, steps: int, first_step: int, desc: str = "RL steps"):
+        from tqdm.auto import tqdm
+
+        self.first_step = first_step
+        self.bar = tqdm(total=steps, desc=desc, unit="step")
+
+    def on_step(self, metrics: dict) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"step {metrics.get('step')}, reward {metrics.get('reward_mean', float('nan')):.3g}",
+                                 refresh=False)
+        self.bar.refresh()
+
+    def on_end(self) -> None:
+        self.bar.close()
+
+
 # ------------------------------------------------------------------ token journey
 # (journey key, report column or None when derived, label), in the order a token travels
 JOURNEY = (("token_id", "input_ids", "token id"), ("text", None, "decoded"),
