@@ -56,6 +56,14 @@ def main(model_path: str) -> dict:
         spec = ClusterSpec.from_ray()
         out["nodes"] = {n.name: n.node_id for n in spec.nodes}
 
+        # every node sees the run directory (connect()'s check on a cluster)
+        import tempfile
+
+        from workbench.cluster import check_shared_path
+
+        with tempfile.TemporaryDirectory() as d:
+            out["shared_checked"] = len(check_shared_path(d))
+
         # 1. placement: 2 trainer ranks + 2 engines on 2 x 2 GPUs
         plan = plan_placement(spec, trainer_ranks=2, num_engines=2, tensor_parallel_size=1)
         out["plan"] = [dataclasses.asdict(s) for s in plan.slots]

@@ -124,7 +124,17 @@ def test_simulated_two_node_cluster_actors_land_where_the_plan_says(simulated):
         assert len(set(gpus)) == 2, gpus
 
 
+def test_shared_path_check_reads_back_what_each_node_wrote(ray_local, tmp_path):
+    from workbench.cluster import SharedPathError, check_shared_path
+
+    assert len(check_shared_path(str(tmp_path / "runs"))) == 1
+    assert list((tmp_path / "runs").iterdir()) == []  # its probe files are removed
+    with pytest.raises(SharedPathError, match="could not write under '/proc/workbench-runs'"):
+        check_shared_path("/proc/workbench-runs", timeout=60)
+
+
 def test_simulated_two_node_cluster_trains_a_step_with_one_rank_per_node(simulated):
+    assert simulated["shared_checked"] == 2  # both nodes wrote, the driver read both back
     ranks = simulated["ranks"]
     assert simulated["trainer_plan"] == ["sim0", "sim1"]
     assert [r["node_id"] for r in ranks] == [simulated["nodes"]["sim0"], simulated["nodes"]["sim1"]]

@@ -161,6 +161,78 @@ def cluster_gpus() -> int:
     return int(ray.cluster_resources().get("GPU", 0))
 
 
+class SharedPathError(RuntimeError):
+    """A path that some node of the cluster cannot write, or that the driver does not see as
+    the nodes do."""
+
+
+def check_shared_path(path: str, timeout: float = 120.0) -> list[str]:
+    """Check that every alive node of the connected Ray cluster sees `path` as this driver does:
+    a task on each node writes a file with a random word under it, and the driver reads it back.
+    Checkpoints and run directories must live on such a path (trainer ranks write their shards on
+    their own nodes; the driver and a resumed session read them). Returns the node ids checked;
+    SharedPathError names each node that failed and how."""
+    import secrets
+    import shutil
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def write(directory: str, name: str, word: str) -> str:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, name), "w") as f:
+            f.write(word)
+        return socket.gethostname()
+
+    probe = os.path.join(os.path.abspath(path), f".workbench-shared-check-{secrets.token_hex(4)}")
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    task = ray.remote(num_cpus=0)(write)
+    words = {nid: secrets.token_hex(8) for nid in nodes}
+    refs = {nid: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
+            .remote(probe, nid, words[nid]) for nid in nodes}
+    problems = []
+    try:
+        for nid, ref in refs.items():
+            try:
+                host = ray.get(ref, timeout=timeout)
+            except Exception as e:  # the node cannot create or write the path
+                problems.append(f"node {nid[:8]} could not write under {path!r}: {type(e).__name__}: {str(e)[-300:]}")
+                continue
+            try:
+                with open(os.path.join(probe, nid)) as f:
+                    seen = f.read()
+            except OSError:
+                seen = None
+            if seen != words[nid]:
+                problems.append(f"node {nid[:8]} ({host}) wrote {path!r}, but this driver does not see what it wrote "
+                                f"(a node-local directory?)")
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    if problems:
+        raise SharedPathError(f"{path!r} is not shared by every node of the cluster: " + "; ".join(problems)
+                              + ". Put run_dir (checkpoints, records) on a filesystem every node mounts (docs/cluster.md)")
+    return nodes
+
+
+def wait_for_gpus(gpus: int, timeout: float = 600.0, poll: float = 5.0) -> dict:
+    """Block until the connected cluster has at least `gpus` GPUs (its nodes have joined);
+    TimeoutError says how many it has. Returns ray.cluster_resources()."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        res = ray.cluster_resources()
+        if res.get("GPU", 0) >= gpus:
+            return res
+        if time.monotonic() > deadline:
+            alive = [n for n in ray.nodes() if n.get("Alive")]
+            raise TimeoutError(f"the cluster has {res.get('GPU', 0):g} of {gpus} GPUs after {timeout:.0f} s "
+                               f"({len(alive)} node(s) alive): has every node run `ray start --address=...`?")
+        time.sleep(poll)
+
+
 def load_config_file(path: str) -> dict:
     """A session config file: JSON, or YAML (.yaml/.yml), holding WorkbenchConfig fields."""
     with open(path) as f:
@@ -196,7 +268,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, help="overrides the config's num_engines")
     p.add_argument("--tensor-parallel-size", type=int, help="overrides the config's engine_kwargs.tensor_parallel_size")
     p.add_argument("--mode", choices=("split", "colocated"), help="overrides the config's placement")
+    w = sub.add_parser("wait", help="wait until the Ray cluster at --address has --gpus GPUs")
+    w.add_argument("--address", default=None, help="the cluster (default: RAY_ADDRESS)")
+    w.add_argument("--gpus", type=int, required=True)
+    w.add_argument("--timeout", type=float, default=600.0)
+    c = sub.add_parser("check-shared", help="check that every node of the cluster at --address sees --path")
+    c.add_argument("--address", default=None, help="the cluster (default: RAY_ADDRESS)")
+    c.add_argument("--path", required=True)
     args = parser.parse_args(argv)
+    if args.command in ("wait", "check-shared"):
+        try:
+            init_ray(args.address)
+            if args.command == "wait":
+                res = wait_for_gpus(args.gpus, args.timeout)
+                print(f"the cluster has {res.get('GPU', 0):g} GPUs")
+            else:
+                nodes = check_shared_path(args.path)
+                print(f"{args.path}: written on each of {len(nodes)} node(s) and read back here")
+        except (TimeoutError, SharedPathError, InsecureRayAddress) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        finally:
+            shutdown_ray()
+        return 0
     try:
         config = load_config_file(args.config) if args.config else {}
         inputs = plan_inputs(config)

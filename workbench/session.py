@@ -230,6 +230,10 @@ class Workbench:
                 from .placement import ClusterSpec, Placement, plan_inputs, plan_placement
 
                 self.placement = Placement.create(plan_placement(ClusterSpec.from_ray(), **plan_inputs(cfg)))
+                # ranks write checkpoint shards on their own nodes, the driver reads them back
+                from .cluster import check_shared_path
+
+                check_shared_path(str(self.run_dir))
             self.model_path = str(NAMED_MODELS[cfg.model]() if cfg.model in NAMED_MODELS else Path(cfg.model).resolve())
             self.tokenizer = load_tokenizer(self.model_path)
             # one profile for every part (engine, server, runners, trainer); the session's fields win
