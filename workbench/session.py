@@ -241,9 +241,11 @@ class Workbench:
             overrides.update({k: v for k, v in (("max_model_len", cfg.max_model_len), ("tool_parser", cfg.tool_parser))
                               if v is not None})
             self.profile = profile_for(self.model_path, overrides)
-            # record experts for routing replay where the profile asks and the engine can: the
-            # reference backend, or vLLM on GPUs (its CPU build cannot return them)
-            capture = self.profile.capture_experts and (cfg.backend == "reference" or bool(cluster_gpus()))
+            # record experts for routing replay where the profile asks, the trainer replays and the
+            # engine can: the reference backend, or vLLM on GPUs (its CPU build cannot return them)
+            from .rollout.vllm_engine import wants_routed_experts
+
+            capture = wants_routed_experts(self.profile, cfg.backend, cfg.trainer.routing_replay, cluster_gpus())
             engine_kwargs = {"max_model_len": self.profile.max_model_len, "dtype": self.profile.dtype,
                              **({"enable_return_routed_experts": True} if capture and cfg.backend == "vllm" else {}),
                              **cfg.engine_kwargs}

@@ -49,7 +49,8 @@ class SamplingConfig:
 class Sample:
     """One completion. `routed_experts`, when captured, covers prompt_ids + token_ids:
     [P + T, moe_layers, top_k] int16, -1 where nothing was routed (the last sampled token is
-    never fed through the model)."""
+    never fed through the model), or, from vLLM, only the P + T - 1 routed positions as uint8
+    (at most 256 experts; rollout.vllm_engine.compact_experts). Segments pad either to int16."""
 
     prompt_ids: list[int]
     token_ids: list[int]

@@ -12,10 +12,13 @@ Notes that shape this file (details in ../shared FACTS and docs/ARCHITECTURE.md)
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 import uuid
+
+import numpy as np
 
 from .engine import RolloutEngine, Sample, SamplingConfig, register_engine
 from .nccl_sync import engine_kwargs as nccl_engine_kwargs
@@ -74,6 +77,53 @@ def token_versions(n: int, spans, request_id: str = "") -> list[int]:
     return versions
 
 
+def wants_routed_experts(profile, backend: str, routing_replay: bool, gpus: int) -> bool:
+    """Whether the engines record routed experts for routing replay (R3): the profile is an MoE
+    that captures them, the trainer replays them, and the engine can return them: the reference
+    backend anywhere, vLLM only on GPUs (its CPU build has no Model Runner V2, which the routed-
+    expert return needs)."""
+    if profile is None or not (profile.moe and profile.capture_experts and routing_replay):
+        return False
+    return backend == "reference" or (backend == "vllm" and gpus > 0)
+
+
+def moe_shape(model_path: str) -> tuple[int, int] | None:
+    """(number of routed experts, experts per token) from a checkpoint's config.json; None for
+    a dense model."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg = cfg.get("text_config", cfg)
+    experts = next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k)), None)
+    if experts is None:
+        return None
+    return int(experts), int(cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or 0)
+
+
+def compact_experts(routed, n_tokens: int, num_experts: int, top_k: int | None = None, request_id: str = "") -> np.ndarray:
+    """vLLM's routed experts for one request -> the Sample's array, checked and compact.
+
+    vLLM returns [positions, MoE layers, top_k] for every position the model ran on: the prompt
+    and each sampled token fed back, so the last sampled token has none (positions = n_tokens - 1;
+    Segment pads the rest with -1, "not captured"). Ids are stored as uint8 when the model has at
+    most 256 experts (Qwen3-30B-A3B: 128; 384 B per token instead of 1.5 KB as int32), int16
+    otherwise. A shape or id that cannot be this model's raises: replaying garbage routes would
+    train on a forward the rollout never ran."""
+    a = np.asarray(routed)
+    if a.ndim != 3 or not np.issubdtype(a.dtype, np.integer):
+        raise RuntimeError(f"vLLM returned routed experts of shape {a.shape} ({a.dtype}) for request {request_id}; "
+                           f"expected integer ids [positions, moe_layers, top_k]")
+    if not n_tokens - 1 <= a.shape[0] <= n_tokens:
+        raise RuntimeError(f"vLLM returned routed experts for {a.shape[0]} positions of request {request_id}, which "
+                           f"has {n_tokens} tokens (prompt + sampled); expected {n_tokens - 1} or {n_tokens}")
+    if top_k and a.shape[2] != top_k:
+        raise RuntimeError(f"vLLM returned {a.shape[2]} experts per token for request {request_id}; the model routes "
+                           f"each token to {top_k}")
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= num_experts):
+        raise RuntimeError(f"vLLM returned expert ids in [{int(a.min())}, {int(a.max())}] for request {request_id}; "
+                           f"the model has {num_experts} experts")
+    return a.astype(np.uint8 if num_experts <= 256 else np.int16)
+
+
 @register_engine("vllm")
 class VLLMEngine(RolloutEngine):
     backend = "vllm"
@@ -100,6 +150,11 @@ class VLLMEngine(RolloutEngine):
             )
         self.model_path = str(model_path)
         self.supports_routed_experts = enable_return_routed_experts
+        # the expert count and top-k that returned routing is checked against (compact_experts)
+        self.moe_shape = moe_shape(self.model_path) if enable_return_routed_experts else None
+        if enable_return_routed_experts and self.moe_shape is None:
+            raise ValueError(f"enable_return_routed_experts=True, but {self.model_path!r} is not an MoE (its config.json "
+                             f"names no expert count)")
         # On CPU, gpu_memory_utilization is the fraction of the NUMA node's memory reserved for
         # the KV cache; vLLM's default 0.92 fails there.
         if gpu_memory_utilization is None:
@@ -164,8 +219,12 @@ class VLLMEngine(RolloutEngine):
         logprobs = [d[t].logprob for t, d in zip(ids, o.logprobs or [])]
         versions = token_versions(len(ids), getattr(o, "weight_versions", None), request_id)
         experts = None
-        if return_routed_experts and getattr(o, "routed_experts", None) is not None:
-            experts = o.routed_experts.astype("int16")
+        if return_routed_experts:
+            # asked for and missing would silently turn replay off for this sample's tokens
+            if getattr(o, "routed_experts", None) is None:
+                raise RuntimeError(f"vLLM returned no routed experts for request {request_id} although the engine "
+                                   f"was started with enable_return_routed_experts=True")
+            experts = compact_experts(o.routed_experts, len(prompt_ids) + len(ids), *self.moe_shape, request_id)
         return Sample(
             prompt_ids=list(prompt_ids),
             token_ids=ids,
