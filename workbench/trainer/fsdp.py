@@ -15,6 +15,7 @@ given tokens < i; column 0 is 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -24,7 +25,8 @@ import torch
 
 from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_stats
 from ..replay import routing_replay
-from .logprobs import forward_logprobs, sampled_logprobs  # noqa: F401  (sampled_logprobs: re-exported)
+from .logprobs import forward_logprobs, logprob_head, sampled_logprobs
+from .packing import micro_batches_by_tokens, pack, packed_forward, unpack
 from .losses import KL_ESTIMATORS, aggregation_weights, episode_units, get_surrogate
 
 @dataclass
@@ -33,6 +35,12 @@ class TrainerConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8
+    # pack each micro-batch's rows into one padding-free row (trainer/packing.py): no compute is
+    # spent on padding, and each row's log-probs equal its padded forward's to fp32 rounding
+    pack_sequences: bool = True
+    # with pack_sequences: micro-batches of about this many real tokens (a longer row alone), the
+    # count agreed across ranks; None: micro_batch_size rows each
+    micro_batch_tokens: int | None = None
     # optimizer updates per train_step: the batch's rows are cut into this many mini-batches, one
     # AdamW step each, all against the same pi_old (the weights at the start of the step). With 1,
     # pi_old is the gradient forward's own log-probs and every surrogate's ratio is exactly 1
@@ -73,6 +81,9 @@ class TrainerConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(getattr(torch, str(v), None), torch.dtype):
                 raise ValueError(f"TrainerConfig.{name}={v!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+        if self.micro_batch_tokens is not None and (not self.pack_sequences or self.micro_batch_tokens < 1):
+            raise ValueError(f"TrainerConfig.micro_batch_tokens needs pack_sequences=True and a value >= 1, got "
+                             f"{self.micro_batch_tokens} with pack_sequences={self.pack_sequences}")
         if self.micro_batch_size < 1 or self.updates_per_step < 1:
             raise ValueError(f"TrainerConfig.micro_batch_size and updates_per_step must be >= 1, got "
                              f"{self.micro_batch_size}, {self.updates_per_step}")
@@ -88,16 +99,34 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.kl_coef must be >= 0, got {self.kl_coef}")
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None, apply_replay: bool = True,
-                   positions=None, chunk_mb: float | None = 256.0):
-    """Per-token log-probs of `input_ids` under `model` ([B, T], column 0 = 0), with routing
-    replay when `experts` ([B, T, layers, k]) is given. Returns (logprobs, ReplayStats).
-    `apply_replay=False` routes live but still counts where live routing disagrees with `experts`.
-    `positions`: where replay statistics count (default: the attention mask). `chunk_mb`: the
-    largest fp32 logits chunk (trainer/logprobs.py; None: full logits)."""
+@contextlib.contextmanager
+def replayed_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None, apply_replay: bool = True,
+                      positions=None, chunk_mb: float | None = 256.0, packed: bool = False):
+    """Yields (log-probs [B, T] with column 0 = 0, ReplayStats) of one forward of `model`, with
+    routing replay when `experts` ([B, T, layers, k]) is given; run the backward inside the
+    context (activation-checkpoint recomputes must replay too). `apply_replay=False` routes live
+    but still counts where live routing disagrees with `experts`. `positions`: where replay
+    statistics count (default: the attention mask). `chunk_mb`: the largest fp32 logits chunk
+    (trainer/logprobs.py; None: full logits). `packed`: the rows' attended tokens as one row
+    (trainer/packing.py); padding positions then get log-prob 0."""
     positions = attention_mask if positions is None else positions
-    with routing_replay(model, experts, apply=apply_replay, positions=positions) as stats:
-        lp = forward_logprobs(model, input_ids, attention_mask, temperature, chunk_mb)
+    if not packed:
+        with routing_replay(model, experts, apply=apply_replay, positions=positions) as stats:
+            yield forward_logprobs(model, input_ids, attention_mask, temperature, chunk_mb), stats
+        return
+    p = pack(input_ids, attention_mask, experts, positions)
+    with routing_replay(model, p.experts, apply=apply_replay, positions=p.counted) as stats:
+        with logprob_head(model, p.input_ids, temperature, chunk_mb) as swapped:
+            out = packed_forward(model, p).logits
+        yield unpack(out if swapped else sampled_logprobs(out, p.input_ids, temperature), p), stats
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None, apply_replay: bool = True,
+                   positions=None, chunk_mb: float | None = 256.0, packed: bool = False):
+    """(log-probs, ReplayStats) of one forward: replayed_logprobs, without a backward."""
+    with replayed_logprobs(model, input_ids, attention_mask, temperature, experts, apply_replay, positions,
+                           chunk_mb, packed) as (lp, stats):
+        pass
     return lp, stats
 
 
@@ -214,9 +243,20 @@ class TrainerWorker:
         return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
     def _micro(self, batch: dict):
-        n = batch["input_ids"].shape[0]
-        for s in range(0, n, self.cfg.micro_batch_size):
-            yield {k: (v[s: s + self.cfg.micro_batch_size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        """The micro-batches of this rank's rows: micro_batch_size rows each, or (with
+        micro_batch_tokens) about that many real tokens each, as many on every rank."""
+        n, budget = batch["input_ids"].shape[0], self.cfg.micro_batch_tokens
+        if budget is None:
+            cuts = [range(s, min(s + self.cfg.micro_batch_size, n)) for s in range(0, n, self.cfg.micro_batch_size)]
+        else:
+            import torch.distributed as dist
+
+            lengths = batch["attention_mask"].sum(1).tolist()
+            count = torch.tensor([len(micro_batches_by_tokens(lengths, budget))], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank runs as many forwards (collectives)
+            cuts = micro_batches_by_tokens(lengths, budget, int(count))
+        for r in cuts:
+            yield {k: (v[r.start: r.stop] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
     def _experts(self, mb):
         return mb.get("routed_experts")
@@ -238,7 +278,7 @@ class TrainerWorker:
             for mb in self._micro(batch):
                 lp, st = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
                                         self._experts(mb), apply_replay=replay, positions=self._counted(mb),
-                                        chunk_mb=self.cfg.logprob_chunk_mb)
+                                        chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences)
                 out.append(lp.cpu())
                 stats.append(st)
         return torch.cat(out), _sum_replay(stats)
@@ -273,10 +313,9 @@ class TrainerWorker:
             dist.all_reduce(counts)
             for mb in self._micro(ub):
                 # the replay context spans backward: activation-checkpoint recompute must replay too
-                with routing_replay(self.model, self._experts(mb), apply=self.cfg.routing_replay,
-                                    positions=self._counted(mb)) as rstats:
-                    lp = forward_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
-                                          self.cfg.logprob_chunk_mb)
+                with replayed_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
+                                       self._experts(mb), apply_replay=self.cfg.routing_replay, positions=self._counted(mb),
+                                       chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences) as (lp, rstats):
                     old = lp.detach() if updates == 1 else mb["old_logprobs"]
                     corr = correction_weights(old, mb["behaviour_logprobs"], mb["loss_mask"], mb["versions"],
                                               trainer_version, self.cfg.correction)
@@ -323,7 +362,8 @@ class TrainerWorker:
         self.ref_model.eval()
         with torch.no_grad():
             ref, _ = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
-                                    self._experts(mb), apply_replay=self.cfg.routing_replay, chunk_mb=self.cfg.logprob_chunk_mb)
+                                    self._experts(mb), apply_replay=self.cfg.routing_replay, chunk_mb=self.cfg.logprob_chunk_mb,
+                                    packed=self.cfg.pack_sequences)
         return KL_ESTIMATORS[self.cfg.kl_estimator](lp - ref) * mb["loss_mask"].float()
 
     def probe(self, ids: list[int]) -> list[float]:
