@@ -143,7 +143,21 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, quiet: boo
                 raise
             logging.getLogger(__name__).warning("local Ray did not start within its 30 s (%s); starting it again", e)
             ray.shutdown()
+            _kill_failed_local_ray()
     return ray.get_runtime_context()
+
+
+def _kill_failed_local_ray() -> None:
+    """The processes a failed local start left (its GCS server outlives the crashed raylet, and
+    ray.shutdown() does not know them): this process's children that run Ray's binaries."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any("/ray/" in part for part in child.cmdline()[:3]):
+                child.kill()
+        except psutil.Error:
+            pass
 
 
 def shutdown_ray() -> None:
