@@ -14,10 +14,12 @@ from workbench.lint import SHAPES, lint
 
 TR, HR = "seal:template_rewrite", "seal:history_rewritten"
 EXPECTED = {
-    # Qwen3, thinking on: a thinking model emits <think>...</think> in every turn and the template
-    # drops it from history: an empty block at once, a non-empty one when a new user turn arrives.
-    "qwen3": {"plain": (TR, 2), "tool_one": (TR, 2), "tool_many": (TR, 2), "reasoning_on": (TR, 3),
-              "reasoning_off": (TR, 2), "system_changed": (HR, 2), "max_tokens_cut": (TR, 2)},
+    # Qwen3, thinking on: a thinking model emits <think>...</think> in every turn. The loopback returns
+    # it as reasoning_content (vLLM's qwen3 parser) and canonical messages keep it (the profile's
+    # reasoning_field), so the template renders the current turn's <think> block back and tool results
+    # extend; a new user turn strips every earlier block (the empty one of a plain answer too).
+    "qwen3": {"plain": (TR, 2), "tool_one": (TR, 3), "tool_many": (TR, 3), "reasoning_on": (TR, 3),
+              "reasoning_off": (TR, 3), "system_changed": (HR, 2), "max_tokens_cut": (TR, 2)},
     # Qwen3, enable_thinking=False: the generation prompt holds an empty think block that the history
     # render drops ('reasoning_on' is the same request path: the block is in the prompt, not sampled).
     "qwen3-nothink": {"plain": (TR, 2), "tool_one": (TR, 2), "tool_many": (TR, 2), "reasoning_on": (TR, 2),
@@ -26,18 +28,21 @@ EXPECTED = {
     "llama3.1": {"plain": ("extends", None), "tool_one": ("extends", None), "tool_many": ("error", 1),
                  "reasoning_on": ("extends", None), "reasoning_off": ("extends", None), "system_changed": (HR, 2),
                  "max_tokens_cut": ("extends", None)},
-    # Mistral v3: the system prompt rides on the LAST user message (it moves every user turn); tool
-    # turns need 9-character call ids, which the accumulator's canonical messages drop.
-    "mistral-v3": {"plain": (TR, 2), "tool_one": ("error", 1), "tool_many": ("error", 1), "reasoning_on": ("error", 1),
-                   "reasoning_off": ("error", 1), "system_changed": (HR, 2), "max_tokens_cut": ("extends", None)},
-    # gpt-oss: a final answer's <|return|> comes back as <|end|>; a call ends with <|call|>, not the
-    # ChatFormat's end of turn; a cut reply's closing text is <|return|> and becomes <|end|>.
-    "gpt-oss": {"plain": (TR, 2), "tool_one": (TR, 2), "tool_many": (TR, 2), "reasoning_on": (TR, 2),
-                "reasoning_off": (TR, 2), "system_changed": (HR, 2), "max_tokens_cut": (TR, 2)},
-    # DeepSeek V3.1: plain chat extends; its template concatenates tool-call arguments as a string,
-    # and canonical messages hold a dict.
-    "deepseek-v3.1": {"plain": ("extends", None), "tool_one": ("error", 1), "tool_many": ("error", 1),
-                      "reasoning_on": ("error", 1), "reasoning_off": ("error", 1), "system_changed": (HR, 2),
+    # Mistral v3: the system prompt and the tool list ride on the LAST user message (they move every
+    # user turn); tool turns render with the 9-character ids the loopback hands out (the profile's
+    # tool_call_ids), so tool results extend and the next user turn seals.
+    "mistral-v3": {"plain": (TR, 2), "tool_one": (TR, 3), "tool_many": (TR, 3), "reasoning_on": (TR, 3),
+                   "reasoning_off": (TR, 3), "system_changed": (HR, 2), "max_tokens_cut": ("extends", None)},
+    # gpt-oss: <|call|> ends a tool-call turn (the profile's turn_ends) and renders back, so tool results
+    # extend; a final answer's <|return|> comes back as <|end|> (template_rewrite at the next request),
+    # and a tool call's analysis message is dropped once a final answer follows it; a cut reply's
+    # closing text is <|return|> and becomes <|end|>.
+    "gpt-oss": {"plain": (TR, 2), "tool_one": (TR, 3), "tool_many": (TR, 3), "reasoning_on": (TR, 3),
+                "reasoning_off": (TR, 3), "system_changed": (HR, 2), "max_tokens_cut": (TR, 2)},
+    # DeepSeek V3.1: its template concatenates tool-call arguments as a string, which canonical
+    # messages keep as JSON text (the profile's tool_arguments): everything extends.
+    "deepseek-v3.1": {"plain": ("extends", None), "tool_one": ("extends", None), "tool_many": ("extends", None),
+                      "reasoning_on": ("extends", None), "reasoning_off": ("extends", None), "system_changed": (HR, 2),
                       "max_tokens_cut": ("extends", None)},
 }
 TRAPS = {  # the traps found per template

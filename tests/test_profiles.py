@@ -20,6 +20,7 @@ def checkpoint(tmp_path, model_type: str, specials=(), **config):
 
 @pytest.mark.parametrize("model_type,specials,config,family,expect", [
     ("qwen3", ["<|im_end|>"], {}, "qwen3", {"reasoning_parser": "qwen3", "chat_template_kwargs": {"enable_thinking": True},
+                                            "reasoning_field": "reasoning_content", "tool_call_ids": None,
                                             "moe": False, "capture_experts": False, "max_model_len": 32768}),
     ("qwen3_moe", ["<|im_end|>"], {"num_experts": 128}, "qwen3", {"moe": True, "capture_experts": True,
                                                                   "replay_rule": "Qwen3MoeTopKRouter"}),
@@ -27,11 +28,12 @@ def checkpoint(tmp_path, model_type: str, specials=(), **config):
     ("llama", ["<|begin_of_text|>", "<|eot_id|>", "<|eom_id|>"], {}, "llama3",
      {"end_of_turn": "<|eot_id|>", "stop_tokens": ("<|eom_id|>",), "tool_parser": "llama3_json",
       "chat_template_kwargs": {"date_string": "01 Jan 2026"}}),
-    ("mistral", ["[TOOL_CALLS]"], {}, "mistral", {"tool_parser": "mistral", "end_of_turn": "</s>"}),
+    ("mistral", ["[TOOL_CALLS]"], {}, "mistral", {"tool_parser": "mistral", "end_of_turn": "</s>", "tool_call_ids": "alnum9"}),
     ("mixtral", [], {"num_local_experts": 8}, "mistral", {"moe": True, "replay_rule": "MixtralTopKRouter"}),
     ("gpt_oss", ["<|return|>", "<|call|>", "<|end|>"], {}, "gpt-oss",
-     {"end_of_turn": "<|end|>", "stop_tokens": ("<|return|>", "<|call|>"), "reasoning_parser": "openai_gptoss"}),
-    ("deepseek_v3", [], {"n_routed_experts": 256}, "deepseek-v3", {"moe": True, "replay_rule": None}),
+     {"end_of_turn": "<|return|>", "turn_ends": ("<|call|>",), "stop_tokens": (), "reasoning_parser": "openai_gptoss",
+      "reasoning_field": "thinking"}),
+    ("deepseek_v3", [], {"n_routed_experts": 256}, "deepseek-v3", {"moe": True, "replay_rule": None, "tool_arguments": "json"}),
 ])
 def test_each_family_is_read_off_its_checkpoint(tmp_path, model_type, specials, config, family, expect):
     p = profile_for(checkpoint(tmp_path, model_type, specials, **config))
@@ -55,6 +57,33 @@ def test_toy_checkpoints_and_overrides(moe_path, dense_path):
         profile_for(dense_path, "llama3")
     with pytest.raises(ProfileError, match="has no token"):
         moe.replace(stop_tokens=("<|eot_id|>",)).stop_token_ids(load_tokenizer(moe_path))
+    # the toy keeps today's message form: ids, reasoning dropped, arguments as objects
+    assert moe.message_form == {"tool_call_ids": None, "tool_arguments": "object", "reasoning_field": None}
+    assert moe.reasoning_parser is None and moe.turn_ends == ()
+    with pytest.raises(ProfileError, match="tool_call_ids='uuid'"):
+        moe.replace(tool_call_ids="uuid")
+
+
+def test_message_form_fields_reach_canonical_messages():
+    """Each message-form field keeps what its template renders, and nothing by default."""
+    from workbench.tokens import canonical_message, new_tool_call_id
+
+    m = {"role": "assistant", "content": "ok", "reasoning_content": "because",
+         "tool_calls": [{"id": "a1B2c3D4e", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}
+    assert canonical_message(m) == {"role": "assistant", "content": "ok",
+                                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}
+    full = canonical_message(m, tool_call_ids="alnum9", tool_arguments="json", reasoning_field="reasoning_content")
+    assert full["tool_calls"][0] == {"id": "a1B2c3D4e", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    assert full["reasoning_content"] == "because"
+    harmony = {**m, "content": "", "reasoning_content": None, "thinking": "t"}
+    assert canonical_message(harmony, reasoning_field="thinking")["thinking"] == "t"
+    # gpt-oss's template renders one analysis message before a call and refuses content and thinking both
+    assert "thinking" not in canonical_message({**harmony, "content": "preamble"}, reasoning_field="thinking")
+    assert canonical_message({"role": "tool", "content": "1", "tool_call_id": "a1B2c3D4e"}, tool_call_ids="alnum9")["tool_call_id"] == "a1B2c3D4e"
+    assert "tool_call_id" not in canonical_message({"role": "tool", "content": "1", "tool_call_id": "a1B2c3D4e"})
+    ids = {new_tool_call_id("alnum9") for _ in range(50)}
+    assert len(ids) == 50 and all(len(i) == 9 and i.isalnum() for i in ids)
+    assert new_tool_call_id(None).startswith("call_")
 
 
 def test_unknown_checkpoints_are_refused_by_name(tmp_path):

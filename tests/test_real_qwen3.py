@@ -31,13 +31,15 @@ def tiny_qwen3(ray_local):
     stop_engine(engine)
 
 
-async def openai_episode(client, turns: int = 3):
+async def openai_episode(client, turns: int = 3, texts: list | None = None):
     messages = [{"role": "user", "content": "What is 2+3? Use the calculator."}]
     calls = 0
     for _ in range(turns):
         r = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL], max_tokens=40)
         msg = r.choices[0].message
-        messages.append(msg.model_dump(exclude_none=True))
+        if texts is not None:
+            texts.append((msg.content or "", getattr(msg, "reasoning_content", None)))
+        messages.append(msg.model_dump(exclude_none=True))  # reasoning_content too: the template renders it
         if msg.tool_calls:
             calls += len(msg.tool_calls)
             messages += [{"role": "tool", "tool_call_id": c.id, "content": "5"} for c in msg.tool_calls]
@@ -78,12 +80,13 @@ def test_sdk_tool_episodes_record_exact_real_ids(tiny_qwen3, thinking):
     prof = prof.replace(chat_template_kwargs={"enable_thinking": thinking})
     tok = load_tokenizer(path)
     policy = SamplingConfig(temperature=0.7, stop_token_ids=prof.stop_token_ids(tok))
+    texts: list[tuple[str, str | None]] = []
     with LoopbackServer(engine, tok, profile=prof, policy_sampling=policy) as server:
         sids = [server.open_session() for _ in range(8)]
 
         async def main():
-            oa = [openai_episode(openai.AsyncOpenAI(base_url=server.base_url(s), api_key=server.api_key, max_retries=0))
-                  for s in sids[:4]]
+            oa = [openai_episode(openai.AsyncOpenAI(base_url=server.base_url(s), api_key=server.api_key, max_retries=0),
+                                 texts=texts) for s in sids[:4]]
             an = [anthropic_episode(anthropic.AsyncAnthropic(base_url=server.base_url(s, "anthropic"),
                                                              api_key=server.api_key, max_retries=0)) for s in sids[4:]]
             return await asyncio.gather(*oa, *an)
@@ -98,6 +101,13 @@ def test_sdk_tool_episodes_record_exact_real_ids(tiny_qwen3, thinking):
     first = tok.decode(flat[0].token_ids)
     assert first.startswith("<|im_start|>system\n# Tools") and "<|im_start|>assistant\n" in first
     assert ("<think>\n\n</think>" in first) == (not thinking)
+    # thinking on: vLLM's qwen3 reasoning parser takes what the model thought (a reply without
+    # </think> is all reasoning, as vLLM's server reads it); content never holds a <think> block
+    assert len(texts) == 4 * 3
+    if thinking:
+        assert all("<think>" not in c and "</think>" not in c for c, _ in texts) and any(r for _, r in texts)
+    else:
+        assert not any(r for _, r in texts)
     seals = {seg.seal_reason for seg in flat}
     # a new user turn re-renders earlier turns (Qwen3 drops their <think> blocks, or the empty
     # one with thinking off): template_rewrite seals, as the linter reports for this template

@@ -219,8 +219,10 @@ def diff_context(fmt: ChatFormat, a: list[int], b: list[int], k: int = 5) -> tup
 class _Model:
     """Plays the model and the loopback server for one template."""
 
-    def __init__(self, fmt: ChatFormat, stops: list[str], reasoning_in_content: bool):
+    def __init__(self, fmt: ChatFormat, stops: list[str], reasoning_in_content: bool, parser=None):
         self.fmt, self.stops, self.reasoning_in_content = fmt, stops, reasoning_in_content
+        self.parser = parser  # the loopback's ReplyParser of the model profile (None: no profile known)
+        self.id_style = getattr(fmt, "message_form", {}).get("tool_call_ids")
         self.specials = set(getattr(fmt.tokenizer, "all_special_tokens", []) or [])
         self.specials |= {str(t) for t in (getattr(fmt.tokenizer, "added_tokens_decoder", {}) or {}).values()}
         self.special_ids = {i for i, t in (getattr(fmt.tokenizer, "added_tokens_decoder", {}) or {}).items()
@@ -232,12 +234,24 @@ class _Model:
         the generation prompt, up to a stop token."""
         m = {"role": "assistant", "content": reply["content"]}
         if reply["calls"]:
-            m["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in reply["calls"]]
+            m["tool_calls"] = [{"id": self.call_id(k), "type": "function", "function": {"name": n, "arguments": a}}
+                               for k, (n, a) in enumerate(reply["calls"])]
+        if self.parser is not None:  # the render the template gets: what canonical messages keep
+            m = self.fmt.canonical({**m, "tool_calls": m.get("tool_calls") or []})
         if reply["reasoning"]:
             m["reasoning_content"] = m["thinking"] = reply["reasoning"]
         full = self.fmt.render(msgs + [m], tools, add_generation_prompt=False)
-        start = len(prompt_text) if full.startswith(prompt_text) else next(
-            (i for i, (x, y) in enumerate(zip(full, prompt_text)) if x != y), min(len(full), len(prompt_text)))
+        start = len(prompt_text) if full.startswith(prompt_text) else None
+        if start is None:  # the reply changes how earlier turns render (gpt-oss drops a tool call's analysis
+            # once a final answer follows): the reply starts after the last request message's render
+            base = self.fmt.render(msgs, tools, add_generation_prompt=False)
+            gen = prompt_text[len(base):] if prompt_text.startswith(base) else ""
+            tail = base[-40:]
+            p = full.rfind(tail) if tail else -1
+            if p >= 0 and full[p + len(tail):].startswith(gen):
+                start = p + len(tail) + len(gen)
+            else:
+                start = next((i for i, (x, y) in enumerate(zip(full, prompt_text)) if x != y), min(len(full), len(prompt_text)))
         turn = full[start:]
         hits = [(turn.find(s), s) for s in self.stops if s and s in turn]
         if hits:
@@ -250,9 +264,27 @@ class _Model:
         ids = self.fmt.encode(text)
         return ids[: reply["cut"]] if reply["cut"] else ids
 
-    def returned_message(self, reply, ids) -> dict:
-        """The assistant message as the loopback returns it (and the agent sends it back)."""
-        calls = [{"id": f"call_{k}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+    def call_id(self, k: int) -> str:
+        """The k-th tool-call id, of the shape the loopback hands out for the profile (fixed here)."""
+        return f"call{k:05d}" if self.id_style == "alnum9" else f"call_{k}"
+
+    def returned_message(self, reply, ids, tools=None) -> dict:
+        """The assistant message as the loopback returns it (and the agent sends it back). With a
+        profile: the server's own parse of the sampled ids (loopback.parsing: reasoning, content,
+        tool calls)."""
+        if self.parser is not None:
+            from .loopback.parsing import reply_text
+
+            text, body = reply_text(self.fmt, ids, "length" if reply["cut"] else "stop", self.parser.skip_special_tokens)
+            p = self.parser.parse(text, body, tools=tools)
+            msg = {"role": "assistant", "content": p.content}
+            if p.reasoning:
+                msg["reasoning_content"] = p.reasoning
+            if p.calls:
+                msg["tool_calls"] = [{"id": self.call_id(k), "type": "function", "function": {
+                    "name": c["name"], "arguments": json.dumps(c["arguments"])}} for k, c in enumerate(p.calls)]
+            return msg
+        calls = [{"id": self.call_id(k), "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
                  for k, (n, a) in enumerate(reply["calls"])]
         if reply["cut"]:  # the text after the last control token (a parser strips channel markup)
             k = max((j + 1 for j, i in enumerate(ids) if i in self.special_ids), default=0)
@@ -271,9 +303,9 @@ class _Model:
 
 
 def run_shape(fmt: ChatFormat, name: str, stops: list[str], reasoning_in_content: bool = False,
-              accumulator_cls=Accumulator) -> ShapeResult:
+              accumulator_cls=Accumulator, parser=None) -> ShapeResult:
     desc, tools, steps = SHAPES[name]
-    model = _Model(fmt, stops, reasoning_in_content)
+    model = _Model(fmt, stops, reasoning_in_content, parser)
     acc = accumulator_cls(fmt)
     msgs: list[dict] = []
     res = ShapeResult(name, desc, "extends")
@@ -281,8 +313,10 @@ def run_shape(fmt: ChatFormat, name: str, stops: list[str], reasoning_in_content
     for turn, (incoming, reply) in enumerate(steps, 1):
         if incoming and incoming[0]["role"] == "system" and msgs:
             msgs = [incoming[0]] + [m for m in msgs if m["role"] != "system"] + incoming[1:]
-        else:
-            msgs = msgs + incoming
+        else:  # tool results answer the calls the server returned, by their ids (as an agent does)
+            ids_back = iter([c["id"] for c in (msgs[-1].get("tool_calls") or [])] if msgs else [])
+            msgs = msgs + [{**m, "tool_call_id": next(ids_back, m["tool_call_id"])} if m["role"] == "tool" else m
+                           for m in incoming]
         before = list(acc.open_segment.token_ids) if acc.open_segment is not None else None
         try:
             plan = acc.plan(msgs, tools)
@@ -296,7 +330,8 @@ def run_shape(fmt: ChatFormat, name: str, stops: list[str], reasoning_in_content
         elif plan.new_segment:
             i, ctx = diff_context(fmt, before, fresh)
             why = _why(plan.seal_reason, fmt)
-            if plan.seal_reason == "template_rewrite" and last_ids and last_ids[-1] != fmt.end_of_turn_id and not last_cut:
+            ends = getattr(fmt, "turn_end_ids", (fmt.end_of_turn_id,))
+            if plan.seal_reason == "template_rewrite" and last_ids and last_ids[-1] not in ends and not last_cut:
                 why = (f"the last turn ended with {fmt.decode(last_ids[-1:])!r}, which is not the ChatFormat's end of turn "
                        f"{fmt.end_of_turn!r}: the accumulator cannot place the turn's closing text")
             tr = TurnResult(turn, f"seal:{plan.seal_reason}", why, i, ctx)
@@ -308,7 +343,7 @@ def run_shape(fmt: ChatFormat, name: str, stops: list[str], reasoning_in_content
             tr = TurnResult(turn, "extends*", "same text, other ids (retokenization)" if same_text else
                             "the template renders the earlier turn differently from what was sampled", i, ctx)
         res.turns.append(tr)
-        msg = model.returned_message(reply, ids)
+        msg = model.returned_message(reply, ids, tools)
         acc.record(plan, sample_of(ids, "length" if reply["cut"] else "stop"), msg)
         last_ids, last_cut = ids, bool(reply["cut"])
         msgs = msgs + [msg]
@@ -384,12 +419,18 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
     from . import real_models
 
     if isinstance(target, str) and target in real_models.FAMILIES:
+        from .loopback.parsing import ReplyParser
+
         fam = real_models.load_family(target)
         spec = fam.spec
         kw = {**spec.template_kwargs, **(template_kwargs or {})}
-        fmt = real_models.TemplateChatFormat(fam.tokenizer, end_of_turn, kw)
+        # the family's model profile: its ends of turn, what canonical messages keep, and the
+        # loopback's parsers (the linter returns what the server would)
+        prof = fam.profile().replace(chat_template_kwargs=kw, **({"end_of_turn": end_of_turn} if end_of_turn else {}))
+        fmt = ChatFormat.for_profile(fam.tokenizer, prof)
         return (target, fmt, list(stops or spec.stops),
-                spec.reasoning_in_content if reasoning_in_content is None else reasoning_in_content)
+                spec.reasoning_in_content if reasoning_in_content is None else reasoning_in_content,
+                ReplyParser(fam.tokenizer, prof.tool_parser, prof.reasoning_parser, kw))
     extra = {}
     if isinstance(target, (str, Path)):
         from transformers import AutoTokenizer
@@ -416,7 +457,7 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
     if ric is None:
         ric = extra.get("reasoning_in_content", "</think>" in (tok.chat_template or "") and
                         "</think>" in {str(t) for t in getattr(tok, "added_tokens_decoder", {}).values()})
-    return name, fmt, stops, ric
+    return name, fmt, stops, ric, None
 
 
 def lint(tokenizer_or_path, shapes: list[str] | None = None, *, end_of_turn: str | None = None,
@@ -426,10 +467,10 @@ def lint(tokenizer_or_path, shapes: list[str] | None = None, *, end_of_turn: str
     (workbench.real_models.FAMILIES: "qwen3", "llama3.1", ...), a tokenizer directory, or a
     tokenizer object with a chat template. `stops`: the engine's stop tokens (default: the
     family's, the directory's generation_config.json eos ids, or the end of turn)."""
-    name, fmt, stops_, ric = _resolve(tokenizer_or_path, end_of_turn, stops, template_kwargs, reasoning_in_content)
+    name, fmt, stops_, ric, parser = _resolve(tokenizer_or_path, end_of_turn, stops, template_kwargs, reasoning_in_content)
     results, renders = [], []
     for s in shapes or list(SHAPES):
-        results.append(run_shape(fmt, s, stops_, ric))
+        results.append(run_shape(fmt, s, stops_, ric, parser=parser))
         _, tools, steps = SHAPES[s]
         try:
             renders.append(fmt.render(steps[0][0], tools, add_generation_prompt=True))

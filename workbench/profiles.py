@@ -33,10 +33,26 @@ class ModelProfile:
     chat_template_kwargs: dict = field(default_factory=dict)
     # the token that ends an assistant turn (the accumulator's end of turn); None: tokenizer.eos_token
     end_of_turn: str | None = None
+    # more tokens that end an assistant turn as the template renders it (gpt-oss: <|call|> ends a
+    # tool-call turn, <|return|> a final answer): the accumulator takes a sampled one as the turn's
+    # end like end_of_turn, and the engine stops on them
+    turn_ends: tuple[str, ...] = ()
     # more tokens that end a turn when sampled (the engine's stop ids besides the model's EOS)
     stop_tokens: tuple[str, ...] = ()
-    tool_parser: str = "hermes"  # a workbench.loopback.toolcalls parser name
-    reasoning_parser: str | None = None  # a vLLM reasoning parser name (None: no reasoning block)
+    tool_parser: str = "hermes"  # ours (workbench.loopback.toolcalls: hermes) or a vLLM tool parser name
+    # a vLLM reasoning parser name (None: no reasoning block; the reply's text is all content)
+    reasoning_parser: str | None = None
+    # What the chat template needs of the history an agent sends back (tokens.canonical_message):
+    # tool_call_ids: None drops tool-call ids (wire noise to templates that do not render them);
+    #   "alnum9": the template renders them and refuses others (Mistral: 9 alphanumeric characters),
+    #   so the loopback hands out ids of that shape and canonical messages keep them
+    tool_call_ids: str | None = None
+    # tool_arguments: "object" (templates that tojson the arguments) or "json": a JSON string
+    #   (templates that concatenate it as a string: DeepSeek V3.1)
+    tool_arguments: str = "object"
+    # reasoning_field: the assistant-message key the template renders reasoning from
+    #   ("reasoning_content": Qwen3; "thinking": gpt-oss); None drops reasoning from the history
+    reasoning_field: str | None = None
     max_model_len: int = 1024  # the context an episode has: engine and loopback server
     dtype: str = "float32"  # engine and trainer parameter dtype
     loader: str = "hf"  # "hf": a safetensors checkpoint directory
@@ -50,7 +66,7 @@ class ModelProfile:
     def stop_token_ids(self, tokenizer) -> list[int]:
         """The engine's extra stop ids: the end of turn and `stop_tokens`, as this tokenizer has them."""
         ids = []
-        for tok in ((self.end_of_turn,) if self.end_of_turn else ()) + tuple(self.stop_tokens):
+        for tok in ((self.end_of_turn,) if self.end_of_turn else ()) + tuple(self.turn_ends) + tuple(self.stop_tokens):
             i = tokenizer.convert_tokens_to_ids(tok)
             if i is None or i == getattr(tokenizer, "unk_token_id", None):
                 raise ProfileError(f"profile {self.family!r}: the tokenizer has no token {tok!r}")
@@ -63,6 +79,19 @@ class ModelProfile:
         if unknown:
             raise ProfileError(f"unknown profile field(s) {unknown}; known: {sorted(known)}")
         return dataclasses.replace(self, **overrides)
+
+    def __post_init__(self):
+        from .tokens import MESSAGE_FORMS  # the values canonical_message knows
+
+        for name, allowed in MESSAGE_FORMS.items():
+            if getattr(self, name) not in allowed:
+                raise ProfileError(f"profile {self.family!r}: {name}={getattr(self, name)!r}; one of {list(allowed)}")
+
+    @property
+    def message_form(self) -> dict:
+        """What canonical_message keeps of the history for this family's template (tokens.py)."""
+        return {"tool_call_ids": self.tool_call_ids, "tool_arguments": self.tool_arguments,
+                "reasoning_field": self.reasoning_field}
 
 
 @dataclass
@@ -133,10 +162,12 @@ def _qwen3(ck: Checkpoint):
     moe = ck.model_type == "qwen3_moe"
     tiny = (ck.path / "workbench_tiny.json").is_file()  # workbench.checkpoints.tiny_qwen3_path: CPU-sized, fp32
     return ModelProfile("qwen3", chat_template_kwargs={"enable_thinking": True}, end_of_turn="<|im_end|>",
-                        tool_parser="hermes", reasoning_parser="qwen3", max_model_len=min(ck.context, 32768),
+                        tool_parser="hermes", reasoning_parser="qwen3", reasoning_field="reasoning_content",
+                        max_model_len=min(ck.context, 32768),
                         dtype="float32" if tiny else "bfloat16", moe=moe, capture_experts=moe, replay_rule="Qwen3MoeTopKRouter" if moe else None,
                         notes="the template strips earlier <think> blocks once a new user turn arrives: a "
-                              "template_rewrite seal at every user turn with thinking on")
+                              "template_rewrite seal at every user turn with thinking on; the current turn's "
+                              "reasoning (reasoning_content) renders back as its <think> block")
 
 
 @register_family("qwen2.5")
@@ -174,20 +205,27 @@ def _mistral(ck: Checkpoint):
     if ck.model_type not in ("mistral", "mixtral"):
         return None
     moe = ck.model_type == "mixtral"
-    return ModelProfile("mistral", end_of_turn="</s>", tool_parser="mistral", max_model_len=min(ck.context, 32768),
-                        dtype="bfloat16", moe=moe, replay_rule="MixtralTopKRouter" if moe else None,
+    return ModelProfile("mistral", end_of_turn="</s>", tool_parser="mistral", tool_call_ids="alnum9",
+                        max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=moe,
+                        replay_rule="MixtralTopKRouter" if moe else None,
                         notes="the SentencePiece v3 tokenizer puts a space after [TOOL_CALLS] that the model did "
-                              "not sample: a retokenization trap; Tekken does not")
+                              "not sample: a retokenization trap; Tekken does not. Templates refuse tool-call ids "
+                              "other than 9 alphanumeric characters: the loopback hands out such ids")
 
 
 @register_family("gpt-oss")
 def _gpt_oss(ck: Checkpoint):
     if ck.model_type != "gpt_oss":
         return None
-    return ModelProfile("gpt-oss", end_of_turn="<|end|>", stop_tokens=("<|return|>", "<|call|>"), tool_parser="openai",
-                        reasoning_parser="openai_gptoss", max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=True,
-                        notes="harmony format: the model samples <|return|> at the end of its final message and the "
-                              "template renders it back as <|end|>; the analysis channel is reasoning")
+    # <|end|> closes every harmony message (the analysis one too) and is no stop token: the model
+    # goes on to its final message. A turn ends with <|return|> (final answer) or <|call|> (tool call).
+    return ModelProfile("gpt-oss", end_of_turn="<|return|>", turn_ends=("<|call|>",), tool_parser="openai",
+                        reasoning_parser="openai_gptoss", reasoning_field="thinking", max_model_len=min(ck.context, 32768),
+                        dtype="bfloat16", moe=True,
+                        notes="harmony format, parsed from the ids by vLLM's HarmonyParser: the model samples "
+                              "<|return|> at the end of its final message and the template renders it back as "
+                              "<|end|> (a template_rewrite seal after every final answer); <|call|> ends a tool-call "
+                              "turn; the analysis channel is reasoning")
 
 
 @register_family("deepseek-v3")
@@ -195,8 +233,11 @@ def _deepseek(ck: Checkpoint):
     if ck.model_type not in ("deepseek_v3", "deepseek_v32"):
         return None
     return ModelProfile("deepseek-v3", end_of_turn="<｜end▁of▁sentence｜>", tool_parser="deepseek_v31",
-                        reasoning_parser="deepseek_v3", max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=True,
-                        notes="V3.1's template ignores tools=; no replay rule for its router yet (replay refused)")
+                        reasoning_parser="deepseek_v3", tool_arguments="json", max_model_len=min(ck.context, 32768),
+                        dtype="bfloat16", moe=True,
+                        notes="V3.1's template ignores tools= and concatenates tool-call arguments as a string "
+                              "(canonical messages keep them as JSON text); no replay rule for its router yet "
+                              "(replay refused)")
 
 
 def profile_for(model_path: str | Path, overrides: dict | str | None = None) -> ModelProfile:

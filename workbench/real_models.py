@@ -180,7 +180,8 @@ class FamilySpec:
     fixtures: dict = field(default_factory=dict)
     tool_parser: str | None = None  # vLLM's registered names
     reasoning_parser: str | None = None
-    reasoning_in_content: bool = False  # the loopback returns reasoning inside content (<think>...</think>)
+    reasoning_in_content: bool = False  # the model writes reasoning as text in its reply (<think>...</think>)
+    model_type: str = ""  # config.json's model_type of such a checkpoint: which workbench.profiles family
 
 
 FAMILIES: dict[str, FamilySpec] = {f.name: f for f in [
@@ -188,27 +189,27 @@ FAMILIES: dict[str, FamilySpec] = {f.name: f for f in [
                None, "<|im_end|>", ("<|im_end|>", "<|endoftext|>"),
                fixtures={"qwen3-hermes": ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-4B-Thinking-2507"),
                          "qwen3-xml": ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "Qwen/Qwen3-Coder-Next")},
-               tool_parser="hermes", reasoning_parser="qwen3", reasoning_in_content=True),
+               tool_parser="hermes", reasoning_parser="qwen3", reasoning_in_content=True, model_type="qwen3"),
     FamilySpec("qwen3-nothink", "Qwen3 (hybrid thinking, enable_thinking=False)", "qwen3",
                ("Qwen-Qwen3-0.6B@a55ee1", "a55ee1b16601"), None, "<|im_end|>", ("<|im_end|>", "<|endoftext|>"),
                template_kwargs={"enable_thinking": False}, tool_parser="hermes", reasoning_parser="qwen3",
-               reasoning_in_content=True),
+               reasoning_in_content=True, model_type="qwen3"),
     FamilySpec("llama3.1", "Llama 3.1 / 3.3 Instruct (JSON tool calls)", "llama3",
                ("meta-llama-Llama-3.1-8B-Instruct", "e10ca381b1cc"), "<|begin_of_text|>", "<|eot_id|>",
                ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
-               fixtures={"llama": ("unsloth/Llama-3.3-70B-Instruct",)}, tool_parser="llama3_json"),
+               fixtures={"llama": ("unsloth/Llama-3.3-70B-Instruct",)}, tool_parser="llama3_json", model_type="llama"),
     FamilySpec("mistral-v3", "Mistral 7B Instruct v0.3 (SentencePiece v3)", "mistral_v3",
                ("mistralai-Mistral-7B-Instruct-v0.3", "e16746b40344"), "<s>", "</s>", ("</s>",),
-               fixtures={"mistral": ("mistralai/Mistral-7B-Instruct-v0.3",)}, tool_parser="mistral"),
+               fixtures={"mistral": ("mistralai/Mistral-7B-Instruct-v0.3",)}, tool_parser="mistral", model_type="mistral"),
     FamilySpec("gpt-oss", "gpt-oss (harmony)", "gpt_oss", ("openai-gpt-oss-120b", "a4c9919cbbd4"),
                "<|startoftext|>", "<|return|>", ("<|return|>", "<|call|>"),
-               fixtures={"gpt-oss": ("openai/gpt-oss-20b",)}, tool_parser="openai", reasoning_parser="openai_gptoss"),
+               fixtures={"gpt-oss": ("openai/gpt-oss-20b",)}, tool_parser="openai", reasoning_parser="openai_gptoss", model_type="gpt_oss"),
     FamilySpec("deepseek-v3.1", "DeepSeek V3.1 (non-thinking)", "deepseek",
                ("tencent-DeepSeek-V3.1-Terminus-W4AFP8", "45690185067e"), "<｜begin▁of▁sentence｜>",
                "<｜end▁of▁sentence｜>", ("<｜end▁of▁sentence｜>",),
                fixtures={"deepseek": ("deepseek-ai/DeepSeek-V3-0324", "deepseek-ai/DeepSeek-V3.1",
                                       "deepseek-ai/DeepSeek-V4-Flash", "deepseek-ai/DeepSeek-V4.1-Flash")},
-               tool_parser="deepseek_v31", reasoning_parser="deepseek_v3"),
+               tool_parser="deepseek_v31", reasoning_parser="deepseek_v3", model_type="deepseek_v3"),
 ]}
 
 _BUILDERS = {"qwen3": _build_qwen3, "llama3": _build_llama3, "gpt_oss": _build_gpt_oss,
@@ -231,16 +232,7 @@ def backend_tokenizer(build: str):
     return tk
 
 
-class TemplateChatFormat(ChatFormat):
-    """ChatFormat with chat-template keyword arguments (e.g. Qwen3's enable_thinking)."""
-
-    def __init__(self, tokenizer, end_of_turn: str | None = None, template_kwargs: dict | None = None):
-        super().__init__(tokenizer, end_of_turn)
-        self.template_kwargs = dict(template_kwargs or {})
-
-    def render(self, messages, tools, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, **self.template_kwargs)
+TemplateChatFormat = ChatFormat  # (ChatFormat takes the template kwargs itself now)
 
 
 @dataclass
@@ -252,8 +244,24 @@ class Family:
     def name(self) -> str:
         return self.spec.name
 
-    def chat_format(self, end_of_turn: str | None = None) -> TemplateChatFormat:
-        return TemplateChatFormat(self.tokenizer, end_of_turn, self.spec.template_kwargs)
+    def profile(self):
+        """The workbench.profiles family's profile for a checkpoint of this family (read off its
+        model_type and the tokenizer's special tokens, as profile_for does), with this family's
+        template kwargs (the template's own defaults otherwise: Llama's date, Qwen3's thinking)."""
+        from .profiles import FAMILIES as PROFILE_FAMILIES, Checkpoint
+
+        ck = Checkpoint(Path("/nonexistent"), {"model_type": self.spec.model_type},
+                        {str(t) for t in self.tokenizer.added_tokens_decoder.values()}, None)
+        prof = next((p for p in (fn(ck) for fn in PROFILE_FAMILIES.values()) if p is not None), None)
+        if prof is None:
+            raise KeyError(f"no workbench.profiles family claims {self.name} (model_type {self.spec.model_type!r})")
+        return prof.replace(chat_template_kwargs=dict(self.spec.template_kwargs))
+
+    def chat_format(self, end_of_turn: str | None = None) -> ChatFormat:
+        """The ChatFormat the loopback server would use with this family's profile (its end of turn
+        and turn ends, template kwargs, and what canonical messages keep)."""
+        prof = self.profile()
+        return ChatFormat.for_profile(self.tokenizer, prof.replace(end_of_turn=end_of_turn) if end_of_turn else prof)
 
     def stop_ids(self) -> list[int]:
         return [self.tokenizer.convert_tokens_to_ids(s) for s in self.spec.stops]
@@ -283,6 +291,8 @@ def load_family(name: str) -> Family:
                                   eos_token=spec.eos, chat_template=template(*spec.template))
     if spec.build == "mistral_v3":
         tok.unk_token = "<unk>"
+    if spec.build == "gpt_oss":  # harmony's encoding (vLLM's HarmonyParser loads it) from bpe-openai's file, offline
+        harmony_encoding()
     # vLLM's parsers call get_vocab() on every construction (0.2 s for 150k tokens): compute it once
     tok.get_vocab = functools.lru_cache(maxsize=1)(tok.get_vocab)
     return Family(spec, tok)

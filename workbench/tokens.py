@@ -202,9 +202,28 @@ def _text(content) -> str:
     return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
 
 
-def canonical_message(m: dict) -> dict:
+# What canonical_message may keep, per model profile field (workbench.profiles.ModelProfile).
+MESSAGE_FORMS = {"tool_call_ids": (None, "alnum9"), "tool_arguments": ("object", "json"),
+                 "reasoning_field": (None, "reasoning_content", "thinking")}
+# Where an incoming assistant message may carry its reasoning: vLLM's and DeepSeek's
+# `reasoning_content`, the newer `reasoning`, gpt-oss's (HF) `thinking`; the loopback's Anthropic
+# route puts the text of `thinking` blocks into `reasoning_content`.
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
+def canonical_message(m: dict, *, tool_call_ids: str | None = None, tool_arguments: str = "object",
+                      reasoning_field: str | None = None) -> dict:
     """The parts of a chat message the template renders, in one comparable form. Wire-format
-    noise (tool-call ids, `refusal: null`, argument JSON spacing, content as parts) is dropped."""
+    noise (`refusal: null`, argument JSON spacing, content as parts) is dropped; what the
+    template renders is kept where the model profile says it does (ModelProfile.message_form,
+    passed explicitly; the defaults keep what the toy's template renders):
+
+    tool_call_ids "alnum9": tool-call ids and tool results' `tool_call_id` (Mistral's templates
+        render them and refuse any other shape than 9 alphanumeric characters); None drops them.
+    tool_arguments "json": arguments as JSON text, `json.dumps` of the parsed object (templates
+        that concatenate them as a string: DeepSeek V3.1); "object": the parsed object.
+    reasoning_field: the key the template renders an assistant turn's reasoning from (Qwen3
+        `reasoning_content`, gpt-oss `thinking`), filled from any of REASONING_KEYS; None drops it."""
     out = {"role": m["role"], "content": _text(m.get("content"))}
     calls = []
     for tc in m.get("tool_calls") or []:
@@ -215,26 +234,64 @@ def canonical_message(m: dict) -> dict:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:
                 pass  # keep the raw string; the template renders it verbatim
-        calls.append({"type": "function", "function": {"name": f.get("name", ""), "arguments": args}})
+        if tool_arguments == "json" and not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        call = {"type": "function", "function": {"name": f.get("name", ""), "arguments": args}}
+        if tool_call_ids is not None and tc.get("id") is not None:
+            call["id"] = str(tc["id"])
+        calls.append(call)
     if calls:
         out["tool_calls"] = calls
+    if tool_call_ids is not None and m.get("tool_call_id") is not None:
+        out["tool_call_id"] = str(m["tool_call_id"])
+    if reasoning_field is not None and m["role"] == "assistant":
+        reasoning = next((m[k] for k in REASONING_KEYS if isinstance(m.get(k), str) and m[k]), None)
+        # gpt-oss's template renders one analysis message before a tool call, from content or from
+        # thinking, and refuses both: a harmony preamble (content) with reasoning keeps the content
+        if reasoning and not (reasoning_field == "thinking" and calls and out["content"]):
+            out[reasoning_field] = reasoning
     return out
+
+
+_ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def new_tool_call_id(style: str | None = None) -> str:
+    """A fresh tool-call id in the shape a profile's template needs (ModelProfile.tool_call_ids):
+    "alnum9" 9 alphanumeric characters (Mistral); None the OpenAI-like `call_<16 hex>`."""
+    import secrets
+
+    if style == "alnum9":
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
+    return f"call_{secrets.token_hex(8)}"
 
 
 class ChatFormat:
     """The tokenizer and chat template as the accumulator uses them."""
 
-    def __init__(self, tokenizer, end_of_turn: str | None = None, template_kwargs: dict | None = None):
+    def __init__(self, tokenizer, end_of_turn: str | None = None, template_kwargs: dict | None = None,
+                 turn_ends: tuple[str, ...] = (), message_form: dict | None = None):
         self.tokenizer = tokenizer
         self.end_of_turn = end_of_turn or tokenizer.eos_token
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.end_of_turn)
+        # every token that ends an assistant turn: the end of turn first, then the profile's turn_ends
+        # (gpt-oss's <|call|>); a sampled one closes the turn (Accumulator.record)
+        self.turn_end_tokens = tuple(dict.fromkeys((self.end_of_turn, *turn_ends)))
+        self.turn_end_ids = tuple(tokenizer.convert_tokens_to_ids(t) for t in self.turn_end_tokens)
         self.template_kwargs = dict(template_kwargs or {})  # the model profile's (Qwen3's enable_thinking, ...)
+        # what canonical_message keeps (the profile's tool_call_ids, tool_arguments, reasoning_field)
+        self.message_form = dict(message_form or {})
         self._backend = tokenizer.backend_tokenizer
 
     @classmethod
     def for_profile(cls, tokenizer, profile) -> "ChatFormat":
-        """The format a model profile (workbench.profiles) describes: its end of turn and template kwargs."""
-        return cls(tokenizer, profile.end_of_turn, profile.chat_template_kwargs)
+        """The format a model profile (workbench.profiles) describes: its end of turn (and the other
+        tokens that end a turn), template kwargs and what canonical messages keep."""
+        return cls(tokenizer, profile.end_of_turn, profile.chat_template_kwargs, profile.turn_ends, profile.message_form)
+
+    def canonical(self, m: dict) -> dict:
+        """canonical_message with this format's message form."""
+        return canonical_message(m, **self.message_form)
 
     def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -336,7 +393,8 @@ class Accumulator:
         """Decide the engine prompt for a request. Changes nothing until `record`. `retry`: the
         client says this request is a retry of its previous one (rule 4); only then is a
         repeat of the last request served from the cache."""
-        msgs = [canonical_message(m) for m in messages]
+        canonical = getattr(self.fmt, "canonical", canonical_message)  # a format without a profile: the defaults
+        msgs = [canonical(m) for m in messages]
         key = (json.dumps(msgs, sort_keys=True), json.dumps(tools, sort_keys=True))
         if retry and key == self._last_request and self._last_reply is not None:  # nothing to render
             return TurnPlan([], msgs, tools, "", 0, False, None, cached=self._last_reply)
@@ -382,16 +440,25 @@ class Accumulator:
         seg.stats["sampling_overridden"] = seg.stats.get("sampling_overridden", 0) + int(bool(sampling_overridden))
         self._merge_experts(seg, sample)
         # Remember what the server returned, and the template text owed after the sampled ids.
-        assistant = canonical_message(assistant_message)
+        assistant = getattr(self.fmt, "canonical", canonical_message)(assistant_message)
         self._conversation = plan.messages + [assistant]
-        self._conversation_text = self.fmt.render(self._conversation, plan.tools, add_generation_prompt=False)
+        try:
+            self._conversation_text = self.fmt.render(self._conversation, plan.tools, add_generation_prompt=False)
+        except Exception:  # the template refuses the reply as history: the ids are recorded; the next request
+            self._conversation_text = ""  # renders afresh (and is refused by the template, or seals)
         turn_text = self._conversation_text[len(plan.prompt_text):] if self._conversation_text.startswith(plan.prompt_text) else ""
-        eot = self.fmt.end_of_turn
-        cut = turn_text.rfind(eot)
-        if cut < 0 or not turn_text:  # the template does not append the turn as rendered: next request re-renders
+        ends = dict(zip(getattr(self.fmt, "turn_end_ids", (self.fmt.end_of_turn_id,)),
+                        getattr(self.fmt, "turn_end_tokens", (self.fmt.end_of_turn,))))
+        if sampled and sampled[-1] in ends:  # the turn ended: the template must render that very token
+            eot = ends[sampled[-1]]
+            cut = turn_text.rfind(eot)
+        else:  # cut by max_tokens / a stop string: the template's last end of turn closes it
+            eot, cut = max(((e, turn_text.rfind(e)) for e in ends.values()), key=lambda x: x[1])
+        if cut < 0 or not turn_text:  # the template does not append the turn as rendered (gpt-oss renders a
+            # sampled <|return|> as <|end|>): the next request re-renders (template_rewrite)
             self._conversation_text = "\0"  # never a prefix: forces a template_rewrite seal
             self._closing_text = ""
-        elif sampled and sampled[-1] == self.fmt.end_of_turn_id:
+        elif sampled and sampled[-1] in ends:
             self._closing_text = turn_text[cut + len(eot):]  # e.g. "\n" after <|im_end|>
         else:  # cut by max_tokens / a stop string: end-of-turn and closing enter as template text
             self._closing_text = turn_text[cut:]

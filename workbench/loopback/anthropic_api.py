@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import json
 
-from .protocol import ChatRequest, Reply, RequestError, number, sampling_from, short, stop_strings, want
+from .protocol import ChatRequest, Reply, RequestError, number, pieces, sampling_from, short, stop_strings, want
+
+# Tool-use ids are the reply's tool-call ids behind this prefix; requests map them back (a template
+# that renders ids, Mistral's, sees the same id on both protocols).
+TOOLU = "toolu_"
+# Thinking blocks carry a signature the real API checks when they come back; this server records
+# ids, not text, and checks nothing: a fixed marker.
+SIGNATURE = "workbench-loopback"
+
+
+def _call_id(tool_use_id):
+    return tool_use_id[len(TOOLU):] if isinstance(tool_use_id, str) and tool_use_id.startswith(TOOLU) else tool_use_id
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -54,19 +65,28 @@ def _messages(messages: list, system) -> list[dict]:
             raise RequestError(400, f"{where}: missing required field 'content'")
         blocks = _blocks(m["content"], where)
         if role == "assistant":
-            text, calls = [], []
+            text, calls, thinking = [], [], []
             for j, b in enumerate(blocks):
                 if b["type"] == "text":
                     text.append(str(b.get("text", "")))
                 elif b["type"] == "tool_use":
                     if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                         raise RequestError(400, f"{where}.content[{j}]: tool_use needs a name and an object input")
-                    calls.append({"type": "function", "function": {"name": b["name"], "arguments": b.get("input", {})}})
-                elif b["type"] not in ("thinking", "redacted_thinking"):
+                    call = {"type": "function", "function": {"name": b["name"], "arguments": b.get("input", {})}}
+                    if isinstance(b.get("id"), str):
+                        call["id"] = _call_id(b["id"])
+                    calls.append(call)
+                elif b["type"] == "thinking":  # the reasoning the reply carried: the template may render it back
+                    if not isinstance(b.get("thinking", ""), str):
+                        raise RequestError(400, f"{where}.content[{j}].thinking must be a string")
+                    thinking.append(b.get("thinking", ""))
+                elif b["type"] != "redacted_thinking":
                     raise RequestError(400, f"{where}.content[{j}]: unsupported block type {b['type']!r}")
             msg = {"role": "assistant", "content": "".join(text)}
             if calls:
                 msg["tool_calls"] = calls
+            if "".join(thinking):
+                msg["reasoning_content"] = "".join(thinking)
             out.append(msg)
             continue
         # user: consecutive text blocks form one user message; each tool_result is a tool message
@@ -82,7 +102,7 @@ def _messages(messages: list, system) -> list[dict]:
                 if not isinstance(b.get("tool_use_id", ""), (str, type(None))):
                     raise RequestError(400, f"{where}.content[{j}].tool_use_id must be a string")
                 out.append({"role": "tool", "content": _text_of(content, f"{where}.content[{j}]"),
-                            "tool_call_id": b.get("tool_use_id")})
+                            "tool_call_id": _call_id(b.get("tool_use_id"))})
             else:
                 raise RequestError(400, f"{where}.content[{j}]: unsupported block type {b['type']!r} (text and tool_result only)")
         if pending:
@@ -122,8 +142,9 @@ def _stop_reason(r: Reply) -> str:
 
 
 def _content(r: Reply) -> list[dict]:
-    blocks = [{"type": "text", "text": r.content}] if r.content or not r.tool_calls else []
-    blocks += [{"type": "tool_use", "id": "toolu_" + c["id"].split("_")[-1], "name": c["name"], "input": c["arguments"]}
+    blocks = [{"type": "thinking", "thinking": r.reasoning, "signature": SIGNATURE}] if r.reasoning else []
+    blocks += [{"type": "text", "text": r.content}] if r.content or not r.tool_calls else []
+    blocks += [{"type": "tool_use", "id": TOOLU + c["id"].split("_")[-1], "name": c["name"], "input": c["arguments"]}
                for c in r.tool_calls]
     return blocks
 
@@ -142,9 +163,15 @@ def stream_events(r: Reply, req: ChatRequest, model: str):
     yield event("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
                                               "usage": {"input_tokens": r.prompt_tokens, "output_tokens": 0}}})
     for i, b in enumerate(_content(r)):
-        if b["type"] == "text":
+        if b["type"] == "thinking":  # in pieces, then the signature, as the real API streams it
+            yield event("content_block_start", {"index": i, "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
+            for piece in pieces(b["thinking"]):
+                yield event("content_block_delta", {"index": i, "delta": {"type": "thinking_delta", "thinking": piece}})
+            yield event("content_block_delta", {"index": i, "delta": {"type": "signature_delta", "signature": b["signature"]}})
+        elif b["type"] == "text":
             yield event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
-            yield event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": b["text"]}})
+            for piece in pieces(b["text"]) or [""]:
+                yield event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": piece}})
         else:
             yield event("content_block_start", {"index": i, "content_block": {**b, "input": {}}})
             yield event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta", "partial_json": json.dumps(b["input"])}})

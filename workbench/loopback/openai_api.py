@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .protocol import ChatRequest, Reply, RequestError, loads, number, sampling_from, short, stop_strings, want
+from .protocol import ChatRequest, Reply, RequestError, loads, number, pieces, sampling_from, short, stop_strings, want
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -61,7 +61,17 @@ def _message(m, i: int) -> dict:
             if not isinstance(f, dict) or not isinstance(f.get("name"), str):
                 raise RequestError(400, f"messages[{i}].tool_calls[{j}] needs function.name", param=f"messages[{i}].tool_calls")
             args = _arguments(f.get("arguments") or "{}", f"messages[{i}].tool_calls[{j}].function.arguments")
-            out["tool_calls"].append({"type": "function", "function": {"name": f["name"], "arguments": args}})
+            call = {"type": "function", "function": {"name": f["name"], "arguments": args}}
+            if isinstance(tc.get("id"), str):  # kept where the profile's template renders ids (Mistral)
+                call["id"] = tc["id"]
+            out["tool_calls"].append(call)
+    if role == "assistant":  # the reasoning a reply carried (reasoning_content; `reasoning` in newer servers)
+        for key in ("reasoning_content", "reasoning"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise RequestError(400, f"messages[{i}].{key} must be a string", param=f"messages[{i}].{key}")
+                out["reasoning_content"] = m[key]
+                break
     if role == "tool" and m.get("tool_call_id") is not None:
         if not isinstance(m["tool_call_id"], str):
             raise RequestError(400, f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id")
@@ -133,6 +143,8 @@ def _usage(r: Reply) -> dict:
 
 def response_body(r: Reply, req: ChatRequest, model: str) -> dict:
     message = {"role": "assistant", "content": r.content if (r.content or not r.tool_calls) else None}
+    if r.reasoning:  # vLLM's field for what the reasoning parser split off
+        message["reasoning_content"] = r.reasoning
     if r.tool_calls:
         message["tool_calls"] = _tool_calls(r)
     return {
@@ -154,9 +166,11 @@ def stream_events(r: Reply, req: ChatRequest, model: str):
         return f"data: {json.dumps(body)}\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
-    if r.content:
-        yield chunk({"content": r.content}, logprobs=_logprobs(r) if req.logprobs else None)
-    for i, tc in enumerate(_tool_calls(r)):
+    for piece in pieces(r.reasoning or ""):  # reasoning first, in pieces (vLLM's delta field)
+        yield chunk({"reasoning_content": piece})
+    for k, piece in enumerate(pieces(r.content)):  # the log-probs of every sampled token ride on the first piece
+        yield chunk({"content": piece}, logprobs=_logprobs(r) if req.logprobs and k == 0 else None)
+    for i, tc in enumerate(_tool_calls(r)):  # a call whole, in one delta
         yield chunk({"tool_calls": [{"index": i, **tc}]})
     yield chunk({}, finish=_finish(r))
     if req.include_usage:

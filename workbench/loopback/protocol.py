@@ -179,15 +179,29 @@ class Reply:
     token_strs: list[str] = field(default_factory=list)
     created: int = 0
     truncated: bool = False  # cut by the context: max_tokens clamped to the room left and hit, or no room at all
+    reasoning: str | None = None  # the reasoning the profile's reasoning parser split off (None: none)
 
     def assistant_message(self) -> dict:
-        """The assistant message as the accumulator records it (and as clients send it back)."""
-        return {
+        """The assistant message as the accumulator records it (and as clients send it back:
+        canonical_message keeps of it what the profile's template renders)."""
+        msg = {
             "role": "assistant",
             "content": self.content,
-            "tool_calls": [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            "tool_calls": [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                            for c in self.tool_calls],
         }
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        return msg
+
+
+# Streamed replies carry reasoning and content in pieces of at most this many characters, as a
+# token-by-token stream would (a tool call goes whole, in one delta); the SDKs assemble them.
+PIECE_CHARS = 16
+
+
+def pieces(text: str, n: int = PIECE_CHARS) -> list[str]:
+    return [text[i:i + n] for i in range(0, len(text), n)]
 
 
 def want(body: dict, name: str, types, required: bool = False, default=None):

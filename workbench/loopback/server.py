@@ -69,10 +69,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..rollout.engine import SamplingConfig
-from ..tokens import Accumulator, ChatFormat, Segment, segment_stats
+from ..tokens import Accumulator, ChatFormat, Segment, new_tool_call_id, segment_stats
 from . import anthropic_api, openai_api
+from .parsing import ReplyParser, reply_text
 from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, differs, loads, policy_value
-from .toolcalls import get_tool_parser
 
 PROTOCOLS = {"openai": openai_api, "anthropic": anthropic_api}
 log = logging.getLogger(__name__)
@@ -217,8 +217,9 @@ class LoopbackServer:
                  return_routed_experts: bool = False, policy_sampling: SamplingConfig | None = None,
                  sampling_mode: str = "override", profile=None, max_request_bytes: int | None = None):
         """`profile` (workbench.profiles.ModelProfile; None: the toy's defaults) gives the chat
-        template's kwargs, the end of turn, the tool parser and the context; `max_model_len` and
-        `tool_parser`, when given, win over it. `max_request_bytes` (None: the class's 4 MiB):
+        template's kwargs, the end of turn, the tool and reasoning parsers (workbench.loopback.parsing),
+        the shape of tool-call ids, what canonical messages keep, and the context; `max_model_len`
+        and `tool_parser`, when given, win over it. `max_request_bytes` (None: the class's 4 MiB):
         a larger body gets a 413."""
         if max_request_bytes is not None:
             if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
@@ -234,7 +235,10 @@ class LoopbackServer:
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.host, self.port = host, port
         self.model_name, self.max_model_len, self.default_max_tokens = model_name, max_model_len, default_max_tokens
-        self.parse_tools = get_tool_parser(tool_parser, tokenizer)  # ours (hermes) or vLLM's of that name
+        # reasoning (vLLM's parser of the profile's name), content and tool calls (ours: hermes, or vLLM's)
+        self.reply_parser = ReplyParser(tokenizer, tool_parser, profile.reasoning_parser if profile is not None else None,
+                                        profile.chat_template_kwargs if profile is not None else None)
+        self.tool_call_ids = profile.tool_call_ids if profile is not None else None  # the shape handed out
         self.accumulator_cls = accumulator_cls
         self.return_routed_experts = return_routed_experts  # MoE: record routing for replay
         self.sessions: dict[str, Accumulator] = {}
@@ -589,16 +593,18 @@ class LoopbackServer:
         return self._reply(sample, req, len(ids)), time.perf_counter() - t
 
     def _reply(self, sample, req: ChatRequest, prompt_len: int) -> Reply:
-        text = self.fmt.decode(sample.token_ids, skip_special_tokens=True)
+        parser = self.reply_parser  # special tokens kept where vLLM's parser asks for them (not the turn's end)
+        text, ids = reply_text(self.fmt, sample.token_ids, sample.finish_reason, parser.skip_special_tokens,
+                               req.sampling.stop_token_ids)
         finish, stop_seq = sample.finish_reason, None
         hits = [(text.find(s), s) for s in req.sampling.stop if s and s in text]
         if hits:  # a stop string ends the text (the ids that produced it stay recorded)
             cut, stop_seq = min(hits)
             text, finish = text[:cut], "stop_sequence"
-        content, calls = self.parse_tools(text) if req.parse_tools else (text, [])
+        parsed = parser.parse(text, ids, parse_tools=req.parse_tools, tools=req.tools)
         return Reply(
-            id=f"chatcmpl-{uuid.uuid4().hex[:24]}", content=content,
-            tool_calls=[{"id": f"call_{uuid.uuid4().hex[:16]}", **c} for c in calls],
+            id=f"chatcmpl-{uuid.uuid4().hex[:24]}", content=parsed.content, reasoning=parsed.reasoning,
+            tool_calls=[{"id": new_tool_call_id(self.tool_call_ids), **c} for c in parsed.calls],
             finish=finish, stop_sequence=stop_seq, prompt_tokens=prompt_len, completion_tokens=len(sample.token_ids),
             token_ids=list(sample.token_ids), logprobs=list(sample.logprobs),
             token_strs=[self.fmt.decode([i]) for i in sample.token_ids] if req.logprobs else [],
