@@ -75,6 +75,12 @@ class TrainerConfig:
     # keep fp32 master weights. None: compute in `dtype`.
     mixed_precision: str | None = None
     seed: int = 0
+    # how the ranks get the weights: "full" (each rank loads the whole checkpoint in `dtype`, moves
+    # it to its device and shards it: simple, but 8 full copies in host memory and a full copy on
+    # each GPU for a moment) or "rank0" (every rank builds the model on the meta device and shards
+    # it empty; rank 0 alone reads the checkpoint, on CPU, and broadcasts it tensor by tensor, each
+    # rank keeping its shard: what a 30B model on 80 GB GPUs needs; docs/cluster.md)
+    load: str = "full"
 
     def __post_init__(self):
         for name in ("dtype", "mixed_precision"):
@@ -95,6 +101,8 @@ class TrainerConfig:
         get_surrogate(self.surrogate)  # unknown names fail here, not on the first step
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"TrainerConfig.kl_estimator {self.kl_estimator!r} unknown: {sorted(KL_ESTIMATORS)}")
+        if self.load not in ("full", "rank0"):
+            raise ValueError(f"TrainerConfig.load {self.load!r} unknown: 'full' or 'rank0'")
         if self.kl_coef < 0:
             raise ValueError(f"TrainerConfig.kl_coef must be >= 0, got {self.kl_coef}")
 
@@ -195,9 +203,6 @@ class TrainerWorker:
 
         import torch.distributed as dist
         from torch.distributed import TCPStore
-        from torch.distributed.fsdp import fully_shard
-
-        from ..toy.models import load_hf_model
 
         rank, world_size, cfg, model_path = self.rank, self.world_size, self.cfg, self.model_path
         torch.manual_seed(cfg.seed)
@@ -212,29 +217,65 @@ class TrainerWorker:
         timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
         store = self._store if rank == 0 else TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        self.model = load_hf_model(model_path, dtype=getattr(torch, cfg.dtype)).to(self.device)
-        if cfg.activation_checkpointing:
-            # non-reentrant: the recompute runs inside backward, where routing_replay's hooks
-            # still apply because train_step keeps the replay context open across backward
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         shard_kwargs = {"reshard_after_forward": cfg.reshard_after_forward}
         if cfg.mixed_precision:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             shard_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.mixed_precision),
                                                              reduce_dtype=torch.float32)
-        for layer in self.model.model.layers:
-            fully_shard(layer, **shard_kwargs)
-        fully_shard(self.model, **shard_kwargs)
+        self.model = self._sharded_model(model_path, shard_kwargs, cfg.activation_checkpointing)
         self.ref_model = None
         if cfg.kl_coef > 0:  # frozen, sharded the same way, never in the optimizer
-            self.ref_model = load_hf_model(cfg.ref_model_path or model_path, dtype=getattr(torch, cfg.dtype)).to(self.device)
+            self.ref_model = self._sharded_model(cfg.ref_model_path or model_path, shard_kwargs, False)
             self.ref_model.requires_grad_(False)
-            for layer in self.ref_model.model.layers:
-                fully_shard(layer, **shard_kwargs)
-            fully_shard(self.ref_model, **shard_kwargs)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         return rank
+
+    def _sharded_model(self, path: str, shard_kwargs: dict, checkpointing: bool):
+        """The checkpoint's model, every decoder layer and the root sharded with fully_shard,
+        loaded as cfg.load says ("full" or "rank0")."""
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        from ..toy.models import load_hf_model
+
+        dtype = getattr(torch, self.cfg.dtype)
+        rank0 = self.cfg.load == "rank0"
+        if rank0:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            # no weights anywhere yet: shapes only, then FSDP2 shards the empty parameters
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+        else:
+            model = load_hf_model(path, dtype=dtype).to(self.device)
+        if checkpointing:
+            # non-reentrant: the recompute runs inside backward, where routing_replay's hooks
+            # still apply because train_step keeps the replay context open across backward
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for layer in model.model.layers:
+            fully_shard(layer, **shard_kwargs)
+        fully_shard(model, **shard_kwargs)
+        if not rank0:
+            return model.eval()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        model.to_empty(device=self.device)  # this rank's shards, uninitialised
+        # rank 0 reads the checkpoint through transformers (which also converts its layout, e.g.
+        # per-expert tensors into fused MoE parameters) into host memory; one copy on the node
+        full = load_hf_model(path, dtype=dtype) if self.rank == 0 else None
+        set_model_state_dict(model, full.state_dict() if full is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # buffers outside the state dict (rotary inv_freq, ...) were left empty by to_empty:
+        # rank 0's values, sent to every rank
+        names = [n for n, _ in model.named_buffers()]
+        values = [[dict(full.named_buffers())[n].cpu() for n in names] if full is not None else None]
+        dist.broadcast_object_list(values, src=0)
+        with torch.no_grad():
+            for (name, buf), value in zip(model.named_buffers(), values[0]):
+                buf.copy_(value.to(buf.device, buf.dtype))
+        del full
+        return model.eval()
 
     def ready(self) -> int:
         return self.rank
