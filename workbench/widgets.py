@@ -13,7 +13,6 @@ import difflib
 import json
 import math
 import threading
-from copy import deepcopy
 from html import escape
 from pathlib import Path
 from typing import Callable
@@ -263,14 +262,23 @@ class _Monitor(W.VBox):
         fig.update_annotations(font_size=12)
         fig.update_yaxes(exponentformat="e")
         self._style(fig)
-        self.fig = go.FigureWidget(fig)
+        # A plain figure, drawn whole into an Output widget at every step, not a plotly
+        # FigureWidget. A FigureWidget's view draws once from the widget state it finds and then
+        # only patches itself with restyle messages; under Run All (the kernel busy with the run
+        # cell while the browser builds the view) its views drew from an empty layout and stayed
+        # blank, the patches landing on a plot with no traces (reproduced in tests/browser). A
+        # view of this Output is a full render of the current figure, whenever it is made, and
+        # every step replaces it whole. It also keeps plotly's 5 MB JS bundle (an anywidget ESM)
+        # out of a saved notebook: the mime renderer of jupyterlab-plotly draws the JSON.
+        self.fig = fig
         self.history: list[dict] = []
         self._lock = threading.Lock()  # on_step may come from a training loop's thread
-        self.children = [self.fig]
+        self.view = W.Output(layout=W.Layout(min_height=f"{height or self.HEIGHT}px"))
+        self.children = [self.view]
         self.update(history or [])
 
     def _style(self, fig):
-        """Per-monitor axis settings, made on the figure before it becomes a widget."""
+        """Per-monitor axis settings."""
 
     def trace(self, name: str):
         return next(t for t in self.fig.data if t.name == name)
@@ -284,22 +292,20 @@ class _Monitor(W.VBox):
         self.history = history
         steps = [m.get("step", i) for i, m in enumerate(self.history)]
         last = self.history[-1] if self.history else {}
-        with self.fig.batch_update():
-            for key, *_ in self.LINES:
-                self.trace(key).update(x=steps, y=[_num(m.get(key)) for m in self.history])
-            for key, *_ in self.BARS:
-                x, y = _bars(last.get(key))
-                self.trace(key).update(x=x, y=y)
-        self._sync_state()
+        for key, *_ in self.LINES:
+            self.trace(key).update(x=steps, y=[_num(m.get(key)) for m in self.history])
+        for key, *_ in self.BARS:
+            x, y = _bars(last.get(key))
+            self.trace(key).update(x=x, y=y)
+        # one assignment of the whole output: a view made at any time draws all of it
+        self.view.outputs = (self.output(),)
 
-    def _sync_state(self):
-        """Copy the figure into the widget's state traits. plotly sends updates as restyle/relayout
-        messages and leaves `_widget_data`/`_widget_layout` as they were at construction, yet a
-        view opened later (the notebook reopened on its live kernel) draws from those traits: it
-        would show the empty plots of the start. plotly does the same copy when a figure is
-        displayed (BaseFigureWidget._repr_mimebundle_); an unchanged copy sends nothing."""
-        self.fig._widget_layout = deepcopy(self.fig._layout_obj._props)
-        self.fig._widget_data = deepcopy(self.fig._data)
+    def output(self) -> dict:
+        """The figure as one display_data output (plotly's JSON and a plain-text summary)."""
+        n = len(self.history)
+        text = f"{type(self).__name__}: {n} step(s)" + (f", last step {self.history[-1].get('step', n - 1)}" if n else "")
+        return {"output_type": "display_data", "metadata": {},
+                "data": {"application/vnd.plotly.v1+json": json.loads(self.fig.to_json()), "text/plain": text}}
 
     def on_step(self, metrics: dict):
         """Append one step's metrics and redraw (safe to call from a training loop's thread)."""
