@@ -189,16 +189,20 @@ def test_config_refuses_unknown_loggers():
 
 
 # ----------------------------------------------------------------------------- on a live session
-def test_session_eval_data_position_and_loggers(ray_local, moe_path, tmp_path):
+def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path):
     """The toy model on the reference backend: wb.eval (sampled and greedy), eval_every in the
     run, dynamic sampling and overlong shaping switched on, the data position recorded per step
     and in the checkpoint (a restored run draws from there), the TensorBoard record, and no
-    evaluation episode in any training batch."""
+    evaluation episode in any training batch; then one on-policy distillation step (student: the
+    tiny MoE, teacher: the tiny dense model on its own reference engine) whose distill_reverse_kl
+    equals the reverse KL recomputed from the recorded student tokens and the teacher checkpoint."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     import workbench
     from workbench.examples.arithmetic_env import tasks as arithmetic_tasks
+    from workbench.rollout.engine import expected_probe_logprobs
     from workbench.tokens import read_trajectories
+    from workbench.toy.models import load_hf_model
 
     run_dir = tmp_path / "run"
     train = TaskDataset(arithmetic_tasks(24, seed=0), seed=3)
@@ -237,13 +241,30 @@ def test_session_eval_data_position_and_loggers(ray_local, moe_path, tmp_path):
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in lines] == [0, 1] and lines[1]["eval_pass@1"] == redo["eval_pass@1"]
         assert len((run_dir / "eval.jsonl").read_text().splitlines()) == 2
+        # on-policy distillation on the same session: teacher = the tiny dense model (same tokenizer)
+        [d] = wb.run(1, background=False, progress=False, advantage="distill", teacher="dense", eval_every=0,
+                     dynamic_sampling=False, overlong_shaping=False).history
+        assert wb._teacher[0] == "dense" and len(wb.engines) == 1  # its own engine, not a rollout engine
     finally:
         wb.shutdown()
+    # the step's reverse KL, recomputed from the recorded student tokens and the teacher checkpoint's own forward
+    teacher = load_hf_model(dense_path)
+    diff, tokens = 0.0, 0
+    for t in read_trajectories(run_dir / "trajectories" / f"step_{d['step']:05d}.parquet"):
+        for seg in t.segments:
+            lp = [0.0] + expected_probe_logprobs(teacher, seg.token_ids)
+            for i, keep in enumerate(seg.loss_mask):
+                if keep:
+                    diff, tokens = diff + seg.logprobs[i] - lp[i], tokens + 1
+    assert tokens > 0 and d["distill_reverse_kl"] == pytest.approx(diff / tokens, abs=1e-4)
+    assert abs(d["distill_reverse_kl"]) > 0.05  # two different models: the teacher's scores are its own
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("eval_pass@4")] == [0, 1, 1]  # step 1 twice: the abandoned one and its redo
     assert [e.step for e in acc.Scalars("eval_pass@1")] == [-1, -1, 0, 1, 1]
-    assert acc.Scalars("reward_mean")[-1].value == pytest.approx(redo["reward_mean"])
+    assert [e.step for e in acc.Scalars("reward_mean")] == [0, 1, 1, 2]
+    assert acc.Scalars("reward_mean")[2].value == pytest.approx(redo["reward_mean"])
+    assert acc.Scalars("distill_reverse_kl")[0].value == pytest.approx(d["distill_reverse_kl"])
 
 
 def test_reward_monitor_plots_evaluation_beside_training_reward():
@@ -255,3 +276,26 @@ def test_reward_monitor_plots_evaluation_beside_training_reward():
     assert list(m.trace("reward_mean").y) == [0.2, 0.3, 0.4, 0.5]
     evals = m.trace("eval_pass@1")
     assert [y for y in evals.y if y == y and y is not None] == [0.5, 0.75] and evals.connectgaps
+
+
+# ----------------------------------------------------------------------------- on-policy distillation
+def test_distillation_advantage_and_reverse_kl_hand_computed():
+    from workbench.loop import check_teacher
+
+    # two episodes; the student sampled 2 and 1 tokens with these log-probs, the teacher scores them
+    a, b = episode(1.0, 2), episode(0.0, 1)
+    a.segments[0].logprobs = [0.0, 0.0, -0.5, -2.0]
+    b.segments[0].logprobs = [0.0, 0.0, -1.0]
+    teacher = {id(a.segments[0]): [0.0, -3.0, -1.5, -0.5], id(b.segments[0]): [0.0, -9.0, -1.0]}
+    with pytest.raises(ValueError, match="needs per-token teacher log-probs: set LoopConfig.teacher"):
+        LoopConfig(advantage="distill")
+    cfg = LoopConfig(advantage="distill", teacher="dense")
+    batch, info = batch_from_groups([[a, b]], cfg.advantage, teacher=teacher)
+    # advantage = log p_teacher - log p_student on sampled tokens only (prompt tokens: 0, whatever the teacher says)
+    assert batch["advantages"].tolist() == [[0.0, 0.0, -1.0, 1.5], [0.0, 0.0, 0.0, 0.0]]
+    # reverse KL estimate: mean over the 3 sampled tokens of log p_student - log p_teacher = (1 - 1.5 + 0) / 3
+    assert info["distill_reverse_kl"] == pytest.approx(-0.5 / 3)
+    with pytest.raises(ValueError, match="needs the teacher's log-probs of every trainable segment"):
+        batch_from_groups([[a, b]], "distill", teacher={id(a.segments[0]): teacher[id(a.segments[0])]})
+    with pytest.raises(ValueError, match="needs a teacher engine"):
+        check_teacher(None, cfg, None)

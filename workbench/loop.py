@@ -72,6 +72,12 @@ class LoopConfig:
     eval_every: int = 0
     eval_n: int = 4
     eval_greedy: bool = True
+    # on-policy distillation (advantage="distill"): the teacher, a model name or checkpoint
+    # directory with the policy's tokenizer, served frozen on its own engine (the session starts
+    # it; loop.run(teacher_engines=...)). Each step's sampled tokens are scored by it
+    # (teacher_logprobs) and every token's advantage is log p_teacher - log p_student, the
+    # negative per-token reverse KL (metrics: distill_reverse_kl)
+    teacher: str | None = None
 
     def overlong(self) -> tuple | None:
         """(max_tokens, band, coef) for batch_from_groups when overlong shaping is on, else None."""
@@ -82,9 +88,10 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.mode {self.mode!r} unknown; choose one of {MODES}")
         if self.advantage not in ADVANTAGES:
             raise ValueError(f"LoopConfig.advantage {self.advantage!r} unknown; registered: {sorted(ADVANTAGES)}")
-        if self.advantage in PER_TOKEN_ADVANTAGES:
-            raise ValueError(f"LoopConfig.advantage {self.advantage!r} needs per-token teacher log-probs, which no part of "
-                             f"the loop computes yet; use a reward-based estimator ({sorted(set(ADVANTAGES) - PER_TOKEN_ADVANTAGES)})")
+        if self.advantage in PER_TOKEN_ADVANTAGES and not self.teacher:
+            raise ValueError(f"LoopConfig.advantage {self.advantage!r} needs per-token teacher log-probs: set LoopConfig.teacher "
+                             f"(a model name or checkpoint directory, served on its own engine), or use a reward-based "
+                             f"estimator ({sorted(set(ADVANTAGES) - PER_TOKEN_ADVANTAGES)})")
         for name in ("on_failed", "on_truncated"):
             if getattr(self, name) not in EPISODE_RULES:
                 raise ValueError(f"LoopConfig.{name} {getattr(self, name)!r} unknown; choose one of {EPISODE_RULES}")
@@ -137,14 +144,18 @@ def zero_variance(group: list[Trajectory], on_failed: str = "drop", on_truncated
 
 
 def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: int = 0, on_failed: str = "drop",
-                      on_truncated: str = "keep", overlong: tuple | None = None) -> tuple[dict, dict]:
+                      on_truncated: str = "keep", overlong: tuple | None = None,
+                      teacher: dict | None = None) -> tuple[dict, dict]:
     """Training tensors (one row per trainable segment) with advantages computed over EPISODES:
     the registered estimator sees one reward per episode and its group, and every segment of
     an episode gets that episode's advantage (an episode sealed into five segments weighs once
     in its group's statistics). `batch["episode_tokens"]` holds each row's episode's trainable
     tokens, so sequence-level aggregations average over episodes too. Failed and truncated
     episodes follow `on_failed` / `on_truncated` (EPISODE_RULES); `overlong` (max_tokens, band,
-    coef) shapes rewards (episode_reward)."""
+    coef) shapes rewards (episode_reward). A per-token estimator (distill) instead gets each
+    row's behaviour log-probs and `teacher` (teacher_logprobs: id(segment) -> the teacher's
+    log-prob of each of its tokens), and info["distill_reverse_kl"] is the mean over sampled
+    tokens of log p_student - log p_teacher."""
     segments, seg_episode, rewards, group_index = [], [], [], []
     info = {"episodes": 0, "segments": 0, "failed_episodes": 0, "truncated_episodes": 0, "dropped_episodes": 0,
             "sampling_overridden": 0}
@@ -172,12 +183,26 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     if not segments:
         raise RuntimeError(f"no trainable segment in this batch: every episode was dropped or sampled nothing ({info})")
     batch = training_tensors(segments, pad_id)
-    # one row per episode (an episode without trainable tokens still counts in its group's baseline)
-    x = AdvantageInput(torch.tensor(rewards, dtype=torch.float32), torch.tensor(group_index),
-                       torch.ones(len(rewards), 1))
-    per_episode = get_advantage(advantage)(x).float()[:, 0]
     index = torch.tensor(seg_episode)
-    batch["advantages"] = per_episode[index][:, None] * batch["loss_mask"]
+    if advantage in PER_TOKEN_ADVANTAGES:  # per token, per row: the teacher's log-probs of the row's tokens
+        missing = [i for i, s in enumerate(segments) if teacher is None or id(s) not in teacher]
+        if missing:
+            raise ValueError(f"advantage {advantage!r} needs the teacher's log-probs of every trainable segment "
+                             f"(loop.teacher_logprobs); {len(missing)} of {len(segments)} have none")
+        lp_teacher = torch.zeros_like(batch["behaviour_logprobs"])
+        for i, s in enumerate(segments):
+            lp_teacher[i, :len(s)] = torch.tensor(teacher[id(s)], dtype=torch.float32)
+        m = batch["loss_mask"]
+        x = AdvantageInput(torch.tensor(rewards, dtype=torch.float32)[index], index, m,
+                           logprobs=batch["behaviour_logprobs"], teacher_logprobs=lp_teacher)
+        batch["advantages"] = get_advantage(advantage)(x).float() * m
+        info["distill_reverse_kl"] = float(((batch["behaviour_logprobs"] - lp_teacher) * m).sum() / m.sum().clamp(min=1))
+    else:
+        # one row per episode (an episode without trainable tokens still counts in its group's baseline)
+        x = AdvantageInput(torch.tensor(rewards, dtype=torch.float32), torch.tensor(group_index),
+                           torch.ones(len(rewards), 1))
+        per_episode = get_advantage(advantage)(x).float()[:, 0]
+        batch["advantages"] = per_episode[index][:, None] * batch["loss_mask"]
     tokens = batch["loss_mask"].sum(-1)
     batch["episode_tokens"] = torch.zeros(len(rewards)).index_add_(0, index, tokens)[index]
     info.update(episodes=len(rewards), segments=len(segments))
@@ -228,6 +253,31 @@ def collect_groups(rollout, source, cfg: "LoopConfig", step: int, position: int)
              # (reward_mean, over the trained groups, leans toward mixed groups)
              "ds_reward_mean_sampled": sum(rewards) / max(len(rewards), 1)}
     return kept or groups, stats, position
+
+
+def teacher_logprobs(teachers: list, segments: list) -> dict[int, list[float]]:
+    """The teacher's log-prob of every token of each segment given the tokens before it, at
+    temperature 1 (column 0, which has no context: 0.0), keyed by id(segment): the teacher
+    engines' probe_logprobs (prompt log-probs, vLLM or reference), spread round robin."""
+    import ray
+
+    refs = [teachers[i % len(teachers)].probe_logprobs.remote(list(s.token_ids)) for i, s in enumerate(segments)]
+    return {id(s): [0.0] + list(lp) for s, lp in zip(segments, ray.get(refs))}
+
+
+def check_teacher(rollout, cfg: "LoopConfig", teacher_engines: list | None) -> None:
+    """A per-token (distillation) advantage needs teacher engines, and the policy sampling at
+    temperature 1: the teacher's log-probs are of its unscaled distribution, and the reverse KL
+    compares them with the student's sampled log-probs."""
+    if cfg.advantage not in PER_TOKEN_ADVANTAGES:
+        return
+    if not teacher_engines:
+        raise ValueError(f"advantage {cfg.advantage!r} needs a teacher engine (loop.run(teacher_engines=...); a session "
+                         f"starts one for LoopConfig.teacher)")
+    sampling = getattr(rollout, "sampling", None)
+    if sampling is not None and sampling.temperature != 1.0:
+        raise ValueError(f"on-policy distillation compares the student's sampled log-probs with the teacher's at "
+                         f"temperature 1; the policy samples at temperature {sampling.temperature:g} (set temperature=1.0)")
 
 
 class EnginesLost(RuntimeError):
@@ -441,7 +491,7 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
         checkpoint_dir: str | None = None, checkpoint_every: int = 0,
         stop: threading.Event | None = None, on_groups: Callable[[int, list], None] | None = None,
         start_step: int = 0, start_position: int | None = None,
-        evaluate: Callable[[int], dict] | None = None) -> list[dict]:
+        evaluate: Callable[[int], dict] | None = None, teacher_engines: list | None = None) -> list[dict]:
     """Run the loop in `cfg.mode`. `task_source(n, step)` gives the prompts of each step (so the
     data position is the step). With `checkpoint_dir`, a checkpoint found there is resumed from
     (the next step is the one after it: no step is repeated or skipped), and one is written
@@ -450,6 +500,7 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
     index (a session continuing earlier steps); `start_position`: its data position (default
     start_step * prompts_per_step; a checkpoint's `data_position` wins). `evaluate(step)` runs
     every cfg.eval_every steps after the step's sync; its dict joins the step's metrics.
+    `teacher_engines`: the frozen teacher for advantage="distill" (never synced).
     Returns one metrics dict per step.
 
     Faults: an engine that dies is dropped from `engines` (in place) and the run goes on with the
@@ -459,10 +510,11 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
     so that nothing waits in a collective."""
     check_staleness(trainer, cfg)
     check_sampling(rollout, trainer)
+    check_teacher(rollout, cfg, teacher_engines)
     with TrainerWatch(trainer) as watch:
         try:
             return _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every,
-                        stop, on_groups, start_step, start_position, evaluate)
+                        stop, on_groups, start_step, start_position, evaluate, teacher_engines)
         except Exception as e:
             err = watch.explain(e)
             if err is e:
@@ -471,7 +523,7 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
 
 
 def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every, stop, on_groups,
-         start_step, start_position=None, evaluate=None) -> list[dict]:
+         start_step, start_position=None, evaluate=None, teacher_engines=None) -> list[dict]:
     from tqdm.auto import tqdm
 
     first = start_step
@@ -504,6 +556,9 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
             try:
                 t0, start = time.time(), position
                 groups, extra, position = collect_groups(rollout, task_source, cfg, step, position)
+                if cfg.advantage in PER_TOKEN_ADVANTAGES:  # scored here: overlaps training in async mode
+                    extra["_teacher"] = teacher_logprobs(teacher_engines, [s for g in groups for t in g
+                                                                           for s in t.segments if any(s.loss_mask)])
                 batches.put((step, groups, t0, time.time(), {"data_position": start, "data_next": position, **extra}))
             except BaseException as e:  # surfaced in the training thread
                 batches.put((step, e, 0.0, 0.0, {}))
@@ -522,7 +577,8 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
                 raise RuntimeError(f"rollout of step {got_step} failed: {groups}") from groups
             if on_groups is not None:
                 on_groups(step, groups)
-            metrics = {**_train_on(trainer, engines, groups, cfg, step, r0, r1), **extra}
+            teacher = extra.pop("_teacher", None)
+            metrics = {**_train_on(trainer, engines, groups, cfg, step, r0, r1, teacher), **extra}
             trained.release()
             if evaluate is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                 metrics.update(evaluate(step))  # on the weights just synced; never part of a batch
@@ -548,13 +604,13 @@ def _next_batch(batches: queue.Queue, stop: threading.Event, producer: threading
                 return None, None, 0.0, 0.0, {}
 
 
-def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r1: float) -> dict:
+def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r1: float, teacher=None) -> dict:
     t1 = time.time()
     ran = [t for g in groups for t in g if t.error is None]
     rewards = [t.reward for t in ran]
     correct = [bool(t.info["correct"]) for t in ran if "correct" in t.info]
     batch, info = batch_from_groups(groups, cfg.advantage, on_failed=cfg.on_failed, on_truncated=cfg.on_truncated,
-                                    overlong=cfg.overlong())
+                                    overlong=cfg.overlong(), teacher=teacher)
     stats = trainer.train_step(batch)
     t2 = time.time()
     lost: list = []

@@ -23,8 +23,9 @@ from typing import Any, Callable
 
 from .agents import Task, load_agent
 from .correction import CorrectionConfig
-from .loop import (LoopConfig, TrainerRankDied, batch_from_groups, check_sampling, check_staleness, engines_version,
-                   recover_checkpoint, run as run_loop, save_checkpoint, sync_engines)
+from .loop import (LoopConfig, TrainerRankDied, batch_from_groups, check_sampling, check_staleness, check_teacher,
+                   engines_version, recover_checkpoint, run as run_loop, save_checkpoint, sync_engines)
+from .trainer.losses import PER_TOKEN_ADVANTAGES
 from .trainer.fsdp import TrainerConfig
 
 DEFAULT_AGENT = str(Path(__file__).parent / "examples" / "arithmetic_env.py")
@@ -213,6 +214,7 @@ class Workbench:
         self.next_step = 0
         self.next_position: int | None = None  # the data position after next_step - 1 (None: next_step x prompts)
         self._greedy_rollout = None  # runners sampling at temperature 0, for greedy evaluation (made on first use)
+        self._teacher: tuple | None = None  # (LoopConfig.teacher, [its engine]) for distillation (made on first use)
         self._loggers: list = []
         self.eval_episode_ids: set[str] = set()  # every evaluation episode of this session (never trained on)
         self._run: RunHandle | None = None
@@ -326,6 +328,8 @@ class Workbench:
         cfg = dataclasses.replace(self.cfg.loop, steps=self.next_step + steps, initial_sync=False, **loop_overrides)
         check_staleness(self._trainer, cfg)  # here, not in the background thread where it would only be stored
         check_sampling(self._rollout, self._trainer)
+        teachers = self._teacher_engines(cfg.teacher) if cfg.advantage in PER_TOKEN_ADVANTAGES else None
+        check_teacher(self._rollout, cfg, teachers)
         if cfg.eval_every and self.eval_tasks is None:
             raise ConfigError(f"loop.eval_every={cfg.eval_every} needs held-out tasks: connect(eval_tasks=...)")
         if engines_version(self.engines) < self._trainer.version:  # wb.trainer.step() ran without a wb.sync() after it
@@ -370,6 +374,29 @@ class Workbench:
         metrics, groups = evaluate(self._rollout, tasks, n, self._greedy() if greedy else None, ks, success_reward)
         self.eval_episode_ids.update(t.episode_id for g in groups for t in g)
         return metrics
+
+    def _teacher_engines(self, name: str) -> list:
+        """The distillation teacher (LoopConfig.teacher: a named model or a checkpoint directory)
+        on its own engine of the session's backend, started on first use and never synced (it
+        stays the checkpoint it was). It must tokenize exactly like the policy."""
+        if self._teacher is None or self._teacher[0] != name:
+            from .rollout.actor import launch_engine, stop_engine
+            from .toy.models import load_tokenizer
+
+            if not (name in NAMED_MODELS or Path(name).is_dir()):
+                raise ConfigError(f"loop.teacher {name!r} is neither a named model ({sorted(NAMED_MODELS)}) nor a "
+                                  f"checkpoint directory")
+            path = str(NAMED_MODELS[name]() if name in NAMED_MODELS else Path(name).resolve())
+            if load_tokenizer(path).get_vocab() != self.tokenizer.get_vocab():
+                raise ConfigError(f"loop.teacher {name!r} tokenizes differently from the policy: its log-probs would be "
+                                  f"of other tokens")
+            if self._teacher is not None:
+                stop_engine(self._teacher[1][0])
+            kwargs = {k: v for k, v in self.cfg.engine_kwargs.items() if k != "weight_transfer"}  # never synced
+            engine = launch_engine(self.cfg.backend, model_path=path, seed=self.cfg.seed + 1000,
+                                   **{"max_model_len": self.profile.max_model_len, "dtype": self.profile.dtype, **kwargs})
+            self._teacher = (name, [engine])
+        return self._teacher[1]
 
     def _greedy(self):
         """Runners like the training ones but whose policy sampling is greedy (temperature 0)."""
@@ -503,7 +530,12 @@ class Workbench:
                 part.shutdown() if hasattr(part, "shutdown") else part.close()
             except Exception as err:
                 print(f"workbench: shutdown: {err}")
-        self._greedy_rollout, self._loggers = None, []
+        for e in (self._teacher[1] if self._teacher else []):
+            try:
+                stop_engine(e)
+            except Exception as err:
+                print(f"workbench: teacher engine shutdown: {err}")
+        self._greedy_rollout, self._loggers, self._teacher = None, [], None
         for e in self.engines:
             try:
                 stop_engine(e)
@@ -635,8 +667,14 @@ class TrainerHandle:
     def batch(self, groups: list[list]) -> dict:
         """Training tensors (with advantages) for groups of trajectories; rows are segments."""
         loop = self._wb.cfg.loop
+        teacher = None
+        if loop.advantage in PER_TOKEN_ADVANTAGES:  # distillation: the teacher scores the sampled tokens
+            from .loop import teacher_logprobs
+
+            teacher = teacher_logprobs(self._wb._teacher_engines(loop.teacher),
+                                       [s for g in groups for t in g for s in t.segments if any(s.loss_mask)])
         return batch_from_groups(groups, loop.advantage, on_failed=loop.on_failed, on_truncated=loop.on_truncated,
-                                 overlong=loop.overlong())[0]
+                                 overlong=loop.overlong(), teacher=teacher)[0]
 
     def step(self, groups: list[list] | None = None) -> dict:
         """One optimizer step on `groups` (default: the last groups wb.rollout ran)."""
@@ -713,6 +751,7 @@ class RunHandle:
                      stop=self._stop, start_step=wb.next_step, start_position=wb.next_position,
                      evaluate=(lambda step: wb._evaluate(wb.eval_tasks, self.cfg.eval_n, self.cfg.eval_greedy))
                      if self.cfg.eval_every else None,
+                     teacher_engines=wb._teacher[1] if wb._teacher and self.cfg.advantage in PER_TOKEN_ADVANTAGES else None,
                      on_groups=lambda step, groups: write_trajectories([t for g in groups for t in g],
                                                                        wb.run_dir / "trajectories" / f"step_{step:05d}.parquet"))
         except BaseException as e:  # kept for wait() to raise; what was recorded stays recorded
