@@ -94,3 +94,18 @@ def test_lint_a_tokenizer_directory_and_the_cli(tmp_path):
     assert json.loads(out)[0]["verdicts"] == {"reasoning_on": TR}
     with pytest.raises(FileNotFoundError):
         lint(str(tmp_path / "nothing"))
+
+
+def test_lint_with_a_profile_plays_the_server(dense_path):
+    """wb.lint() passes the policy's profile: a tokenizer linted with a family's profile gets the
+    family's verdicts (Mistral's ids handed out and kept), and the toy's profile changes nothing."""
+    from workbench.profiles import profile_for
+    from workbench.toy.models import load_tokenizer
+
+    fam = rm.load_family("mistral-v3")
+    with_profile = lint(fam.tokenizer, ["tool_one"], profile=fam.profile(), stops=list(fam.spec.stops))
+    assert with_profile.verdicts() == {"tool_one": TR} == lint("mistral-v3", ["tool_one"]).verdicts()
+    assert lint(fam.tokenizer, ["tool_one"], stops=list(fam.spec.stops)).verdicts() == {"tool_one": "error"}
+    tok = load_tokenizer(dense_path)
+    toy = lint(tok, profile=profile_for(dense_path))
+    assert toy.verdicts() == lint(tok, end_of_turn="<|im_end|>").verdicts()

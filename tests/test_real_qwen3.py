@@ -101,11 +101,12 @@ def test_sdk_tool_episodes_record_exact_real_ids(tiny_qwen3, thinking):
     first = tok.decode(flat[0].token_ids)
     assert first.startswith("<|im_start|>system\n# Tools") and "<|im_start|>assistant\n" in first
     assert ("<think>\n\n</think>" in first) == (not thinking)
-    # thinking on: vLLM's qwen3 reasoning parser takes what the model thought (a reply without
-    # </think> is all reasoning, as vLLM's server reads it); content never holds a <think> block
+    # thinking on: vLLM's qwen3 reasoning parser takes what the model thought, up to its first
+    # </think> (a reply without one is all reasoning, as vLLM's server reads it); content never opens
+    # with the think block (a random model may write more markers after it)
     assert len(texts) == 4 * 3
     if thinking:
-        assert all("<think>" not in c and "</think>" not in c for c, _ in texts) and any(r for _, r in texts)
+        assert any(r for _, r in texts) and not any(c.lstrip().startswith("<think>") for c, _ in texts), texts
     else:
         assert not any(r for _, r in texts)
     seals = {seg.seal_reason for seg in flat}

@@ -414,7 +414,7 @@ def traps(fmt: ChatFormat, shapes: list[ShapeResult], renders: list[str]) -> lis
 
 
 # ------------------------------------------------------------------ entry points
-def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoning_in_content=None):
+def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoning_in_content=None, profile=None):
     """(name, ChatFormat, stops, reasoning_in_content) for a family name, a directory or a tokenizer."""
     from . import real_models
 
@@ -449,7 +449,18 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
         name, tok = type(target).__name__, target
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"{name}: the tokenizer has no chat template")
-    fmt = real_models.TemplateChatFormat(tok, end_of_turn, {**extra.get("template_kwargs", {}), **(template_kwargs or {})})
+    kw = {**extra.get("template_kwargs", {}), **(template_kwargs or {})}
+    parser = None
+    if profile is not None:  # a model profile (wb.lint(): the policy's): its format and the loopback's parsers
+        from .loopback.parsing import ReplyParser
+
+        prof = profile.replace(chat_template_kwargs={**profile.chat_template_kwargs, **kw},
+                               **({"end_of_turn": end_of_turn} if end_of_turn else {}))
+        fmt = ChatFormat.for_profile(tok, prof)
+        parser = ReplyParser(tok, prof.tool_parser, prof.reasoning_parser, prof.chat_template_kwargs)
+        stops = stops or [*fmt.turn_end_tokens, *prof.stop_tokens]
+    else:
+        fmt = ChatFormat(tok, end_of_turn, kw)
     stops = list(stops or extra.get("stops") or [fmt.end_of_turn])
     if fmt.end_of_turn in stops:  # the ChatFormat's end of turn first: what a plain stop samples
         stops = [fmt.end_of_turn] + [s for s in stops if s != fmt.end_of_turn]
@@ -457,17 +468,20 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
     if ric is None:
         ric = extra.get("reasoning_in_content", "</think>" in (tok.chat_template or "") and
                         "</think>" in {str(t) for t in getattr(tok, "added_tokens_decoder", {}).values()})
-    return name, fmt, stops, ric, None
+    return name, fmt, stops, ric, parser
 
 
 def lint(tokenizer_or_path, shapes: list[str] | None = None, *, end_of_turn: str | None = None,
          stops: list[str] | None = None, template_kwargs: dict | None = None,
-         reasoning_in_content: bool | None = None) -> LintReport:
+         reasoning_in_content: bool | None = None, profile=None) -> LintReport:
     """Lint a chat template for exact accumulation. `tokenizer_or_path`: a real family name
-    (workbench.real_models.FAMILIES: "qwen3", "llama3.1", ...), a tokenizer directory, or a
-    tokenizer object with a chat template. `stops`: the engine's stop tokens (default: the
-    family's, the directory's generation_config.json eos ids, or the end of turn)."""
-    name, fmt, stops_, ric, parser = _resolve(tokenizer_or_path, end_of_turn, stops, template_kwargs, reasoning_in_content)
+    (workbench.real_models.FAMILIES: "qwen3", "llama3.1", ...; linted with the family's model
+    profile), a tokenizer directory, or a tokenizer object with a chat template. `stops`: the
+    engine's stop tokens (default: the family's, the directory's generation_config.json eos ids, or
+    the end of turn). `profile` (a workbench.profiles.ModelProfile, for a directory or tokenizer):
+    its ends of turn, message form and the loopback's parsers, as the server would run them."""
+    name, fmt, stops_, ric, parser = _resolve(tokenizer_or_path, end_of_turn, stops, template_kwargs,
+                                              reasoning_in_content, profile)
     results, renders = [], []
     for s in shapes or list(SHAPES):
         results.append(run_shape(fmt, s, stops_, ric, parser=parser))

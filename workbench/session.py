@@ -297,7 +297,7 @@ class Workbench:
         from .lint import lint
 
         if target is None:  # the policy's own template, as its profile renders it
-            kw = {"end_of_turn": self.profile.end_of_turn, "template_kwargs": self.profile.chat_template_kwargs, **kw}
+            kw = {"profile": self.profile, **kw}  # its end of turn, template kwargs, message form, parsers
             target = self.tokenizer
         return lint(target, shapes, **kw)
 
