@@ -46,14 +46,14 @@ from workbench.toy.models import load_hf_model, toy_model_path
 from workbench.trainer.fsdp import Trainer, TrainerConfig, token_logprobs
 
 
-def synthetic_batch(path: str, rows: int, seq_len: int, seed: int = 0) -> dict:
-    """training_tensors' keys: random ids, lengths in [seq_len/2, seq_len] (right padding as in
+def synthetic_batch(path: str, rows: int, seq_len: int, seed: int = 0, min_len: int | None = None) -> dict:
+    """training_tensors' keys: random ids, lengths in [min_len, seq_len] (default seq_len/2; right padding as in
     real batches), the first quarter prompt (loss_mask 0), behaviour log-probs of the initial
     model (correction weights ~1), advantages +-1 per row."""
     g = torch.Generator().manual_seed(seed)
     model, segs = load_hf_model(path), []
     for _ in range(rows):
-        n = int(torch.randint(seq_len // 2, seq_len + 1, (1,), generator=g))
+        n = int(torch.randint(seq_len // 2 if min_len is None else min_len, seq_len + 1, (1,), generator=g))
         p, ids = n // 4, torch.randint(0, model.config.vocab_size, (n,), generator=g)
         with torch.no_grad():
             lp = token_logprobs(model, ids[None], torch.ones(1, n, dtype=torch.long))[0][0]
@@ -234,6 +234,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32, help="rows (segments) per batch")
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--min-len", type=int, default=None, help="rows' shortest length (default seq-len/2; agent "
+                    "episodes spread wider, e.g. 16, which is where packing pays)")
     ap.add_argument("--micro", type=int, default=16, help="micro-batch size, both loops (16: the rows one of 2 ranks holds)")
     ap.add_argument("--model", default="moe", choices=["moe", "dense"])
     ap.add_argument("--world-size", type=int, nargs="+", default=[2])
@@ -262,7 +264,7 @@ def main() -> None:
     os.nice(15)
     try:
         path = str(toy_model_path(args.model))
-        batch = synthetic_batch(path, args.batch, args.seq_len)
+        batch = synthetic_batch(path, args.batch, args.seq_len, min_len=args.min_len)
         moe_batch = batch if args.model == "moe" else synthetic_batch(str(toy_model_path("moe")), args.batch, args.seq_len)
         if args.experts and args.model == "moe":
             batch = {**batch, "routed_experts": record_experts(load_hf_model(path), batch)}

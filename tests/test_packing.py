@@ -68,7 +68,9 @@ def test_packed_rows_equal_their_padded_forward(moe_path, left):
     assert (g_pack - g_pad).abs().max() <= 1e-5 * g_pad.abs().max()  # fp32 rounding (gradients reach ~150)
     assert st_pack == st_pad and sum(st_pack.replayed) == int(mask.sum()) * len(st_pack.replayed)
     p = pack(ids, mask)
-    assert p.input_ids.shape == (1, int(mask.sum())) and p.position_ids[0, :23].tolist() == list(range(23))
+    # first-fit decreasing into rows as wide as the longest: [23], [17, 5] + a 1-token tail, [11] + tail
+    assert p.input_ids.shape == (3, 23) and p.position_ids[0].tolist() == list(range(23))
+    assert p.position_ids[1].tolist() == list(range(17)) + list(range(5)) + [0]
 
 
 def test_token_budget_micro_batches_agree_across_ranks(ray_local, moe_path):

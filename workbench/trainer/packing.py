@@ -1,16 +1,20 @@
-"""Sequence packing: a micro-batch's rows as one padding-free row.
+"""Sequence packing: a micro-batch's rows in fewer rows, with less padding.
 
 Batches arrive padded to their widest row ([rows, width], tokens.training_tensors); a forward
 over that layout computes every padding position too (in the loop's batches a third to a half
-of the positions, since episodes differ in length). Packed, the micro-batch's real tokens are
-concatenated into a single row with position ids restarting at 0 for each sequence; with no
-attention mask and no KV cache, transformers builds a block-diagonal causal mask from those
-position ids (masking_utils.find_packed_sequence_indices), so no token attends across a
-sequence boundary and each sequence's log-probs equal its padded forward's (to fp32 rounding:
-tests/test_packing.py). Routing replay needs no change: MoE routing is per token, so the
-recorded experts are packed the same way as the ids.
+of the positions, since episodes differ in length). Packed, the micro-batch's rows are placed
+first-fit decreasing into as few rows of the same width as hold them, each sequence's position
+ids restarting at 0; with no attention mask and no KV cache, transformers builds a
+block-diagonal causal mask from those position ids (masking_utils.find_packed_sequence_indices),
+so no token attends across a sequence boundary and each sequence's log-probs equal its padded
+forward's (to fp32 rounding: tests/test_packing.py). Packed rows keep the batch's width because
+attention over a row costs its width squared with the dense masks of CPU attention (sdpa's math
+path): one row of every token (what varlen flash-attention kernels make cheap on GPUs) was 2.9x
+slower than the padded batch in bench/trainer.py. Routing replay needs no change: MoE routing is
+per token, so the recorded experts are packed the same way as the ids (-1, live routing, in the
+unused tails, which replay statistics do not count).
 
-Everything outside the forward keeps the padded layout: `unpack` scatters the packed log-probs
+Everything outside the forward keeps the padded layout: `unpack` gathers the packed log-probs
 back to [rows, width] (column 0 of each row and every padding position 0, as sampled_logprobs
 gives column 0), so correction weights, surrogates, aggregation and reports are unchanged.
 
@@ -29,31 +33,54 @@ import torch
 
 @dataclass
 class Packed:
-    input_ids: torch.Tensor  # [1, N]: the real tokens of every row, concatenated
-    position_ids: torch.Tensor  # [1, N]: 0.. within each row
-    experts: torch.Tensor | None  # [1, N, layers, k] (the recorded experts of those tokens) or None
-    counted: torch.Tensor | None  # [1, N]: where replay statistics count
+    input_ids: torch.Tensor  # [packed rows, width]: the rows' real tokens, several rows to a packed row
+    position_ids: torch.Tensor  # [packed rows, width]: 0.. within each packed sequence (a row's tail too)
+    experts: torch.Tensor | None  # [packed rows, width, layers, k] (-1 in tails: live routing) or None
+    counted: torch.Tensor | None  # [packed rows, width]: where replay statistics count (never in tails)
     valid: torch.Tensor  # [rows, width] bool: the positions that were packed
-    index: torch.Tensor  # [rows, width] long: each valid position's index in the packed row (0 elsewhere)
+    index: torch.Tensor  # [rows, width] long: each valid position's flat index in the packed rows (0 elsewhere)
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, experts: torch.Tensor | None = None,
          counted: torch.Tensor | None = None) -> Packed:
-    """The attended positions of [rows, width] tensors as one row (any padding side)."""
+    """The attended positions of [rows, width] tensors (any padding side), first-fit decreasing
+    into as few packed rows as hold them, each as wide as the longest row."""
     valid = attention_mask.bool()
+    lengths = valid.sum(1).tolist()
+    width = max(lengths, default=0) or 1
+    fill, start = [], [0] * len(lengths)  # tokens used per packed row; each row's flat start
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((r for r, used in enumerate(fill) if used + lengths[i] <= width), len(fill))
+        if r == len(fill):
+            fill.append(0)
+        start[i], fill[r] = r * width + fill[r], fill[r] + lengths[i]
     positions = valid.long().cumsum(1) - 1  # 0.. over each row's attended positions
-    flat = valid.reshape(-1)
-    index = torch.zeros_like(positions)
-    index[valid] = torch.arange(int(flat.sum()), device=input_ids.device)
-    return Packed(input_ids=input_ids[valid][None], position_ids=positions[valid][None],
-                  experts=None if experts is None else experts[valid][None],
-                  counted=None if counted is None else counted[valid][None], valid=valid, index=index)
+    dest = torch.tensor(start, dtype=torch.long, device=input_ids.device)[:, None] + positions
+    index = torch.where(valid, dest, torch.zeros_like(dest))
+    n = len(fill) * width
+    ids = input_ids.new_zeros(n)
+    ids[dest[valid]] = input_ids[valid]
+    # a packed row's unused tail is its own sequence (positions from 0), so no real token sees it
+    pos = torch.cat([torch.cat([torch.zeros(used, dtype=torch.long), torch.arange(width - used)]) for used in fill])
+    pos = pos.to(input_ids.device)
+    pos[dest[valid]] = positions[valid]
+    out = Packed(input_ids=ids.view(len(fill), width), position_ids=pos.view(len(fill), width), experts=None,
+                 counted=None, valid=valid, index=index)
+    if experts is not None:
+        e = experts.new_full((n, *experts.shape[2:]), -1)
+        e[dest[valid]] = experts[valid]
+        out.experts = e.view(len(fill), width, *experts.shape[2:])
+    if counted is not None:
+        c = counted.new_zeros(n)
+        c[dest[valid]] = counted[valid]
+        out.counted = c.view(len(fill), width)
+    return out
 
 
 def unpack(lp: torch.Tensor, packed: Packed) -> torch.Tensor:
-    """Packed [1, N] log-probs back to [rows, width]: 0 at padding and at each row's first
-    token (the packed row holds there the log-prob given the previous row's tokens)."""
-    out = lp[0][packed.index]
+    """Packed log-probs back to [rows, width]: 0 at padding and at each row's first token (the
+    packed row holds there the log-prob given the tokens of the row packed before it)."""
+    out = lp.reshape(-1)[packed.index]
     keep = packed.valid & (packed.valid.long().cumsum(1) > 1)
     return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
