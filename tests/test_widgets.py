@@ -212,6 +212,21 @@ def test_monitor_view_is_the_whole_figure_for_views_made_at_any_time():
     assert not any(type(w).__name__ == "FigureWidget" for w in (gate.view, *gate.children))
 
 
+def test_static_rendering_and_titled_pages(tmp_path):
+    gate = GateMonitor(HISTORY)
+    bundle = gate.static()._repr_mimebundle_()
+    svg = bundle["image/svg+xml"]
+    # an SVG with every subplot title and one marker per recorded point of each line series
+    assert svg.startswith("<svg") and all(t.replace("|", "|") in svg for t in ("gate pass ratio", "IS weights (last step)"))
+    assert svg.count("<circle") == 3 + 2 + 3 + 3  # gate_pass_ratio, kl_k1 (one gap), kl_k3, max_abs_delta_p
+    assert "step 2: 0.5" in svg and "tokens per version" in svg and bundle["text/plain"] == "GateMonitor: 3 step(s)"
+    assert "<circle" not in GateMonitor().static().svg and "no data" in GateMonitor().static().svg
+    page = gate.write_html(tmp_path / "plots" / "gate.html", include_plotlyjs="directory", title="IS gate <per step>")
+    text = page.read_text()
+    assert "<title>IS gate &lt;per step&gt;</title>" in text and (tmp_path / "plots" / "plotly.min.js").is_file()
+    assert "<title>GateMonitor: gate pass ratio" in gate.write_html(tmp_path / "g2.html", include_plotlyjs=False).read_text()
+
+
 # ------------------------------------------------------------------ a run is independent of its views
 class FailingView:
     """A view whose comm fails, as ipykernel's did after an interrupt (a fault we cannot cause)."""

@@ -312,14 +312,26 @@ class _Monitor(W.VBox):
         with self._lock:
             self._draw(self.history + [metrics])
 
-    def write_html(self, path, include_plotlyjs=True) -> Path:
+    def write_html(self, path, include_plotlyjs=True, title: str | None = None) -> Path:
         """A standalone page with plotly.js inlined: updates made after display are not in a
         saved notebook's widget state, so a papermill run should leave this file as its record.
-        `include_plotlyjs="directory"`: one plotly.min.js beside several pages (offline too)."""
+        `include_plotlyjs="directory"`: one plotly.min.js beside several pages (offline too).
+        The page carries `title` (default: the monitor's name and its plots) in <title> and <h3>."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.fig.write_html(str(path), include_plotlyjs=include_plotlyjs)
+        title = title or f"{type(self).__name__}: {', '.join(self.TITLES)}"
+        self.fig.write_html(str(path), include_plotlyjs=include_plotlyjs)  # ("directory" also writes plotly.min.js)
+        page = path.read_text()
+        page = page.replace("<head>", f"<head><title>{escape(title)}</title>", 1).replace(
+            "<body>", f"<body><h3 style='font-family:sans-serif'>{escape(title)}</h3>", 1)
+        path.write_text(page)
         return path
+
+    def static(self) -> "StaticFigure":
+        """The monitor now as an SVG image, for a saved notebook: an executed notebook and its
+        nbconvert HTML show it with no JavaScript and no network (the live view is a widget,
+        which neither keeps). `display(gate.static())` after a run."""
+        return StaticFigure(svg(self), f"{type(self).__name__}: {len(self.history)} step(s)")
 
 
 class GateMonitor(_Monitor):
@@ -357,6 +369,79 @@ class RewardMonitor(_Monitor):
 
     def _style(self, fig):
         fig.update_traces(connectgaps=True)  # evaluation runs every eval_every steps only
+
+
+class StaticFigure:
+    """An SVG (image/svg+xml) with a plain-text fallback; IPython displays it inline."""
+
+    def __init__(self, svg_text: str, text: str):
+        self.svg, self.text = svg_text, text
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return {"image/svg+xml": self.svg, "text/plain": self.text}
+
+
+def _tick(v: float) -> str:
+    return f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.1e}"
+
+
+def svg(monitor: _Monitor, width: int = 900) -> str:
+    """A monitor's plots as one SVG: per subplot its title, y range, the step axis, and for each
+    line series a polyline with point markers (bars for the last-step distributions)."""
+    rows, cols = monitor.GRID
+    cw, ch, pad = width / cols, 220, dict(l=52, r=12, t=26, b=34)
+    colours = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
+    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{rows * ch + 24}' "
+           f"font-family='sans-serif' font-size='11'>"]
+    series: dict[tuple, list] = {}
+    for i, (key, r, c) in enumerate(monitor.LINES):
+        t = monitor.trace(key)
+        series.setdefault((r, c), []).append(("line", key, list(t.x), list(t.y), colours[i % len(colours)]))
+    for key, r, c in monitor.BARS:
+        t = monitor.trace(key)
+        series.setdefault((r, c), []).append(("bar", key, list(t.x), list(t.y), "#7f7f7f"))
+    for idx in range(rows * cols):
+        r, c = idx // cols + 1, idx % cols + 1
+        x0, y0 = (c - 1) * cw + pad["l"], (r - 1) * ch + pad["t"]
+        w, h = cw - pad["l"] - pad["r"], ch - pad["t"] - pad["b"]
+        title = monitor.TITLES[idx] if idx < len(monitor.TITLES) else ""
+        out.append(f"<text x='{x0 + w / 2:.0f}' y='{y0 - 8:.0f}' text-anchor='middle' font-size='12'>{escape(title)}</text>")
+        out.append(f"<rect x='{x0:.0f}' y='{y0:.0f}' width='{w:.0f}' height='{h:.0f}' fill='#f7f7f7' stroke='#ccc'/>")
+        items = series.get((r, c), [])
+        ys = [float(v) for _, _, _, yy, _ in items for v in yy if v is not None]
+        if not ys:
+            out.append(f"<text x='{x0 + w / 2:.0f}' y='{y0 + h / 2:.0f}' text-anchor='middle' fill='#999'>no data</text>")
+            continue
+        lo, hi = min(0.0, min(ys)), max(ys)
+        hi = hi if hi > lo else lo + 1.0
+        Y = lambda v: y0 + h - (float(v) - lo) / (hi - lo) * h  # noqa: E731
+        out.append(f"<text x='{x0 - 4:.0f}' y='{Y(hi) + 4:.0f}' text-anchor='end'>{_tick(hi)}</text>"
+                   f"<text x='{x0 - 4:.0f}' y='{Y(lo):.0f}' text-anchor='end'>{_tick(lo)}</text>")
+        for j, (kind, key, xs, yy, colour) in enumerate(items):
+            n = len(xs)
+            if kind == "bar":
+                bw = w / max(n, 1)
+                for k, (xv, yv) in enumerate(zip(xs, yy)):
+                    if yv is not None:
+                        out.append(f"<rect x='{x0 + k * bw + 1:.1f}' y='{Y(yv):.1f}' width='{max(bw - 2, 1):.1f}' "
+                                   f"height='{Y(lo) - Y(yv):.1f}' fill='{colour}'><title>{escape(str(xv))}: {yv}</title></rect>")
+                if n:
+                    out.append(f"<text x='{x0:.0f}' y='{y0 + h + 14:.0f}'>{escape(str(xs[0]))}</text>"
+                               f"<text x='{x0 + w:.0f}' y='{y0 + h + 14:.0f}' text-anchor='end'>{escape(str(xs[-1]))}</text>")
+                continue
+            pts = [(xv, yv) for xv, yv in zip(xs, yy) if yv is not None]
+            sx = [float(v) for v in xs] or [0.0]
+            xlo, xhi = min(sx), max(sx) if max(sx) > min(sx) else min(sx) + 1
+            X = lambda v: x0 + (float(v) - xlo) / (xhi - xlo) * w  # noqa: E731
+            if pts:
+                out.append(f"<polyline fill='none' stroke='{colour}' stroke-width='1.5' points='"
+                           + " ".join(f"{X(a):.1f},{Y(b):.1f}" for a, b in pts) + "'/>")
+                out += [f"<circle cx='{X(a):.1f}' cy='{Y(b):.1f}' r='2.2' fill='{colour}'><title>step {a}: {b}</title></circle>"
+                        for a, b in pts]
+            out.append(f"<text x='{x0 + 4:.0f}' y='{y0 + 12 + 12 * j:.0f}' fill='{colour}'>{escape(key)}</text>")
+            out.append(f"<text x='{x0:.0f}' y='{y0 + h + 14:.0f}'>step {_tick(xlo)}</text>"
+                       f"<text x='{x0 + w:.0f}' y='{y0 + h + 14:.0f}' text-anchor='end'>{_tick(max(sx))}</text>")
+    return "".join(out) + "</svg>"
 
 
 def callback(*monitors: _Monitor) -> Callable[[dict], None]:
