@@ -40,4 +40,15 @@ def test_quickstart_trains_and_leaves_a_run_directory(tmp_path, capsys):
     assert versions == list(range(versions[0], versions[0] + 24))  # one version per step, no gaps
     assert len(list((run / "trajectories").glob("step_*.parquet"))) == 24
     assert {p.name for p in (run / "plots").iterdir()} >= {"reward.html", "gate.html", "replay.html"}
+    assert "<title>IS gate and KL per RL step</title>" in (run / "plots" / "gate.html").read_text()
+    # the saved record: small (no plotly JS bundle in the widget state), and its HTML export shows
+    # the monitors and the reward plot as SVG images, which need no JavaScript and no network
+    size = out.stat().st_size
+    with capsys.disabled():
+        print(f"[measured] executed quickstart notebook: {size / 1e6:.2f} MB")
+    assert size < 2e6, f"executed quickstart is {size / 1e6:.1f} MB"
+    from nbconvert import HTMLExporter
+
+    html, _ = HTMLExporter().from_filename(str(out))
+    assert html.count("data:image/svg+xml;base64,PHN2ZyB4bWxucz0n") == 3  # gate, replay, reward: static SVGs
     assert (run / "checkpoint" / "run_state.json").is_file() and json.loads((run / "config.json").read_text())["backend"] == "vllm"
