@@ -438,6 +438,13 @@ class Workbench:
         return {"next_step": self.next_step,
                 **({"data_position": self.next_position} if self.next_position is not None else {})}
 
+    def export(self, path: str | None = None, dtype: str | None = None) -> str:
+        """The trained policy as a Hugging Face checkpoint directory (default run_dir/export):
+        safetensors in the source's layout, config, tokenizer and chat template
+        (Trainer.export_hf). `dtype`: e.g. "bfloat16" for serving an fp32-trained policy."""
+        self._idle("export")
+        return self._trainer.export_hf(str(path or self.run_dir / "export"), dtype)
+
     def restore(self, path: str | None = None) -> dict:
         """Load a checkpoint written by save(); the engines are synced to it. The run's record of
         steps at or after the checkpoint's next step (a branch abandoned now: steps trained but

@@ -467,9 +467,12 @@ class TrainerWorker:
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        rng = torch.load(os.path.join(path, f"rng_rank{self.rank}.pt"), weights_only=False)
+        rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
+        if not os.path.isfile(rng_file):  # a checkpoint of fewer ranks: this rank keeps its seed
+            return
+        rng = torch.load(rng_file, weights_only=False)
         torch.set_rng_state(rng["cpu"])
-        if rng["cuda"] is not None:
+        if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
 
     def shutdown(self) -> None:
@@ -641,6 +644,31 @@ class Trainer:
         ray.get([w.send_weights_nccl.remote(meta) for w in self.workers])
         return ray.get(receive)
 
+    def export_hf(self, path: str, dtype: str | None = None) -> str:
+        """The trained policy as a Hugging Face checkpoint directory: safetensors in the source
+        checkpoint's layout (transformers writes fused MoE experts back per expert), config,
+        generation config, and the source's tokenizer and chat-template files. Loadable by
+        transformers and vLLM. `dtype`: the weights' dtype on disk (default: the trainer's;
+        "bfloat16" halves an fp32 trainer's export). Every rank takes part (a gather)."""
+        import shutil
+
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        full = self.state_dict()  # rank 0's gathered, HF-named tensors on CPU
+        dtype = getattr(torch, dtype or self.cfg.dtype)
+        config = AutoConfig.from_pretrained(self.model_path)
+        with torch.device("meta"):  # no second copy of the weights: the gathered tensors are assigned
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.load_state_dict({k: v.to(dtype) for k, v in full.items()}, strict=True, assign=True)
+        os.makedirs(path, exist_ok=True)
+        model.save_pretrained(path, safe_serialization=True)
+        skip = ("config.json", "generation_config.json", "model.safetensors.index.json")
+        for name in os.listdir(self.model_path):  # tokenizer, chat template, special tokens, ...
+            src = os.path.join(self.model_path, name)
+            if os.path.isfile(src) and name not in skip and not name.endswith((".safetensors", ".bin", ".pt", ".pth")):
+                shutil.copy2(src, os.path.join(path, name))
+        return path
+
     def save(self, path: str, run_state: dict | None = None) -> str:
         """Checkpoint to `path` (a directory every rank can reach): sharded weights and optimizer
         (torch.distributed.checkpoint), per-rank RNG, and run_state.json (the trainer version
@@ -666,9 +694,9 @@ class Trainer:
             raise FileNotFoundError(f"no checkpoint at {path!r} (run_state.json missing)")
         with open(state_file) as f:
             run_state = json.load(f)
-        if run_state["world_size"] != len(self.workers):
-            raise ValueError(f"checkpoint {path!r} was written by {run_state['world_size']} ranks, this trainer has "
-                             f"{len(self.workers)} (resharding a checkpoint is not supported yet)")
+        # torch.distributed.checkpoint reshards on load: a checkpoint of N ranks restores onto M
+        # (each rank reads the pieces of the saved shards that make up its own); only the per-rank
+        # RNG states do not carry over (load says which ranks kept their seed)
         ray.get([w.load.remote(path) for w in self.workers])
         self.version = run_state["version"]
         return run_state
