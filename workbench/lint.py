@@ -440,14 +440,20 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
             raise FileNotFoundError(f"{target!r} is neither a family ({sorted(real_models.FAMILIES)}) nor a directory")
         if (path / "lint.json").is_file():
             extra = json.loads((path / "lint.json").read_text())
-        name, tok = str(target), AutoTokenizer.from_pretrained(str(path))
+        if (path / "tekken.json").is_file():  # Mistral's Tekken: mistral-common renders, no template (workbench.tekken)
+            from .tekken import load_tokenizer, tekken_profile
+
+            name, tok = str(target), load_tokenizer(path)
+            profile = profile or tekken_profile(path)
+        else:
+            name, tok = str(target), AutoTokenizer.from_pretrained(str(path))
         if not stops and (path / "generation_config.json").is_file():  # the engine's stop ids
             eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
             eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
             stops = [tok.convert_ids_to_tokens(i) for i in eos]
     else:
         name, tok = type(target).__name__, target
-    if not getattr(tok, "chat_template", None):
+    if not getattr(tok, "chat_template", None) and getattr(profile, "chat_format", "template") != "tekken":
         raise ValueError(f"{name}: the tokenizer has no chat template")
     kw = {**extra.get("template_kwargs", {}), **(template_kwargs or {})}
     parser = None
@@ -466,7 +472,7 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
         stops = [fmt.end_of_turn] + [s for s in stops if s != fmt.end_of_turn]
     ric = reasoning_in_content
     if ric is None:
-        ric = extra.get("reasoning_in_content", "</think>" in (tok.chat_template or "") and
+        ric = extra.get("reasoning_in_content", "</think>" in (getattr(tok, "chat_template", None) or "") and
                         "</think>" in {str(t) for t in getattr(tok, "added_tokens_decoder", {}).values()})
     return name, fmt, stops, ric, parser
 

@@ -53,6 +53,9 @@ class ModelProfile:
     # reasoning_field: the assistant-message key the template renders reasoning from
     #   ("reasoning_content": Qwen3; "thinking": gpt-oss); None drops reasoning from the history
     reasoning_field: str | None = None
+    # chat_format: how prompts are rendered: "template" (the tokenizer's chat template) or "tekken"
+    #   (Mistral's Tekken checkpoints: mistral-common encodes the request; workbench.tekken.TekkenFormat)
+    chat_format: str = "template"
     max_model_len: int = 1024  # the context an episode has: engine and loopback server
     dtype: str = "float32"  # engine and trainer parameter dtype
     loader: str = "hf"  # "hf": a safetensors checkpoint directory
@@ -86,6 +89,8 @@ class ModelProfile:
         for name, allowed in MESSAGE_FORMS.items():
             if getattr(self, name) not in allowed:
                 raise ProfileError(f"profile {self.family!r}: {name}={getattr(self, name)!r}; one of {list(allowed)}")
+        if self.chat_format not in ("template", "tekken"):
+            raise ProfileError(f"profile {self.family!r}: chat_format={self.chat_format!r}; one of ['template', 'tekken']")
 
     @property
     def message_form(self) -> dict:
@@ -205,12 +210,17 @@ def _mistral(ck: Checkpoint):
     if ck.model_type not in ("mistral", "mixtral"):
         return None
     moe = ck.model_type == "mixtral"
+    # a Tekken checkpoint (tekken.json, e.g. NeMo) is rendered by mistral-common, not by a template
+    tekken = (ck.path / "tekken.json").is_file()
     return ModelProfile("mistral", end_of_turn="</s>", tool_parser="mistral", tool_call_ids="alnum9",
-                        max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=moe,
+                        chat_format="tekken" if tekken else "template", max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=moe,
                         replay_rule="MixtralTopKRouter" if moe else None,
                         notes="the SentencePiece v3 tokenizer puts a space after [TOOL_CALLS] that the model did "
                               "not sample: a retokenization trap; Tekken does not. Templates refuse tool-call ids "
-                              "other than 9 alphanumeric characters: the loopback hands out such ids")
+                              "other than 9 alphanumeric characters: the loopback hands out such ids. Tekken "
+                              "(chat_format='tekken'): mistral-common drops tool calls and results before the last "
+                              "user turn and moves tools and the system prompt there: a new user turn seals "
+                              "(template_rewrite) unless the chat is plain (no tools, no system prompt)")
 
 
 @register_family("gpt-oss")

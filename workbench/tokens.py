@@ -286,7 +286,12 @@ class ChatFormat:
     @classmethod
     def for_profile(cls, tokenizer, profile) -> "ChatFormat":
         """The format a model profile (workbench.profiles) describes: its end of turn (and the other
-        tokens that end a turn), template kwargs and what canonical messages keep."""
+        tokens that end a turn), template kwargs and what canonical messages keep. A Tekken profile
+        (chat_format="tekken") gets workbench.tekken.TekkenFormat: mistral-common renders, no template."""
+        if getattr(profile, "chat_format", "template") == "tekken" and cls is ChatFormat:
+            from .tekken import TekkenFormat
+
+            return TekkenFormat.for_profile(tokenizer, profile)
         return cls(tokenizer, profile.end_of_turn, profile.chat_template_kwargs, profile.turn_ends, profile.message_form)
 
     def canonical(self, m: dict) -> dict:
@@ -317,6 +322,8 @@ def text_units(fmt: ChatFormat, ids: list[int]) -> list[tuple[int, int, tuple]] 
     together complete a character (byte-level BPE splits multi-byte characters). One streaming
     decode step per token (tokenizers' DecodeStream keeps a window of a few ids): linear time.
     None when the stream cannot be cut this way (a long run of undecodable bytes)."""
+    if hasattr(fmt, "text_units"):  # a format without an HF tokenizers backend (TekkenFormat) cuts its own
+        return fmt.text_units(ids)
     from tokenizers.decoders import DecodeStream
 
     step = DecodeStream(skip_special_tokens=False).step

@@ -1,0 +1,263 @@
+"""Mistral's Tekken tokenizer as a real family (issue 11), offline: mistral-common's own Tekken file
+(NeMo's tekken_240911.json, loaded from site-packages at run time, never copied) in a checkpoint
+directory, vLLM's MistralTokenizer over it, the `mistral` profile with chat_format="tekken" and
+workbench.tekken.TekkenFormat.
+
+(a) the rendered text encodes back to exactly the ids mistral-common's request encoding produces;
+(c) the Accumulator with Tekken, on a constructed sampled reply (a [TOOL_CALLS] call parsed by vLLM's
+    `mistral` tool parser), extends exactly or seals with the reason written down below.
+Tokenizer level only: no engine, no Ray (vLLM's import is most of the time)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from workbench.lint import diff_context, sample_of
+from workbench.profiles import profile_for
+from workbench.real_models import _pkg_dir
+from workbench.tokens import Accumulator, ChatFormat, retokenization_drift
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A Tekken checkpoint directory: config.json and tekken.json (a link into mistral-common)."""
+    d = tmp_path_factory.mktemp("nemo")
+    (d / "config.json").write_text(json.dumps({"model_type": "mistral", "max_position_embeddings": 131072}))
+    (d / "tekken.json").symlink_to(_pkg_dir("mistral_common") / "data" / "tekken_240911.json")
+    return d
+
+
+@pytest.fixture(scope="module")
+def fmt(ckpt):
+    from workbench.tekken import load_tokenizer
+
+    prof = profile_for(ckpt)
+    return ChatFormat.for_profile(load_tokenizer(ckpt), prof)
+
+
+def test_profile_says_tekken(ckpt, fmt, tmp_path):
+    from workbench.tekken import TekkenFormat
+
+    prof = profile_for(ckpt)
+    assert (prof.family, prof.chat_format, prof.tool_parser, prof.tool_call_ids) == ("mistral", "tekken", "mistral", "alnum9")
+    assert isinstance(fmt, TekkenFormat) and fmt.tokenizer.is_tekken  # ChatFormat.for_profile chose it
+    assert (fmt.end_of_turn, fmt.end_of_turn_id, fmt.message_form["tool_call_ids"]) == ("</s>", 2, "alnum9")
+    # the same config without tekken.json is the SentencePiece/template Mistral
+    (tmp_path / "config.json").write_text((ckpt / "config.json").read_text())
+    assert profile_for(tmp_path).chat_format == "template"
+    with pytest.raises(ValueError, match="chat_format"):
+        prof.replace(chat_format="jinja")
+
+
+# ------------------------------------------------------------------ (a) text <-> mistral-common's ids
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "abcDEF123", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+TWO_CALLS = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "abcDEF123", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+    {"id": "xyzXYZ789", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+CONVERSATIONS = {
+    "plain multi-turn": ([{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello. How can I help?"},
+                          {"role": "user", "content": "Tell me a joke, in Français: «ça va»?"}], None),
+    "tool call and result": ([{"role": "user", "content": "Weather in Paris?"}, CALL,
+                              {"role": "tool", "tool_call_id": "abcDEF123", "content": '{"temp": 21}'}], TOOLS),
+    "two results, then a user turn": ([{"role": "user", "content": "Paris and Oslo?"}, TWO_CALLS,
+                                       {"role": "tool", "tool_call_id": "abcDEF123", "content": '{"temp": 21}'},
+                                       {"role": "tool", "tool_call_id": "xyzXYZ789", "content": '{"temp": 3}'},
+                                       {"role": "assistant", "content": "21 and 3 degrees."},
+                                       {"role": "user", "content": "Thanks!"}], TOOLS),
+    "system prompt": ([{"role": "system", "content": "You are terse.\nAnswer in one line."},
+                       {"role": "user", "content": "Why is the sky blue?"}, {"role": "assistant", "content": "Rayleigh."},
+                       {"role": "user", "content": "  And at sunset?  "}], TOOLS),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _mistral_common(path: str):
+    from mistral_common.protocol.instruct.validator import ValidationMode
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    return MistralTokenizer.from_file(path, mode=ValidationMode.test)
+
+
+def _mistral_common_ids(ckpt, messages, tools):
+    """The ground truth, independently of TekkenFormat: mistral-common's own file and request
+    classes, as vLLM's MistralTokenizer serves a request."""
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+    return _mistral_common(str(ckpt / "tekken.json")).encode_chat_completion(ChatCompletionRequest.from_openai(messages, tools)).tokens
+
+
+@pytest.mark.parametrize("shape", list(CONVERSATIONS))
+def test_a_rendered_text_encodes_to_mistral_commons_ids(ckpt, fmt, shape):
+    messages, tools = CONVERSATIONS[shape]
+    text = fmt.render(messages, tools, add_generation_prompt=True)
+    ids = _mistral_common_ids(ckpt, messages, tools)
+    assert fmt.encode(text) == ids, shape
+    assert fmt.decode(ids) == text and ids[0] == 1 and text.startswith("<s>")  # one BOS, spelled in the text
+    # a history ending with the assistant's reply (what the accumulator renders after a turn) too
+    hist = messages + [{"role": "assistant", "content": "Fine."}]
+    tk = fmt.tokenize_request(hist, tools, add_generation_prompt=False)
+    assert fmt.encode(tk.text) == tk.tokens and tk.tokens[-1] == fmt.end_of_turn_id
+    assert tk.tokens[: len(ids)] == ids or shape != "plain multi-turn"  # plain: the reply just appends
+
+
+def test_a_encode_splits_at_control_tokens_only(fmt):
+    # a text piece is encoded without BOS/EOS, control tokens by their special ids
+    t = fmt.tekken
+    assert fmt.encode("[INST]Hi[/INST]") == [3] + t.encode("Hi", bos=False, eos=False) + [4]
+    assert fmt.encode("[TOOL_CALLS][") == [9] + t.encode("[", bos=False, eos=False)
+
+
+def test_a_text_units_and_drift_without_an_hf_backend(fmt):
+    # Tekken has no HF `tokenizers` backend: TekkenFormat cuts ids at character boundaries itself.
+    # '€' is 3 UTF-8 bytes; as byte tokens it only decodes after the third: one unit of 3 ids.
+    t = fmt.tekken
+    byte_ids = [t.num_special_tokens + b for b in "€".encode()]  # Tekken's first ranks are the 256 bytes
+    assert t.decode(byte_ids) == "€"
+    ids = t.encode("a ", bos=False, eos=False) + byte_ids + [2]
+    units = fmt.text_units(ids)
+    assert units[-2] == (2, 3, tuple(byte_ids)) and units[-1] == (3, 7, (2,))  # '</s>' is 4 characters
+    # the bytes of '€' sampled one by one retokenize to its single token: those 3 sampled ids drift
+    assert fmt.encode("€") != byte_ids and retokenization_drift(fmt, byte_ids) == 3
+    assert retokenization_drift(fmt, fmt.encode("Hello, «ça va»?")) == 0
+
+
+# ------------------------------------------------------------------ (c) accumulation
+def _parse(fmt, ids):
+    """vLLM's `mistral` tool parser on the sampled text, as the loopback server runs it."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
+
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+    got = ToolParserManager.get_tool_parser("mistral")(fmt.tokenizer, tools=req.tools).extract_tool_calls(
+        fmt.decode(ids), req)
+    return got
+
+
+def _reply(fmt, text):
+    return fmt.tekken.encode(text, bos=False, eos=False) + [fmt.end_of_turn_id]
+
+
+def _step(acc, fmt, msgs, tools, sample_ids, message):
+    """plan + record; returns the verdict of the plan: extends / extends* / seal:<reason>."""
+    before = list(acc.open_segment.token_ids) if acc.open_segment else []
+    plan = acc.plan(msgs, tools)
+    fresh = fmt.encode(plan.prompt_text)
+    if plan.new_segment:
+        verdict = "new" if not before else f"seal:{plan.seal_reason}"
+    else:
+        assert plan.prompt_ids[: len(before)] == before  # the exact recorded ids stay the prefix
+        verdict = "extends" if plan.prompt_ids == fresh else "extends*"
+    seg = acc.record(plan, sample_of(sample_ids), message)
+    assert seg.token_ids[len(plan.prompt_ids):] == sample_ids  # the sampled ids, as sampled
+    # where the recorded ids and a fresh render first differ ("" when they do not)
+    return verdict, diff_context(fmt, before if plan.new_segment else plan.prompt_ids, fresh)[1] if before else ""
+
+
+# The sampled call with the id NeMo writes, and without one. vLLM's `mistral` parser hands out a
+# fresh id either way (it ignores the sampled one), and mistral-common renders the call back with
+# that id: the tool result extends the exact sampled ids but a fresh render differs at the id
+# ("extends*", token identity holds; the sampled bytes stay in the prompt).
+@pytest.mark.parametrize("sampled,first_diff", [
+    ('[{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "Ab3dE6gH9"}]', "recorded 'Ab3'"),
+    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}]', "recorded '\"}}]' vs render '\"}, \"'"),
+])
+def test_c_tool_call_extends_then_user_turn_seals(fmt, sampled, first_diff):
+    # Tekken writes [TOOL_CALLS] then the JSON list with no leading space (the SentencePiece v3
+    # tokenizer's trap), then </s>
+    call_ids = [9] + fmt.tekken.encode(sampled, bos=False, eos=False)
+    assert fmt.decode(call_ids) == "[TOOL_CALLS]" + sampled
+    got = _parse(fmt, call_ids)
+    assert got.tools_called and [(c.function.name, json.loads(c.function.arguments)) for c in got.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    cid = got.tool_calls[0].id
+    assert len(cid) == 9 and cid.isalnum() and cid != "Ab3dE6gH9"  # a fresh Mistral-shaped id, not the sampled one
+    assert retokenization_drift(fmt, call_ids) == 0
+    acc = Accumulator(fmt)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    call = {"role": "assistant", "content": got.content or "", "tool_calls": [
+        {"id": cid, "type": "function", "function": {"name": "get_weather", "arguments": got.tool_calls[0].function.arguments}}]}
+    assert _step(acc, fmt, msgs, TOOLS, call_ids + [fmt.end_of_turn_id], call)[0] == "new"
+    msgs += [call, {"role": "tool", "tool_call_id": cid, "content": '{"temp": 21}'}]
+    answer = {"role": "assistant", "content": "21 degrees."}
+    verdict, ctx = _step(acc, fmt, msgs, TOOLS, _reply(fmt, "21 degrees."), answer)
+    assert verdict == "extends*" and first_diff in ctx, ctx
+    # a new user turn: mistral-common drops the tool call and its result before the last user
+    # message and moves [AVAILABLE_TOOLS] in front of it: the history is rewritten
+    msgs += [answer, {"role": "user", "content": "And Oslo?"}]
+    verdict, ctx = _step(acc, fmt, msgs, TOOLS, _reply(fmt, "Cold."), {"role": "assistant", "content": "Cold."})
+    assert verdict == "seal:template_rewrite" and "recorded '[AVAILABLE_TOOLS]" in ctx
+    assert [s.seal_reason for s in acc.segments] == ["template_rewrite", None]
+
+
+def test_c_tool_result_extends_exactly_when_the_id_round_trips(fmt):
+    """The one difference above is the id: with the sampled id in the returned message (what a server
+    that kept the model's id would return), the tool result extends exactly (a fresh render equals it)."""
+    sampled = '[{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "Ab3dE6gH9"}]'
+    call_ids = [9] + fmt.tekken.encode(sampled, bos=False, eos=False) + [fmt.end_of_turn_id]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "Ab3dE6gH9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    acc = Accumulator(fmt)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    _step(acc, fmt, msgs, TOOLS, call_ids, call)
+    msgs += [call, {"role": "tool", "tool_call_id": "Ab3dE6gH9", "content": '{"temp": 21}'}]
+    assert _step(acc, fmt, msgs, TOOLS, _reply(fmt, "21."), {"role": "assistant", "content": "21."}) == ("extends", "")
+
+
+@pytest.mark.parametrize("system,tools,verdicts", [
+    (None, None, ["extends", "extends"]),  # plain multi-turn: every turn appends
+    (None, TOOLS, ["seal:template_rewrite", "seal:template_rewrite"]),  # [AVAILABLE_TOOLS] moves to the last user turn
+    ("Be terse.", None, ["seal:template_rewrite", "seal:template_rewrite"]),  # so does the system prompt
+])
+def test_c_plain_multi_turn(fmt, system, tools, verdicts):
+    acc = Accumulator(fmt)
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "Hi!"}]
+    got = []
+    for k, text in enumerate(["Hello. How can I help?", "Sure: «ça va».", "Bye."]):
+        v, _ = _step(acc, fmt, msgs, tools, _reply(fmt, text), {"role": "assistant", "content": text})
+        got.append(v)
+        msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": f"More {k}?"}]
+    assert got == ["new"] + verdicts
+
+
+def test_c_cut_by_max_tokens_closes_with_eos(fmt):
+    # no </s> sampled: the closing </s> enters the next delta as template text, not as trainable
+    acc = Accumulator(fmt)
+    msgs = [{"role": "user", "content": "Count."}]
+    cut = fmt.tekken.encode("1 2 3", bos=False, eos=False)
+    plan = acc.plan(msgs)
+    acc.record(plan, sample_of(cut, "length"), {"role": "assistant", "content": "1 2 3"})
+    plan = acc.plan(msgs + [{"role": "assistant", "content": "1 2 3"}, {"role": "user", "content": "Go on."}])
+    assert not plan.new_segment and plan.prompt_ids == fmt.encode(plan.prompt_text)
+    seg = acc.open_segment
+    assert plan.prompt_ids[len(seg):][0] == fmt.end_of_turn_id and set(seg.loss_mask[-len(cut):]) == {1}
+
+
+def test_lint_tekken_directory(ckpt):
+    """`python -m workbench.lint DIR` on a Tekken directory: the mistral profile, TekkenFormat and the
+    loopback's `mistral` parser. The verdicts, written down: mistral-common puts the system prompt and
+    [AVAILABLE_TOOLS] in front of the LAST user message and drops tool calls and results before it, so
+    every shape with a system prompt or tools seals at the next user turn (template_rewrite; a changed
+    system prompt is history_rewritten first); the tool results themselves extend (turn 2), and a reply
+    cut by max_tokens extends. No leading-space trap after control tokens (SentencePiece v3 has one)."""
+    from workbench.lint import lint
+
+    report = lint(str(ckpt))
+    assert report.verdicts() == {"plain": "seal:template_rewrite", "tool_one": "seal:template_rewrite",
+                                 "tool_many": "seal:template_rewrite", "reasoning_on": "seal:template_rewrite",
+                                 "reasoning_off": "seal:template_rewrite", "system_changed": "seal:history_rewritten",
+                                 "max_tokens_cut": "extends"}
+    turns = {s.shape: [t.verdict for t in s.turns] for s in report.shapes}
+    assert turns["tool_one"][:3] == ["start", "extends", "seal:template_rewrite"], turns
+    assert turns["tool_many"][:3] == ["start", "extends", "seal:template_rewrite"], turns
+    plain = next(s for s in report.shapes if s.shape == "plain")
+    assert "recorded 'You are' vs render 'What is'" in plain.first.context  # the system prompt moved
+    found = report.traps_found()
+    assert not found["leading_space"] and not found["merged_boundary"] and not found["roundtrip"]
