@@ -73,10 +73,11 @@ def test_run_all_monitors_never_blank(lab, browser, attempt, capsys):
 def test_quickstart_run_all_monitors_grow(lab, browser, capsys):
     """The quickstart itself under Run All (reference engine, few small steps): it runs to the
     end and the gate and replay monitors show traces that grow during the run."""
+    import papermill.iorw
     import papermill.parameterize
 
-    steps = 6
-    nb = nbformat.read(NOTEBOOK_DIR / "00_quickstart.ipynb", as_version=4)
+    steps = 16  # ~1 s each here: long enough to watch the plots grow after their first render
+    nb = papermill.iorw.load_notebook_node(str(NOTEBOOK_DIR / "00_quickstart.ipynb"))  # with papermill's cell tags
     nb = papermill.parameterize.parameterize_notebook(
         nb, {"run_dir": str(lab.root / "runs" / "quickstart"), "backend": "reference", "steps": steps,
              "prompts_per_step": 4, "group_size": 4})
