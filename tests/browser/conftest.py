@@ -25,7 +25,10 @@ def chromium():
     return path
 
 
-@pytest.fixture(scope="session")
+# lab and browser live for one test module, not the session: Playwright's sync API keeps an
+# asyncio loop running in this thread while it is open, so every later asyncio.run() in the
+# session (the engine and loopback tests) would fail with "cannot be called from a running event loop"
+@pytest.fixture(scope="module")
 def lab(chromium, tmp_path_factory):
     from workbench.notebooks import ensure_kernel
 
@@ -37,7 +40,7 @@ def lab(chromium, tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(chromium):
     """A function giving a fresh browser context (its own profile dir); each is closed at the end."""
     from playwright.sync_api import sync_playwright
