@@ -28,6 +28,14 @@ def dense_path():
 
 
 @pytest.fixture(scope="session")
+def tokenizer(moe_path):
+    """The toy tokenizer (the MoE's), for loopback servers built in tests."""
+    from workbench.toy.models import load_tokenizer
+
+    return load_tokenizer(moe_path)
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     from workbench.cluster import init_ray, shutdown_ray
 

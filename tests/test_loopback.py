@@ -43,11 +43,6 @@ class Tap:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(moe_path):
-    return load_tokenizer(moe_path)
-
-
-@pytest.fixture(scope="module")
 def server(vllm_moe, tokenizer):
     srv = LoopbackServer(Tap(vllm_moe), tokenizer).start()
     yield srv

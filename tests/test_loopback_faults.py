@@ -28,7 +28,6 @@ from workbench.loopback.protocol import INT64_MAX, INT64_MIN, MAX_JSON_DEPTH, MA
 from workbench.loopback.server import LoopbackServer
 from workbench.rollout.engine import SamplingConfig
 from workbench.rollout.router import EngineRouter
-from workbench.toy.models import load_tokenizer
 
 # what must never reach a client: tracebacks, file paths of frames, pids, IPv4 addresses, Ray
 # task names, actor/object ids (long hex)
@@ -49,11 +48,6 @@ class SessionTap:
         sample = await self.actor.generate.remote(prompt_ids, sampling)
         self.samples.append((session_id, sample))
         return sample
-
-
-@pytest.fixture(scope="module")
-def tokenizer(moe_path):
-    return load_tokenizer(moe_path)
 
 
 @pytest.fixture(scope="module")

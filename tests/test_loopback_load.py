@@ -20,16 +20,10 @@ from test_loopback_faults import ANTHROPIC_CASES, OPENAI_CASES, SessionTap
 from workbench.loopback import anthropic_api, openai_api
 from workbench.loopback.server import LoopbackServer
 from workbench.tokens import Accumulator
-from workbench.toy.models import load_tokenizer
 from workbench.toy.tasks import CALC_TOOL, TOOL_SYSTEM_PROMPT
 
 ANTHROPIC_CALC = {"name": "calc", "description": CALC_TOOL["function"]["description"],
                   "input_schema": CALC_TOOL["function"]["parameters"]}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(moe_path):
-    return load_tokenizer(moe_path)
 
 
 def shared_http() -> httpx2.AsyncClient:
