@@ -19,7 +19,7 @@ from typing import Callable
 
 import ipywidgets as W
 
-from .tokens import SEAL_REASONS, ChatFormat, Segment, Trajectory, canonical_message
+from ..tokens import SEAL_REASONS, ChatFormat, Segment, Trajectory, canonical_message
 
 GREY = "#e6e6e6"
 PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462",
