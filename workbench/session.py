@@ -77,6 +77,11 @@ class WorkbenchConfig:
     # path, or a dict of workbench.data.TaskDataset.from_file arguments ({"path": ..., "fields":
     # "gsm8k"}: a seeded shuffle per epoch, seed defaulting to `seed`); a TaskDataset; or callable(n, seed)
     tasks: Any = None
+    # an LLM judge for the agents' side calls (ctx.openai(side=True), the non-recording route): a
+    # named model or a checkpoint directory served frozen on its own engine, never synced (the
+    # policy frozen at a version: its wb.export() directory). It must tokenize like the policy.
+    # None: side calls go to the policy's engines
+    judge: str | None = None
     # held-out tasks for wb.eval() and LoopConfig.eval_every: a list of Task / dicts, a data file's
     # path or a dict of workbench.data.load_tasks arguments; all of them are evaluated each time
     eval_tasks: Any = None
@@ -215,6 +220,7 @@ class Workbench:
         self.next_position: int | None = None  # the data position after next_step - 1 (None: next_step x prompts)
         self._greedy_rollout = None  # runners sampling at temperature 0, for greedy evaluation (made on first use)
         self._teacher: tuple | None = None  # (LoopConfig.teacher, [its engine]) for distillation (made on first use)
+        self.judge_engine = None  # cfg.judge's frozen engine, serving the side route
         self._loggers: list = []
         self.eval_episode_ids: set[str] = set()  # every evaluation episode of this session (never trained on)
         self._run: RunHandle | None = None
@@ -225,7 +231,7 @@ class Workbench:
         self._owns_ray = not ray.is_initialized() and address is None
         self.engines, self._rollout, self._trainer = [], None, None
         self.placement = None  # workbench.placement.Placement on a GPU cluster (cfg.placement)
-        bar = tqdm(total=4 + cfg.num_engines, desc="connect", unit="part")
+        bar = tqdm(total=4 + cfg.num_engines + bool(cfg.judge), desc="connect", unit="part")
         try:
             bar.set_postfix_str("ray"); init_ray(address); bar.update()
             if cfg.placement != "none" and cluster_gpus():  # before any actor takes a GPU
@@ -261,11 +267,15 @@ class Workbench:
                                                   actor_options=self.placement and self.placement.options("engine", i),
                                                   **engine_kwargs))
                 bar.update()
+            if cfg.judge:
+                bar.set_postfix_str("judge engine")
+                self.judge_engine = self._frozen_engine(cfg.judge, "judge", cfg.seed + 2000)
+                bar.update()
             bar.set_postfix_str("rollout runners")
             self._rollout = Rollout(cfg.agent, self.engines, self.model_path, num_runners=cfg.num_runners,
                                    sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature),
                                    sampling_mode=cfg.sampling, profile=self.profile, return_routed_experts=capture,
-                                   max_request_bytes=cfg.max_request_bytes)
+                                   max_request_bytes=cfg.max_request_bytes, side_engine=self.judge_engine)
             bar.update()
             bar.set_postfix_str(f"trainer ({cfg.trainer_ranks} ranks)")
             self._trainer = Trainer(self.model_path, world_size=cfg.trainer_ranks, profile=self.profile,
@@ -380,23 +390,30 @@ class Workbench:
         on its own engine of the session's backend, started on first use and never synced (it
         stays the checkpoint it was). It must tokenize exactly like the policy."""
         if self._teacher is None or self._teacher[0] != name:
-            from .rollout.actor import launch_engine, stop_engine
-            from .toy.models import load_tokenizer
+            from .rollout.actor import stop_engine
 
-            if not (name in NAMED_MODELS or Path(name).is_dir()):
-                raise ConfigError(f"loop.teacher {name!r} is neither a named model ({sorted(NAMED_MODELS)}) nor a "
-                                  f"checkpoint directory")
-            path = str(NAMED_MODELS[name]() if name in NAMED_MODELS else Path(name).resolve())
-            if load_tokenizer(path).get_vocab() != self.tokenizer.get_vocab():
-                raise ConfigError(f"loop.teacher {name!r} tokenizes differently from the policy: its log-probs would be "
-                                  f"of other tokens")
             if self._teacher is not None:
                 stop_engine(self._teacher[1][0])
-            kwargs = {k: v for k, v in self.cfg.engine_kwargs.items() if k != "weight_transfer"}  # never synced
-            engine = launch_engine(self.cfg.backend, model_path=path, seed=self.cfg.seed + 1000,
-                                   **{"max_model_len": self.profile.max_model_len, "dtype": self.profile.dtype, **kwargs})
-            self._teacher = (name, [engine])
+                self._teacher = None
+            self._teacher = (name, [self._frozen_engine(name, "loop.teacher", self.cfg.seed + 1000)])
         return self._teacher[1]
+
+    def _frozen_engine(self, name: str, field: str, seed: int):
+        """An engine of the session's backend on `name` (a named model or a checkpoint directory),
+        never synced: it stays the checkpoint it was. It must tokenize exactly like the policy (the
+        teacher scores the policy's tokens; the loopback renders the judge's prompts)."""
+        from .rollout.actor import launch_engine
+        from .toy.models import load_tokenizer
+
+        if not (name in NAMED_MODELS or Path(name).is_dir()):
+            raise ConfigError(f"{field} {name!r} is neither a named model ({sorted(NAMED_MODELS)}) nor a checkpoint directory")
+        path = str(NAMED_MODELS[name]() if name in NAMED_MODELS else Path(name).resolve())
+        if load_tokenizer(path).get_vocab() != self.tokenizer.get_vocab():
+            raise ConfigError(f"{field} {name!r} tokenizes differently from the policy: it would read other tokens than "
+                              f"the policy's")
+        kwargs = {k: v for k, v in self.cfg.engine_kwargs.items() if k != "weight_transfer"}  # never synced
+        return launch_engine(self.cfg.backend, model_path=path, seed=seed,
+                             **{"max_model_len": self.profile.max_model_len, "dtype": self.profile.dtype, **kwargs})
 
     def _greedy(self):
         """Runners like the training ones but whose policy sampling is greedy (temperature 0)."""
@@ -408,7 +425,7 @@ class Workbench:
             self._greedy_rollout = Rollout(cfg.agent, self.engines, self.model_path, num_runners=1,
                                            sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=0.0),
                                            sampling_mode=cfg.sampling, profile=self.profile,
-                                           max_request_bytes=cfg.max_request_bytes)
+                                           max_request_bytes=cfg.max_request_bytes, side_engine=self.judge_engine)
         return self._greedy_rollout
 
     def _log(self, metrics: dict) -> None:
@@ -537,12 +554,12 @@ class Workbench:
                 part.shutdown() if hasattr(part, "shutdown") else part.close()
             except Exception as err:
                 print(f"workbench: shutdown: {err}")
-        for e in (self._teacher[1] if self._teacher else []):
+        for e in (self._teacher[1] if self._teacher else []) + ([self.judge_engine] if self.judge_engine else []):
             try:
                 stop_engine(e)
             except Exception as err:
-                print(f"workbench: teacher engine shutdown: {err}")
-        self._greedy_rollout, self._loggers, self._teacher = None, [], None
+                print(f"workbench: frozen engine shutdown: {err}")
+        self._greedy_rollout, self._loggers, self._teacher, self.judge_engine = None, [], None, None
         for e in self.engines:
             try:
                 stop_engine(e)

@@ -33,10 +33,11 @@ class RolloutRunner:
                  episode_timeout_s: float = 300.0, max_concurrent_episodes: int = 256,
                  return_routed_experts: bool = False, request_timeout_s: float = 600.0,
                  sampling_mode: str = "override", max_model_len: int | None = None, tool_parser: str | None = None,
-                 profile=None, max_request_bytes: int | None = None):
+                 profile=None, max_request_bytes: int | None = None, side_engine=None):
         """`profile`: the checkpoint's ModelProfile (None: read off `model_path`); it sets the
         server's template kwargs, end of turn, parser and context, and adds the family's stop
-        tokens to the policy sampling. `max_model_len` / `tool_parser` override it."""
+        tokens to the policy sampling. `max_model_len` / `tool_parser` override it. `side_engine`:
+        the engine that serves the non-recording side route (a judge; None: the policy's engines)."""
         import dataclasses
 
         from ..loopback.server import LoopbackServer
@@ -57,7 +58,7 @@ class RolloutRunner:
         self.server = LoopbackServer(self.router, tokenizer, max_model_len=max_model_len,
                                      tool_parser=tool_parser, return_routed_experts=return_routed_experts,
                                      policy_sampling=self.sampling, sampling_mode=sampling_mode, profile=self.profile,
-                                     max_request_bytes=max_request_bytes).start()
+                                     max_request_bytes=max_request_bytes, side_engine=side_engine).start()
         self._slots = max_concurrent_episodes
         self._sem = None
         self._clients = None

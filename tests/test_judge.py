@@ -1,0 +1,46 @@
+"""The LLM judge on its own engine: the policy answers on its recorded session, the judge
+(workbench/examples/judge_agent.py) grades through the non-recording side route, served by a
+second engine; the judge's calls never enter a trajectory. Real Ray, reference engines,
+runner actors and the stock OpenAI SDK."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ray
+
+from workbench.agents import load_agent
+from workbench.examples.judge_agent import parse_score
+from workbench.rollout.engine import SamplingConfig
+from workbench.rollout.runner import Rollout
+
+JUDGE_AGENT = Path(__file__).parent.parent / "workbench" / "examples" / "judge_agent.py"
+
+
+def test_parse_score():
+    assert parse_score("7") == 0.7 and parse_score("score: 10/10") == 1.0 and parse_score("12") == 1.0
+    assert parse_score("-3") == 0.0 and parse_score("2.5 points") == 0.25 and parse_score("no idea") is None
+
+
+def test_judge_engine_serves_side_calls_that_never_enter_a_trajectory(reference_engines, moe_path, tokenizer):
+    policy, judge = reference_engines  # the judge: the same checkpoint frozen at version 0, its own engine
+    seen = [len(ray.get(e.sample_log.remote())) for e in (policy, judge)]
+    rollout = Rollout(str(JUDGE_AGENT), [policy], str(moe_path), side_engine=judge, sampling=SamplingConfig(max_tokens=8))
+    try:
+        groups = rollout.run_groups(load_agent(JUDGE_AGENT).tasks(2, seed=5), group_size=2, progress=False)
+        summary = rollout.stats()[0]["server"]
+    finally:
+        rollout.shutdown()
+    trajs = [t for g in groups for t in g]
+    assert len(trajs) == 4 and all(t.error is None for t in trajs), [t.error for t in trajs]
+    policy_log, judge_log = (ray.get(e.sample_log.remote())[n:] for e, n in zip((policy, judge), seen))
+    # every judge call went to the judge's engine, every policy turn to the policy's
+    assert len(judge_log) == 4 and all("Rubric:" in tokenizer.decode(p) for p, _ in judge_log)
+    assert len(policy_log) == 4 and not any("Rubric:" in tokenizer.decode(p) for p, _ in policy_log)
+    assert summary["requests"] == {"openai:session": 4, "openai:side": 4}
+    for t in trajs:  # one recorded turn: the policy's; nothing of the judge's prompt or reply
+        [seg] = t.segments
+        assert seg.stats["turns"] == 1 and "Rubric" not in tokenizer.decode(seg.token_ids)
+        sampled = [i for i, m in zip(seg.token_ids, seg.loss_mask) if m]
+        assert any(sampled == list(s) for _, s in policy_log)
+        assert t.reward == (parse_score(t.info["verdict"]) or 0.0) and t.info["judge_parsed"] == (parse_score(t.info["verdict"]) is not None)
