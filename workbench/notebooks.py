@@ -50,7 +50,7 @@ def run_notebook(name: str, run_dir: str | Path, kernel: str = "workbench-local"
         raise FileNotFoundError(f"no notebook {name!r} in {NOTEBOOK_DIR}; known: {known}")
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = run_dir / f"{name}.ipynb"
+    out = run_dir / f"{Path(name).name}.ipynb"  # a recipe ("recipes/math_grpo") lands as math_grpo.ipynb
     ensure_kernel(kernel)
     with (_local_env() if kernel == "workbench-local" else nullcontext()):
         papermill.execute_notebook(str(src), str(out), parameters={"run_dir": str(run_dir), **parameters},

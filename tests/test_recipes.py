@@ -1,0 +1,58 @@
+"""The recipe notebooks (notebooks/recipes/), each run headless through papermill with its
+test parameters (the notebook's metadata, workbench.test_parameters: 1-3 small steps on the
+reference engine, 1 trainer rank) and checked on what it teaches, read from its results.json
+and run directory. The CPU defaults run in `make recipes`.
+
+Like the workshop notebooks' tests, these start nothing in this process: the kernel starts its
+own local Ray and every recipe ends with wb.shutdown()."""
+
+from __future__ import annotations
+
+import json
+
+import nbformat
+import pytest
+
+from workbench.notebooks import NOTEBOOK_DIR, run_notebook
+from workbench.tokens import read_trajectories
+
+RECIPES = NOTEBOOK_DIR / "recipes"
+
+
+def execute(name: str, run_dir) -> tuple[dict, list[dict]]:
+    nb = nbformat.read(RECIPES / f"{name}.ipynb", as_version=4)
+    run_notebook(f"recipes/{name}", run_dir, progress=False, timeout_s=600, **nb.metadata["workbench"]["test_parameters"])
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((run_dir / "results.json").read_text()), metrics
+
+
+def trajectories(run_dir) -> list:
+    return [t for f in sorted((run_dir / "trajectories").glob("step_*.parquet")) for t in read_trajectories(f)]
+
+
+def test_recipes_are_committed_without_outputs_and_say_what_they_need():
+    names = sorted(p.stem for p in RECIPES.glob("*.ipynb"))
+    assert names, "no recipe notebooks"
+    for name in names:
+        nb = nbformat.read(RECIPES / f"{name}.ipynb", as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert all(not c.outputs and c.execution_count is None for c in code), f"{name} was committed with outputs"
+        assert "parameters" in code[0].metadata.get("tags", []), f"{name}: first code cell is not tagged 'parameters'"
+        meta = nb.metadata["workbench"]
+        assert meta["cpu_minutes"] > 0 and meta["test_parameters"], name
+        intro = nb.cells[0].source
+        assert "To change for your task" in intro and "cluster (2x8 H100)" in intro, name
+
+
+def test_math_grpo(tmp_path):
+    results, metrics = execute("math_grpo", tmp_path)
+    # pass@k on the held-out problems before and after training, from the same estimator
+    for when in ("eval_before", "eval_after"):
+        e = results[when]
+        assert e["eval_tasks"] == 2 and e["eval_n"] == 2 and 0 <= e["eval_pass@1"] <= e["eval_pass@2"] <= 1
+        assert "eval_greedy_pass@1" in e
+    # the training tasks came from the data file (its ids), at the recorded data position
+    assert [m["data_position"] for m in metrics] == [0] and metrics[0]["data_next"] == 2
+    trained = trajectories(tmp_path)
+    assert len(trained) == 4 and all(t.info["task_id"].startswith("word_problems_train:") for t in trained)
+    assert results["eval_episodes"] == 2 * 2 * (2 + 1)  # 2 problems x (2 samples + 1 greedy), twice
