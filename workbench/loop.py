@@ -604,6 +604,22 @@ def _next_batch(batches: queue.Queue, stop: threading.Event, producer: threading
                 return None, None, 0.0, 0.0, {}
 
 
+def step_statistics(stats: dict) -> dict:
+    """A trainer step's statistics (Trainer.train_step's result) under the keys metrics.jsonl
+    logs them: loss, gate and correction, replay. wb.revisit recomputes a step through this too."""
+    corr, replay = stats["correction"], stats["replay"]
+    return {
+        "loss": stats["loss"], "grad_norm": stats["grad_norm"],
+        "gate_pass_ratio": corr["gate_pass_ratio"], "stale_dropped": corr["stale_dropped"], "band_dropped": corr["band_dropped"],
+        "veto_dropped": corr.get("veto_dropped", 0),
+        "kl_k1": corr["kl_k1"], "kl_k3": corr["kl_k3"], "max_abs_delta_p": corr["max_abs_delta_p"],
+        "staleness_hist": corr["staleness_hist"], "tokens_per_version": corr["tokens_per_version"],
+        "is_weight_hist": corr["is_weight_hist"],
+        "replay_disagree_rate": replay["disagree_rate"], "replay_disagree_per_layer": replay["disagree_rate_per_layer"],
+        "replay_fallback": sum(replay["fallback"]), "kl_k3_live": stats["kl_k3_live"], "kl_ref": stats["kl_ref"],
+    }
+
+
 def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r1: float, teacher=None) -> dict:
     t1 = time.time()
     ran = [t for g in groups for t in g if t.error is None]
@@ -615,7 +631,6 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     t2 = time.time()
     lost: list = []
     reports = sync_engines(trainer, engines, cfg.sync_tol, lost)
-    corr, replay = stats["correction"], stats["replay"]
     reasons: dict[str, int] = {}  # why episodes failed: the first line of each error, counted
     for t in (t for g in groups for t in g if t.error is not None):
         line = (t.error.strip().splitlines() or ["?"])[0][:200]
@@ -625,14 +640,7 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         "reward_mean": sum(rewards) / max(len(rewards), 1),
         "correct_rate": sum(correct) / len(correct) if correct else None,
         **info, "failure_reasons": reasons, "engines": len(engines), "engines_lost": len(lost),
-        "loss": stats["loss"], "grad_norm": stats["grad_norm"],
-        "gate_pass_ratio": corr["gate_pass_ratio"], "stale_dropped": corr["stale_dropped"], "band_dropped": corr["band_dropped"],
-        "veto_dropped": corr.get("veto_dropped", 0),
-        "kl_k1": corr["kl_k1"], "kl_k3": corr["kl_k3"], "max_abs_delta_p": corr["max_abs_delta_p"],
-        "staleness_hist": corr["staleness_hist"], "tokens_per_version": corr["tokens_per_version"],
-        "is_weight_hist": corr["is_weight_hist"],
-        "replay_disagree_rate": replay["disagree_rate"], "replay_disagree_per_layer": replay["disagree_rate_per_layer"],
-        "replay_fallback": sum(replay["fallback"]), "kl_k3_live": stats["kl_k3_live"], "kl_ref": stats["kl_ref"],
+        **step_statistics(stats),
         "sync_max_abs_diff": max(r.probe_max_abs_diff for r in reports),
         "rollout_s": r1 - r0, "train_s": t2 - t1, "sync_s": time.time() - t2, "step_s": time.time() - min(r0, t1),
         "rollout_start": r0, "rollout_end": r1, "train_start": t1, "train_end": t2,

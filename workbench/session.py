@@ -321,11 +321,12 @@ class Workbench:
         return sync_engines(self._trainer, self.engines, self.cfg.loop.sync_tol)
 
     def run(self, steps: int, background: bool = True, monitors: list | None = None, progress: bool = True,
-            checkpoint_every: int = 0, **loop_overrides) -> "RunHandle":
+            checkpoint_every: int = 0, keep_policy_every: int = 0, **loop_overrides) -> "RunHandle":
         """Run `steps` more RL steps (the loop in `cfg.loop.mode`, or `mode=` here). In the
         background by default: returns at once with a RunHandle; each step's metrics reach
         `monitors` (objects with on_step(metrics), e.g. widgets.GateMonitor), history, and
-        metrics.jsonl in the run directory."""
+        metrics.jsonl in the run directory. `keep_policy_every=N`: keep the weights every N-th step
+        trains from (run_dir/policies/step_NNNNN, a Hugging Face directory), which wb.revisit needs."""
         prev = self._run
         if prev is not None and prev.interrupted and not prev.collected:
             # re-running a run cell after an interrupt must not silently train `steps` more
@@ -344,7 +345,7 @@ class Workbench:
             raise ConfigError(f"loop.eval_every={cfg.eval_every} needs held-out tasks: connect(eval_tasks=...)")
         if engines_version(self.engines) < self._trainer.version:  # wb.trainer.step() ran without a wb.sync() after it
             self.sync()
-        handle = RunHandle(self, cfg, list(monitors or []), progress, checkpoint_every, steps)
+        handle = RunHandle(self, cfg, list(monitors or []), progress, checkpoint_every, steps, keep_policy_every)
         self._run = handle
         handle.start() if background else handle.run()
         if not background and handle.error is not None:
@@ -353,6 +354,55 @@ class Workbench:
 
     def wait(self, timeout: float | None = None) -> list[dict]:
         return self._run.wait(timeout) if self._run else []
+
+    def audit(self, path=None, run_dir=None, **thresholds) -> Path:
+        """Write the audit page of this session's run (or `run_dir`'s): one offline HTML file
+        (default run_dir/audit.html) with every step's invariant statistics held to thresholds
+        (widgets.audit.Thresholds fields, e.g. kl_k3=1e-4), violations linked to token views."""
+        from .widgets.audit import Thresholds, write_audit
+
+        return write_audit(run_dir or self.run_dir, path, self.tokenizer, Thresholds(**thresholds))
+
+    def revisit(self, run_dir=None, step: int = 0, world_size: int | None = None):
+        """Step time travel: step `step` of the run in `run_dir` (default: this session's) again, on
+        the policy it trained from (kept by wb.run(keep_policy_every=N)) and the trajectories it
+        trained on, through the trainer's own train_step in a throwaway trainer of `world_size`
+        ranks (default: the run's; its update is discarded): trainer log-probs, IS weights, gate
+        decisions, per-token report and statistics. The KL reference (kl_coef > 0) is the run's
+        ref_model_path or this session's model. Returns a widgets.audit.Revisit, which shows the
+        logged and recomputed statistics side by side; .differences() lists those that differ."""
+        from .loop import step_statistics
+        from .tokens import read_trajectories
+        from .trainer.fsdp import Trainer
+        from .widgets.audit import Revisit, read_metrics
+
+        run = Path(run_dir or self.run_dir)
+        logged = next((m for m in read_metrics(run) if m["step"] == step), None)
+        if logged is None:
+            raise LookupError(f"step {step} is not in {run / 'metrics.jsonl'}")
+        policy = run / "policies" / f"step_{step:05d}"
+        if not (policy / "config.json").is_file():
+            kept = sorted(p.name for p in (run / "policies").glob("step_*"))
+            raise FileNotFoundError(f"no kept policy for step {step} in {run / 'policies'} (kept: {kept or 'none'}); "
+                                    f"wb.run(..., keep_policy_every=N) keeps the weights of every N-th step")
+        d = json.loads((run / "config.json").read_text())
+        cfg = WorkbenchConfig.from_dict({k: d[k] for k in ("trainer", "loop", "temperature", "trainer_ranks") if k in d})
+        trajectories = read_trajectories(run / "trajectories" / f"step_{step:05d}.parquet")
+        groups: dict[str, list] = {}  # written group after group: the step's groups, in order
+        for t in trajectories:
+            groups.setdefault(t.group_id, []).append(t)
+        loop = cfg.loop
+        batch, _ = batch_from_groups(list(groups.values()), loop.advantage, on_failed=loop.on_failed,
+                                     on_truncated=loop.on_truncated, overlong=loop.overlong())
+        trainer = Trainer(str(policy), world_size=world_size or cfg.trainer_ranks,
+                          cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature,
+                                                  ref_model_path=cfg.trainer.ref_model_path or self.model_path))
+        version = trainer.version = logged["version"] - 1  # a step logs the version its update made
+        try:
+            stats = trainer.train_step(batch, report=True)
+        finally:
+            trainer.shutdown()
+        return Revisit(step, version, logged, step_statistics(stats), stats["report"], trajectories, batch, self.tokenizer)
 
     def stop(self) -> None:
         if self._run is not None:
@@ -729,11 +779,11 @@ class RunHandle:
     Until the interrupted run is collected with wait(), wb.run() refuses to start another."""
 
     def __init__(self, wb: Workbench, cfg: LoopConfig, monitors: list, progress: bool, checkpoint_every: int,
-                 steps: int | None = None):
+                 steps: int | None = None, keep_policy_every: int = 0):
         from .widgets import RunProgress, Views
 
         self._wb, self.cfg, self.monitors, self.progress = wb, cfg, monitors, progress
-        self.checkpoint_every = checkpoint_every
+        self.checkpoint_every, self.keep_policy_every = checkpoint_every, keep_policy_every
         self.first_step = wb.next_step
         self.steps = steps if steps is not None else cfg.steps - self.first_step  # this run's steps, not the session's
         self.history: list[dict] = []
@@ -768,8 +818,10 @@ class RunHandle:
             self.views.on_step(m)  # guarded: a failing view is detached, training goes on
             if self.checkpoint_every and wb.next_step % self.checkpoint_every == 0:
                 save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), wb._run_state())
+            self._keep_policy(wb.next_step)
 
         try:
+            self._keep_policy(wb.next_step)
             # progress=False: this run's bar is one of self.views (a bar that fails cannot end the run)
             run_loop(wb._rollout, wb._trainer, wb.engines, wb.task_source, self.cfg, on_step=on_step, progress=False,
                      stop=self._stop, start_step=wb.next_step, start_position=wb.next_position,
@@ -793,6 +845,14 @@ class RunHandle:
             metrics_file.close()
             self.views.on_end()
             self.done = True
+
+    def _keep_policy(self, step: int) -> None:
+        """Every keep_policy_every-th step's starting weights, as a Hugging Face directory
+        (written beside and renamed: a killed run never leaves a partial one under the name)."""
+        path = self._wb.run_dir / "policies" / f"step_{step:05d}"
+        if self.keep_policy_every and step % self.keep_policy_every == 0 and not path.exists():
+            self._wb._trainer.export_hf(str(path.with_name(path.name + ".new")))
+            os.replace(path.with_name(path.name + ".new"), path)
 
     def progress_text(self) -> str:
         return f"{len(self.history)}/{self.steps} steps" + (f", from step {self.first_step}" if self.first_step else "")

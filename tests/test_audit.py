@@ -1,0 +1,74 @@
+"""The run audit page (wb.audit, python -m workbench.audit) and step time travel (wb.revisit),
+on one short real run (conftest.short_run)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from workbench.tokens import read_trajectories, write_trajectories
+from workbench.widgets.audit import CHECKS, read_metrics
+
+
+def test_audit_page_of_a_real_run(short_run, tmp_path):
+    """Every statistic has its section and its column for every step; this healthy run breaks
+    no threshold; the page is self-contained (no URL, no script)."""
+    page = short_run.audit(tmp_path / "audit.html")
+    html = page.read_text()
+    print(f"audit page: {page.stat().st_size} bytes")
+    for key, title, _ in CHECKS:
+        assert f"id='stat-{key}'" in html and title in html
+    assert "Violations: 0" in html and "<tr><td>2</td>" in html
+    assert not re.search(r"https?://|<script|src=", html)
+    # read back from the run directory alone: the kept policies, the trajectories and the log
+    assert sorted(p.name for p in (short_run.run_dir / "policies").iterdir()) == ["step_00000", "step_00002"]
+
+
+def test_a_breach_is_flagged_and_linked_to_its_token_view(short_run, tmp_path):
+    """A copy of the run with step 1's sync probe difference over its limit (metrics.jsonl) and an
+    identity mismatch recorded in one episode of step 2 (its parquet): both are flagged, the
+    first linked to the step's trajectories, the second to that episode's token view; the
+    command line writes the same page."""
+    run = tmp_path / "copy"
+    shutil.copytree(short_run.run_dir, run, ignore=shutil.ignore_patterns("policies", "checkpoint"))
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lines[1]["sync_max_abs_diff"] = 0.5
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    step2 = run / "trajectories" / "step_00002.parquet"
+    trajs = read_trajectories(step2)
+    trajs[1].segments[0].stats["identity_mismatch"] = 3
+    write_trajectories(trajs, step2)
+    bad = trajs[1].episode_id.replace("-", "_")
+
+    out = subprocess.run([sys.executable, "-m", "workbench.audit", str(run), "-o", str(tmp_path / "a.html")],
+                         capture_output=True, text=True, check=True)
+    assert "a.html" in out.stdout
+    html = (tmp_path / "a.html").read_text()
+    assert "Violations: 2" in html
+    assert re.search(r"<li class='v' id='v-1-sync_max_abs_diff'>step 1: .*= 0\.5 .*href='#step-1'", html)
+    assert re.search(rf"<li class='v' id='v-2-identity_mismatch'>step 2: .*= 3 .*href='#t-2-{bad}'", html)
+    assert f"<div class='traj' id='t-2-{bad}'>" in html and "<div id='step-1'>" in html
+    assert "<td class='bad'><a href='#v-2-identity_mismatch'>3</a></td>" in html
+    assert not re.search(r"https?://", html)
+
+
+def test_revisit_recomputes_the_logged_step(short_run):
+    """Step 2 again on the policy it trained from (kept: keep_policy_every=2) and its saved
+    trajectories: loss, gradient norm, gate, IS weights, KL with and without replay and replay
+    disagreement equal the logged ones; the per-token report covers the batch. A step without a
+    kept policy is refused, naming the setting."""
+    rv = short_run.revisit(short_run.run_dir, 2)
+    logged = read_metrics(short_run.run_dir)[2]
+    assert rv.version == logged["version"] - 1 and rv.differences() == {}
+    assert rv.recomputed["loss"] != 0 and rv.recomputed["is_weight_hist"]["counts"] == logged["is_weight_hist"]["counts"]
+    rep = rv.report
+    assert rep["trainer_logprobs"].shape == rep["is_weight"].shape == rv.batch["input_ids"].shape
+    assert int(rep["loss_mask"].sum()) == sum(logged["tokens_per_version"].values())
+    assert "equal" in rv._repr_html_() and rv.journey(0).values["gate_keep"] in (True, False)
+    with pytest.raises(FileNotFoundError, match="keep_policy_every"):
+        short_run.revisit(None, 1)
