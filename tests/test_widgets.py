@@ -2,6 +2,8 @@
 check the logic each widget shows (spans, drift marks, trace data, journey values) without a
 browser, Ray or an engine. Segments and trajectories are built by hand."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -254,10 +256,14 @@ def test_views_catch_count_report_once_and_detach_a_failing_view():
 
 def test_a_run_survives_a_failing_view_and_an_interrupted_wait(ray_local, moe_path, tmp_path, capfd):
     """A real session (reference engine, one trainer rank): a view that raises in on_step is
-    detached and the run trains every step; an interrupt during wait() interrupts the wait only
-    (the run goes on, the message names wb.stop()); re-running wb.run() before the interrupted run
+    detached and the run trains every step; an interrupt during wait() (a real SIGINT, as JupyterLab
+    sends it) interrupts the wait only (the run goes on on its trainer rank, the message names wb.stop(),
+    a later wait() waits for the end); re-running wb.run() before the interrupted run
     is collected is refused; after wb.shutdown() the stepper says the session is shut down."""
+    import signal
     import threading
+
+    import psutil
 
     import workbench
 
@@ -272,16 +278,16 @@ def test_a_run_survives_a_failing_view_and_an_interrupted_wait(ray_local, moe_pa
                 release.wait(60)
 
         run = wb.run(3, monitors=[bad, gate, Hold()])
-        # the notebook's stop button while the cell waits: a KeyboardInterrupt in the main thread's
-        # join. (Raised in the join here: a real SIGINT to this process also ended the trainer rank's
-        # Ray actor in a trial, TrainerRankDied; see the report of issue 14.)
-        join = run._thread.join
+        # the notebook's stop button while the cell waits: JupyterLab's interrupt is a real SIGINT to the
+        # kernel's process group (jupyter_client's LocalProvisioner.send_signal: os.killpg). Here the
+        # group holds this test's runner too, so the signal goes to the members a kernel's group holds:
+        # this process and the Ray processes it started in it (Ray's workers run in their own groups).
+        def interrupt():
+            group = [p.pid for p in psutil.Process().children(recursive=True) if _pgid(p.pid) == os.getpgid(0)]
+            for pid in [*group, os.getpid()]:
+                os.kill(pid, signal.SIGINT)
 
-        def interrupted_join(timeout=None):
-            run._thread.join = join
-            raise KeyboardInterrupt
-
-        run._thread.join = interrupted_join
+        threading.Timer(1.0, interrupt).start()  # the run is held at step 0 until release
         with pytest.raises(KeyboardInterrupt):
             run.wait()
         assert run.interrupted and not run.done
@@ -304,6 +310,13 @@ def test_a_run_survives_a_failing_view_and_an_interrupted_wait(ray_local, moe_pa
     assert "shut down" in stepper.status.value and "workbench.connect" in stepper.status.value
     with pytest.raises(RuntimeError, match="shut down"):
         wb.run(1)
+
+
+def _pgid(pid):
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 # ------------------------------------------------------------------ token journey

@@ -794,6 +794,7 @@ class RunHandle:
         bar = [RunProgress(self.steps, self.first_step, desc=f"RL steps ({cfg.mode})")] if progress else []
         self.views = Views([*monitors, *bar])
         self._stop = threading.Event()
+        self._ended = threading.Event()  # set when run() returns: what wait() waits on
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -845,6 +846,7 @@ class RunHandle:
             metrics_file.close()
             self.views.on_end()
             self.done = True
+            self._ended.set()
 
     def _keep_policy(self, step: int) -> None:
         """Every keep_policy_every-th step's starting weights, as a Hugging Face directory
@@ -861,8 +863,10 @@ class RunHandle:
         """Block until the run ends (or `timeout` s); re-raises the run's error. An interrupt
         (KeyboardInterrupt) stops the waiting, not the run: see the class docstring."""
         try:
+            # not Thread.join: on Python 3.11 a KeyboardInterrupt inside join() marks the still-running
+            # thread as stopped (threading's bpo-45274 handling), so every later join() returned at once
             if self._thread is not None:
-                self._thread.join(timeout)
+                self._ended.wait(timeout)
         except KeyboardInterrupt:
             if not self.done:
                 self.interrupted = True
