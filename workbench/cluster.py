@@ -132,8 +132,14 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, quiet: boo
         # `ray start` left on this machine, and refuse num_cpus.)
         address = "local"
         kwargs["num_cpus"] = num_cpus or os.cpu_count()
+    # a new local instance: Ray's notice that it turned token authentication on (a warning, shown
+    # as a red box in a notebook) says nothing to act on; a cluster's messages all stay
+    notice = _LocalTokenNotice() if address == "local" else None
+    auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
     for attempt in range(3):
         try:
+            if notice:
+                auth_log.addFilter(notice)
             ray.init(address=address, **kwargs)
             break
         except Exception as e:
@@ -144,7 +150,16 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, quiet: boo
             logging.getLogger(__name__).warning("local Ray did not start within its 30 s (%s); starting it again", e)
             ray.shutdown()
             _kill_failed_local_ray()
+        finally:
+            auth_log.removeFilter(notice)
     return ray.get_runtime_context()
+
+
+class _LocalTokenNotice:
+    """A logging filter dropping only "Token authentication is enabled for this Ray cluster ..."."""
+
+    def filter(self, record) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
 
 
 def _kill_failed_local_ray() -> None:
