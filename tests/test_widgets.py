@@ -201,13 +201,13 @@ def test_monitor_view_is_the_whole_figure_for_views_made_at_any_time():
         gate.on_step(m)
     (out,) = gate.view.outputs
     fig = out["data"]["application/vnd.plotly.v1+json"]
-    state = {t["name"]: t for t in fig["data"]}
+    state = {t["meta"]: t for t in fig["data"]}
     assert list(state["gate_pass_ratio"]["y"]) == [1.0, 0.75, 0.5] and list(state["kl_k1"]["y"]) == [0.01, None, 0.02]
     assert list(state["staleness_hist"]["x"]) == [0, 1] and list(state["is_weight_hist"]["y"]) == [3, 4]
     assert fig["layout"]["xaxis4"]["dtick"] == 1 and fig["layout"]["xaxis6"]["tickangle"] == -45
     assert out["data"]["text/plain"] == "GateMonitor: 3 step(s), last step 2"
     replay = ReplayMonitor(HISTORY)
-    state = {t["name"]: t for t in replay.view.outputs[0]["data"]["application/vnd.plotly.v1+json"]["data"]}
+    state = {t["meta"]: t for t in replay.view.outputs[0]["data"]["application/vnd.plotly.v1+json"]["data"]}
     assert list(state["replay_disagree_rate"]["y"]) == [0.0, 0.125, 0.25]
     assert list(state["replay_disagree_per_layer"]["y"]) == [0.5, 0.0, 0.25]
     # no anywidget (plotly's 5 MB JS bundle) among the widgets a saved notebook would store
@@ -387,3 +387,46 @@ def test_inspector_keys_its_colours_and_hides_experts_without_captures():
     seg.routed_experts = np.array([[[1, 2]], [[3, 4]], [[3, 5]], [[13, 0]]], dtype=np.int16)
     ins = SegmentInspector(seg, color_by="experts")
     assert ">E1<" in ins.summary.value and ">E13<" in ins.summary.value and "repeat every" in ins.summary.value
+
+
+def test_inspector_boxes_tokens_and_a_click_opens_the_journey():
+    from workbench.widgets import find_row, recorded_journey
+
+    ex = np.array([[[-1, -1]], [[-1, -1]], [[4, 5]], [[6, 7]]], dtype=np.int16)
+    s = seg([11, 12, 13, 14], [0, 0, 1, 1], [0.0, 0.0, -0.5, -1.0], [-1, -1, 3, 4], experts=ex)
+    t = Trajectory([s], episode_id="ep7")
+    r = report()
+    r["routed_experts"] = torch.tensor(np.stack([ex, ex]))
+    ins = SegmentInspector(t, report=r)
+    html = ins.tokens.value
+    # each token its own box (adjacent tokens of one colour stay apart), addressed by data-i
+    assert html.count("border:1px solid") == 4 and [f"data-i='{i}'" in html for i in range(4)] == [True] * 4
+    assert "logprob -0.5000" in html and "version 3" in html and "experts L0[4, 5]" in html  # the hover card's text
+    assert find_row(r, s) == 0 and find_row(r, seg([21, 22], [0, 1])) == 1 and find_row(r, seg([99], [1])) is None
+    ins.tokens.selected = 2  # what a click in the browser sets
+    (view,) = ins.journey.children
+    assert isinstance(view, TokenJourney) and (view.row.value, view.col.value) == (0, 2)
+    assert view.values["token_id"] == 13 and view.values["trainer_logprob"] == pytest.approx(-0.6)
+    assert "episode ep7, segment 0, token 2" in view.heading.value and "sampled columns of row 0: 2-3" in view.heading.value
+    ins.open_token(0)  # a prompt token: what was recorded, and why there is no more
+    assert "not sampled by the policy" in ins.journey.children[0].value and ins.tokens.selected == 0
+    bare = SegmentInspector(t)  # no training step yet: the recorded part of the journey
+    bare.open_token(3)
+    assert "recorded at sampling time" in bare.journey.children[0].value and "-1" in bare.journey.children[0].value
+    rec = recorded_journey(s, 3)
+    assert (rec["token_id"], rec["behaviour_logprob"], rec["version"], rec["experts"]) == (14, -1.0, 4, [[6, 7]])
+    assert rec["trainer_logprob"] is None and recorded_journey(s, 0)["experts"] is None
+
+
+def test_monitor_legends_axes_and_a_single_step_as_numbers():
+    gate = GateMonitor(HISTORY[:1])
+    layout = gate.fig.layout
+    assert layout.xaxis.title.text == "step" and layout.yaxis.title.text == "pass ratio" and list(layout.yaxis.range) == [0, 1.05]
+    assert layout.xaxis4.title.text == "versions behind" and layout.yaxis.tickformat == ".3~g"
+    assert gate.trace("gate_pass_ratio").name.startswith("gate pass ratio: share of sequences")
+    one = gate.trace("kl_k3")
+    assert one.mode == "markers+text" and list(one.text) == ["0.02"]  # one step: its value written, not a lone dot
+    gate.on_step(HISTORY[1])
+    assert gate.trace("kl_k3").mode == "lines+markers" and gate.trace("kl_k3").text is None
+    replay = ReplayMonitor()
+    assert "(from 0)" in replay.trace("replay_disagree_rate").name and replay.fig.layout.xaxis2.title.text == "MoE layer"

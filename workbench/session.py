@@ -197,7 +197,7 @@ class Workbench:
 
         from .cluster import check_ray_address, cluster_gpus, init_ray
         from .profiles import profile_for
-        from .rollout.actor import launch_engine
+        from .rollout.actor import start_engine
         from .rollout.engine import SamplingConfig
         from .rollout.runner import Rollout
         from .toy.models import load_tokenizer, toy_model_path
@@ -261,12 +261,14 @@ class Workbench:
                 # inside a placement group vLLM would default to its Ray executor and look for one
                 # bundle per worker; the engine's actor holds all its GPUs, so its workers are processes
                 engine_kwargs.setdefault("distributed_executor_backend", "mp")
+            # the engines load while the runners and the trainer's ranks start (the slowest parts, overlapped)
+            loading = []
             for i in range(cfg.num_engines):
-                bar.set_postfix_str(f"{cfg.backend} engine {i + 1}/{cfg.num_engines}")
-                self.engines.append(launch_engine(cfg.backend, model_path=self.model_path, seed=cfg.seed + i,
-                                                  actor_options=self.placement and self.placement.options("engine", i),
-                                                  **engine_kwargs))
-                bar.update()
+                engine, loaded = start_engine(cfg.backend, model_path=self.model_path, seed=cfg.seed + i,
+                                              actor_options=self.placement and self.placement.options("engine", i),
+                                              **engine_kwargs)
+                self.engines.append(engine)  # (shutdown stops it, loaded or not)
+                loading.append(loaded)
             if cfg.judge:
                 bar.set_postfix_str("judge engine")
                 self.judge_engine = self._frozen_engine(cfg.judge, "judge", cfg.seed + 2000)
@@ -283,6 +285,10 @@ class Workbench:
                                     actor_options=self.placement and [self.placement.options("trainer", r)
                                                                       for r in range(cfg.trainer_ranks)])
             bar.update()
+            for i, loaded in enumerate(loading):
+                bar.set_postfix_str(f"{cfg.backend} engine {i + 1}/{cfg.num_engines}")
+                ray.get(loaded)
+                bar.update()
             bar.set_postfix_str("weight sync")
             if cfg.engine_kwargs.get("weight_transfer") == "nccl":  # GPU: join the engines' NCCL group once
                 self._trainer.init_nccl_sync(self.engines, [cfg.engine_kwargs.get("tensor_parallel_size", 1)] * len(self.engines))
@@ -632,11 +638,12 @@ class Workbench:
 
     def inspect(self, trajectory=None, color_by: str = "loss_mask", layer: int = 0):
         """A segment inspector on `trajectory` (default: the last one rolled out); `layer`: the
-        MoE layer whose experts color_by="experts" shows."""
+        MoE layer whose experts color_by="experts" shows. A click on a token opens its journey
+        (from the last wb.trainer.step() when that step trained on it)."""
         from .widgets import SegmentInspector
 
         return SegmentInspector(trajectory if trajectory is not None else self.rollout.last, self.tokenizer,
-                                color_by=color_by, layer=layer)
+                                color_by=color_by, layer=layer, report=self.trainer.last_report)
 
     def monitors(self) -> tuple:
         """(GateMonitor, ReplayMonitor) filled with this session's history; pass them to run()."""
@@ -644,18 +651,26 @@ class Workbench:
 
         return GateMonitor(self.history), ReplayMonitor(self.history)
 
-    def journey(self, row: int | None = None, col: int | None = None):
-        """One token from sample to gradient, from the last wb.trainer.step() (default: the
-        first sampled token of row 0)."""
-        from .widgets import TokenJourney
+    def journey(self, row: int | None = None, col: int | None = None, episode: str | None = None, segment: int = 0):
+        """One token from sample to gradient, from the last wb.trainer.step(): by report (row, col),
+        or by `episode` id (its `segment`) and token index col (default: the first sampled token)."""
+        from .widgets import TokenJourney, find_row
 
         report = self.trainer.last_report
         if report is None:
             raise LookupError("no training step to trace yet: run wb.trainer.step() first")
+        label = None
+        if episode is not None:
+            traj = next((t for g in self.rollout.last_groups or [] for t in g if t.episode_id == episode), None)
+            row = find_row(report, traj.segments[segment]) if traj and segment < len(traj.segments) else None
+            if row is None:
+                raise LookupError(f"episode {episode!r} segment {segment} is not in the last training step "
+                                  "(wb.rollout.last_groups trained by wb.trainer.step())")
+            label = f"episode {episode}, segment {segment}"
         row = row or 0
         if col is None:
             col = int(report["loss_mask"][row].nonzero()[0, 0])
-        return TokenJourney(report, row, col, self.tokenizer)
+        return TokenJourney(report, row, col, self.tokenizer, label=label and f"{label}, token {col}")
 
     def __enter__(self):
         return self

@@ -17,7 +17,9 @@ from html import escape
 from pathlib import Path
 from typing import Callable
 
+import anywidget
 import ipywidgets as W
+import traitlets
 
 from ..tokens import SEAL_REASONS, ChatFormat, Segment, Trajectory, canonical_message
 
@@ -156,26 +158,85 @@ def token_spans(segment_or_trajectory, color_by: str = "loss_mask", tokenizer=No
     return out
 
 
+# each token its own box (adjacent tokens of one colour stay apart), a whitespace token visible
+TOKEN_BOX = "border:1px solid rgba(0,0,0,.22);border-radius:3px;margin:0 1px;padding:0 1px"
+
+
 def spans_html(spans: list[dict]) -> str:
-    parts = []
+    """Tokens as boxed spans (`data-i`: the token's place among the token spans; `title`: its
+    details, a tooltip where no script runs) and seal markers as lines."""
+    parts, i = [], 0
     for s in spans:
         if s["kind"] == "seal":
             parts.append(f"<div style='border-top:2px dashed #c00;margin:4px 0;color:#c00;font-size:11px' "
                          f"title='{escape(s['why'])}'>segment {s['segment']} sealed: {escape(s['reason'])}</div>")
         else:
             drift = ";outline:2px solid #d00;text-decoration:underline wavy #d00" if s["drift"] else ""
-            parts.append(f"<span style='background:{s['color']}{drift}' title='{escape(s['title'])}'>{escape(s['text'])}</span>")
-    return f"<div style='font-family:monospace;white-space:pre-wrap;line-height:1.7'>{''.join(parts)}</div>"
+            parts.append(f"<span data-i='{i}' style='background:{s['color']};{TOKEN_BOX}{drift}' "
+                         f"title='{escape(s['title'])}'>{escape(s['text'])}</span>")
+            i += 1
+    return f"<div style='font-family:monospace;white-space:pre-wrap;line-height:1.9'>{''.join(parts)}</div>"
+
+
+class TokenView(anywidget.AnyWidget):
+    """The token boxes of `spans_html` in the browser: hovering a token shows a card with its
+    details (the span's title), clicking one sets `.selected` (its place among the token spans),
+    which Python observes. A small ES module (anywidget): a plain ipywidgets HTML sends no
+    clicks back to the kernel."""
+
+    _esm = r"""
+function render({ model, el }) {
+  el.style.position = "relative";
+  const box = document.createElement("div"), card = document.createElement("div");
+  card.className = "wb-token-card";
+  card.style.cssText = "position:absolute;display:none;z-index:10;background:#fff;border:1px solid #888;" +
+    "border-radius:4px;padding:4px 6px;font:12px monospace;white-space:pre;box-shadow:0 2px 6px rgba(0,0,0,.25);pointer-events:none";
+  const mark = () => box.querySelectorAll("[data-i]").forEach(s => {
+    s.style.boxShadow = +s.dataset.i === model.get("selected") ? "0 0 0 2px #000" : ""; });
+  const draw = () => {
+    box.innerHTML = model.get("value");
+    // the card replaces the browser's tooltip
+    box.querySelectorAll("[data-i]").forEach(s => {
+      s.dataset.card = s.title; s.removeAttribute("title"); s.style.cursor = "pointer"; });
+    mark();
+  };
+  box.addEventListener("mouseover", e => {
+    const s = e.target.closest("[data-i]");
+    if (!s) return;
+    const r = s.getBoundingClientRect(), o = el.getBoundingClientRect();
+    card.textContent = s.dataset.card + "\nclick: this token's journey";
+    card.style.left = (r.left - o.left) + "px"; card.style.top = (r.bottom - o.top + 4) + "px";
+    card.style.display = "block";
+  });
+  box.addEventListener("mouseout", e => { if (e.target.closest("[data-i]")) card.style.display = "none"; });
+  box.addEventListener("click", e => {
+    const s = e.target.closest("[data-i]");
+    if (!s) return;
+    model.set("selected", +s.dataset.i);
+    model.save_changes();
+  });
+  model.on("change:value", draw);
+  model.on("change:selected", mark);
+  el.append(box, card);
+  draw();
+}
+export default { render };
+"""
+    value = traitlets.Unicode("").tag(sync=True)
+    selected = traitlets.Int(-1).tag(sync=True)
 
 
 class SegmentInspector(W.VBox):
     """Tokens of a segment (or every segment of a trajectory, with seal markers) as coloured
-    spans; hover a token for its details. `.spans` holds what is shown (see `token_spans`)."""
+    boxes; hover a token for its card (id, log-prob, version, experts), click it for its journey.
+    `.spans` holds what is shown (see `token_spans`). With `report` (a training step's per-token
+    record, wb.trainer.last_report) a sampled token that step trained on shows its whole journey
+    (TokenJourney); otherwise the journey shows what was recorded at sampling time."""
 
     def __init__(self, segment_or_trajectory, tokenizer=None, color_by: str = "loss_mask", layer: int = 0,
-                 tools: list | None = None):
+                 tools: list | None = None, report: dict | None = None):
         super().__init__()
-        self.source, self.tokenizer, self.tools = segment_or_trajectory, _fmt(tokenizer), tools
+        self.source, self.tokenizer, self.tools, self.report = segment_or_trajectory, _fmt(tokenizer), tools, report
         segs = _segments(segment_or_trajectory)
         layers = max((s.routed_experts.shape[1] for s in segs if s.routed_experts is not None), default=0)
         # without recorded experts (vLLM on CPU, dense models) there is nothing to colour by expert
@@ -184,15 +245,17 @@ class SegmentInspector(W.VBox):
                                    description="colour by")
         self.moe_layer = W.Dropdown(options=list(range(max(layers, 1))), value=min(layer, max(layers - 1, 0)),
                                     description="MoE layer", layout=W.Layout(display=None if layers else "none"))
-        self.summary, self.tokens = W.HTML(), W.HTML()
-        self.children = [W.HBox([self.color_by, self.moe_layer]), self.summary, self.tokens]
+        self.summary, self.tokens, self.journey = W.HTML(), TokenView(), W.VBox()
+        self.children = [W.HBox([self.color_by, self.moe_layer]), self.summary, self.tokens, self.journey]
         self.color_by.observe(lambda _: self.refresh(), "value")
         self.moe_layer.observe(lambda _: self.refresh(), "value")
+        self.tokens.observe(lambda ch: ch["new"] >= 0 and self.open_token(ch["new"]), "selected")
         self.refresh()
 
     def refresh(self):
         self.spans = token_spans(self.source, self.color_by.value, self.tokenizer, self.moe_layer.value, self.tools)
-        lines = [f"<i>{LEGEND[self.color_by.value]}</i> {_key(self.spans, self.color_by.value)}"]
+        lines = [f"<i>{LEGEND[self.color_by.value]}</i> {_key(self.spans, self.color_by.value)}",
+                 "<i>hover a token for its id, log-prob, version and experts; click it for its journey</i>"]
         for si, seg in enumerate(_segments(self.source)):
             marked = [s["index"] for s in self.spans if s["kind"] == "token" and s["segment"] == si and s["drift"]]
             where = ((f"{len(marked)} position(s) differ when the messages are re-rendered: {marked[:50]}" if marked
@@ -201,6 +264,25 @@ class SegmentInspector(W.VBox):
                          f"retokenization drift (recorded): {seg.stats.get('retokenization_drift', 'n/a')} sampled ids; {where}")
         self.summary.value = "<br>".join(lines)
         self.tokens.value = spans_html(self.spans)
+
+    def open_token(self, i: int) -> W.Widget:
+        """The journey of the i-th token shown (what a click on it opens), below the tokens."""
+        tok = [s for s in self.spans if s["kind"] == "token"][i]
+        seg = _segments(self.source)[tok["segment"]]
+        episode = getattr(self.source, "episode_id", None)
+        where = (f"episode {episode}, " if episode else "") + f"segment {tok['segment']}, token {tok['index']}"
+        row = find_row(self.report, seg) if self.report is not None else None
+        if row is not None and tok["loss_mask"]:
+            view = TokenJourney(self.report, row, tok["index"], self.tokenizer, label=where)
+        else:
+            why = ("not sampled by the policy (prompt, template or tool token): it has no IS weight or gradient"
+                   if not tok["loss_mask"] else "recorded at sampling time; the trainer's columns come from a training step "
+                   "on this trajectory (wb.trainer.step(), then wb.inspect())")
+            view = W.HTML(f"<b>{escape(where)}</b> <i>({escape(why)})</i>"
+                          + journey_table(recorded_journey(seg, tok["index"], self.tokenizer)))
+        self.journey.children = [view]
+        self.tokens.selected = i
+        return view
 
 
 def _key(spans: list[dict], color_by: str) -> str:
@@ -244,6 +326,8 @@ class _Monitor(W.VBox):
     TITLES: tuple = ()
     LINES: tuple = ()  # (metric key, row, col): one value per step
     BARS: tuple = ()  # (metric key, row, col): a distribution of the last step
+    LABELS: dict = {}  # metric key -> its legend entry, in plain words (default: the key)
+    AXES: dict = {}  # (row, col) -> (x title, y title, y range or None)
 
     def __init__(self, history: list[dict] | None = None, height: int | None = None):
         import plotly.graph_objects as go
@@ -252,15 +336,23 @@ class _Monitor(W.VBox):
         super().__init__()
         fig = make_subplots(rows=self.GRID[0], cols=self.GRID[1], subplot_titles=self.TITLES,
                             horizontal_spacing=0.09, vertical_spacing=0.3 if self.GRID[0] > 1 else 0.1)
+        # name: the legend's plain words; meta: the metric key (trace(key) finds it)
         for key, r, c in self.LINES:
-            fig.add_trace(go.Scatter(name=key, x=[], y=[], mode="lines+markers"), row=r, col=c)
+            fig.add_trace(go.Scatter(name=self.LABELS.get(key, key), meta=key, x=[], y=[], mode="lines+markers",
+                                     textposition="top center"), row=r, col=c)
         for key, r, c in self.BARS:
-            fig.add_trace(go.Bar(name=key, x=[], y=[]), row=r, col=c)
+            fig.add_trace(go.Bar(name=self.LABELS.get(key, key), meta=key, x=[], y=[]), row=r, col=c)
+        for (r, c), (xt, yt, yrange) in self.AXES.items():
+            fig.update_xaxes(title_text=xt, title_font_size=11, row=r, col=c)
+            fig.update_yaxes(title_text=yt, title_font_size=11, range=yrange, row=r, col=c)
         # legend under the plots (full width for them), small titles, 1e-7 rather than "100n"
-        fig.update_layout(height=height or self.HEIGHT, margin=dict(l=50, r=10, t=40, b=30),
-                          legend=dict(orientation="h", yanchor="top", y=-0.12 if self.GRID[0] == 1 else -0.08))
+        fig.update_layout(height=height or self.HEIGHT, margin=dict(l=60, r=10, t=40, b=30),
+                          legend=dict(orientation="h", yanchor="top", y=-0.2 if self.GRID[0] == 1 else -0.12))
         fig.update_annotations(font_size=12)
-        fig.update_yaxes(exponentformat="e")
+        # one tick format everywhere: 3 significant digits, 1e-7 rather than "100n"
+        fig.update_yaxes(tickformat=".3~g", exponentformat="e", rangemode="tozero")
+        for _, r, c in self.LINES:  # steps are integers
+            fig.update_xaxes(tickformat="d", row=r, col=c)
         self._style(fig)
         # A plain figure, drawn whole into an Output widget at every step, not a plotly
         # FigureWidget. A FigureWidget's view draws once from the widget state it finds and then
@@ -280,8 +372,9 @@ class _Monitor(W.VBox):
     def _style(self, fig):
         """Per-monitor axis settings."""
 
-    def trace(self, name: str):
-        return next(t for t in self.fig.data if t.name == name)
+    def trace(self, key: str):
+        """The trace of a metric key."""
+        return next(t for t in self.fig.data if t.meta == key)
 
     def update(self, history: list[dict]):
         """Redraw from a whole history (one metrics dict per step); missing keys leave gaps."""
@@ -292,8 +385,14 @@ class _Monitor(W.VBox):
         self.history = history
         steps = [m.get("step", i) for i, m in enumerate(self.history)]
         last = self.history[-1] if self.history else {}
+        one = len(steps) == 1  # a single step: its value as a number over the point, not a lone dot
         for key, *_ in self.LINES:
-            self.trace(key).update(x=steps, y=[_num(m.get(key)) for m in self.history])
+            y = [_num(m.get(key)) for m in self.history]
+            self.trace(key).update(x=steps, y=y, mode="markers+text" if one else "lines+markers",
+                                   text=[_tick(v) if v is not None else "" for v in y] if one else None,
+                                   marker_size=10 if one else 6)
+        for _, r, c in self.LINES:  # a tick per step while there are few (not 0.5-steps)
+            self.fig.update_xaxes(dtick=1 if len(steps) <= 10 else None, row=r, col=c)
         for key, *_ in self.BARS:
             x, y = _bars(last.get(key))
             self.trace(key).update(x=x, y=y)
@@ -341,6 +440,15 @@ class GateMonitor(_Monitor):
 
     LINES = (("gate_pass_ratio", 1, 1), ("kl_k1", 1, 2), ("kl_k3", 1, 2), ("max_abs_delta_p", 1, 3))
     BARS = (("staleness_hist", 2, 1), ("tokens_per_version", 2, 2), ("is_weight_hist", 2, 3))
+    LABELS = {"gate_pass_ratio": "gate pass ratio: share of sequences the IS gate kept (0..1)",
+              "kl_k1": "k1 = mean log(p_behaviour / p_trainer) (can be < 0)",
+              "kl_k3": "k3 = mean(r - 1 - log r) (never < 0)",
+              "max_abs_delta_p": "largest |p_trainer - p_behaviour| of a sampled token",
+              "staleness_hist": "sampled tokens by versions behind", "tokens_per_version": "sampled tokens by policy version",
+              "is_weight_hist": "kept tokens by IS weight"}
+    AXES = {(1, 1): ("step", "pass ratio", [0, 1.05]), (1, 2): ("step", "KL (nats)", None),
+            (1, 3): ("step", "|delta p|", None), (2, 1): ("versions behind", "tokens", None),
+            (2, 2): ("policy version", "tokens", None), (2, 3): ("IS weight", "tokens", None)}
 
     def _style(self, fig):
         fig.update_xaxes(tickangle=-45, row=2, col=3)  # interval labels
@@ -353,6 +461,12 @@ class ReplayMonitor(_Monitor):
     TITLES = ("routing disagreement", "per layer (last step)", "k3: replayed vs live")
     LINES = (("replay_disagree_rate", 1, 1), ("kl_k3", 1, 3), ("kl_k3_live", 1, 3))
     BARS = (("replay_disagree_per_layer", 1, 2),)
+    LABELS = {"replay_disagree_rate": "routing disagreement (from 0): share of (token, layer) routings where the "
+                                      "trainer's own top-k differs from the sampler's",
+              "replay_disagree_per_layer": "disagreement per MoE layer (last step)",
+              "kl_k3": "k3 with the sampler's routing replayed", "kl_k3_live": "k3 with the trainer's own routing"}
+    AXES = {(1, 1): ("step", "share disagreeing", None), (1, 2): ("MoE layer", "share disagreeing", None),
+            (1, 3): ("step", "KL k3 (nats)", None)}
 
     def _style(self, fig):
         fig.update_xaxes(dtick=1, row=1, col=2)  # MoE layer indices
@@ -366,6 +480,10 @@ class RewardMonitor(_Monitor):
     TITLES = ("training reward", "held-out evaluation")
     LINES = (("reward_mean", 1, 1), ("correct_rate", 1, 1), ("ds_reward_mean_sampled", 1, 1),
              ("eval_pass@1", 1, 2), ("eval_greedy_pass@1", 1, 2), ("eval_reward_mean", 1, 2))
+    LABELS = {"reward_mean": "mean reward", "correct_rate": "share correct",
+              "ds_reward_mean_sampled": "mean reward of the sampled groups (dynamic sampling)",
+              "eval_pass@1": "pass@1 (sampled)", "eval_greedy_pass@1": "pass@1 (greedy)", "eval_reward_mean": "mean reward"}
+    AXES = {(1, 1): ("step", "reward", None), (1, 2): ("step", "held-out score", None)}
 
     def _style(self, fig):
         fig.update_traces(connectgaps=True)  # evaluation runs every eval_every steps only
@@ -558,15 +676,59 @@ def journey(report: dict, row: int, col: int, tokenizer=None) -> dict:
     return out
 
 
-class TokenJourney(W.VBox):
-    """The journey of the token at (row, col) as a table; change row/col to follow another."""
+def recorded_journey(segment: Segment, index: int, tokenizer=None) -> dict:
+    """What a segment recorded of its token `index` at sampling time, in journey()'s keys (the
+    trainer's columns None): the journey of a token no training step has seen yet."""
+    out = dict.fromkeys(k for k, _, _ in JOURNEY)
+    sampled = bool(segment.loss_mask[index])
+    ex = segment.routed_experts
+    out.update(token_id=int(segment.token_ids[index]), version=int(segment.versions[index]),
+               behaviour_logprob=float(segment.logprobs[index]) if sampled else None,
+               text=_fmt(tokenizer).decode([segment.token_ids[index]]) if tokenizer is not None else None,
+               experts=[[int(e) for e in layer] for layer in ex[index]] if ex is not None and (ex[index] >= 0).all() else None)
+    return out
 
-    def __init__(self, report: dict, row: int, col: int, tokenizer=None):
+
+def find_row(report: dict, segment: Segment) -> int | None:
+    """The row of a training report ([B, T] columns; rows are trainable segments) holding
+    `segment`: the one whose ids and loss mask start with the segment's. None if none does."""
+    n = len(segment)
+    ids, mask = report["input_ids"], report["loss_mask"]
+    want_ids, want_mask = list(segment.token_ids), [int(m) for m in segment.loss_mask]
+    for r in range(len(ids)):
+        if n <= len(ids[r]) and [int(x) for x in ids[r][:n]] == want_ids and [int(x) for x in mask[r][:n]] == want_mask:
+            return r
+    return None
+
+
+def _ranges(cols: list[int]) -> str:
+    out, start = [], None
+    for i, c in enumerate(cols):
+        start = c if start is None else start
+        if i + 1 == len(cols) or cols[i + 1] != c + 1:
+            out.append(f"{start}" if start == c else f"{start}-{c}")
+            start = None
+    return ", ".join(out)
+
+
+def journey_table(values: dict) -> str:
+    cell = lambda x: "n/a" if x is None else f"{x:.6g}" if isinstance(x, float) else escape(str(x))  # noqa: E731
+    return "<table style='font-family:monospace'>" + "".join(
+        f"<tr><td style='padding-right:12px'>{escape(label)}</td><td>{cell(values[k])}</td></tr>"
+        for k, _, label in JOURNEY) + "</table>"
+
+
+class TokenJourney(W.VBox):
+    """The journey of the token at (row, col) of a training report as a table; change row/col to
+    follow another. `label` says which token it is (episode, segment, token); the row's sampled
+    columns (the ones with a journey) are listed under the boxes."""
+
+    def __init__(self, report: dict, row: int, col: int, tokenizer=None, label: str | None = None):
         super().__init__()
-        self.report, self.tokenizer = report, tokenizer
+        self.report, self.tokenizer, self.label, self._labelled = report, tokenizer, label, (row, col)
         self.row, self.col = W.IntText(row, description="row"), W.IntText(col, description="col")
-        self.table = W.HTML()
-        self.children = [W.HBox([self.row, self.col]), self.table]
+        self.heading, self.table = W.HTML(), W.HTML()
+        self.children = [self.heading, W.HBox([self.row, self.col]), self.table]
         self._moving = False
         self.show(row, col)  # a bad first token raises here, where the caller sees it
         for w in (self.row, self.col):
@@ -577,10 +739,11 @@ class TokenJourney(W.VBox):
         self._moving = True  # move the boxes without re-entering through their observers
         self.row.value, self.col.value = row, col
         self._moving = False
-        cell = lambda x: "n/a" if x is None else f"{x:.6g}" if isinstance(x, float) else escape(str(x))  # noqa: E731
-        self.table.value = "<table style='font-family:monospace'>" + "".join(
-            f"<tr><td style='padding-right:12px'>{escape(label)}</td><td>{cell(self.values[k])}</td></tr>"
-            for k, _, label in JOURNEY) + "</table>"
+        sampled = [int(c) for c in range(len(self.report["loss_mask"][row])) if _at(self.report["loss_mask"], row, c)]
+        label = self.label if (row, col) == self._labelled else None  # another token than the one labelled
+        self.heading.value = (f"<b>{escape(label or f'row {row}, column {col}')}</b> (report row {row}, column {col}); "
+                              f"sampled columns of row {row}: {_ranges(sampled)}")
+        self.table.value = journey_table(self.values)
         return self.values
 
     def _follow(self):
