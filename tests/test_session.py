@@ -51,6 +51,12 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
         assert stats["correction"]["kl_k3"] < 1e-6  # sampled by exactly the trainer's weights (after connect's sync)
         j = wb.journey()
         assert j.values["behaviour_logprob"] == pytest.approx(j.values["trainer_logprob"], abs=1e-5)
+        ep = next(t for g in groups for t in g if t.error is None and any(t.segments[0].loss_mask))
+        j = wb.journey(episode=ep.episode_id)  # by episode: the report row holding its segment
+        assert j.values["token_id"] == ep.segments[0].token_ids[j.col.value] and ep.episode_id in j.heading.value
+        ins = wb.inspect(ep)  # the inspector carries the step's report: a click opens the whole journey
+        first = next(i for i, s in enumerate(x for x in ins.spans if x["kind"] == "token") if s["loss_mask"])
+        assert ins.open_token(first).values["trainer_logprob"] is not None
         reports = wb.sync()
         assert all(r.checked for r in reports) and reports[0].version == wb.trainer.version
         gate, replay = wb.monitors()
