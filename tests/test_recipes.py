@@ -56,3 +56,53 @@ def test_math_grpo(tmp_path):
     trained = trajectories(tmp_path)
     assert len(trained) == 4 and all(t.info["task_id"].startswith("word_problems_train:") for t in trained)
     assert results["eval_episodes"] == 2 * 2 * (2 + 1)  # 2 problems x (2 samples + 1 greedy), twice
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+def test_tool_agent(sdk, tmp_path):
+    results, metrics = execute(f"tool_agent_{sdk}", tmp_path)
+    # the stock SDK's episodes ran and trained: none failed, rewards from the final answer
+    assert results["episodes"] == 4 and results["failed_episodes"] == 0 and results["rewards_binary"]
+    assert metrics[0]["episodes"] == 4 and metrics[0]["failed_episodes"] == 0
+    # a tool call's result went back and the model answered on: every such episode has 2+ recorded turns
+    assert results["tool_episodes_continue"] and results["turns_mean"] >= 1
+
+
+def test_code_agent(tmp_path):
+    results, _ = execute("code_agent", tmp_path)
+    # the sandboxed tests grade: the reference solution passes all, a wrong one none, prose none
+    assert results["by_hand"] == {"right": 1.0, "identity": 0.0, "not code": 0.0}
+    assert results["episodes"] == 4 and results["failed_episodes"] == 0 and results["reward_is_share_passed"]
+
+
+def test_judge_reward(tmp_path):
+    results, _ = execute("judge_reward", tmp_path)
+    n = 2 + results["episodes"]  # the notebook's first look (one group of 2) and the trained step
+    assert results["episodes"] == 4 and results["judge_engine"]
+    # one recorded policy turn and one judge call per episode; the judge's never reached a trajectory
+    assert results["requests"] == {"openai:session": n, "openai:side": n}
+    assert results["recorded_turns"] == results["episodes"] and not results["rubric_in_trajectories"]
+
+
+def test_async_off_policy(tmp_path):
+    results, metrics = execute("async_off_policy", tmp_path)
+    modes = results["modes"]
+    assert set(modes) == {"sync", "async lag 1", "async lag 2"} and len(metrics) == 6
+    assert [m["mode"] for m in metrics] == ["sync"] * 2 + ["async"] * 4
+    assert modes["sync"]["max_staleness_seen"] == 0  # sync: every token sampled by the weights it trains
+    for lag, label in ((1, "async lag 1"), (2, "async lag 2")):  # within the lag, and the gate let them through
+        assert modes[label]["max_staleness_seen"] <= lag and modes[label]["gate_pass_ratio"] == 1.0
+    assert all(len(row["reward_per_step"]) == 2 and row["step_s"] > 0 for row in modes.values())
+
+
+def test_notebooks_list_shows_every_notebook_with_parameters_and_time(capsys):
+    from workbench.notebooks import main, notebooks
+
+    assert main(["--list"]) == 0
+    out = capsys.readouterr().out
+    recipes = [n for n in notebooks() if n.startswith("recipes/")]
+    assert len(recipes) == len(list(RECIPES.glob("*.ipynb"))) and "00_quickstart" in notebooks()
+    for name in recipes:
+        minutes = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4).metadata["workbench"]["cpu_minutes"]
+        assert f"{name}  (~{minutes:g} min on 2 CPU cores)" in out
+    assert "recipes/math_grpo" in out and "eval_n=4" in out and "teacher='dense'" in out
