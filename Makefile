@@ -1,7 +1,7 @@
 # The two commands of README.md. Each first installs what is missing into .venv (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-script test bench bench-loopback bench-loopback-capacity bench-rollout bench-trainer clean-cache kernels lab
+.PHONY: setup demo demo-script recipes test bench bench-loopback bench-loopback-capacity bench-rollout bench-trainer clean-cache kernels lab
 
 setup:
 	@bash scripts/setup.sh
@@ -12,6 +12,17 @@ setup:
 demo: setup
 	rm -rf runs/quickstart  # a fresh record each time (a session refuses a run_dir that holds a run)
 	$(PY) -m workbench.notebooks 00_quickstart --run-dir runs/quickstart
+
+# Every recipe (notebooks/recipes/) headless on its CPU default, each into runs/recipes/<name>/
+# (the executed notebook, results.json, metrics, trajectories, plots). `python -m workbench.notebooks
+# --list` shows each one's parameters and expected time; RECIPES="math_grpo distillation" runs some.
+RECIPES ?= $(basename $(notdir $(wildcard notebooks/recipes/*.ipynb)))
+recipes: setup
+	@for r in $(RECIPES); do \
+		rm -rf runs/recipes/$$r; \
+		echo "== recipes/$$r"; \
+		$(PY) -m workbench.notebooks recipes/$$r --run-dir runs/recipes/$$r || exit 1; \
+	done
 
 # The same pieces as a plain script, step by step (python -m workbench.demo --help: --agent FILE, ...).
 demo-script: setup

@@ -1,4 +1,6 @@
-"""Run the notebooks headless with papermill: `python -m workbench.notebooks 00_quickstart`.
+"""Run the notebooks headless with papermill: `python -m workbench.notebooks 00_quickstart`
+(a recipe: `recipes/math_grpo`); `--list` shows every notebook with its parameters and the run
+time its metadata states (`workbench.cpu_minutes`: the CPU default on 2 cores).
 
 The executed notebook lands in its run directory, next to what the notebook itself writes
 there (metrics, trajectories, plots, results.json). `make demo` and the tests use this.
@@ -59,14 +61,42 @@ def run_notebook(name: str, run_dir: str | Path, kernel: str = "workbench-local"
     return out
 
 
+def notebooks() -> list[str]:
+    """Every notebook's name (notebooks/*.ipynb, then notebooks/recipes/*.ipynb), as run_notebook takes it."""
+    return [str(p.relative_to(NOTEBOOK_DIR).with_suffix("")) for p in
+            sorted(NOTEBOOK_DIR.glob("*.ipynb")) + sorted(NOTEBOOK_DIR.glob("recipes/*.ipynb"))]
+
+
+def describe(name: str) -> dict:
+    """A notebook's parameters (name -> default, as written in its `parameters` cell), and its
+    expected minutes on 2 CPU cores from its metadata (None when it states none)."""
+    import nbformat
+    import papermill
+
+    path = NOTEBOOK_DIR / f"{name}.ipynb"
+    meta = nbformat.read(path, as_version=4).metadata.get("workbench", {})
+    params = {k: v["default"] for k, v in papermill.inspect_notebook(str(path)).items()}
+    return {"name": name, "cpu_minutes": meta.get("cpu_minutes"), "parameters": params}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workbench.notebooks", description=__doc__.split("\n\n")[0])
-    p.add_argument("name", help="notebook name without .ipynb, e.g. 00_quickstart")
+    p.add_argument("name", nargs="?", help="notebook name without .ipynb, e.g. 00_quickstart or recipes/math_grpo")
+    p.add_argument("--list", action="store_true", help="every notebook with its parameters and expected run time")
     p.add_argument("--run-dir", default=None, help="default: runs/<name>")
     p.add_argument("--kernel", default="workbench-local")
     p.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                    help="a notebook parameter (VALUE is parsed as a Python literal when it is one)")
     a = p.parse_args(argv)
+    if a.list:
+        for name in notebooks():
+            d = describe(name)
+            minutes = f"~{d['cpu_minutes']:g} min on 2 CPU cores" if d["cpu_minutes"] else "run time not stated"
+            print(f"{name}  ({minutes})")
+            print("    " + "  ".join(f"{k}={v}" for k, v in d["parameters"].items() if k != "run_dir"))
+        return 0
+    if a.name is None:
+        p.error("a notebook name, or --list")
     import ast
 
     params = {}
