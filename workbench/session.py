@@ -837,7 +837,7 @@ class RunHandle:
             self._keep_policy(wb.next_step)
 
         try:
-            self._keep_policy(wb.next_step)
+            self._keep_policy(wb.next_step, replace=False)
             # progress=False: this run's bar is one of self.views (a bar that fails cannot end the run)
             run_loop(wb._rollout, wb._trainer, wb.engines, wb.task_source, self.cfg, on_step=on_step, progress=False,
                      stop=self._stop, start_step=wb.next_step, start_position=wb.next_position,
@@ -863,13 +863,20 @@ class RunHandle:
             self.done = True
             self._ended.set()
 
-    def _keep_policy(self, step: int) -> None:
+    def _keep_policy(self, step: int, replace: bool = True) -> None:
         """Every keep_policy_every-th step's starting weights, as a Hugging Face directory
-        (written beside and renamed: a killed run never leaves a partial one under the name)."""
+        (written beside and renamed: a killed run never leaves a partial one under the name).
+        One already there is replaced (it is from a branch wb.restore abandoned) unless
+        `replace` is False (a run's first step: the previous run's last step wrote it)."""
+        import shutil
+
         path = self._wb.run_dir / "policies" / f"step_{step:05d}"
-        if self.keep_policy_every and step % self.keep_policy_every == 0 and not path.exists():
-            self._wb._trainer.export_hf(str(path.with_name(path.name + ".new")))
-            os.replace(path.with_name(path.name + ".new"), path)
+        if not self.keep_policy_every or step % self.keep_policy_every or (path.exists() and not replace):
+            return
+        new = path.with_name(path.name + ".new")
+        self._wb._trainer.export_hf(str(new))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(new, path)
 
     def progress_text(self) -> str:
         return f"{len(self.history)}/{self.steps} steps" + (f", from step {self.first_step}" if self.first_step else "")
