@@ -11,6 +11,8 @@ Sections, each printed as one JSON line ("check": name, figures):
   chunks (workbench/trainer/logprobs.py), at Qwen3's vocabulary.
 - load: meta-device init, fully_shard on the empty model, rank 0's weights broadcast into the
   shards (the mechanism of TrainerConfig.load="rank0"); the gathered weights equal the source.
+  load_sharded: the same weights saved as safetensors, each rank reading only its own slices
+  (TrainerConfig.load="sharded", workbench/trainer/loading.py itself); equal, and the bytes read.
 
 `--cpu` runs the same on CPU with gloo (a smoke test of the script itself, not a GPU figure).
 """
@@ -44,6 +46,7 @@ def _load(name: str, rel: str):
 
 replay = _load("wb_replay", "workbench/replay.py")
 logprobs = _load("wb_logprobs", "workbench/trainer/logprobs.py")
+loading = _load("wb_loading", "workbench/trainer/loading.py")
 
 
 def moe_config(vocab: int = 4096, layers: int = 4):
@@ -177,6 +180,33 @@ def check_load(device) -> None:
     equal = source is None or all(torch.equal(full[k], v) for k, v in source.state_dict().items())
     emit("load", seconds=round(seconds, 3), peak_gib=peak(device), equal=bool(equal),
          params=sum(v.numel() for v in full.values()))
+    del model, full
+    # the sharded load: the source as safetensors in a directory every rank sees (one machine)
+    import tempfile
+
+    directory = [tempfile.mkdtemp(prefix="wb-load-") if source is not None else None]
+    dist.broadcast_object_list(directory, src=0)
+    if source is not None:
+        source.save_pretrained(directory[0])
+    dist.barrier()
+    reset(device)
+    t = time.perf_counter()
+    model = loading.meta_model(directory[0], torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device=device)
+    read = loading.load_own_shards(model, directory[0], torch.float32)
+    seconds = time.perf_counter() - t
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for k, v in model.state_dict().items()}
+    equal = source is None or all(torch.equal(full[k], v) for k, v in source.state_dict().items())
+    emit("load_sharded", seconds=round(seconds, 3), peak_gib=peak(device), equal=bool(equal), bytes_read=read,
+         checkpoint_bytes=sum(v.numel() * v.element_size() for v in full.values()))
+    dist.barrier()
+    if source is not None:
+        import shutil
+
+        shutil.rmtree(directory[0])
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 # GPU checks for the cluster path (issue 12 item 7), for a single-GPU machine with torch and
 # transformers but no vLLM or Ray (../shared/FACTS.md): FSDP2 on NCCL with bf16 mixed precision,
 # the bf16-vs-fp32 routing flip rate with and without routing replay, chunked log-probs memory,
-# and the rank-0 sharded load. Under 8 minutes; one JSON line per figure, also written to
+# and the rank-0 and per-rank sharded loads. Under 8 minutes; one JSON line per figure, also written to
 # $OUT/gpu_check.jsonl (or ./gpu_check.jsonl).
 #
 #   scripts/gpu_check.sh          # on the GPU machine

@@ -74,5 +74,91 @@ def safetensor_keys(directory) -> set[str]:
 
 
 def test_unknown_load_mode_is_refused():
-    with pytest.raises(ValueError, match="load 'lazy' unknown"):
+    with pytest.raises(ValueError, match="load .lazy. unknown: .full., .rank0. or .sharded."):
         TrainerConfig(load="lazy")
+
+
+def checkpoint_bytes(directory) -> int:
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    total = 0
+    for f in Path(directory).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as g:
+            total += sum(math.prod(g.get_slice(k).get_shape()) * 4 for k in g.keys())  # the toys are fp32
+    return total
+
+
+def test_sharded_load_reads_only_each_ranks_slices(ray_local, moe_path):
+    """load="sharded": every rank reads from the safetensors only its own dim-0 slices (for the
+    MoE whole experts of the fused parameters, which transformers' loader stacks from the
+    per-expert tensors), and the result is the checkpoint bit for bit, forward included. The
+    reference model is sharded the same way, in bf16 (ref_dtype)."""
+    cfg = TrainerConfig(lr=1e-3, micro_batch_size=4, load="sharded", kl_coef=0.1, ref_dtype="bfloat16")
+    trainer = Trainer(str(moe_path), world_size=2, cfg=cfg)
+    try:
+        reference = load_hf_model(moe_path)
+        gathered = trainer.state_dict()
+        assert gathered.keys() == reference.state_dict().keys()
+        assert all(torch.equal(gathered[k], v) for k, v in reference.state_dict().items())
+        ids = list(range(5, 25))
+        want, _ = token_logprobs(reference, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+        assert max(abs(a - b) for a, b in zip(trainer.probe(ids), want[0, 1:].tolist())) < 1e-5
+        total = checkpoint_bytes(moe_path)
+        ranks = trainer.footprint()
+        for r in ranks:
+            own = r["params"]["cpu"]  # this rank's fp32 shards
+            assert own < total
+            # the policy and the reference each read exactly this rank's slices once, nothing more
+            assert r["checkpoint_bytes_read"] == 2 * own
+            assert r["reference_dtypes"] == ["torch.bfloat16"] and r["reference"]["cpu"] * 2 == own
+        assert sum(r["params"]["cpu"] for r in ranks) == total
+        segs = [Segment(row, [0] * 8 + [1] * 12, [0.0] * 20, [-1] * 8 + [0] * 12, None) for row in (ids, ids[::-1])]
+        batch = training_tensors(segs)
+        batch["behaviour_logprobs"] = trainer.logprobs(batch)
+        batch["advantages"] = torch.tensor([1.0, -1.0])[:, None] * batch["loss_mask"]
+        stats = trainer.train_step(batch)
+        assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0 and math.isfinite(stats["kl_ref"])
+    finally:
+        trainer.shutdown()
+
+
+def test_sharded_load_of_tied_embeddings_with_bf16_compute_and_cpu_offload(ray_local):
+    """A Qwen3 with tied input/output embeddings (as the small Qwen3s have), sharded load,
+    FSDP2 bf16 compute over fp32 master weights, the optimizer state offloaded to host memory
+    (CPUOffloadPolicy: on this CPU machine everything is in host memory anyway, so what is
+    checked is that FSDP2 was given the policy and trains under it), and the reference in bf16:
+    the tied weight is read once, master weights and AdamW moments are fp32 on the CPU, and the
+    bf16 reference equals the policy's bf16 compute (KL 0 before the first update)."""
+    from workbench.checkpoints import tiny_qwen3_path
+
+    path = tiny_qwen3_path()
+    cfg = TrainerConfig(lr=1e-3, micro_batch_size=4, load="sharded", mixed_precision="bfloat16", cpu_offload=True,
+                        kl_coef=0.5)
+    trainer = Trainer(str(path), world_size=2, cfg=cfg)
+    try:
+        expected = load_hf_model(path).state_dict()
+        gathered = trainer.state_dict()
+        assert all(torch.equal(gathered[k], v) for k, v in expected.items())
+        total = checkpoint_bytes(path)  # the tied weight is stored once
+        ranks = trainer.footprint()
+        assert sum(r["checkpoint_bytes_read"] for r in ranks) == 2 * total  # policy + reference, each once
+        for r in ranks:
+            assert r["offload"] == "CPUOffloadPolicy" and r["compute_dtype"] == "torch.bfloat16"
+            assert r["param_dtypes"] == ["torch.float32"] and r["reference_dtypes"] == ["torch.bfloat16"]
+            assert r["reference"]["cpu"] * 2 == r["params"]["cpu"]
+        g = torch.Generator().manual_seed(0)
+        segs = [Segment(torch.randint(3, 1000, (24,), generator=g).tolist(), [0] * 12 + [1] * 12, [0.0] * 24,
+                        [-1] * 12 + [0] * 12) for _ in range(4)]
+        b = training_tensors(segs)
+        b["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * b["loss_mask"]
+        b["behaviour_logprobs"] = trainer.logprobs(b) * b["loss_mask"]
+        first = trainer.train_step(b)
+        assert first["kl_ref"] == 0.0 and first["grad_norm"] > 0 and math.isfinite(first["loss"])
+        assert trainer.train_step(b)["kl_ref"] > 0  # the policy moved away from its reference
+        for r in trainer.footprint():
+            assert r["optimizer"] == {"cpu": 2 * r["params"]["cpu"]}  # exp_avg and exp_avg_sq of the fp32 shards
+            assert r["optimizer_dtypes"] == ["torch.float32"]
+    finally:
+        trainer.shutdown()

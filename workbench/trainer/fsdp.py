@@ -74,16 +74,24 @@ class TrainerConfig:
     # FSDP2 mixed precision: compute in this dtype ("bfloat16" on GPU), reduce gradients in fp32,
     # keep fp32 master weights. None: compute in `dtype`.
     mixed_precision: str | None = None
+    # the frozen reference's parameter dtype (kl_coef > 0): it has no optimizer, so no master
+    # weights; None: mixed_precision if set (half the bytes of fp32), else dtype
+    ref_dtype: str | None = None
+    # FSDP2 CPUOffloadPolicy: the sharded parameters, their gradients and the optimizer state live
+    # in host memory (the optimizer step runs there); each layer is copied to the GPU to compute
+    cpu_offload: bool = False
     seed: int = 0
     # how the ranks get the weights: "full" (each rank loads the whole checkpoint in `dtype`, moves
     # it to its device and shards it: simple, but 8 full copies in host memory and a full copy on
     # each GPU for a moment) or "rank0" (every rank builds the model on the meta device and shards
     # it empty; rank 0 alone reads the checkpoint, on CPU, and broadcasts it tensor by tensor, each
-    # rank keeping its shard: what a 30B model on 80 GB GPUs needs; docs/cluster.md)
+    # rank keeping its shard: what a 30B model on 80 GB GPUs needs; docs/cluster.md) or "sharded"
+    # (meta init and sharding as "rank0", then each rank reads from the safetensors only the
+    # slices it owns: no full copy anywhere; trainer/loading.py)
     load: str = "full"
 
     def __post_init__(self):
-        for name in ("dtype", "mixed_precision"):
+        for name in ("dtype", "mixed_precision", "ref_dtype"):
             v = getattr(self, name)
             if v is not None and not isinstance(getattr(torch, str(v), None), torch.dtype):
                 raise ValueError(f"TrainerConfig.{name}={v!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
@@ -101,8 +109,8 @@ class TrainerConfig:
         get_surrogate(self.surrogate)  # unknown names fail here, not on the first step
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"TrainerConfig.kl_estimator {self.kl_estimator!r} unknown: {sorted(KL_ESTIMATORS)}")
-        if self.load not in ("full", "rank0"):
-            raise ValueError(f"TrainerConfig.load {self.load!r} unknown: 'full' or 'rank0'")
+        if self.load not in ("full", "rank0", "sharded"):
+            raise ValueError(f"TrainerConfig.load {self.load!r} unknown: 'full', 'rank0' or 'sharded'")
         if self.kl_coef < 0:
             raise ValueError(f"TrainerConfig.kl_coef must be >= 0, got {self.kl_coef}")
 
@@ -223,32 +231,33 @@ class TrainerWorker:
 
             shard_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.mixed_precision),
                                                              reduce_dtype=torch.float32)
-        self.model = self._sharded_model(model_path, shard_kwargs, cfg.activation_checkpointing)
+        if cfg.cpu_offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            shard_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        self.checkpoint_bytes_read = 0
+        self.model = self._sharded_model(model_path, shard_kwargs, cfg.activation_checkpointing, cfg.dtype)
         self.ref_model = None
         if cfg.kl_coef > 0:  # frozen, sharded the same way, never in the optimizer
-            self.ref_model = self._sharded_model(cfg.ref_model_path or model_path, shard_kwargs, False)
+            self.ref_model = self._sharded_model(cfg.ref_model_path or model_path, shard_kwargs, False,
+                                                 cfg.ref_dtype or cfg.mixed_precision or cfg.dtype)
             self.ref_model.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         return rank
 
-    def _sharded_model(self, path: str, shard_kwargs: dict, checkpointing: bool):
-        """The checkpoint's model, every decoder layer and the root sharded with fully_shard,
-        loaded as cfg.load says ("full" or "rank0")."""
-        import torch.distributed as dist
+    def _sharded_model(self, path: str, shard_kwargs: dict, checkpointing: bool, dtype: str):
+        """The checkpoint's model in `dtype`, every decoder layer and the root sharded with
+        fully_shard, loaded as cfg.load says ("full", "rank0" or "sharded"; trainer/loading.py)."""
         from torch.distributed.fsdp import fully_shard
 
         from ..toy.models import load_hf_model
+        from .loading import load_from_rank0, load_own_shards, meta_model
 
-        dtype = getattr(torch, self.cfg.dtype)
-        rank0 = self.cfg.load == "rank0"
-        if rank0:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            # no weights anywhere yet: shapes only, then FSDP2 shards the empty parameters
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
-        else:
+        dtype = getattr(torch, dtype)
+        if self.cfg.load == "full":
             model = load_hf_model(path, dtype=dtype).to(self.device)
+        else:  # no weights anywhere yet: FSDP2 shards the empty parameters
+            model = meta_model(path, dtype)
         if checkpointing:
             # non-reentrant: the recompute runs inside backward, where routing_replay's hooks
             # still apply because train_step keeps the replay context open across backward
@@ -256,26 +265,38 @@ class TrainerWorker:
         for layer in model.model.layers:
             fully_shard(layer, **shard_kwargs)
         fully_shard(model, **shard_kwargs)
-        if not rank0:
-            return model.eval()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        model.to_empty(device=self.device)  # this rank's shards, uninitialised
-        # rank 0 reads the checkpoint through transformers (which also converts its layout, e.g.
-        # per-expert tensors into fused MoE parameters) into host memory; one copy on the node
-        full = load_hf_model(path, dtype=dtype) if self.rank == 0 else None
-        set_model_state_dict(model, full.state_dict() if full is not None else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        # buffers outside the state dict (rotary inv_freq, ...) were left empty by to_empty:
-        # rank 0's values, sent to every rank
-        names = [n for n, _ in model.named_buffers()]
-        values = [[dict(full.named_buffers())[n].cpu() for n in names] if full is not None else None]
-        dist.broadcast_object_list(values, src=0)
-        with torch.no_grad():
-            for (name, buf), value in zip(model.named_buffers(), values[0]):
-                buf.copy_(value.to(buf.device, buf.dtype))
-        del full
+        if self.cfg.load != "full":
+            # this rank's shards, uninitialised: in host memory when FSDP2 offloads them
+            model.to_empty(device="cpu" if self.cfg.cpu_offload else self.device)
+            if self.cfg.load == "rank0":
+                load_from_rank0(model, path, dtype, self.rank)
+            else:
+                self.checkpoint_bytes_read += load_own_shards(model, path, dtype)
         return model.eval()
+
+    def footprint(self) -> dict:
+        """This rank's memory by what holds it, in bytes per device: the policy's parameter
+        shards, its optimizer state (after a step), the reference's shards; their dtypes, the
+        FSDP2 policies in force, and the checkpoint bytes this rank read (load="sharded")."""
+        from torch.distributed.tensor import DTensor
+
+        def by_device(tensors) -> dict:
+            out = {}
+            for t in tensors:
+                t = t.to_local() if isinstance(t, DTensor) else t
+                out[str(t.device)] = out.get(str(t.device), 0) + t.numel() * t.element_size()
+            return out
+
+        group = self.model._get_fsdp_state()._fsdp_param_group
+        # AdamW moments (its step counters are scalars kept on the CPU in any case)
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+        ref = list(self.ref_model.parameters()) if self.ref_model is not None else []
+        return {"params": by_device(self.model.parameters()), "optimizer": by_device(state),
+                "reference": by_device(ref), "param_dtypes": sorted({str(p.dtype) for p in self.model.parameters()}),
+                "optimizer_dtypes": sorted({str(v.dtype) for v in state}),
+                "reference_dtypes": sorted({str(p.dtype) for p in ref}),
+                "compute_dtype": str(group.mp_policy.param_dtype), "offload": type(group.offload_policy).__name__,
+                "checkpoint_bytes_read": self.checkpoint_bytes_read}
 
     def ready(self) -> int:
         return self.rank
@@ -612,6 +633,13 @@ class Trainer:
         import ray
 
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
+
+    def footprint(self) -> list[dict]:
+        """Per rank: the bytes its parameter shards, optimizer state and reference hold, by
+        device, with their dtypes and the FSDP2 policies in force (TrainerWorker.footprint)."""
+        import ray
+
+        return ray.get([w.footprint.remote() for w in self.workers])
 
     def init_nccl_sync(self, engines: list, engine_world_sizes: list[int] | None = None, **cfg_kwargs) -> None:
         """GPU: one NCCL group of trainer rank 0 and every engine worker (engines started with
