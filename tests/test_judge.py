@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import ray
 
 from workbench.agents import load_agent
@@ -44,3 +45,11 @@ def test_judge_engine_serves_side_calls_that_never_enter_a_trajectory(reference_
         sampled = [i for i, m in zip(seg.token_ids, seg.loss_mask) if m]
         assert any(sampled == list(s) for _, s in policy_log)
         assert t.reward == (parse_score(t.info["verdict"]) or 0.0) and t.info["judge_parsed"] == (parse_score(t.info["verdict"]) is not None)
+
+
+def test_an_unknown_judge_is_refused_before_anything_starts():
+    from workbench.session import ConfigError, WorkbenchConfig
+
+    with pytest.raises(ConfigError, match=r"judge 'no-such-judge' is neither a named model \(\['dense', 'moe'"):
+        WorkbenchConfig(judge="no-such-judge")
+    assert WorkbenchConfig(judge="dense").judge == "dense"

@@ -152,6 +152,8 @@ class WorkbenchConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not (self.model in NAMED_MODELS or Path(self.model).is_dir()):
             raise ConfigError(f"model {self.model!r} is neither a named model ({sorted(NAMED_MODELS)}) nor a checkpoint directory")
+        if self.judge is not None and not (self.judge in NAMED_MODELS or Path(self.judge).is_dir()):  # before anything starts
+            raise ConfigError(f"judge {self.judge!r} is neither a named model ({sorted(NAMED_MODELS)}) nor a checkpoint directory")
         if not (self.profile is None or isinstance(self.profile, (str, dict))):
             raise ConfigError(f"profile must be None, a family name or a dict of profile fields, got {type(self.profile).__name__}")
         if not isinstance(self.trainer, TrainerConfig) or not isinstance(self.loop, LoopConfig):
