@@ -66,6 +66,17 @@ def launch_engine(backend: str, name: str | None = None, env: dict | None = None
     (workbench.placement's Placement.options("engine", i): its GPUs and placement-group bundle)."""
     import ray
 
+    actor, loaded = start_engine(backend, name, env, keep_log, actor_options, **engine_kwargs)
+    ray.get(loaded)
+    return actor
+
+
+def start_engine(backend: str, name: str | None = None, env: dict | None = None, keep_log: bool = False,
+                 actor_options: dict | None = None, **engine_kwargs):
+    """launch_engine without the wait: returns (actor, the ObjectRef of its start), so that a
+    session loads its engines while its trainer ranks start (connect's longest parts overlap)."""
+    import ray
+
     from ..cluster import cluster_gpus
 
     # on a GPU cluster the engine's actor holds its tensor-parallel GPUs (vLLM's workers run
@@ -78,8 +89,7 @@ def launch_engine(backend: str, name: str | None = None, env: dict | None = None
         options["runtime_env"] = {"env_vars": env}
     options.update(actor_options or {})
     actor = ray.remote(EngineHost).options(**options).remote(backend, engine_kwargs, keep_log)
-    ray.get(actor.start.remote())
-    return actor
+    return actor, actor.start.remote()
 
 
 def stop_engine(actor, timeout: float = 60) -> None:
