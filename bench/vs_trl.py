@@ -1,0 +1,212 @@
+"""workbench vs TRL's GRPOTrainer on the quickstart's own task, each side under the same
+wall-clock budget including start-up (`make bench-vs-trl`, BENCH_ARGS="--budget 180").
+
+Same checkpoint (the toy MoE), tokenizer and chat template, prompts (the arithmetic Env's tasks),
+reward (its rule: 1 for the exact number, partial credit for a close one), batch (16 prompts x
+8 completions), 8 new tokens at temperature 1, AdamW at lr 1e-3, grad-norm clip 1, no KL. TRL
+runs in its own virtual environment made here (bench/.venv-trl: TRL is not a dependency of
+workbench); it sees workbench's torch and transformers through a .pth file, so both sides run
+the same library versions. The sides run one after the other, never together.
+
+Each side is a fresh process; the parent takes the launch time, the child writes each step's
+end time and mean reward. Printed: start-up (launch -> first step done), s/step (median of the
+steps after the first two), reward per wall-clock second and per step, and for each reward level
+both sides reach (trailing mean of 5 steps) the time to reach it, with and without start-up, as
+a workbench / TRL ratio. Targets (issue 13): first step done under 20 s after connect(); s/step
+at most 1.0x TRL's; time to a reward level at most 1.5x TRL's with start-up, 1.0x without.
+
+    .venv/bin/python bench/vs_trl.py [--budget 120] [--sides trl workbench] [--backend vllm|reference]
+Results: bench/results/vs_trl.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TRL_VENV = HERE / ".venv-trl"
+TRL_VERSION = "1.16.0"
+PROMPTS, GROUP, MAX_TOKENS, LR = 16, 8, 8, 1e-3
+
+
+def reward(text: str, answer: int) -> float:
+    """The arithmetic Env's rule (workbench/examples/arithmetic_env.py), on a completion's text."""
+    import re
+
+    m = re.fullmatch(r"\s*(-?\d+)\s*", text or "")
+    if m is None:
+        return 0.0
+    return 1.0 if int(m.group(1)) == answer else 0.5 * max(0.0, 1.0 - abs(int(m.group(1)) - answer) / 10)
+
+
+def trl_python() -> str:
+    """bench/.venv-trl with TRL (and accelerate) installed, seeing workbench's site-packages."""
+    py = TRL_VENV / "bin" / "python"
+    if not (TRL_VENV / ".ready").exists():
+        print(f"making {TRL_VENV} (trl=={TRL_VERSION}) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(TRL_VENV)], check=True)
+        site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+        ours = subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+        # after the venv's own packages; addsitedir also runs that dir's .pth files (workbench's editable install)
+        Path(site, "workbench_site.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+        subprocess.run([str(py), "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}", "accelerate"], check=True)
+        (TRL_VENV / ".ready").write_text(TRL_VERSION)
+    return str(py)
+
+
+def _record(out: Path, event: dict) -> None:
+    with open(out, "a") as f:
+        f.write(json.dumps({"t": time.time(), **event}) + "\n")
+
+
+def run_trl(out: Path, budget_end: float, seed: int) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from workbench.examples.arithmetic_env import tasks
+    from workbench.toy.models import toy_model_path
+
+    torch.manual_seed(seed)
+    path = str(toy_model_path("moe"))
+    rows = [{"prompt": t.messages, "answer": t.label} for t in tasks(PROMPTS * 400, seed)]
+
+    def arithmetic_reward(completions, answer, **_):
+        return [reward(c[-1]["content"], a) for c, a in zip(completions, answer)]
+
+    class Clock(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                _record(out, {"event": "step", "step": state.global_step, "reward": logs["reward"]})
+
+        def on_step_end(self, args, state, control, **kw):
+            if time.time() > budget_end:
+                control.should_training_stop = True
+
+    cfg = GRPOConfig(output_dir=str(out.parent / "trl-out"), per_device_train_batch_size=PROMPTS * GROUP,
+                     num_generations=GROUP, max_completion_length=MAX_TOKENS, learning_rate=LR, weight_decay=0.0,
+                     max_grad_norm=1.0, beta=0.0, temperature=1.0, logging_steps=1, report_to="none",
+                     save_strategy="no", use_cpu=True, bf16=False, max_steps=10_000, seed=seed,
+                     lr_scheduler_type="constant", warmup_steps=0)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                          processing_class=AutoTokenizer.from_pretrained(path), reward_funcs=arithmetic_reward,
+                          args=cfg, train_dataset=Dataset.from_list(rows), callbacks=[Clock()])
+    _record(out, {"event": "ready"})
+    trainer.train()
+
+
+def run_workbench(out: Path, budget_end: float, seed: int, backend: str) -> None:
+    import workbench
+
+    wb = workbench.connect(backend=backend, seed=seed, run_dir=str(out.parent / "wb-run"), max_tokens=MAX_TOKENS,
+                           loop={"prompts_per_step": PROMPTS, "group_size": GROUP})
+    _record(out, {"event": "ready"})
+
+    class Clock:
+        def on_step(self, m):
+            _record(out, {"event": "step", "step": m["step"] + 1, "reward": m["reward_mean"]})
+            if time.time() > budget_end:
+                wb.stop()
+
+    try:
+        wb.run(100_000, monitors=[Clock()], progress=False).wait()
+    finally:
+        wb.shutdown()
+
+
+def summarize(name: str, launch: float, events: list[dict]) -> dict:
+    steps = [e for e in events if e["event"] == "step"]
+    if not steps:
+        return {"side": name, "steps": 0}
+    ends = [e["t"] - launch for e in steps]
+    gaps = [b - a for a, b in zip(ends, ends[1:])]
+    ready = next((e["t"] - launch for e in events if e["event"] == "ready"), None)
+    return {"side": name, "steps": len(steps), "ready_s": ready, "first_step_done_s": ends[0],
+            "first_step_after_ready_s": ends[0] - ready if ready is not None else None,
+            "s_per_step": statistics.median(gaps[2:] or gaps or [float("nan")]),
+            "rewards": [e["reward"] for e in steps], "ends": ends,
+            "reward_per_s": sum(e["reward"] for e in steps) / ends[-1], "reward_per_step": statistics.mean(e["reward"] for e in steps)}
+
+
+def time_to(s: dict, level: float, window: int = 5) -> tuple[float, float] | None:
+    """(seconds from launch, seconds from the first step's start) at which the trailing mean reward first reaches level."""
+    r = s.get("rewards") or []
+    for i in range(window - 1, len(r)):
+        if statistics.mean(r[i - window + 1:i + 1]) >= level:
+            return s["ends"][i], s["ends"][i] - (s["ends"][0] - s["s_per_step"])
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget", type=float, default=120.0, help="seconds per side, start-up included")
+    ap.add_argument("--sides", nargs="+", default=["trl", "workbench"], choices=["trl", "workbench"])
+    ap.add_argument("--backend", default="vllm", choices=["vllm", "reference"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--budget-end", type=float, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:  # one side, in its own process
+        out = Path(a.out)
+        if a.child == "trl":
+            run_trl(out, a.budget_end, a.seed)
+        else:
+            run_workbench(out, a.budget_end, a.seed, a.backend)
+        return
+    from workbench.toy.models import toy_model_path
+
+    toy_model_path("moe")  # built (or found in the cache) before any clock starts
+    results_dir = HERE / "results"
+    results_dir.mkdir(exist_ok=True)
+    summaries = {}
+    for side in a.sides:
+        py = trl_python() if side == "trl" else sys.executable
+        out = results_dir / f"vs_trl_{side}.jsonl"
+        out.unlink(missing_ok=True)
+        launch = time.time()
+        print(f"{side}: {a.budget:.0f} s from launch ...", flush=True)
+        subprocess.run([py, __file__, "--child", side, "--out", str(out), "--budget-end", str(launch + a.budget),
+                        "--backend", a.backend, "--seed", str(a.seed)], check=True,
+                       stdout=subprocess.DEVNULL if not os.environ.get("BENCH_VERBOSE") else None,
+                       stderr=subprocess.DEVNULL if not os.environ.get("BENCH_VERBOSE") else None)
+        events = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+        summaries[side] = summarize(side, launch, events)
+    report(summaries, a)
+    (results_dir / "vs_trl.json").write_text(json.dumps({"args": vars(a), "sides": summaries}, indent=1))
+
+
+def report(s: dict, a) -> None:
+    for name, x in s.items():
+        if not x["steps"]:
+            print(f"{name:9s}: no step finished within {a.budget:.0f} s")
+            continue
+        print(f"{name:9s}: ready {x['ready_s']:5.1f} s, first step done {x['first_step_done_s']:5.1f} s "
+              f"({x['first_step_after_ready_s']:.1f} s after ready), {x['s_per_step']:.2f} s/step, {x['steps']} steps, "
+              f"reward/step {x['reward_per_step']:.3f}, reward/s {x['reward_per_s']:.3f}, last-5 mean "
+              f"{statistics.mean(x['rewards'][-5:]):.3f}")
+    if len(s) < 2 or not all(x["steps"] for x in s.values()):
+        return
+    wb, trl = s["workbench"], s["trl"]
+    print(f"s/step workbench / TRL: {wb['s_per_step'] / trl['s_per_step']:.2f}x (target <= 1.0x); "
+          f"first step after connect: {wb['first_step_after_ready_s']:.1f} s (target < 20 s)")
+    top = min(max(statistics.mean(x["rewards"][i:i + 5]) for i in range(max(1, len(x["rewards"]) - 4))) for x in (wb, trl))
+    for level in [round(v, 2) for v in (top * f for f in (0.6, 0.8, 1.0))]:
+        tw, tt = time_to(wb, level), time_to(trl, level)
+        if tw and tt:
+            print(f"reward {level:.2f}: workbench {tw[0]:5.1f} s / TRL {tt[0]:5.1f} s = {tw[0] / tt[0]:.2f}x with start-up "
+                  f"(target <= 1.5x); {tw[1]:5.1f} / {tt[1]:5.1f} s = {tw[1] / tt[1]:.2f}x after it (target <= 1.0x)")
+
+
+if __name__ == "__main__":
+    main()
