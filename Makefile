@@ -1,7 +1,7 @@
 # The two commands of README.md. Each first installs what is missing into .venv (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-script recipes test bench bench-loopback bench-loopback-capacity bench-rollout bench-trainer clean-cache kernels lab
+.PHONY: setup demo demo-script recipes test bench bench-loopback bench-loopback-capacity bench-rollout bench-trainer bench-vs-trl clean-cache kernels lab
 
 setup:
 	@bash scripts/setup.sh
@@ -48,6 +48,11 @@ bench-rollout: setup
 
 bench-trainer: setup
 	$(PY) bench/trainer.py
+
+# workbench vs TRL's GRPOTrainer on the quickstart task, same wall-clock budget incl. start-up;
+# TRL goes into bench/.venv-trl on first use (BENCH_ARGS="--budget 180 --backend reference")
+bench-vs-trl: setup
+	$(PY) bench/vs_trl.py $(BENCH_ARGS)
 
 clean-cache:
 	rm -rf $${WORKBENCH_CACHE:-$$HOME/.cache/workbench}/toy
