@@ -162,10 +162,12 @@ CSS = ("body{font-family:sans-serif;margin:16px;max-width:1200px}table{border-co
        ".stat p{font-size:12px;margin:2px 0 4px}")
 
 
-def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, max_views_per_step: int = 16) -> str:
+def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, max_views_per_step: int = 16,
+               sample_per_step: int = 4) -> str:
     """The audit page of the run in `run_dir` (see the module docstring). `tokenizer` (a fast HF
     tokenizer or ChatFormat) shows tokens as text; without one, token views show ids. Token views
-    are rendered for flagged steps only, offending episodes first, at most `max_views_per_step`."""
+    are rendered for flagged steps only: the offending episodes (at most `max_views_per_step`), or
+    where no episode is to blame (a per-token statistic) the step's first `sample_per_step`."""
     run_dir = Path(run_dir)
     metrics = read_metrics(run_dir)
     if not metrics:
@@ -201,7 +203,7 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
     for s, key, value, eps in violations:
         by_step.setdefault(s, []).extend(eps)
         links = (", ".join(f"<a href='#{_id('t', s, ep)}'>{escape(ep)}</a>" for ep in eps[:max_views_per_step]) if eps else
-                 f"<a href='#{_id('step', s)}'>the step's trajectories</a> (per-token values: wb.revisit(run_dir, {s}))")
+                 f"<a href='#{_id('step', s)}'>a sample of the step's trajectories</a> (per-token values: wb.revisit(run_dir, {s}))")
         out.append(f"<li class='v' id='{_id('v', s, key)}'>step {s}: <a href='#{_id('stat', key)}'>{escape(dict((k, t) for k, t, _ in CHECKS)[key])}</a> "
                    f"= {_fmt(value)} ({'min' if key in MINIMA else 'max'} {_fmt(limits[key])}) &rarr; {links}</li>")
     out.append("</ul>" + ("" if violations else "<p>Every statistic of every step is within its threshold.</p>") + "</section>")
@@ -232,7 +234,8 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
                "<p>Colour: sampled tokens from green (log-prob 0) to red (log-prob &le; -5); grey: not sampled. "
                "Hover a token for its id, log-prob and version.</p>")
     for s in sorted(by_step):
-        order = sorted(trajs[s], key=lambda t: t.episode_id not in by_step[s])[:max_views_per_step]
+        # the offending episodes; for a per-token statistic (no episode to blame) a sample of the step's
+        order = [t for t in trajs[s] if t.episode_id in by_step[s]][:max_views_per_step] or trajs[s][:sample_per_step]
         out.append(f"<div id='{_id('step', s)}'><h3>step {s}</h3>")
         for t in order:
             out.append(f"<div class='traj' id='{_id('t', s, t.episode_id)}'>{trajectory_html(t)}"
