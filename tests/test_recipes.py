@@ -101,7 +101,7 @@ def test_async_off_policy(tmp_path):
     assert modes["sync"]["max_staleness_seen"] == 0  # sync: every token sampled by the weights it trains
     for lag, label in ((1, "async lag 1"), (2, "async lag 2")):  # within the lag, and the gate let them through
         assert modes[label]["max_staleness_seen"] <= lag and modes[label]["gate_pass_ratio"] == 1.0
-    assert all(len(row["reward_per_step"]) == 2 and row["step_s"] > 0 for row in modes.values())
+    assert all(len(row["reward_per_step"]) == 2 and row["wall_s_per_step"] > 0 for row in modes.values())
 
 
 def test_notebooks_list_shows_every_notebook_with_parameters_and_time(capsys):
