@@ -41,6 +41,8 @@ def test_quickstart_trains_and_leaves_a_run_directory(tmp_path, capsys):
     assert len(list((run / "trajectories").glob("step_*.parquet"))) == 24
     assert {p.name for p in (run / "plots").iterdir()} >= {"reward.html", "gate.html", "replay.html"}
     assert "<title>IS gate and KL per RL step</title>" in (run / "plots" / "gate.html").read_text()
+    # its audit page (wb.audit()): every step's invariant statistics within their thresholds
+    assert results["audit"] == str(run / "audit.html") and "Violations: 0" in (run / "audit.html").read_text()
     # the saved record: small (no plotly JS bundle in the widget state), and its HTML export shows
     # the monitors and the reward plot as SVG images, which need no JavaScript and no network
     size = out.stat().st_size
