@@ -2,7 +2,8 @@
 on the meta device, shards it empty, and fills the shards from rank 0's one read of the
 checkpoint. The gathered weights, the buffers (rotary frequencies) and the log-probs must be
 those of the checkpoint, for the MoE too (its per-expert tensors are fused by transformers).
-Then the trained policy's Hugging Face export, and a resume of its checkpoint onto one rank."""
+Then the trained policy's Hugging Face export (loaded back by transformers, and served by vLLM with
+the trained weights), and a resume of its checkpoint onto one rank."""
 
 from __future__ import annotations
 
@@ -162,3 +163,35 @@ def test_sharded_load_of_tied_embeddings_with_bf16_compute_and_cpu_offload(ray_l
             assert r["optimizer_dtypes"] == ["torch.float32"]
     finally:
         trainer.shutdown()
+
+
+def test_export_serves_in_vllm_with_the_trained_weights(ray_local, moe_path, tmp_path):
+    """vLLM loads the export as a model directory (config, tokenizer, per-expert safetensors) and
+    serves the trained policy: its log-probs of a greedy reply equal the trainer's, not the source's."""
+    from workbench.rollout.actor import launch_engine, stop_engine
+    from workbench.rollout.engine import SamplingConfig
+
+    ids = list(range(5, 25))
+    trainer = Trainer(str(moe_path), world_size=1, cfg=TrainerConfig(lr=1e-2, micro_batch_size=4))
+    try:
+        segs = [Segment(row, [0] * 8 + [1] * 12, [0.0] * 20, [-1] * 8 + [0] * 12, None) for row in (ids, ids[::-1])]
+        batch = training_tensors(segs)
+        batch["behaviour_logprobs"] = trainer.logprobs(batch)
+        batch["advantages"] = torch.tensor([1.0, -1.0])[:, None] * batch["loss_mask"]
+        trainer.train_step(batch)
+        out = trainer.export_hf(str(tmp_path / "export"))
+        engine = launch_engine("vllm", model_path=out, max_model_len=256)
+        try:
+            import ray
+
+            sample = ray.get(engine.generate.remote(ids, SamplingConfig(temperature=0.0, max_tokens=6, ignore_eos=True)))
+        finally:
+            stop_engine(engine)
+        trained = trainer.probe(ids + sample.token_ids)[len(ids) - 1:]
+    finally:
+        trainer.shutdown()
+    source, _ = token_logprobs(load_hf_model(moe_path), torch.tensor([ids + sample.token_ids]),
+                               torch.ones(1, len(ids) + len(sample.token_ids), dtype=torch.long))
+    source = source[0, len(ids):].tolist()
+    assert max(abs(a - b) for a, b in zip(sample.logprobs, trained)) < 1e-3, (sample.logprobs, trained)
+    assert max(abs(a - b) for a, b in zip(sample.logprobs, source)) > 1e-2  # the trained weights, not the source's
