@@ -108,6 +108,9 @@ def run_trl(out: Path, budget_end: float, seed: int) -> None:
 def run_workbench(out: Path, budget_end: float, seed: int, backend: str) -> None:
     import workbench
 
+    import shutil
+
+    shutil.rmtree(out.parent / "wb-run", ignore_errors=True)  # a session refuses a run_dir that holds a run
     wb = workbench.connect(backend=backend, seed=seed, run_dir=str(out.parent / "wb-run"), max_tokens=MAX_TOKENS,
                            loop={"prompts_per_step": PROMPTS, "group_size": GROUP})
     _record(out, {"event": "ready"})
@@ -122,6 +125,21 @@ def run_workbench(out: Path, budget_end: float, seed: int, backend: str) -> None
         wb.run(100_000, monitors=[Clock()], progress=False).wait()
     finally:
         wb.shutdown()
+
+
+def step_breakdown(run_dir: Path) -> dict:
+    """workbench's steps after the first two: the mean share of a step in rollout, building the
+    batch, the trainer's step (Ray call included) and the checked weight sync; "other" is the
+    driver's own work between them (records written, metrics, the next step's start)."""
+    ms = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][2:]
+    if not ms:
+        return {}
+    step = statistics.mean(m["step_s"] for m in ms)
+    parts = {"rollout": "rollout_s", "batch": "batch_s", "train": "train_s", "sync": "sync_s"}
+    share = {k: statistics.mean(m[v] for m in ms) / step for k, v in parts.items()}
+    share["train"] -= share["batch"]  # train_s includes batch_s
+    share["other"] = 1 - sum(share.values())
+    return {"step_s": step, **{k: round(v, 3) for k, v in share.items()}}
 
 
 def summarize(name: str, launch: float, events: list[dict]) -> dict:
@@ -182,6 +200,8 @@ def main() -> None:
                        stderr=subprocess.DEVNULL if not os.environ.get("BENCH_VERBOSE") else None)
         events = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
         summaries[side] = summarize(side, launch, events)
+        if side == "workbench" and (results_dir / "wb-run" / "metrics.jsonl").exists():
+            summaries[side]["breakdown"] = step_breakdown(results_dir / "wb-run")
     report(summaries, a)
     (results_dir / "vs_trl.json").write_text(json.dumps({"args": vars(a), "sides": summaries}, indent=1))
 
@@ -195,6 +215,8 @@ def report(s: dict, a) -> None:
               f"({x['first_step_after_ready_s']:.1f} s after ready), {x['s_per_step']:.2f} s/step, {x['steps']} steps, "
               f"reward/step {x['reward_per_step']:.3f}, reward/s {x['reward_per_s']:.3f}, last-5 mean "
               f"{statistics.mean(x['rewards'][-5:]):.3f}")
+        if x.get("breakdown"):
+            print(f"{'':9s}  a step's share: " + ", ".join(f"{k} {v:.0%}" for k, v in x["breakdown"].items() if k != "step_s"))
     if len(s) < 2 or not all(x["steps"] for x in s.values()):
         return
     wb, trl = s["workbench"], s["trl"]

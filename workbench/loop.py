@@ -627,6 +627,7 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     correct = [bool(t.info["correct"]) for t in ran if "correct" in t.info]
     batch, info = batch_from_groups(groups, cfg.advantage, on_failed=cfg.on_failed, on_truncated=cfg.on_truncated,
                                     overlong=cfg.overlong(), teacher=teacher)
+    tb = time.time()
     stats = trainer.train_step(batch)
     t2 = time.time()
     lost: list = []
@@ -642,6 +643,8 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         **info, "failure_reasons": reasons, "engines": len(engines), "engines_lost": len(lost),
         **step_statistics(stats),
         "sync_max_abs_diff": max(r.probe_max_abs_diff for r in reports),
-        "rollout_s": r1 - r0, "train_s": t2 - t1, "sync_s": time.time() - t2, "step_s": time.time() - min(r0, t1),
+        # train_s holds batch_s (the batch built on the driver); step_s - the rest: the driver's own records
+        "rollout_s": r1 - r0, "batch_s": tb - t1, "train_s": t2 - t1, "sync_s": time.time() - t2,
+        "step_s": time.time() - min(r0, t1),
         "rollout_start": r0, "rollout_end": r1, "train_start": t1, "train_end": t2,
     }
