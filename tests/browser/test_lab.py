@@ -70,7 +70,8 @@ def test_run_all_monitors_never_blank(lab, browser, attempt, capsys):
 
 
 @pytest.mark.slow
-def test_quickstart_run_all_monitors_grow(lab, browser, capsys):
+@pytest.mark.parametrize("attempt", range(int(os.environ.get("WB_BROWSER_REPEAT", "1"))))
+def test_quickstart_run_all_monitors_grow(lab, browser, attempt, capsys):
     """The quickstart itself under Run All (reference engine, few small steps): it runs to the
     end and the gate and replay monitors show traces that grow during the run."""
     import papermill.iorw
@@ -79,9 +80,9 @@ def test_quickstart_run_all_monitors_grow(lab, browser, capsys):
     steps = 16  # ~1 s each here: long enough to watch the plots grow after their first render
     nb = papermill.iorw.load_notebook_node(str(NOTEBOOK_DIR / "00_quickstart.ipynb"))  # with papermill's cell tags
     nb = papermill.parameterize.parameterize_notebook(
-        nb, {"run_dir": str(lab.root / "runs" / "quickstart"), "backend": "reference", "steps": steps,
+        nb, {"run_dir": str(lab.root / "runs" / f"quickstart_{attempt}"), "backend": "reference", "steps": steps,
              "prompts_per_step": 4, "group_size": 4})
-    name = _write(lab, "quickstart.ipynb", nb)
+    name = _write(lab, f"quickstart_{attempt}.ipynb", nb)
     lab.shutdown_kernels()
     t0 = time.time()
     page = open_notebook(browser(), lab, name)
@@ -90,4 +91,5 @@ def test_quickstart_run_all_monitors_grow(lab, browser, capsys):
     assert not errors, errors
     _check_grew(samples, ["gate", "replay"], steps)
     with capsys.disabled():
-        print(f"\n[measured] quickstart Run All in Chromium: {time.time() - t0:.0f} s (reference engine, {steps} steps)")
+        print(f"\n[measured] quickstart Run All #{attempt + 1} in Chromium: {time.time() - t0:.0f} s (reference engine, "
+              f"{steps} steps)")
