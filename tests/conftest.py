@@ -45,6 +45,15 @@ def ray_local():
 
 
 @pytest.fixture(scope="session")
+def ray_address(ray_local):
+    """The session's Ray, for notebook kernels to join (run_notebook(ray_address=...)) rather
+    than each starting its own."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
+@pytest.fixture(scope="session")
 def vllm_moe(ray_local, moe_path):
     """The session's vLLM engine on the tiny MoE, hosted in a Ray actor."""
     from workbench.rollout.actor import launch_engine, stop_engine

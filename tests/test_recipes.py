@@ -3,8 +3,8 @@ test parameters (the notebook's metadata, workbench.test_parameters: 1-3 small s
 reference engine, 1 trainer rank) and checked on what it teaches, read from its results.json
 and run directory. The CPU defaults run in `make recipes`.
 
-Like the workshop notebooks' tests, these start nothing in this process: the kernel starts its
-own local Ray and every recipe ends with wb.shutdown()."""
+Each kernel joins this test session's Ray (run_notebook(ray_address=...)) rather than starting
+its own, and every recipe ends with wb.shutdown() (the kernel's actors end with it in any case)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,15 @@ from workbench.tokens import read_trajectories
 RECIPES = NOTEBOOK_DIR / "recipes"
 
 
-def execute(name: str, run_dir) -> tuple[dict, list[dict]]:
-    nb = nbformat.read(RECIPES / f"{name}.ipynb", as_version=4)
-    run_notebook(f"recipes/{name}", run_dir, progress=False, timeout_s=600, **nb.metadata["workbench"]["test_parameters"])
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((run_dir / "results.json").read_text()), metrics
+@pytest.fixture
+def execute(ray_address):
+    def run(name: str, run_dir) -> tuple[dict, list[dict]]:
+        nb = nbformat.read(RECIPES / f"{name}.ipynb", as_version=4)
+        run_notebook(f"recipes/{name}", run_dir, progress=False, timeout_s=600, ray_address=ray_address,
+                     **nb.metadata["workbench"]["test_parameters"])
+        metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return json.loads((run_dir / "results.json").read_text()), metrics
+    return run
 
 
 def trajectories(run_dir) -> list:
@@ -44,7 +48,7 @@ def test_recipes_are_committed_without_outputs_and_say_what_they_need():
         assert "To change for your task" in intro and "cluster (2x8 H100)" in intro, name
 
 
-def test_math_grpo(tmp_path):
+def test_math_grpo(execute, tmp_path):
     results, metrics = execute("math_grpo", tmp_path)
     # pass@k on the held-out problems before and after training, from the same estimator
     for when in ("eval_before", "eval_after"):
@@ -59,7 +63,7 @@ def test_math_grpo(tmp_path):
 
 
 @pytest.mark.parametrize("sdk", ["openai", "anthropic"])
-def test_tool_agent(sdk, tmp_path):
+def test_tool_agent(sdk, execute, tmp_path):
     results, metrics = execute(f"tool_agent_{sdk}", tmp_path)
     # the stock SDK's episodes ran and trained: none failed, rewards from the final answer
     assert results["episodes"] == 4 and results["failed_episodes"] == 0 and results["rewards_binary"]
@@ -68,14 +72,14 @@ def test_tool_agent(sdk, tmp_path):
     assert results["tool_episodes_continue"] and results["turns_mean"] >= 1
 
 
-def test_code_agent(tmp_path):
+def test_code_agent(execute, tmp_path):
     results, _ = execute("code_agent", tmp_path)
     # the sandboxed tests grade: the reference solution passes all, a wrong one none, prose none
     assert results["by_hand"] == {"right": 1.0, "identity": 0.0, "not code": 0.0}
     assert results["episodes"] == 4 and results["failed_episodes"] == 0 and results["reward_is_share_passed"]
 
 
-def test_judge_reward(tmp_path):
+def test_judge_reward(execute, tmp_path):
     results, _ = execute("judge_reward", tmp_path)
     n = 2 + results["episodes"]  # the notebook's first look (one group of 2) and the trained step
     assert results["episodes"] == 4 and results["judge_engine"]
@@ -84,7 +88,7 @@ def test_judge_reward(tmp_path):
     assert results["recorded_turns"] == results["episodes"] and not results["rubric_in_trajectories"]
 
 
-def test_distillation(tmp_path):
+def test_distillation(execute, tmp_path):
     results, metrics = execute("distillation", tmp_path)
     assert results["teacher_engine_apart"] and len(results["reverse_kl"]) == 3
     assert [m["distill_reverse_kl"] for m in metrics] == results["reverse_kl"]
@@ -93,7 +97,7 @@ def test_distillation(tmp_path):
     assert all(abs(kl) < 20 for kl in results["reverse_kl"])
 
 
-def test_async_off_policy(tmp_path):
+def test_async_off_policy(execute, tmp_path):
     results, metrics = execute("async_off_policy", tmp_path)
     modes = results["modes"]
     assert set(modes) == {"sync", "async lag 1", "async lag 2"} and len(metrics) == 7  # a warm-up step first
@@ -117,7 +121,7 @@ def test_notebooks_list_shows_every_notebook_with_parameters_and_time(capsys):
     assert "recipes/math_grpo" in out and "eval_n=4" in out and "teacher='dense'" in out
 
 
-def test_real_model_grpo(tmp_path):
+def test_real_model_grpo(execute, tmp_path):
     results, metrics = execute("real_model_grpo", tmp_path)
     assert results["model"] == "smollm2" and results["steps"] == 1 and metrics[0]["failed_episodes"] == 0
     for when in ("eval_before", "eval_after"):  # held-out pass@k from the real model's own samples

@@ -29,9 +29,12 @@ def ensure_kernel(name: str = "workbench-local") -> None:
 
 
 @contextmanager
-def _local_env():
-    """The local kernel starts its own Ray: hide a RAY_ADDRESS this process may carry."""
+def _local_env(ray_address: str | None = None):
+    """The local kernel starts its own Ray: hide a RAY_ADDRESS this process may carry (or name
+    the one it joins)."""
     saved = os.environ.pop("RAY_ADDRESS", None)
+    if ray_address:
+        os.environ["RAY_ADDRESS"] = ray_address
     try:
         yield
     finally:
@@ -40,10 +43,12 @@ def _local_env():
 
 
 def run_notebook(name: str, run_dir: str | Path, kernel: str = "workbench-local", progress: bool = True,
-                 timeout_s: int = 1800, **parameters) -> Path:
+                 timeout_s: int = 1800, ray_address: str | None = None, **parameters) -> Path:
     """Execute notebooks/<name>.ipynb with `run_dir` and `parameters`; returns the executed
     notebook's path (<run_dir>/<name>.ipynb). A failing cell raises papermill's error, and the
-    partly executed notebook is still written for a look."""
+    partly executed notebook is still written for a look. `ray_address`: a local Ray instance
+    the kernel joins instead of starting its own (the tests share theirs: a Ray start is a
+    large part of a short notebook's time on 2 cores; the kernel's actors end with it)."""
     import papermill
 
     src = NOTEBOOK_DIR / f"{name}.ipynb"
@@ -54,7 +59,7 @@ def run_notebook(name: str, run_dir: str | Path, kernel: str = "workbench-local"
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / f"{Path(name).name}.ipynb"  # a recipe ("recipes/math_grpo") lands as math_grpo.ipynb
     ensure_kernel(kernel)
-    with (_local_env() if kernel == "workbench-local" else nullcontext()):
+    with (_local_env(ray_address) if kernel == "workbench-local" else nullcontext()):
         papermill.execute_notebook(str(src), str(out), parameters={"run_dir": str(run_dir), **parameters},
                                    kernel_name=kernel, cwd=str(NOTEBOOK_DIR.parent), progress_bar=progress,
                                    execution_timeout=timeout_s)
