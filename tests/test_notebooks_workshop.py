@@ -1,11 +1,11 @@
 """The workshop notebooks, run headless through papermill on the embedded default (reference
-backend, tiny MoE, local Ray started inside the notebook's kernel). Each breaks the mechanism
+backend, tiny MoE, the test session's Ray joined by the notebook's kernel). Each breaks the mechanism
 of one invariant; the assertions read, from the notebook's results.json, the statistic that
 catches it.
 
-These tests do not use the `ray_local` fixture: the kernel is another process and starts its
-own local Ray (run_notebook hides a RAY_ADDRESS this process may carry), and every notebook
-ends with wb.shutdown()."""
+The kernel is another process; it joins this test session's Ray (run_notebook(ray_address=...))
+rather than starting its own, and every notebook ends with wb.shutdown() (the kernel's actors
+end with it in any case). The quickstart's test (test_notebooks.py) keeps `make demo`'s own Ray."""
 
 from __future__ import annotations
 
@@ -20,17 +20,18 @@ from workbench.notebooks import run_notebook
 
 
 @pytest.fixture(scope="session")
-def kernel():
+def kernel(ray_address):
     """The workbench-local kernelspec, (re)installed into this venv so its kernel runs this python."""
     subprocess.run([sys.executable, "-m", "workbench.kernels", "--sys-prefix"], check=True, capture_output=True)
     spec = KernelSpecManager().get_kernel_spec("workbench-local")
     assert spec.argv[0] == sys.executable, f"workbench-local runs {spec.argv[0]}, not this venv's {sys.executable}"
     assert "RAY_ADDRESS" not in (spec.env or {})
-    return "workbench-local"
+    return "workbench-local", ray_address
 
 
-def execute(name: str, run_dir, kernel: str, **parameters) -> dict:
-    run_notebook(name, run_dir, kernel=kernel, progress=False, timeout_s=600, **parameters)
+def execute(name: str, run_dir, kernel: tuple, **parameters) -> dict:
+    name_, address = kernel
+    run_notebook(name, run_dir, kernel=name_, progress=False, timeout_s=600, ray_address=address, **parameters)
     return json.loads((run_dir / "results.json").read_text())
 
 
