@@ -287,9 +287,15 @@ def test_a_run_survives_a_failing_view_and_an_interrupted_wait(ray_local, moe_pa
             for pid in [*group, os.getpid()]:
                 os.kill(pid, signal.SIGINT)
 
-        threading.Timer(1.0, interrupt).start()  # the run is held at step 0 until release
-        with pytest.raises(KeyboardInterrupt):
-            run.wait()
+        # Python's own handler, as a kernel has one: a shell that starts pytest in the background
+        # (`cmd &`) leaves SIGINT ignored, and Python then keeps it ignored
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            threading.Timer(1.0, interrupt).start()  # the run is held at step 0 until release
+            with pytest.raises(KeyboardInterrupt):
+                run.wait()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         assert run.interrupted and not run.done
         release.set()
         with pytest.raises(RuntimeError, match=r"interrupted while waiting .*wb.wait\(\) collects it"):
