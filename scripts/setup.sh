@@ -44,5 +44,11 @@ else
   # workbench is text-only, so remove them; vLLM and transformers run fine without them.
   $PIP uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
+# Start-up: jsonschema imports rfc3987-syntax (pulled in by Jupyter's jsonschema[format-nongpl])
+# at import time, and it builds a Lark grammar then: 3.6 s of CPU in every process that imports
+# Ray (the driver, Ray's own agents, every actor, vLLM's engine core), 30 s of connect()'s 101 s
+# on 2 cores (docs/ARCHITECTURE.md, start-up). Without it jsonschema only skips checking the
+# "iri" formats, which nothing here uses.
+$PIP uninstall --quiet -y rfc3987-syntax >/dev/null 2>&1 || true
 "$VENV/bin/python" -c "import torch, transformers, vllm, ray; print('[setup] torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)"
 echo "$want" > "$STAMP"
