@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from workbench.correction import CorrectionConfig, CorrectionConfigError, correction_weights
+from workbench.correction import CorrectionConfig, CorrectionConfigError, correction_weights, register_staleness_gate
 
 LN = math.log
 
@@ -61,6 +61,18 @@ def test_staleness_gate_drops_sequences_with_an_old_token():
     assert c.stats["stale_dropped"] == 1 and c.stats["staleness_hist"] == {0: 2, 1: 1, 5: 1}
     assert c.stats["tokens_per_version"] == {1: 1, 5: 1, 6: 2}
     assert run(CorrectionConfig(level="token", mode="trunc", low=0.0, high=2.0, max_staleness=5)).keep.all()
+
+
+def test_a_registered_staleness_gate_is_the_one_correction_weights_applies():
+    # the workshop's broken gate: a sequence as fresh as its freshest token keeps seq1 (5 behind)
+    cfg = CorrectionConfig(level="token", mode="trunc", low=0.0, high=2.0, max_staleness=4)
+    register_staleness_gate(lambda staleness, mask, k: staleness.masked_fill(~mask, 99).min(-1).values <= k)
+    try:
+        c = run(cfg)
+        assert c.keep.tolist() == [True, True] and c.stats["stale_dropped"] == 0 and c.weights[1].abs().sum() > 0
+    finally:
+        register_staleness_gate(None)
+    assert run(cfg).keep.tolist() == [True, False]
 
 
 def test_kl_estimators_and_delta_p():

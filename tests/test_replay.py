@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from workbench.replay import RouterCapture, moe_routers, routing_replay
+from workbench.replay import RouterCapture, moe_routers, register_expert_choice, routing_replay
 
 
 def tiny(arch):
@@ -50,6 +50,23 @@ def test_replay_reproduces_the_recorded_forward_and_keeps_router_gradients(arch)
     with torch.no_grad(), routing_replay(model2, experts) as stats2:
         again = model2(ids).logits
     assert torch.equal(again, recorded_logits) and stats2.disagreement_rate == 0
+
+
+def test_a_registered_expert_choice_is_the_one_replay_routes_with():
+    model = tiny("qwen3_moe")
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        live = model(ids).logits
+        other = torch.tensor([[0, 1], [2, 3]]).repeat(6, 2, 1).view(12, 2, 2)  # experts the router would not all pick
+        with routing_replay(model, other):
+            replayed = model(ids).logits
+        register_expert_choice(lambda live_ids, recorded_ids: live_ids)  # the workshop's broken choice: live routing
+        try:
+            with routing_replay(model, other) as stats:
+                ignored = model(ids).logits
+        finally:
+            register_expert_choice(None)
+    assert not torch.allclose(replayed, live) and torch.equal(ignored, live) and stats.disagreement_rate == 0
 
 
 def test_unknown_router_is_refused_clearly():

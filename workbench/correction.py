@@ -116,6 +116,22 @@ class CorrectionConfig:
                 "raw log-probs ignore the temperature the tokens were sampled at")
 
 
+def oldest_token_gate(staleness: torch.Tensor, loss_mask: torch.Tensor, max_staleness: int) -> torch.Tensor:
+    """The staleness gate: keep a sequence ([B] bool) whose oldest trainable token is at most
+    max_staleness versions behind. `staleness` [B, T]: versions behind per token, 0 where not trainable."""
+    return staleness.masked_fill(~loss_mask, 0).max(-1).values <= max_staleness
+
+
+_gate = [oldest_token_gate]
+
+
+def register_staleness_gate(fn=None) -> None:
+    """Make `fn(staleness, loss_mask, max_staleness) -> keep [B]` the staleness gate that
+    correction_weights applies in this process (None: oldest_token_gate again). The extension
+    point of workshop notebook 02's exercise; a trainer rank is another process and keeps its own."""
+    _gate[0] = fn or oldest_token_gate
+
+
 @dataclass
 class Correction:
     weights: torch.Tensor  # [B, T] per-token weight, 0 where dropped or not trainable
@@ -135,10 +151,10 @@ def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
         n_tok = mask.sum(-1).clamp(min=1)
         B = mask.shape[0]
 
-        # staleness gate, per sequence, on its oldest trainable token
+        # staleness gate, per sequence (oldest_token_gate unless another is registered)
         stale = (trainer_version - versions).masked_fill(~m, 0)
-        oldest = stale.max(-1).values
-        fresh = torch.ones(B, dtype=torch.bool, device=m.device) if cfg.max_staleness is None else oldest <= cfg.max_staleness
+        fresh = (torch.ones(B, dtype=torch.bool, device=m.device) if cfg.max_staleness is None
+                 else _gate[0](stale, m, cfg.max_staleness).to(device=m.device, dtype=torch.bool))
 
         if cfg.level == "token":
             unit = r

@@ -94,6 +94,23 @@ class RouterCapture:
             h.remove()
 
 
+def recorded_experts(live_ids: torch.Tensor, recorded_ids: torch.Tensor) -> torch.Tensor:
+    """The experts a replayed forward routes with ([N, top_k] each): the recorded ids, and the
+    router's live top-k where none were recorded (-1)."""
+    captured = (recorded_ids >= 0).all(dim=-1, keepdim=True)
+    return torch.where(captured, recorded_ids, live_ids)
+
+
+_choice = [recorded_experts]
+
+
+def register_expert_choice(fn=None) -> None:
+    """Make `fn(live_ids, recorded_ids) -> ids` the rule routing_replay routes with in this
+    process (None: recorded_experts again). The extension point of workshop notebook 03's
+    exercise; a trainer rank is another process and keeps its own."""
+    _choice[0] = fn or recorded_experts
+
+
 @dataclass
 class ReplayStats:
     """Per MoE layer: positions replayed, positions that fell back to live routing (-1), and
@@ -153,7 +170,7 @@ def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: 
                 )
             rec = flat[:, layer, :].to(live_ids.device)
             captured = (rec >= 0).all(dim=-1)
-            ids = torch.where(captured[:, None], rec, live_ids)
+            ids = _choice[0](live_ids, rec).to(live_ids.device)
             # Activation checkpointing re-runs this forward inside backward: the replay must
             # apply there too (hence the context must stay open across backward), but the
             # positions are counted once, on the real forward.
