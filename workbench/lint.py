@@ -479,18 +479,19 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
 
 def lint(tokenizer_or_path, shapes: list[str] | None = None, *, end_of_turn: str | None = None,
          stops: list[str] | None = None, template_kwargs: dict | None = None,
-         reasoning_in_content: bool | None = None, profile=None) -> LintReport:
+         reasoning_in_content: bool | None = None, profile=None, accumulator_cls=Accumulator) -> LintReport:
     """Lint a chat template for exact accumulation. `tokenizer_or_path`: a real family name
     (workbench.real_models.FAMILIES: "qwen3", "llama3.1", ...; linted with the family's model
     profile), a tokenizer directory, or a tokenizer object with a chat template. `stops`: the
     engine's stop tokens (default: the family's, the directory's generation_config.json eos ids, or
     the end of turn). `profile` (a workbench.profiles.ModelProfile, for a directory or tokenizer):
-    its ends of turn, message form and the loopback's parsers, as the server would run them."""
+    its ends of turn, message form and the loopback's parsers, as the server would run them.
+    `accumulator_cls`: an Accumulator subclass to play instead (notebook 04's exercise)."""
     name, fmt, stops_, ric, parser = _resolve(tokenizer_or_path, end_of_turn, stops, template_kwargs,
                                               reasoning_in_content, profile)
     results, renders = [], []
     for s in shapes or list(SHAPES):
-        results.append(run_shape(fmt, s, stops_, ric, parser=parser))
+        results.append(run_shape(fmt, s, stops_, ric, accumulator_cls, parser=parser))
         _, tools, steps = SHAPES[s]
         try:
             renders.append(fmt.render(steps[0][0], tools, add_generation_prompt=True))
