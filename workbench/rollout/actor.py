@@ -7,7 +7,9 @@ machine an actor that asks for more CPUs than are free waits forever instead of 
 
 from __future__ import annotations
 
-from .engine import SamplingConfig, create_engine
+import asyncio
+
+from .engine import Sample, SamplingConfig, create_engine
 
 
 class EngineHost:
@@ -30,6 +32,15 @@ class EngineHost:
         if self.log is not None:
             self.log.append((list(prompt_ids), list(sample.token_ids)))
         return sample
+
+    async def generate_stream(self, prompt_ids, sampling: SamplingConfig | None = None, request_id=None,
+                              return_routed_experts=False):
+        """engine.generate_stream through Ray: call it with .options(num_returns="streaming")
+        (stream_generate does), each item an object the caller gets as it is produced."""
+        async for item in self.engine.generate_stream(prompt_ids, sampling, request_id, return_routed_experts):
+            if isinstance(item, Sample) and self.log is not None:
+                self.log.append((list(prompt_ids), list(item.token_ids)))
+            yield item
 
     async def sample_log(self) -> list:
         return list(self.log or [])
@@ -57,6 +68,19 @@ class EngineHost:
 
     async def shutdown(self) -> None:
         await self.engine.shutdown()
+
+
+async def stream_generate(actor, prompt_ids, sampling, return_routed_experts=False, timeout_s: float | None = None):
+    """An EngineHost's generate_stream from another process: Ray's streaming generator
+    (num_returns="streaming"), each item awaited as the actor yields it; `timeout_s` bounds the
+    wait for each (asyncio.TimeoutError)."""
+    gen = actor.generate_stream.options(num_returns="streaming").remote(prompt_ids, sampling, None, return_routed_experts)
+    while True:
+        try:
+            ref = await asyncio.wait_for(gen.__anext__(), timeout_s)
+        except StopAsyncIteration:
+            return
+        yield await ref
 
 
 def launch_engine(backend: str, name: str | None = None, env: dict | None = None, keep_log: bool = False,

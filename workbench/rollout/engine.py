@@ -133,6 +133,12 @@ class RolloutEngine(abc.ABC):
         return_routed_experts: bool = False,
     ) -> Sample: ...
 
+    async def generate_stream(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False):
+        """generate() as the engine produces it: lists of newly sampled ids, in order, then the
+        finished Sample, the very one generate() returns (so a streamed turn records what an
+        unstreamed one does). This default yields the Sample alone; both backends stream."""
+        yield await self.generate(prompt_ids, sampling, request_id, return_routed_experts)
+
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None: ...
 

@@ -32,6 +32,7 @@ class _Request:
     want_experts: bool
     future: asyncio.Future
     generator: torch.Generator
+    stream: asyncio.Queue | None = None  # generate_stream's: each sampled id as it is sampled
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -103,6 +104,25 @@ class ReferenceEngine(RolloutEngine):
         return self.info()
 
     async def generate(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False) -> Sample:
+        return await self._submit(prompt_ids, sampling, request_id, return_routed_experts).future
+
+    async def generate_stream(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False):
+        """Each decode step's token as it is sampled (the steps that came while the consumer was
+        away, together), then the Sample generate() would return."""
+        stream: asyncio.Queue = asyncio.Queue()  # sampled ids, then None once the request is finished
+        req = self._submit(prompt_ids, sampling, request_id, return_routed_experts, stream)
+        req.future.add_done_callback(lambda _: stream.put_nowait(None))
+        done = False
+        while not done:
+            ids = [await stream.get()]
+            while not stream.empty():
+                ids.append(stream.get_nowait())
+            done = ids[-1] is None
+            if ids[0] is not None:
+                yield ids[:-1] if done else ids
+        yield await req.future
+
+    def _submit(self, prompt_ids, sampling, request_id, return_routed_experts, stream=None) -> _Request:
         s = sampling or SamplingConfig()
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
@@ -115,11 +135,11 @@ class ReferenceEngine(RolloutEngine):
         seed = s.seed if s.seed is not None else int(self._rng.integers(2**62))
         req = _Request(
             list(prompt_ids), s, request_id or uuid.uuid4().hex, return_routed_experts,
-            asyncio.get_running_loop().create_future(), torch.Generator().manual_seed(seed),
+            asyncio.get_running_loop().create_future(), torch.Generator().manual_seed(seed), stream,
         )
         self._queue.append(req)
         self._wakeup.set()
-        return await req.future
+        return req
 
     async def abort(self, request_id: str) -> None:
         for r in list(self._queue):
@@ -233,6 +253,8 @@ class ReferenceEngine(RolloutEngine):
                 r.token_ids.append(tok)
                 r.logprobs.append(lp)
                 r.versions.append(version)
+                if r.stream is not None:
+                    r.stream.put_nowait(tok)
                 next_ids[i, 0] = tok
                 reason = self._stop_reason(r, tok)
                 if reason:

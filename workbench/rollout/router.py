@@ -63,6 +63,38 @@ class EngineRouter:
                 self.outstanding[i] -= 1
         raise EngineUnavailable(f"all {len(self.engines)} rollout engines are dead (last error: {last_error})")
 
+    async def generate_stream(self, prompt_ids, sampling, session_id: str | None = None, return_routed_experts: bool = False):
+        """generate(), streamed (actor.stream_generate): new ids as the engine samples them, then the
+        Sample. An engine that dies before its first item is failed over as in generate(); after
+        it, the error is the caller's (ids were already sent on)."""
+        import ray
+
+        from .actor import stream_generate
+
+        last_error = None
+        for _ in range(len(self.engines)):
+            i = self.pick(session_id)
+            self.outstanding[i] += 1
+            started = False
+            try:
+                async for item in stream_generate(self.engines[i], prompt_ids, sampling, return_routed_experts,
+                                                  self.request_timeout_s):
+                    started = True
+                    yield item
+                self.requests[i] += 1
+                return
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                self.dead.add(i)
+                if started:
+                    raise
+                self.failovers += 1
+                last_error = e
+            except asyncio.TimeoutError:
+                raise EngineUnavailable(f"engine {i} did not answer within {self.request_timeout_s} s") from None
+            finally:
+                self.outstanding[i] -= 1
+        raise EngineUnavailable(f"all {len(self.engines)} rollout engines are dead (last error: {last_error})")
+
     def state(self) -> dict:
         return {"engines": len(self.engines), "dead": sorted(self.dead), "outstanding": list(self.outstanding),
                 "requests": dict(self.requests), "sessions": len(self.sticky), "failovers": self.failovers}

@@ -190,6 +190,14 @@ class VLLMEngine(RolloutEngine):
         return self.info()
 
     async def generate(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False) -> Sample:
+        async for item in self.generate_stream(prompt_ids, sampling, request_id, return_routed_experts):
+            pass
+        return item
+
+    async def generate_stream(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False):
+        """vLLM's incremental outputs (AsyncLLM.generate, cumulative: each output holds every id so
+        far) as lists of new ids, then the Sample built from the final output: generate() is this,
+        consumed, so a streamed and an unstreamed request record the same thing."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -211,9 +219,13 @@ class VLLMEngine(RolloutEngine):
             seed=s.seed,
             logprobs=0,  # the sampled token's own log-prob
         )
-        final = None
+        final, n = None, 0
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=request_id):
             final = out
+            ids = out.outputs[0].token_ids
+            if not out.finished and len(ids) > n:
+                yield list(ids[n:])
+                n = len(ids)
         o = final.outputs[0]
         ids = list(o.token_ids)
         logprobs = [d[t].logprob for t, d in zip(ids, o.logprobs or [])]
@@ -225,7 +237,7 @@ class VLLMEngine(RolloutEngine):
                 raise RuntimeError(f"vLLM returned no routed experts for request {request_id} although the engine "
                                    f"was started with enable_return_routed_experts=True")
             experts = compact_experts(o.routed_experts, len(prompt_ids) + len(ids), *self.moe_shape, request_id)
-        return Sample(
+        yield Sample(
             prompt_ids=list(prompt_ids),
             token_ids=ids,
             logprobs=logprobs,
