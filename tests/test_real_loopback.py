@@ -34,6 +34,15 @@ class Replay:
         ids, finish = self.queue.pop(0)
         return Sample(list(prompt_ids), ids, [-0.5] * len(ids), [0] * len(ids), finish)
 
+    async def generate_stream(self, prompt_ids, sampling):
+        """The ids one at a time, as an engine samples them (the server streams them live), then
+        the sample."""
+        sample = await self.generate(prompt_ids, sampling)
+        for i in sample.token_ids:
+            yield [i]
+            await asyncio.sleep(0)
+        yield sample
+
 
 def _ended(fam, d) -> tuple[list[int], str]:
     """The recorded ids as the engine returns them: with the token that ended the turn."""
@@ -101,7 +110,7 @@ def _openai_turn(client, d, stream: bool):
         m = client.chat.completions.create(**kw).choices[0].message
         reasoning = getattr(m, "reasoning_content", None)
         calls = [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or []]
-        return _norm(reasoning), _norm(m.content), calls, m
+        return _norm(reasoning), _norm(m.content), calls, (reasoning or "", m.content or "")
     reasoning, content, calls, n = "", "", {}, 0
     for ch in client.chat.completions.create(stream=True, **kw):
         if not ch.choices:
@@ -114,7 +123,8 @@ def _openai_turn(client, d, stream: bool):
             c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
             c["name"] += (tc.function.name or "") if tc.function else ""
             c["arguments"] += (tc.function.arguments or "") if tc.function else ""
-    return (_norm(reasoning), _norm(content), [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], n)
+    return (_norm(reasoning), _norm(content), [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())],
+            (n, reasoning, content))
 
 
 @pytest.mark.parametrize("name", ["qwen3", "mistral-v3", "gpt-oss", "deepseek-v3.1", "llama3.1"])
@@ -135,11 +145,12 @@ def test_b_openai_sdk_reads_recorded_replies(name):
             sid = server.open_session()
             client = openai.OpenAI(base_url=server.base_url(sid), api_key=server.api_key, max_retries=0)
             engine.push(ids, finish)
-            r, c, calls, _ = _openai_turn(client, d, stream=False)
+            r, c, calls, whole = _openai_turn(client, d, stream=False)
             assert (r, c, calls) == _expected(d), d["id"]
             engine.push(ids, finish)
-            r2, c2, calls2, chunks = _openai_turn(client, d, stream=True)
+            r2, c2, calls2, (chunks, *streamed) = _openai_turn(client, d, stream=True)
             assert (r2, c2, calls2) == _expected(d), d["id"]
+            assert tuple(streamed) == whole, d["id"]  # the deltas put together the unstreamed reply, exactly
             if len(r or "") + len(c or "") > 40:
                 assert chunks > 4  # streamed in pieces, not one delta
             seen_reasoning += r is not None
@@ -182,6 +193,7 @@ def test_b_anthropic_sdk_reads_recorded_replies(name):
             kw = dict(model="policy", max_tokens=4096, messages=[{"role": "user", "content": "Please help."}])
             if tools:
                 kw["tools"] = tools
+            whole = None
             for stream in (False, True):
                 engine.push(*_ended(fam, d))
                 if stream:
@@ -194,8 +206,10 @@ def test_b_anthropic_sdk_reads_recorded_replies(name):
                 text = "".join(b.text for b in msg.content if b.type == "text")
                 calls = [(b.name, b.input) for b in msg.content if b.type == "tool_use"]
                 assert (_norm(thinking), _norm(text), calls) == _expected(d), (d["id"], stream)
+                assert whole in (None, (thinking, text)), d["id"]  # streamed == unstreamed, exactly
+                whole = (thinking, text)
                 if stream and thinking:
-                    assert kinds.count("thinking_delta") == -(-len(thinking) // 16) and "signature_delta" in kinds
+                    assert kinds.count("thinking_delta") >= -(-len(thinking) // 16) and "signature_delta" in kinds
                 assert msg.stop_reason == ("tool_use" if calls else "max_tokens" if "truncated" in d["tags"] else "end_turn")
         server.close_session(sid)
 

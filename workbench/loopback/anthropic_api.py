@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .protocol import ChatRequest, Reply, RequestError, number, pieces, sampling_from, short, stop_strings, want
+from .protocol import ChatRequest, Reply, RequestError, number, sampling_from, short, stop_strings, want
 
 # Tool-use ids are the reply's tool-call ids behind this prefix; requests map them back (a template
 # that renders ids, Mistral's, sees the same id on both protocols).
@@ -155,28 +155,57 @@ def response_body(r: Reply, req: ChatRequest, model: str) -> dict:
             "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}}
 
 
-def stream_events(r: Reply, req: ChatRequest, model: str):
+async def stream_events(head: Reply, parts, req: ChatRequest, model: str):
+    """The SSE event sequence the SDK expects, while the reply is sampled: `parts` as
+    openai_api.stream_events takes it. Reasoning deltas go to a thinking block (closed with the
+    signature), content to a text block, each tool call to a tool_use block, whole."""
     def event(kind: str, data: dict) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
-    head = response_body(r, req, model)
-    yield event("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
-                                              "usage": {"input_tokens": r.prompt_tokens, "output_tokens": 0}}})
-    for i, b in enumerate(_content(r)):
-        if b["type"] == "thinking":  # in pieces, then the signature, as the real API streams it
-            yield event("content_block_start", {"index": i, "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
-            for piece in pieces(b["thinking"]):
-                yield event("content_block_delta", {"index": i, "delta": {"type": "thinking_delta", "thinking": piece}})
-            yield event("content_block_delta", {"index": i, "delta": {"type": "signature_delta", "signature": b["signature"]}})
-        elif b["type"] == "text":
-            yield event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
-            for piece in pieces(b["text"]) or [""]:
-                yield event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": piece}})
-        else:
-            yield event("content_block_start", {"index": i, "content_block": {**b, "input": {}}})
-            yield event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta", "partial_json": json.dumps(b["input"])}})
-        yield event("content_block_stop", {"index": i})
-    yield event("message_delta", {"delta": {"stop_reason": head["stop_reason"], "stop_sequence": r.stop_sequence},
+    yield event("message_start", {"message": {
+        "id": "msg_" + head.id.split("-")[-1], "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": head.prompt_tokens, "output_tokens": 0}}})
+    index, block, texts = -1, None, 0
+
+    def close() -> list[str]:  # the open block's end (a thinking block's signature first, as the real API)
+        out = []
+        if block == "thinking":
+            out.append(event("content_block_delta", {"index": index, "delta": {"type": "signature_delta", "signature": SIGNATURE}}))
+        if block is not None:
+            out.append(event("content_block_stop", {"index": index}))
+        return out
+
+    async for part in parts:
+        if isinstance(part, Reply):
+            r = part
+            break
+        if part[0] == "error":
+            yield f"event: error\ndata: {json.dumps(error_body(part[1], part[2]))}\n\n"
+            return
+        kind = "thinking" if part[0] == "reasoning" else "text"
+        if kind != block:
+            for e in close():
+                yield e
+            index, block = index + 1, kind
+            texts += kind == "text"
+            yield event("content_block_start", {"index": index, "content_block": {"type": "thinking", "thinking": "", "signature": ""}
+                                               if kind == "thinking" else {"type": "text", "text": ""}})
+        delta = {"type": "thinking_delta", "thinking": part[1]} if kind == "thinking" else {"type": "text_delta", "text": part[1]}
+        yield event("content_block_delta", {"index": index, "delta": delta})
+    if not texts and not r.tool_calls:  # an empty reply is one empty text block, as response_body's
+        for e in close():
+            yield e
+        index, block = index + 1, "text"
+        yield event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+        yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": ""}})
+    for e in close():
+        yield e
+    for b in [b for b in _content(r) if b["type"] == "tool_use"]:
+        index += 1
+        yield event("content_block_start", {"index": index, "content_block": {**b, "input": {}}})
+        yield event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta", "partial_json": json.dumps(b["input"])}})
+        yield event("content_block_stop", {"index": index})
+    yield event("message_delta", {"delta": {"stop_reason": _stop_reason(r), "stop_sequence": r.stop_sequence},
                                   "usage": {"output_tokens": r.completion_tokens}})
     yield event("message_stop", {})
 

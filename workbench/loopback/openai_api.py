@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .protocol import ChatRequest, Reply, RequestError, loads, number, pieces, sampling_from, short, stop_strings, want
+from .protocol import ChatRequest, Reply, RequestError, loads, number, sampling_from, short, stop_strings, want
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -155,24 +155,30 @@ def response_body(r: Reply, req: ChatRequest, model: str) -> dict:
     }
 
 
-def stream_events(r: Reply, req: ChatRequest, model: str):
-    """SSE `data:` lines. The reply is complete when streaming starts (the engine returns whole
-    samples), so the stream carries it in a few chunks; the SDKs assemble them as usual."""
+async def stream_events(head: Reply, parts, req: ChatRequest, model: str):
+    """SSE `data:` lines while the reply is sampled. `parts` (server._stream_parts) yields
+    ("reasoning" | "content", text) deltas, then the finished Reply (its tool calls, each whole
+    in one delta; the finish reason; every token's log-prob, on the finishing chunk), or
+    ("error", status, message) for a turn that failed after the stream began."""
     def chunk(delta: dict, finish=None, logprobs=None, usage=None, choices=True) -> str:
-        body = {"id": r.id, "object": "chat.completion.chunk", "created": r.created, "model": model,
+        body = {"id": head.id, "object": "chat.completion.chunk", "created": head.created, "model": model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}] if choices else []}
         if usage is not None:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
-    for piece in pieces(r.reasoning or ""):  # reasoning first, in pieces (vLLM's delta field)
-        yield chunk({"reasoning_content": piece})
-    for k, piece in enumerate(pieces(r.content)):  # the log-probs of every sampled token ride on the first piece
-        yield chunk({"content": piece}, logprobs=_logprobs(r) if req.logprobs and k == 0 else None)
+    async for part in parts:
+        if isinstance(part, Reply):
+            r = part
+            break
+        if part[0] == "error":
+            yield f"data: {json.dumps(error_body(part[1], part[2]))}\n\n"
+            return
+        yield chunk({"reasoning_content" if part[0] == "reasoning" else "content": part[1]})  # vLLM's delta fields
     for i, tc in enumerate(_tool_calls(r)):  # a call whole, in one delta
         yield chunk({"tool_calls": [{"index": i, **tc}]})
-    yield chunk({}, finish=_finish(r))
+    yield chunk({}, finish=_finish(r), logprobs=_logprobs(r) if req.logprobs else None)
     if req.include_usage:
         yield chunk({}, usage=_usage(r), choices=False)
     yield "data: [DONE]\n\n"

@@ -161,6 +161,7 @@ class ChatRequest:
     sent: dict = field(default_factory=dict)  # distribution fields the request sent (protocol.sampling_from)
     retry: bool = False  # the client says this is a retry of its previous request (x-stainless-retry-count >= 1)
     size: int = 0  # bytes of the request body (or characters of its messages): large ones are planned in a thread
+    feed: object = None  # a streamed request's streaming.TokenFeed: the engine call reports sampled ids to it
 
 
 @dataclass

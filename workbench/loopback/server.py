@@ -68,11 +68,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from ..rollout.engine import SamplingConfig
+from ..rollout.actor import stream_generate
+from ..rollout.engine import Sample, SamplingConfig
 from ..tokens import Accumulator, ChatFormat, Segment, new_tool_call_id, segment_stats
 from . import anthropic_api, openai_api
 from .parsing import ReplyParser, reply_text
 from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, differs, loads, policy_value
+from .streaming import ReplyStream, TokenFeed
 
 PROTOCOLS = {"openai": openai_api, "anthropic": anthropic_api}
 log = logging.getLogger(__name__)
@@ -97,9 +99,13 @@ class ServerStats:
     unexpected_errors: Counter = field(default_factory=Counter)
 
 
-async def call_engine(engine, prompt_ids, sampling, session_id=None, return_routed_experts=False):
+async def call_engine(engine, prompt_ids, sampling, session_id=None, return_routed_experts=False, feed=None):
     """`engine`: an EngineRouter (gets the session id, for stickiness), a Ray actor handle
-    (EngineHost), or any object with an async `generate(prompt_ids, sampling)`."""
+    (EngineHost), or any object with an async `generate(prompt_ids, sampling)`. With `feed` (a
+    streamed request's TokenFeed) the engine's generate_stream is used where it has one: the ids
+    go to the feed as they are sampled, and the Sample returned is the one generate() returns."""
+    if feed is not None:
+        return await stream_engine(engine, prompt_ids, sampling, session_id, return_routed_experts, feed)
     if getattr(engine, "routes_sessions", False):
         return await engine.generate(prompt_ids, sampling, session_id=session_id, return_routed_experts=return_routed_experts)
     gen = engine.generate
@@ -108,6 +114,27 @@ async def call_engine(engine, prompt_ids, sampling, session_id=None, return_rout
     if return_routed_experts:
         return await gen(prompt_ids, sampling, return_routed_experts=True)
     return await gen(prompt_ids, sampling)
+
+
+async def stream_engine(engine, prompt_ids, sampling, session_id, return_routed_experts, feed):
+    feed.prompt(len(prompt_ids))
+    if getattr(engine, "routes_sessions", False):
+        items = engine.generate_stream(prompt_ids, sampling, session_id=session_id, return_routed_experts=return_routed_experts)
+    elif hasattr(engine.generate, "remote"):
+        items = stream_generate(engine, prompt_ids, sampling, return_routed_experts)
+    elif hasattr(engine, "generate_stream"):
+        items = engine.generate_stream(prompt_ids, sampling, **({"return_routed_experts": True} if return_routed_experts else {}))
+    else:  # an engine that only answers whole: its ids come with the finished sample
+        return await call_engine(engine, prompt_ids, sampling, session_id, return_routed_experts)
+    sample = None
+    async for item in items:
+        if isinstance(item, Sample):
+            sample = item
+        else:
+            feed.extend(item)
+    if sample is None:
+        raise RuntimeError("the engine's stream ended without its finished sample")
+    return sample
 
 
 # Engine failures, by the names of the exception's classes (Ray's, vLLM's, the router's; no import
@@ -453,6 +480,8 @@ class LoopbackServer:
                 raise RequestError(404, f"unknown session {sid!r}: the framework opens sessions before handing out base URLs")
             req = self._parse_request(api, body, protocol)
             req.retry, req.size = retry_count(request) >= 1, len(raw)
+            if req.stream:
+                return await self._stream(api, req, sid, t0)
             reply, engine_s = await (self._side_turn(req) if sid is None else self._session_turn(sid, req))
         except RequestError as e:
             return self._error(protocol, e.status, e.message, e.param, e.code, e.headers)
@@ -475,10 +504,70 @@ class LoopbackServer:
                                               f"server's log")
         self.stats.overhead_s.append(time.perf_counter() - t0 - engine_s)
         self.stats.engine_s.append(engine_s)
-        if req.stream:
-            return StreamingResponse(api.stream_events(reply, req, self.model_name), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
         return JSONResponse(api.response_body(reply, req, self.model_name))
+
+    # ------------------------------------------------------------------ streaming (loopback/streaming.py)
+    async def _stream(self, api, req: ChatRequest, sid: str | None, t0: float):
+        """A streamed request: the turn (the same one an unstreamed request runs) is a task that
+        reports the sampled ids to req.feed. The response starts with the first sampled ids (or the
+        turn's end), so that a request that fails before any token gets its status as unstreamed."""
+        feed = req.feed = TokenFeed()
+        turn = asyncio.ensure_future(self._side_turn(req) if sid is None else self._session_turn(sid, req))
+        turn.add_done_callback(lambda t: t.cancelled() or t.exception())  # a client gone mid-stream: no warning
+        while not (turn.done() or feed.ids):
+            await self._changed(feed, turn)
+        prompt_tokens = feed.prompt_tokens if not turn.done() else turn.result()[0].prompt_tokens  # raises its error
+        head = Reply(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", content="", tool_calls=[], finish="", stop_sequence=None,
+                     prompt_tokens=prompt_tokens or 0, completion_tokens=0, created=int(time.time()))
+        return StreamingResponse(api.stream_events(head, self._stream_parts(req, turn, sid, t0), req, self.model_name),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @staticmethod
+    async def _changed(feed: TokenFeed, turn) -> None:
+        feed.changed.clear()
+        waiter = asyncio.ensure_future(feed.changed.wait())
+        await asyncio.wait([turn, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+
+    async def _stream_parts(self, req: ChatRequest, turn, sid, t0):
+        """("reasoning" | "content", text) deltas as the ids arrive, the rest once the turn is
+        done, then its Reply; or ("error", status, message) when the turn failed after the start."""
+        feed, text = req.feed, ReplyStream(self.fmt, self.reply_parser, req)
+        k = 0
+        while k < len(feed.ids) or not turn.done():
+            if k < len(feed.ids):
+                new, k = feed.ids[k:], len(feed.ids)
+                for part in text.feed(new):
+                    yield part
+            else:
+                await self._changed(feed, turn)
+        try:
+            reply, engine_s = turn.result()
+        except Exception as e:
+            status, message = self._stream_failure(e, sid)
+            self.stats.errors[status] += 1
+            yield ("error", status, message)
+            return
+        self.stats.overhead_s.append(time.perf_counter() - t0 - engine_s)
+        self.stats.engine_s.append(engine_s)
+        for part in text.finish(reply):
+            yield part
+        yield reply
+
+    def _stream_failure(self, e: Exception, sid) -> tuple[int, str]:
+        """What a streamed turn that failed after its response started tells the client, in an
+        error event (the status went out with the first ids): as _handle answers the same error."""
+        if isinstance(e, RequestError):
+            return e.status, e.message
+        if isinstance(e, EngineCallFailed):
+            known = engine_error(e.error, self.retry_after_s)
+            log.log(logging.WARNING, "loopback streamed request: engine call failed (session %s)", sid, exc_info=e.error)
+            if known is not None:
+                return known.status, known.message
+            return 500, f"generation failed: internal engine error {type(unwrap(e.error)).__name__}"
+        self.stats.unexpected_errors["internal"] += 1
+        log.error("loopback streamed request failed (session %s)", sid, exc_info=e)
+        return 500, "internal server error; the detail is in the server's log"
 
     # ------------------------------------------------------------------ turns
     def _fit(self, req: ChatRequest, sampling: SamplingConfig, prompt_len: int) -> tuple[bool, bool]:
@@ -543,7 +632,7 @@ class LoopbackServer:
                              created=int(time.time()), truncated=True), 0.0
             t = time.perf_counter()
             try:
-                sample = await call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts)
+                sample = await call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts, req.feed)
             except BaseException as e:
                 acc.forget_last_request()  # its retry must not get an older identical request's reply
                 if isinstance(e, Exception):
@@ -587,7 +676,7 @@ class LoopbackServer:
                                param="messages", code="context_length_exceeded")
         t = time.perf_counter()
         try:
-            sample = await call_engine(self.side_engine, ids, req.sampling)
+            sample = await call_engine(self.side_engine, ids, req.sampling, feed=req.feed)
         except Exception as e:
             raise EngineCallFailed(e) from e
         return self._reply(sample, req, len(ids)), time.perf_counter() - t
