@@ -1,7 +1,9 @@
 """The workshop notebooks, run headless through papermill on the embedded default (reference
 backend, tiny MoE, the test session's Ray joined by the notebook's kernel). Each breaks the mechanism
 of one invariant; the assertions read, from the notebook's results.json, the statistic that
-catches it.
+catches it. Each ends with an exercise whose check runs the mechanism with the attendee's function:
+the run passes exercise=["yours", "solution"], so one run checks the exercise cell as committed
+(broken: the check must say it fails) and the hidden solution (the check must say it holds).
 
 The kernel is another process; it joins this test session's Ray (run_notebook(ray_address=...))
 rather than starting its own, and every notebook ends with wb.shutdown() (the kernel's actors
@@ -29,9 +31,13 @@ def kernel(ray_address):
     return "workbench-local", ray_address
 
 
+BOTH_WAYS = ["yours", "solution"]  # the exercise check on the committed (broken) cell and on the solution
+
+
 def execute(name: str, run_dir, kernel: tuple, **parameters) -> dict:
     name_, address = kernel
-    run_notebook(name, run_dir, kernel=name_, progress=False, timeout_s=600, ray_address=address, **parameters)
+    run_notebook(name, run_dir, kernel=name_, progress=False, timeout_s=600, ray_address=address,
+                 exercise=BOTH_WAYS, **parameters)
     return json.loads((run_dir / "results.json").read_text())
 
 
@@ -51,6 +57,10 @@ def test_01_token_identity_mismatch_catches_a_retokenizing_recorder(kernel, tmp_
     assert r["identity_mismatch_broken"] > 0 and not r["record_equals_engine_broken"]
     assert r["drift_recorded_broken"] == 0  # drift alone cannot see the bug
     assert plots(tmp_path) >= {"identity.html", "segment_correct.html", "segment_broken.html"}
+    # the exercise: the recorder as committed retokenizes, and the check says so; the solution holds
+    yours, solution = r["exercise"]["yours"], r["exercise"]["solution"]
+    assert not yours["holds"] and yours["identity_mismatch"] > 0 and "FAILS" in yours["line"]
+    assert solution["holds"] and solution["identity_mismatch"] == 0 and solution["sampled_tokens"] > 0
 
 
 def test_02_policy_versions_partial_rollout_and_the_staleness_gate(kernel, tmp_path, capsys):
@@ -71,6 +81,12 @@ def test_02_policy_versions_partial_rollout_and_the_staleness_gate(kernel, tmp_p
     assert r["kl_k3_nogate"] > 100 * max(r["kl_k3_gate"], 1e-6) and r["kl_k3_gate"] < 1e-5
     assert r["max_abs_delta_p_nogate"] > r["max_abs_delta_p_gate"]
     assert plots(tmp_path) >= {"gate_partial.html", "gate_vs_no_gate.html", "segment_versions.html"}
+    # the exercise: the committed gate (freshest token) keeps the stale sequences, the solution is the trainer's gate
+    yours, solution = r["exercise"]["yours"], r["exercise"]["solution"]
+    assert not yours["holds"] and yours["oldest_kept"] > r["max_staleness"] and yours["stale_dropped"] == 0
+    assert yours["kl_k3_trained"] > 100 * max(solution["kl_k3_trained"], 1e-6) and "FAILS" in yours["line"]
+    assert solution["holds"] and solution["stale_dropped"] == solution["too_old"] == r["stale_dropped_gate"]
+    assert solution["kl_k3_trained"] == pytest.approx(r["kl_k3_gate"], rel=1e-6, abs=1e-12)
 
 
 def test_03_routing_replay_lowers_train_vs_rollout_kl(kernel, tmp_path, capsys):
@@ -87,3 +103,10 @@ def test_03_routing_replay_lowers_train_vs_rollout_kl(kernel, tmp_path, capsys):
     assert step["kl_k3"] == pytest.approx(r["kl_k3_replay"], rel=1e-3)
     assert step["kl_k3_live"] == pytest.approx(r["kl_k3_live"], rel=1e-3)
     assert plots(tmp_path) >= {"replay_vs_live.html", "replay_monitor.html", "segment_experts.html"}
+    # the exercise: the trainer's forward (in the kernel, on the trainer's starting weights) with the
+    # committed rule routes live, with the solution it replays: each matches the trainer's own number
+    yours, solution = r["exercise"]["yours"], r["exercise"]["solution"]
+    assert not yours["holds"] and yours["changed"] > 0 and "FAILS" in yours["line"]
+    assert yours["kl_k3"] == pytest.approx(r["kl_k3_live"], rel=0.05)
+    assert solution["holds"] and solution["changed"] == 0 and solution["recorded"] == yours["recorded"] > 0
+    assert solution["kl_k3"] == pytest.approx(r["kl_k3_replay"], rel=0.05)
