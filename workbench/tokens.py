@@ -76,6 +76,13 @@ class Segment:
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
         self.versions += list(versions) if versions is not None else [-1] * n
 
+    def copy(self) -> "Segment":
+        """An independent copy. (copy.deepcopy walks every id one object at a time: ~1 ms per
+        short episode on the loopback's event loop; the number columns copy flat.)"""
+        ex = self.routed_experts
+        return Segment(list(self.token_ids), list(self.loss_mask), list(self.logprobs), list(self.versions),
+                       None if ex is None else ex.copy(), copy.deepcopy(self.messages), self.seal_reason, dict(self.stats))
+
     def check(self) -> None:
         n = len(self.token_ids)
         if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
@@ -370,22 +377,38 @@ class TurnPlan:
     prompt_ids: list[int]
     messages: list[dict]  # canonical request messages
     tools: list | None
-    prompt_text: str  # full render of the request with the generation prompt
+    prompt_text: str  # render of the request's window (Accumulator.window) with the generation prompt
     delta_len: int  # ids added to the segment before sampling
     new_segment: bool
     seal_reason: str | None
     cached: Any = None  # the previous reply, for a retried request
+    window_start: int = 0  # the rendered window: leading system messages + messages[window_start:] (0: all)
 
 
 class Accumulator:
-    """Exact per-token accumulation for one session (one agent episode)."""
+    """Exact per-token accumulation for one session (one agent episode).
+
+    An extending turn renders a window of the conversation, not all of it: the leading system
+    messages and everything from a user message on (`window`). Rendering all of it made every turn
+    cost time linear in the conversation (two template renders per turn, ~10 us per message). The
+    window starts at the first message and moves to the last user message once it holds more than
+    `window_messages` messages; a shorter conversation renders whole. Exact where a message renders
+    the same whatever precedes that user message, besides the system messages: the rewrites that
+    templates make of earlier turns (Qwen3 strips reasoning before the last user message, Mistral
+    moves the system prompt and tools to it) touch only messages from the previous user message on,
+    which the window holds (tests/test_tokens.py: the same plans and records with the window
+    moved at every user turn as with the whole conversation, on the real templates' shapes).
+    A template that numbers turns or counts earlier messages needs `window_messages = None`."""
+
+    window_messages: int | None = 32
 
     def __init__(self, fmt: ChatFormat):
         self.fmt = fmt
         self.segments: list[Segment] = []
         self.lock = asyncio.Lock()  # turns of one session are serialised
         self._conversation: list[dict] | None = None  # request + returned assistant message
-        self._conversation_text = ""  # render of _conversation (no generation prompt)
+        self._conversation_text = ""  # render of _conversation's window (no generation prompt)
+        self._window_start = 0  # the window of _conversation_text (see window)
         self._tools_key: str | None = None
         self._closing_text = ""  # template text owed after the last sampled token
         self._last_request: tuple | None = None
@@ -402,28 +425,37 @@ class Accumulator:
         repeat of the last request served from the cache."""
         canonical = getattr(self.fmt, "canonical", canonical_message)  # a format without a profile: the defaults
         msgs = [canonical(m) for m in messages]
-        key = (json.dumps(msgs, sort_keys=True), json.dumps(tools, sort_keys=True))
-        if retry and key == self._last_request and self._last_reply is not None:  # nothing to render
-            return TurnPlan([], msgs, tools, "", 0, False, None, cached=self._last_reply)
-        full = self.fmt.render(msgs, tools, add_generation_prompt=True)
+        if retry and self._last_reply is not None and _request_key(msgs, tools) == _request_key(*self._last_request):
+            return TurnPlan([], msgs, tools, "", 0, False, None, cached=self._last_reply)  # nothing to render
         seg, reason = self.open_segment, None
         if seg is not None and self._conversation is not None:
-            reason = self._why_not_extending(msgs, full)
+            reason = self._why_not_extending(msgs)
             if reason is None:
-                delta = self.fmt.encode(self._closing_text + full[len(self._conversation_text):])
-                return TurnPlan(seg.token_ids + delta, msgs, tools, full, len(delta), False, None)
+                start = self._window_start
+                text = self.fmt.render(self.window(msgs, start), tools, add_generation_prompt=True)
+                if text.startswith(self._conversation_text):
+                    delta = self.fmt.encode(self._closing_text + text[len(self._conversation_text):])
+                    return TurnPlan(seg.token_ids + delta, msgs, tools, text, len(delta), False, None, window_start=start)
+                reason = "template_rewrite"
+        full = self.fmt.render(msgs, tools, add_generation_prompt=True)
         ids = self.fmt.encode(full)
         return TurnPlan(ids, msgs, tools, full, len(ids), True, reason)
 
-    def _why_not_extending(self, msgs: list[dict], full: str) -> str | None:
+    @staticmethod
+    def window(messages: list[dict], start: int) -> list[dict]:
+        """What a turn renders: the leading system messages and messages[start:] (start 0: all)."""
+        if start == 0:
+            return messages
+        head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        return messages[:head] + messages[start:]
+
+    def _why_not_extending(self, msgs: list[dict]) -> str | None:
         conv = self._conversation
         n = len(conv)
         if len(msgs) <= n or msgs[: n - 1] != conv[: n - 1]:
             return "history_rewritten"
         if msgs[n - 1] != conv[n - 1]:
             return "assistant_changed"
-        if not full.startswith(self._conversation_text):
-            return "template_rewrite"
         return None
 
     def record(self, plan: TurnPlan, sample, assistant_message: dict, reply: Any = None,
@@ -449,8 +481,10 @@ class Accumulator:
         # Remember what the server returned, and the template text owed after the sampled ids.
         assistant = getattr(self.fmt, "canonical", canonical_message)(assistant_message)
         self._conversation = plan.messages + [assistant]
+        self._window_start = plan.window_start
         try:
-            self._conversation_text = self.fmt.render(self._conversation, plan.tools, add_generation_prompt=False)
+            self._conversation_text = self.fmt.render(self.window(self._conversation, plan.window_start), plan.tools,
+                                                      add_generation_prompt=False)
         except Exception:  # the template refuses the reply as history: the ids are recorded; the next request
             self._conversation_text = ""  # renders afresh (and is refused by the template, or seals)
         turn_text = self._conversation_text[len(plan.prompt_text):] if self._conversation_text.startswith(plan.prompt_text) else ""
@@ -469,11 +503,26 @@ class Accumulator:
             self._closing_text = turn_text[cut + len(eot):]  # e.g. "\n" after <|im_end|>
         else:  # cut by max_tokens / a stop string: end-of-turn and closing enter as template text
             self._closing_text = turn_text[cut:]
-        self._last_request = (json.dumps(plan.messages, sort_keys=True), json.dumps(plan.tools, sort_keys=True))
+        self._move_window(plan.tools)
+        self._last_request = (plan.messages, plan.tools)  # keyed only when a retry comes (_request_key)
         self._last_reply = reply
         seg.messages = list(self._conversation)
         seg.check()
         return seg
+
+    def _move_window(self, tools: list | None) -> None:
+        """Start the window at the last user message once it holds more than window_messages."""
+        conv, start = self._conversation, self._window_start
+        if self.window_messages is None or len(conv) - start <= self.window_messages or self._conversation_text in ("", "\0"):
+            return
+        last_user = next((i for i in range(len(conv) - 1, start, -1) if conv[i]["role"] == "user"), None)
+        if last_user is None or all(m["role"] == "system" for m in conv[:last_user]):
+            return  # no user message since the window's start (a long run of tool calls): it keeps growing
+        try:
+            text = self.fmt.render(self.window(conv, last_user), tools, add_generation_prompt=False)
+        except Exception:
+            return  # the template refuses the shorter window: keep the one it renders
+        self._window_start, self._conversation_text = last_user, text
 
     def forget_last_request(self) -> None:
         """A request failed after planning (engine error): a retry of it must not be answered
@@ -515,7 +564,13 @@ class Accumulator:
     def close(self) -> list[Segment]:
         """End the episode: seal the open segment and return all segments (copies)."""
         self.seal("episode_end")
-        return copy.deepcopy(self.segments)
+        return [s.copy() for s in self.segments]
+
+
+def _request_key(messages: list[dict], tools: list | None) -> tuple[str, str]:
+    """What makes two requests the same request (rule 4): their canonical messages and tools as
+    JSON text (JSON, not ==: 1 and 1.0 or true and 1 are different requests)."""
+    return json.dumps(messages, sort_keys=True), json.dumps(tools, sort_keys=True)
 
 
 def _mismatch(recorded: list[int], sampled: list[int]) -> int:
