@@ -69,7 +69,10 @@ def test_tool_agent(sdk, execute, tmp_path):
     assert results["episodes"] == 4 and results["failed_episodes"] == 0 and results["rewards_binary"]
     assert metrics[0]["episodes"] == 4 and metrics[0]["failed_episodes"] == 0
     # a tool call's result went back and the model answered on: every such episode has 2+ recorded turns
-    assert results["tool_episodes_continue"] and results["turns_mean"] >= 1
+    assert results["tool_episodes_continue"] and results["turns_mean"] >= 1 and results["calc_calls"] >= 1
+    # both tools: one document task per step (2 episodes) opened with the agent's search through the SDK,
+    # each search recorded as a tool turn (its passage in the messages and, loss-masked, in the token ids)
+    assert results["document_episodes"] == 2 and results["search_calls_agent"] == 2 and results["search_turns_recorded"]
 
 
 def test_code_agent(execute, tmp_path):
