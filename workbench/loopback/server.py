@@ -117,7 +117,7 @@ async def call_engine(engine, prompt_ids, sampling, session_id=None, return_rout
 
 
 async def stream_engine(engine, prompt_ids, sampling, session_id, return_routed_experts, feed):
-    feed.prompt(len(prompt_ids))
+    feed.prompt(prompt_ids)
     if getattr(engine, "routes_sessions", False):
         items = engine.generate_stream(prompt_ids, sampling, session_id=session_id, return_routed_experts=return_routed_experts)
     elif hasattr(engine.generate, "remote"):
@@ -537,7 +537,8 @@ class LoopbackServer:
     async def _stream_parts(self, req: ChatRequest, turn, sid, t0):
         """("reasoning" | "content", text) deltas as the ids arrive, the rest once the turn is
         done, then its Reply; or ("error", status, message) when the turn failed after the start."""
-        feed, text = req.feed, ReplyStream(self.fmt, self.reply_parser, req)
+        feed = req.feed
+        text = ReplyStream(self.fmt, self.reply_parser, req, feed.prompt_tail)
         k = 0
         while k < len(feed.ids) or not turn.done():
             if k < len(feed.ids):

@@ -13,8 +13,8 @@ the unstreamed reply use), so the deltas always put together the unstreamed repl
   call follows), wait for the next token. A tool call is sent whole once the sample is finished,
   and so is content after it. Content that opens with whitespace waits for the finish too (the
   parse strips it when the reply has a call, keeps it when not).
-- reasoning streams when the reply opens with the reasoning parser's start marker (`<think>`),
-  up to its end marker; content after it as above.
+- reasoning streams when the reply, or the generation prompt, opens the reasoning parser's
+  block (`<think>`), up to its end marker; content after it as above.
 - special tokens: where the parser reads them (ReplyParser.skip_special_tokens False) the last
   sampled id is held back, as the token that ends the turn is not part of the text.
 - live streaming needs our tool parser (hermes) and a tokenizers backend; vLLM's composite
@@ -40,11 +40,12 @@ class TokenFeed:
 
     def __init__(self):
         self.prompt_tokens: int | None = None
+        self.prompt_tail: list[int] = []  # the prompt's last ids: does the generation prompt open a reasoning block?
         self.ids: list[int] = []
         self.changed = asyncio.Event()
 
-    def prompt(self, n: int) -> None:
-        self.prompt_tokens = n
+    def prompt(self, ids: list[int]) -> None:
+        self.prompt_tokens, self.prompt_tail = len(ids), list(ids[-8:])
         self.changed.set()
 
     def extend(self, ids: list[int]) -> None:
@@ -86,7 +87,7 @@ class ReplyStream:
     """The text deltas of one streamed reply: `feed(ids)` as ids arrive, `finish(reply)` once the
     finished reply is parsed; each returns [(kind, text)], kind "reasoning" or "content"."""
 
-    def __init__(self, fmt, parser, req):
+    def __init__(self, fmt, parser, req, prompt_tail: list[int] = ()):
         self.parser, self.stops = parser, [s for s in req.sampling.stop if s]
         backend = getattr(fmt, "_backend", None)
         self.live = backend is not None and parser.tool_parser in TOOL_PARSERS
@@ -94,6 +95,8 @@ class ReplyStream:
         self.reasoning = reasoning_markers(parser) if self.live else None
         if self.live and getattr(parser, "_reasoning_cls", None) is not None and self.reasoning is None:
             self.live = False  # a reasoning parser whose markers we cannot name: everything at the finish
+        # a generation prompt that opens the reasoning block (Qwen3 thinking): the reply starts inside it
+        self.opened = self.reasoning is not None and fmt.decode(list(prompt_tail)).rstrip().endswith(self.reasoning[0])
         self.lag = not parser.skip_special_tokens
         self.text, self.pending, self.closed = "", [], False
         self.sent = {"reasoning": "", "content": ""}
@@ -114,7 +117,7 @@ class ReplyStream:
         return self._deltas()
 
     def _deltas(self) -> list[tuple[str, str]]:
-        text, out = self.text, []
+        text, out = (self.reasoning[0] if self.opened else "") + self.text, []
         for s in self.stops:  # the reply's text ends at a stop string
             if s in text:
                 text, self.closed = text[: text.find(s)], True
@@ -128,8 +131,6 @@ class ReplyStream:
                 return []
             r_end = text.find(end, len(start))
             body = text[len(start): r_end if r_end >= 0 else len(text) - max(hold, _partial(text, [end]))]
-            if body[:1].isspace() and self.sent["reasoning"] == "":
-                body = ""  # leading whitespace: whether the parse keeps it is the finish's to say
             out += self._send("reasoning", body)
             if r_end < 0:
                 return out
