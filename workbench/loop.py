@@ -325,12 +325,12 @@ def sync_engines(trainer, engines: list, tol: float, lost: list | None = None) -
     trainer.init_nccl_sync(engines) ran (GPU); else the CPU path (a state dict through Ray), where
     an engine found dead is dropped from `engines` (drop_dead_engines; added to `lost` when given)
     and the live ones are synced. (The NCCL group includes every engine: a dead one fails it.)"""
-    expected = trainer.probe(probe_ids(trainer.vocab_size))
     if getattr(trainer, "nccl", None) is not None:
+        expected = trainer.probe(probe_ids(trainer.vocab_size))
         return trainer.sync_weights_nccl(engines, trainer.version, expected, tol)
+    expected, weights = trainer.probe_and_weights(probe_ids(trainer.vocab_size))
     dead: list = []
-    reports = sync_weights(list(engines), trainer.state_dict(), version=trainer.version, expected_probe=expected, tol=tol,
-                           lost=dead)
+    reports = sync_weights(list(engines), weights, version=trainer.version, expected_probe=expected, tol=tol, lost=dead)
     drop_dead_engines(engines, dead)
     if lost is not None:
         lost += dead

@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -245,7 +246,6 @@ class Workbench:
 
                 check_shared_path(str(self.run_dir))
             self.model_path = str(NAMED_MODELS[cfg.model]() if cfg.model in NAMED_MODELS else Path(cfg.model).resolve())
-            self.tokenizer = load_tokenizer(self.model_path)
             # one profile for every part (engine, server, runners, trainer); the session's fields win
             overrides = {"family": cfg.profile} if isinstance(cfg.profile, str) else dict(cfg.profile or {})
             overrides.update({k: v for k, v in (("max_model_len", cfg.max_model_len), ("tool_parser", cfg.tool_parser))
@@ -275,18 +275,25 @@ class Workbench:
                 bar.set_postfix_str("judge engine")
                 self.judge_engine = self._frozen_engine(cfg.judge, "judge", cfg.seed + 2000)
                 bar.update()
-            bar.set_postfix_str("rollout runners")
-            self._rollout = Rollout(cfg.agent, self.engines, self.model_path, num_runners=cfg.num_runners,
-                                   sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature),
-                                   sampling_mode=cfg.sampling, profile=self.profile, return_routed_experts=capture,
-                                   max_request_bytes=cfg.max_request_bytes, side_engine=self.judge_engine)
-            bar.update()
-            bar.set_postfix_str(f"trainer ({cfg.trainer_ranks} ranks)")
-            self._trainer = Trainer(self.model_path, world_size=cfg.trainer_ranks, profile=self.profile,
-                                    cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature),
-                                    actor_options=self.placement and [self.placement.options("trainer", r)
-                                                                      for r in range(cfg.trainer_ranks)])
-            bar.update()
+            self.tokenizer = load_tokenizer(self.model_path)  # (transformers' import: seconds, while the engines load)
+            # The runners and the trainer's ranks start together (each constructor mostly waits on
+            # its actors); both are kept as they come, so a failure of one still shuts down the other.
+            bar.set_postfix_str(f"rollout runners, trainer ({cfg.trainer_ranks} ranks)")
+            with ThreadPoolExecutor(2, thread_name_prefix="connect") as pool:
+                trainer = pool.submit(Trainer, self.model_path, world_size=cfg.trainer_ranks, profile=self.profile,
+                                      cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature),
+                                      actor_options=self.placement and [self.placement.options("trainer", r)
+                                                                        for r in range(cfg.trainer_ranks)])
+                rollout = pool.submit(Rollout, cfg.agent, self.engines, self.model_path, num_runners=cfg.num_runners,
+                                      sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature),
+                                      sampling_mode=cfg.sampling, profile=self.profile, return_routed_experts=capture,
+                                      max_request_bytes=cfg.max_request_bytes, side_engine=self.judge_engine)
+            for attr, started in (("_rollout", rollout), ("_trainer", trainer)):
+                if started.exception() is None:
+                    setattr(self, attr, started.result())
+            for started in (rollout, trainer):
+                started.result()  # the first failure, if any (the except below shuts down what started)
+            bar.update(2)
             for i, loaded in enumerate(loading):
                 bar.set_postfix_str(f"{cfg.backend} engine {i + 1}/{cfg.num_engines}")
                 ray.get(loaded)

@@ -126,15 +126,17 @@ def stop_engine(actor, timeout: float = 60) -> None:
         ray.kill(actor)
 
 
-def sync_weights(engines: list, state_dict: dict, version: int | None = None, expected_probe=None, tol: float = 1e-3,
+def sync_weights(engines: list, state_dict, version: int | None = None, expected_probe=None, tol: float = 1e-3,
                  lost: list | None = None):
     """Push weights to every engine (each pauses in keep mode, loads, bumps its version, resumes,
     and checks its probe): in-flight episodes continue and their tokens span both versions.
+    `state_dict`: the HF-named tensors, or a Ray reference to them (Trainer.probe_and_weights).
     `lost`: a list that collects (engine, error) for engines found dead instead of raising; the
     reports of the live ones are returned (a refused probe still raises)."""
     import ray
 
-    ref = ray.put(state_dict)  # one copy in the object store, shared by all engines
+    # one copy in the object store, shared by all engines (a reference is passed on as it is)
+    ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(state_dict)
     refs = [e.update_weights.remote(ref, version, expected_probe, None, tol) for e in engines]
     if lost is None:
         return ray.get(refs)

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -623,7 +625,7 @@ class Trainer:
 
         return ray.get([w.probe.remote(ids) for w in self.workers])[0]
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
         import ray
 
@@ -633,6 +635,17 @@ class Trainer:
         import ray
 
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
+
+    def probe_and_weights(self, ids: list[int]) -> tuple[list[float], Any]:
+        """probe(ids) and a reference to rank 0's full state dict, in one round trip: both are
+        collectives, queued on every rank in the same order. The weights stay in Ray's object
+        store, where the engines read them; the driver never copies them (the CPU weight sync)."""
+        import ray
+
+        probes = [w.probe.remote(ids) for w in self.workers]
+        weights = [w.full_state_dict.remote() for w in self.workers]
+        expected, *_ = ray.get([probes[0], *weights[1:]])  # every rank's part of the gather done
+        return expected, weights[0]
 
     def footprint(self) -> list[dict]:
         """Per rank: the bytes its parameter shards, optimizer state and reference hold, by
