@@ -95,11 +95,15 @@ def test_judge_reward(execute, tmp_path):
 @pytest.mark.long  # tests/test_loop_features.py: the teacher engine and the reverse-KL advantage against hand-computed values
 def test_distillation(execute, tmp_path):
     results, metrics = execute("distillation", tmp_path)
-    assert results["teacher_engine_apart"] and len(results["reverse_kl"]) == 3
+    assert results["teacher_engine_apart"] and len(results["reverse_kl"]) == 4
     assert [m["distill_reverse_kl"] for m in metrics] == results["reverse_kl"]
-    # every step's reverse KL is an estimate from its own fresh samples (a few hundred tokens): it is
-    # recorded per step and finite here; its fall over the CPU default's steps is in make recipes
+    # every step's reverse KL is a Monte Carlo estimate from its own samples (~64 tokens, noisier
+    # than the fall): recorded per step, finite
     assert all(abs(kl) < 20 for kl in results["reverse_kl"])
+    # the lesson: the exact reverse KL of the answer's first token, over the pool distilled on, falls
+    # (the student's trained export against the teacher checkpoint; 4 steps: ~0.40 -> ~0.27 offline)
+    before, after = results["exact_kl_pool"]
+    assert after < 0.85 * before, results["exact_kl_pool"]
 
 
 @pytest.mark.long  # tests/test_trainer.py: the async loop (lag 1) with per-token versions, staleness and the gate
