@@ -66,6 +66,101 @@ async def through_server(server, n_sessions: int, turns: int, reply_tokens: int,
     return sum(map(sum, per_session)), seconds
 
 
+class Instant:
+    """An engine that answers at once with a fixed toy reply: what is left is the HTTP path's own cost."""
+
+    def __init__(self, tokenizer):
+        self.ids = tokenizer.encode("The answer is 7.", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+    async def generate(self, prompt_ids, sampling):
+        from workbench.rollout.engine import Sample
+
+        return Sample(list(prompt_ids), self.ids, [-0.5] * len(self.ids), [0] * len(self.ids), "stop")
+
+
+def thread_cpu(thread) -> float:
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def sdk_cost(tokenizer, n: int = 256, concurrency: int = 32) -> dict:
+    """Client CPU per request (the calling thread's), the OpenAI SDK (create + model_dump, as an
+    agent does) vs raw httpx (post + json) with the same body, against the instant engine."""
+    import httpx
+    import openai
+
+    from workbench.loopback.server import LoopbackServer
+
+    msgs = [{"role": "system", "content": "You are a careful assistant."}, {"role": "user", "content": "What is 3+4?"}]
+
+    async def run(kind: str) -> float:
+        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+        client = openai.AsyncOpenAI(base_url=server.base_url(None), api_key=server.api_key, http_client=http, max_retries=0)
+        url, headers = server.base_url(None) + "/chat/completions", {"Authorization": f"Bearer {server.api_key}"}
+
+        async def one():
+            if kind == "sdk":
+                r = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=32)
+                return r.choices[0].message.model_dump(exclude_none=True)
+            r = await http.post(url, json={"model": "policy", "messages": msgs, "max_tokens": 32}, headers=headers)
+            return r.json()["choices"][0]["message"]
+
+        await asyncio.gather(*[one() for _ in range(concurrency)])  # warm
+        cpu0 = time.thread_time()
+        for _ in range(n // concurrency):
+            await asyncio.gather(*[one() for _ in range(concurrency)])
+        cpu = time.thread_time() - cpu0
+        await http.aclose()
+        return 1e3 * cpu / (n // concurrency * concurrency)
+
+    with LoopbackServer(Instant(tokenizer), tokenizer) as server:
+        sdk, raw = min(asyncio.run(run("sdk")) for _ in range(2)), min(asyncio.run(run("raw")) for _ in range(2))
+    return {"sdk_client_cpu_ms": sdk, "httpx_client_cpu_ms": raw, "sdk_own_cpu_ms": sdk - raw}
+
+
+def history_cost(tokenizer, sessions: int = 8, turns: int = 64) -> dict:
+    """The server thread's CPU per request over long episodes (instant engine), at the first and the
+    last 8 turns, with the accumulator's rendered window (the default) and rendering the whole
+    conversation every turn (window_messages None: before issue 13): a cost that grows with the
+    conversation shows as last/first > 1."""
+    import httpx
+
+    from workbench.loopback.server import LoopbackServer
+    from workbench.tokens import Accumulator
+
+    class Whole(Accumulator):
+        window_messages = None
+
+    out = {}
+    for name, acc_cls in [("window", Accumulator), ("whole", Whole)]:
+        with LoopbackServer(Instant(tokenizer), tokenizer, accumulator_cls=acc_cls, max_model_len=1 << 20) as server:
+            per_turn = []
+
+            async def run():
+                http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+                headers = {"Authorization": f"Bearer {server.api_key}"}
+                sids = [server.open_session() for _ in range(sessions)]
+                msgs = {sid: [{"role": "system", "content": "You are a careful assistant."}] for sid in sids}
+
+                async def turn(sid, t):
+                    msgs[sid].append({"role": "user", "content": f"What is {t}+{t}?"})
+                    r = await http.post(server.base_url(sid) + "/chat/completions", headers=headers,
+                                        json={"model": "policy", "messages": msgs[sid], "max_tokens": 32})
+                    msgs[sid].append(r.json()["choices"][0]["message"])
+
+                for t in range(turns):  # one turn of every session at a time: the server's CPU per turn position
+                    cpu0 = thread_cpu(server._thread)
+                    await asyncio.gather(*[turn(sid, t) for sid in sids])
+                    per_turn.append(1e3 * (thread_cpu(server._thread) - cpu0) / sessions)
+                for sid in sids:
+                    server.close_session(sid)
+                await http.aclose()
+
+            asyncio.run(run())
+        first, last = sum(per_turn[1:9]) / 8, sum(per_turn[-8:]) / 8
+        out[name] = {"first_turns_ms": first, "last_turns_ms": last, "last_over_first": last / first}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 32])
@@ -91,37 +186,50 @@ def main() -> None:
                 asyncio.run(through_server(server, min(n, 4), 1, reply_tokens, 7))  # warm-up
                 rec.calls.clear()
                 server.stats.overhead_s.clear()
-                cpu0 = time.process_time()
+                # CPU by thread: the agents' SDK clients run on this thread, the server on its own
+                # (Ray's own threads, busy in both paths, are in neither)
+                cpu0, server0 = time.thread_time(), thread_cpu(server._thread)
                 tok_a, sec_a = asyncio.run(through_server(server, n, args.turns, reply_tokens, 0))
-                cpu_a = time.process_time() - cpu0
+                cpu_client, cpu_server = time.thread_time() - cpu0, thread_cpu(server._thread) - server0
                 summary = server.summary()
             episodes = group_episodes(rec.calls)
-            cpu0 = time.process_time()
+            cpu0 = time.thread_time()
             tok_b, sec_b = asyncio.run(replay_direct(actor, episodes, lambda call: call[1]))
-            cpu_b = time.process_time() - cpu0
+            cpu_b = time.thread_time() - cpu0
             r = {"sessions": n, "reply_tokens": reply_tokens or "natural", "server_tokens": tok_a, "server_s": sec_a, "server_tok_s": tok_a / sec_a,
                  "direct_tokens": tok_b, "direct_s": sec_b, "direct_tok_s": tok_b / sec_b,
                  "ratio": (tok_a / sec_a) / (tok_b / sec_b),
                  "overhead_p50_ms": 1e3 * summary["overhead_p50_s"], "overhead_p99_ms": 1e3 * summary["overhead_p99_s"],
                  "identity_mismatch": summary["identity_mismatch"], "requests": len(rec.calls),
-                 # CPU seconds this process (SDK clients + server, or the direct driver) spent per request
-                 "client_server_cpu_ms_per_request": 1e3 * cpu_a / len(rec.calls),
-                 "direct_driver_cpu_ms_per_request": 1e3 * cpu_b / len(rec.calls)}
+                 # CPU per request: the server's thread (its engine calls included, as the direct
+                 # driver's), the SDK clients' thread, the direct driver's thread
+                 "server_cpu_ms_per_request": 1e3 * cpu_server / len(rec.calls),
+                 "client_cpu_ms_per_request": 1e3 * cpu_client / len(rec.calls),
+                 "direct_cpu_ms_per_request": 1e3 * cpu_b / len(rec.calls)}
             results.append(r)
+        tokenizer = load_tokenizer(path)
+        sdk, history = sdk_cost(tokenizer), history_cost(tokenizer)
     finally:
         stop_engine(actor)
         shutdown_ray()
 
     print(f"\nloopback vs direct engine, tiny MoE, {args.turns} turns/episode")
     print(f"{'reply':>7} {'sessions':>8} {'server tok/s':>12} {'direct tok/s':>12} {'ratio':>6} {'added p50 ms':>12} {'added p99 ms':>12}"
-          f" {'cpu ms/req (sdk+server | direct)':>32}")
+          f" {'cpu ms/req: server':>18} {'client':>6} {'direct':>6}")
     for r in results:
         print(f"{r['reply_tokens']:>7} {r['sessions']:>8} {r['server_tok_s']:>12.0f} {r['direct_tok_s']:>12.0f} {r['ratio']:>6.2f} "
               f"{r['overhead_p50_ms']:>12.2f} {r['overhead_p99_ms']:>12.2f}"
-              f" {r['client_server_cpu_ms_per_request']:>16.1f} | {r['direct_driver_cpu_ms_per_request']:<13.1f}")
+              f" {r['server_cpu_ms_per_request']:>18.2f} {r['client_cpu_ms_per_request']:>6.2f} {r['direct_cpu_ms_per_request']:>6.2f}")
+    print("targets at 32 sessions: ratio >= 0.9, added p99 < 50 ms")
+    print(f"\nclient CPU per request against an instant engine: OpenAI SDK {sdk['sdk_client_cpu_ms']:.2f} ms, raw httpx "
+          f"{sdk['httpx_client_cpu_ms']:.2f} ms: the SDK's own {sdk['sdk_own_cpu_ms']:.2f} ms")
+    print("server CPU per request over 64-turn episodes (instant engine), turns 2-9 vs the last 8:")
+    for name, h in history.items():
+        print(f"  {name:>6}: {h['first_turns_ms']:.2f} -> {h['last_turns_ms']:.2f} ms ({h['last_over_first']:.2f}x)")
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "loopback.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    (out / "loopback.json").write_text(json.dumps({"args": vars(args), "results": results, "sdk_cost": sdk, "history_cost": history},
+                                                      indent=1))
 
 
 if __name__ == "__main__":
