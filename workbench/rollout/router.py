@@ -66,7 +66,8 @@ class EngineRouter:
     async def generate_stream(self, prompt_ids, sampling, session_id: str | None = None, return_routed_experts: bool = False):
         """generate(), streamed (actor.stream_generate): new ids as the engine samples them, then the
         Sample. An engine that dies before its first item is failed over as in generate(); after
-        it, the error is the caller's (ids were already sent on)."""
+        it, the error is the caller's (ids were already sent on). request_timeout_s bounds the
+        wait for each item, not the whole reply."""
         import ray
 
         from .actor import stream_generate

@@ -222,10 +222,10 @@ class VLLMEngine(RolloutEngine):
         final, n = None, 0
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=request_id):
             final = out
-            ids = out.outputs[0].token_ids
-            if not out.finished and len(ids) > n:
-                yield list(ids[n:])
-                n = len(ids)
+            new = list(out.outputs[0].token_ids[n:])  # copied now: vLLM may go on appending to that list
+            if new and not out.finished:
+                n += len(new)
+                yield new
         o = final.outputs[0]
         ids = list(o.token_ids)
         logprobs = [d[t].logprob for t, d in zip(ids, o.logprobs or [])]
