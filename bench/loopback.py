@@ -3,7 +3,12 @@ loopback server and (b) on the engine directly with the same token ids, at 1 and
 sessions. Prints tokens/s of both, their ratio (target >= 0.9 at 32 sessions on the tiny
 model), and the p50/p99 latency the server adds per request (server time minus engine time).
 
-    .venv/bin/python bench/loopback.py [--sessions 1 32] [--turns 3] [--max-tokens 32]
+    .venv/bin/python bench/loopback.py [--sessions 1 32] [--turns 3] [--max-tokens 32] [--stream]
+
+--stream adds time to first token: the same episodes streamed (stream=True through the SDK's
+stream helper; the engine streams its ids to the server) against unstreamed, in the same run:
+TTFT p50/p99 (request sent -> first content or tool-call delta) vs the whole reply's latency
+(128-token rows: the same length both ways; natural rows: unseeded, so lengths differ a little).
 
 (b) replays exactly the prompts (a) sent to the engine, with the same seeds, so both paths
 generate the same tokens; the engine is the vLLM actor in both. Results: bench/results/loopback.json.
@@ -33,6 +38,84 @@ class Recorder:
         sample = await self.actor.generate.remote(prompt_ids, sampling)
         self.calls.append((list(prompt_ids), sampling, len(sample.token_ids)))
         return sample
+
+
+class StreamingRecorder(Recorder):
+    """Recorder whose engine streams its ids to the server (Ray's streaming generator)."""
+
+    async def generate_stream(self, prompt_ids, sampling):
+        from workbench.rollout.actor import stream_generate
+
+        async for item in stream_generate(self.actor, prompt_ids, sampling):
+            if not isinstance(item, list):
+                self.calls.append((list(prompt_ids), sampling, len(item.token_ids)))
+            yield item
+
+
+async def latencies(server, n_sessions: int, turns: int, reply_tokens: int, stream: bool) -> list[tuple]:
+    """Per request (seconds to the first content or tool-call delta, seconds to the whole reply),
+    the episodes of through_server; unstreamed, the first is the whole reply's."""
+    import httpx
+    import openai
+
+    from workbench.toy.tasks import SYSTEM_PROMPT
+
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+    out = []
+
+    async def episode(k: int):
+        sid = server.open_session()
+        client = openai.AsyncOpenAI(base_url=server.base_url(sid), api_key=server.api_key, http_client=http, max_retries=0)
+        msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"What is {k % 10}+{(k * 7) % 10}?"}]
+        for t in range(turns):
+            extra = {"max_tokens": reply_tokens, "extra_body": {"ignore_eos": True}} if reply_tokens else {"max_tokens": 32}
+            kw = dict(model="policy", messages=msgs, **extra)  # unseeded: see stream_rows
+            t0, first = time.perf_counter(), None
+            if stream:
+                async with client.chat.completions.stream(**kw) as s:
+                    async for e in s:
+                        if first is None and e.type == "chunk" and e.chunk.choices and (
+                                e.chunk.choices[0].delta.content or e.chunk.choices[0].delta.tool_calls):
+                            first = time.perf_counter() - t0
+                    message = s.current_completion_snapshot.choices[0].message
+            else:
+                message = (await client.chat.completions.create(**kw)).choices[0].message
+            total = time.perf_counter() - t0
+            out.append((total if first is None else first, total))
+            msgs += [message.model_dump(exclude_none=True), {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
+        server.close_session(sid)
+
+    await asyncio.gather(*[episode(k) for k in range(n_sessions)])
+    await http.aclose()
+    return out
+
+
+def stream_rows(actor, path, sessions, turns, reply_tokens_list) -> list[dict]:
+    """The same episodes unstreamed then streamed, per (reply length, sessions): TTFT vs latency.
+    Unseeded: vLLM 0.32's CPU build kills its engine core when a seeded request's prefill is
+    chunked ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync rewinding
+    the request's generator), which concurrent multi-turn episodes cause now and then."""
+    from workbench.loopback.server import LoopbackServer
+    from workbench.toy.models import load_tokenizer
+
+    pct = lambda xs, q: 1e3 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    rows = []
+    for n, reply_tokens in [(n, r) for r in reply_tokens_list for n in sessions]:
+        with LoopbackServer(StreamingRecorder(actor), load_tokenizer(path)) as server:
+            asyncio.run(latencies(server, min(n, 4), 1, reply_tokens, True))  # warm-up
+            whole = asyncio.run(latencies(server, n, turns, reply_tokens, False))
+            streamed = asyncio.run(latencies(server, n, turns, reply_tokens, True))
+        rows.append({"sessions": n, "reply_tokens": reply_tokens or "natural",
+                     "ttft_p50_ms": pct([f for f, _ in streamed], 0.5), "ttft_p99_ms": pct([f for f, _ in streamed], 0.99),
+                     "streamed_reply_p50_ms": pct([t for _, t in streamed], 0.5),
+                     "reply_p50_ms": pct([t for _, t in whole], 0.5), "reply_p99_ms": pct([t for _, t in whole], 0.99)})
+    print("\ntime to first token, streamed, vs the whole reply unstreamed (same run, same seeds)")
+    print(f"{'reply':>7} {'sessions':>8} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'reply p50 ms':>12} {'reply p99 ms':>12}"
+          f" {'TTFT/reply p50':>14} {'streamed reply p50 ms':>21}")
+    for r in rows:
+        print(f"{r['reply_tokens']:>7} {r['sessions']:>8} {r['ttft_p50_ms']:>11.1f} {r['ttft_p99_ms']:>11.1f} {r['reply_p50_ms']:>12.1f}"
+              f" {r['reply_p99_ms']:>12.1f} {r['ttft_p50_ms'] / r['reply_p50_ms']:>14.2f} {r['streamed_reply_p50_ms']:>21.1f}")
+    return rows
 
 
 async def through_server(server, n_sessions: int, turns: int, reply_tokens: int, seed0: int):
@@ -167,6 +250,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--reply-tokens", type=int, nargs="+", default=[0, 128],
                     help="tokens per reply; 0 = natural length (EOS), N = exactly N (ignore_eos)")
+    ap.add_argument("--stream", action="store_true", help="also measure time to first token, streamed vs unstreamed")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -209,6 +293,7 @@ def main() -> None:
             results.append(r)
         tokenizer = load_tokenizer(path)
         sdk, history = sdk_cost(tokenizer), history_cost(tokenizer)
+        streaming = stream_rows(actor, path, args.sessions, args.turns, args.reply_tokens) if args.stream else None
     finally:
         stop_engine(actor)
         shutdown_ray()
@@ -228,8 +313,8 @@ def main() -> None:
         print(f"  {name:>6}: {h['first_turns_ms']:.2f} -> {h['last_turns_ms']:.2f} ms ({h['last_over_first']:.2f}x)")
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "loopback.json").write_text(json.dumps({"args": vars(args), "results": results, "sdk_cost": sdk, "history_cost": history},
-                                                      indent=1))
+    (out / "loopback.json").write_text(json.dumps({"args": vars(args), "results": results, "sdk_cost": sdk, "history_cost": history,
+                                                      "streaming": streaming}, indent=1))
 
 
 if __name__ == "__main__":
