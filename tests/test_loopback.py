@@ -41,6 +41,15 @@ class Tap:
         self.samples.append(sample)
         return sample
 
+    async def generate_stream(self, prompt_ids, sampling):  # streamed requests: ids as the engine samples them
+        from workbench.rollout.actor import stream_generate
+
+        self.sampling.append(copy.deepcopy(sampling))
+        async for item in stream_generate(self.actor, prompt_ids, sampling):
+            if not isinstance(item, list):
+                self.samples.append(item)
+            yield item
+
 
 @pytest.fixture(scope="module")
 def server(vllm_moe, tokenizer):
