@@ -123,7 +123,7 @@ def stream_rows(actor, path, sessions, turns, reply_tokens_list) -> list[dict]:
                      "ttft_p50_ms": pct([f for f, _ in streamed], 0.5), "ttft_p99_ms": pct([f for f, _ in streamed], 0.99),
                      "streamed_reply_p50_ms": pct([t for _, t in streamed], 0.5),
                      "reply_p50_ms": pct([t for _, t in whole], 0.5), "reply_p99_ms": pct([t for _, t in whole], 0.99)})
-    print("\ntime to first token, streamed, vs the whole reply unstreamed (same run, same seeds)")
+    print("\ntime to first token, streamed, vs the whole reply unstreamed (same run)")
     print(f"{'reply':>7} {'sessions':>8} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'reply p50 ms':>12} {'reply p99 ms':>12}"
           f" {'TTFT/reply p50':>14} {'streamed reply p50 ms':>21}")
     for r in rows:
