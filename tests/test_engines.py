@@ -259,7 +259,7 @@ def test_vllm_tokens_without_a_weight_version_raise(moe_path):
 
     def stub(spans):
         async def generate(prompt, params, request_id):
-            yield types.SimpleNamespace(outputs=[CompletionOutput(
+            yield types.SimpleNamespace(finished=True, outputs=[CompletionOutput(
                 index=0, text="ab", token_ids=[7, 8], cumulative_logprob=-0.3,
                 logprobs=[{7: Logprob(-0.1)}, {8: Logprob(-0.2)}], finish_reason="length", weight_versions=spans)])
         return types.SimpleNamespace(generate=generate)
