@@ -1,7 +1,7 @@
 # The two commands of README.md. Each first installs what is missing into .venv (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-script recipes test test-long bench bench-loopback bench-loopback-capacity bench-rollout bench-trainer bench-vs-trl clean-cache kernels lab
+.PHONY: setup demo demo-script recipes test test-long bench bench-loopback bench-loopback-capacity bench-rollout bench-trainer bench-vs-trl bench-async clean-cache kernels lab
 
 setup:
 	@bash scripts/setup.sh
@@ -58,6 +58,10 @@ bench-trainer: setup
 # TRL goes into bench/.venv-trl on first use (BENCH_ARGS="--budget 180 --backend reference")
 bench-vs-trl: setup
 	$(PY) bench/vs_trl.py $(BENCH_ARGS)
+
+# continuous async (lag 1, 2) vs sync in one session: s/step ratio, gate pass and admitted ratios
+bench-async: setup
+	$(PY) bench/async_loop.py $(BENCH_ARGS)
 
 clean-cache:
 	rm -rf $${WORKBENCH_CACHE:-$$HOME/.cache/workbench}/toy

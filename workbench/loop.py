@@ -5,11 +5,13 @@ so a notebook or a script can plot them.
 Two modes (LoopConfig.mode):
 - "sync": the rollout of step k starts after step k-1 is trained and synced. Every token is
   sampled by the weights it is trained against (staleness 0).
-- "async": a producer thread runs the rollout of step k+1 (up to `async_lag` steps ahead)
-  while the trainer trains step k. Weight syncs land mid-episode (engines pause in keep mode),
-  so an episode's tokens can span versions; each token keeps the version it was sampled by,
-  and correction.py weights and gates them per token. Staleness is at most `async_lag`, so the
-  trainer's max_staleness must allow it (checked up front).
+- "async" (continuous): a rollout thread keeps groups in flight on every runner while the
+  trainer trains (GroupStream), group by group, with no per-step barrier: a step trains on the
+  first prompts_per_step groups to finish. Weight syncs land mid-episode (engines pause in keep
+  mode), so an episode's tokens can span versions; each token keeps the version it was sampled
+  by, and correction.py weights and gates them per token. A group whose oldest token is more
+  than `async_lag` versions behind the trainer is not admitted to a batch (groups_dropped_stale);
+  the trainer's max_staleness must allow async_lag (checked up front).
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ class LoopConfig:
     sync_tol: float = 1e-3
     initial_sync: bool = True  # first make the engines serve the trainer's weights
     mode: str = "sync"
-    async_lag: int = 1  # async: how many steps the rollout may run ahead of training
+    # async: how many versions behind the trainer a group's oldest token may be when it trains
+    # (older groups are not admitted); the rollout starts at most (1 + async_lag) steps of groups
+    # ahead of the steps trained
+    async_lag: int = 1
     # failed episodes carry no reward the agent computed (a crash or a timeout), so by default
     # they leave the batch; truncated ones ran and were scored, so they stay with their reward
     on_failed: str = "drop"
@@ -539,9 +544,11 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
         sync_engines(trainer, engines, cfg.sync_tol)
 
     stop = stop or threading.Event()
-    # how many rollouts beyond the first may start before their predecessors are trained: 0 is
-    # sync (the rollout of step k waits for step k-1's training and sync)
-    trained = threading.Semaphore(cfg.async_lag if cfg.mode == "async" else 0)
+    if cfg.mode == "async":
+        return _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir,
+                          checkpoint_every, stop, on_groups, first, position, evaluate, teacher_engines)
+    # sync: the rollout of step k starts once step k-1 is trained and synced
+    trained = threading.Semaphore(0)
     batches: queue.Queue = queue.Queue()
 
     def produce():
@@ -580,18 +587,188 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
             teacher = extra.pop("_teacher", None)
             metrics = {**_train_on(trainer, engines, groups, cfg, step, r0, r1, teacher), **extra}
             trained.release()
-            if evaluate is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                metrics.update(evaluate(step))  # on the weights just synced; never part of a batch
-            history.append(metrics)
-            if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
-                save_checkpoint(trainer, checkpoint_dir, {"next_step": step + 1, "data_position": metrics["data_next"]})
-            if on_step is not None:
-                on_step(metrics)
-            if stop.is_set():
+            if _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every, stop):
                 break
     finally:
         stop.set()
         producer.join()  # an in-flight rollout finishes (episodes have timeouts); its batch is dropped
+    return history
+
+
+def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every, stop) -> bool:
+    """A trained step's evaluation, record, checkpoint and callback; True when `stop` is set."""
+    if evaluate is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+        metrics.update(evaluate(step))  # on the weights just synced; never part of a batch
+    history.append(metrics)
+    if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
+        save_checkpoint(trainer, checkpoint_dir, {"next_step": step + 1, "data_position": metrics["data_next"]})
+    if on_step is not None:
+        on_step(metrics)
+    return stop.is_set()
+
+
+def oldest_version(group: list[Trajectory]) -> int | None:
+    """The version that sampled the group's oldest trainable token (None: it sampled none)."""
+    return min((v for t in group for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m), default=None)
+
+
+class GroupStream:
+    """The continuous async rollout: a thread keeps groups in flight on the runners (each to the
+    one with the fewest outstanding episodes, Rollout.submit_group) and queues each as it
+    finishes, so the rollout waits neither for a step's slowest group nor for training. It
+    starts at most prompts_per_step x (1 + async_lag) groups beyond the steps trained (allow():
+    each trained step, and each group not admitted, lets more start), so a group started after
+    step t's sync is at most async_lag versions old when taken in order; one that is overtaken
+    can be older, and the loop does not admit it. Tasks are drawn a step's worth at a time
+    (draw_tasks, as in sync mode)."""
+
+    def __init__(self, rollout, source, cfg: LoopConfig, first: int, position: int, stop: threading.Event,
+                 teacher_engines: list | None = None):
+        self.rollout, self.source, self.cfg, self.stop, self.teachers = rollout, source, cfg, stop, teacher_engines
+        self.chunk, self.position, self.tasks = first, position, []
+        self.allowed = cfg.prompts_per_step * (1 + cfg.async_lag)
+        self.limit = cfg.prompts_per_step * (cfg.steps - first)  # groups the run needs (+ those not admitted)
+        self.started = 0
+        # (group, its task's data position, start time, end time, teacher log-probs) or an error
+        self.finished: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._produce, name="workbench-rollout", daemon=True)
+        self.thread.start()
+
+    def allow(self, groups: int = 0, replace: int = 0) -> None:
+        """`groups` more may start (a step was trained and synced); `replace` groups were not
+        admitted, so as many more may start, beyond the run's need too."""
+        with self._lock:
+            self.allowed += groups + replace
+            self.limit += replace
+
+    def _next_task(self) -> tuple[Task, int]:
+        """The next task and its data position."""
+        if not self.tasks:
+            drawn = draw_tasks(self.source, self.cfg.prompts_per_step, self.chunk, self.position)
+            self.tasks = [(t, self.position + i) for i, t in enumerate(drawn)]
+            self.chunk += 1
+            self.position += len(drawn)
+        return self.tasks.pop(0)
+
+    def _produce(self) -> None:
+        import ray
+
+        inflight: dict = {}  # ref -> (runner, task, its data position, start time)
+        try:
+            while not self.stop.is_set():
+                while self.started < min(self.allowed, self.limit):
+                    task, at = self._next_task()
+                    started = self.rollout.submit_group(task, self.cfg.group_size)
+                    if started is None:  # every runner is full: put the task back
+                        self.tasks.insert(0, (task, at))
+                        break
+                    inflight[started[0]] = (started[1], task, at, time.time())
+                    self.started += 1
+                if not inflight:
+                    self.stop.wait(0.05)
+                    continue
+                done, _ = ray.wait(list(inflight), num_returns=1, timeout=0.1)
+                for ref in done:
+                    runner, task, at, t0 = inflight.pop(ref)
+                    group = self.rollout.finish_group(ref, runner, task, self.cfg.group_size)
+                    teacher = None
+                    if self.cfg.advantage in PER_TOKEN_ADVANTAGES:  # scored here, while the trainer trains
+                        teacher = teacher_logprobs(self.teachers, [s for t in group for s in t.segments if any(s.loss_mask)])
+                    self.finished.put((group, at, t0, time.time(), teacher))
+        except BaseException as e:  # surfaced in the training thread
+            self.finished.put(e)
+        finally:  # groups in flight finish (episodes have timeouts), so the runners' counts stay right
+            for ref, (runner, task, *_) in inflight.items():
+                try:
+                    self.rollout.finish_group(ref, runner, task, self.cfg.group_size)
+                except Exception:
+                    pass
+
+    def take(self):
+        """The next finished group (see _produce), or None once stopped."""
+        while True:
+            try:
+                return self.finished.get(timeout=0.5)
+            except queue.Empty:
+                if self.stop.is_set() or not self.thread.is_alive() and self.finished.empty():
+                    return None
+
+
+def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
+    """The groups of one async step, trained from `version`: the first prompts_per_step finished
+    groups whose oldest token is at most cfg.async_lag versions behind (older ones are not
+    admitted: groups_dropped_stale); with dynamic sampling, zero-variance groups are filtered too,
+    up to dynamic_sampling_rounds x prompts_per_step of them per step. (groups, r0, r1, extra,
+    teacher log-probs), or None once stopped."""
+    n, groups, teacher, starts, ends, positions = cfg.prompts_per_step, [], {}, [], [], []
+    stale = filtered = zero = 0
+    rule = {"on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated, "overlong": cfg.overlong()}
+    sampled: list = []
+    while len(groups) < n:
+        item = stream.take()
+        if item is None:
+            return None
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"the rollout failed: {item}") from item
+        group, at, t0, t1, lp = item
+        oldest = oldest_version(group)
+        if oldest is not None and version - oldest > cfg.async_lag:
+            stale += 1
+            stream.allow(replace=1)
+            continue
+        sampled.append(group)
+        if cfg.dynamic_sampling and zero_variance(group, **rule):
+            if filtered < cfg.dynamic_sampling_rounds * n:
+                filtered += 1
+                stream.allow(replace=1)
+                continue
+            zero += 1
+        groups.append(group)
+        teacher.update(lp or {})
+        starts.append(t0)
+        ends.append(t1)
+        positions.append(at)
+    per_version: dict[int, int] = {}
+    for g in groups:
+        v = oldest_version(g)
+        if v is not None:
+            per_version[v] = per_version.get(v, 0) + 1
+    # data_next: the next task not yet started (a run continued from it skips those in flight)
+    queued = list(stream.tasks)
+    extra = {"data_position": min(positions), "data_next": queued[0][1] if queued else stream.position,
+             "groups_dropped_stale": stale, "groups_per_version": dict(sorted(per_version.items())),
+             "episodes_spanning_versions": sum(len({v for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m}) > 1
+                                               for g in groups for t in g)}
+    if cfg.dynamic_sampling:
+        rewards = [t.reward for g in sampled for t in g if t.error is None]
+        extra.update(ds_filtered_groups=filtered, ds_rounds=-(-filtered // n), ds_kept_groups=n - zero, ds_short=zero,
+                     ds_reward_mean_sampled=sum(rewards) / max(len(rewards), 1))
+    return groups, min(starts), max(ends), extra, teacher or None
+
+
+def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every, stop,
+               on_groups, first, position, evaluate, teacher_engines) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    stream = GroupStream(rollout, task_source, cfg, first, position, stop, teacher_engines)
+    history = []
+    try:
+        for step in tqdm(range(first, cfg.steps), desc="RL steps (async)", initial=first, total=cfg.steps,
+                         disable=not progress):
+            got = _async_batch(stream, cfg, trainer.version)
+            if got is None:
+                break
+            groups, r0, r1, extra, teacher = got
+            if on_groups is not None:
+                on_groups(step, groups)
+            metrics = {**_train_on(trainer, engines, groups, cfg, step, r0, r1, teacher), **extra}
+            stream.allow(cfg.prompts_per_step)  # trained and synced: a step's worth more may start
+            if _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every, stop):
+                break
+    finally:
+        stop.set()
+        stream.thread.join()
     return history
 
 

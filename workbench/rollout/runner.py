@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
+import time
 import traceback
 import uuid
 
@@ -173,8 +175,8 @@ class Rollout:
         runner_kwargs["sampling"] = self.sampling
         self.sampling_mode = check_sampling_mode(runner_kwargs.setdefault("sampling_mode", "override"))
         self.engines = list(engines)
-        # groups in flight per runner: enough to fill its episode slots (it runs no more at once);
-        # the rest wait here, so that they go to whichever runner is alive and free
+        # episodes in flight per runner: at most its episode slots (it runs no more at once); the
+        # rest wait here, so that they go to whichever runner is alive and free
         self._slots = runner_kwargs.get("max_concurrent_episodes", 256)
         actor = ray.remote(RolloutRunner).options(num_cpus=0, max_concurrency=1000)
         self.runners = [actor.remote(str(agent_path), self.engines, str(model_path), **runner_kwargs)
@@ -182,6 +184,10 @@ class Rollout:
         self.info = ray.get([r.ready.remote() for r in self.runners])
         self._names = {id(r): f"rollout runner {i} (pid {info['pid']})" for i, (r, info) in enumerate(zip(self.runners, self.info))}
         self.lost: list[str] = []  # the runners that died, and why
+        # episodes in flight per runner over every caller (the loop's rollout thread, evaluation,
+        # wb.rollout): one shared count, so each group goes to the least loaded runner of all
+        self.outstanding = {id(r): 0 for r in self.runners}
+        self._lock = threading.Lock()
 
     def _lose(self, runner, error: BaseException) -> str:
         import sys
@@ -193,42 +199,64 @@ class Rollout:
             print(f"workbench: {name} died ({len(self.runners)} runner(s) left): {cause}", file=sys.stderr)
         return f"{name} died while running this episode: {cause}"
 
+    def submit_group(self, task: Task, group_size: int):
+        """Start one group on the runner with the fewest outstanding episodes (over every caller)
+        that has room for it: (ref, runner), or None while every runner is full. finish_group
+        collects it."""
+        with self._lock:
+            if not self.runners:
+                raise RunnersLost(f"no rollout runner left: {'; '.join(self.lost) or 'all were shut down'}")
+            room = max(self._slots, group_size)  # a group larger than the slots runs alone
+            free = [r for r in self.runners if self.outstanding[id(r)] + group_size <= room]
+            if not free:
+                return None
+            runner = min(free, key=lambda r: self.outstanding[id(r)])
+            self.outstanding[id(runner)] += group_size
+        return runner.run_group.remote(task, group_size), runner
+
+    def finish_group(self, ref, runner, task: Task, group_size: int) -> list[Trajectory]:
+        """The trajectories of a group submit_group started (ready, or waited for); a dead
+        runner's group comes back as failed episodes naming it."""
+        import ray
+
+        try:
+            return ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            with self._lock:
+                return _failed_group(task, group_size, self._lose(runner, e))
+        finally:
+            with self._lock:
+                self.outstanding[id(runner)] -= group_size
+
     def run_groups(self, tasks: list[Task], group_size: int = 1, progress: bool = True) -> list[list[Trajectory]]:
         """`group_size` episodes per task; returns one list of trajectories per task, in order.
-        Each runner has at most as many groups in flight as fill its episode slots; the others
-        go to the first runner with room (round robin while all are free)."""
+        Each group goes to the runner with the fewest outstanding episodes that has room
+        (submit_group); the others wait until one has."""
         import ray
         from tqdm.auto import tqdm
 
-        if not self.runners:
-            raise RunnersLost(f"no rollout runner left: {'; '.join(self.lost) or 'all were shut down'}")
-        per_runner = max(1, self._slots // max(group_size, 1))
         waiting = list(range(len(tasks)))[::-1]  # pop() takes the next task
-        load = {id(r): 0 for r in self.runners}
         inflight: dict = {}  # ref -> (task index, runner)
         out: list = [None] * len(tasks)
 
         def submit():
             while waiting:
-                free = [r for r in self.runners if load[id(r)] < per_runner]
-                if not free:
+                started = self.submit_group(tasks[waiting[-1]], group_size)
+                if started is None:
                     return
-                r = min(free, key=lambda x: load[id(x)])
-                i = waiting.pop()
-                inflight[r.run_group.remote(tasks[i], group_size)] = (i, r)
-                load[id(r)] += 1
+                inflight[started[0]] = (waiting.pop(), started[1])
 
         submit()
         with tqdm(total=len(tasks), desc=f"rollout ({group_size}/group)", disable=not progress) as bar:
-            while inflight:
+            while inflight or waiting:
+                if not inflight:  # every runner is full with another caller's groups
+                    time.sleep(0.05)
+                    submit()
+                    continue
                 done, _ = ray.wait(list(inflight), num_returns=1)
                 for ref in done:
                     i, r = inflight.pop(ref)
-                    load[id(r)] -= 1
-                    try:
-                        out[i] = ray.get(ref)
-                    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                        out[i] = _failed_group(tasks[i], group_size, self._lose(r, e))
+                    out[i] = self.finish_group(ref, r, tasks[i], group_size)
                     bar.update(1)
                 if not self.runners:
                     raise RunnersLost(f"every rollout runner died: {'; '.join(self.lost)}")
