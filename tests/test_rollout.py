@@ -117,6 +117,10 @@ def test_example_agents_end_to_end(example, rollout_for, vllm_moe):
 
 def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     task = Task([{"role": "user", "content": "Say something about tools."}])
+    # first, so the engine has served a request: a fresh vLLM engine's first one takes seconds (warm-up),
+    # and the hanging agent's 5 s must cover its one recorded turn
+    ok = rollout_for(AGENTS / "sync_agent.py").run_groups([task], group_size=2, progress=False)[0]
+    assert all(t.error is None and t.reward == 1.0 for t in ok)
     crash = rollout_for(AGENTS / "crashing.py").run_groups([task], group_size=2, progress=False)[0]
     assert all("agent exploded on purpose" in t.error and t.reward == 0.0 for t in crash)
     t0 = time.time()
@@ -124,8 +128,6 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     assert time.time() - t0 < 60
     assert all("timed out after 5 s" in t.error for t in hang)
     assert all(t.segments and t.segments[0].stats["turns"] == 1 for t in hang)  # kept what it recorded
-    ok = rollout_for(AGENTS / "sync_agent.py").run_groups([task], group_size=2, progress=False)[0]
-    assert all(t.error is None and t.reward == 1.0 for t in ok)
 
 
 def test_sticky_routing_and_a_killed_engine(rollout_for, moe_path):
