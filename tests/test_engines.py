@@ -357,20 +357,6 @@ def test_vllm_weight_update_partial_rollout_and_check(vllm_moe, moe_path):
         ray.get(vllm_moe.update_weights.remote(original, None, expected))
 
 
-def test_vllm_dense_loads_in_its_own_actor(ray_local, dense_path):
-    from workbench.rollout.actor import launch_engine, stop_engine
-
-    actor = launch_engine("vllm", model_path=str(dense_path), env={"VLLM_LOGGING_LEVEL": "WARNING"})
-    try:
-        model = load_hf_model(dense_path)
-        o = ray.get(actor.generate.remote(prompts(dense_path)[0], SamplingConfig(max_tokens=16, temperature=0.8)))
-        assert o.token_ids and set(o.versions) == {0}
-        tf, _ = teacher_forced(model, o, temperature=0.8)
-        assert np.max(np.abs(tf - np.asarray(o.logprobs))) <= VLLM_GAP_BOUND
-    finally:
-        stop_engine(actor)
-
-
 def test_vllm_abort_stop_strings_and_top_p(vllm_moe, moe_path):
     p = prompts(moe_path)[2]
     long = vllm_moe.generate.remote(p, SamplingConfig(max_tokens=600, ignore_eos=True), "to-abort")
