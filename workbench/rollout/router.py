@@ -42,35 +42,30 @@ class EngineRouter:
         self.sticky.pop(session_id, None)
 
     async def generate(self, prompt_ids, sampling, session_id: str | None = None, return_routed_experts: bool = False):
-        import ray
+        async def whole(engine):
+            ref = engine.generate.remote(prompt_ids, sampling, None, return_routed_experts)
+            yield await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.request_timeout_s)
 
-        last_error = None
-        for _ in range(len(self.engines)):
-            i = self.pick(session_id)
-            self.outstanding[i] += 1
-            try:
-                ref = self.engines[i].generate.remote(prompt_ids, sampling, None, return_routed_experts)
-                sample = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.request_timeout_s)
-                self.requests[i] += 1
-                return sample
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                self.dead.add(i)  # nothing was recorded for this request: retry it elsewhere
-                self.failovers += 1
-                last_error = e
-            except asyncio.TimeoutError:
-                raise EngineUnavailable(f"engine {i} did not answer within {self.request_timeout_s} s") from None
-            finally:
-                self.outstanding[i] -= 1
-        raise EngineUnavailable(f"all {len(self.engines)} rollout engines are dead (last error: {last_error})")
+        # run to the end (one item), so that the attempt's bookkeeping in _failover completes
+        return [sample async for sample in self._failover(session_id, whole)][0]
 
     async def generate_stream(self, prompt_ids, sampling, session_id: str | None = None, return_routed_experts: bool = False):
         """generate(), streamed (actor.stream_generate): new ids as the engine samples them, then the
-        Sample. An engine that dies before its first item is failed over as in generate(); after
-        it, the error is the caller's (ids were already sent on). request_timeout_s bounds the
-        wait for each item, not the whole reply."""
-        import ray
-
+        Sample. request_timeout_s bounds the wait for each item, not the whole reply."""
         from .actor import stream_generate
+
+        def streamed(engine):
+            return stream_generate(engine, prompt_ids, sampling, return_routed_experts, self.request_timeout_s)
+
+        async for item in self._failover(session_id, streamed):
+            yield item
+
+    async def _failover(self, session_id: str | None, attempt):
+        """The items of `attempt(engine)` (an async iterator: one request on that engine) from the
+        engine pick() chooses. An engine that dies before its first item is marked dead and the
+        request retried on another (nothing was recorded for it); after its first item the error
+        is the caller's (ids were already sent on). One that does not answer in time fails."""
+        import ray
 
         last_error = None
         for _ in range(len(self.engines)):
@@ -78,8 +73,7 @@ class EngineRouter:
             self.outstanding[i] += 1
             started = False
             try:
-                async for item in stream_generate(self.engines[i], prompt_ids, sampling, return_routed_experts,
-                                                  self.request_timeout_s):
+                async for item in attempt(self.engines[i]):
                     started = True
                     yield item
                 self.requests[i] += 1
