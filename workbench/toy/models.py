@@ -176,7 +176,21 @@ def warm_start(model, tokenizer, spec: ToyModelSpec, desc: str | None = "warm st
     return losses
 
 
+# tokenizer_config.json classes that carry no model-specific code: loaded directly, without
+# AutoTokenizer's import (it pulls in transformers' modeling code and torch: ~6 s of CPU in every
+# process that loads a tokenizer, e.g. each rollout runner); any other class goes through AutoTokenizer
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: str | Path):
+    import json
+
+    config = Path(path) / "tokenizer_config.json"
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if name in GENERIC_TOKENIZER_CLASSES:
+        import transformers
+
+        return getattr(transformers, name).from_pretrained(str(path))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
