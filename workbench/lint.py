@@ -435,7 +435,7 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
                 ReplyParser(fam.tokenizer, prof.tool_parser, prof.reasoning_parser, kw))
     extra = {}
     if isinstance(target, (str, Path)):
-        from transformers import AutoTokenizer
+        from .toy.models import load_tokenizer as load_hf_tokenizer
 
         path = Path(target)
         if not path.is_dir():
@@ -448,7 +448,7 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
             name, tok = str(target), load_tokenizer(path)
             profile = profile or tekken_profile(path)
         else:
-            name, tok = str(target), AutoTokenizer.from_pretrained(str(path))
+            name, tok = str(target), load_hf_tokenizer(path)
         if not stops and (path / "generation_config.json").is_file():  # the engine's stop ids
             eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
             eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
