@@ -206,8 +206,8 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path)
 
     run_dir = tmp_path / "run"
     train = TaskDataset(arithmetic_tasks(24, seed=0), seed=3)
-    wb = workbench.connect(backend="reference", run_dir=str(run_dir), tasks=train, eval_tasks=arithmetic_tasks(3, seed=99),
-                           loggers=["tensorboard"],
+    wb = workbench.connect(backend="reference", trainer_ranks=1, run_dir=str(run_dir), tasks=train,
+                           eval_tasks=arithmetic_tasks(3, seed=99), loggers=["tensorboard"],
                            loop={"prompts_per_step": 2, "group_size": 4, "eval_every": 1, "eval_n": 4,
                                  "dynamic_sampling": True, "dynamic_sampling_rounds": 1,
                                  "overlong_shaping": True, "overlong_max_tokens": 8, "overlong_band": 4})

@@ -40,7 +40,8 @@ def test_config_errors_name_the_field():
 def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
     """connect() on the reference backend (it records MoE experts): step a rollout, one trainer
     step with its token report, sync, a background run with monitors, save and restore."""
-    wb = workbench.connect(backend="reference", run_dir=str(tmp_path / "run"), loop={"prompts_per_step": 4, "group_size": 4})
+    wb = workbench.connect(backend="reference", trainer_ranks=1, run_dir=str(tmp_path / "run"),
+                           loop={"prompts_per_step": 4, "group_size": 4})
     try:
         t = wb.rollout.episode()
         assert t.error is None and t.segments[0].routed_experts is not None and wb.rollout.last is t
@@ -89,7 +90,7 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
         workbench.connect(backend="reference", run_dir=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match="no checkpoint/ to resume from"):
         workbench.connect(backend="reference", run_dir=str(tmp_path / "empty"), resume=True)
-    again = workbench.connect(backend="reference", run_dir=str(tmp_path / "run"), resume=True,
+    again = workbench.connect(backend="reference", trainer_ranks=1, run_dir=str(tmp_path / "run"), resume=True,
                               loop={"prompts_per_step": 4, "group_size": 4})
     try:
         # the checkpoint's position, and the history up to it (step 2 after it was an abandoned branch)
