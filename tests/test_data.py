@@ -26,6 +26,10 @@ def test_shipped_set_is_generated_and_gsm8k_format(tmp_path):
         notes = re.findall(r"<<([\d+\-*/ ]+)=(\d+)>>", r["answer"])
         assert notes and all(eval(expr) == int(val) for expr, val in notes)
         assert final_answer(r["answer"]) == notes[-1][1]
+    # the one-step set (recipes/real_model_grpo): one calculator note, numbers below 20
+    for r in load_records(SHIPPED / "one_step_train.jsonl"):
+        (expr, val), = re.findall(r"<<([\d+\-*/ ]+)=(\d+)>>", r["answer"])
+        assert eval(expr) == int(val) == int(final_answer(r["answer"])) and max(map(int, re.findall(r"\d+", expr))) < 20
 
 
 def test_gsm8k_fields_from_jsonl_parquet_and_datasets_dir(tmp_path):

@@ -1,7 +1,10 @@
 """Arithmetic word problems in the GSM8K format (`question`, and an `answer` holding a worked
 solution with `<<a*b=c>>` calculator notes and the final answer after `####`), generated from a
-seeded RNG. The repo ships a small set made by this module (workbench/examples/data/
-word_problems_{train,test}.jsonl), so the data path and the math recipe run without any download;
+seeded RNG. The repo ships small sets made by this module (workbench/examples/data/
+word_problems_{train,test}.jsonl: two steps each; one_step_{train,test}.jsonl: one addition or
+subtraction of numbers below 10, easy enough that SmolLM2-135M's samples are sometimes right,
+which GRPO needs: notebooks/recipes/real_model_grpo), so the data path and the math recipes run
+without any download;
 a real GSM8K file in the same format is a drop-in replacement (workbench.data.load_tasks(path,
 fields="gsm8k")).
 
@@ -67,22 +70,38 @@ def _split_evenly(rng):
     return q, s
 
 
+def _gets_more(rng):
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    q = f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?"
+    return q, f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {item} now.\n#### {a + b}"
+
+
+def _gives_away(rng):
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    b, left = rng.randint(2, 9), rng.randint(1, 9)
+    q = f"{name} has {b + left} {item} and gives {b} away. How many {item} does {name} have left?"
+    return q, f"{name} has {b + left} - {b} = <<{b + left}-{b}={left}>>{left} {item} left.\n#### {left}"
+
+
 KINDS = (_buy_more, _share, _earn, _split_evenly)
+ONE_STEP_KINDS = (_gets_more, _gives_away)
 
 
-def word_problems(n: int, seed: int = 0) -> list[dict]:
+def word_problems(n: int, seed: int = 0, kinds=KINDS) -> list[dict]:
     """n GSM8K-format records ({"question", "answer"}), the same for the same seed everywhere."""
     rng = random.Random(seed)
-    return [dict(zip(("question", "answer"), rng.choice(KINDS)(rng))) for _ in range(n)]
+    return [dict(zip(("question", "answer"), rng.choice(kinds)(rng))) for _ in range(n)]
 
 
 def write_shipped(directory: Path = SHIPPED) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     out = []
-    for split, (n, seed) in SPLITS.items():
-        path = directory / f"word_problems_{split}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in word_problems(n, seed)))
-        out.append(path)
+    for prefix, kinds in (("word_problems", KINDS), ("one_step", ONE_STEP_KINDS)):
+        for split, (n, seed) in SPLITS.items():
+            path = directory / f"{prefix}_{split}.jsonl"
+            path.write_text("".join(json.dumps(r) + "\n" for r in word_problems(n, seed, kinds)))
+            out.append(path)
     return out
 
 
