@@ -181,7 +181,7 @@ def test_resumed_loop_neither_repeats_nor_skips_steps(ray_local, vllm_moe, moe_p
     cfg = LoopConfig(steps=2, prompts_per_step=4, group_size=2)
     try:
         for steps in (2, 4):  # a first run of 2 steps, then a "restarted" run asked for 4 in all
-            trainer = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(micro_batch_size=8))
+            trainer = Trainer(str(moe_path), world_size=1, cfg=TrainerConfig(micro_batch_size=8))
             try:
                 cfg.steps = steps
                 hist = run(rollout, trainer, [vllm_moe], source, cfg, progress=False,
@@ -209,7 +209,7 @@ def test_kl_statistic_catches_a_missing_weight_sync(ray_local, vllm_moe, moe_pat
     g = torch.Generator().manual_seed(5)
     sync_weights([vllm_moe], {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()})
     rollout = Rollout(agent, [vllm_moe], str(moe_path), sampling=SamplingConfig(max_tokens=8))
-    trainer = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(micro_batch_size=64))
+    trainer = Trainer(str(moe_path), world_size=1, cfg=TrainerConfig(micro_batch_size=64))
     try:
         broken = run(rollout, trainer, [vllm_moe], lambda n, s: spec.tasks(n, seed=s),
                           LoopConfig(steps=1, prompts_per_step=8, group_size=4, initial_sync=False), progress=False)
@@ -238,7 +238,7 @@ def test_async_loop_overlaps_rollout_with_training_and_corrects_staleness(ray_lo
     spec = load_agent(agent)
     original = load_hf_model(moe_path).state_dict()
     rollout = Rollout(agent, [vllm_moe], str(moe_path), sampling=SamplingConfig(max_tokens=8))
-    trainer = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(lr=1e-3, micro_batch_size=64,
+    trainer = Trainer(str(moe_path), world_size=1, cfg=TrainerConfig(lr=1e-3, micro_batch_size=64,
                                                                      correction=CorrectionConfig.tis(max_staleness=1)))
     try:
         with pytest.raises(ValueError, match="max_staleness=1"):
