@@ -55,12 +55,17 @@ class Recorder:
 
 
 class StreamingRecorder(Recorder):
-    """Recorder whose engine streams its ids to the server (Ray's streaming generator)."""
+    """Recorder whose engine streams its ids to the server (Ray's streaming generator), merged
+    over `window_s` (0: one item per engine output)."""
+
+    def __init__(self, actor, window_s: float):
+        super().__init__(actor)
+        self.window_s = window_s
 
     async def generate_stream(self, prompt_ids, sampling):
         from workbench.rollout.actor import stream_generate
 
-        async for item in stream_generate(self.actor, prompt_ids, sampling):
+        async for item in stream_generate(self.actor, prompt_ids, sampling, window_s=self.window_s):
             if not isinstance(item, list):
                 self.calls.append((list(prompt_ids), sampling, len(item.token_ids)))
             yield item
@@ -110,25 +115,32 @@ def stream_rows(actor, path, sessions, turns, reply_tokens_list) -> list[dict]:
     chunked ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync rewinding
     the request's generator), which concurrent multi-turn episodes cause now and then."""
     from workbench.loopback.server import LoopbackServer
+    from workbench.rollout.actor import STREAM_WINDOW_S
     from workbench.toy.models import load_tokenizer
 
     pct = lambda xs, q: 1e3 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
     rows = []
     for n, reply_tokens in [(n, r) for r in reply_tokens_list for n in sessions]:
-        with LoopbackServer(StreamingRecorder(actor), load_tokenizer(path)) as server:
+        recorder = StreamingRecorder(actor, STREAM_WINDOW_S)
+        with LoopbackServer(recorder, load_tokenizer(path)) as server:
             asyncio.run(latencies(server, min(n, 4), 1, reply_tokens, True))  # warm-up
             whole = asyncio.run(latencies(server, n, turns, reply_tokens, False))
             streamed = asyncio.run(latencies(server, n, turns, reply_tokens, True))
+            recorder.window_s = 0.0  # the same, one item per engine output
+            per_token = asyncio.run(latencies(server, n, turns, reply_tokens, True))
         rows.append({"sessions": n, "reply_tokens": reply_tokens or "natural",
                      "ttft_p50_ms": pct([f for f, _ in streamed], 0.5), "ttft_p99_ms": pct([f for f, _ in streamed], 0.99),
                      "streamed_reply_p50_ms": pct([t for _, t in streamed], 0.5),
+                     "per_token_reply_p50_ms": pct([t for _, t in per_token], 0.5),
                      "reply_p50_ms": pct([t for _, t in whole], 0.5), "reply_p99_ms": pct([t for _, t in whole], 0.99)})
-    print("\ntime to first token, streamed, vs the whole reply unstreamed (same run)")
+    print(f"\ntime to first token, streamed (ids merged over {1e3 * STREAM_WINDOW_S:g} ms), vs the whole reply unstreamed;"
+          " the whole streamed reply, merged and per token (same run)")
     print(f"{'reply':>7} {'sessions':>8} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'reply p50 ms':>12} {'reply p99 ms':>12}"
-          f" {'TTFT/reply p50':>14} {'streamed reply p50 ms':>21}")
+          f" {'TTFT/reply p50':>14} {'streamed reply p50 ms':>21} {'per token p50 ms':>16}")
     for r in rows:
         print(f"{r['reply_tokens']:>7} {r['sessions']:>8} {r['ttft_p50_ms']:>11.1f} {r['ttft_p99_ms']:>11.1f} {r['reply_p50_ms']:>12.1f}"
-              f" {r['reply_p99_ms']:>12.1f} {r['ttft_p50_ms'] / r['reply_p50_ms']:>14.2f} {r['streamed_reply_p50_ms']:>21.1f}")
+              f" {r['reply_p99_ms']:>12.1f} {r['ttft_p50_ms'] / r['reply_p50_ms']:>14.2f} {r['streamed_reply_p50_ms']:>21.1f}"
+              f" {r['per_token_reply_p50_ms']:>16.1f}")
     return rows
 
 

@@ -8,8 +8,15 @@ machine an actor that asks for more CPUs than are free waits forever instead of 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from .engine import Sample, SamplingConfig, create_engine
+
+# A streamed reply's new ids go on at once for the first (time to first token), then at most
+# every STREAM_WINDOW_S, merged: each item is a Ray object and an SSE chunk to the agent, which
+# cost more than a fast engine takes per token. The record does not depend on it (the final
+# Sample carries every id).
+STREAM_WINDOW_S = 0.02
 
 
 class EngineHost:
@@ -34,13 +41,23 @@ class EngineHost:
         return sample
 
     async def generate_stream(self, prompt_ids, sampling: SamplingConfig | None = None, request_id=None,
-                              return_routed_experts=False):
+                              return_routed_experts=False, window_s: float = STREAM_WINDOW_S):
         """engine.generate_stream through Ray: call it with .options(num_returns="streaming")
-        (stream_generate does), each item an object the caller gets as it is produced."""
+        (stream_generate does), each item an object the caller gets as it is produced: lists of
+        new ids, merged over `window_s` after the first, then the Sample."""
+        pending, sent = [], None
         async for item in self.engine.generate_stream(prompt_ids, sampling, request_id, return_routed_experts):
-            if isinstance(item, Sample) and self.log is not None:
-                self.log.append((list(prompt_ids), list(item.token_ids)))
-            yield item
+            if isinstance(item, Sample):
+                if pending:
+                    yield pending
+                if self.log is not None:
+                    self.log.append((list(prompt_ids), list(item.token_ids)))
+                yield item
+                continue
+            pending += item
+            if sent is None or time.monotonic() - sent >= window_s:
+                yield pending
+                pending, sent = [], time.monotonic()
 
     async def sample_log(self) -> list:
         return list(self.log or [])
@@ -70,11 +87,13 @@ class EngineHost:
         await self.engine.shutdown()
 
 
-async def stream_generate(actor, prompt_ids, sampling, return_routed_experts=False, timeout_s: float | None = None):
+async def stream_generate(actor, prompt_ids, sampling, return_routed_experts=False, timeout_s: float | None = None,
+                          window_s: float = STREAM_WINDOW_S):
     """An EngineHost's generate_stream from another process: Ray's streaming generator
     (num_returns="streaming"), each item awaited as the actor yields it; `timeout_s` bounds the
     wait for each (asyncio.TimeoutError)."""
-    gen = actor.generate_stream.options(num_returns="streaming").remote(prompt_ids, sampling, None, return_routed_experts)
+    gen = actor.generate_stream.options(num_returns="streaming").remote(prompt_ids, sampling, None, return_routed_experts,
+                                                                        window_s)
     while True:
         try:
             ref = await asyncio.wait_for(gen.__anext__(), timeout_s)
