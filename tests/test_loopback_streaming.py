@@ -201,3 +201,23 @@ def test_streaming_through_the_router(reference_engines, tokenizer):
     a, b = plain[0], streamed[0]
     assert (b.token_ids, b.logprobs, b.versions) == (a.token_ids, a.logprobs, a.versions)
     assert router.state()["outstanding"] == [0, 0] and router.failovers == 0
+
+
+def test_the_engine_actor_merges_streamed_ids_after_the_first(reference_engines, tokenizer):
+    """actor.generate_stream sends the first new ids at once and merges the rest over its window:
+    a window longer than the reply gives the first item and one merged item, window 0 one item
+    per engine output; either way the items put together the Sample's ids, the record."""
+    prompt = tokenizer.apply_chat_template(BOOKS, add_generation_prompt=True)["input_ids"]
+    sampling = SamplingConfig(max_tokens=24, ignore_eos=True, seed=5)
+
+    async def items(window_s):
+        return [i async for i in stream_generate(reference_engines[0], prompt, sampling, window_s=window_s)]
+
+    counts = []
+    for window_s in (60.0, 0.0):
+        *lists, sample = asyncio.run(items(window_s))
+        assert isinstance(sample, Sample) and [t for ids in lists for t in ids] == sample.token_ids
+        counts.append(len(lists))
+    # merged: the first output, then the rest in one item; per output: as many as the engine gave
+    # (the reference engine gives a step's id, or the steps that came while nobody read, together)
+    assert counts[0] <= 2 and counts[1] >= counts[0], counts
