@@ -141,7 +141,7 @@ def test_real_model_grpo(execute, tmp_path):
     assert metrics[0]["sync_max_abs_diff"] <= 1e-3  # the engine serves the trained real weights
 
 
-@pytest.mark.long  # the CPU default: 10 GRPO steps of 4x4 and two evaluations, 10-15 min on 2 cores
+@pytest.mark.long  # the CPU default: 10 GRPO steps of 4x4 and two evaluations, 7.5 min on 2 quiet cores
 def test_real_model_grpo_rises(execute, tmp_path):
     # the notebook's claim: SmolLM2-135M's training reward and held-out pass@1 (at temperature 1)
     # rise on the one-step problems (seed 0: reward 0.41 -> 0.87, pass@1 0.11 -> 0.28; seed 1:
