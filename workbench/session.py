@@ -271,11 +271,11 @@ class Workbench:
                                               **engine_kwargs)
                 self.engines.append(engine)  # (shutdown stops it, loaded or not)
                 loading.append(loaded)
-            if cfg.judge:
+            self.tokenizer = load_tokenizer(self.model_path)  # (transformers' import: seconds, while the engines load)
+            if cfg.judge:  # (after the tokenizer: the judge's is checked against it)
                 bar.set_postfix_str("judge engine")
                 self.judge_engine = self._frozen_engine(cfg.judge, "judge", cfg.seed + 2000)
                 bar.update()
-            self.tokenizer = load_tokenizer(self.model_path)  # (transformers' import: seconds, while the engines load)
             # The runners and the trainer's ranks start together (each constructor mostly waits on
             # its actors); both are kept as they come, so a failure of one still shuts down the other.
             bar.set_postfix_str(f"rollout runners, trainer ({cfg.trainer_ranks} ranks)")
