@@ -62,7 +62,7 @@ def test_math_grpo(execute, tmp_path):
     assert results["eval_episodes"] == 2 * 2 * (2 + 1)  # 2 problems x (2 samples + 1 greedy), twice
 
 
-@pytest.mark.parametrize("sdk", ["openai", pytest.param("anthropic", marks=pytest.mark.long)])  # test_loopback: Anthropic SDK
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
 def test_tool_agent(sdk, execute, tmp_path):
     results, metrics = execute(f"tool_agent_{sdk}", tmp_path)
     # the stock SDK's episodes ran and trained: none failed, rewards from the final answer
@@ -82,7 +82,6 @@ def test_code_agent(execute, tmp_path):
     assert results["episodes"] == 4 and results["failed_episodes"] == 0 and results["reward_is_share_passed"]
 
 
-@pytest.mark.long  # tests/test_judge.py: the judge engine, its side calls counted, none in a trajectory
 def test_judge_reward(execute, tmp_path):
     results, _ = execute("judge_reward", tmp_path)
     n = 2 + results["episodes"]  # the notebook's first look (one group of 2) and the trained step
@@ -92,7 +91,6 @@ def test_judge_reward(execute, tmp_path):
     assert results["recorded_turns"] == results["episodes"] and not results["rubric_in_trajectories"]
 
 
-@pytest.mark.long  # tests/test_loop_features.py: the teacher engine and the reverse-KL advantage against hand-computed values
 def test_distillation(execute, tmp_path):
     results, metrics = execute("distillation", tmp_path)
     assert results["teacher_engine_apart"] and len(results["reverse_kl"]) == 4
@@ -106,7 +104,6 @@ def test_distillation(execute, tmp_path):
     assert after < 0.85 * before, results["exact_kl_pool"]
 
 
-@pytest.mark.long  # tests/test_trainer.py: the async loop (lag 1) with per-token versions, staleness and the gate
 def test_async_off_policy(execute, tmp_path):
     results, metrics = execute("async_off_policy", tmp_path)
     modes = results["modes"]
@@ -131,7 +128,6 @@ def test_notebooks_list_shows_every_notebook_with_parameters_and_time(capsys):
     assert "recipes/math_grpo" in out and "eval_n=4" in out and "teacher='dense'" in out
 
 
-@pytest.mark.long  # tests/test_real_model.py: SmolLM2 through vLLM; tests/test_loop_features.py: evaluation
 def test_real_model_grpo(execute, tmp_path):
     results, metrics = execute("real_model_grpo", tmp_path)
     assert results["model"] == "smollm2" and results["steps"] == 1 and metrics[0]["failed_episodes"] == 0
