@@ -17,12 +17,15 @@ replies, 32 sessions 0.53x -> 0.60x, p50/p99 added 9.2/91 -> 4.0/67 ms; 1 sessio
 6.4 ms (the SDK's own ~4.8 ms). Not met at natural replies: the agents' CPU shares the server's
 process and GIL. docs/ARCHITECTURE.md (the loopback server) has the rest.
 
-    .venv/bin/python bench/loopback.py [--sessions 1 32] [--turns 3] [--reply-tokens 0 128] [--stream]
+    .venv/bin/python bench/loopback.py [--sessions 1 32] [--turns 3] [--reply-tokens 0 128] [--stream [--stream-windows-ms 0 20 100]]
 
 --stream adds time to first token: the same episodes streamed (stream=True through the SDK's
 stream helper; the engine streams its ids to the server) against unstreamed, in the same run:
 TTFT p50/p99 (request sent -> first content or tool-call delta) vs the whole reply's latency
-(128-token rows: the same length both ways; natural rows: unseeded, so lengths differ a little).
+(128-token rows: the same length both ways; natural rows: unseeded, so lengths differ a little),
+and the whole streamed reply with the engine actor's default window (actor.STREAM_WINDOW_S, longer
+with many streams) and merging new ids over each fixed --stream-windows-ms (0: one Ray item,
+server feed, SSE chunk and SDK parse per engine output).
 
 (b) replays exactly the prompts (a) sent to the engine, with the same seeds, so both paths
 generate the same tokens; the engine is the vLLM actor in both. Results: bench/results/loopback.json.
@@ -56,9 +59,9 @@ class Recorder:
 
 class StreamingRecorder(Recorder):
     """Recorder whose engine streams its ids to the server (Ray's streaming generator), merged
-    over `window_s` (0: one item per engine output)."""
+    over `window_s` (None: the actor's default; 0: one item per engine output)."""
 
-    def __init__(self, actor, window_s: float):
+    def __init__(self, actor, window_s: float | None = None):
         super().__init__(actor)
         self.window_s = window_s
 
@@ -109,38 +112,43 @@ async def latencies(server, n_sessions: int, turns: int, reply_tokens: int, stre
     return out
 
 
-def stream_rows(actor, path, sessions, turns, reply_tokens_list) -> list[dict]:
-    """The same episodes unstreamed then streamed, per (reply length, sessions): TTFT vs latency.
+def stream_rows(actor, path, sessions, turns, reply_tokens_list, windows_ms) -> list[dict]:
+    """The same episodes unstreamed then streamed, per (reply length, sessions): TTFT vs latency,
+    and the whole streamed reply with the engine actor's default window (actor.STREAM_WINDOW_S,
+    longer with many streams) and with each fixed window of `windows_ms` (0: one item per output).
     Unseeded: vLLM 0.32's CPU build kills its engine core when a seeded request's prefill is
     chunked ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync rewinding
     the request's generator), which concurrent multi-turn episodes cause now and then."""
     from workbench.loopback.server import LoopbackServer
-    from workbench.rollout.actor import STREAM_WINDOW_S
+    from workbench.rollout.actor import STREAM_ITEMS_PER_S, STREAM_WINDOW_S
     from workbench.toy.models import load_tokenizer
 
     pct = lambda xs, q: 1e3 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    windows_ms = [None, *windows_ms]  # None: the actor's default
     rows = []
     for n, reply_tokens in [(n, r) for r in reply_tokens_list for n in sessions]:
-        recorder = StreamingRecorder(actor, STREAM_WINDOW_S)
+        recorder = StreamingRecorder(actor)
+        by_window = {}
         with LoopbackServer(recorder, load_tokenizer(path)) as server:
             asyncio.run(latencies(server, min(n, 4), 1, reply_tokens, True))  # warm-up
             whole = asyncio.run(latencies(server, n, turns, reply_tokens, False))
-            streamed = asyncio.run(latencies(server, n, turns, reply_tokens, True))
-            recorder.window_s = 0.0  # the same, one item per engine output
-            per_token = asyncio.run(latencies(server, n, turns, reply_tokens, True))
+            for w in windows_ms:
+                recorder.window_s = None if w is None else w / 1e3
+                by_window[w] = asyncio.run(latencies(server, n, turns, reply_tokens, True))
+        streamed = by_window[windows_ms[0]]
         rows.append({"sessions": n, "reply_tokens": reply_tokens or "natural",
                      "ttft_p50_ms": pct([f for f, _ in streamed], 0.5), "ttft_p99_ms": pct([f for f, _ in streamed], 0.99),
-                     "streamed_reply_p50_ms": pct([t for _, t in streamed], 0.5),
-                     "per_token_reply_p50_ms": pct([t for _, t in per_token], 0.5),
+                     "streamed_reply_p50_ms": {"default" if w is None else f"{w:g}": pct([t for _, t in ts], 0.5) for w, ts in by_window.items()},
                      "reply_p50_ms": pct([t for _, t in whole], 0.5), "reply_p99_ms": pct([t for _, t in whole], 0.99)})
-    print(f"\ntime to first token, streamed (ids merged over {1e3 * STREAM_WINDOW_S:g} ms), vs the whole reply unstreamed;"
-          " the whole streamed reply, merged and per token (same run)")
+    print(f"\ntime to first token, streamed (the actor's default window: {1e3 * STREAM_WINDOW_S:g} ms, at most"
+          f" {STREAM_ITEMS_PER_S} items/s in all), vs the whole reply unstreamed; the whole streamed reply p50 with the"
+          " default window and each fixed window (same run)")
     print(f"{'reply':>7} {'sessions':>8} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'reply p50 ms':>12} {'reply p99 ms':>12}"
-          f" {'TTFT/reply p50':>14} {'streamed reply p50 ms':>21} {'per token p50 ms':>16}")
+          f" {'TTFT/reply p50':>14} " + " ".join(f"{'streamed, ' + ('default' if w is None else format(w, 'g') + ' ms'):>17}" for w in windows_ms))
     for r in rows:
         print(f"{r['reply_tokens']:>7} {r['sessions']:>8} {r['ttft_p50_ms']:>11.1f} {r['ttft_p99_ms']:>11.1f} {r['reply_p50_ms']:>12.1f}"
-              f" {r['reply_p99_ms']:>12.1f} {r['ttft_p50_ms'] / r['reply_p50_ms']:>14.2f} {r['streamed_reply_p50_ms']:>21.1f}"
-              f" {r['per_token_reply_p50_ms']:>16.1f}")
+              f" {r['reply_p99_ms']:>12.1f} {r['ttft_p50_ms'] / r['reply_p50_ms']:>14.2f} "
+              + " ".join(f"{t:>17.1f}" for t in r["streamed_reply_p50_ms"].values()))
     return rows
 
 
@@ -277,6 +285,9 @@ def main() -> None:
     ap.add_argument("--reply-tokens", type=int, nargs="+", default=[0, 128],
                     help="tokens per reply; 0 = natural length (EOS), N = exactly N (ignore_eos)")
     ap.add_argument("--stream", action="store_true", help="also measure time to first token, streamed vs unstreamed")
+    ap.add_argument("--stream-windows-ms", type=float, nargs="*", default=[0, 20, 100],
+                    help="with --stream: fixed merge windows of the engine actor to time the whole streamed reply at,"
+                         " beside its default")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -319,7 +330,7 @@ def main() -> None:
             results.append(r)
         tokenizer = load_tokenizer(path)
         sdk, history = sdk_cost(tokenizer), history_cost(tokenizer)
-        streaming = stream_rows(actor, path, args.sessions, args.turns, args.reply_tokens) if args.stream else None
+        streaming = stream_rows(actor, path, args.sessions, args.turns, args.reply_tokens, args.stream_windows_ms) if args.stream else None
     finally:
         stop_engine(actor)
         shutdown_ray()

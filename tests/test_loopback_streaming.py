@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from workbench.loopback.server import LoopbackServer
-from workbench.rollout.actor import stream_generate
+from workbench.rollout.actor import STREAM_ITEMS_PER_S, STREAM_WINDOW_S, stream_generate, stream_window
 from workbench.rollout.engine import Sample, SamplingConfig
 from workbench.toy.tasks import CALC_TOOL, TOOL_SYSTEM_PROMPT
 
@@ -27,10 +27,12 @@ BOOKS = [{"role": "user", "content": "Say something about books."}]
 
 class Timed:
     """The engine actor, streamed to the server (Ray's streaming generator), noting when each
-    finished sample reaches the server: a tap, not a fake."""
+    finished sample reaches the server: a tap, not a fake. `window_s`: the actor's merge window
+    (None: its default)."""
 
-    def __init__(self, actor, experts: bool = False):
+    def __init__(self, actor, experts: bool = False, window_s: float | None = None):
         self.actor, self.experts, self.finished_at, self.samples = actor, experts, [], []
+        self.window_s = window_s
 
     async def generate(self, prompt_ids, sampling, return_routed_experts=False):
         sample = await self.actor.generate.remote(prompt_ids, sampling, None, return_routed_experts)
@@ -38,7 +40,7 @@ class Timed:
         return sample
 
     async def generate_stream(self, prompt_ids, sampling, return_routed_experts=False):
-        async for item in stream_generate(self.actor, prompt_ids, sampling, return_routed_experts):
+        async for item in stream_generate(self.actor, prompt_ids, sampling, return_routed_experts, window_s=self.window_s):
             if isinstance(item, Sample):
                 self.finished_at.append(time.monotonic())
                 self.samples.append(item)
@@ -57,8 +59,9 @@ def server(request, tokenizer):
 def test_text_arrives_while_the_engine_samples(server, tokenizer):
     """Content deltas reach the client before the finished sample reaches the server: the reply
     is sent as the engine produces it, not replayed once it is done. (Replies of 24 tokens: the
-    policy ignores EOS here, so that both protocols get the same length.)"""
-    timed = Timed(server.engine.actor)
+    policy ignores EOS here, so that both protocols get the same length; the actor sends every
+    engine output, as its default 100 ms window would merge most of a short fast reply.)"""
+    timed = Timed(server.engine.actor, window_s=0.0)
     with LoopbackServer(timed, tokenizer, policy_sampling=SamplingConfig(ignore_eos=True)) as srv:
         arrived, text_at = asyncio.run(_timed_streams(srv))
     done_openai, done_anthropic = timed.finished_at
@@ -206,7 +209,9 @@ def test_streaming_through_the_router(reference_engines, tokenizer):
 def test_the_engine_actor_merges_streamed_ids_after_the_first(reference_engines, tokenizer):
     """actor.generate_stream sends the first new ids at once and merges the rest over its window:
     a window longer than the reply gives the first item and one merged item, window 0 one item
-    per engine output; either way the items put together the Sample's ids, the record."""
+    per engine output, the default (None) lies between; every way the items put together the
+    Sample's ids, the record. The default window grows with the streams in flight, so that one
+    actor sends at most STREAM_ITEMS_PER_S items a second however many agents stream."""
     prompt = tokenizer.apply_chat_template(BOOKS, add_generation_prompt=True)["input_ids"]
     sampling = SamplingConfig(max_tokens=24, ignore_eos=True, seed=5)
 
@@ -214,10 +219,11 @@ def test_the_engine_actor_merges_streamed_ids_after_the_first(reference_engines,
         return [i async for i in stream_generate(reference_engines[0], prompt, sampling, window_s=window_s)]
 
     counts = []
-    for window_s in (60.0, 0.0):
+    for window_s in (60.0, 0.0, None):
         *lists, sample = asyncio.run(items(window_s))
         assert isinstance(sample, Sample) and [t for ids in lists for t in ids] == sample.token_ids
         counts.append(len(lists))
     # merged: the first output, then the rest in one item; per output: as many as the engine gave
     # (the reference engine gives a step's id, or the steps that came while nobody read, together)
-    assert counts[0] <= 2 and counts[1] >= counts[0], counts
+    assert counts[0] <= 2 and counts[1] >= counts[2] >= counts[0], counts
+    assert stream_window(1) == STREAM_WINDOW_S and stream_window(8 * STREAM_ITEMS_PER_S) == 8.0

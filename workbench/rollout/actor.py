@@ -12,11 +12,22 @@ import time
 
 from .engine import Sample, SamplingConfig, create_engine
 
-# A streamed reply's new ids go on at once for the first (time to first token), then at most
-# every STREAM_WINDOW_S, merged: each item is a Ray object and an SSE chunk to the agent, which
-# cost more than a fast engine takes per token. The record does not depend on it (the final
-# Sample carries every id).
-STREAM_WINDOW_S = 0.02
+# A streamed reply's new ids go on at once for the first (time to first token), then merged
+# over a window: each item is a Ray object, a server feed, an SSE chunk and an SDK parse, about
+# 3 ms of CPU in all (Ray's streaming generator alone ~2 ms, half in this actor, half in the
+# server's process), more than the engine's step on 2 cores. The window is STREAM_WINDOW_S (ten
+# updates a second, as chat UIs show text), longer when many streams share the actor, so that it
+# sends at most STREAM_ITEMS_PER_S items a second in all (32 streams: 320 ms). Measured with
+# bench/loopback.py --stream: a streamed 128-token reply took 1.65x the unstreamed one at 8
+# sessions and 2.1x at 32 with a 20 ms window; see docs/ARCHITECTURE.md for the after. The
+# record does not depend on it (the final Sample carries every id).
+STREAM_WINDOW_S = 0.1
+STREAM_ITEMS_PER_S = 100
+
+
+def stream_window(streams: int) -> float:
+    """The default merge window of an engine actor with `streams` streams in flight."""
+    return max(STREAM_WINDOW_S, streams / STREAM_ITEMS_PER_S)
 
 
 class EngineHost:
@@ -27,6 +38,7 @@ class EngineHost:
         # keep_log: remember every (prompt ids, sampled ids), so tests and debugging sessions can
         # compare recorded trajectories with what this engine really produced
         self.log: list | None = [] if keep_log else None
+        self.streams = 0  # generate_stream calls in flight (they share the item budget)
 
     async def start(self) -> dict:
         return await self.engine.start()
@@ -41,23 +53,29 @@ class EngineHost:
         return sample
 
     async def generate_stream(self, prompt_ids, sampling: SamplingConfig | None = None, request_id=None,
-                              return_routed_experts=False, window_s: float = STREAM_WINDOW_S):
+                              return_routed_experts=False, window_s: float | None = None):
         """engine.generate_stream through Ray: call it with .options(num_returns="streaming")
         (stream_generate does), each item an object the caller gets as it is produced: lists of
-        new ids, merged over `window_s` after the first, then the Sample."""
+        new ids, merged over `window_s` after the first (None: the default window above, which
+        grows with the streams in flight), then the Sample."""
         pending, sent = [], None
-        async for item in self.engine.generate_stream(prompt_ids, sampling, request_id, return_routed_experts):
-            if isinstance(item, Sample):
-                if pending:
+        self.streams += 1
+        try:
+            async for item in self.engine.generate_stream(prompt_ids, sampling, request_id, return_routed_experts):
+                if isinstance(item, Sample):
+                    if pending:
+                        yield pending
+                    if self.log is not None:
+                        self.log.append((list(prompt_ids), list(item.token_ids)))
+                    yield item
+                    continue
+                pending += item
+                window = window_s if window_s is not None else stream_window(self.streams)
+                if sent is None or time.monotonic() - sent >= window:
                     yield pending
-                if self.log is not None:
-                    self.log.append((list(prompt_ids), list(item.token_ids)))
-                yield item
-                continue
-            pending += item
-            if sent is None or time.monotonic() - sent >= window_s:
-                yield pending
-                pending, sent = [], time.monotonic()
+                    pending, sent = [], time.monotonic()
+        finally:
+            self.streams -= 1
 
     async def sample_log(self) -> list:
         return list(self.log or [])
@@ -88,7 +106,7 @@ class EngineHost:
 
 
 async def stream_generate(actor, prompt_ids, sampling, return_routed_experts=False, timeout_s: float | None = None,
-                          window_s: float = STREAM_WINDOW_S):
+                          window_s: float | None = None):
     """An EngineHost's generate_stream from another process: Ray's streaming generator
     (num_returns="streaming"), each item awaited as the actor yields it; `timeout_s` bounds the
     wait for each (asyncio.TimeoutError)."""
