@@ -18,8 +18,8 @@ from .engine import Sample, SamplingConfig, create_engine
 # server's process), more than the engine's step on 2 cores. The window is STREAM_WINDOW_S (ten
 # updates a second, as chat UIs show text), longer when many streams share the actor, so that it
 # sends at most STREAM_ITEMS_PER_S items a second in all (32 streams: 320 ms). Measured with
-# bench/loopback.py --stream: a streamed 128-token reply took 1.65x the unstreamed one at 8
-# sessions and 2.1x at 32 with a 20 ms window; see docs/ARCHITECTURE.md for the after. The
+# bench/loopback.py --stream: a streamed 128-token reply took 1.64x the unstreamed one at 8
+# sessions and 1.5-1.75x at 32 with a 20 ms window; see docs/ARCHITECTURE.md for the after. The
 # record does not depend on it (the final Sample carries every id).
 STREAM_WINDOW_S = 0.1
 STREAM_ITEMS_PER_S = 100
