@@ -220,10 +220,14 @@ def test_the_engine_actor_merges_streamed_ids_after_the_first(reference_engines,
 
     counts = []
     for window_s in (60.0, 0.0, None):
+        t0 = time.monotonic()
         *lists, sample = asyncio.run(items(window_s))
+        elapsed = time.monotonic() - t0
         assert isinstance(sample, Sample) and [t for ids in lists for t in ids] == sample.token_ids
         counts.append(len(lists))
     # merged: the first output, then the rest in one item; per output: as many as the engine gave
     # (the reference engine gives a step's id, or the steps that came while nobody read, together)
     assert counts[0] <= 2 and counts[1] >= counts[2] >= counts[0], counts
+    # the default window: after the first item, at most one per STREAM_WINDOW_S, then the last ids
+    assert counts[2] <= 2 + elapsed / STREAM_WINDOW_S, (counts, elapsed)
     assert stream_window(1) == STREAM_WINDOW_S and stream_window(8 * STREAM_ITEMS_PER_S) == 8.0
