@@ -241,6 +241,10 @@ class VLLMEngine(RolloutEngine):
             ignore_eos=s.ignore_eos,
             seed=s.seed,
             logprobs=0,  # the sampled token's own log-prob
+            # ids are the record and the runner decodes them with the policy's tokenizer; vLLM's
+            # own detokenizing (of every output and every log-prob entry) is needed only to match
+            # stop strings: without it its output processing takes ~25% less CPU
+            detokenize=bool(s.stop),
         )
         final, n = None, 0
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=request_id):
