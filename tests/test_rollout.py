@@ -113,6 +113,42 @@ def test_example_agents_end_to_end(example, rollout_for, vllm_moe):
     if example == "code_agent":
         runs = [r for t in trajs for r in t.info["runs"]]
         assert all(set(r) == {"code", "exit_code", "timed_out"} for r in runs)
+    if example == "arithmetic_env":  # each group's two first turns (one prompt) went to the engine as one call
+        assert ray.get(rollout.runners[0].stats.remote())["router"]["coalesced"] == 2
+
+
+def test_same_prompt_requests_of_one_pass_go_as_one_engine_call(reference_engines, run):
+    """EngineRouter sends the same-prompt, same-sampling requests made in one pass of the event
+    loop (a group's first turns) as one EngineHost.generate_n call. Each is still its own engine
+    request with its own Sample; a different prompt goes alone; a refused call fails each of its
+    requests with the engine's own error and nothing else."""
+    import asyncio
+
+    from workbench.rollout.router import EngineRouter
+
+    engine, router, s = reference_engines[0], EngineRouter(reference_engines[:1]), SamplingConfig(max_tokens=6)
+    prompt, other = [5, 6, 7, 8], [9, 10, 11]
+    before = len(ray.get(engine.sample_log.remote()))
+
+    async def one_pass():
+        return await asyncio.gather(*[router.generate(prompt, s) for _ in range(4)], router.generate(other, s),
+                                    *[router.generate([10**9], s) for _ in range(2)], return_exceptions=True)
+
+    got = run(one_pass())
+    same, alone, refused = got[:4], got[4], got[5:]
+    assert router.state()["coalesced"] == 3 + 1  # the 4 same-prompt requests in one call, the 2 refused in one
+    assert len({x.request_id for x in same}) == 4 and all(x.prompt_ids == prompt and x.token_ids for x in same)
+    log = ray.get(engine.sample_log.remote())[before:]  # what the engine sampled: one request per Sample
+    assert sorted((tuple(p), tuple(t)) for p, t in log) == sorted(
+        [(tuple(prompt), tuple(x.token_ids)) for x in same] + [(tuple(other), tuple(alone.token_ids))])
+    assert all(isinstance(e, ValueError) and "prompt_ids must be in" in str(e) for e in refused), refused
+    # requests of separate passes are not held for each other
+    async def two_passes():
+        first = await router.generate(prompt, s)
+        return first, await router.generate(prompt, s)
+
+    run(two_passes())
+    assert router.state()["coalesced"] == 4
 
 
 def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):

@@ -52,6 +52,13 @@ class EngineHost:
             self.log.append((list(prompt_ids), list(sample.token_ids)))
         return sample
 
+    async def generate_n(self, prompt_ids, sampling: SamplingConfig | None = None, n: int = 1, return_routed_experts=False):
+        """n generate() requests on one prompt in one Ray call (EngineRouter coalesces a group's
+        same-prompt requests so): a list of n results, each a Sample or the exception its own
+        request raised, so that one failure fails only its request."""
+        return await asyncio.gather(*[self.generate(prompt_ids, sampling, None, return_routed_experts) for _ in range(n)],
+                                    return_exceptions=True)
+
     async def generate_stream(self, prompt_ids, sampling: SamplingConfig | None = None, request_id=None,
                               return_routed_experts=False, window_s: float | None = None):
         """engine.generate_stream through Ray: call it with .options(num_returns="streaming")
