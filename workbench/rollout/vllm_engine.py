@@ -279,7 +279,15 @@ class VLLMEngine(RolloutEngine):
 
     async def pause(self) -> None:
         # "keep": in-flight requests are frozen, not aborted, and continue after resume.
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        # AsyncLLM.pause_generation is this call plus a fixed 20 ms sleep that only lets outputs
+        # already produced reach their callers first ("not required for correctness", vLLM says):
+        # each token's version is set by the engine core, not by when its output arrives. The
+        # sleep was ~20% of a loop step's weight sync.
+        core = getattr(self.llm, "engine_core", None)
+        if hasattr(core, "pause_scheduler_async"):
+            await core.pause_scheduler_async(mode="keep", clear_cache=False)
+        else:  # another vLLM version: its public call
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
