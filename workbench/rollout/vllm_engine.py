@@ -281,8 +281,8 @@ class VLLMEngine(RolloutEngine):
         # "keep": in-flight requests are frozen, not aborted, and continue after resume.
         # AsyncLLM.pause_generation is this call plus a fixed 20 ms sleep that only lets outputs
         # already produced reach their callers first ("not required for correctness", vLLM says):
-        # each token's version is set by the engine core, not by when its output arrives. The
-        # sleep was ~20% of a loop step's weight sync.
+        # each token's version is set by the engine core, not by when its output arrives. A loop
+        # step's sync measured 0.110 s with the sleep, 0.093 s without.
         core = getattr(self.llm, "engine_core", None)
         if hasattr(core, "pause_scheduler_async"):
             await core.pause_scheduler_async(mode="keep", clear_cache=False)
