@@ -207,9 +207,12 @@ def test_partial_rollout_records_two_versions_in_one_episode(rollout_for, moe_pa
     while len(ray.get(engine.sample_log.remote())) < served + 2:  # both episodes finished a turn
         assert time.time() < deadline
         time.sleep(0.05)
-    report, = sync_weights([engine], new, expected_probe=probe)
-    assert report.checked and report.version == v0 + 1
-    trajs = ray.get(ref)
+    try:
+        report, = sync_weights([engine], new, expected_probe=probe)
+        assert report.checked and report.version == v0 + 1
+        trajs = ray.get(ref)
+    finally:  # the session's engine serves later tests: its checkpoint's weights again (under a newer version)
+        sync_weights([engine], load_hf_model(moe_path).state_dict())
     for t in trajs:
         seg = t.segments[0]
         sampled = [v for v, m in zip(seg.versions, seg.loss_mask) if m]
