@@ -82,7 +82,7 @@ async def latencies(server, n_sessions: int, turns: int, reply_tokens: int, stre
 
     from workbench.toy.tasks import SYSTEM_PROMPT
 
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+    http = sdk_http("aiohttp")
     out = []
 
     async def episode(k: int):
@@ -152,13 +152,12 @@ def stream_rows(actor, path, sessions, turns, reply_tokens_list, windows_ms) -> 
     return rows
 
 
-async def through_server(server, n_sessions: int, turns: int, reply_tokens: int, seed0: int):
-    import httpx
+async def through_server(server, n_sessions: int, turns: int, reply_tokens: int, seed0: int, transport: str = "aiohttp"):
     import openai
 
     from workbench.toy.tasks import SYSTEM_PROMPT
 
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+    http = sdk_http(transport)
     per_session: list[list[int]] = []
 
     async def episode(k: int):
@@ -195,14 +194,25 @@ class Instant:
         return Sample(list(prompt_ids), self.ids, [-0.5] * len(self.ids), [0] * len(self.ids), "stop")
 
 
+def sdk_http(transport: str):
+    """The SDK clients' HTTP client: "aiohttp", the SDK's own aiohttp transport, which the rollout
+    runner gives agents (ctx.openai(), ctx.anthropic()); "httpx", the SDK's default."""
+    import httpx
+    import openai
+
+    if transport == "aiohttp":
+        return openai.DefaultAioHttpClient()
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+
+
 def thread_cpu(thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 def sdk_cost(tokenizer, n: int = 256, concurrency: int = 32) -> dict:
     """Client CPU per request (the calling thread's), the OpenAI SDK (create + model_dump, as an
-    agent does) vs raw httpx (post + json) with the same body, against the instant engine."""
-    import httpx
+    agent does) on httpx (its default) and on its aiohttp transport (the runner's) vs raw httpx
+    (post + json) with the same body, against the instant engine."""
     import openai
 
     from workbench.loopback.server import LoopbackServer
@@ -210,12 +220,12 @@ def sdk_cost(tokenizer, n: int = 256, concurrency: int = 32) -> dict:
     msgs = [{"role": "system", "content": "You are a careful assistant."}, {"role": "user", "content": "What is 3+4?"}]
 
     async def run(kind: str) -> float:
-        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+        http = sdk_http("aiohttp" if kind == "sdk_aiohttp" else "httpx")
         client = openai.AsyncOpenAI(base_url=server.base_url(None), api_key=server.api_key, http_client=http, max_retries=0)
         url, headers = server.base_url(None) + "/chat/completions", {"Authorization": f"Bearer {server.api_key}"}
 
         async def one():
-            if kind == "sdk":
+            if kind != "raw":
                 r = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=32)
                 return r.choices[0].message.model_dump(exclude_none=True)
             r = await http.post(url, json={"model": "policy", "messages": msgs, "max_tokens": 32}, headers=headers)
@@ -231,7 +241,8 @@ def sdk_cost(tokenizer, n: int = 256, concurrency: int = 32) -> dict:
 
     with LoopbackServer(Instant(tokenizer), tokenizer) as server:
         sdk, raw = min(asyncio.run(run("sdk")) for _ in range(2)), min(asyncio.run(run("raw")) for _ in range(2))
-    return {"sdk_client_cpu_ms": sdk, "httpx_client_cpu_ms": raw, "sdk_own_cpu_ms": sdk - raw}
+        aio = min(asyncio.run(run("sdk_aiohttp")) for _ in range(2))
+    return {"sdk_client_cpu_ms": sdk, "httpx_client_cpu_ms": raw, "sdk_own_cpu_ms": sdk - raw, "sdk_aiohttp_client_cpu_ms": aio}
 
 
 def history_cost(tokenizer, sessions: int = 8, turns: int = 64) -> dict:
@@ -284,6 +295,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--reply-tokens", type=int, nargs="+", default=[0, 128],
                     help="tokens per reply; 0 = natural length (EOS), N = exactly N (ignore_eos)")
+    ap.add_argument("--transports", nargs="+", default=["aiohttp", "httpx"], choices=["aiohttp", "httpx"],
+                    help="the SDK clients' HTTP transport: aiohttp (what the rollout runner gives agents), httpx (the SDK's default)")
     ap.add_argument("--stream", action="store_true", help="also measure time to first token, streamed vs unstreamed")
     ap.add_argument("--stream-windows-ms", type=float, nargs="*", default=[0, 20, 100],
                     help="with --stream: fixed merge windows of the engine actor to time the whole streamed reply at,"
@@ -301,23 +314,23 @@ def main() -> None:
     actor = launch_engine("vllm", model_path=str(path), env={"VLLM_LOGGING_LEVEL": "WARNING"})
     results = []
     try:
-        for n, reply_tokens in [(n, r) for r in args.reply_tokens for n in args.sessions]:
+        for n, reply_tokens, transport in [(n, r, t) for r in args.reply_tokens for n in args.sessions for t in args.transports]:
             rec = Recorder(actor)
             with LoopbackServer(rec, load_tokenizer(path)) as server:
-                asyncio.run(through_server(server, min(n, 4), 1, reply_tokens, 7))  # warm-up
+                asyncio.run(through_server(server, min(n, 4), 1, reply_tokens, 7, transport))  # warm-up
                 rec.calls.clear()
                 server.stats.overhead_s.clear()
                 # CPU by thread: the agents' SDK clients run on this thread, the server on its own
                 # (Ray's own threads, busy in both paths, are in neither)
                 cpu0, server0 = time.thread_time(), thread_cpu(server._thread)
-                tok_a, sec_a = asyncio.run(through_server(server, n, args.turns, reply_tokens, 0))
+                tok_a, sec_a = asyncio.run(through_server(server, n, args.turns, reply_tokens, 0, transport))
                 cpu_client, cpu_server = time.thread_time() - cpu0, thread_cpu(server._thread) - server0
                 summary = server.summary()
             episodes = group_episodes(rec.calls)
             cpu0 = time.thread_time()
             tok_b, sec_b = asyncio.run(replay_direct(actor, episodes, lambda call: call[1]))
             cpu_b = time.thread_time() - cpu0
-            r = {"sessions": n, "reply_tokens": reply_tokens or "natural", "server_tokens": tok_a, "server_s": sec_a, "server_tok_s": tok_a / sec_a,
+            r = {"sessions": n, "reply_tokens": reply_tokens or "natural", "transport": transport, "server_tokens": tok_a, "server_s": sec_a, "server_tok_s": tok_a / sec_a,
                  "direct_tokens": tok_b, "direct_s": sec_b, "direct_tok_s": tok_b / sec_b,
                  "ratio": (tok_a / sec_a) / (tok_b / sec_b),
                  "overhead_p50_ms": 1e3 * summary["overhead_p50_s"], "overhead_p99_ms": 1e3 * summary["overhead_p99_s"],
@@ -336,15 +349,16 @@ def main() -> None:
         shutdown_ray()
 
     print(f"\nloopback vs direct engine, tiny MoE, {args.turns} turns/episode")
-    print(f"{'reply':>7} {'sessions':>8} {'server tok/s':>12} {'direct tok/s':>12} {'ratio':>6} {'added p50 ms':>12} {'added p99 ms':>12}"
+    print(f"{'reply':>7} {'sessions':>8} {'SDK http':>8} {'server tok/s':>12} {'direct tok/s':>12} {'ratio':>6} {'added p50 ms':>12} {'added p99 ms':>12}"
           f" {'cpu ms/req: server':>18} {'client':>6} {'direct':>6}")
     for r in results:
-        print(f"{r['reply_tokens']:>7} {r['sessions']:>8} {r['server_tok_s']:>12.0f} {r['direct_tok_s']:>12.0f} {r['ratio']:>6.2f} "
+        print(f"{r['reply_tokens']:>7} {r['sessions']:>8} {r['transport']:>8} {r['server_tok_s']:>12.0f} {r['direct_tok_s']:>12.0f} {r['ratio']:>6.2f} "
               f"{r['overhead_p50_ms']:>12.2f} {r['overhead_p99_ms']:>12.2f}"
               f" {r['server_cpu_ms_per_request']:>18.2f} {r['client_cpu_ms_per_request']:>6.2f} {r['direct_cpu_ms_per_request']:>6.2f}")
     print("targets at 32 sessions: ratio >= 0.9, added p99 < 50 ms")
-    print(f"\nclient CPU per request against an instant engine: OpenAI SDK {sdk['sdk_client_cpu_ms']:.2f} ms, raw httpx "
-          f"{sdk['httpx_client_cpu_ms']:.2f} ms: the SDK's own {sdk['sdk_own_cpu_ms']:.2f} ms")
+    print(f"\nclient CPU per request against an instant engine: OpenAI SDK on httpx {sdk['sdk_client_cpu_ms']:.2f} ms, raw httpx "
+          f"{sdk['httpx_client_cpu_ms']:.2f} ms: the SDK's own {sdk['sdk_own_cpu_ms']:.2f} ms; the SDK on its aiohttp transport "
+          f"(the runner's) {sdk['sdk_aiohttp_client_cpu_ms']:.2f} ms ({sdk['sdk_client_cpu_ms'] / sdk['sdk_aiohttp_client_cpu_ms']:.1f}x less)")
     print("server CPU per request over 64-turn episodes (instant engine), turns 2-9 vs the last 8:")
     for name, h in history.items():
         print(f"  {name:>6}: {h['first_turns_ms']:.2f} -> {h['last_turns_ms']:.2f} ms ({h['last_over_first']:.2f}x)")
