@@ -15,9 +15,12 @@ replies, 32 sessions 0.53x -> 0.60x, p50/p99 added 9.2/91 -> 4.0/67 ms; 1 sessio
 0.54x; per request the server's thread 3.4 ms (its engine call included; the direct driver's is
 0.7 ms), the SDK clients' 8.3 ms; the OpenAI SDK 11.2 ms of client CPU per request vs httpx's
 6.4 ms (the SDK's own ~4.8 ms). Not met at natural replies: the agents' CPU shares the server's
-process and GIL. docs/ARCHITECTURE.md (the loopback server) has the rest.
+process and GIL. docs/ARCHITECTURE.md (the loopback server) has the rest. The agents' SDK
+clients now use the SDK's aiohttp transport (the runner's; --transports times both in one run):
+quiet machine, 32 sessions, natural replies 0.52x (httpx) -> 0.61x (aiohttp), added p99 37 ->
+4.3 ms; 128-token turns 0.79x -> 0.81x; the SDK's client CPU per request 4.18 -> 1.11 ms.
 
-    .venv/bin/python bench/loopback.py [--sessions 1 32] [--turns 3] [--reply-tokens 0 128] [--stream [--stream-windows-ms 0 20 100]]
+    .venv/bin/python bench/loopback.py [--sessions 1 32] [--turns 3] [--reply-tokens 0 128] [--transports aiohttp httpx] [--stream [--stream-windows-ms 0 20 100]]
 
 --stream adds time to first token: the same episodes streamed (stream=True through the SDK's
 stream helper; the engine streams its ids to the server) against unstreamed, in the same run:
