@@ -79,8 +79,8 @@ class StreamingRecorder(Recorder):
 
 async def latencies(server, n_sessions: int, turns: int, reply_tokens: int, stream: bool) -> list[tuple]:
     """Per request (seconds to the first content or tool-call delta, seconds to the whole reply),
-    the episodes of through_server; unstreamed, the first is the whole reply's."""
-    import httpx
+    the episodes of through_server; unstreamed, the first is the whole reply's. (The SDK on its
+    aiohttp transport, as the runner gives agents; figures before that change were on httpx.)"""
     import openai
 
     from workbench.toy.tasks import SYSTEM_PROMPT
