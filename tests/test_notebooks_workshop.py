@@ -99,7 +99,10 @@ def test_03_routing_replay_lowers_train_vs_rollout_kl(kernel, tmp_path, capsys):
     assert len(r["disagree_rate_per_layer"]) == 2 and max(r["disagree_rate_per_layer"]) > 0
     # replay lowers the KL: live / replay measured 1.8x-48x over seven runs (heavy-tailed: it depends
     # on where the few routing flips land), so the bound is the direction, not a factor
-    assert r["kl_k3_live"] > r["kl_k3_replay"] and r["max_abs_delta_p_live"] > r["max_abs_delta_p_replay"]
+    # and the live forward moves sampled tokens' log-probs that replay keeps (21 by > 0.01 nats in
+    # one run). Not asserted: that the largest single |delta p| falls. It can be a bf16 rounding gap
+    # on a token whose experts did not flip, the same under both (0.0495 = 0.0495 in that run).
+    assert r["kl_k3_live"] > r["kl_k3_replay"] and r["tokens_moved_without_replay"] > 0
     # the training step reports the same two numbers on its own
     step = r["train_step"]
     assert step["kl_k3"] == pytest.approx(r["kl_k3_replay"], rel=1e-3)
