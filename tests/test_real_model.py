@@ -12,6 +12,15 @@ import torch
 
 REAL_GAP_BOUND = 2e-4  # fp32 on CPU, 30 layers; measured 2e-5 (the test prints it)
 
+def temp_dir_sockets() -> set[str]:
+    import glob
+    import os
+    import stat
+    import tempfile
+
+    return {p for p in glob.glob(os.path.join(tempfile.gettempdir(), "*")) if stat.S_ISSOCK(os.lstat(p).st_mode)}
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     from workbench.checkpoints import smollm2_path
@@ -38,6 +47,7 @@ def test_smollm2_profile_and_greedy_ids_equal_transformers(ray_local, smollm2):
         out = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=stop)[0, len(p):].tolist()
         expected.append(out)
     # on CPU the KV cache is a fraction of the NUMA node's memory that must also hold the fp32 weights
+    sockets_before = temp_dir_sockets()
     engine = launch_engine("vllm", model_path=str(smollm2), dtype=prof.dtype, max_model_len=512, gpu_memory_utilization=0.25)
     try:
         got = ray.get([engine.generate.remote(p, SamplingConfig(temperature=0.0, max_tokens=12, stop_token_ids=stop))
@@ -46,6 +56,8 @@ def test_smollm2_profile_and_greedy_ids_equal_transformers(ray_local, smollm2):
                                                                             ignore_eos=True)))
     finally:
         stop_engine(engine)
+    # vLLM's ZMQ IPC sockets went into the engine's own temp dir, removed with it: none left in /tmp
+    assert temp_dir_sockets() - sockets_before == set()
     assert [s.token_ids for s in got] == expected
     assert "5" in tok.decode(got[0].token_ids)  # a real model: 2 + 3 = 5
     # a sampled reply (a dense model in vLLM's own actor): its behaviour log-probs are those of the

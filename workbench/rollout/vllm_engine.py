@@ -201,6 +201,13 @@ class VLLMEngine(RolloutEngine):
         # 8-token requests 0.097 s either way). The engine core is spawned now and reads the
         # variable at its import; this process's own setting is restored after.
         no_dynamo = on_cpu() and "TORCHDYNAMO_DISABLE" not in os.environ
+        # vLLM names its ZMQ IPC sockets (engine core <-> this client), made as the engine
+        # starts, by uuid under VLLM_RPC_BASE_PATH (the temp dir by default) and leaves them
+        # there: ~60 socket files an hour of tests in /tmp. Unless the user set it, this engine's
+        # own temp dir holds them instead, removed at shutdown (restored after the start, as below).
+        own_rpc_dir = "VLLM_RPC_BASE_PATH" not in os.environ
+        if own_rpc_dir:
+            os.environ["VLLM_RPC_BASE_PATH"] = self._shm
         if no_dynamo:
             os.environ["TORCHDYNAMO_DISABLE"] = "1"
         try:
@@ -208,6 +215,8 @@ class VLLMEngine(RolloutEngine):
         finally:
             if no_dynamo:
                 del os.environ["TORCHDYNAMO_DISABLE"]
+            if own_rpc_dir:
+                del os.environ["VLLM_RPC_BASE_PATH"]
         self.vocab_size = self.llm.model_config.get_vocab_size()
         await self.llm.update_weight_version(str(self.version))
         return self.info()
