@@ -205,7 +205,9 @@ class VLLMEngine(RolloutEngine):
         # starts, by uuid under VLLM_RPC_BASE_PATH (the temp dir by default) and leaves them
         # there: ~60 socket files an hour of tests in /tmp. Unless the user set it, this engine's
         # own temp dir holds them instead, removed at shutdown (restored after the start, as below).
-        own_rpc_dir = "VLLM_RPC_BASE_PATH" not in os.environ
+        # (Not where the path would pass the ~100-byte limit of a Unix socket's name: the temp
+        # dir when there is no /dev/shm, on some systems long.)
+        own_rpc_dir = "VLLM_RPC_BASE_PATH" not in os.environ and len(self._shm) + 37 < 100
         if own_rpc_dir:
             os.environ["VLLM_RPC_BASE_PATH"] = self._shm
         if no_dynamo:
