@@ -199,26 +199,22 @@ class VLLMEngine(RolloutEngine):
         # core, the whole of the first weight sync's probe (connect's last part) and of the first
         # rollout's wait. Eager gives the same log-probs at the same speed here (measured: 128
         # 8-token requests 0.097 s either way). The engine core is spawned now and reads the
-        # variable at its import; this process's own setting is restored after.
-        no_dynamo = on_cpu() and "TORCHDYNAMO_DISABLE" not in os.environ
+        # variable at its import. Both settings are for the start only: this process's own are
+        # restored after.
         # vLLM names its ZMQ IPC sockets (engine core <-> this client), made as the engine
         # starts, by uuid under VLLM_RPC_BASE_PATH (the temp dir by default) and leaves them
-        # there: ~60 socket files an hour of tests in /tmp. Unless the user set it, this engine's
-        # own temp dir holds them instead, removed at shutdown (restored after the start, as below).
-        # (Not where the path would pass the ~100-byte limit of a Unix socket's name: the temp
-        # dir when there is no /dev/shm, on some systems long.)
-        own_rpc_dir = "VLLM_RPC_BASE_PATH" not in os.environ and len(self._shm) + 37 < 100
-        if own_rpc_dir:
-            os.environ["VLLM_RPC_BASE_PATH"] = self._shm
-        if no_dynamo:
-            os.environ["TORCHDYNAMO_DISABLE"] = "1"
+        # there: ~60 socket files an hour of tests in /tmp. This engine's own temp dir holds them
+        # instead, removed at shutdown; not where the path would pass the ~100-byte limit of a
+        # Unix socket's name (the temp dir when there is no /dev/shm, on some systems long).
+        spawn_env = {**({"TORCHDYNAMO_DISABLE": "1"} if on_cpu() else {}),
+                     **({"VLLM_RPC_BASE_PATH": self._shm} if len(self._shm) + 37 < 100 else {})}
+        spawn_env = {k: v for k, v in spawn_env.items() if k not in os.environ}  # the user's settings win
+        os.environ.update(spawn_env)
         try:
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
         finally:
-            if no_dynamo:
-                del os.environ["TORCHDYNAMO_DISABLE"]
-            if own_rpc_dir:
-                del os.environ["VLLM_RPC_BASE_PATH"]
+            for k in spawn_env:
+                del os.environ[k]
         self.vocab_size = self.llm.model_config.get_vocab_size()
         await self.llm.update_weight_version(str(self.version))
         return self.info()
