@@ -342,10 +342,12 @@ def test_vllm_weight_update_partial_rollout_and_check(vllm_moe, moe_path):
     p = prompts(moe_path)[1]
     v0 = ray.get(vllm_moe.info.remote())["version"]
     try:
-        long = vllm_moe.generate.remote(p, SamplingConfig(max_tokens=300, ignore_eos=True))
-        time.sleep(0.5)
+        # the new weights' probe first: the sync must land while the long request runs (on a fast
+        # machine 300 tokens were done before the HF forward here had finished)
         model.load_state_dict(new)
         expected = expected_probe_logprobs(model, probe_ids(model.config.vocab_size))
+        long = vllm_moe.generate.remote(p, SamplingConfig(max_tokens=900, ignore_eos=True))
+        time.sleep(0.2)
         report = ray.get(vllm_moe.update_weights.remote(new, None, expected))
         assert report.version == v0 + 1 and report.checked and report.probe_max_abs_diff <= VLLM_GAP_BOUND
         spanning = ray.get(long)
