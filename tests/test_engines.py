@@ -326,6 +326,19 @@ def test_vllm_moe_samples_well_formed_and_match_hf(vllm_moe, moe_path, capsys):
     assert max(gaps) <= VLLM_GAP_BOUND
 
 
+def test_vllm_cpu_kv_cache_holds_what_the_engine_needs(vllm_moe, moe_path):
+    from workbench.rollout.vllm_engine import VLLMEngine, kv_bytes_per_token
+
+    # the toy MoE: 2 layers x 2 KV heads x 32 dims, keys and values in fp32 = 1 KiB a token; the
+    # session engine holds 128 sequences of max_model_len 1024 (128 MiB), not vLLM's ~1.5M tokens
+    assert kv_bytes_per_token(str(moe_path), "float32") == 1024
+    assert abs(ray.get(vllm_moe.info.remote())["kv_cache_tokens"] - 128 * 1024) <= 128
+    assert VLLMEngine(str(moe_path), kv_cache_tokens=5000).engine_args["kv_cache_memory_bytes"] == 5000 * 1024
+    assert VLLMEngine(str(moe_path), kv_cache_tokens=10).engine_args["kv_cache_memory_bytes"] == (1024 + 256) * 1024
+    # an explicit fraction of the machine's memory keeps vLLM's own sizing
+    assert "kv_cache_memory_bytes" not in VLLMEngine(str(moe_path), gpu_memory_utilization=0.1).engine_args
+
+
 def test_vllm_routed_experts_refused_clearly_on_cpu(vllm_moe, moe_path):
     from workbench.rollout.vllm_engine import VLLMEngine
 

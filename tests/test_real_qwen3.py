@@ -26,7 +26,7 @@ def tiny_qwen3(ray_local):
     path = tiny_qwen3_path()
     prof = profile_for(path)
     engine = launch_engine("vllm", model_path=str(path), dtype=prof.dtype, max_model_len=prof.max_model_len,
-                           gpu_memory_utilization=0.15, keep_log=True)
+                           keep_log=True)
     yield path, prof, engine
     stop_engine(engine)
 

@@ -45,10 +45,11 @@ def browser(chromium):
     """A function giving a fresh browser context (its own profile dir); each is closed at the end."""
     from playwright.sync_api import sync_playwright
 
-    contexts = []
+    contexts, profiles = [], []
     with sync_playwright() as p:
         def new():
-            ctx = p.chromium.launch_persistent_context(tempfile.mkdtemp(prefix="wb-chromium-"), executable_path=chromium,
+            profiles.append(tempfile.TemporaryDirectory(prefix="wb-chromium-", ignore_cleanup_errors=True))
+            ctx = p.chromium.launch_persistent_context(profiles[-1].name, executable_path=chromium,
                                                        headless=True, args=CHROMIUM_ARGS,
                                                        viewport={"width": 1400, "height": 1000})
             contexts.append(ctx)
@@ -57,3 +58,5 @@ def browser(chromium):
         yield new
         for ctx in contexts:
             ctx.close()
+    for profile in profiles:  # ~2.5 MB each
+        profile.cleanup()

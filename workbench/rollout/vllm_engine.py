@@ -99,6 +99,24 @@ def moe_shape(model_path: str) -> tuple[int, int] | None:
     return int(experts), int(cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or 0)
 
 
+# On CPU a KV cache of at most this much memory (SmolLM2-135M in fp32: ~11,600 tokens; the toy
+# MoE: every one of 128 sequences at full length). See VLLMEngine.__init__.
+CPU_KV_CACHE_BYTES = 512 << 20
+
+
+def kv_bytes_per_token(model_path: str, dtype: str) -> int | None:
+    """The KV cache's bytes per token (keys and values of every layer) of a standard-attention
+    checkpoint, from its config.json; None when its config does not say (then vLLM sizes it)."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg = cfg.get("text_config", cfg)
+    layers, heads = cfg.get("num_hidden_layers"), cfg.get("num_attention_heads")
+    if not layers or not heads or "kv_lora_rank" in cfg:  # MLA caches a latent, not heads
+        return None
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * layers * (cfg.get("num_key_value_heads") or heads) * head_dim * (4 if dtype == "float32" else 2)
+
+
 def compact_experts(routed, n_tokens: int, num_experts: int, top_k: int | None = None, request_id: str = "") -> np.ndarray:
     """vLLM's routed experts for one request -> the Sample's array, checked and compact.
 
@@ -135,6 +153,7 @@ class VLLMEngine(RolloutEngine):
         max_model_len: int = 1024,
         dtype: str = "float32",
         gpu_memory_utilization: float | None = None,
+        kv_cache_tokens: int | None = None,
         tensor_parallel_size: int = 1,
         enable_prefix_caching: bool = True,
         enable_return_routed_experts: bool = False,
@@ -155,8 +174,25 @@ class VLLMEngine(RolloutEngine):
         if enable_return_routed_experts and self.moe_shape is None:
             raise ValueError(f"enable_return_routed_experts=True, but {self.model_path!r} is not an MoE (its config.json "
                              f"names no expert count)")
-        # On CPU, gpu_memory_utilization is the fraction of the NUMA node's memory reserved for
-        # the KV cache; vLLM's default 0.92 fails there.
+        # On CPU vLLM sizes the KV cache as gpu_memory_utilization of the NUMA node's memory less
+        # what its process already holds (its default 0.92 fails there): at 0.1 that is ~1.5M
+        # tokens for the toy, and allocating it costs what touching that much fresh memory costs,
+        # up to ~80 MB/s on a VM that hands freed memory back to its host (measured: SmolLM2's
+        # 3.66 GiB at 0.25 took 47 of the engine's 73 s start). A CPU engine instead gets the
+        # tokens it needs: kv_cache_tokens, by default 128 sequences at max_model_len within
+        # CPU_KV_CACHE_BYTES, never less than one full-length sequence. Past that vLLM preempts
+        # and recomputes (slower, same ids). An explicit gpu_memory_utilization or
+        # kv_cache_memory_bytes wins; a GPU keeps vLLM's own sizing.
+        per_token = kv_bytes_per_token(self.model_path, dtype) if on_cpu() else None
+        if (per_token and gpu_memory_utilization is None and "kv_cache_memory_bytes" not in engine_kwargs) or (
+                kv_cache_tokens is not None):
+            if not per_token:
+                raise ValueError(f"kv_cache_tokens needs a CPU engine and a checkpoint whose config.json gives its "
+                                 f"attention shape; use gpu_memory_utilization or kv_cache_memory_bytes")
+            if kv_cache_tokens is None:
+                kv_cache_tokens = min(128 * max_model_len, CPU_KV_CACHE_BYTES // per_token)
+            kv_cache_tokens = max(kv_cache_tokens, max_model_len + 256)  # + a block's worth of slack
+            engine_kwargs["kv_cache_memory_bytes"] = kv_cache_tokens * per_token
         if gpu_memory_utilization is None:
             gpu_memory_utilization = 0.1 if on_cpu() else 0.85
         self.engine_args = dict(
@@ -186,12 +222,13 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"weight_transfer {weight_transfer!r} unknown: None (the CPU file path) or 'nccl' (GPU)")
         self.llm = None
         self._rx = None  # NcclReceiver once init_nccl ran
-        self._shm = tempfile.mkdtemp(prefix="workbench-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self._shm = None  # this engine's temp dir (weight-sync files, vLLM's sockets), made by start()
 
     async def start(self) -> dict:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self._shm = tempfile.mkdtemp(prefix="workbench-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         if self.in_core_worker:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (read by vLLM's CPU platform: see __init__)
         # On CPU (enforce_eager) nothing of the model is compiled, but vLLM's sampler torch.compiles
@@ -218,6 +255,12 @@ class VLLMEngine(RolloutEngine):
         self.vocab_size = self.llm.model_config.get_vocab_size()
         await self.llm.update_weight_version(str(self.version))
         return self.info()
+
+    def info(self) -> dict:
+        cache = self.llm.vllm_config.cache_config if self.llm is not None else None
+        if cache is None or not cache.num_gpu_blocks:
+            return super().info()
+        return {**super().info(), "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size}
 
     async def generate(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False) -> Sample:
         async for item in self.generate_stream(prompt_ids, sampling, request_id, return_routed_experts):
@@ -360,4 +403,5 @@ class VLLMEngine(RolloutEngine):
             # OS frees with it. (GPU engines keep vLLM's grace: device memory is released there.)
             self.llm.shutdown(timeout=2.0 if on_cpu() else None)
             self.llm = None
-        shutil.rmtree(self._shm, ignore_errors=True)
+        if self._shm is not None:
+            shutil.rmtree(self._shm, ignore_errors=True)
