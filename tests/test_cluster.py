@@ -107,6 +107,8 @@ def simulated(dense_path):
     assert lines, f"cluster_sim.py printed no result (exit {r.returncode}):\n{r.stderr[-3000:]}"
     out = json.loads(lines[-1][len("RESULT "):])
     assert "error" not in out, f"{out['error']}\n{out.get('traceback', '')}"
+    print(f"\n[measured] simulated cluster: started in {out['start_s']:.1f} s ({out['start_attempts']} attempt(s)), "
+          f"trainer ranks {out['trainer_start_s']:.1f} s, its step {out['train_s']:.1f} s, {out['total_s']:.1f} s in all")
     return out
 
 
