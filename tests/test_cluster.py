@@ -107,12 +107,14 @@ def simulated(dense_path):
     assert lines, f"cluster_sim.py printed no result (exit {r.returncode}):\n{r.stderr[-3000:]}"
     out = json.loads(lines[-1][len("RESULT "):])
     assert "error" not in out, f"{out['error']}\n{out.get('traceback', '')}"
-    print(f"\n[measured] simulated cluster: started in {out['start_s']:.1f} s ({out['start_attempts']} attempt(s)), "
-          f"trainer ranks {out['trainer_start_s']:.1f} s, its step {out['train_s']:.1f} s, {out['total_s']:.1f} s in all")
     return out
 
 
-def test_simulated_two_node_cluster_actors_land_where_the_plan_says(simulated):
+def test_simulated_two_node_cluster_actors_land_where_the_plan_says(simulated, capsys):
+    with capsys.disabled():
+        print(f"\n[measured] simulated cluster: started in {simulated['start_s']:.1f} s ({simulated['start_attempts']} "
+              f"attempt(s)), trainer ranks {simulated['trainer_start_s']:.1f} s, its step {simulated['train_s']:.1f} s, "
+              f"{simulated['total_s']:.1f} s in all")
     nodes = simulated["nodes"]
     assert set(nodes) == {"sim0", "sim1"}  # named by their workbench/node labels
     for slot in simulated["plan"]:

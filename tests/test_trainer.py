@@ -125,6 +125,12 @@ def test_train_step_moves_the_policy_and_sync_reaches_an_engine(trainer, samples
     model.load_state_dict(sd)
     lp_hf, _ = token_logprobs(model, b["input_ids"], b["attention_mask"], experts=b["routed_experts"])
     assert torch.max(torch.abs(lp_hf[m] - after[m])) <= 1e-5  # the gathered weights are the trained ones
+    # the weight sync's copy: the same weights, as numpy arrays the engines map (WireWeights)
+    import ray
+
+    _, ref = trainer.probe_and_weights([5, 6, 7])
+    wire = ray.get(ref).tensors()
+    assert wire.keys() == sd.keys() and all(torch.equal(wire[k], v) for k, v in sd.items())
 
     async def sync():
         e = create_engine("reference", model_path=str(moe_path))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .engine import Sample, SamplingConfig, create_engine
+from .engine import Sample, SamplingConfig, WireWeights, create_engine
 
 # A streamed reply's new ids go on at once for the first (time to first token), then merged
 # over a window: each item is a Ray object, a server feed, an SSE chunk and an SDK parse, about
@@ -97,6 +97,8 @@ class EngineHost:
         await self.engine.resume()
 
     async def update_weights(self, state_dict, version=None, expected_probe=None, probe=None, tol=1e-3):
+        if isinstance(state_dict, WireWeights):
+            state_dict = state_dict.tensors()
         return await self.engine.update_weights(state_dict, version, expected_probe, probe, tol)
 
     async def init_nccl(self, cfg, rank_offset: int, world_size: int) -> None:
@@ -180,7 +182,7 @@ def sync_weights(engines: list, state_dict, version: int | None = None, expected
     import ray
 
     # one copy in the object store, shared by all engines (a reference is passed on as it is)
-    ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(state_dict)
+    ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(WireWeights.of(state_dict))
     refs = [e.update_weights.remote(ref, version, expected_probe, None, tol) for e in engines]
     if lost is None:
         return ray.get(refs)

@@ -69,6 +69,44 @@ class Sample:
 
 
 @dataclass
+class WireWeights:
+    """HF-named weights in the form the CPU weight sync puts in Ray's object store: numpy arrays,
+    which Ray writes there with one copy and every reader maps without any. (Torch tensors are
+    pickled: a copy in, and a copy out in each engine; for SmolLM2's 540 MB, ~1 s of an engine's
+    ~1.3 s sync went to unpickling its argument.) A dtype numpy lacks (bfloat16, float8) travels
+    as the integer type of its size, bit for bit."""
+
+    arrays: dict  # name -> np.ndarray
+    dtypes: dict  # name -> torch dtype name ("float32", "bfloat16", ...)
+
+    @classmethod
+    def of(cls, tensors: dict) -> "WireWeights":
+        import torch
+
+        arrays, dtypes = {}, {}
+        for name, t in tensors.items():
+            t = t.detach().cpu().contiguous()
+            dtypes[name] = str(t.dtype).removeprefix("torch.")
+            try:
+                arrays[name] = t.numpy()
+            except TypeError:  # numpy has no such dtype
+                same_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+                arrays[name] = t.view(same_size).numpy()
+        return cls(arrays, dtypes)
+
+    def tensors(self) -> dict:
+        """The weights as torch tensors: read-only views of the object store's memory (loading
+        them into a model copies them; nothing may write to them)."""
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():  # from_numpy on Ray's read-only buffers: nothing writes to them
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return {name: torch.from_numpy(a).view(getattr(torch, self.dtypes[name])) for name, a in self.arrays.items()}
+
+
+@dataclass
 class WeightSyncReport:
     version: int
     seconds: float

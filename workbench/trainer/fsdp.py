@@ -466,11 +466,16 @@ class TrainerWorker:
 
         return self._tx.send(full_tensors(self.model), TransferMeta(**meta))
 
-    def full_state_dict(self) -> dict | None:
-        """HF-named full tensors on CPU, on rank 0 (every rank must call: it is a collective)."""
+    def full_state_dict(self, wire: bool = False):
+        """HF-named full tensors on CPU, on rank 0 (every rank must call: it is a collective);
+        `wire`: as WireWeights, the weight sync's form in Ray's object store."""
+        from ..rollout.engine import WireWeights
+
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
                 for k, v in self.model.state_dict().items()}
-        return full if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return WireWeights.of(full) if wire else full
 
     def save(self, path: str) -> None:
         """Sharded model + optimizer state with torch.distributed.checkpoint, and this rank's RNG."""
@@ -643,7 +648,7 @@ class Trainer:
         import ray
 
         probes = [w.probe.remote(ids) for w in self.workers]
-        weights = [w.full_state_dict.remote() for w in self.workers]
+        weights = [w.full_state_dict.remote(True) for w in self.workers]
         expected, *_ = ray.get([probes[0], *weights[1:]])  # every rank's part of the gather done
         return expected, weights[0]
 
