@@ -350,7 +350,7 @@ def test_vllm_cpu_kv_cache_holds_what_the_engine_needs(vllm_moe, moe_path):
 
     # the toy MoE: 2 layers x 2 KV heads x 32 dims, keys and values in fp32 = 1 KiB a token; the
     # session engine holds 128 sequences of max_model_len 1024 (128 MiB), not vLLM's ~1.5M tokens
-    assert kv_bytes_per_token(str(moe_path), "float32") == 1024
+    assert kv_bytes_per_token(str(moe_path)) == 1024
     assert abs(ray.get(vllm_moe.info.remote())["kv_cache_tokens"] - 128 * 1024) <= 128
     assert VLLMEngine(str(moe_path), kv_cache_tokens=5000).engine_args["kv_cache_memory_bytes"] == 5000 * 1024
     assert VLLMEngine(str(moe_path), kv_cache_tokens=10).engine_args["kv_cache_memory_bytes"] == (1024 + 256) * 1024

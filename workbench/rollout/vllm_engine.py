@@ -104,9 +104,11 @@ def moe_shape(model_path: str) -> tuple[int, int] | None:
 CPU_KV_CACHE_BYTES = 512 << 20
 
 
-def kv_bytes_per_token(model_path: str, dtype: str) -> int | None:
+def kv_bytes_per_token(model_path: str) -> int | None:
     """The KV cache's bytes per token (keys and values of every layer) of a standard-attention
-    checkpoint, from its config.json; None when its config does not say (then vLLM sizes it)."""
+    checkpoint, from its config.json; None when its config does not say (then vLLM sizes it).
+    Counted at 4 bytes an element whatever the dtype asked for: vLLM on CPU may upcast a 16-bit
+    model to fp32, and a cache too small for one max_model_len sequence refuses to start."""
     with open(os.path.join(model_path, "config.json")) as f:
         cfg = json.load(f)
     cfg = cfg.get("text_config", cfg)
@@ -114,7 +116,7 @@ def kv_bytes_per_token(model_path: str, dtype: str) -> int | None:
     if not layers or not heads or "kv_lora_rank" in cfg:  # MLA caches a latent, not heads
         return None
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return 2 * layers * (cfg.get("num_key_value_heads") or heads) * head_dim * (4 if dtype == "float32" else 2)
+    return 2 * layers * (cfg.get("num_key_value_heads") or heads) * head_dim * 4
 
 
 def compact_experts(routed, n_tokens: int, num_experts: int, top_k: int | None = None, request_id: str = "") -> np.ndarray:
@@ -183,12 +185,13 @@ class VLLMEngine(RolloutEngine):
         # CPU_KV_CACHE_BYTES, never less than one full-length sequence. Past that vLLM preempts
         # and recomputes (slower, same ids). An explicit gpu_memory_utilization or
         # kv_cache_memory_bytes wins; a GPU keeps vLLM's own sizing.
-        per_token = kv_bytes_per_token(self.model_path, dtype) if on_cpu() else None
+        per_token = kv_bytes_per_token(self.model_path) if on_cpu() else None
         if (per_token and gpu_memory_utilization is None and "kv_cache_memory_bytes" not in engine_kwargs) or (
                 kv_cache_tokens is not None):
             if not per_token:
-                raise ValueError(f"kv_cache_tokens needs a CPU engine and a checkpoint whose config.json gives its "
-                                 f"attention shape; use gpu_memory_utilization or kv_cache_memory_bytes")
+                raise ValueError(f"kv_cache_tokens={kv_cache_tokens} needs a CPU engine and a checkpoint whose config.json "
+                                 f"gives its attention shape ({self.model_path}); use gpu_memory_utilization or "
+                                 f"kv_cache_memory_bytes")
             if kv_cache_tokens is None:
                 kv_cache_tokens = min(128 * max_model_len, CPU_KV_CACHE_BYTES // per_token)
             kv_cache_tokens = max(kv_cache_tokens, max_model_len + 256)  # + a block's worth of slack
