@@ -143,6 +143,42 @@ def test_train_step_moves_the_policy_and_sync_reaches_an_engine(trainer, samples
     assert report.checked and report.version == 1
 
 
+def test_full_state_dict_gathers_uneven_shards_in_one_collective(ray_local):
+    """gather_full_tensors (the weight sync's gather) equals DTensor.full_tensor() of each tensor,
+    on 2 gloo ranks with shards torch.chunk splits unevenly: 5 rows as 3 + 2, 1 row as 1 + 0 (an
+    empty shard), 129 rows in bfloat16 (a second dtype's buffer), and the keys keep their order."""
+    import ray
+
+    from workbench.trainer.fsdp import free_port
+
+    @ray.remote(num_cpus=0)
+    def rank_main(rank: int, port: int):
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        from workbench.trainer.fsdp import gather_full_tensors
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1), torch.nn.Embedding(129, 3))
+            model[2].to(torch.bfloat16)
+            for part in model:
+                fully_shard(part)
+            state = model.state_dict()
+            expected = {k: v.full_tensor() for k, v in state.items()}
+            got = gather_full_tensors(state, rank, 2)
+            if rank != 0:
+                return got is None
+            return list(got) == list(expected) and all(
+                got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+        finally:
+            dist.destroy_process_group()
+
+    port = free_port()
+    assert ray.get([rank_main.remote(r, port) for r in range(2)], timeout=120) == [True, True]
+
+
 def test_checkpoint_then_resume_gives_the_same_next_step(ray_local, moe_path, samples, tmp_path):
     cfg = TrainerConfig(lr=1e-3, micro_batch_size=2, correction=CorrectionConfig.tis())
     b1, b2 = batch_of(samples), batch_of(samples, rewards=[-1.0, 1.0, 0.5, -0.5, 1.0])
