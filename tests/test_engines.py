@@ -358,6 +358,21 @@ def test_vllm_cpu_kv_cache_holds_what_the_engine_needs(vllm_moe, moe_path):
     assert "kv_cache_memory_bytes" not in VLLMEngine(str(moe_path), gpu_memory_utilization=0.1).engine_args
 
 
+def test_vllm_engine_that_fails_to_start_leaves_no_temp_dir(moe_path):
+    """A start vLLM refuses (here: a context longer than the model's) raises vLLM's error and
+    removes the engine's temp dir: nothing will call shutdown() on an engine that never started."""
+    import asyncio
+    import glob
+
+    from workbench.rollout.vllm_engine import VLLMEngine
+
+    before = set(glob.glob("/dev/shm/workbench-sync-*"))
+    engine = VLLMEngine(str(moe_path), max_model_len=1 << 20, kv_cache_tokens=1 << 10)
+    with pytest.raises(Exception, match="max_model_len"):
+        asyncio.run(engine.start())
+    assert engine._shm is None and set(glob.glob("/dev/shm/workbench-sync-*")) == before
+
+
 def test_vllm_routed_experts_refused_clearly_on_cpu(vllm_moe, moe_path):
     from workbench.rollout.vllm_engine import VLLMEngine
 

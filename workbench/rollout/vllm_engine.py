@@ -252,6 +252,10 @@ class VLLMEngine(RolloutEngine):
         os.environ.update(spawn_env)
         try:
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        except BaseException:  # nothing will call shutdown(): the dir (and vLLM's sockets in it) goes now
+            shutil.rmtree(self._shm, ignore_errors=True)
+            self._shm = None
+            raise
         finally:
             for k in spawn_env:
                 del os.environ[k]
