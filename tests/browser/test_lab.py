@@ -75,15 +75,16 @@ def test_run_all_monitors_never_blank(lab, browser, attempt, capsys):
 @pytest.mark.parametrize("attempt", range(int(os.environ.get("WB_BROWSER_REPEAT", "1"))))
 def test_quickstart_run_all_monitors_grow(lab, browser, attempt, capsys):
     """The quickstart itself under Run All (reference engine, few small steps): it runs to the
-    end and the gate and replay monitors show traces that grow during the run."""
+    end and the gate and replay monitors show traces that grow during the run. Then Run All again
+    in the same kernel, as a user does: its parameters cell names a new run directory, so the
+    second run goes to the end too (a fixed run_dir was refused as holding a run)."""
     import papermill.iorw
     import papermill.parameterize
 
     steps = 16  # ~1 s each here: long enough to watch the plots grow after their first render
     nb = papermill.iorw.load_notebook_node(str(NOTEBOOK_DIR / "00_quickstart.ipynb"))  # with papermill's cell tags
     nb = papermill.parameterize.parameterize_notebook(
-        nb, {"run_dir": str(lab.root / "runs" / f"quickstart_{attempt}"), "backend": "reference", "steps": steps,
-             "prompts_per_step": 4, "group_size": 4})
+        nb, {"backend": "reference", "steps": steps, "prompts_per_step": 4, "group_size": 4})  # run_dir: its default
     name = _write(lab, f"quickstart_{attempt}.ipynb", nb)
     lab.shutdown_kernels()
     t0 = time.time()
@@ -92,6 +93,12 @@ def test_quickstart_run_all_monitors_grow(lab, browser, attempt, capsys):
     errors = [c["errors"] for c in state if c["errors"]]
     assert not errors, errors
     _check_grew(samples, ["gate", "replay"], steps)
+    took = time.time() - t0
+    _, state = run_all_and_watch(page, 0, timeout_s=900, every_s=2.0)  # again, in the same kernel
+    errors = [c["errors"] for c in state if c["errors"]]
+    assert not errors, errors
+    runs = sorted(lab.root.glob("runs/quickstart/*/results.json"))
+    assert len(runs) == 2 * (attempt + 1), runs  # each Run All wrote its own run directory
     with capsys.disabled():
-        print(f"\n[measured] quickstart Run All #{attempt + 1} in Chromium: {time.time() - t0:.0f} s (reference engine, "
-              f"{steps} steps)")
+        print(f"\n[measured] quickstart Run All #{attempt + 1} in Chromium: {took:.0f} s (reference engine, "
+              f"{steps} steps), then again in the same kernel: {time.time() - t0 - took:.0f} s")
