@@ -298,10 +298,6 @@ def load_family(name: str) -> Family:
     return Family(spec, tok)
 
 
-def family_names() -> list[str]:
-    return list(FAMILIES)
-
-
 # ------------------------------------------------------------------ recorded outputs (canitoolcall)
 def fixtures_dir() -> Path:
     return _pkg_dir("canitoolcall") / "_data" / "fixtures"

@@ -33,12 +33,6 @@ from pathlib import Path
 from .tokens import ChatFormat, canonical_message
 
 
-def tekken_file(path: str | Path) -> Path | None:
-    """The checkpoint's tekken.json, or None when it has none (a SentencePiece or HF tokenizer)."""
-    f = Path(path) / "tekken.json"
-    return f if f.is_file() else None
-
-
 def tekken_profile(path: str | Path):
     """The `mistral` profile of a Tekken directory: profile_for's when it is a checkpoint (config.json),
     else the mistral family's for a tokenizer directory (chat_format "tekken": it has tekken.json)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -113,9 +113,6 @@ class WeightSyncReport:
     bytes: int
     probe_max_abs_diff: float | None  # None: no expected probe was given, nothing checked
     checked: bool
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def probe_ids(vocab_size: int, n: int = 48) -> list[int]:
