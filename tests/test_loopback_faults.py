@@ -385,9 +385,11 @@ def test_a_huge_request_is_tokenized_off_the_event_loop(server):
     for th in threads:
         th.join()
     gap = max((b - a for a, b in zip(pings, pings[1:])), default=float("inf"))
-    assert out["seconds"] > 2.0, out  # it really was a long tokenization
+    # it really was a long tokenization (1.96 s on a fast day, ~4 s on a busy one): long enough that
+    # a stalled event loop would show as a gap of about all of it, which the gap bound rules out
+    assert out["seconds"] > 1.2, out
     assert out["reply"].choices[0].finish_reason == "length" and out["reply"].usage.prompt_tokens > 1_500_000  # no room: truncated, nothing sampled
-    assert turns_during == 3 and gap < 1.0, (gap, turns_during, out["seconds"])
+    assert turns_during == 3 and gap < min(1.0, out["seconds"] / 2), (gap, turns_during, out["seconds"])
     assert server.sessions[big_sid].segments == [] and server.sessions[big_sid].truncated
     seg, = server.close_session(sid)
     assert seg.stats["turns"] == 4 and seg.seal_reason == "episode_end"
