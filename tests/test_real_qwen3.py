@@ -102,11 +102,12 @@ def test_sdk_tool_episodes_record_exact_real_ids(tiny_qwen3, thinking):
     assert first.startswith("<|im_start|>system\n# Tools") and "<|im_start|>assistant\n" in first
     assert ("<think>\n\n</think>" in first) == (not thinking)
     # thinking on: vLLM's qwen3 reasoning parser takes what the model thought, up to its first
-    # </think> (a reply without one is all reasoning, as vLLM's server reads it); content never opens
-    # with the think block (a random model may write more markers after it)
+    # </think> (a reply without one is all reasoning, as vLLM's server reads it), so no reasoning
+    # holds that marker. (The content may: this random model writes more markers after the first,
+    # a second "<think>" right after "</think>" in one of two clean-clone runs today.)
     assert len(texts) == 4 * 3
     if thinking:
-        assert any(r for _, r in texts) and not any(c.lstrip().startswith("<think>") for c, _ in texts), texts
+        assert any(r for _, r in texts) and not any("</think>" in (r or "") for _, r in texts), texts
     else:
         assert not any(r for _, r in texts)
     seals = {seg.seal_reason for seg in flat}
