@@ -515,10 +515,10 @@ def gather_full_tensors(state: dict, rank: int, world_size: int) -> dict | None:
     Why not DTensor.full_tensor() per tensor: each call is its own collective behind DTensor's
     redistribute machinery, ~0.7 ms on gloo whatever the size; the toy MoE's 25 tensors (2.5 MB)
     took 17-19 ms that way on 2 ranks, one gather of every shard 2.1-2.4 ms (on 1 rank the local
-    shard is the tensor: no collective at all). fully_shard splits
-    dim 0 as torch.chunk does (rank r holds rows [r*c, min((r+1)*c, n)), c = ceil(n / world)),
-    so each rank sends its shards padded to c rows, one buffer per dtype, and rank 0 cuts them
-    apart. Tensors sharded any other way (a 2-D mesh, another dim) take full_tensor()."""
+    shard is the tensor: no collective at all). fully_shard splits dim 0 as torch.chunk does
+    (rank r holds rows [r*c, min((r+1)*c, n)), c = ceil(n / world)), so each rank sends its shards
+    padded to c rows, one buffer per dtype, and rank 0 cuts them apart. Tensors sharded any other
+    way (a 2-D mesh, another dim) take full_tensor()."""
     import math
 
     import torch.distributed as dist
@@ -528,13 +528,13 @@ def gather_full_tensors(state: dict, rank: int, world_size: int) -> dict | None:
         return (isinstance(v, DTensor) and v.device_mesh.ndim == 1 and v.device_mesh.size() == world_size
                 and tuple(v.placements) == (Shard(0),))
 
-    full, buckets = {}, {}  # dtype -> [(name, global shape, rows per rank, row size)]
+    full, buckets = {}, {}  # dtype -> [(name, the DTensor, c: rows per full shard, elements per row)]
     for k, v in state.items():
         if flat_sharded(v) and world_size == 1:  # the one shard is the whole tensor
             full[k] = v.to_local().detach()
         elif flat_sharded(v):
             rows, c, row = v.shape[0], -(-v.shape[0] // world_size), math.prod(v.shape[1:])
-            if v.to_local().shape[0] != max(0, min(c, rows - rank * c)):  # not torch.chunk's split
+            if v.to_local().shape[0] != max(0, min(c, rows - rank * c)):  # a guard, should FSDP2 ever split otherwise
                 raise RuntimeError(f"{k}: rank {rank} holds {v.to_local().shape[0]} of {rows} rows, not torch.chunk's split")
             buckets.setdefault(v.dtype, []).append((k, v, c, row))
         else:
