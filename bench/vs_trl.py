@@ -8,6 +8,9 @@ runs in its own virtual environment made here (bench/.venv-trl: TRL is not a dep
 workbench); it sees workbench's torch and transformers through a .pth file, so both sides run
 the same library versions. The sides run one after the other, never together.
 
+workbench runs twice: "workbench", the quickstart's synchronous loop, and "workbench-async",
+the continuous async loop at async_lag 1 (the rollout keeps sampling while the trainer trains;
+a group trains at most one version stale, its tokens corrected per token), on the same batch.
 Each side is a fresh process; the parent takes the launch time, the child writes each step's
 end time and mean reward. Printed: start-up (launch -> first step done), s/step (median of the
 steps after the first two), reward per wall-clock second and per step, and for each reward level
@@ -15,7 +18,7 @@ both sides reach (trailing mean of 5 steps) the time to reach it, with and witho
 a workbench / TRL ratio. Targets (issue 13): first step done under 20 s after connect(); s/step
 at most 1.0x TRL's; time to a reward level at most 1.5x TRL's with start-up, 1.0x without.
 
-    .venv/bin/python bench/vs_trl.py [--budget 120] [--sides trl workbench] [--backend vllm|reference]
+    .venv/bin/python bench/vs_trl.py [--budget 120] [--sides trl workbench workbench-async] [--backend vllm|reference]
 Results: bench/results/vs_trl.json.
 """
 
@@ -105,14 +108,22 @@ def run_trl(out: Path, budget_end: float, seed: int) -> None:
     trainer.train()
 
 
-def run_workbench(out: Path, budget_end: float, seed: int, backend: str) -> None:
+# workbench's sides: the loop's mode. "workbench-async" is the continuous async loop at
+# async_lag 1 (rollout keeps sampling while the trainer trains; a group trains at most one
+# version stale, corrected per token): the same batch and task, so its time to a reward level
+# is comparable with TRL's on-policy one.
+WORKBENCH_SIDES = {"workbench": {"mode": "sync"}, "workbench-async": {"mode": "async", "async_lag": 1}}
+
+
+def run_workbench(out: Path, budget_end: float, seed: int, backend: str, side: str) -> None:
     import workbench
 
     import shutil
 
-    shutil.rmtree(out.parent / "wb-run", ignore_errors=True)  # a session refuses a run_dir that holds a run
-    wb = workbench.connect(backend=backend, seed=seed, run_dir=str(out.parent / "wb-run"), max_tokens=MAX_TOKENS,
-                           loop={"prompts_per_step": PROMPTS, "group_size": GROUP})
+    run_dir = out.parent / f"{side}-run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a session refuses a run_dir that holds a run
+    wb = workbench.connect(backend=backend, seed=seed, run_dir=str(run_dir), max_tokens=MAX_TOKENS,
+                           loop={"prompts_per_step": PROMPTS, "group_size": GROUP, **WORKBENCH_SIDES[side]})
     _record(out, {"event": "ready"})
 
     class Clock:
@@ -168,7 +179,7 @@ def time_to(s: dict, level: float, window: int = 5) -> tuple[float, float] | Non
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget", type=float, default=120.0, help="seconds per side, start-up included")
-    ap.add_argument("--sides", nargs="+", default=["trl", "workbench"], choices=["trl", "workbench"])
+    ap.add_argument("--sides", nargs="+", default=["trl", *WORKBENCH_SIDES], choices=["trl", *WORKBENCH_SIDES])
     ap.add_argument("--backend", default="vllm", choices=["vllm", "reference"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -180,7 +191,7 @@ def main() -> None:
         if a.child == "trl":
             run_trl(out, a.budget_end, a.seed)
         else:
-            run_workbench(out, a.budget_end, a.seed, a.backend)
+            run_workbench(out, a.budget_end, a.seed, a.backend, a.child)
         return
     from workbench.toy.models import toy_model_path
 
@@ -200,8 +211,8 @@ def main() -> None:
                        stderr=subprocess.DEVNULL if not os.environ.get("BENCH_VERBOSE") else None)
         events = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
         summaries[side] = summarize(side, launch, events)
-        if side == "workbench" and (results_dir / "wb-run" / "metrics.jsonl").exists():
-            summaries[side]["breakdown"] = step_breakdown(results_dir / "wb-run")
+        if side != "trl" and (results_dir / f"{side}-run" / "metrics.jsonl").exists():
+            summaries[side]["breakdown"] = step_breakdown(results_dir / f"{side}-run")
     report(summaries, a)
     (results_dir / "vs_trl.json").write_text(json.dumps({"args": vars(a), "sides": summaries}, indent=1))
 
@@ -209,25 +220,28 @@ def main() -> None:
 def report(s: dict, a) -> None:
     for name, x in s.items():
         if not x["steps"]:
-            print(f"{name:9s}: no step finished within {a.budget:.0f} s")
+            print(f"{name:15s}: no step finished within {a.budget:.0f} s")
             continue
-        print(f"{name:9s}: ready {x['ready_s']:5.1f} s, first step done {x['first_step_done_s']:5.1f} s "
+        print(f"{name:15s}: ready {x['ready_s']:5.1f} s, first step done {x['first_step_done_s']:5.1f} s "
               f"({x['first_step_after_ready_s']:.1f} s after ready), {x['s_per_step']:.2f} s/step, {x['steps']} steps, "
               f"reward/step {x['reward_per_step']:.3f}, reward/s {x['reward_per_s']:.3f}, last-5 mean "
               f"{statistics.mean(x['rewards'][-5:]):.3f}")
         if x.get("breakdown"):
-            print(f"{'':9s}  a step's share: " + ", ".join(f"{k} {v:.0%}" for k, v in x["breakdown"].items() if k != "step_s"))
-    if len(s) < 2 or not all(x["steps"] for x in s.values()):
+            print(f"{'':15s}  a step's share: " + ", ".join(f"{k} {v:.0%}" for k, v in x["breakdown"].items() if k != "step_s"))
+    trl = s.get("trl")
+    if not trl or not trl["steps"]:
         return
-    wb, trl = s["workbench"], s["trl"]
-    print(f"s/step workbench / TRL: {wb['s_per_step'] / trl['s_per_step']:.2f}x (target <= 1.0x); "
-          f"first step after connect: {wb['first_step_after_ready_s']:.1f} s (target < 20 s)")
-    top = min(max(statistics.mean(x["rewards"][i:i + 5]) for i in range(max(1, len(x["rewards"]) - 4))) for x in (wb, trl))
-    for level in [round(v, 2) for v in (top * f for f in (0.6, 0.8, 1.0))]:
-        tw, tt = time_to(wb, level), time_to(trl, level)
-        if tw and tt:
-            print(f"reward {level:.2f}: workbench {tw[0]:5.1f} s / TRL {tt[0]:5.1f} s = {tw[0] / tt[0]:.2f}x with start-up "
-                  f"(target <= 1.5x); {tw[1]:5.1f} / {tt[1]:5.1f} s = {tw[1] / tt[1]:.2f}x after it (target <= 1.0x)")
+    for name, wb in s.items():
+        if name == "trl" or not wb["steps"]:
+            continue
+        print(f"{name}: s/step {name} / TRL: {wb['s_per_step'] / trl['s_per_step']:.2f}x (target <= 1.0x); "
+              f"first step after connect: {wb['first_step_after_ready_s']:.1f} s (target < 20 s)")
+        top = min(max(statistics.mean(x["rewards"][i:i + 5]) for i in range(max(1, len(x["rewards"]) - 4))) for x in (wb, trl))
+        for level in [round(v, 2) for v in (top * f for f in (0.6, 0.8, 1.0))]:
+            tw, tt = time_to(wb, level), time_to(trl, level)
+            if tw and tt:
+                print(f"  reward {level:.2f}: {name} {tw[0]:5.1f} s / TRL {tt[0]:5.1f} s = {tw[0] / tt[0]:.2f}x with start-up "
+                      f"(target <= 1.5x); {tw[1]:5.1f} / {tt[1]:5.1f} s = {tw[1] / tt[1]:.2f}x after it (target <= 1.0x)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ the right python and environment; the cluster kernel really starts with RAY_ADDR
 
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from jupyter_client.kernelspec import KernelSpecManager
 
@@ -43,6 +45,9 @@ def test_cli_installs_both_kernelspecs_with_the_ray_address(tmp_path, monkeypatc
 
 
 def test_default_ray_address(tmp_path, monkeypatch):
+    staged = lambda: set(Path(tempfile.gettempdir()).glob("*_kernels"))  # noqa: E731  ipykernel's staging dirs
+    before = staged()
     install(prefix=str(tmp_path))
+    assert staged() == before, "the install left its staging dirs in the temp dir"
     _, cluster = found(tmp_path, monkeypatch)
     assert cluster.env == {"RAY_ADDRESS": DEFAULT_RAY_ADDRESS}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 
 DEFAULT_RAY_ADDRESS = "ray://127.0.0.1:10001"
 
@@ -28,9 +29,15 @@ def install(prefix: str | None = None, ray_address: str = DEFAULT_RAY_ADDRESS, u
         "workbench-cluster": (f"workbench (cluster {ray_address})", {"RAY_ADDRESS": ray_address}),
     }
     # ipykernel writes argv = [sys.executable, "-m", "ipykernel_launcher", ...]: run under the
-    # venv's python, the kernels run the venv's python.
-    return {name: install_kernelspec(kernel_name=name, display_name=display, prefix=prefix, user=user, env=env)
-            for name, (display, env) in specs.items()}
+    # venv's python, the kernels run the venv's python. It stages each spec in a fresh
+    # mkdtemp() and removes only the spec inside it, so the staging dirs go in one of ours.
+    with tempfile.TemporaryDirectory(prefix="workbench-kernelspec-") as staging:
+        default, tempfile.tempdir = tempfile.tempdir, staging
+        try:
+            return {name: install_kernelspec(kernel_name=name, display_name=display, prefix=prefix, user=user, env=env)
+                    for name, (display, env) in specs.items()}
+        finally:
+            tempfile.tempdir = default
 
 
 def main(argv: list[str] | None = None) -> None:
