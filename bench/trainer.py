@@ -13,6 +13,9 @@
    fp32 logits vs in chunks (TrainerConfig.logprob_chunk_mb, trainer/logprobs.py), on a tiny
    Qwen3 with Qwen3's real vocabulary size (151,936), each in a fresh process (peak RSS above
    the loaded model); `--logprob-memory-only` runs just this part.
+5. TrainerConfig.keep_freed_memory (glibc keeps freed memory mapped in CPU ranks) on vs off:
+   SmolLM2-135M's train_step on a batch like its recipe's, one rank each, step time and page
+   faults per step; `--malloc-only` runs just this part (~3 min).
 
     .venv/bin/python bench/trainer.py [--steps 10] [--batch 32] [--seq-len 256] [--model moe]
                                       [--world-size 2] [--experts] [--skip-sync]
@@ -228,6 +231,44 @@ def report_logprob_memory(args) -> dict:
     return out
 
 
+def rank_faults(trainer) -> list[int]:
+    """Minor page faults so far in each of the trainer's rank processes."""
+    import ray
+
+    return ray.get([w.__ray_call__.remote(lambda self: __import__("resource").getrusage(0).ru_minflt) for w in trainer.workers])
+
+
+def bench_malloc(args) -> dict:
+    """Part 5: TrainerConfig.keep_freed_memory on vs off (glibc's default), one rank each, on
+    SmolLM2-135M (fp32) with a batch like its recipe's: the step time and the page faults per step."""
+    from workbench.checkpoints import smollm2_path
+
+    path = str(smollm2_path())
+    rows, seq_len = args.malloc_batch
+    batch = synthetic_batch(path, rows, seq_len, min_len=seq_len - 16)
+    trainers, faults = {}, {}
+    try:
+        for keep in (True, False):
+            trainers[keep] = Trainer(path, world_size=1, cfg=TrainerConfig(lr=5e-5, micro_batch_size=rows, keep_freed_memory=keep))
+
+        def step(keep):
+            def run(b):
+                f0 = rank_faults(trainers[keep])[0]
+                trainers[keep].train_step(b)
+                faults.setdefault(keep, []).append(rank_faults(trainers[keep])[0] - f0)
+            return run
+
+        out = interleaved({"keep_freed_memory": step(True), "glibc_default": step(False)}, batch, args.warmup + 1, args.steps)
+    finally:
+        for t in trainers.values():
+            t.shutdown()
+    for name, keep in (("keep_freed_memory", True), ("glibc_default", False)):
+        out[name]["page_faults_per_step"] = statistics.median(faults[keep][args.warmup + 1:])
+    out["ratio_default_over_keep"] = out["glibc_default"]["median_s"] / out["keep_freed_memory"]["median_s"]
+    out["tokens"] = int(batch["attention_mask"].sum())
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
@@ -249,6 +290,9 @@ def main() -> None:
     ap.add_argument("--skip-sync", action="store_true")
     ap.add_argument("--logprob-memory-only", action="store_true", help="only part 4")
     ap.add_argument("--logprob-shape", type=int, nargs=2, default=[4, 1024], metavar=("ROWS", "TOKENS"))
+    ap.add_argument("--malloc-only", action="store_true", help="only part 5 (keep_freed_memory on vs off)")
+    ap.add_argument("--malloc-batch", type=int, nargs=2, default=[16, 130], metavar=("ROWS", "TOKENS"),
+                    help="part 5's batch: rows of about TOKENS tokens (SmolLM2's recipe: 16 x ~130)")
     ap.add_argument("--logprob-child", type=float, default=None, help=argparse.SUPPRESS)  # -1: full logits
     args = ap.parse_args()
     if args.logprob_child is not None:
@@ -258,6 +302,11 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     init_ray()
+    if args.malloc_only:
+        try:
+            return report_malloc(bench_malloc(args))
+        finally:
+            shutdown_ray()
     # Ray starts its workers (the trainer's ranks) at its own niceness + 15. The plain loop runs
     # here, so it takes the same (after init_ray, else Ray would add 15 on top; before torch's
     # first op, so its threads inherit it): other work on a shared machine then slows both alike.
@@ -277,6 +326,7 @@ def main() -> None:
         if not args.skip_sync:
             res["sync"] = bench_sync(args, path)
         res["logprob_memory"] = report_logprob_memory(args)
+        res["malloc"] = bench_malloc(args)
     finally:
         shutdown_ray()
 
@@ -304,9 +354,18 @@ def main() -> None:
             print(f"weight sync {b:<9}: {s[b]['s_per_mb']:.3f} s/MB ({s[b]['median_s']:.3f} s for {s['state_dict_mb']:.1f} MB, "
                   f"{s[b]['engine_side_s']:.3f} s inside the engine)")
         print(f"ratio vllm / reference s/MB: {s['vllm']['s_per_mb'] / s['reference']['s_per_mb']:.2f}x")
+    report_malloc(res["malloc"])
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     (out / "trainer.json").write_text(json.dumps({"args": vars(args), **res}, indent=1))
+
+
+def report_malloc(m: dict) -> dict:
+    k, d = m["keep_freed_memory"], m["glibc_default"]
+    print(f"SmolLM2 train_step, 1 rank, {m['tokens']} tokens: keep_freed_memory {k['median_s']:.2f} s "
+          f"({k['page_faults_per_step']:.0f} page faults a step), glibc's default {d['median_s']:.2f} s "
+          f"({d['page_faults_per_step']:.0f}): the default takes {m['ratio_default_over_keep']:.2f}x")
+    return m
 
 
 if __name__ == "__main__":

@@ -143,6 +143,31 @@ def test_train_step_moves_the_policy_and_sync_reaches_an_engine(trainer, samples
     assert report.checked and report.version == 1
 
 
+def test_cpu_ranks_keep_freed_memory_for_the_next_step(trainer):
+    """keep_freed_memory (default): a CPU rank's glibc serves a large buffer from its heap and
+    keeps it mapped after it is freed, where glibc's default maps each one afresh and unmaps it at
+    free, so the next step faults its pages in again (SmolLM2's recipe step: 1.7x, bench/trainer.py)."""
+    def freed_buffer(self=None) -> tuple[bool, int]:  # defined here: Ray pickles it by value
+        """(a 64 MB tensor lies in the heap, kB of resident memory its free gave back)."""
+        def rss_kb():
+            return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
+
+        x = torch.ones(16 << 20)
+        at = x.data_ptr()
+        in_heap = any(line.rstrip().endswith("[heap]") and int(line.split("-")[0], 16) <= at < int(line.split()[0].split("-")[1], 16)
+                      for line in open("/proc/self/maps"))
+        before = rss_kb()
+        del x
+        return in_heap, before - rss_kb()
+
+    assert trainer.cfg.keep_freed_memory
+    ranks = ray.get([w.__ray_call__.remote(freed_buffer) for w in trainer.workers])
+    default = ray.get(ray.remote(num_cpus=0)(freed_buffer).remote())  # a Ray worker with glibc's default
+    assert default[0] is False and default[1] > 60_000, f"the control (glibc's default) kept its buffer: {default}"
+    for in_heap, given_back_kb in ranks:
+        assert in_heap and given_back_kb < 1_000, f"a rank mapped its buffer apart or unmapped it at free: {ranks}"
+
+
 def test_full_state_dict_gathers_uneven_shards_in_one_collective(ray_local):
     """gather_full_tensors (the weight sync's gather) equals DTensor.full_tensor() of each tensor,
     on 2 gloo ranks with shards torch.chunk splits unevenly: 5 rows as 3 + 2, 1 row as 1 + 0 (an

@@ -31,6 +31,20 @@ from .logprobs import forward_logprobs, logprob_head, sampled_logprobs
 from .packing import micro_batches_by_tokens, pack, packed_forward, unpack
 from .losses import KL_ESTIMATORS, aggregation_weights, episode_units, get_surrogate
 
+# A CPU trainer step frees and re-allocates the same large buffers (activations, logits,
+# gradients). glibc serves an allocation over its mmap threshold (128 KB to 32 MB) with a fresh
+# mapping and unmaps it at free, so every step faults those pages in again: for SmolLM2-135M's
+# recipe batch (16 x ~130 tokens) ~700k page faults, 7 s of a 12 s forward + backward on a 2-core
+# VM, where a fault costs ~10 us. Without mmap and without trimming the heap, freed memory stays
+# mapped and a warm step faults nothing: 5.9 s (`bench/trainer.py --malloc-only`: 6.9 vs 11.8 s,
+# 37 vs 1.16M faults a step). In real_model_grpo's loop the train step went from 8.5-11 s to
+# 4.0-4.2 s once warm. The cost is memory: freed memory stays with the rank, and glibc's heap
+# fragments (its aligned allocations do not always fit a freed hole), so the rank's peak RSS
+# there grew 6.2 -> 7.0 GB over 10 steps, flat over the last four. glibc reads these variables
+# at process start, so they go into the ranks' Ray runtime_env.
+CPU_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
 @dataclass
 class TrainerConfig:
     lr: float = 1e-4
@@ -83,6 +97,10 @@ class TrainerConfig:
     # in host memory (the optimizer step runs there); each layer is copied to the GPU to compute
     cpu_offload: bool = False
     seed: int = 0
+    # CPU ranks (no GPUs in the cluster): glibc keeps freed memory for re-use (CPU_MALLOC_ENV)
+    # instead of unmapping it, so a step re-uses the pages the last one faulted in. False: glibc's
+    # default (the rank's memory shrinks after a step; every step faults its large buffers in again)
+    keep_freed_memory: bool = True
     # how the ranks get the weights: "full" (each rank loads the whole checkpoint in `dtype`, moves
     # it to its device and shards it: simple, but 8 full copies in host memory and a full copy on
     # each GPU for a moment) or "rank0" (every rank builds the model on the meta device and shards
@@ -608,7 +626,10 @@ class Trainer:
         if actor_options is not None and len(actor_options) != world_size:
             raise ValueError(f"actor_options has {len(actor_options)} entries for {world_size} ranks")
         # one GPU per rank where the cluster has GPUs (NCCL), none on CPU (gloo)
-        default = {"num_cpus": 0, "num_gpus": 1 if cluster_gpus() else 0}
+        gpus = cluster_gpus()
+        default = {"num_cpus": 0, "num_gpus": 1 if gpus else 0}
+        if self.cfg.keep_freed_memory and not gpus:
+            default["runtime_env"] = {"env_vars": CPU_MALLOC_ENV}
         self.workers = [ray.remote(TrainerWorker).options(**{**default, **(actor_options[r] if actor_options else {})})
                         .remote(r, world_size, str(model_path), self.cfg) for r in range(world_size)]
         try:
