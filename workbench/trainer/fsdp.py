@@ -33,15 +33,11 @@ from .losses import KL_ESTIMATORS, aggregation_weights, episode_units, get_surro
 
 # A CPU trainer step frees and re-allocates the same large buffers (activations, logits,
 # gradients). glibc serves an allocation over its mmap threshold (128 KB to 32 MB) with a fresh
-# mapping and unmaps it at free, so every step faults those pages in again: for SmolLM2-135M's
-# recipe batch (16 x ~130 tokens) ~700k page faults, 7 s of a 12 s forward + backward on a 2-core
-# VM, where a fault costs ~10 us. Without mmap and without trimming the heap, freed memory stays
-# mapped and a warm step faults nothing: 5.9 s (`bench/trainer.py --malloc-only`: 6.9 vs 11.8 s,
-# 37 vs 1.16M faults a step). In real_model_grpo's loop the train step went from 8.5-11 s to
-# 4.0-4.2 s once warm. The cost is memory: freed memory stays with the rank, and glibc's heap
-# fragments (its aligned allocations do not always fit a freed hole), so the rank's peak RSS
-# there grew 6.2 -> 7.0 GB over 10 steps, flat over the last four. glibc reads these variables
-# at process start, so they go into the ranks' Ray runtime_env.
+# mapping and unmaps it at free, so every step faults those pages in again (SmolLM2's recipe
+# step: ~1.2M faults, 1.6-1.7x its time on a 2-core VM). Without mmap and heap trimming, freed
+# memory stays mapped and a warm step faults nothing; the rank keeps its peak memory and some
+# fragmentation (figures: docs/ARCHITECTURE.md, `bench/trainer.py --malloc-only`). glibc reads
+# these variables at process start, so they go into the ranks' Ray runtime_env.
 CPU_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
 
