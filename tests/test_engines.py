@@ -345,6 +345,30 @@ def test_vllm_moe_samples_well_formed_and_match_hf(vllm_moe, moe_path, capsys):
     assert max(gaps) <= VLLM_GAP_BOUND
 
 
+def test_vllm_in_process_core_samples_as_the_core_process_does(vllm_moe, moe_path):
+    """On CPU the engine core runs in the engine's own process (rollout/vllm_inproc.py): no child
+    process, and seeded requests sample the same ids, log-probs and versions as AsyncLLM's core
+    process (engine_core_in_process=False, the GPU path); a version set between two requests is
+    what the second records."""
+    import psutil
+
+    from workbench.rollout.actor import launch_engine, stop_engine
+
+    apart = launch_engine("vllm", model_path=str(moe_path), engine_core_in_process=False,
+                          env={"VLLM_LOGGING_LEVEL": "WARNING"})
+    try:
+        pids = [ray.get(e.__ray_call__.remote(lambda self: __import__("os").getpid())) for e in (vllm_moe, apart)]
+        children = [[c.name() for c in psutil.Process(p).children()] for p in pids]
+        assert children[0] == [] and "VLLM::EngineCore" in children[1], children
+        asks = [(p, SamplingConfig(max_tokens=12, seed=7 + i)) for i, p in enumerate(prompts(moe_path))]
+        here, there = ([ray.get(e.generate.remote(p, s)) for p, s in asks] for e in (vllm_moe, apart))
+        for a, b in zip(here, there):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            assert np.allclose(a.logprobs, b.logprobs, atol=1e-5) and a.versions == b.versions
+    finally:
+        stop_engine(apart)
+
+
 def test_vllm_cpu_kv_cache_holds_what_the_engine_needs(vllm_moe, moe_path):
     from workbench.rollout.vllm_engine import VLLMEngine, kv_bytes_per_token
 

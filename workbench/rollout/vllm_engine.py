@@ -160,6 +160,7 @@ class VLLMEngine(RolloutEngine):
         enable_prefix_caching: bool = True,
         enable_return_routed_experts: bool = False,
         weight_transfer: str | None = None,
+        engine_core_in_process: bool | None = None,
         **engine_kwargs,
     ):
         super().__init__()
@@ -213,13 +214,15 @@ class VLLMEngine(RolloutEngine):
             **(nccl_engine_kwargs() if weight_transfer == "nccl" else {}),
             **engine_kwargs,
         )
-        # On CPU, vLLM runs its one worker in a process of its own (the "mp" executor, for its OMP
-        # thread binding) beside the engine-core process: a second import of vLLM (~20 s of CPU)
-        # and ~2.5 GB. A one-worker engine runs it inside the engine core instead ("uni"; vLLM
-        # keeps that only with VLLM_ENABLE_V1_MULTIPROCESSING=0, which AsyncLLM does not read:
-        # its engine core stays a process): the same ids and log-probs, started ~20 s sooner.
-        self.in_core_worker = on_cpu() and tensor_parallel_size == 1 and "distributed_executor_backend" not in engine_kwargs
-        if self.in_core_worker:
+        # On CPU with one worker, vLLM's engine core runs in this process, stepped by a thread of
+        # its own (rollout/vllm_inproc.py), with its worker inside it ("uni"): AsyncLLM would
+        # spawn a core process that imports vLLM again (~11 s of a 13 s start on 2 cores) and
+        # send every output across a socket. The same ids and log-probs (tests/test_engines.py).
+        # engine_core_in_process=False keeps AsyncLLM's core process (always so on GPUs).
+        self.in_process_core = on_cpu() and tensor_parallel_size == 1 and "distributed_executor_backend" not in engine_kwargs
+        if engine_core_in_process is not None:
+            self.in_process_core = bool(engine_core_in_process) and self.in_process_core
+        if self.in_process_core:
             self.engine_args["distributed_executor_backend"] = "uni"
         if weight_transfer not in (None, "nccl"):
             raise ValueError(f"weight_transfer {weight_transfer!r} unknown: None (the CPU file path) or 'nccl' (GPU)")
@@ -232,26 +235,34 @@ class VLLMEngine(RolloutEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._shm = tempfile.mkdtemp(prefix="workbench-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        if self.in_core_worker:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (read by vLLM's CPU platform: see __init__)
         # On CPU (enforce_eager) nothing of the model is compiled, but vLLM's sampler torch.compiles
-        # its log-prob gather on the first request: ~1.9 s of Dynamo and Inductor in the engine
-        # core, the whole of the first weight sync's probe (connect's last part) and of the first
-        # rollout's wait. Eager gives the same log-probs at the same speed here (measured: 128
-        # 8-token requests 0.097 s either way). The engine core is spawned now and reads the
-        # variable at its import. Both settings are for the start only: this process's own are
-        # restored after.
-        # vLLM names its ZMQ IPC sockets (engine core <-> this client), made as the engine
-        # starts, by uuid under VLLM_RPC_BASE_PATH (the temp dir by default) and leaves them
-        # there: ~60 socket files an hour of tests in /tmp. This engine's own temp dir holds them
-        # instead, removed at shutdown; not where the path would pass the ~100-byte limit of a
-        # Unix socket's name (the temp dir when there is no /dev/shm, on some systems long).
-        spawn_env = {**({"TORCHDYNAMO_DISABLE": "1"} if on_cpu() else {}),
-                     **({"VLLM_RPC_BASE_PATH": self._shm} if len(self._shm) + 37 < 100 else {})}
-        spawn_env = {k: v for k, v in spawn_env.items() if k not in os.environ}  # the user's settings win
+        # its log-prob gather on the first request: ~1.9 s of Dynamo and Inductor, the whole of the
+        # first weight sync's probe (connect's last part) and of the first rollout's wait. Eager
+        # gives the same log-probs at the same speed here (measured: 128 8-token requests 0.097 s
+        # either way). An in-process core runs it here: Dynamo is off in this process, the
+        # engine's. A core process reads the variable at its import: set for its spawn only.
+        # vLLM names a core process's ZMQ IPC sockets by uuid under VLLM_RPC_BASE_PATH (the temp
+        # dir by default) and leaves them there: ~60 socket files an hour of tests in /tmp. This
+        # engine's own temp dir holds them instead, removed at shutdown; not where the path would
+        # pass the ~100-byte limit of a Unix socket's name (the temp dir when there is no /dev/shm).
+        if self.in_process_core:
+            from .vllm_inproc import InprocLLM
+
+            spawn_env = {}
+        else:
+            spawn_env = {**({"TORCHDYNAMO_DISABLE": "1"} if on_cpu() else {}),
+                         **({"VLLM_RPC_BASE_PATH": self._shm} if len(self._shm) + 37 < 100 else {})}
+            spawn_env = {k: v for k, v in spawn_env.items() if k not in os.environ}  # the user's settings win
         os.environ.update(spawn_env)
         try:
-            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+            if self.in_process_core:
+                self.llm = InprocLLM(self.engine_args)
+                if os.environ.get("TORCHDYNAMO_DISABLE") is None:  # (the user's setting wins)
+                    import torch._dynamo
+
+                    torch._dynamo.config.disable = True  # before the first request compiles
+            else:
+                self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
         except BaseException:  # nothing will call shutdown(): the dir (and vLLM's sockets in it) goes now
             shutil.rmtree(self._shm, ignore_errors=True)
             self._shm = None
