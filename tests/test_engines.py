@@ -348,18 +348,28 @@ def test_vllm_moe_samples_well_formed_and_match_hf(vllm_moe, moe_path, capsys):
 def test_vllm_in_process_core_samples_as_the_core_process_does(vllm_moe, moe_path):
     """On CPU the engine core runs in the engine's own process (rollout/vllm_inproc.py): no child
     process, and seeded requests sample the same ids, log-probs and versions as AsyncLLM's core
-    process (engine_core_in_process=False, the GPU path); a version set between two requests is
-    what the second records."""
+    process (engine_core_in_process=False, the GPU path). That core process's stop leaves it not
+    running (it exits, or is killed after its grace) and no ZMQ socket of its in /tmp."""
+    import glob
+    import os
+    import stat
+    import tempfile
+
     import psutil
 
     from workbench.rollout.actor import launch_engine, stop_engine
 
+    def temp_dir_sockets() -> set[str]:
+        return {p for p in glob.glob(os.path.join(tempfile.gettempdir(), "*")) if stat.S_ISSOCK(os.lstat(p).st_mode)}
+
+    sockets_before = temp_dir_sockets()
     apart = launch_engine("vllm", model_path=str(moe_path), engine_core_in_process=False,
                           env={"VLLM_LOGGING_LEVEL": "WARNING"})
     try:
-        pids = [ray.get(e.__ray_call__.remote(lambda self: __import__("os").getpid())) for e in (vllm_moe, apart)]
-        children = [[c.name() for c in psutil.Process(p).children()] for p in pids]
-        assert children[0] == [] and "VLLM::EngineCore" in children[1], children
+        hosts = [psutil.Process(ray.get(e.__ray_call__.remote(lambda self: os.getpid()))) for e in (vllm_moe, apart)]
+        assert hosts[0].children() == []
+        core = [c for c in hosts[1].children() if c.name() == "VLLM::EngineCore"]
+        assert len(core) == 1, hosts[1].children()
         asks = [(p, SamplingConfig(max_tokens=12, seed=7 + i)) for i, p in enumerate(prompts(moe_path))]
         here, there = ([ray.get(e.generate.remote(p, s)) for p, s in asks] for e in (vllm_moe, apart))
         for a, b in zip(here, there):
@@ -367,6 +377,11 @@ def test_vllm_in_process_core_samples_as_the_core_process_does(vllm_moe, moe_pat
             assert np.allclose(a.logprobs, b.logprobs, atol=1e-5) and a.versions == b.versions
     finally:
         stop_engine(apart)
+    assert temp_dir_sockets() - sockets_before == set()  # vLLM's went into the engine's temp dir, removed with it
+    deadline = time.time() + 30  # a killed process is "running" while the kernel frees its memory
+    while core[0].is_running() and core[0].status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
+        time.sleep(0.1)
+    assert not core[0].is_running() or core[0].status() == psutil.STATUS_ZOMBIE
 
 
 def test_vllm_cpu_kv_cache_holds_what_the_engine_needs(vllm_moe, moe_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 
 import pytest
 import ray
@@ -15,14 +14,6 @@ import torch
 
 
 REAL_GAP_BOUND = 2e-4  # fp32 on CPU, 30 layers; measured 2e-5 (the test prints it)
-
-def temp_dir_sockets() -> set[str]:
-    import glob
-    import os
-    import stat
-    import tempfile
-
-    return {p for p in glob.glob(os.path.join(tempfile.gettempdir(), "*")) if stat.S_ISSOCK(os.lstat(p).st_mode)}
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +41,12 @@ def test_smollm2_profile_and_greedy_ids_equal_transformers(ray_local, smollm2):
     for p in prompts:
         out = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=stop)[0, len(p):].tolist()
         expected.append(out)
-    sockets_before = temp_dir_sockets()
     engine = launch_engine("vllm", model_path=str(smollm2), dtype=prof.dtype, max_model_len=512)
     try:
+        # on CPU vLLM's engine core runs in the engine's own process: no child process
+        # (tests/test_engines.py checks the core process of the GPU path on the toy)
         host = ray.get(engine.__ray_call__.remote(lambda self: os.getpid()))
-        children = subprocess.run(["pgrep", "-P", str(host)], capture_output=True, text=True).stdout.split()
-        # vLLM's engine core, by the title it gives its process
-        core = [int(pid) for pid in children if open(f"/proc/{pid}/cmdline").read().startswith("VLLM::")]
+        assert subprocess.run(["pgrep", "-P", str(host)], capture_output=True, text=True).stdout.split() == []
         # on CPU the KV cache holds the tokens it needs (512 MiB of fp32 keys and values: 30 layers
         # x 3 KV heads x 64 dims x 2 x 4 B per token), not a fraction of the machine's memory
         # (at 0.25: 85,376 tokens, 47 s of the start spent zeroing 3.66 GiB)
@@ -68,19 +58,6 @@ def test_smollm2_profile_and_greedy_ids_equal_transformers(ray_local, smollm2):
                                                                             ignore_eos=True)))
     finally:
         stop_engine(engine)
-    # vLLM's ZMQ IPC sockets went into the engine's own temp dir, removed with it: none left in /tmp
-    assert temp_dir_sockets() - sockets_before == set()
-    # the engine's stop leaves no vLLM engine core running (it exits, or is killed after its grace)
-    def running(pid: int) -> bool:  # a zombie is dead, waiting for its (killed) parent's reaper
-        try:
-            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
-    deadline = time.time() + 30  # a killed process is "running" while the kernel frees its memory
-    while core and running(core[0]) and time.time() < deadline:
-        time.sleep(0.1)
-    assert len(core) == 1 and not running(core[0]), core
     assert [s.token_ids for s in got] == expected
     assert "5" in tok.decode(got[0].token_ids)  # a real model: 2 + 3 = 5
     # a sampled reply (a dense model in vLLM's own actor): its behaviour log-probs are those of the

@@ -381,8 +381,9 @@ class VLLMEngine(RolloutEngine):
     async def init_nccl(self, cfg, rank_offset: int, world_size: int) -> None:
         from .nccl_sync import NcclReceiver, hf_meta
 
-        self._rx = NcclReceiver(self.llm, cfg, rank_offset, world_size, expected=hf_meta(self.model_path))
-        await self._rx.init()
+        rx = NcclReceiver(self.llm, cfg, rank_offset, world_size, expected=hf_meta(self.model_path))
+        await rx.init()  # (refused without GPUs: then there is no receiver to close at shutdown)
+        self._rx = rx
 
     async def update_weights_nccl(self, meta: dict, version=None, expected_probe=None, probe=None, tol: float = 1e-3):
         """update_weights, with the weights arriving by NCCL broadcast (the trainer sends at the
