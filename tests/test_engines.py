@@ -348,8 +348,9 @@ def test_vllm_moe_samples_well_formed_and_match_hf(vllm_moe, moe_path, capsys):
 def test_vllm_in_process_core_samples_as_the_core_process_does(vllm_moe, moe_path):
     """On CPU the engine core runs in the engine's own process (rollout/vllm_inproc.py): no child
     process, and seeded requests sample the same ids, log-probs and versions as AsyncLLM's core
-    process (engine_core_in_process=False, the GPU path). That core process's stop leaves it not
-    running (it exits, or is killed after its grace) and no ZMQ socket of its in /tmp."""
+    process (engine_core_in_process=False, the GPU path), which loads a sync from a file. That core
+    process's stop leaves it not running (it exits, or is killed after its grace) and no ZMQ socket
+    of its in /tmp."""
     import glob
     import os
     import stat
@@ -375,6 +376,12 @@ def test_vllm_in_process_core_samples_as_the_core_process_does(vllm_moe, moe_pat
         for a, b in zip(here, there):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
             assert np.allclose(a.logprobs, b.logprobs, atol=1e-5) and a.versions == b.versions
+        # its weight sync goes by file (the in-process core's by reference: the test above)
+        model = load_hf_model(moe_path)
+        model.load_state_dict(perturbed(model))
+        expected = expected_probe_logprobs(model, probe_ids(model.config.vocab_size))
+        report = ray.get(apart.update_weights.remote(model.state_dict(), None, expected))
+        assert report.checked and report.probe_max_abs_diff <= VLLM_GAP_BOUND
     finally:
         stop_engine(apart)
     assert temp_dir_sockets() - sockets_before == set()  # vLLM's went into the engine's temp dir, removed with it

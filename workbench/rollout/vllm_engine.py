@@ -1,13 +1,15 @@
-"""The "vllm" rollout backend: vLLM's AsyncLLM, driven with token ids only.
+"""The "vllm" rollout backend: vLLM's AsyncLLM (or, on CPU, its engine core in this process),
+driven with token ids only.
 
 Notes that shape this file (details in ../shared FACTS and docs/ARCHITECTURE.md):
 - `logprobs_mode="processed_logprobs"`: vLLM's default reports the model's raw distribution,
   but tokens are sampled from the temperature-scaled one; importance weights need the latter.
 - Per-token policy versions come from vLLM's `weight_versions` spans; `update_weight_version`
   sets the version that newly sampled tokens record.
-- CPU weight sync: a safetensors file in shared memory, loaded in the worker by
-  `WorkerExtension.load_weights_file` through `collective_rpc` (passing a state dict through
-  collective_rpc fails to pickle; NCCL weight transfer is the GPU path).
+- On CPU the engine core runs in this process (rollout/vllm_inproc.py) and a weight sync hands
+  the worker the tensors themselves (`WorkerExtension.load_weights` through `collective_rpc`);
+  a core process gets a safetensors file in shared memory instead (`load_weights_file`: a state
+  dict through collective_rpc fails to pickle). NCCL weight transfer is the GPU path.
 """
 
 from __future__ import annotations
@@ -35,9 +37,15 @@ class WorkerExtension:
 
     def load_weights_file(self, path: str) -> int:
         from safetensors.torch import load_file
+
+        return self.load_weights(load_file(path))
+
+    def load_weights(self, weights: dict) -> int:
+        """HF-named tensors into the model (copied). Passed as they are only to a worker in this
+        process (the in-process core's "uni" executor calls it directly); a core process gets a
+        file path instead (a state dict through collective_rpc fails to pickle)."""
         from vllm.config import set_current_vllm_config
 
-        weights = load_file(path)
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
         # vLLM 0.32 CPU bug: on a *re*load its fused-MoE method skips the CPU kernel's prepacking
@@ -214,16 +222,17 @@ class VLLMEngine(RolloutEngine):
             **(nccl_engine_kwargs() if weight_transfer == "nccl" else {}),
             **engine_kwargs,
         )
-        # On CPU with one worker, vLLM's engine core runs in this process, stepped by a thread of
-        # its own (rollout/vllm_inproc.py), with its worker inside it ("uni"): AsyncLLM would
-        # spawn a core process that imports vLLM again (~11 s of a 13 s start on 2 cores) and
-        # send every output across a socket. The same ids and log-probs (tests/test_engines.py).
+        # On CPU vLLM would run its one worker in a process of its own (the "mp" executor, for
+        # its OMP thread binding): a further import of vLLM (~20 s of CPU) and ~2.5 GB. The "uni"
+        # executor runs it inside the engine core. And that engine core runs in this process,
+        # stepped by a thread of its own (rollout/vllm_inproc.py): AsyncLLM would spawn it as a
+        # process that imports vLLM again (~9 s of a connect() on 2 cores) and send every output
+        # across a socket. The same ids and log-probs either way (tests/test_engines.py).
         # engine_core_in_process=False keeps AsyncLLM's core process (always so on GPUs).
-        self.in_process_core = on_cpu() and tensor_parallel_size == 1 and "distributed_executor_backend" not in engine_kwargs
-        if engine_core_in_process is not None:
-            self.in_process_core = bool(engine_core_in_process) and self.in_process_core
-        if self.in_process_core:
+        one_cpu_worker = on_cpu() and tensor_parallel_size == 1 and "distributed_executor_backend" not in engine_kwargs
+        if one_cpu_worker:
             self.engine_args["distributed_executor_backend"] = "uni"
+        self.in_process_core = one_cpu_worker and engine_core_in_process is not False
         if weight_transfer not in (None, "nccl"):
             raise ValueError(f"weight_transfer {weight_transfer!r} unknown: None (the CPU file path) or 'nccl' (GPU)")
         self.llm = None
@@ -250,7 +259,9 @@ class VLLMEngine(RolloutEngine):
 
             spawn_env = {}
         else:
+            # (vLLM's CPU platform keeps the "uni" executor only with VLLM_ENABLE_V1_MULTIPROCESSING=0)
             spawn_env = {**({"TORCHDYNAMO_DISABLE": "1"} if on_cpu() else {}),
+                         **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.engine_args.get("distributed_executor_backend") == "uni" else {}),
                          **({"VLLM_RPC_BASE_PATH": self._shm} if len(self._shm) + 37 < 100 else {})}
             spawn_env = {k: v for k, v in spawn_env.items() if k not in os.environ}  # the user's settings win
         os.environ.update(spawn_env)
@@ -361,14 +372,17 @@ class VLLMEngine(RolloutEngine):
         await self.llm.resume_generation()
 
     async def _load_weights(self, state_dict: dict) -> None:
-        from safetensors.torch import save_file
+        if self.in_process_core:  # the worker is in this process: the tensors go by reference
+            await self.llm.collective_rpc("load_weights", args=(state_dict,))
+        else:
+            from safetensors.torch import save_file
 
-        path = os.path.join(self._shm, f"v{self.version + 1}.safetensors")
-        save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, path)
-        try:
-            await self.llm.collective_rpc("load_weights_file", args=(path,))
-        finally:
-            os.unlink(path)
+            path = os.path.join(self._shm, f"v{self.version + 1}.safetensors")
+            save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, path)
+            try:
+                await self.llm.collective_rpc("load_weights_file", args=(path,))
+            finally:
+                os.unlink(path)
         # Cached prefixes hold K/V computed with the old weights; new requests must not reuse them.
         # (In-flight requests keep theirs: that is the partial-rollout semantics.)
         await self.llm.reset_prefix_cache()
