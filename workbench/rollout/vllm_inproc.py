@@ -161,6 +161,12 @@ class InprocLLM:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        stopped = RuntimeError("the in-process vLLM engine was shut down")
+        while not self._calls.empty():  # calls queued after the thread's last look: refused, not left waiting
+            _, fut = self._calls.get_nowait()
+            if fut is not None:
+                _settle(fut, None, stopped)
+        self._fail_all(stopped)  # requests still streaming end with the error
         self.engine.engine_core.shutdown()
 
 
