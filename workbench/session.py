@@ -116,6 +116,8 @@ class WorkbenchConfig:
     # a run_dir that already holds a run (metrics.jsonl) is refused unless resume=True, which
     # restores its checkpoint (if any) and appends to its record
     resume: bool = False
+    # to each engine's backend: for vLLM its own engine args, kv_cache_tokens, weight_transfer,
+    # engine_core_in_process (False: vLLM's core as a process of its own on CPU too)
     engine_kwargs: dict = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=_default_trainer)
     loop: LoopConfig = field(default_factory=LoopConfig)
