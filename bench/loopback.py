@@ -20,7 +20,10 @@ clients now use the SDK's aiohttp transport (the runner's; --transports times bo
 quiet machine, 32 sessions, natural replies 0.52x (httpx) -> 0.61x (aiohttp), added p99 37 ->
 4.3 ms; 128-token turns 0.79x -> 0.81x; the SDK's client CPU per request 4.18 -> 1.11 ms.
 
-    .venv/bin/python bench/loopback.py [--sessions 1 32] [--turns 3] [--reply-tokens 0 128] [--transports aiohttp httpx] [--stream [--stream-windows-ms 0 20 100]]
+    .venv/bin/python bench/loopback.py [--sessions 1 32] [--turns 3] [--reply-tokens 0 128] [--transports aiohttp httpx] [--stream [--stream-windows-ms 0 20 100]] [--engine-core-process]
+
+--engine-core-process: vLLM's engine core as a process of its own (AsyncLLM's), as before it
+ran in the engine's process on CPU; run both to compare (docs/ARCHITECTURE.md has a pair).
 
 --stream adds time to first token: the same episodes streamed (stream=True through the SDK's
 stream helper; the engine streams its ids to the server) against unstreamed, in the same run:
@@ -300,6 +303,8 @@ def main() -> None:
                     help="tokens per reply; 0 = natural length (EOS), N = exactly N (ignore_eos)")
     ap.add_argument("--transports", nargs="+", default=["aiohttp", "httpx"], choices=["aiohttp", "httpx"],
                     help="the SDK clients' HTTP transport: aiohttp (what the rollout runner gives agents), httpx (the SDK's default)")
+    ap.add_argument("--engine-core-process", action="store_true",
+                    help="vLLM's engine core as a process of its own (on CPU it runs in the engine's process by default)")
     ap.add_argument("--stream", action="store_true", help="also measure time to first token, streamed vs unstreamed")
     ap.add_argument("--stream-windows-ms", type=float, nargs="*", default=[0, 20, 100],
                     help="with --stream: fixed merge windows of the engine actor to time the whole streamed reply at,"
@@ -314,7 +319,8 @@ def main() -> None:
 
     path = toy_model_path("moe")
     init_ray()
-    actor = launch_engine("vllm", model_path=str(path), env={"VLLM_LOGGING_LEVEL": "WARNING"})
+    actor = launch_engine("vllm", model_path=str(path), env={"VLLM_LOGGING_LEVEL": "WARNING"},
+                          engine_core_in_process=not args.engine_core_process)
     results = []
     try:
         for n, reply_tokens, transport in [(n, r, t) for r in args.reply_tokens for n in args.sessions for t in args.transports]:
