@@ -80,6 +80,15 @@ class InprocLLM:
             # each output with its id count now: the engine appends to the same lists next step
             batch = [(o, len(o.outputs[0].token_ids) if o.outputs else 0) for o in outs]
             self._loop.call_soon_threadsafe(self._deliver, batch)
+        # stopped (shut down, or the engine failed): calls still queued get an error, not a wait
+        stopped = RuntimeError("the in-process vLLM engine has stopped")
+        while True:
+            try:
+                _, fut = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if fut is not None:
+                self._loop.call_soon_threadsafe(_settle, fut, None, stopped)
 
     def _abort(self, request_id: str, notify: bool) -> None:
         """In the thread: abort a request and, as AsyncLLM's abort does, end its stream with an
