@@ -80,15 +80,18 @@ class InprocLLM:
             # each output with its id count now: the engine appends to the same lists next step
             batch = [(o, len(o.outputs[0].token_ids) if o.outputs else 0) for o in outs]
             self._loop.call_soon_threadsafe(self._deliver, batch)
-        # stopped (shut down, or the engine failed): calls still queued get an error, not a wait
+        self._refuse_queued(lambda fut, e: self._loop.call_soon_threadsafe(_settle, fut, None, e))
+
+    def _refuse_queued(self, settle) -> None:
+        """Stopped (shut down, or the engine failed): calls still queued get an error, not a wait."""
         stopped = RuntimeError("the in-process vLLM engine has stopped")
         while True:
             try:
                 _, fut = self._calls.get_nowait()
             except queue.Empty:
-                break
+                return
             if fut is not None:
-                self._loop.call_soon_threadsafe(_settle, fut, None, stopped)
+                settle(fut, stopped)
 
     def _abort(self, request_id: str, notify: bool) -> None:
         """In the thread: abort a request and, as AsyncLLM's abort does, end its stream with an
@@ -170,12 +173,8 @@ class InprocLLM:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
-        stopped = RuntimeError("the in-process vLLM engine was shut down")
-        while not self._calls.empty():  # calls queued after the thread's last look: refused, not left waiting
-            _, fut = self._calls.get_nowait()
-            if fut is not None:
-                _settle(fut, None, stopped)
-        self._fail_all(stopped)  # requests still streaming end with the error
+        self._refuse_queued(lambda fut, e: _settle(fut, None, e))  # any queued after the thread's last look
+        self._fail_all(RuntimeError("the in-process vLLM engine was shut down"))  # requests still streaming
         self.engine.engine_core.shutdown()
 
 
