@@ -474,6 +474,50 @@ def test_vllm_seeded_requests_with_long_concurrent_prompts_keep_the_engine_alive
     assert len(ray.get(vllm_moe.generate.remote(prompts_[0][:20], SamplingConfig(max_tokens=4, ignore_eos=True)), timeout=60).token_ids) == 4
 
 
+def test_in_process_engine_that_fails_a_step_fails_its_requests_and_later_calls():
+    """InprocLLM when vLLM's step raises (a fault a real engine no longer gives on demand: a
+    fake engine): every request in flight gets the error, later calls fail at once rather than
+    wait on a dead thread, and shutdown still returns."""
+    from workbench.rollout.vllm_inproc import InprocLLM
+
+    class FailingEngine:
+        vllm_config = model_config = None
+
+        def __init__(self):
+            self.requests, self.shut = [], False
+            self.engine_core = self
+
+        def add_request(self, request_id, prompt, params):
+            self.requests.append(request_id)
+
+        def has_unfinished_requests(self):
+            return len(self.requests) >= 2  # steps once both requests are in
+
+        def step(self):
+            raise RuntimeError("boom in step")
+
+        def shutdown(self):
+            self.shut = True
+
+    async def scenario():
+        llm = InprocLLM.__new__(InprocLLM)
+        llm._serve(engine := FailingEngine())
+
+        async def drain(rid):
+            async for _ in llm.generate({"prompt_token_ids": [1, 2]}, None, rid):
+                pass
+
+        got = await asyncio.wait_for(asyncio.gather(drain("a"), drain("b"), return_exceptions=True), 10)
+        later = await asyncio.wait_for(asyncio.gather(llm.collective_rpc("load_weights"), drain("c"), return_exceptions=True), 10)
+        llm.shutdown()
+        return got, later, engine
+
+    got, later, engine = asyncio.run(scenario())
+    assert all(isinstance(e, RuntimeError) and "engine core failed" in str(e) and "boom in step" in str(e) for e in got), got
+    assert all(isinstance(e, RuntimeError) and "has stopped" in str(e) for e in later), later
+    assert engine.shut
+
+
 def test_vllm_abort_stop_strings_and_top_p(vllm_moe, moe_path):
     p = prompts(moe_path)[2]
     long = vllm_moe.generate.remote(p, SamplingConfig(max_tokens=600, ignore_eos=True), "to-abort")

@@ -36,12 +36,17 @@ class InprocLLM:
         before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
-            self.engine = LLMEngine.from_engine_args(EngineArgs(**engine_args), enable_multiprocessing=False)
+            engine = LLMEngine.from_engine_args(EngineArgs(**engine_args), enable_multiprocessing=False)
         finally:
             if before is None:
                 del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
             else:
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+        self._serve(engine)
+
+    def _serve(self, engine) -> None:
+        """Start the thread that owns `engine` (on the running event loop's side)."""
+        self.engine = engine
         self.vllm_config, self.model_config = self.engine.vllm_config, self.engine.model_config
         self._loop = asyncio.get_running_loop()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (fn, future) run by the thread
