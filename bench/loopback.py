@@ -19,6 +19,9 @@ process and GIL. docs/ARCHITECTURE.md (the loopback server) has the rest. The ag
 clients now use the SDK's aiohttp transport (the runner's; --transports times both in one run):
 quiet machine, 32 sessions, natural replies 0.52x (httpx) -> 0.61x (aiohttp), added p99 37 ->
 4.3 ms; 128-token turns 0.79x -> 0.81x; the SDK's client CPU per request 4.18 -> 1.11 ms.
+On 2026-12-03 (vLLM's engine core in the engine's process, seeded requests whole-prefilled),
+five runs at 32 sessions: natural replies 0.67-0.74x, added p99 1.7-3.6 ms; 128-token turns 0.92x;
+per request the server's thread 1.0 ms of CPU, the SDK clients' 1.9-2.0 ms, the direct driver's 0.24.
 
     .venv/bin/python bench/loopback.py [--sessions 1 32] [--turns 3] [--reply-tokens 0 128] [--transports aiohttp httpx] [--stream [--stream-windows-ms 0 20 100]] [--engine-core-process]
 
