@@ -39,6 +39,8 @@ def test_an_episode_of_five_segments_weighs_once_in_its_group(estimator, expecte
     # (before the fix: -0.725 and 1.208 for GRPO, the five-segment episode counted five times)
     assert a5 == pytest.approx([expected[0]] * 5 + expected[1:], abs=1e-5)
     assert info["episodes"] == 4 and info["segments"] == 8
+    _, info = batch_from_groups(five + [[episode(1.0), episode(1.0)], [episode(0.0), episode(0.0)]], estimator)
+    assert info["zero_variance_groups"] == 2  # the two groups of equal rewards, which teach nothing
     assert b5["episode_tokens"].tolist() == [10.0] * 5 + [2.0] * 3
 
 

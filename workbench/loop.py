@@ -163,7 +163,11 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     tokens of log p_student - log p_teacher."""
     segments, seg_episode, rewards, group_index = [], [], [], []
     info = {"episodes": 0, "segments": 0, "failed_episodes": 0, "truncated_episodes": 0, "dropped_episodes": 0,
-            "sampling_overridden": 0}
+            "sampling_overridden": 0,
+            # groups whose rewards are all equal: advantage 0, they teach nothing (with every group
+            # so, the step's gradient is 0: a policy that earns every group the same reward, e.g.
+            # 0, stays as it is)
+            "zero_variance_groups": sum(zero_variance(g, on_failed, on_truncated, overlong) for g in groups)}
     penalties = []
     for gi, group in enumerate(groups):
         for t in group:
