@@ -39,9 +39,25 @@ def test_an_episode_of_five_segments_weighs_once_in_its_group(estimator, expecte
     # (before the fix: -0.725 and 1.208 for GRPO, the five-segment episode counted five times)
     assert a5 == pytest.approx([expected[0]] * 5 + expected[1:], abs=1e-5)
     assert info["episodes"] == 4 and info["segments"] == 8
-    _, info = batch_from_groups(five + [[episode(1.0), episode(1.0)], [episode(0.0), episode(0.0)]], estimator)
-    assert info["zero_variance_groups"] == 2  # the two groups of equal rewards, which teach nothing
     assert b5["episode_tokens"].tolist() == [10.0] * 5 + [2.0] * 3
+    _, info = batch_from_groups(five + [[episode(1.0), episode(1.0)], [episode(0.0), episode(0.0)]], estimator)
+    assert info["zero_variance_groups"] == 2  # the two of equal rewards teach nothing
+    assert info["signal_tokens"] == 16  # the first group's 8 rows of 2 tokens; the others' advantages are 0
+    _, info = batch_from_groups([[episode(1.0), episode(1.0)]], estimator)
+    assert info["signal_tokens"] == 0
+
+
+def test_steps_without_learning_signal_are_reported_once_a_streak(capsys):
+    from workbench.loop import NO_SIGNAL_STEPS, warn_no_signal
+
+    silent = {"signal_tokens": 0, "reward_mean": 0.0}
+    history, printed = [], []
+    for step in range(3 * NO_SIGNAL_STEPS):
+        # a step with signal in the middle ends the first streak; a second one is reported again
+        history.append({**silent, "step": step} if step != NO_SIGNAL_STEPS + 1 else {**silent, "signal_tokens": 12})
+        printed.append(warn_no_signal(history))
+    assert [i for i, p in enumerate(printed) if p] == [NO_SIGNAL_STEPS - 1, 2 * NO_SIGNAL_STEPS + 1]
+    assert "had no learning signal" in capsys.readouterr().err
 
 
 def test_sequence_level_aggregations_average_over_episodes():

@@ -212,6 +212,8 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
                            torch.ones(len(rewards), 1))
         per_episode = get_advantage(advantage)(x).float()[:, 0]
         batch["advantages"] = per_episode[index][:, None] * batch["loss_mask"]
+    # trainable tokens whose advantage is not 0: none, and the rewards moved nothing this step
+    info["signal_tokens"] = int(((batch["advantages"] != 0) & batch["loss_mask"].bool()).sum())
     tokens = batch["loss_mask"].sum(-1)
     batch["episode_tokens"] = torch.zeros(len(rewards)).index_add_(0, index, tokens)[index]
     info.update(episodes=len(rewards), segments=len(segments))
@@ -604,11 +606,41 @@ def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpo
     if evaluate is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
         metrics.update(evaluate(step))  # on the weights just synced; never part of a batch
     history.append(metrics)
+    warn_no_signal(history)
     if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
         save_checkpoint(trainer, checkpoint_dir, {"next_step": step + 1, "data_position": metrics["data_next"]})
     if on_step is not None:
         on_step(metrics)
     return stop.is_set()
+
+
+NO_SIGNAL_STEPS = 5
+
+
+def warn_no_signal(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> bool:
+    """Say so (stderr, once a streak) when the last `steps` steps had no trainable token with an
+    advantage (`signal_tokens` 0; with a group estimator: every group's rewards were equal): the
+    rewards gave no gradient, and a policy that earns every group the same reward stays so. The
+    run goes on, learning nothing. True when it printed."""
+    import sys
+
+    def silent(m: dict) -> bool:
+        return m.get("signal_tokens") == 0
+
+    streak = 0
+    for m in reversed(history):
+        if not silent(m):
+            break
+        streak += 1
+    if streak != steps:
+        return False
+    last = history[-1]
+    print(f"workbench: the last {steps} steps (to step {last.get('step')}) had no learning signal: every advantage was 0 "
+          f"(in every group all rewards were equal; reward_mean {last.get('reward_mean', float('nan')):.3f}), so the "
+          f"rewards gave no gradient and the policy does not change. Look at the rewards and kl_k3 of the steps "
+          f"before; a lower lr or a sequence-level gate (trainer.correction) keeps an off-policy run from this.",
+          file=sys.stderr)
+    return True
 
 
 def oldest_version(group: list[Trajectory]) -> int | None:
