@@ -636,7 +636,7 @@ def warn_no_signal(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> bool:
         return False
     last = history[-1]
     print(f"workbench: the last {steps} steps (to step {last.get('step')}) had no learning signal: every advantage was 0 "
-          f"(in every group all rewards were equal; reward_mean {last.get('reward_mean', float('nan')):.3f}), so the "
+          f"(with a group estimator: every group's rewards were equal; reward_mean {last.get('reward_mean', float('nan')):.3f}), so the "
           f"rewards gave no gradient and the policy does not change. Look at the rewards and kl_k3 of the steps "
           f"before; a lower lr or a sequence-level gate (trainer.correction) keeps an off-policy run from this.",
           file=sys.stderr)
