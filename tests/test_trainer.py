@@ -174,16 +174,18 @@ def test_full_state_dict_gathers_uneven_shards_in_one_collective(ray_local):
     empty shard), 129 rows in bfloat16 (a second dtype's buffer), and the keys keep their order."""
     import ray
 
-    from workbench.trainer.fsdp import free_port
+    from torch.distributed import TCPStore
 
     @ray.remote(num_cpus=0)
     def rank_main(rank: int, port: int):
         import torch.distributed as dist
+        from torch.distributed import TCPStore
         from torch.distributed.fsdp import fully_shard
 
         from workbench.trainer.fsdp import gather_full_tensors
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        store = TCPStore("127.0.0.1", port, 2, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
         try:
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1), torch.nn.Embedding(129, 3))
@@ -200,8 +202,10 @@ def test_full_state_dict_gathers_uneven_shards_in_one_collective(ray_local):
         finally:
             dist.destroy_process_group()
 
-    port = free_port()
-    assert ray.get([rank_main.remote(r, port) for r in range(2)], timeout=120) == [True, True]
+    # the store listens where the OS put it (port 0), as the Trainer's rank 0 does: a port picked
+    # free beforehand can be taken by another process before the rendezvous binds it (EADDRINUSE)
+    store = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    assert ray.get([rank_main.remote(r, store.port) for r in range(2)], timeout=120) == [True, True]
 
 
 def test_checkpoint_then_resume_gives_the_same_next_step(ray_local, moe_path, samples, tmp_path):
