@@ -175,6 +175,8 @@ class InprocLLM:
         return await self._call(self.engine.reset_prefix_cache)
 
     def shutdown(self, timeout: float | None = None) -> None:
+        """`timeout` is AsyncLLM's (for its core process) and not used: the thread ends after
+        the step it is in, which must finish before the engine core is shut down under it."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
