@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import random
 import time
 
 import numpy as np
 import pytest
+
 import ray
 import torch
 
@@ -403,6 +405,19 @@ def test_vllm_cpu_kv_cache_holds_what_the_engine_needs(vllm_moe, moe_path):
     assert VLLMEngine(str(moe_path), kv_cache_tokens=10).engine_args["kv_cache_memory_bytes"] == (1024 + 256) * 1024
     # an explicit fraction of the machine's memory keeps vLLM's own sizing
     assert "kv_cache_memory_bytes" not in VLLMEngine(str(moe_path), gpu_memory_utilization=0.1).engine_args
+
+
+def test_vllm_cpu_engine_compiles_nothing_for_log_probs(vllm_moe, moe_path):
+    """vLLM's sampler torch.compiles its log-prob gather: on CPU ~2 s of Dynamo and Inductor on
+    the first request, which was the whole of connect()'s first weight sync. The in-process core
+    steps in a thread of its own, and torch's config is per thread, so Dynamo is turned off in
+    that thread (VLLMEngine.start): no frame is compiled in the engine's process."""
+    out = ray.get(vllm_moe.generate.remote(prompts(moe_path)[0], SamplingConfig(max_tokens=4, seed=1)))
+    assert len(out.logprobs) == len(out.token_ids) > 0  # (the log-prob path ran)
+    # (a lambda: cloudpickle sends it by value; the engine's process cannot import this module)
+    compiled = ray.get(vllm_moe.__ray_call__.remote(
+        lambda _: dict(importlib.import_module("torch._dynamo.utils").counters["frames"])))
+    assert compiled == {}, f"frames compiled by Dynamo in the engine's process: {compiled}"
 
 
 def test_vllm_engine_that_fails_to_start_leaves_no_temp_dir(moe_path):

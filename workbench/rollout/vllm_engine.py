@@ -61,6 +61,14 @@ class WorkerExtension:
         return repacked
 
 
+def _dynamo_off() -> None:
+    """torch.compile'd functions run eagerly in the calling thread (torch's config settings are
+    per thread: set in another thread, this one would still compile)."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+
+
 def token_versions(n: int, spans, request_id: str = "") -> list[int]:
     """The policy version of each of n sampled tokens from vLLM's `weight_versions` spans. vLLM
     returns None when no version label was ever set (update_weight_version not called) and a
@@ -252,11 +260,12 @@ class VLLMEngine(RolloutEngine):
 
         self._shm = tempfile.mkdtemp(prefix="workbench-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         # On CPU (enforce_eager) nothing of the model is compiled, but vLLM's sampler torch.compiles
-        # its log-prob gather on the first request: ~1.9 s of Dynamo and Inductor, the whole of the
+        # its log-prob gather on the first request: ~2 s of Dynamo and Inductor, the whole of the
         # first weight sync's probe (connect's last part) and of the first rollout's wait. Eager
         # gives the same log-probs at the same speed here (measured: 128 8-token requests 0.097 s
-        # either way). An in-process core runs it here: Dynamo is off in this process, the
-        # engine's. A core process reads the variable at its import: set for its spawn only.
+        # either way). An in-process core runs it in the engine's thread, where Dynamo is turned
+        # off below (torch's config is per thread). A core process reads the variable at its
+        # import: set for its spawn only.
         # vLLM names a core process's ZMQ IPC sockets by uuid under VLLM_RPC_BASE_PATH (the temp
         # dir by default) and leaves them there: ~60 socket files an hour of tests in /tmp. This
         # engine's own temp dir holds them instead, removed at shutdown; not where the path would
@@ -276,9 +285,7 @@ class VLLMEngine(RolloutEngine):
             if self.in_process_core:
                 self.llm = InprocLLM(self.engine_args)
                 if os.environ.get("TORCHDYNAMO_DISABLE") is None:  # (the user's setting wins)
-                    import torch._dynamo
-
-                    torch._dynamo.config.disable = True  # before the first request compiles
+                    await self.llm.call_in_thread(_dynamo_off)  # before the first request compiles
             else:
                 self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
         except BaseException:  # nothing will call shutdown(): the dir (and vLLM's sockets in it) goes now

@@ -122,7 +122,8 @@ class InprocLLM:
         for stream in self._streams.values():
             stream.put_nowait(error)
 
-    async def _call(self, fn):
+    async def call_in_thread(self, fn):
+        """fn() in the engine's thread, between two steps; its result (or error) here."""
         if self._stopped:
             raise RuntimeError("the in-process vLLM engine has stopped")
         fut = self._loop.create_future()
@@ -138,7 +139,7 @@ class InprocLLM:
         self._streams[request_id] = stream
         finished = False
         try:
-            await self._call(lambda: self.engine.add_request(request_id, prompt, params))
+            await self.call_in_thread(lambda: self.engine.add_request(request_id, prompt, params))
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -155,24 +156,24 @@ class InprocLLM:
                 self._wake.set()
 
     async def abort(self, request_id: str) -> None:
-        await self._call(lambda: self._abort(request_id, notify=True))
+        await self.call_in_thread(lambda: self._abort(request_id, notify=True))
 
     async def pause_generation(self, mode: str = "keep", clear_cache: bool = False) -> None:
         if mode != "keep" or clear_cache:
             raise NotImplementedError("the in-process vLLM engine pauses in 'keep' mode only")
-        await self._call(lambda: setattr(self, "_paused", True))  # returns between two steps
+        await self.call_in_thread(lambda: setattr(self, "_paused", True))  # returns between two steps
 
     async def resume_generation(self) -> None:
-        await self._call(lambda: setattr(self, "_paused", False))
+        await self.call_in_thread(lambda: setattr(self, "_paused", False))
 
     async def update_weight_version(self, version: str) -> None:
-        await self._call(lambda: self.engine.set_weight_version(version))
+        await self.call_in_thread(lambda: self.engine.set_weight_version(version))
 
     async def collective_rpc(self, method: str, args: tuple = ()):
-        return await self._call(lambda: self.engine.collective_rpc(method, args=args))
+        return await self.call_in_thread(lambda: self.engine.collective_rpc(method, args=args))
 
     async def reset_prefix_cache(self) -> bool:
-        return await self._call(self.engine.reset_prefix_cache)
+        return await self.call_in_thread(self.engine.reset_prefix_cache)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """`timeout` is AsyncLLM's (for its core process) and not used: the thread ends after
