@@ -274,6 +274,7 @@ class Workbench:
                 self.engines.append(engine)  # (shutdown stops it, loaded or not)
                 loading.append(loaded)
             self.tokenizer = load_tokenizer(self.model_path)  # (transformers' import: seconds, while the engines load)
+            import pandas  # noqa: F401  (pyarrow imports it when it first writes parquet: 0.25 s of the first step)
             if cfg.judge:  # (after the tokenizer: the judge's is checked against it)
                 bar.set_postfix_str("judge engine")
                 self.judge_engine = self._frozen_engine(cfg.judge, "judge", cfg.seed + 2000)

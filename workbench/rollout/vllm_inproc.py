@@ -19,6 +19,7 @@ core set when it was sampled (set_weight_version), as in AsyncLLM.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import queue
 import threading
@@ -31,6 +32,11 @@ class InprocLLM:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        # vLLM's start runs five full garbage collections (after loading, after profiling, ...),
+        # each walking every object of the process (~630,000 after importing torch and vLLM: 0.28 s a
+        # walk here). What is alive now lives as long as the engine: move it out of the collector's
+        # walk, as vLLM does itself once started (freeze_gc_heap). Measured: start 1.7 -> 0.75 s.
+        gc.freeze()
         # read as the engine is made (its default, 1, would start a core process); the process's
         # own setting is restored after
         before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
