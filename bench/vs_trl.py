@@ -18,7 +18,7 @@ both sides reach (trailing mean of 5 steps) the time to reach it, with and witho
 a workbench / TRL ratio. Targets (issue 13): first step done under 20 s after connect(); s/step
 at most 1.0x TRL's; time to a reward level at most 1.5x TRL's with start-up, 1.0x without.
 
-    .venv/bin/python bench/vs_trl.py [--budget 120] [--sides trl workbench workbench-async] [--backend vllm|reference]
+    .venv/bin/python bench/vs_trl.py [--budget 120] [--sides trl workbench workbench-async] [--backend vllm|reference] [--trainer-ranks N]
 Results: bench/results/vs_trl.json.
 """
 
@@ -115,7 +115,7 @@ def run_trl(out: Path, budget_end: float, seed: int) -> None:
 WORKBENCH_SIDES = {"workbench": {"mode": "sync"}, "workbench-async": {"mode": "async", "async_lag": 1}}
 
 
-def run_workbench(out: Path, budget_end: float, seed: int, backend: str, side: str) -> None:
+def run_workbench(out: Path, budget_end: float, seed: int, backend: str, side: str, trainer_ranks: int | None) -> None:
     import workbench
 
     import shutil
@@ -123,7 +123,8 @@ def run_workbench(out: Path, budget_end: float, seed: int, backend: str, side: s
     run_dir = out.parent / f"{side}-run"
     shutil.rmtree(run_dir, ignore_errors=True)  # a session refuses a run_dir that holds a run
     wb = workbench.connect(backend=backend, seed=seed, run_dir=str(run_dir), max_tokens=MAX_TOKENS,
-                           loop={"prompts_per_step": PROMPTS, "group_size": GROUP, **WORKBENCH_SIDES[side]})
+                           loop={"prompts_per_step": PROMPTS, "group_size": GROUP, **WORKBENCH_SIDES[side]},
+                           **({"trainer_ranks": trainer_ranks} if trainer_ranks else {}))
     _record(out, {"event": "ready"})
 
     class Clock:
@@ -182,6 +183,7 @@ def main() -> None:
     ap.add_argument("--sides", nargs="+", default=["trl", *WORKBENCH_SIDES], choices=["trl", *WORKBENCH_SIDES])
     ap.add_argument("--backend", default="vllm", choices=["vllm", "reference"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trainer-ranks", type=int, help="workbench's FSDP2 ranks (default: connect()'s)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--budget-end", type=float, help=argparse.SUPPRESS)
@@ -191,7 +193,7 @@ def main() -> None:
         if a.child == "trl":
             run_trl(out, a.budget_end, a.seed)
         else:
-            run_workbench(out, a.budget_end, a.seed, a.backend, a.child)
+            run_workbench(out, a.budget_end, a.seed, a.backend, a.child, a.trainer_ranks)
         return
     from workbench.toy.models import toy_model_path
 
@@ -206,7 +208,8 @@ def main() -> None:
         launch = time.time()
         print(f"{side}: {a.budget:.0f} s from launch ...", flush=True)
         subprocess.run([py, __file__, "--child", side, "--out", str(out), "--budget-end", str(launch + a.budget),
-                        "--backend", a.backend, "--seed", str(a.seed)], check=True,
+                        "--backend", a.backend, "--seed", str(a.seed),
+                        *(["--trainer-ranks", str(a.trainer_ranks)] if a.trainer_ranks else [])], check=True,
                        stdout=subprocess.DEVNULL if not os.environ.get("BENCH_VERBOSE") else None,
                        stderr=subprocess.DEVNULL if not os.environ.get("BENCH_VERBOSE") else None)
         events = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
