@@ -419,8 +419,6 @@ def test_vllm_cpu_engine_compiles_nothing_for_log_probs(vllm_moe, moe_path):
     compiled = ray.get(vllm_moe.__ray_call__.remote(
         lambda _: dict(importlib.import_module("torch._dynamo.utils").counters["frames"])))
     assert compiled == {}, f"frames compiled by Dynamo in the engine's process: {compiled}"
-    # and vLLM's start-up garbage collections did not walk the imports' objects (InprocLLM)
-    assert ray.get(vllm_moe.__ray_call__.remote(lambda _: importlib.import_module("gc").get_freeze_count())) > 300_000
 
 
 def test_vllm_engine_that_fails_to_start_leaves_no_temp_dir(moe_path):
