@@ -10,7 +10,6 @@ import time
 
 import numpy as np
 import pytest
-
 import ray
 import torch
 
