@@ -627,12 +627,11 @@ def warn_no_signal(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> bool:
     def silent(m: dict) -> bool:
         return m.get("signal_tokens") == 0
 
-    streak = 0
-    for m in reversed(history):
-        if not silent(m):
-            break
-        streak += 1
-    if streak != steps:
+    # the streak is exactly `steps` long: the last `steps` silent, the one before not (or none);
+    # only those steps + 1 are read, however long the run or the streak
+    if len(history) < steps or not all(silent(m) for m in history[-steps:]):
+        return False
+    if len(history) > steps and silent(history[-steps - 1]):
         return False
     last = history[-1]
     print(f"workbench: the last {steps} steps (to step {last.get('step')}) had no learning signal: every advantage was 0 "
