@@ -12,6 +12,7 @@ import json
 import re
 
 import pytest
+import real_fixtures as rf
 
 from workbench import real_models as rm
 from workbench.loopback.server import LoopbackServer
@@ -87,7 +88,7 @@ SKIP = {"qwen3-hermes/marker-in-arguments", "qwen3-hermes/truncated-second-paral
 def _cases(fam, thinking=None):
     folder = CASES[fam.name]
     out = []
-    for d in fam.fixtures(folder=folder, with_expected=True):
+    for d in rf.fixtures(fam.name, folder=folder, with_expected=True):
         if d["id"] in SKIP or (fam.name == "deepseek-v3.1" and d["tokenizer"]["repo"] != "deepseek-ai/DeepSeek-V3.1"):
             continue
         if thinking is not None and _thinking(d) != thinking:

@@ -17,6 +17,7 @@ import json
 from collections import Counter
 
 import pytest
+import real_fixtures as rf
 
 from workbench import real_models as rm
 from workbench.lint import diff_context, sample_of
@@ -45,7 +46,7 @@ FIXTURE_COUNTS = {"qwen3": 70, "llama3.1": 24, "mistral-v3": 10, "gpt-oss": 51, 
 def test_a_recorded_ids_are_the_tokenizers(fams, name):
     fam = fams[name]
     tk = fam.tokenizer.backend_tokenizer
-    fixtures = fam.fixtures()
+    fixtures = rf.fixtures(fam.name)
     assert len(fixtures) == FIXTURE_COUNTS[name]
     misses = {}
     for d in fixtures:
@@ -98,13 +99,13 @@ PARSE_XFAIL = {
 
 def _parse_outcomes(fam):
     out = {}
-    for d in fam.fixtures(with_expected=True):
-        parsers = rm.parser_for(fam.name, d)
+    for d in rf.fixtures(fam.name, with_expected=True):
+        parsers = rf.parser_for(fam.name, d)
         if parsers is None:
             continue
         for stream in (False, True):
             try:
-                ok = rm.same_parse(rm.parse_vllm(fam, d, stream=stream), d["expected"])
+                ok = rf.same_parse(rf.parse_vllm(fam, d, stream=stream), d["expected"])
             except Exception:  # a parser crash counts as a miss
                 ok = False
             out[(d["_file"].split("/")[0], parsers[0], d["id"], stream)] = ok
@@ -131,7 +132,7 @@ def test_b_loopback_hermes_parser_on_qwen3(fams):
     recordings, vLLM's hermes 41 (PARSE_PASS): why hermes stays ours."""
     fam = fams["qwen3"]
     ok = n = 0
-    for d in fam.fixtures(folder="qwen3-hermes", with_expected=True):
+    for d in rf.fixtures(fam.name, folder="qwen3-hermes", with_expected=True):
         text = fam.tokenizer.decode(d["output_token_ids"], skip_special_tokens=True)
         _, calls = parse_hermes(text)
         n += 1
@@ -219,7 +220,7 @@ def _verdicts(fam, fixtures, fmt=None) -> Counter:
 # differently: the model's own bytes stay in the prompt where the template would write others.
 def test_c_qwen3_thinking_strips_earlier_think_blocks(fams):
     fam = fams["qwen3"]
-    thinking = [d for d in fam.fixtures(folder="qwen3-hermes", with_expected=True) if d.get("thinking") is True]
+    thinking = [d for d in rf.fixtures(fam.name, folder="qwen3-hermes", with_expected=True) if d.get("thinking") is True]
     v = _verdicts(fam, thinking)
     # a reasoning + tool-call turn: the tool result extends it; the next user turn strips its <think>
     assert v[("extends", "seal:template_rewrite")] == 6
@@ -233,7 +234,7 @@ def test_c_qwen3_thinking_strips_earlier_think_blocks(fams):
 
 def test_c_qwen3_no_thinking_drops_the_empty_think_block(fams):
     fam = fams["qwen3-nothink"]
-    plain = [d for d in fams["qwen3"].fixtures(folder="qwen3-hermes", with_expected=True) if d.get("thinking") is False]
+    plain = [d for d in rf.fixtures("qwen3", folder="qwen3-hermes", with_expected=True) if d.get("thinking") is False]
     v = _verdicts(fam, plain)
     # the generation prompt holds '<think>\n\n</think>\n\n'; re-rendered as history it is dropped
     assert v == Counter({("seal:template_rewrite", "seal:template_rewrite"): len(plain)}) and len(plain) == 21
@@ -243,7 +244,7 @@ def test_c_llama_bos_and_date_header(fams):
     fam = fams["llama3.1"]
     fmt = fam.chat_format()
     bos = fam.tokenizer.bos_token_id
-    fixtures = fam.fixtures(with_expected=True)
+    fixtures = rf.fixtures(fam.name, with_expected=True)
     v = _verdicts(fam, fixtures)
     # the model's own JSON ("arguments" for "parameters", <|python_tag|>, <|eom_id|>, its spacing)
     # stays in the prompt: extends*, never a seal
@@ -260,7 +261,7 @@ def test_c_mistral_v3(fams):
     fam = fams["mistral-v3"]
     fmt = fam.chat_format()
     assert fmt.message_form["tool_call_ids"] == "alnum9"  # the profile's: the template renders the ids
-    fixtures = fam.fixtures(with_expected=True)
+    fixtures = rf.fixtures(fam.name, with_expected=True)
     calls = [d for d in fixtures if d["expected"]["tool_calls"]]
     # The v3 template renders tool-call ids and refuses any but 9 alphanumeric characters: the loopback
     # hands out such ids and canonical messages keep them (the profile's tool_call_ids="alnum9"), so
@@ -295,7 +296,7 @@ def test_c_gpt_oss_return_rendered_back_as_end(fams):
     # the profile's ends of turn: <|return|> (a final answer) and <|call|> (a tool call); <|end|> closes
     # every harmony message and is no stop (the analysis message ends with it, then the final follows)
     assert fmt.turn_end_tokens == ("<|return|>", "<|call|>") and fmt.message_form["reasoning_field"] == "thinking"
-    fixtures = [d for d in fam.fixtures(with_expected=True) if "truncated" not in d["tags"]]
+    fixtures = [d for d in rf.fixtures(fam.name, with_expected=True) if "truncated" not in d["tags"]]
     finals = [d for d in fixtures if not d["expected"]["tool_calls"]]
     calls = [d for d in fixtures if d["expected"]["tool_calls"]]
     # A tool call ends with <|call|>, which the template renders back: the tool result extends the exact
@@ -325,7 +326,7 @@ def test_c_gpt_oss_return_rendered_back_as_end(fams):
 def test_c_deepseek_v31(fams):
     fam = fams["deepseek-v3.1"]
     assert fam.chat_format().message_form["tool_arguments"] == "json"  # the profile's: the template concatenates
-    v31 = [d for d in fam.fixtures(with_expected=True) if d["tokenizer"]["repo"] == "deepseek-ai/DeepSeek-V3.1"
+    v31 = [d for d in rf.fixtures(fam.name, with_expected=True) if d["tokenizer"]["repo"] == "deepseek-ai/DeepSeek-V3.1"
            and "truncated" not in d["tags"]]
     plain = [d for d in v31 if not d["expected"]["tool_calls"]]
     calls = [d for d in v31 if d["expected"]["tool_calls"]]
