@@ -97,20 +97,26 @@ def test_unknown_checkpoints_are_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("family,parser", [("llama3.1", "llama3_json"), ("mistral-v3", "mistral")])
 def test_the_loopback_parses_tool_calls_with_the_profiles_parser(family, parser):
-    """A profile's tool parser other than our hermes is vLLM's registered one, run on the reply
-    text with the policy's tokenizer: every recorded real tool call of the family is parsed."""
-    from workbench.loopback.toolcalls import get_tool_parser
+    """A profile's tool parser other than our hermes is vLLM's registered one, run by the
+    loopback's ReplyParser with the policy's tokenizer on the recorded text (special tokens kept;
+    the server's decoding is test_real_loopback's): every recorded real tool call is parsed."""
+    from real_fixtures import fixtures
+
+    from workbench.loopback.parsing import ReplyParser
     from workbench.real_models import load_family
 
     fam = load_family(family)
-    parse = get_tool_parser(parser, fam.tokenizer)
-    cases = [x for x in fam.fixtures() if (x.get("expected") or {}).get("tool_calls")]
+    rp = ReplyParser(fam.tokenizer, parser)
+    cases = [x for x in fixtures(family) if (x.get("expected") or {}).get("tool_calls")]
     assert len(cases) >= 8
     for x in cases:
-        _, calls = parse(x["raw_output"])
+        # vLLM parses tool calls only for a request with tools, as the server passes them
+        calls = rp.parse(x["raw_output"], x["output_token_ids"], tools=x["tools"]).calls
         want = [(c["name"], c["arguments"] if isinstance(c["arguments"], dict) else json.loads(c["arguments"]))
                 for c in x["expected"]["tool_calls"]]
         assert [(c["name"], c["arguments"]) for c in calls] == want, x["id"]
-    assert parse("no call here") == ("no call here", [])
+    no_call = fam.tokenizer.encode("no call here", add_special_tokens=False)
+    plain = rp.parse("no call here", no_call, tools=cases[0]["tools"])
+    assert (plain.content, plain.calls) == ("no call here", []) and rp.failures == 0
     with pytest.raises(ValueError, match="unknown tool parser 'nope'"):
-        get_tool_parser("nope", fam.tokenizer)
+        ReplyParser(fam.tokenizer, "nope")

@@ -26,7 +26,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from .toolcalls import TOOL_PARSERS, get_tool_parser
+from .toolcalls import get_tool_parser
 
 log = logging.getLogger(__name__)
 # gpt-oss: vLLM's tool/reasoning parser names that only declare harmony (its HarmonyParser parses)
@@ -72,10 +72,9 @@ class ReplyParser:
         self.template_kwargs = dict(template_kwargs or {})
         self.skip_special_tokens = True
         self.failures = 0  # replies a parser raised on (returned as content)
-        self._ours = None
+        self._ours = get_tool_parser(tool_parser)  # a clear error for an unknown name
         self._reasoning_cls = self._combined_cls = None
-        if tool_parser in TOOL_PARSERS:  # ours (hermes), with vLLM's reasoning parser before it
-            self._ours = get_tool_parser(tool_parser)
+        if self._ours is not None:  # ours (hermes), with vLLM's reasoning parser before it
             if reasoning_parser is not None:
                 from vllm.reasoning import ReasoningParserManager
 
@@ -88,7 +87,6 @@ class ReplyParser:
                     raise ValueError(f"reasoning parser {reasoning_parser!r} is harmony's: use tool parser 'openai'")
                 self.skip_special_tokens = self._skip_special(self._reasoning_cls(tokenizer, chat_template_kwargs=self.template_kwargs))
         else:  # vLLM's composition of its tool and reasoning parsers, as its OpenAI server runs them
-            get_tool_parser(tool_parser, tokenizer)  # a clear error for an unknown name
             from vllm.parser.parser_manager import ParserManager
 
             harmony = tool_parser in HARMONY_PARSERS or reasoning_parser in HARMONY_PARSERS

@@ -57,40 +57,14 @@ def parse_hermes(text: str) -> tuple[str, list[dict]]:
     return _HERMES.sub("", text).strip(), calls
 
 
-def get_tool_parser(name: str, tokenizer=None) -> ToolParser:
-    """Our parser of that name, else vLLM's registered one (which needs the tokenizer)."""
+def get_tool_parser(name: str) -> ToolParser | None:
+    """Our parser of that name; None for one of vLLM's registered names (the loopback runs those
+    through vLLM's ParserManager: workbench.loopback.parsing); a clear error for any other name."""
     if name in TOOL_PARSERS:
         return TOOL_PARSERS[name]
     from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
 
-    try:
-        parser_cls = ToolParserManager.get_tool_parser(name)
-    except KeyError:
+    if name not in ToolParserManager.list_registered():
         raise ValueError(f"unknown tool parser {name!r}: neither ours ({sorted(TOOL_PARSERS)}) nor one of vLLM's "
-                         f"({sorted(ToolParserManager.list_registered())})") from None
-    if tokenizer is None:
-        raise ValueError(f"vLLM's tool parser {name!r} needs the policy's tokenizer")
-    return _vllm_parser(parser_cls, tokenizer)
-
-
-def _vllm_parser(parser_cls, tokenizer) -> ToolParser:
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-    request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}])
-
-    def parse(text: str) -> tuple[str, list[dict]]:
-        got = parser_cls(tokenizer).extract_tool_calls(text, request)
-        if not got.tools_called:
-            return text, []
-        calls = []
-        for c in got.tool_calls:
-            try:
-                args = json.loads(c.function.arguments or "{}")
-            except json.JSONDecodeError:
-                return text, []  # as hermes: a call we cannot read leaves the text as the model wrote it
-            if not isinstance(args, dict):
-                return text, []
-            calls.append({"name": c.function.name, "arguments": args})
-        return (got.content or "").strip(), calls
-
-    return parse
+                         f"({ToolParserManager.list_registered()})")
+    return None
