@@ -12,7 +12,7 @@ import ray
 import torch
 
 from workbench.agents import AgentLoadError, Task, load_agent
-from workbench.data import tasks_from_datasets, tasks_from_jsonl, tasks_from_list
+from workbench.data import load_tasks, tasks_from_list
 from workbench.rollout.actor import sync_weights
 from workbench.rollout.engine import SamplingConfig, expected_probe_logprobs, probe_ids
 from workbench.rollout.runner import Rollout
@@ -74,11 +74,12 @@ def test_prompt_sources(tmp_path):
     assert from_list[0].info == {"source": "a"} and from_list[1].id == "t2"
     path = tmp_path / "p.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    assert [t.label for t in tasks_from_jsonl(path)] == [2, "x"]
-    assert [t.messages for t in tasks_from_datasets(path)] == [t.messages for t in from_list]
+    from_file = load_tasks(path)
+    assert [t.label for t in from_file] == [2, "x"] and [t.id for t in from_file] == ["p:0", "t2"]
+    assert [t.messages for t in from_file] == [t.messages for t in from_list] and from_file[0].info == {"source": "a"}
     path.write_text('{"prompt": "ok"}\n{broken\n')
     with pytest.raises(ValueError, match="p.jsonl:2: not valid JSON"):
-        tasks_from_jsonl(path)
+        load_tasks(path)
     with pytest.raises(ValueError, match="needs 'messages' or 'prompt'"):
         tasks_from_list([{"question": "?"}])
 

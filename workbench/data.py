@@ -46,39 +46,6 @@ def tasks_from_list(records: Iterable[dict | Task]) -> list[Task]:
     return [r if isinstance(r, Task) else task_from_record(r, f"item {i}") for i, r in enumerate(records)]
 
 
-def tasks_from_jsonl(path: str | Path) -> list[Task]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no such prompt file: {path}")
-    tasks = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON: {e}") from e
-        tasks.append(task_from_record(record, f"{path}:{n}"))
-    return tasks
-
-
-def tasks_from_datasets(path: str | Path, split: str = "train", limit: int | None = None) -> list[Task]:
-    """A local data file (json/jsonl/csv/parquet) read through HF `datasets` (no hub access)."""
-    import datasets
-
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no such data file: {path}")
-    kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
-    if kind is None:
-        raise ValueError(f"unsupported data file type {path.suffix!r}: use .jsonl, .json, .csv or .parquet")
-    ds = datasets.load_dataset(kind, data_files=str(path), split=split)
-    if limit is not None:
-        ds = ds.select(range(min(limit, len(ds))))
-    # a table has every column in every row: a field missing from a record reads as None
-    return [task_from_record({k: v for k, v in r.items() if v is not None}, f"{path}[{i}]") for i, r in enumerate(ds)]
-
-
 # ----------------------------------------------------------------------------- files with a field mapping
 # Field presets for load_tasks(fields=...): which column becomes the prompt and which the label.
 # "gsm8k": `question` is the prompt, `answer` the worked solution whose final answer follows
