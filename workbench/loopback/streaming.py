@@ -1,25 +1,10 @@
 """Real streaming: a reply's text sent while the engine samples it.
 
 The engine streams sampled ids (RolloutEngine.generate_stream); the turn still records the
-finished Sample, exactly as unstreamed (server.call_engine). Here the ids become text deltas:
-decoded incrementally (tokenizers' DecodeStream: a multi-byte character split over byte tokens
-is held until it completes), and split into reasoning and content as far as the finished reply's
-parse cannot change them. Whatever may still change is held back and sent once the sample is
-finished, from the finished reply (ReplyParser's parse of the whole text, the one the record and
-the unstreamed reply use), so the deltas always put together the unstreamed reply:
-
-- content stops streaming at the first tool-call marker (hermes' `<tool_call>`) or stop string;
-  a tail that could be the start of one, and trailing whitespace (the parse strips it when a
-  call follows), wait for the next token. A tool call is sent whole once the sample is finished,
-  and so is content after it. Content that opens with whitespace waits for the finish too (the
-  parse strips it when the reply has a call, keeps it when not).
-- reasoning streams when the reply, or the generation prompt, opens the reasoning parser's
-  block (`<think>`), up to its end marker; content after it as above.
-- special tokens: where the parser reads them (ReplyParser.skip_special_tokens False) the last
-  sampled id is held back, as the token that ends the turn is not part of the text.
-- live streaming needs our tool parser (hermes) and a tokenizers backend; vLLM's composite
-  parsers (llama3_json, mistral, harmony, deepseek_v31) get their text once the sample is
-  finished, in pieces, as before real streaming.
+finished Sample, exactly as unstreamed (server.call_engine). Here the ids become text deltas,
+decoded incrementally and sent as far as the finished reply's parse cannot change them; the
+rest comes from the finished reply, so the deltas always put together the unstreamed reply.
+docs/ARCHITECTURE.md ("The loopback server", "Streaming is real") has what is held back and why.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """Sequence packing: a micro-batch's rows in fewer rows, with less padding.
 
-Batches arrive padded to their widest row ([rows, width], tokens.training_tensors); a forward
-over that layout computes every padding position too (in the loop's batches a third to a half
-of the positions, since episodes differ in length). Packed, the micro-batch's rows are placed
-first-fit decreasing into as few rows of the same width as hold them, each sequence's position
-ids restarting at 0; with no attention mask and no KV cache, transformers builds a
-block-diagonal causal mask from those position ids (masking_utils.find_packed_sequence_indices),
-so no token attends across a sequence boundary and each sequence's log-probs equal its padded
-forward's (to fp32 rounding: tests/test_packing.py). Packed rows keep the batch's width because
-attention over a row costs its width squared with the dense masks of CPU attention (sdpa's math
-path): one row of every token (what varlen flash-attention kernels make cheap on GPUs) was 2.9x
-slower than the padded batch in bench/trainer.py. Routing replay needs no change: MoE routing is
-per token, so the recorded experts are packed the same way as the ids (-1, live routing, in the
-unused tails, which replay statistics do not count).
-
-Everything outside the forward keeps the padded layout: `unpack` gathers the packed log-probs
-back to [rows, width] (column 0 of each row and every padding position 0, as sampled_logprobs
-gives column 0), so correction weights, surrogates, aggregation and reports are unchanged.
-
-`micro_batches_by_tokens` cuts a rank's rows into micro-batches of about `budget` real tokens.
-Every rank must run the same number of forwards (FSDP's per-layer all-gathers are
-collectives), so the count is agreed across ranks (the largest any rank needs) and each rank
-cuts its rows into exactly that many micro-batches, balanced by tokens.
+Batches arrive padded to their widest row ([rows, width], tokens.training_tensors). Packed, a
+micro-batch's rows are placed first-fit decreasing into as few rows of the same width, each
+sequence's position ids restarting at 0; with no attention mask, transformers builds a
+block-diagonal causal mask from those position ids, so each sequence's log-probs equal its padded
+forward's (tests/test_packing.py). Routed experts are packed like the ids (-1 in unused tails).
+Everything outside the forward keeps the padded layout (`unpack`). Micro-batches are cut by a
+token budget, the same count on every rank (FSDP's all-gathers are collectives).
+docs/ARCHITECTURE.md ("Trainer and RL loop") has why rows keep the batch's width (measured).
 """
 
 from __future__ import annotations
