@@ -583,15 +583,11 @@ def _mismatch(recorded: list[int], sampled: list[int]) -> int:
     return sum(a != b for a, b in zip(recorded, sampled)) + abs(len(recorded) - len(sampled))
 
 
+SEGMENT_TOTALS = ("identity_mismatch", "retokenization_drift", "sampled_tokens", "sampling_overridden")
+
+
 def segment_stats(segments: list[Segment]) -> dict:
     """Totals of the token-identity measurements over segments."""
-    seals = Counter(s.seal_reason for s in segments if s.seal_reason)
-    return {
-        "segments": len(segments),
-        "identity_mismatch": sum(s.stats["identity_mismatch"] for s in segments),
-        "retokenization_drift": sum(s.stats["retokenization_drift"] for s in segments),
-        "sampled_tokens": sum(s.stats["sampled_tokens"] for s in segments),
-        "sampling_overridden": sum(s.stats.get("sampling_overridden", 0) for s in segments),  # older files: absent
-        "seals": dict(seals),
-    }
+    totals = {k: sum(s.stats.get(k, 0) for s in segments) for k in SEGMENT_TOTALS}  # older files: no sampling_overridden
+    return {"segments": len(segments), **totals, "seals": dict(Counter(s.seal_reason for s in segments if s.seal_reason))}
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+import uuid
 from dataclasses import dataclass, field
 
 from ..rollout.engine import SamplingConfig
@@ -168,17 +170,17 @@ class ChatRequest:
 class Reply:
     """One assistant reply, before it is put into either wire format."""
 
-    id: str
-    content: str
-    tool_calls: list[dict]  # {"id", "name", "arguments" (dict)}
-    finish: str  # "stop" | "length" | "stop_sequence" | "abort"
-    stop_sequence: str | None
+    finish: str  # "stop" | "length" | "stop_sequence" | "abort"; "" in a stream's head
     prompt_tokens: int
-    completion_tokens: int
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)  # {"id", "name", "arguments" (dict)}
+    stop_sequence: str | None = None
+    completion_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     token_strs: list[str] = field(default_factory=list)
-    created: int = 0
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
+    created: int = field(default_factory=lambda: int(time.time()))
     truncated: bool = False  # cut by the context: max_tokens clamped to the room left and hit, or no room at all
     reasoning: str | None = None  # the reasoning the profile's reasoning parser split off (None: none)
 

@@ -10,43 +10,10 @@ never knows it is being trained.
     GET  /health                            no key needed
 
 Binds 127.0.0.1 on a free port by default and checks a per-run API key (`Authorization:
-Bearer` or `x-api-key`). Bad input gets a 4xx in the protocol's own error shape and changes
-nothing already recorded; the server keeps serving.
-
-The policy owns the sampling of recorded turns. The engine samples them with the server's
-`policy_sampling` (temperature, top_p: whatever changes the per-token distribution the trainer
-must reproduce); the agent's max_tokens, stop strings, seed and ignore_eos are honoured. A
-request that *sends* a distribution field (protocol.DISTRIBUTION_FIELDS) with another value
-than the policy's is, with `sampling_mode="override"` (default), sampled at the policy's and
-counted (Segment.stats["sampling_overridden"], one per recorded turn; summary()), or, with
-"strict", refused with a 400 naming the field and the policy's value, recording nothing. An
-absent field is no override. The side route keeps the agent's temperature and top_p.
-
-Retries: a request that repeats the session's last request (same messages and tools) is served
-from the cache only when the client marks it as a retry, `x-stainless-retry-count` >= 1 (the
-stock openai and anthropic SDKs send this header on every request: 0 first, k on their k-th
-retry). Without it (or with 0) it is a new sample: n identical requests give n samples.
-
-Context: max_tokens is clamped to the room the context (`max_model_len`) leaves. When the clamp
-cut a recorded turn (finish "length") or no room is left at all (then the engine is not called,
-the reply is empty with finish "length" and nothing is recorded for the turn), the session is
-marked truncated (close_session(..., details=True), Reply.truncated). A side request with no
-room left gets a 400.
-
-Bad input and outages: every bad request is a 4xx, every outage a 503, in the protocol's own
-error shape, and none changes anything recorded. The body is read incrementally up to
-`max_request_bytes` (4 MiB; over it: 413) and parsed with bounds (protocol.loads: nesting at
-most 64 levels, number literals at most 100 characters, no NaN/Infinity, no lone surrogates);
-every numeric field, `seed` and the stop strings are checked against what vLLM accepts
-(protocol.NUMBER_BOUNDS: seed a signed 64-bit integer, non-empty stop strings, ...), each 400
-naming the field and the bound. An engine call that fails is answered by what failed
-(engine_error): the engine's own validation (vLLM's VLLMClientError family, ValueError) a 400
-with its reason, an engine that is dead or unreachable (Ray actor errors, the router's
-EngineUnavailable, vLLM's EngineDeadError) a 503 with `Retry-After: retry_after_s`, anything
-else a 500 with an error id; messages are scrubbed of tracebacks, pids, addresses and actor ids,
-and the detail goes to the `workbench.loopback.server` log. Requests over `thread_plan_bytes`
-are rendered and tokenized in a worker thread with the GIL released (tokenizers' encode_batch),
-so one huge request does not stall the other sessions.
+Bearer` or `x-api-key`). docs/ARCHITECTURE.md, "The loopback server", has the rules this module
+implements: the policy owns the sampling of recorded turns, retries (`x-stainless-retry-count`),
+context length and truncated episodes, and bad input as a 4xx / outages as a 503 that change
+nothing recorded.
 """
 
 from __future__ import annotations
@@ -70,7 +37,7 @@ from starlette.routing import Route
 
 from ..rollout.actor import stream_generate
 from ..rollout.engine import Sample, SamplingConfig
-from ..tokens import Accumulator, ChatFormat, Segment, new_tool_call_id, segment_stats
+from ..tokens import Accumulator, ChatFormat, Segment, SEGMENT_TOTALS, new_tool_call_id, segment_stats
 from . import anthropic_api, openai_api
 from .parsing import ReplyParser, reply_text
 from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, differs, loads, policy_value
@@ -86,10 +53,7 @@ class ServerStats:
     errors: Counter = field(default_factory=Counter)  # by HTTP status
     retries_served_from_cache: int = 0
     seals: Counter = field(default_factory=Counter)  # by reason, over closed sessions
-    identity_mismatch: int = 0
-    retokenization_drift: int = 0
-    sampled_tokens: int = 0
-    sampling_overridden: int = 0  # recorded turns, over closed sessions
+    segment_totals: Counter = field(default_factory=Counter)  # tokens.SEGMENT_TOTALS over closed sessions
     truncated_sessions: int = 0  # closed sessions cut by the context
     sampling_refused: Counter = field(default_factory=Counter)  # strict mode: 400s by field
     overhead_s: list = field(default_factory=list)  # per request: server time minus engine time
@@ -385,10 +349,7 @@ class LoopbackServer:
         segments = acc.close()
         s = segment_stats(segments)
         self.stats.seals.update(s["seals"])
-        self.stats.identity_mismatch += s["identity_mismatch"]
-        self.stats.retokenization_drift += s["retokenization_drift"]
-        self.stats.sampled_tokens += s["sampled_tokens"]
-        self.stats.sampling_overridden += s["sampling_overridden"]
+        self.stats.segment_totals.update({k: s[k] for k in SEGMENT_TOTALS})
         self.stats.truncated_sessions += int(acc.truncated)
         return segments, {"truncated": acc.truncated}
 
@@ -522,8 +483,7 @@ class LoopbackServer:
         while not (turn.done() or feed.ids):
             await self._changed(feed, turn)
         prompt_tokens = feed.prompt_tokens if not turn.done() else turn.result()[0].prompt_tokens  # raises its error
-        head = Reply(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", content="", tool_calls=[], finish="", stop_sequence=None,
-                     prompt_tokens=prompt_tokens or 0, completion_tokens=0, created=int(time.time()))
+        head = Reply(finish="", prompt_tokens=prompt_tokens or 0)
         return StreamingResponse(api.stream_events(head, self._stream_parts(req, turn, sid, t0), req, self.model_name),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -633,9 +593,7 @@ class LoopbackServer:
             room, clamped = self._fit(req, sampling, len(plan.prompt_ids))
             if not room:  # the conversation has outgrown the context: end the turn, record nothing
                 acc.truncated = True
-                return Reply(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", content="", tool_calls=[], finish="length",
-                             stop_sequence=None, prompt_tokens=len(plan.prompt_ids), completion_tokens=0,
-                             created=int(time.time()), truncated=True), 0.0
+                return Reply(finish="length", prompt_tokens=len(plan.prompt_ids), truncated=True), 0.0
             t = time.perf_counter()
             try:
                 sample = await call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts, req.feed)
@@ -698,12 +656,11 @@ class LoopbackServer:
             text, finish = text[:cut], "stop_sequence"
         parsed = parser.parse(text, ids, parse_tools=req.parse_tools, tools=req.tools)
         return Reply(
-            id=f"chatcmpl-{uuid.uuid4().hex[:24]}", content=parsed.content, reasoning=parsed.reasoning,
+            content=parsed.content, reasoning=parsed.reasoning,
             tool_calls=[{"id": new_tool_call_id(self.tool_call_ids), **c} for c in parsed.calls],
             finish=finish, stop_sequence=stop_seq, prompt_tokens=prompt_len, completion_tokens=len(sample.token_ids),
             token_ids=list(sample.token_ids), logprobs=list(sample.logprobs),
             token_strs=[self.fmt.decode([i]) for i in sample.token_ids] if req.logprobs else [],
-            created=int(time.time()),
         )
 
     def summary(self) -> dict:
@@ -715,10 +672,7 @@ class LoopbackServer:
             "requests": dict(self.stats.requests), "errors": dict(self.stats.errors),
             "retries_served_from_cache": self.stats.retries_served_from_cache,
             "seals": dict(self.stats.seals + Counter(open_stats["seals"])),
-            "identity_mismatch": self.stats.identity_mismatch + open_stats["identity_mismatch"],
-            "retokenization_drift": self.stats.retokenization_drift + open_stats["retokenization_drift"],
-            "sampled_tokens": self.stats.sampled_tokens + open_stats["sampled_tokens"],
-            "sampling_overridden": self.stats.sampling_overridden + open_stats["sampling_overridden"],
+            **{k: self.stats.segment_totals[k] + open_stats[k] for k in SEGMENT_TOTALS},
             "sampling_refused": dict(self.stats.sampling_refused),
             "truncated_sessions": self.stats.truncated_sessions + sum(acc.truncated for acc in self.sessions.values()),
             "unexpected_errors": dict(self.stats.unexpected_errors),
