@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import ray
 import torch
 
 from .agents import Task
@@ -270,8 +271,6 @@ def teacher_logprobs(teachers: list, segments: list) -> dict[int, list[float]]:
     """The teacher's log-prob of every token of each segment given the tokens before it, at
     temperature 1 (column 0, which has no context: 0.0), keyed by id(segment): the teacher
     engines' probe_logprobs (prompt log-probs, vLLM or reference), spread round robin."""
-    import ray
-
     refs = [teachers[i % len(teachers)].probe_logprobs.remote(list(s.token_ids)) for i, s in enumerate(segments)]
     return {id(s): [0.0] + list(lp) for s, lp in zip(segments, ray.get(refs))}
 
@@ -315,8 +314,6 @@ def drop_dead_engines(engines: list, lost: list) -> None:
 def engines_version(engines: list, lost: list | None = None) -> int:
     """The newest policy version any live engine serves (dead engines are dropped from
     `engines`, see drop_dead_engines, and added to `lost` when given)."""
-    import ray
-
     refs = [e.info.remote() for e in engines]
     versions, dead = [], []
     for e, r in zip(list(engines), refs):
@@ -433,8 +430,6 @@ class TrainerWatch:
             self._thread.join(timeout=10)
 
     def _watch(self) -> None:
-        import ray
-
         pending: dict = {}  # ref -> rank
         while not self._stop.is_set():
             for rank, w in enumerate(self.workers):
@@ -452,8 +447,6 @@ class TrainerWatch:
                 self._stop.wait(self.interval)
 
     def _died(self, rank: int, error: BaseException) -> None:
-        import ray
-
         actor_id = self.workers[rank]._actor_id.hex()
         reason = " ".join(str(error).split())[:400]
         for w in self.workers:  # the whole group: its other ranks would wait in a collective
@@ -471,8 +464,6 @@ class TrainerWatch:
         """The error to raise for `error`, which a trainer call raised: TrainerRankDied when a rank
         died (waiting up to `wait_s` for the watch to see it; a surviving rank may have failed
         first, e.g. gloo's 'connection closed by peer'), else `error` itself."""
-        import ray
-
         if self.failure is None and isinstance(error, ray.exceptions.RayError) and self._thread.is_alive():
             self._failed.wait(wait_s)
         return self.failure or error
@@ -687,8 +678,6 @@ class GroupStream:
         return self.tasks.pop(0)
 
     def _produce(self) -> None:
-        import ray
-
         inflight: dict = {}  # ref -> (runner, task, its data position, start time)
         try:
             while not self.stop.is_set():

@@ -23,6 +23,8 @@ import time
 import traceback
 import uuid
 
+import ray
+
 from ..agents import AgentContext, Task, as_reward, load_agent
 from ..tokens import Trajectory
 from .engine import SamplingConfig
@@ -176,8 +178,6 @@ class Rollout:
     yet started go to the live runners; with none left, run_groups raises RunnersLost."""
 
     def __init__(self, agent_path: str, engines: list, model_path: str, num_runners: int = 1, **runner_kwargs):
-        import ray
-
         from ..loopback.protocol import check_sampling_mode
 
         load_agent(agent_path)  # fail here, in the caller's process, with a clear error
@@ -228,8 +228,6 @@ class Rollout:
     def finish_group(self, ref, runner, task: Task, group_size: int) -> list[Trajectory]:
         """The trajectories of a group submit_group started (ready, or waited for); a dead
         runner's group comes back as failed episodes naming it."""
-        import ray
-
         try:
             return ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
@@ -243,7 +241,6 @@ class Rollout:
         """`group_size` episodes per task; returns one list of trajectories per task, in order.
         Each group goes to the runner with the fewest outstanding episodes that has room
         (submit_group); the others wait until one has."""
-        import ray
         from tqdm.auto import tqdm
 
         waiting = list(range(len(tasks)))[::-1]  # pop() takes the next task
@@ -278,13 +275,9 @@ class Rollout:
         return [g[0] for g in self.run_groups(tasks, 1, progress)]
 
     def stats(self) -> list[dict]:
-        import ray
-
         return ray.get([r.stats.remote() for r in self.runners])
 
     def shutdown(self) -> None:
-        import ray
-
         for r in self.runners:
             try:
                 ray.get(r.shutdown.remote(), timeout=30)

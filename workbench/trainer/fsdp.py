@@ -23,6 +23,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
 import torch
 
 from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_stats
@@ -204,7 +205,6 @@ class TrainerWorker:
         what the other ranks, on any node, connect to."""
         import datetime
 
-        import ray
         from torch.distributed import TCPStore
 
         host = ray.util.get_node_ip_address()
@@ -214,7 +214,6 @@ class TrainerWorker:
 
     def node(self) -> dict:
         """Where this rank runs: Ray node id and IP, and the process group's backend."""
-        import ray
         import torch.distributed as dist
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
@@ -314,9 +313,6 @@ class TrainerWorker:
                 "compute_dtype": str(group.mp_policy.param_dtype), "offload": type(group.offload_policy).__name__,
                 "checkpoint_bytes_read": self.checkpoint_bytes_read}
 
-    def ready(self) -> int:
-        return self.rank
-
     def _to(self, batch: dict) -> dict:
         return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
@@ -336,9 +332,6 @@ class TrainerWorker:
         for r in cuts:
             yield {k: (v[r.start: r.stop] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
-    def _experts(self, mb):
-        return mb.get("routed_experts")
-
     @staticmethod
     def _counted(mb):
         """Positions replay statistics count: real tokens of real rows (Trainer._split's padding
@@ -355,7 +348,7 @@ class TrainerWorker:
         with torch.no_grad():
             for mb in self._micro(batch):
                 lp, st = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
-                                        self._experts(mb), apply_replay=replay, positions=self._counted(mb),
+                                        mb.get("routed_experts"), apply_replay=replay, positions=self._counted(mb),
                                         chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences)
                 out.append(lp.cpu())
                 stats.append(st)
@@ -392,8 +385,9 @@ class TrainerWorker:
             for mb in self._micro(ub):
                 # the replay context spans backward: activation-checkpoint recompute must replay too
                 with replayed_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
-                                       self._experts(mb), apply_replay=self.cfg.routing_replay, positions=self._counted(mb),
-                                       chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences) as (lp, rstats):
+                                       mb.get("routed_experts"), apply_replay=self.cfg.routing_replay,
+                                       positions=self._counted(mb), chunk_mb=self.cfg.logprob_chunk_mb,
+                                       packed=self.cfg.pack_sequences) as (lp, rstats):
                     old = lp.detach() if updates == 1 else mb["old_logprobs"]
                     corr = correction_weights(old, mb["behaviour_logprobs"], mb["loss_mask"], mb["versions"],
                                               trainer_version, self.cfg.correction)
@@ -440,8 +434,8 @@ class TrainerWorker:
         self.ref_model.eval()
         with torch.no_grad():
             ref, _ = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
-                                    self._experts(mb), apply_replay=self.cfg.routing_replay, chunk_mb=self.cfg.logprob_chunk_mb,
-                                    packed=self.cfg.pack_sequences)
+                                    mb.get("routed_experts"), apply_replay=self.cfg.routing_replay,
+                                    chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences)
         return KL_ESTIMATORS[self.cfg.kl_estimator](lp - ref) * mb["loss_mask"].float()
 
     def probe(self, ids: list[int]) -> list[float]:
@@ -458,8 +452,6 @@ class TrainerWorker:
 
     # GPU weight sync by NCCL broadcast (rollout/nccl_sync.py); rank 0 joins the engines' group
     def nccl_endpoint(self) -> tuple[str, int]:
-        import ray
-
         return ray.util.get_node_ip_address(), free_port()
 
     def connect_nccl(self, cfg, world_size: int) -> None:
@@ -574,8 +566,6 @@ def gather_full_tensors(state: dict, rank: int, world_size: int) -> dict | None:
 def _get_all(refs: list) -> list:
     """ray.get of every ref, raising as soon as any fails: a rank that fails to load leaves the
     others waiting in the rendezvous, so waiting on them in order would hang until its timeout."""
-    import ray
-
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
@@ -598,8 +588,6 @@ class Trainer:
         `profile` (workbench.profiles.ModelProfile; None: read off the checkpoint): an MoE
         profile that captures experts must name a router whose replay rule is registered, or
         routing replay could not reproduce the rollout's forward (refused here, not mid-run)."""
-        import ray
-
         from ..profiles import ProfileError, profile_for
         from ..replay import REPLAY_RULES
 
@@ -638,8 +626,6 @@ class Trainer:
 
     def nodes(self) -> list[dict]:
         """Per rank: its Ray node id, IP and process-group backend."""
-        import ray
-
         return ray.get([w.node.remote() for w in self.workers])
 
     def _split(self, batch: dict) -> list[dict]:
@@ -662,8 +648,6 @@ class Trainer:
     def logprobs(self, batch: dict, replay: bool | None = None, with_stats: bool = False):
         """Trainer log-probs of every row ([B, T]). `replay`: None follows the config; False routes
         live. `with_stats`: also return the replay statistics (per MoE layer; see replay_summary)."""
-        import ray
-
         n = batch["input_ids"].shape[0]
         outs = ray.get([wk.logprobs.remote(part, replay) for wk, part in zip(self.workers, self._split(batch))])
         lp = torch.cat([o[0] for o in outs])[:n]
@@ -673,8 +657,6 @@ class Trainer:
         """One optimizer step on `batch` (see tokens.training_tensors, plus "advantages").
         Returns the step's statistics; with `report`, also per-token tensors of every row
         (trainer log-prob, IS weight, gate decision, advantage, loss contribution, ...)."""
-        import ray
-
         parts = self._split(batch)
         stats = ray.get([wk.train_step.remote(p, self.version, report) for wk, p in zip(self.workers, parts)])
         self.version += 1
@@ -690,27 +672,19 @@ class Trainer:
         return out
 
     def probe(self, ids: list[int]) -> list[float]:
-        import ray
-
         return ray.get([w.probe.remote(ids) for w in self.workers])[0]
 
     @functools.cached_property
     def vocab_size(self) -> int:
-        import ray
-
         return ray.get(self.workers[0].vocab_size.remote())
 
     def state_dict(self) -> dict:
-        import ray
-
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
 
     def probe_and_weights(self, ids: list[int]) -> tuple[list[float], Any]:
         """probe(ids) and a reference to rank 0's full state dict, in one round trip: both are
         collectives, queued on every rank in the same order. The weights stay in Ray's object
         store, where the engines read them; the driver never copies them (the CPU weight sync)."""
-        import ray
-
         probes = [w.probe.remote(ids) for w in self.workers]
         weights = [w.full_state_dict.remote(True) for w in self.workers]
         expected, *_ = ray.get([probes[0], *weights[1:]])  # every rank's part of the gather done
@@ -719,15 +693,11 @@ class Trainer:
     def footprint(self) -> list[dict]:
         """Per rank: the bytes its parameter shards, optimizer state and reference hold, by
         device, with their dtypes and the FSDP2 policies in force (TrainerWorker.footprint)."""
-        import ray
-
         return ray.get([w.footprint.remote() for w in self.workers])
 
     def init_nccl_sync(self, engines: list, engine_world_sizes: list[int] | None = None, **cfg_kwargs) -> None:
         """GPU: one NCCL group of trainer rank 0 and every engine worker (engines started with
         weight_transfer="nccl"). Afterwards loop.sync_engines uses sync_weights_nccl."""
-        import ray
-
         from ..rollout.nccl_sync import NcclSyncConfig, group_layout
 
         host, port = ray.get(self.workers[0].nccl_endpoint.remote())
@@ -742,8 +712,6 @@ class Trainer:
         """Broadcast the weights to the engines (each pauses, receives, bumps its version, resumes
         and checks its probe). The names are checked here first: a refusal inside an engine
         would leave trainer rank 0 blocked in a broadcast, and NCCL has no timeout."""
-        import ray
-
         from ..rollout.nccl_sync import TransferMeta, check_meta, hf_meta, plan_buckets
 
         meta = ray.get(self.workers[0].weight_meta.remote(self.nccl.wire_dtype))
@@ -785,8 +753,6 @@ class Trainer:
         plus whatever the caller passes: step, data position, ...)."""
         import json
 
-        import ray
-
         os.makedirs(path, exist_ok=True)
         ray.get([w.save.remote(path) for w in self.workers])
         with open(os.path.join(path, "run_state.json"), "w") as f:
@@ -796,8 +762,6 @@ class Trainer:
     def restore(self, path: str) -> dict:
         """Load a checkpoint written by save(); returns its run_state."""
         import json
-
-        import ray
 
         state_file = os.path.join(path, "run_state.json")
         if not os.path.isfile(state_file):
@@ -812,8 +776,6 @@ class Trainer:
         return run_state
 
     def shutdown(self) -> None:
-        import ray
-
         try:
             ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
         finally:
