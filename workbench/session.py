@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import functools
 import os
 import threading
 import time
@@ -32,29 +33,26 @@ from .trainer.fsdp import TrainerConfig
 DEFAULT_AGENT = str(Path(__file__).parent / "examples" / "arithmetic_env.py")
 
 
-def _toy(name: str):
-    def path():
+# WorkbenchConfig.model names; each is built or fetched on first use and cached
+NAMED_MODELS = ("moe", "dense", "smollm2", "tiny-qwen3")
+
+
+def check_model(name: str, field: str) -> None:
+    if not (name in NAMED_MODELS or Path(name).is_dir()):
+        raise ConfigError(f"{field} {name!r} is neither a named model ({sorted(NAMED_MODELS)}) nor a checkpoint directory")
+
+
+def model_path(name: str) -> str:
+    """The checkpoint directory of a named model (built or fetched once) or of a path."""
+    if name in ("moe", "dense"):
         from .toy.models import toy_model_path
 
-        return toy_model_path(name)
+        return str(toy_model_path(name))
+    if name in NAMED_MODELS:
+        from . import checkpoints
 
-    return path
-
-
-def _smollm2():
-    from .checkpoints import smollm2_path
-
-    return smollm2_path()
-
-
-def _tiny_qwen3():
-    from .checkpoints import tiny_qwen3_path
-
-    return tiny_qwen3_path()
-
-
-# WorkbenchConfig.model names and how each is built or fetched (cached after the first time)
-NAMED_MODELS = {"moe": _toy("moe"), "dense": _toy("dense"), "smollm2": _smollm2, "tiny-qwen3": _tiny_qwen3}
+        return str({"smollm2": checkpoints.smollm2_path, "tiny-qwen3": checkpoints.tiny_qwen3_path}[name]())
+    return str(Path(name).resolve())
 
 
 class ConfigError(ValueError):
@@ -153,10 +151,9 @@ class WorkbenchConfig:
                 continue
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if not (self.model in NAMED_MODELS or Path(self.model).is_dir()):
-            raise ConfigError(f"model {self.model!r} is neither a named model ({sorted(NAMED_MODELS)}) nor a checkpoint directory")
-        if self.judge is not None and not (self.judge in NAMED_MODELS or Path(self.judge).is_dir()):  # before anything starts
-            raise ConfigError(f"judge {self.judge!r} is neither a named model ({sorted(NAMED_MODELS)}) nor a checkpoint directory")
+        check_model(self.model, "model")
+        if self.judge is not None:  # before anything starts
+            check_model(self.judge, "judge")
         if not (self.profile is None or isinstance(self.profile, (str, dict))):
             raise ConfigError(f"profile must be None, a family name or a dict of profile fields, got {type(self.profile).__name__}")
         if not isinstance(self.trainer, TrainerConfig) or not isinstance(self.loop, LoopConfig):
@@ -205,7 +202,7 @@ class Workbench:
         from .rollout.actor import start_engine
         from .rollout.engine import SamplingConfig
         from .rollout.runner import Rollout
-        from .toy.models import load_tokenizer, toy_model_path
+        from .toy.models import load_tokenizer
         from .trainer.fsdp import Trainer
 
         self.cfg, self.address = cfg, address
@@ -247,7 +244,7 @@ class Workbench:
                 from .cluster import check_shared_path
 
                 check_shared_path(str(self.run_dir))
-            self.model_path = str(NAMED_MODELS[cfg.model]() if cfg.model in NAMED_MODELS else Path(cfg.model).resolve())
+            self.model_path = model_path(cfg.model)
             # one profile for every part (engine, server, runners, trainer); the session's fields win
             overrides = {"family": cfg.profile} if isinstance(cfg.profile, str) else dict(cfg.profile or {})
             overrides.update({k: v for k, v in (("max_model_len", cfg.max_model_len), ("tool_parser", cfg.tool_parser))
@@ -473,9 +470,8 @@ class Workbench:
         from .rollout.actor import launch_engine
         from .toy.models import load_tokenizer
 
-        if not (name in NAMED_MODELS or Path(name).is_dir()):
-            raise ConfigError(f"{field} {name!r} is neither a named model ({sorted(NAMED_MODELS)}) nor a checkpoint directory")
-        path = str(NAMED_MODELS[name]() if name in NAMED_MODELS else Path(name).resolve())
+        check_model(name, field)
+        path = model_path(name)
         if load_tokenizer(path).get_vocab() != self.tokenizer.get_vocab():
             raise ConfigError(f"{field} {name!r} tokenizes differently from the policy: it would read other tokens than "
                               f"the policy's")
@@ -612,27 +608,17 @@ class Workbench:
                 self._run.wait()
             except RuntimeError as e:  # the run's error was already reported by wait(); shut down anyway
                 print(f"workbench: {e}")
-        for stop in ([self._rollout.shutdown] if self._rollout else []) + ([self._trainer.shutdown] if self._trainer else []):
+        frozen = (self._teacher[1] if self._teacher else []) + ([self.judge_engine] if self.judge_engine else [])
+        parts = [("shutdown", p.shutdown) for p in (self._rollout, self._trainer, self._greedy_rollout) if p]
+        parts += [("shutdown", getattr(lg, "shutdown", None) or lg.close) for lg in self._loggers]
+        parts += [("frozen engine shutdown", functools.partial(stop_engine, e)) for e in frozen]
+        parts += [("engine shutdown", functools.partial(stop_engine, e)) for e in self.engines]
+        for what, stop in parts:
             try:
                 stop()
             except Exception as e:  # keep shutting the rest down
-                print(f"workbench: shutdown: {e}")
-        for part in ([self._greedy_rollout] if self._greedy_rollout else []) + self._loggers:
-            try:
-                part.shutdown() if hasattr(part, "shutdown") else part.close()
-            except Exception as err:
-                print(f"workbench: shutdown: {err}")
-        for e in (self._teacher[1] if self._teacher else []) + ([self.judge_engine] if self.judge_engine else []):
-            try:
-                stop_engine(e)
-            except Exception as err:
-                print(f"workbench: frozen engine shutdown: {err}")
+                print(f"workbench: {what}: {e}")
         self._greedy_rollout, self._loggers, self._teacher, self.judge_engine = None, [], None, None
-        for e in self.engines:
-            try:
-                stop_engine(e)
-            except Exception as err:
-                print(f"workbench: engine shutdown: {err}")
         self.engines, self._rollout, self._trainer = [], None, None
         if getattr(self, "placement", None) is not None:  # the GPUs it reserved, back to the cluster
             self.placement.remove()
