@@ -379,7 +379,7 @@ class VLLMEngine(RolloutEngine):
         core = getattr(self.llm, "engine_core", None)
         if hasattr(core, "pause_scheduler_async"):
             await core.pause_scheduler_async(mode="keep", clear_cache=False)
-        else:  # another vLLM version: its public call
+        else:  # the in-process core (vllm_inproc.InprocLLM) pauses by not stepping
             await self.llm.pause_generation(mode="keep", clear_cache=False)
 
     async def resume(self) -> None:
