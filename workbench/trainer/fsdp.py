@@ -257,7 +257,10 @@ class TrainerWorker:
             self.ref_model = self._sharded_model(cfg.ref_model_path or model_path, shard_kwargs, False,
                                                  cfg.ref_dtype or cfg.mixed_precision or cfg.dtype)
             self.ref_model.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # foreach: torch picks it by default only for CUDA tensors; on CPU each DTensor parameter was
+        # updated one op at a time through DTensor's dispatch (toy MoE, 25 parameters: 10.5 ms a
+        # step vs 2.6 ms foreach). On GPUs foreach is already the default.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
         return rank
 
     def _sharded_model(self, path: str, shard_kwargs: dict, checkpointing: bool, dtype: str):
