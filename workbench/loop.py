@@ -574,9 +574,10 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     try:
         for step in tqdm(range(first, cfg.steps), desc=f"RL steps ({cfg.mode})", initial=first, total=cfg.steps,
                          disable=not progress):
-            got_step, groups, r0, r1, extra = _next_batch(batches, stop, producer)
-            if got_step is None:
+            item = _poll(batches, stop, producer)
+            if item is None:
                 break
+            got_step, groups, r0, r1, extra = item
             if isinstance(groups, BaseException):
                 raise RuntimeError(f"rollout of step {got_step} failed: {groups}") from groups
             if on_groups is not None:
@@ -711,12 +712,7 @@ class GroupStream:
 
     def take(self):
         """The next finished group (see _produce), or None once stopped."""
-        while True:
-            try:
-                return self.finished.get(timeout=0.5)
-            except queue.Empty:
-                if self.stop.is_set() or not self.thread.is_alive() and self.finished.empty():
-                    return None
+        return _poll(self.finished, self.stop, self.thread)
 
 
 def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
@@ -796,13 +792,14 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
     return history
 
 
-def _next_batch(batches: queue.Queue, stop: threading.Event, producer: threading.Thread):
+def _poll(items: queue.Queue, stop: threading.Event, producer: threading.Thread):
+    """The next item a producer thread queued, or None once stopped or the producer is done."""
     while True:
         try:
-            return batches.get(timeout=0.5)
+            return items.get(timeout=0.5)
         except queue.Empty:
-            if stop.is_set() or not producer.is_alive() and batches.empty():
-                return None, None, 0.0, 0.0, {}
+            if stop.is_set() or not producer.is_alive() and items.empty():
+                return None
 
 
 def step_statistics(stats: dict) -> dict:
