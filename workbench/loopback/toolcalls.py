@@ -66,5 +66,5 @@ def get_tool_parser(name: str) -> ToolParser | None:
 
     if name not in ToolParserManager.list_registered():
         raise ValueError(f"unknown tool parser {name!r}: neither ours ({sorted(TOOL_PARSERS)}) nor one of vLLM's "
-                         f"({ToolParserManager.list_registered()})")
+                         f"({sorted(ToolParserManager.list_registered())})")
     return None
