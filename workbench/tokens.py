@@ -588,6 +588,8 @@ SEGMENT_TOTALS = ("identity_mismatch", "retokenization_drift", "sampled_tokens",
 
 def segment_stats(segments: list[Segment]) -> dict:
     """Totals of the token-identity measurements over segments."""
-    totals = {k: sum(s.stats.get(k, 0) for s in segments) for k in SEGMENT_TOTALS}  # older files: no sampling_overridden
+    # a segment without a measurement is a bug, not a 0; only files older than sampling_overridden lack it
+    totals = {k: sum(s.stats[k] if k != "sampling_overridden" else s.stats.get(k, 0) for s in segments)
+              for k in SEGMENT_TOTALS}
     return {"segments": len(segments), **totals, "seals": dict(Counter(s.seal_reason for s in segments if s.seal_reason))}
 
