@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from workbench.cluster import is_local_address, ray_address_host
 

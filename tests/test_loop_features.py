@@ -11,7 +11,6 @@ import json
 from math import comb
 
 import pytest
-import torch
 
 from workbench.agents import Task
 from workbench.data import TaskDataset

@@ -14,7 +14,6 @@ import time
 import anthropic
 import httpx2
 import openai
-import pytest
 
 from test_loopback_faults import ANTHROPIC_CASES, OPENAI_CASES, SessionTap
 from workbench.loopback import anthropic_api, openai_api

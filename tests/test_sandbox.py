@@ -8,7 +8,6 @@ import errno
 import os
 import resource
 import shutil
-import signal
 import socket
 import subprocess
 import sys

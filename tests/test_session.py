@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import workbench
 from workbench.session import ConfigError, WorkbenchConfig
