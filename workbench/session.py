@@ -13,8 +13,8 @@ A session writes its run directory (`WorkbenchConfig.run_dir`): config.json, met
 from __future__ import annotations
 
 import dataclasses
-import json
 import functools
+import json
 import os
 import threading
 import time
