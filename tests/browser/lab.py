@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -75,6 +76,18 @@ class Lab:
             body = r.read()
         return json.loads(body) if body else None
 
+    def kernels(self) -> list[dict]:
+        """The server's kernels. A 5xx here is jupyter_server racing a kernel's shutdown against the
+        listing (the kernel is gone from one map, not yet from the other): ask again."""
+        for _ in range(20):
+            try:
+                return self.api("GET", "/api/kernels") or []
+            except urllib.error.HTTPError as e:
+                if e.code < 500:
+                    raise
+                time.sleep(0.5)
+        return self.api("GET", "/api/kernels") or []
+
     def url(self, notebook: str) -> str:
         return f"http://127.0.0.1:{self.port}/lab/tree/{notebook}?token={self.token}&reset"
 
@@ -82,6 +95,9 @@ class Lab:
         """Delete every session (its kernel too), or a new page would reuse the previous kernel."""
         for s in self.api("GET", "/api/sessions") or []:
             self.api("DELETE", f"/api/sessions/{s['id']}")
+        deadline = time.time() + 30  # and wait until their kernels are gone, so none races the next page
+        while self.kernels() and time.time() < deadline:
+            time.sleep(0.5)
 
     def stop(self) -> None:
         try:
@@ -121,7 +137,7 @@ def open_notebook(context, lab: Lab, notebook: str):
                            " && window.jupyterapp.shell.currentWidget.content"
                            " && window.jupyterapp.shell.currentWidget.content.widgets.length > 0", timeout=120_000)
     deadline = time.time() + 120  # the kernel is up when the server says idle
-    while not any(k["execution_state"] == "idle" for k in lab.api("GET", "/api/kernels") or []):
+    while not any(k["execution_state"] == "idle" for k in lab.kernels()):
         if time.time() > deadline:
             raise TimeoutError(f"no idle kernel after 120 s; see {lab.log.name}")
         time.sleep(0.5)
