@@ -222,6 +222,9 @@ class VLLMEngine(RolloutEngine):
             # prompts did so within seconds, failing every request of the engine. Whole prefills
             # never discard a sample; vLLM then takes max(max_model_len, its default) tokens a step.
             engine_kwargs.setdefault("enable_chunked_prefill", False)
+        # vLLM's per-step and per-request serving statistics (Prometheus histograms, timings):
+        # nothing here reads them, and recording them costs engine CPU every step
+        engine_kwargs.setdefault("disable_log_stats", True)
         self.engine_args = dict(
             model=self.model_path,
             dtype=dtype,
