@@ -77,8 +77,9 @@ class Lab:
         return json.loads(body) if body else None
 
     def kernels(self) -> list[dict]:
-        """The server's kernels. A 5xx here is jupyter_server racing a kernel's shutdown against the
-        listing (the kernel is gone from one map, not yet from the other): ask again."""
+        """The server's kernels. A 500 here is jupyter_server listing a kernel it is still starting:
+        until the start returns, the kernel has no last_activity to report (isoformat(None)
+        raises in kernel_model; jupyter_server 2.21). Ask again."""
         for _ in range(20):
             try:
                 return self.api("GET", "/api/kernels") or []
