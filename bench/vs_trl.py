@@ -15,7 +15,10 @@ Each side is a fresh process; the parent takes the launch time, the child writes
 end time and mean reward. Printed: start-up (launch -> first step done), s/step (median of the
 steps after the first two), reward per wall-clock second and per step, and for each reward level
 both sides reach (trailing mean of 5 steps) the time to reach it, with and without start-up, as
-a workbench / TRL ratio. Targets (issue 13): first step done under 20 s after connect(); s/step
+a workbench / TRL ratio. And the CPU a step takes, by role (engine, trainer ranks, runner, driver,
+Ray's own processes; every process of the machine, from /proc, from step 3 to the last) and the
+cores it kept busy: wall time drifts with a shared machine's neighbours, the CPU split less, and
+it tells work from waiting. Targets (issue 13): first step done under 20 s after connect(); s/step
 at most 1.0x TRL's; time to a reward level at most 1.5x TRL's with start-up, 1.0x without.
 
     .venv/bin/python bench/vs_trl.py [--budget 120] [--sides trl workbench workbench-async] [--backend vllm|reference] [--seeds 0 1 2] [--trainer-ranks N]
@@ -72,6 +75,36 @@ def _record(out: Path, event: dict) -> None:
         f.write(json.dumps({"t": time.time(), **event}) + "\n")
 
 
+# CPU seconds by role, over every process of this machine (Linux /proc): the local run owns them
+# all. Wall time on a shared machine drifts with its neighbours; where the CPU goes drifts less.
+ROLES = {"ray::EngineHost": "engine", "ray::TrainerWorker": "trainer", "ray::RolloutRunner": "runner"}
+CPU_FROM_STEP = 3  # counted from the end of this step (start-up and the first steps left out) to the last
+
+
+def cpu_by_role() -> dict[str, float]:
+    tick, me, out = os.sysconf("SC_CLK_TCK"), os.getpid(), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        role = ("driver" if int(pid) == me else next((r for k, r in ROLES.items() if cmd.startswith(k)), None)
+                or ("ray" if "ray" in cmd else None))
+        if role:  # utime + stime
+            out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _cpu_mark(out: Path, step: int, last: bool) -> None:
+    """The CPU by role at the end of step CPU_FROM_STEP, and at the last step (budget over)."""
+    if step == CPU_FROM_STEP or last:
+        _record(out, {"event": "cpu", "step": step, "cpu": cpu_by_role()})
+
+
 def run_trl(out: Path, budget_end: float, seed: int) -> None:
     import torch
     from datasets import Dataset
@@ -94,7 +127,9 @@ def run_trl(out: Path, budget_end: float, seed: int) -> None:
                 _record(out, {"event": "step", "step": state.global_step, "reward": logs["reward"]})
 
         def on_step_end(self, args, state, control, **kw):
-            if time.time() > budget_end:
+            over = time.time() > budget_end
+            _cpu_mark(out, state.global_step, over)
+            if over:
                 control.should_training_stop = True
 
     cfg = GRPOConfig(output_dir=str(out.parent / "trl-out"), per_device_train_batch_size=PROMPTS * GROUP,
@@ -131,7 +166,9 @@ def run_workbench(out: Path, budget_end: float, seed: int, backend: str, side: s
     class Clock:
         def on_step(self, m):
             _record(out, {"event": "step", "step": m["step"] + 1, "reward": m["reward_mean"]})
-            if time.time() > budget_end:
+            over = time.time() > budget_end
+            _cpu_mark(out, m["step"] + 1, over)
+            if over:
                 wb.stop()
 
     try:
@@ -162,7 +199,14 @@ def summarize(name: str, launch: float, events: list[dict]) -> dict:
     ends = [e["t"] - launch for e in steps]
     gaps = [b - a for a, b in zip(ends, ends[1:])]
     ready = next((e["t"] - launch for e in events if e["event"] == "ready"), None)
-    return {"side": name, "steps": len(steps), "ready_s": ready, "first_step_done_s": ends[0],
+    marks = [e for e in events if e["event"] == "cpu"]
+    cpu = None
+    if len(marks) >= 2 and marks[-1]["step"] > marks[0]["step"]:
+        a, b = marks[0], marks[-1]
+        n, span = b["step"] - a["step"], b["t"] - a["t"]
+        cpu = {k: (b["cpu"][k] - a["cpu"].get(k, 0.0)) / n for k in b["cpu"]}
+        cpu = {"per_step_s": sum(cpu.values()), "cores_busy": sum(cpu.values()) * n / span, "by_role": cpu}
+    return {"side": name, "steps": len(steps), "cpu": cpu, "ready_s": ready, "first_step_done_s": ends[0],
             "first_step_after_ready_s": ends[0] - ready if ready is not None else None,
             "s_per_step": statistics.median(gaps[2:] or gaps or [float("nan")]),
             "rewards": [e["reward"] for e in steps], "ends": ends,
@@ -273,6 +317,10 @@ def report(s: dict, a) -> None:
               f"{statistics.mean(x['rewards'][-5:]):.3f}")
         if x.get("breakdown"):
             print(f"{'':15s}  a step's share: " + ", ".join(f"{k} {v:.0%}" for k, v in x["breakdown"].items() if k != "step_s"))
+        if x.get("cpu"):
+            c = x["cpu"]
+            roles = ", ".join(f"{k} {v:.2f}" for k, v in sorted(c["by_role"].items(), key=lambda kv: -kv[1]))
+            print(f"{'':15s}  CPU a step {c['per_step_s']:.2f} s ({roles}), {c['cores_busy']:.2f} cores busy")
     trl = s.get("trl")
     if not trl or not trl["steps"]:
         return
@@ -281,6 +329,9 @@ def report(s: dict, a) -> None:
             continue
         print(f"{name}: s/step {name} / TRL: {wb['s_per_step'] / trl['s_per_step']:.2f}x (target <= 1.0x); "
               f"first step after connect: {wb['first_step_after_ready_s']:.1f} s (target < 20 s)")
+        if wb.get("cpu") and trl.get("cpu"):
+            print(f"  CPU a step {name} / TRL: {wb['cpu']['per_step_s'] / trl['cpu']['per_step_s']:.2f}x "
+                  f"({wb['cpu']['cores_busy']:.2f} vs {trl['cpu']['cores_busy']:.2f} cores busy)")
         top = min(max(statistics.mean(x["rewards"][i:i + 5]) for i in range(max(1, len(x["rewards"]) - 4))) for x in (wb, trl))
         for level in [round(v, 2) for v in (top * f for f in (0.6, 0.8, 1.0))]:
             tw, tt = time_to(wb, level), time_to(trl, level)
