@@ -222,6 +222,27 @@ def test_partial_rollout_records_two_versions_in_one_episode(rollout_for, moe_pa
         assert (seg.routed_experts[:-1] >= 0).all()
 
 
+
+def test_a_probe_sent_as_a_reference_is_checked_after_the_load(moe_path, reference_engines):
+    """loop.sync_engines hands the engines the trainer's expected probe as a Ray reference, which
+    each awaits once its load is done (the trainer computes it meanwhile): it is checked all the
+    same, and a probe of other weights is refused."""
+    from workbench.rollout.engine import WeightSyncError
+
+    engine = reference_engines[0]
+    model = load_hf_model(moe_path)
+    new = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    stale = ray.put(expected_probe_logprobs(model, probe_ids(model.config.vocab_size)))  # the weights before
+    model.load_state_dict(new)
+    right = ray.put(expected_probe_logprobs(model, probe_ids(model.config.vocab_size)))
+    try:
+        report, = sync_weights([engine], new, expected_probe=right)
+        assert report.checked and report.probe_max_abs_diff < 1e-3
+        with pytest.raises(WeightSyncError, match="does not serve the new weights"):
+            sync_weights([engine], new, expected_probe=stale)
+    finally:  # the session's engine serves later tests: its checkpoint's weights again (under a newer version)
+        sync_weights([engine], load_hf_model(moe_path).state_dict())
+
 # ----------------------------------------------------------------------------- context and sampling
 def test_an_episode_that_outgrows_the_context_is_truncated_not_failed(rollout_for, vllm_moe):
     """The runner's context (max_model_len=160) comes from configuration: long_env's turns of

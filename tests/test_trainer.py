@@ -128,7 +128,7 @@ def test_train_step_moves_the_policy_and_sync_reaches_an_engine(trainer, samples
     # the weight sync's copy: the same weights, as numpy arrays the engines map (WireWeights)
     import ray
 
-    _, ref = trainer.probe_and_weights([5, 6, 7])
+    ref, _, _ = trainer.weights_and_probe([5, 6, 7])
     wire = ray.get(ref).tensors()
     assert wire.keys() == sd.keys() and all(torch.equal(wire[k], v) for k, v in sd.items())
 

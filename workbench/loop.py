@@ -336,9 +336,12 @@ def sync_engines(trainer, engines: list, tol: float, lost: list | None = None) -
     if getattr(trainer, "nccl", None) is not None:
         expected = trainer.probe(probe_ids(trainer.vocab_size))
         return trainer.sync_weights_nccl(engines, trainer.version, expected, tol)
-    expected, weights = trainer.probe_and_weights(probe_ids(trainer.vocab_size))
+    # the engines load the gathered weights while the ranks compute the expected probe (a reference
+    # each engine awaits only for its check): the trainer's probe is off the sync's critical path
+    weights, expected, ranks = trainer.weights_and_probe(probe_ids(trainer.vocab_size))
     dead: list = []
     reports = sync_weights(list(engines), weights, version=trainer.version, expected_probe=expected, tol=tol, lost=dead)
+    ray.get(ranks)  # every rank's part of both collectives (an error of theirs is raised here)
     drop_dead_engines(engines, dead)
     if lost is not None:
         lost += dead

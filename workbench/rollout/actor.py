@@ -97,8 +97,13 @@ class EngineHost:
         await self.engine.resume()
 
     async def update_weights(self, state_dict, version=None, expected_probe=None, probe=None, tol=1e-3):
+        """`expected_probe`: the log-probs, or (a Ray reference to them,) from sync_weights: Ray
+        resolves only a top-level reference, before the call; this one the engine awaits after
+        its load, which the trainer's probe overlaps."""
         if isinstance(state_dict, WireWeights):
             state_dict = state_dict.tensors()
+        if isinstance(expected_probe, tuple):
+            expected_probe, = expected_probe
         return await self.engine.update_weights(state_dict, version, expected_probe, probe, tol)
 
     async def init_nccl(self, cfg, rank_offset: int, world_size: int) -> None:
@@ -176,13 +181,16 @@ def sync_weights(engines: list, state_dict, version: int | None = None, expected
                  lost: list | None = None):
     """Push weights to every engine (each pauses in keep mode, loads, bumps its version, resumes,
     and checks its probe): in-flight episodes continue and their tokens span both versions.
-    `state_dict`: the HF-named tensors, or a Ray reference to them (Trainer.probe_and_weights).
+    `state_dict`: the HF-named tensors, or a Ray reference to them (Trainer.weights_and_probe);
+    `expected_probe` the same (a reference: each engine awaits it once loaded).
     `lost`: a list that collects (engine, error) for engines found dead instead of raising; the
     reports of the live ones are returned (a refused probe still raises)."""
     import ray
 
     # one copy in the object store, shared by all engines (a reference is passed on as it is)
     ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(WireWeights.of(state_dict))
+    if isinstance(expected_probe, ray.ObjectRef):  # awaited by each engine after its load (EngineHost.update_weights)
+        expected_probe = (expected_probe,)
     refs = [e.update_weights.remote(ref, version, expected_probe, None, tol) for e in engines]
     if lost is None:
         return ray.get(refs)

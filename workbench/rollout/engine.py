@@ -13,6 +13,7 @@ top_p == 1 that equals log_softmax(logits / temperature), which a trainer can re
 from __future__ import annotations
 
 import abc
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -228,6 +229,8 @@ class RolloutEngine(abc.ABC):
         diff = None
         if expected_probe is not None:
             got = await self.probe_logprobs(probe or probe_ids(self.vocab_size))
+            if inspect.isawaitable(expected_probe):  # the trainer's, computed while this engine loaded
+                expected_probe = await expected_probe
             diff = check_probe(got, expected_probe, tol, new_version)
         return WeightSyncReport(new_version, time.perf_counter() - t0, nbytes, diff, diff is not None)
 

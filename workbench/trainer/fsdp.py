@@ -684,14 +684,16 @@ class Trainer:
     def state_dict(self) -> dict:
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
 
-    def probe_and_weights(self, ids: list[int]) -> tuple[list[float], Any]:
-        """probe(ids) and a reference to rank 0's full state dict, in one round trip: both are
-        collectives, queued on every rank in the same order. The weights stay in Ray's object
-        store, where the engines read them; the driver never copies them (the CPU weight sync)."""
-        probes = [w.probe.remote(ids) for w in self.workers]
+    def weights_and_probe(self, ids: list[int]) -> tuple[Any, Any, list]:
+        """References to rank 0's full state dict and to probe(ids), without waiting: both are
+        collectives, queued on every rank in the same order, the gather first, so that an engine
+        can load the weights while the ranks compute the probe (loop.sync_engines). The weights
+        stay in Ray's object store, where the engines read them; the driver never copies them
+        (the CPU weight sync). The third item holds every rank's part of both: ray.get it for the
+        ranks' errors."""
         weights = [w.full_state_dict.remote(True) for w in self.workers]
-        expected, *_ = ray.get([probes[0], *weights[1:]])  # every rank's part of the gather done
-        return expected, weights[0]
+        probes = [w.probe.remote(ids) for w in self.workers]
+        return weights[0], probes[0], weights + probes
 
     def footprint(self) -> list[dict]:
         """Per rank: the bytes its parameter shards, optimizer state and reference hold, by
