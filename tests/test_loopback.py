@@ -359,6 +359,36 @@ def test_concurrent_sessions_do_not_mix(server):
         assert seg.stats["turns"] == 2 and seg.stats["identity_mismatch"] == 0
 
 
+
+def test_a_groups_identical_first_requests_share_one_render(server):
+    """A group's episodes open with the same messages: the server renders and encodes that prompt
+    once (PromptMemo) and every episode records the same prompt ids as a fresh render gives; a
+    request over the memo's size limit is rendered as it is. A single-turn episode records
+    exactly its prompt and sampled ids (the history render record() defers is never needed)."""
+    from workbench.tokens import ChatFormat
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
+    fresh = ChatFormat.prompt(server.fmt, msgs, None)[1]
+    hits = server.prompts.hits
+    sids = [server.open_session() for _ in range(4)]
+
+    async def main():
+        clients = [openai.AsyncOpenAI(base_url=server.base_url(sid), api_key=server.api_key, max_retries=0) for sid in sids]
+        await asyncio.gather(*[c.chat.completions.create(model="policy", messages=msgs, max_tokens=4) for c in clients])
+        for c in clients:
+            await c.close()
+
+    asyncio.run(main())
+    assert server.prompts.hits == hits + 3
+    for sid in sids:
+        seg, = server.close_session(sid)
+        prompt = [t for t, m in zip(seg.token_ids, seg.loss_mask) if not m]
+        assert prompt == fresh and seg.stats["turns"] == 1 and seg.stats["identity_mismatch"] == 0
+    long = [{"role": "user", "content": "x" * (server.prompts.max_chars + 1)}]
+    text, ids = server.prompts.get(server.fmt, long, None)
+    assert ids == ChatFormat.prompt(server.fmt, long, None)[1] and server.prompts.hits == hits + 3
+    assert not any(len(k[0]) > server.prompts.max_chars for k in server.prompts._memo)
+
 def test_bad_input_gets_protocol_errors_and_loses_nothing(server):
     sid = server.open_session()
     client = oai(server, sid)

@@ -311,6 +311,12 @@ class ChatFormat:
             **self.template_kwargs,
         )
 
+    def prompt(self, messages: list[dict], tools: list | None) -> tuple[str, list[int]]:
+        """A new segment's prompt: the whole conversation rendered with the generation prompt,
+        and its ids (the loopback server memoizes it per request, see PromptMemo)."""
+        text = self.render(messages, tools, add_generation_prompt=True)
+        return text, self.encode(text)
+
     def encode(self, text: str) -> list[int]:
         """Tokenize *template* text (never generated text) into ids. (The fast tokenizer's
         backend directly: same ids, a third of the per-call cost of the transformers wrapper.)"""
@@ -411,6 +417,7 @@ class Accumulator:
         self._window_start = 0  # the window of _conversation_text (see window)
         self._tools_key: str | None = None
         self._closing_text = ""  # template text owed after the last sampled token
+        self._unrendered: tuple | None = None  # (prompt text, tools, sampled ids) of a turn not yet rendered
         self._last_request: tuple | None = None
         self._last_reply: Any = None
         self.truncated = False  # a turn was cut by the context (the server sets it; see LoopbackServer)
@@ -425,10 +432,11 @@ class Accumulator:
         repeat of the last request served from the cache."""
         canonical = getattr(self.fmt, "canonical", canonical_message)  # a format without a profile: the defaults
         msgs = [canonical(m) for m in messages]
-        if retry and self._last_reply is not None and _request_key(msgs, tools) == _request_key(*self._last_request):
+        if retry and self._last_reply is not None and request_key(msgs, tools) == request_key(*self._last_request):
             return TurnPlan([], msgs, tools, "", 0, False, None, cached=self._last_reply)  # nothing to render
         seg, reason = self.open_segment, None
         if seg is not None and self._conversation is not None:
+            self._render_recorded()
             reason = self._why_not_extending(msgs)
             if reason is None:
                 start = self._window_start
@@ -437,8 +445,7 @@ class Accumulator:
                     delta = self.fmt.encode(self._closing_text + text[len(self._conversation_text):])
                     return TurnPlan(seg.token_ids + delta, msgs, tools, text, len(delta), False, None, window_start=start)
                 reason = "template_rewrite"
-        full = self.fmt.render(msgs, tools, add_generation_prompt=True)
-        ids = self.fmt.encode(full)
+        full, ids = self.fmt.prompt(msgs, tools)
         return TurnPlan(ids, msgs, tools, full, len(ids), True, reason)
 
     @staticmethod
@@ -484,16 +491,32 @@ class Accumulator:
         seg.stats["turns"] += 1
         seg.stats["sampling_overridden"] = seg.stats.get("sampling_overridden", 0) + int(bool(sampling_overridden))
         self._merge_experts(seg, sample)
-        # Remember what the server returned, and the template text owed after the sampled ids.
+        # Remember what the server returned. The template text owed after the sampled ids needs a
+        # render of the conversation: done when the next request comes (_render_recorded), as an
+        # episode's last turn (every turn of a single-turn episode) never needs it.
         assistant = getattr(self.fmt, "canonical", canonical_message)(assistant_message)
         self._conversation = plan.messages + [assistant]
         self._window_start = plan.window_start
+        self._unrendered = (plan.prompt_text, plan.tools, sampled)
+        self._last_request = (plan.messages, plan.tools)  # keyed only when a retry comes (request_key)
+        self._last_reply = reply
+        seg.messages = list(self._conversation)
+        seg.check()
+        return seg
+
+    def _render_recorded(self) -> None:
+        """The recorded conversation's render (its window, no generation prompt) and the template
+        text owed after the last sampled ids (`_closing_text`), for the turn record() left."""
+        if self._unrendered is None:
+            return
+        prompt_text, tools, sampled = self._unrendered
+        self._unrendered = None
         try:
-            self._conversation_text = self.fmt.render(self.window(self._conversation, plan.window_start), plan.tools,
+            self._conversation_text = self.fmt.render(self.window(self._conversation, self._window_start), tools,
                                                       add_generation_prompt=False)
         except Exception:  # the template refuses the reply as history: the ids are recorded; the next request
             self._conversation_text = ""  # renders afresh (and is refused by the template, or seals)
-        turn_text = self._conversation_text[len(plan.prompt_text):] if self._conversation_text.startswith(plan.prompt_text) else ""
+        turn_text = self._conversation_text[len(prompt_text):] if self._conversation_text.startswith(prompt_text) else ""
         ends = dict(zip(getattr(self.fmt, "turn_end_ids", (self.fmt.end_of_turn_id,)),
                         getattr(self.fmt, "turn_end_tokens", (self.fmt.end_of_turn,))))
         if sampled and sampled[-1] in ends:  # the turn ended: the template must render that very token
@@ -509,12 +532,7 @@ class Accumulator:
             self._closing_text = turn_text[cut + len(eot):]  # e.g. "\n" after <|im_end|>
         else:  # cut by max_tokens / a stop string: end-of-turn and closing enter as template text
             self._closing_text = turn_text[cut:]
-        self._move_window(plan.tools)
-        self._last_request = (plan.messages, plan.tools)  # keyed only when a retry comes (_request_key)
-        self._last_reply = reply
-        seg.messages = list(self._conversation)
-        seg.check()
-        return seg
+        self._move_window(tools)
 
     def _move_window(self, tools: list | None) -> None:
         """Start the window at the last user message once it holds more than window_messages."""
@@ -573,7 +591,7 @@ class Accumulator:
         return [s.copy() for s in self.segments]
 
 
-def _request_key(messages: list[dict], tools: list | None) -> tuple[str, str]:
+def request_key(messages: list[dict], tools: list | None) -> tuple[str, str]:
     """What makes two requests the same request (rule 4): their canonical messages and tools as
     JSON text (JSON, not ==: 1 and 1.0 or true and 1 are different requests)."""
     return json.dumps(messages, sort_keys=True), json.dumps(tools, sort_keys=True)

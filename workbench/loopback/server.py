@@ -37,7 +37,7 @@ from starlette.routing import Route
 
 from ..rollout.actor import stream_generate
 from ..rollout.engine import Sample, SamplingConfig
-from ..tokens import Accumulator, ChatFormat, Segment, SEGMENT_TOTALS, new_tool_call_id, segment_stats
+from ..tokens import Accumulator, ChatFormat, Segment, SEGMENT_TOTALS, new_tool_call_id, request_key, segment_stats
 from . import anthropic_api, openai_api
 from .parsing import ReplyParser, reply_text
 from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, differs, loads, policy_value
@@ -160,11 +160,16 @@ class _ThreadedFormat:
     (the agents' event loop shares the process) yields it, up to the switch interval (5 ms),
     while a turn's delta encodes in ~0.1 ms."""
 
-    def __init__(self, fmt: ChatFormat, min_chars: int):
-        self._fmt, self._min_chars = fmt, min_chars
+    def __init__(self, fmt: ChatFormat, min_chars: int, prompts: "PromptMemo | None" = None):
+        self._fmt, self._min_chars, self._prompts = fmt, min_chars, prompts
 
     def __getattr__(self, name):
         return getattr(self._fmt, name)
+
+    def prompt(self, messages: list[dict], tools: list | None) -> tuple[str, list[int]]:
+        if self._prompts is None:
+            return ChatFormat.prompt(self, messages, tools)
+        return self._prompts.get(self, messages, tools)
 
     def encode(self, text: str) -> list[int]:
         if len(text) < self._min_chars:
@@ -181,8 +186,39 @@ class EngineCallFailed(Exception):
         self.error = error
 
 
-def threaded_format(fmt, min_chars: int):
-    return _ThreadedFormat(fmt, min_chars) if type(fmt).encode is ChatFormat.encode else fmt
+def threaded_format(fmt, min_chars: int, prompts: "PromptMemo | None" = None):
+    return _ThreadedFormat(fmt, min_chars, prompts) if type(fmt).encode is ChatFormat.encode else fmt
+
+
+class PromptMemo:
+    """The server's last `size` new-segment prompts (ChatFormat.prompt: render + ids), by their
+    canonical messages and tools. Why: a group's G episodes open with the same messages within
+    milliseconds, and each would render the template and encode the same text (on the toy's
+    quickstart ~40% of the runner's CPU per Env episode; with the memo 1 of each per group, not
+    8). The ids are the same either way (a template renders the same messages the same); a
+    request whose key is over `max_chars` (its JSON) is rendered as it is, not kept."""
+
+    def __init__(self, size: int = 64, max_chars: int = 16 * 2**10):
+        self.size, self.max_chars = size, max_chars
+        self._memo: dict[tuple, tuple[str, list[int]]] = {}
+        self._lock = threading.Lock()  # plans of large requests run in worker threads
+        self.hits = 0
+
+    def get(self, fmt, messages: list[dict], tools: list | None) -> tuple[str, list[int]]:
+        key = request_key(messages, tools)
+        if len(key[0]) + len(key[1]) > self.max_chars:
+            return ChatFormat.prompt(fmt, messages, tools)
+        with self._lock:
+            got = self._memo.get(key)
+        if got is None:
+            got = ChatFormat.prompt(fmt, messages, tools)
+            with self._lock:
+                if len(self._memo) >= self.size:
+                    self._memo.pop(next(iter(self._memo)))  # the oldest
+                self._memo[key] = got
+        else:
+            self.hits += 1
+        return got[0], list(got[1])  # the caller's own list
 
 
 def retry_count(request: Request) -> int:
@@ -226,6 +262,7 @@ class LoopbackServer:
         self.sampling_mode = check_sampling_mode(sampling_mode)
         self.profile = profile
         self.fmt = ChatFormat(tokenizer) if profile is None else ChatFormat.for_profile(tokenizer, profile)
+        self.prompts = PromptMemo()
         max_model_len = max_model_len or (profile.max_model_len if profile is not None else 1024)
         tool_parser = tool_parser or (profile.tool_parser if profile is not None else "hermes")
         self.api_key = api_key or secrets.token_urlsafe(24)
@@ -314,7 +351,8 @@ class LoopbackServer:
             raise ValueError(f"session id {sid!r} must be 1-128 of [A-Za-z0-9_.-]")
         if sid in self.sessions:
             raise ValueError(f"session {sid!r} is already open")
-        self.sessions[sid] = self.accumulator_cls(threaded_format(self.fmt, self.thread_plan_bytes))  # turns are planned in worker threads
+        # turns of large requests are planned in worker threads; new segments' prompts are memoized
+        self.sessions[sid] = self.accumulator_cls(threaded_format(self.fmt, self.thread_plan_bytes, self.prompts))
         return sid
 
     def close_session(self, session_id: str, wait: bool = True, details: bool = False):
