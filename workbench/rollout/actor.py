@@ -102,7 +102,9 @@ class EngineHost:
         its load, which the trainer's probe overlaps."""
         if isinstance(state_dict, WireWeights):
             state_dict = state_dict.tensors()
-        if isinstance(expected_probe, tuple):
+        import ray
+
+        if isinstance(expected_probe, tuple) and len(expected_probe) == 1 and isinstance(expected_probe[0], ray.ObjectRef):
             expected_probe, = expected_probe
         return await self.engine.update_weights(state_dict, version, expected_probe, probe, tol)
 
