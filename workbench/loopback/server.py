@@ -160,15 +160,13 @@ class _ThreadedFormat:
     (the agents' event loop shares the process) yields it, up to the switch interval (5 ms),
     while a turn's delta encodes in ~0.1 ms."""
 
-    def __init__(self, fmt: ChatFormat, min_chars: int, prompts: "PromptMemo | None" = None):
+    def __init__(self, fmt: ChatFormat, min_chars: int, prompts: "PromptMemo"):
         self._fmt, self._min_chars, self._prompts = fmt, min_chars, prompts
 
     def __getattr__(self, name):
         return getattr(self._fmt, name)
 
     def prompt(self, messages: list[dict], tools: list | None) -> tuple[str, list[int]]:
-        if self._prompts is None:
-            return ChatFormat.prompt(self, messages, tools)
         return self._prompts.get(self, messages, tools)
 
     def encode(self, text: str) -> list[int]:
@@ -186,7 +184,7 @@ class EngineCallFailed(Exception):
         self.error = error
 
 
-def threaded_format(fmt, min_chars: int, prompts: "PromptMemo | None" = None):
+def threaded_format(fmt, min_chars: int, prompts: "PromptMemo"):
     return _ThreadedFormat(fmt, min_chars, prompts) if type(fmt).encode is ChatFormat.encode else fmt
 
 
@@ -664,12 +662,12 @@ class LoopbackServer:
         for n, v in req.sent.items():  # the agent's temperature/top_p are honoured; others cannot be
             if n not in ("temperature", "top_p") and differs(n, v, self.policy_sampling):
                 raise RequestError(400, f"'{n}' is not supported: the engine samples with temperature and top_p only", param=n)
-        fmt = threaded_format(self.fmt, self.thread_plan_bytes)
+        fmt = threaded_format(self.fmt, self.thread_plan_bytes, self.prompts)
         try:
-            def prompt():
-                return fmt.encode(fmt.render(req.messages, req.tools, add_generation_prompt=True))
-
-            ids = await asyncio.to_thread(prompt) if req.size > self.thread_plan_bytes else prompt()
+            if req.size > self.thread_plan_bytes:
+                _, ids = await asyncio.to_thread(fmt.prompt, req.messages, req.tools)
+            else:
+                _, ids = fmt.prompt(req.messages, req.tools)
         except Exception as e:
             raise RequestError(400, f"the chat template cannot render these messages: {scrub(e)}", param="messages")
         room, _ = self._fit(req, req.sampling, len(ids))
