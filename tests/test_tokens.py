@@ -209,6 +209,10 @@ def test_parquet_round_trip_and_training_tensors(tmp_path):
     assert tt["versions"].tolist() == [[-1, -1, 3, 4], [-1, 4, -1, -1]]
     assert tt["routed_experts"].shape == (2, 4, 2, 2) and (tt["routed_experts"][1] == -1).all()
     assert torch.allclose(tt["behaviour_logprobs"][0], torch.tensor([0.0, 0.0, -0.1, -0.2]))
+    assert tt["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    short_first = training_tensors([b, a], pad_id=9)  # each row's tokens stay in its own row, in order
+    assert short_first["input_ids"].tolist() == [[5, 6, 9, 9], [1, 2, 3, 4]]
+    assert short_first["versions"].tolist() == [[-1, 4, -1, -1], [-1, -1, 3, 4]]
 
 
 def test_malformed_segment_is_refused(tmp_path):
