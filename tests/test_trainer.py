@@ -143,6 +143,26 @@ def test_train_step_moves_the_policy_and_sync_reaches_an_engine(trainer, samples
     assert report.checked and report.version == 1
 
 
+def test_one_fsdp_unit_trains_exactly_as_a_unit_per_layer(ray_local, moe_path, samples):
+    """TrainerConfig.shard_unit: the whole model as one FSDP2 unit (the CPU default: fewer gloo
+    collectives) and a unit per decoder layer (the GPU default) are the same computation: one
+    step on the same batch gives the same loss, gradient norm and weights."""
+    b, out = batch_of(samples), {}
+    for unit, units in (("layer", 3), ("model", 1)):  # the toy's 2 decoder layers and the root
+        t = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(lr=1e-3, micro_batch_size=2, shard_unit=unit,
+                                                                   correction=CorrectionConfig.tis()))
+        try:
+            assert [r["fsdp_units"] for r in t.footprint()] == [units, units]
+            stats = t.train_step(b)
+            out[unit] = (stats["loss"], stats["grad_norm"], t.state_dict())
+        finally:
+            t.shutdown()
+    (loss, norm, weights), (loss1, norm1, weights1) = out["layer"], out["model"]
+    assert abs(loss - loss1) < 1e-6 and abs(norm - norm1) < 1e-5 * max(1.0, norm)
+    assert weights.keys() == weights1.keys() and all(torch.allclose(weights[k], weights1[k], atol=1e-6) for k in weights)
+    assert any(not torch.equal(weights[k], v) for k, v in load_hf_model(moe_path).state_dict().items())  # it trained
+
+
 def test_cpu_ranks_keep_freed_memory_for_the_next_step(trainer):
     """keep_freed_memory (default): a CPU rank's glibc serves a large buffer from its heap and
     keeps it mapped after it is freed, where glibc's default maps each one afresh and unmaps it at
