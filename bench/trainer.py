@@ -110,7 +110,7 @@ def bench_trainer(args, path: str, batch: dict) -> dict:
     """Trainer variants vs the plain loop. `trainer_wsN`: the default config (sequences packed,
     trainer/packing.py); `trainer_wsN_padded`: pack_sequences=False, every row computed at the
     batch's padded width as the plain loop does."""
-    cfg = TrainerConfig(micro_batch_size=args.micro, reshard_after_forward=not args.reshard_after_backward)
+    cfg = TrainerConfig(micro_batch_size=args.micro, reshard_after_forward=False if args.reshard_after_backward else None)
     variants = {"": cfg, "_padded": dataclasses.replace(cfg, pack_sequences=False)}
     if args.micro_tokens:
         variants["_tokens"] = dataclasses.replace(cfg, micro_batch_tokens=args.micro_tokens)

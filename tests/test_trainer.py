@@ -144,23 +144,63 @@ def test_train_step_moves_the_policy_and_sync_reaches_an_engine(trainer, samples
 
 
 def test_one_fsdp_unit_trains_exactly_as_a_unit_per_layer(ray_local, moe_path, samples):
-    """TrainerConfig.shard_unit: the whole model as one FSDP2 unit (the CPU default: fewer gloo
-    collectives) and a unit per decoder layer (the GPU default) are the same computation: one
-    step on the same batch gives the same loss, gradient norm and weights."""
+    """TrainerConfig.shard_unit and reshard_after_forward: the whole model as one FSDP2 unit (the
+    CPU default: fewer gloo collectives) and a unit per decoder layer (the GPU default), the root
+    kept gathered from its forward to its backward (None, torch's rule: the default) or resharded
+    (True), are the same computation: two steps on the same batch, with no-grad forwards (the
+    live-routing KL, a probe) before and between them, give the same losses, gradient norms,
+    probes and weights. Keeping the root gathered saves the backward's all-gather."""
+    def count_all_gathers(self=None) -> int:
+        """In a rank (defined here: Ray pickles it by value): count FSDP2's all-gathers from now on; returns the count so far."""
+        import torch.distributed as dist
+
+        if not hasattr(dist, "_wb_gathers"):
+            dist._wb_gathers, gather = [0], dist.all_gather_single
+
+            def counted(*a, **k):
+                dist._wb_gathers[0] += 1
+                return gather(*a, **k)
+
+            dist.all_gather_single = counted
+        return dist._wb_gathers[0]
+
     b, out = batch_of(samples), {}
-    for unit, units in (("layer", 3), ("model", 1)):  # the toy's 2 decoder layers and the root
+    probe_ids = list(range(3, 19))
+    for unit, units, reshard in (("layer", 3, None), ("model", 1, True), ("model", 1, None)):  # 2 decoder layers + the root
         t = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(lr=1e-3, micro_batch_size=2, shard_unit=unit,
+                                                                   reshard_after_forward=reshard,
                                                                    correction=CorrectionConfig.tis()))
         try:
             assert [r["fsdp_units"] for r in t.footprint()] == [units, units]
-            stats = t.train_step(b)
-            out[unit] = (stats["loss"], stats["grad_norm"], t.state_dict())
+            first = t.train_step(b)
+            probe = t.probe(probe_ids)
+            assert ray.get(t.workers[0].__ray_call__.remote(lambda self: {type(p).__name__ for p in self.model.parameters()})) \
+                == {"DTensor"}, "a probe left gathered parameters registered"
+            before = ray.get(t.workers[0].__ray_call__.remote(count_all_gathers))
+            second = t.train_step(b)
+            gathers = ray.get(t.workers[0].__ray_call__.remote(count_all_gathers)) - before
+            registered = ray.get(t.workers[0].__ray_call__.remote(
+                lambda self: {type(p).__name__ for p in self.model.parameters()}))
+            out[unit, reshard] = ([first["loss"], second["loss"]], [first["grad_norm"], second["grad_norm"]], probe,
+                                  t.state_dict(), gathers)
+            # after the step's last no-grad forward and backward the shards are what is registered
+            assert registered == {"DTensor"}, (unit, reshard, registered)
         finally:
             t.shutdown()
-    (loss, norm, weights), (loss1, norm1, weights1) = out["layer"], out["model"]
-    assert abs(loss - loss1) < 1e-6 and abs(norm - norm1) < 1e-5 * max(1.0, norm)
-    assert weights.keys() == weights1.keys() and all(torch.allclose(weights[k], weights1[k], atol=1e-6) for k in weights)
-    assert any(not torch.equal(weights[k], v) for k, v in load_hf_model(moe_path).state_dict().items())  # it trained
+    ref_loss, ref_norm, ref_probe, ref_weights, _ = out["layer", None]
+    for key in (("model", True), ("model", None)):
+        loss, norm, probe, weights, _ = out[key]
+        assert all(abs(x - y) < 1e-6 for x, y in zip(loss, ref_loss)), key
+        assert all(abs(x - y) < 1e-5 * max(1.0, y) for x, y in zip(norm, ref_norm)), key
+        assert all(abs(x - y) < 1e-5 for x, y in zip(probe, ref_probe)), key
+        assert weights.keys() == ref_weights.keys() and all(torch.allclose(weights[k], ref_weights[k], atol=1e-6)
+                                                            for k in weights), key
+    assert ref_loss[0] != ref_loss[1]  # the first step changed the weights the second one saw
+    # a step here: the live-routing forward (no grad, resharded after it) and the gradient forward
+    # per micro-batch, then the backward, which gathers the one unit again only when it was
+    # resharded after forward
+    assert 0 < out["model", None][4] < out["model", True][4], {k: v[4] for k, v in out.items()}
+    assert any(not torch.equal(ref_weights[k], v) for k, v in load_hf_model(moe_path).state_dict().items())  # it trained
 
 
 def test_cpu_ranks_keep_freed_memory_for_the_next_step(trainer):

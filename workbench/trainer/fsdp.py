@@ -80,9 +80,12 @@ class TrainerConfig:
     # the train-vs-rollout KL without replay next to the one with it (what replay buys)
     measure_live_routing: bool = True
     activation_checkpointing: bool = False  # recompute layer activations in backward (replay holds there)
-    # FSDP2: free each layer's gathered parameters after its forward (True: least memory) or keep
-    # them for the backward (False: one all-gather per layer and micro-batch fewer; ZeRO-2-like)
-    reshard_after_forward: bool = True
+    # FSDP2: free each unit's gathered parameters after its forward (True: least memory) or keep
+    # them for the backward (False: one all-gather per unit and micro-batch fewer; ZeRO-2-like).
+    # None: torch's rule, True for the layers and False for the root, whose backward starts at
+    # once and would gather it again (with shard_unit "model", the CPU default, the root is all:
+    # one all-gather a micro-batch instead of two)
+    reshard_after_forward: bool | None = None
     # FSDP2's units: "layer" (each decoder layer, then the root: one layer's full parameters at a
     # time, each unit's all-gather overlapping compute on GPUs) or "model" (the root alone: one
     # all-gather and one reduce-scatter a micro-batch). On CPU a gloo collective overlaps nothing
@@ -366,7 +369,19 @@ class TrainerWorker:
                                         chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences)
                 out.append(lp.cpu())
                 stats.append(st)
+        self._reshard()
         return torch.cat(out), _sum_replay(stats)
+
+    def _reshard(self) -> None:
+        """After no-grad forwards: a unit kept gathered after its forward (reshard_after_forward
+        False; the root by default) is resharded by FSDP2 after its backward only, so without
+        one its full parameters would stay registered and allocated: the state dict, a checkpoint
+        and memory expect the shards. (No collective: it frees the gathered copy.)"""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
     def train_step(self, batch: dict, trainer_version: int, report: bool = False) -> dict:
         """`updates_per_step` optimizer updates on this rank's rows (every rank runs this at
@@ -459,6 +474,7 @@ class TrainerWorker:
         with torch.no_grad():
             t = torch.tensor([ids], device=self.device)
             lp, _ = token_logprobs(self.model, t, torch.ones_like(t))
+        self._reshard()
         return lp[0, 1:].cpu().tolist()
 
     def vocab_size(self) -> int:
