@@ -160,32 +160,41 @@ def stream_rows(actor, path, sessions, turns, reply_tokens_list, windows_ms) -> 
 
 
 async def through_server(server, n_sessions: int, turns: int, reply_tokens: int, seed0: int, transport: str = "aiohttp"):
+    """The episodes through the server, the agents' clients on `transport`: "aiohttp" or "httpx",
+    the OpenAI SDK on that HTTP client; "raw", no SDK (a JSON POST on aiohttp and the reply's
+    JSON: the floor of any client, so the server's own share shows). A session is closed as the
+    runner closes it (close_session_async: the agents' loop is not blocked)."""
     import openai
 
     from workbench.toy.tasks import SYSTEM_PROMPT
 
-    http = sdk_http(transport)
+    http = raw_http() if transport == "raw" else sdk_http(transport)
     per_session: list[list[int]] = []
 
     async def episode(k: int):
         sid = server.open_session()
-        client = openai.AsyncOpenAI(base_url=server.base_url(sid), api_key=server.api_key, http_client=http, max_retries=0)
+        client = (RawClient(http, server.base_url(sid), server.api_key) if transport == "raw" else
+                  openai.AsyncOpenAI(base_url=server.base_url(sid), api_key=server.api_key, http_client=http, max_retries=0))
         msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"What is {k % 10}+{(k * 7) % 10}?"}]
         tokens = []
         for t in range(turns):
             # reply_tokens 0: natural replies (the toy answers in ~3 tokens); N: exactly N tokens per
             # turn (vLLM's ignore_eos extension), closer to real agent turns
             extra = {"max_tokens": reply_tokens, "extra_body": {"ignore_eos": True}} if reply_tokens else {"max_tokens": 32}
-            r = await client.chat.completions.create(model="policy", messages=msgs, seed=seed0 + 1000 * k + t, **extra)
-            tokens.append(r.usage.completion_tokens)
-            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
-        server.close_session(sid)
+            if transport == "raw":
+                tokens_out, message = await client.create(model="policy", messages=msgs, seed=seed0 + 1000 * k + t, **extra)
+            else:
+                r = await client.chat.completions.create(model="policy", messages=msgs, seed=seed0 + 1000 * k + t, **extra)
+                tokens_out, message = r.usage.completion_tokens, r.choices[0].message.model_dump(exclude_none=True)
+            tokens.append(tokens_out)
+            msgs += [message, {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
+        await server.close_session_async(sid)
         per_session.append(tokens)
 
     t0 = time.perf_counter()
     await asyncio.gather(*[episode(k) for k in range(n_sessions)])
     seconds = time.perf_counter() - t0
-    await http.aclose()
+    await (http.close() if transport == "raw" else http.aclose())
     return sum(map(sum, per_session)), seconds
 
 
@@ -199,6 +208,26 @@ class Instant:
         from workbench.rollout.engine import Sample
 
         return Sample(list(prompt_ids), self.ids, [-0.5] * len(self.ids), [0] * len(self.ids), "stop")
+
+
+def raw_http():
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256))
+
+
+class RawClient:
+    """No SDK: the chat request as JSON on aiohttp, the reply's message without its None fields
+    (what the SDK's model_dump(exclude_none=True) gives an agent)."""
+
+    def __init__(self, http, base_url: str, api_key: str):
+        self.http, self.url, self.headers = http, base_url + "/chat/completions", {"Authorization": f"Bearer {api_key}"}
+
+    async def create(self, extra_body: dict | None = None, **body) -> tuple[int, dict]:
+        async with self.http.post(self.url, json={**body, **(extra_body or {})}, headers=self.headers) as r:
+            r.raise_for_status()
+            reply = await r.json()
+        return reply["usage"]["completion_tokens"], {k: v for k, v in reply["choices"][0]["message"].items() if v is not None}
 
 
 def sdk_http(transport: str):
@@ -302,8 +331,10 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--reply-tokens", type=int, nargs="+", default=[0, 128],
                     help="tokens per reply; 0 = natural length (EOS), N = exactly N (ignore_eos)")
-    ap.add_argument("--transports", nargs="+", default=["aiohttp", "httpx"], choices=["aiohttp", "httpx"],
-                    help="the SDK clients' HTTP transport: aiohttp (what the rollout runner gives agents), httpx (the SDK's default)")
+    ap.add_argument("--transports", nargs="+", default=["aiohttp", "raw"], choices=["aiohttp", "httpx", "raw"],
+                    help="the agents' clients: the OpenAI SDK on aiohttp (what the rollout runner gives agents) or on httpx"
+                         " (the SDK's default); raw: no SDK, JSON on aiohttp (the server's own share)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each configuration, the two paths alternating; the median ratio is reported")
     ap.add_argument("--engine-core-process", action="store_true",
                     help="vLLM's engine core as a process of its own (on CPU it runs in the engine's process by default)")
     ap.add_argument("--stream", action="store_true", help="also measure time to first token, streamed vs unstreamed")
@@ -325,31 +356,38 @@ def main() -> None:
     results = []
     try:
         for n, reply_tokens, transport in [(n, r, t) for r in args.reply_tokens for n in args.sessions for t in args.transports]:
-            rec = Recorder(actor)
-            with LoopbackServer(rec, load_tokenizer(path)) as server:
-                asyncio.run(through_server(server, min(n, 4), 1, reply_tokens, 7, transport))  # warm-up
-                rec.calls.clear()
-                server.stats.overhead_s.clear()
-                # CPU by thread: the agents' SDK clients run on this thread, the server on its own
-                # (Ray's own threads, busy in both paths, are in neither)
-                cpu0, server0 = time.thread_time(), thread_cpu(server._thread)
-                tok_a, sec_a = asyncio.run(through_server(server, n, args.turns, reply_tokens, 0, transport))
-                cpu_client, cpu_server = time.thread_time() - cpu0, thread_cpu(server._thread) - server0
-                summary = server.summary()
-            episodes = group_episodes(rec.calls)
-            cpu0 = time.thread_time()
-            tok_b, sec_b = asyncio.run(replay_direct(actor, episodes, lambda call: call[1]))
-            cpu_b = time.thread_time() - cpu0
-            r = {"sessions": n, "reply_tokens": reply_tokens or "natural", "transport": transport, "server_tokens": tok_a, "server_s": sec_a, "server_tok_s": tok_a / sec_a,
-                 "direct_tokens": tok_b, "direct_s": sec_b, "direct_tok_s": tok_b / sec_b,
-                 "ratio": (tok_a / sec_a) / (tok_b / sec_b),
-                 "overhead_p50_ms": 1e3 * summary["overhead_p50_s"], "overhead_p99_ms": 1e3 * summary["overhead_p99_s"],
-                 "identity_mismatch": summary["identity_mismatch"], "requests": len(rec.calls),
-                 # CPU per request: the server's thread (its engine calls included, as the direct
-                 # driver's), the SDK clients' thread, the direct driver's thread
-                 "server_cpu_ms_per_request": 1e3 * cpu_server / len(rec.calls),
-                 "client_cpu_ms_per_request": 1e3 * cpu_client / len(rec.calls),
-                 "direct_cpu_ms_per_request": 1e3 * cpu_b / len(rec.calls)}
+            runs = []
+            for _ in range(args.repeats):  # the two paths alternate: this machine's speed drifts within minutes
+                rec = Recorder(actor)
+                with LoopbackServer(rec, load_tokenizer(path)) as server:
+                    asyncio.run(through_server(server, min(n, 4), 1, reply_tokens, 7, transport))  # warm-up
+                    rec.calls.clear()
+                    server.stats.overhead_s.clear()
+                    # CPU by thread: the agents' clients run on this thread, the server on its own
+                    # (Ray's own threads, busy in both paths, are in neither)
+                    cpu0, server0 = time.thread_time(), thread_cpu(server._thread)
+                    tok_a, sec_a = asyncio.run(through_server(server, n, args.turns, reply_tokens, 0, transport))
+                    cpu_client, cpu_server = time.thread_time() - cpu0, thread_cpu(server._thread) - server0
+                    summary = server.summary()
+                episodes = group_episodes(rec.calls)
+                cpu0 = time.thread_time()
+                tok_b, sec_b = asyncio.run(replay_direct(actor, episodes, lambda call: call[1]))
+                cpu_b = time.thread_time() - cpu0
+                runs.append({"server_tokens": tok_a, "server_s": sec_a, "direct_tokens": tok_b, "direct_s": sec_b,
+                             "ratio": (tok_a / sec_a) / (tok_b / sec_b),
+                             "overhead_p50_ms": 1e3 * summary["overhead_p50_s"], "overhead_p99_ms": 1e3 * summary["overhead_p99_s"],
+                             "identity_mismatch": summary["identity_mismatch"], "requests": len(rec.calls),
+                             # CPU per request: the server's thread (its engine calls included, as the
+                             # direct driver's), the clients' thread, the direct driver's thread
+                             "server_cpu_ms_per_request": 1e3 * cpu_server / len(rec.calls),
+                             "client_cpu_ms_per_request": 1e3 * cpu_client / len(rec.calls),
+                             "direct_cpu_ms_per_request": 1e3 * cpu_b / len(rec.calls)})
+            # the run of the median ratio, with every run's ratio, the worst p99 and any mismatch
+            mid = sorted(runs, key=lambda r: r["ratio"])[len(runs) // 2]
+            r = {"sessions": n, "reply_tokens": reply_tokens or "natural", "transport": transport, **mid,
+                 "server_tok_s": mid["server_tokens"] / mid["server_s"], "direct_tok_s": mid["direct_tokens"] / mid["direct_s"],
+                 "ratios": [x["ratio"] for x in runs], "overhead_p99_ms": max(x["overhead_p99_ms"] for x in runs),
+                 "identity_mismatch": sum(x["identity_mismatch"] for x in runs)}
             results.append(r)
         tokenizer = load_tokenizer(path)
         sdk, history = sdk_cost(tokenizer), history_cost(tokenizer)
@@ -358,13 +396,15 @@ def main() -> None:
         stop_engine(actor)
         shutdown_ray()
 
-    print(f"\nloopback vs direct engine, tiny MoE, {args.turns} turns/episode")
-    print(f"{'reply':>7} {'sessions':>8} {'SDK http':>8} {'server tok/s':>12} {'direct tok/s':>12} {'ratio':>6} {'added p50 ms':>12} {'added p99 ms':>12}"
-          f" {'cpu ms/req: server':>18} {'client':>6} {'direct':>6}")
+    print(f"\nloopback vs direct engine, tiny MoE, {args.turns} turns/episode; the run of the median ratio of {args.repeats}"
+          " (every run's ratio last; client: the agents' clients, raw = no SDK)")
+    print(f"{'reply':>7} {'sessions':>8} {'client':>8} {'server tok/s':>12} {'direct tok/s':>12} {'ratio':>6} {'added p50 ms':>12} {'added p99 ms':>12}"
+          f" {'cpu ms/req: server':>18} {'client':>6} {'direct':>6}  ratios")
     for r in results:
         print(f"{r['reply_tokens']:>7} {r['sessions']:>8} {r['transport']:>8} {r['server_tok_s']:>12.0f} {r['direct_tok_s']:>12.0f} {r['ratio']:>6.2f} "
               f"{r['overhead_p50_ms']:>12.2f} {r['overhead_p99_ms']:>12.2f}"
-              f" {r['server_cpu_ms_per_request']:>18.2f} {r['client_cpu_ms_per_request']:>6.2f} {r['direct_cpu_ms_per_request']:>6.2f}")
+              f" {r['server_cpu_ms_per_request']:>18.2f} {r['client_cpu_ms_per_request']:>6.2f} {r['direct_cpu_ms_per_request']:>6.2f}"
+              f"  {' '.join(f'{x:.2f}' for x in r['ratios'])}")
     print("targets at 32 sessions: ratio >= 0.9, added p99 < 50 ms")
     print(f"\nclient CPU per request against an instant engine: OpenAI SDK on httpx {sdk['sdk_client_cpu_ms']:.2f} ms, raw httpx "
           f"{sdk['httpx_client_cpu_ms']:.2f} ms: the SDK's own {sdk['sdk_own_cpu_ms']:.2f} ms; the SDK on its aiohttp transport "
