@@ -23,7 +23,16 @@ On 2026-12-03 (vLLM's engine core in the engine's process, seeded requests whole
 five runs at 32 sessions: natural replies 0.67-0.74x, added p99 1.7-3.6 ms; 128-token turns 0.92x;
 per request the server's thread 1.0 ms of CPU, the SDK clients' 1.9-2.0 ms, the direct driver's 0.24.
 
-    .venv/bin/python bench/loopback.py [--sessions 1 32] [--turns 3] [--reply-tokens 0 128] [--transports aiohttp httpx] [--stream [--stream-windows-ms 0 20 100]] [--engine-core-process]
+On 2026-12-04 (slow phase; 3 alternating runs each, median): 32 sessions, natural replies, the
+SDK on aiohttp 0.55x (runs 0.66 0.54 0.55), client CPU 3.9 ms a request; raw clients (no SDK:
+a JSON POST, 0.5 ms a request) 0.80x (0.80 1.01 0.70): the server's own share of the gap is
+~0.2, the stock SDK's the rest.
+
+    .venv/bin/python bench/loopback.py [--sessions 1 32] [--turns 3] [--reply-tokens 0 128] [--transports aiohttp raw] [--repeats 3] [--stream [--stream-windows-ms 0 20 100]] [--engine-core-process]
+
+--transports: the agents' clients, the OpenAI SDK on "aiohttp" (the runner's) or "httpx" (the
+SDK's default), or "raw" (no SDK: the floor of any client, so the server's own share shows).
+--repeats: runs of each configuration, server and direct alternating; the median is reported.
 
 --engine-core-process: vLLM's engine core as a process of its own (AsyncLLM's), as before it
 ran in the engine's process on CPU; run both to compare (docs/ARCHITECTURE.md has a pair).
