@@ -430,6 +430,9 @@ def test_dense_bf16_mixed_precision_with_a_kl_penalty_to_the_reference(ray_local
         assert first["loss"] == pytest.approx(-float(b["advantages"][m].mean()), abs=2e-3)
         second = t.train_step(b)
         assert second["kl_ref"] > 0 and np.isfinite(second["loss"])
+        # the frozen reference has no backward: it is resharded after its no-grad forwards
+        assert ray.get(t.workers[0].__ray_call__.remote(
+            lambda self: {type(p).__name__ for p in self.ref_model.parameters()})) == {"DTensor"}
         after = t.logprobs(b)
         assert float(((after - lp) * b["advantages"])[m].sum()) > 0  # moved in the advantages' direction
         sd = t.state_dict()

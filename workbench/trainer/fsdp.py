@@ -372,14 +372,15 @@ class TrainerWorker:
         self._reshard()
         return torch.cat(out), _sum_replay(stats)
 
-    def _reshard(self) -> None:
+    def _reshard(self, model=None) -> None:
         """After no-grad forwards: a unit kept gathered after its forward (reshard_after_forward
         False; the root by default) is resharded by FSDP2 after its backward only, so without
         one its full parameters would stay registered and allocated: the state dict, a checkpoint
-        and memory expect the shards. (No collective: it frees the gathered copy.)"""
+        and memory expect the shards (the frozen reference has no backward at all). No
+        collective: it frees the gathered copy."""
         from torch.distributed.fsdp import FSDPModule
 
-        for m in self.model.modules():
+        for m in (model or self.model).modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
 
@@ -465,6 +466,7 @@ class TrainerWorker:
             ref, _ = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
                                     mb.get("routed_experts"), apply_replay=self.cfg.routing_replay,
                                     chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences)
+        self._reshard(self.ref_model)
         return KL_ESTIMATORS[self.cfg.kl_estimator](lp - ref) * mb["loss_mask"].float()
 
     def probe(self, ids: list[int]) -> list[float]:
