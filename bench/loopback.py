@@ -351,6 +351,8 @@ def main() -> None:
                     help="with --stream: fixed merge windows of the engine actor to time the whole streamed reply at,"
                          " beside its default")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     from workbench.cluster import init_ray, shutdown_ray
