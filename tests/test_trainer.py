@@ -164,6 +164,9 @@ def test_one_fsdp_unit_trains_exactly_as_a_unit_per_layer(ray_local, moe_path, s
             dist.all_gather_single = counted
         return dist._wb_gathers[0]
 
+    def registered(t) -> set[str]:
+        return ray.get(t.workers[0].__ray_call__.remote(lambda self: {type(p).__name__ for p in self.model.parameters()}))
+
     b, out = batch_of(samples), {}
     probe_ids = list(range(3, 19))
     for unit, units, reshard in (("layer", 3, None), ("model", 1, True), ("model", 1, None)):  # 2 decoder layers + the root
@@ -174,17 +177,15 @@ def test_one_fsdp_unit_trains_exactly_as_a_unit_per_layer(ray_local, moe_path, s
             assert [r["fsdp_units"] for r in t.footprint()] == [units, units]
             first = t.train_step(b)
             probe = t.probe(probe_ids)
-            assert ray.get(t.workers[0].__ray_call__.remote(lambda self: {type(p).__name__ for p in self.model.parameters()})) \
-                == {"DTensor"}, "a probe left gathered parameters registered"
+            assert registered(t) == {"DTensor"}, "a probe left gathered parameters registered"
             before = ray.get(t.workers[0].__ray_call__.remote(count_all_gathers))
             second = t.train_step(b)
             gathers = ray.get(t.workers[0].__ray_call__.remote(count_all_gathers)) - before
-            registered = ray.get(t.workers[0].__ray_call__.remote(
-                lambda self: {type(p).__name__ for p in self.model.parameters()}))
+            after_step = registered(t)
             out[unit, reshard] = ([first["loss"], second["loss"]], [first["grad_norm"], second["grad_norm"]], probe,
                                   t.state_dict(), gathers)
             # after the step's last no-grad forward and backward the shards are what is registered
-            assert registered == {"DTensor"}, (unit, reshard, registered)
+            assert after_step == {"DTensor"}, (unit, reshard, after_step)
         finally:
             t.shutdown()
     ref_loss, ref_norm, ref_probe, ref_weights, _ = out["layer", None]
