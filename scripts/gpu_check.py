@@ -13,6 +13,14 @@ Sections, each printed as one JSON line ("check": name, figures):
   shards (the mechanism of TrainerConfig.load="rank0"); the gathered weights equal the source.
   load_sharded: the same weights saved as safetensors, each rank reading only its own slices
   (TrainerConfig.load="sharded", workbench/trainer/loading.py itself); equal, and the bytes read.
+- trainer: workbench's own TrainerWorker.train_step (trainer/fsdp.py: FSDP2 per layer, bf16
+  compute with fp32 master weights, rows packed without padding, chunked log-probs) against a
+  plain HF loop on the same tokens (fp32 weights under bf16 autocast, micro-batches padded to the
+  batch's width, full logits), on a Qwen3-0.6B-shaped model with rows of 256-1024 tokens: tokens/s
+  of each and their ratio (issue 13 item 7: target >= 1.0); also the trainer computing the padded
+  batch (pack_sequences=False) and by a token budget (micro_batch_tokens). One rank only.
+- replay: forward + backward of the log-probs on the MoE with routing replay on vs off (the
+  recorded experts of the same batch); target <= 1.05.
 
 `--cpu` runs the same on CPU with gloo (a smoke test of the script itself, not a GPU figure).
 """
@@ -64,7 +72,8 @@ def build(cfg, dtype, device, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
+    with torch.device(device):  # initialised where it lives: a 0.6B model's init on the host takes long
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
 def peak(device) -> float | None:
@@ -209,10 +218,169 @@ def check_load(device) -> None:
         shutil.rmtree(directory[0])
 
 
+def check_replay(device, steps: int = 10) -> None:
+    steps = steps if TOKENS >= 512 else 2
+    model = build(moe_config(), torch.bfloat16, device).train()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 4096, (8, TOKENS), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    cap = replay.RouterCapture(model)
+    cap.active = True
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    cap.remove()
+    experts = cap.pop().view(*ids.shape, -1, model.config.num_experts_per_tok)
+
+    def fwd_bwd(e):
+        with replay.routing_replay(model, e, positions=mask):
+            logprobs.forward_logprobs(model, ids, mask, 1.0, 256.0).float().sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    times = interleaved({"off": lambda: fwd_bwd(None), "on": lambda: fwd_bwd(experts)}, device, 3, steps)
+    emit("replay", tokens=int(ids.numel()), off_s=times["off"], on_s=times["on"],
+         ratio_on_off=round(times["on"] / times["off"], 4))
+
+
+def interleaved(runs: dict, device, warmup: int, steps: int) -> dict:
+    """Step i of every variant, then step i + 1 of each, ...: medians in seconds (the GPU synced)."""
+    times = {k: [] for k in runs}
+    for i in range(warmup + steps):
+        for k, fn in runs.items():
+            t = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t)
+    return {k: round(sorted(v)[len(v) // 2], 4) for k, v in times.items()}
+
+
+def profile_step(name: str, fn, device) -> dict:
+    """One step under torch.profiler: its wall time against the device's busy time (the sum of
+    kernel times: a step far longer than its kernels waits on the host), and the top ops by
+    device time in $OUT/profile_<name>.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t
+    events = prof.key_averages()
+    busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+    tables = [events.table(sort_by="self_cpu_time_total", row_limit=25)]
+    if device.type == "cuda":
+        try:
+            tables.insert(0, events.table(sort_by="self_device_time_total", row_limit=25))
+        except Exception:  # older torch: the CUDA name
+            tables.insert(0, events.table(sort_by="self_cuda_time_total", row_limit=25))
+    (Path(os.environ.get("OUT", ".")) / f"profile_{name}.txt").write_text("\n\n".join(tables))
+    return {"wall_s": round(wall, 4), "device_busy_s": round(busy, 4)}
+
+
+def check_trainer(device, steps: int = 5, overrides: dict | None = None) -> None:
+    """TrainerWorker itself joins its own process group (one rank): the script's is closed first,
+    and this check runs last. Ray is not on the GPU machine; the worker needs it only to find its
+    node's IP (rendezvous(), not called here: the store is made below)."""
+    import dataclasses
+    import tempfile
+    import types
+
+    from torch.distributed import TCPStore
+    from transformers import Qwen3Config
+
+    if dist.get_world_size() != 1:
+        return emit("trainer", skipped="one rank only")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        sys.modules["ray"] = types.ModuleType("ray")
+    sys.path.insert(0, str(ROOT))
+    from workbench.tokens import Segment, training_tensors
+    from workbench.trainer.fsdp import TrainerConfig, TrainerWorker
+
+    small = TOKENS < 512  # --cpu
+    steps = steps if not small else 2
+    cfg = Qwen3Config(vocab_size=8192 if small else 151936, hidden_size=64 if small else 1024,
+                      intermediate_size=128 if small else 3072, num_hidden_layers=2 if small else 28,
+                      num_attention_heads=4 if small else 16, num_key_value_heads=2 if small else 8,
+                      head_dim=16 if small else 128, max_position_embeddings=4096, tie_word_embeddings=True)
+    directory = tempfile.mkdtemp(prefix="wb-trainer-")
+    plain = build(cfg, torch.float32, device)
+    plain.save_pretrained(directory)
+    rows, lo, hi, micro = (16, 32, 2 * TOKENS, 4) if small else (64, 256, 2 * TOKENS, 8)
+    g = torch.Generator().manual_seed(3)
+    segs = []
+    for _ in range(rows):
+        n = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        p = n // 4
+        segs.append(Segment(torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), [0] * p + [1] * (n - p),
+                            [0.0] * n, [-1] * p + [0] * (n - p)))
+    batch = training_tensors(segs)
+    batch["advantages"] = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None] * batch["loss_mask"]
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):  # behaviour log-probs ~ the model's
+        lp = logprobs.forward_logprobs(plain, batch["input_ids"].to(device), batch["attention_mask"].to(device), 1.0, 256.0)
+    batch["behaviour_logprobs"] = (lp.float().cpu() * batch["loss_mask"])
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-6, weight_decay=0.0)
+    on_device = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    def plain_step():
+        plain.train()
+        b = on_device
+        for s in range(0, rows, micro):
+            c = slice(s, s + micro)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logits = plain(input_ids=b["input_ids"][c], attention_mask=b["attention_mask"][c]).logits
+            lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, b["input_ids"][c, 1:, None])[..., 0]
+            ratio = torch.exp(lp - lp.detach())
+            (-(ratio * b["advantages"][c, 1:] * b["loss_mask"][c, 1:]).sum() / b["loss_mask"].sum()).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    dist.destroy_process_group()
+    base = TrainerConfig(**{"lr": 1e-6, "micro_batch_size": micro, "mixed_precision": "bfloat16", **(overrides or {})})
+    worker = TrainerWorker(0, 1, directory, base)
+    worker._store = TCPStore("127.0.0.1", 0, 1, is_master=True)
+    worker.setup("127.0.0.1", worker._store.port)
+    variants = {"trainer": base, "trainer_padded": dataclasses.replace(base, pack_sequences=False),
+                "trainer_full_logits": dataclasses.replace(base, logprob_chunk_mb=None),
+                "trainer_tokens": dataclasses.replace(base, micro_batch_tokens=int(batch["attention_mask"].sum()) // (rows // micro))}
+
+    def trainer_step(c):
+        worker.cfg = c
+        return worker.train_step(batch, 0)
+
+    # packed vs padded log-probs of the same rows on this device (equal to bf16 rounding)
+    worker.cfg = variants["trainer_padded"]
+    padded = worker.logprobs(batch)[0]
+    worker.cfg = base
+    diff = (worker.logprobs(batch)[0] - padded).abs()[batch["loss_mask"].bool()]
+    runs = {"plain": plain_step, **{k: (lambda c=c: trainer_step(c)) for k, c in variants.items()}}
+    reset(device)
+    times = interleaved(runs, device, 2, steps)
+    profiles = {k: profile_step(k, runs[k], device) for k in ("plain", "trainer")}
+    tokens = int(batch["attention_mask"].sum())
+    emit("trainer", params=sum(p.numel() for p in plain.parameters()), rows=rows, tokens=tokens,
+         padded_tokens=int(batch["input_ids"].numel()), step_s=times,
+         tokens_per_s={k: round(tokens / v) for k, v in times.items()},
+         ratio_vs_plain={k: round(times["plain"] / v, 3) for k, v in times.items() if k != "plain"},
+         peak_gib=peak(device), fsdp_units=worker.footprint()["fsdp_units"],
+         overrides=overrides or {}, profiled=profiles, packed_vs_padded_logprob_diff={"mean": float(diff.mean()), "max": float(diff.max())})
+    import shutil
+
+    shutil.rmtree(directory)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU: a smoke test of this script")
-    ap.add_argument("--only", nargs="*", default=["fsdp", "routing", "logprobs", "load"])
+    ap.add_argument("--trainer-cfg", type=json.loads, default={},
+                    help="TrainerConfig fields for the trainer check, as JSON (e.g. '{\"shard_unit\": \"model\"}')")
+    ap.add_argument("--only", nargs="*", default=["fsdp", "routing", "logprobs", "load", "replay", "trainer"],
+                    help="trainer runs last: it closes this script's process group and joins its own")
     args = ap.parse_args()
     global TOKENS
     TOKENS = 64 if args.cpu else TOKENS
@@ -230,11 +398,13 @@ def main() -> None:
         t = time.perf_counter()
         try:
             {"fsdp": lambda: check_fsdp(device, "nccl" if gpu else "gloo"), "routing": lambda: check_routing(device),
-             "logprobs": lambda: check_logprobs(device), "load": lambda: check_load(device)}[name]()
+             "logprobs": lambda: check_logprobs(device), "load": lambda: check_load(device),
+             "replay": lambda: check_replay(device), "trainer": lambda: check_trainer(device, overrides=args.trainer_cfg)}[name]()
         except Exception as e:  # report and go on: one failing check must not hide the others
             emit(name, error=f"{type(e).__name__}: {e}"[:500])
         emit(f"{name}_time", seconds=round(time.perf_counter() - t, 2))
-    dist.destroy_process_group()
+    if dist.is_initialized():  # the trainer check's own group, where it ran
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
