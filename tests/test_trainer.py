@@ -149,47 +149,52 @@ def test_one_fsdp_unit_trains_exactly_as_a_unit_per_layer(ray_local, moe_path, s
     kept gathered from its forward to its backward (None, torch's rule: the default) or resharded
     (True), are the same computation: two steps on the same batch, with no-grad forwards (the
     live-routing KL, a probe) before and between them, give the same losses, gradient norms,
-    probes and weights. Keeping the root gathered saves the backward's all-gather."""
-    def count_all_gathers(self=None) -> int:
-        """In a rank (defined here: Ray pickles it by value): count FSDP2's all-gathers from now on; returns the count so far."""
-        import torch.distributed as dist
+    probes and weights. Keeping the root gathered saves the backward's all-gather. With one rank
+    the default keeps every unit gathered from its forward to its backward (nothing is sharded
+    across ranks): no layer is gathered again for its backward."""
+    def count_gathers(self=None) -> int:
+        """In a rank (defined here: Ray pickles it by value): count from now on the FSDP2 units
+        gathered (an all-gather; with one rank a copy, no collective); returns the count so far."""
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-        if not hasattr(dist, "_wb_gathers"):
-            dist._wb_gathers, gather = [0], dist.all_gather_single
+        if not hasattr(FSDPParamGroup, "_wb_gathers"):
+            FSDPParamGroup._wb_gathers, unshard = [0], FSDPParamGroup.unshard
 
-            def counted(*a, **k):
-                dist._wb_gathers[0] += 1
-                return gather(*a, **k)
+            def counted(group, *a, **k):
+                if not group.is_unsharded and group._all_gather_result is None:  # (else unshard returns at once)
+                    FSDPParamGroup._wb_gathers[0] += 1
+                return unshard(group, *a, **k)
 
-            dist.all_gather_single = counted
-        return dist._wb_gathers[0]
+            FSDPParamGroup.unshard = counted
+        return FSDPParamGroup._wb_gathers[0]
 
     def registered(t) -> set[str]:
         return ray.get(t.workers[0].__ray_call__.remote(lambda self: {type(p).__name__ for p in self.model.parameters()}))
 
     b, out = batch_of(samples), {}
     probe_ids = list(range(3, 19))
-    for unit, units, reshard in (("layer", 3, None), ("model", 1, True), ("model", 1, None)):  # 2 decoder layers + the root
-        t = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(lr=1e-3, micro_batch_size=2, shard_unit=unit,
-                                                                   reshard_after_forward=reshard,
-                                                                   correction=CorrectionConfig.tis()))
+    for ranks, unit, units, reshard in ((2, "layer", 3, None), (2, "model", 1, True), (2, "model", 1, None),
+                                        (1, "layer", 3, None), (1, "model", 1, None)):  # 2 decoder layers + the root
+        t = Trainer(str(moe_path), world_size=ranks, cfg=TrainerConfig(lr=1e-3, micro_batch_size=2, shard_unit=unit,
+                                                                       reshard_after_forward=reshard,
+                                                                       correction=CorrectionConfig.tis()))
         try:
-            assert [r["fsdp_units"] for r in t.footprint()] == [units, units]
+            assert [r["fsdp_units"] for r in t.footprint()] == [units] * ranks
             first = t.train_step(b)
             probe = t.probe(probe_ids)
             assert registered(t) == {"DTensor"}, "a probe left gathered parameters registered"
-            before = ray.get(t.workers[0].__ray_call__.remote(count_all_gathers))
+            before = ray.get(t.workers[0].__ray_call__.remote(count_gathers))
             second = t.train_step(b)
-            gathers = ray.get(t.workers[0].__ray_call__.remote(count_all_gathers)) - before
+            gathers = ray.get(t.workers[0].__ray_call__.remote(count_gathers)) - before
             after_step = registered(t)
-            out[unit, reshard] = ([first["loss"], second["loss"]], [first["grad_norm"], second["grad_norm"]], probe,
+            out[ranks, unit, reshard] = ([first["loss"], second["loss"]], [first["grad_norm"], second["grad_norm"]], probe,
                                   t.state_dict(), gathers)
             # after the step's last no-grad forward and backward the shards are what is registered
             assert after_step == {"DTensor"}, (unit, reshard, after_step)
         finally:
             t.shutdown()
-    ref_loss, ref_norm, ref_probe, ref_weights, _ = out["layer", None]
-    for key in (("model", True), ("model", None)):
+    ref_loss, ref_norm, ref_probe, ref_weights, _ = out[2, "layer", None]
+    for key in ((2, "model", True), (2, "model", None)):
         loss, norm, probe, weights, _ = out[key]
         assert all(abs(x - y) < 1e-6 for x, y in zip(loss, ref_loss)), key
         assert all(abs(x - y) < 1e-5 * max(1.0, y) for x, y in zip(norm, ref_norm)), key
@@ -200,7 +205,13 @@ def test_one_fsdp_unit_trains_exactly_as_a_unit_per_layer(ray_local, moe_path, s
     # a step here: the live-routing forward (no grad, resharded after it) and the gradient forward
     # per micro-batch, then the backward, which gathers the one unit again only when it was
     # resharded after forward
-    assert 0 < out["model", None][4] < out["model", True][4], {k: v[4] for k, v in out.items()}
+    assert 0 < out[2, "model", None][4] < out[2, "model", True][4], {k: v[4] for k, v in out.items()}
+    # one rank, a unit per layer: every unit stays gathered from its forward to its backward by
+    # default, so each of the 3 units is gathered once a forward, as the one root unit is
+    per_layer, one_unit = out[1, "layer", None], out[1, "model", None]
+    assert all(abs(x - y) < 1e-6 for x, y in zip(per_layer[0], one_unit[0]))
+    assert all(torch.allclose(per_layer[3][k], one_unit[3][k], atol=1e-6) for k in per_layer[3])
+    assert 0 < per_layer[4] == 3 * one_unit[4], {k: v[4] for k, v in out.items()}
     assert any(not torch.equal(ref_weights[k], v) for k, v in load_hf_model(moe_path).state_dict().items())  # it trained
 
 
