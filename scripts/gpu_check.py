@@ -280,6 +280,23 @@ def profile_step(name: str, fn, device) -> dict:
     return {"wall_s": round(wall, 4), "device_busy_s": round(busy, 4)}
 
 
+def count_syncs(fn, device) -> int | None:
+    """The host's waits on the device in one call of fn (.item(), .cpu(), a boolean mask...):
+    torch.cuda's sync debug mode warns at each. None on CPU, where nothing waits."""
+    if device.type != "cuda":
+        return None
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def check_trainer(device, steps: int = 5, overrides: dict | None = None) -> None:
     """TrainerWorker itself joins its own process group (one rank): the script's is closed first,
     and this check runs last. Ray is not on the GPU machine; the worker needs it only to find its
@@ -362,13 +379,14 @@ def check_trainer(device, steps: int = 5, overrides: dict | None = None) -> None
     reset(device)
     times = interleaved(runs, device, 2, steps)
     profiles = {k: profile_step(k, runs[k], device) for k in ("plain", "trainer")}
+    syncs = {k: count_syncs(runs[k], device) for k in ("plain", "trainer")}
     tokens = int(batch["attention_mask"].sum())
     emit("trainer", params=sum(p.numel() for p in plain.parameters()), rows=rows, tokens=tokens,
          padded_tokens=int(batch["input_ids"].numel()), step_s=times,
          tokens_per_s={k: round(tokens / v) for k, v in times.items()},
          ratio_vs_plain={k: round(times["plain"] / v, 3) for k, v in times.items() if k != "plain"},
          peak_gib=peak(device), fsdp_units=worker.footprint()["fsdp_units"],
-         overrides=overrides or {}, profiled=profiles, packed_vs_padded_logprob_diff={"mean": float(diff.mean()), "max": float(diff.max())})
+         overrides=overrides or {}, profiled=profiles, syncs_per_step=syncs, micro_batches=-(-rows // micro), packed_vs_padded_logprob_diff={"mean": float(diff.mean()), "max": float(diff.max())})
     import shutil
 
     shutil.rmtree(directory)
