@@ -28,7 +28,6 @@ Sections, each printed as one JSON line ("check": name, figures):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -42,19 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 512  # sequence length of the checks; --cpu: 64 (a smoke test on a small machine)
 
 
-def _load(name: str, rel: str):
-    """A workbench module by file (these two import only torch): importing the package would
-    pull the session's dependencies, which the GPU machine does not have."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / rel)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-replay = _load("wb_replay", "workbench/replay.py")
-logprobs = _load("wb_logprobs", "workbench/trainer/logprobs.py")
-loading = _load("wb_loading", "workbench/trainer/loading.py")
+# the checkout's own modules (these import only torch; workbench/__init__ imports nothing until a
+# name is used, so the session's dependencies, which the GPU machine lacks, are not pulled in)
+sys.path.insert(0, str(ROOT))
+from workbench import replay  # noqa: E402
+from workbench.trainer import loading, logprobs  # noqa: E402
 
 
 def moe_config(vocab: int = 4096, layers: int = 4):
@@ -314,7 +305,6 @@ def check_trainer(device, steps: int = 5, overrides: dict | None = None) -> None
         import ray  # noqa: F401
     except ImportError:
         sys.modules["ray"] = types.ModuleType("ray")
-    sys.path.insert(0, str(ROOT))
     from workbench.tokens import Segment, training_tensors
     from workbench.trainer.fsdp import TrainerConfig, TrainerWorker
 
