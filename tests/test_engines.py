@@ -185,7 +185,9 @@ def test_reference_weight_update_and_partial_rollout(moe_path):
         spanning = await long
         after = await e.generate(p, SamplingConfig(max_tokens=20))
         # a stale engine fails the post-sync check
-        with pytest.raises(WeightSyncError, match="does not serve the new weights"):
+        # (the same weights loaded again: the error says the engine serves its previous sync's)
+        with pytest.raises(WeightSyncError, match=r"at \d+ of 47 probe positions; .* previous sync's by up to 0\)"
+                                                  r": it does not serve the new weights"):
             stale = expected_probe_logprobs(load_hf_model(moe_path), probe_ids(e.vocab_size))
             await e.update_weights(new, expected_probe=stale)
         await e.shutdown()
@@ -195,6 +197,12 @@ def test_reference_weight_update_and_partial_rollout(moe_path):
     assert report.version == 1 and report.checked and report.probe_max_abs_diff <= 1e-5
     v = spanning.versions
     assert v[0] == 0 and v[-1] == 1 and v == sorted(v), "partial rollout must record both versions, in order"
+    # each token is its version's policy on its whole context (the K/V is re-encoded at the load)
+    versions, got = np.asarray(v), np.asarray(spanning.logprobs)
+    old_tf, _ = teacher_forced(load_hf_model(moe_path), spanning)
+    new_tf, _ = teacher_forced(model, spanning)
+    assert np.max(np.abs(old_tf - got)[versions == 0]) <= 1e-5
+    assert np.max(np.abs(new_tf - got)[versions == 1]) <= 1e-5
     assert set(after.versions) == {1}
     tf, _ = teacher_forced(model, after)
     assert np.max(np.abs(tf - np.asarray(after.logprobs))) <= 1e-5
@@ -462,6 +470,20 @@ def test_vllm_weight_update_partial_rollout_and_check(vllm_moe, moe_path):
         spanning = ray.get(long)
         assert spanning.versions[0] == v0 and spanning.versions[-1] == v0 + 1
         assert spanning.versions == sorted(spanning.versions)
+        # each token is exactly the policy of its version, on its whole context: the in-flight
+        # request's K/V is recomputed under the new weights, not kept (vLLM's plain prefix-cache
+        # reset refuses while a request holds blocks, and new requests then reused old K/V)
+        versions = np.asarray(spanning.versions)
+        old_tf, _ = teacher_forced(load_hf_model(moe_path), spanning)
+        new_tf, _ = teacher_forced(model, spanning)
+        got = np.asarray(spanning.logprobs)
+        assert np.max(np.abs(old_tf - got)[versions == v0]) <= VLLM_GAP_BOUND
+        assert np.max(np.abs(new_tf - got)[versions == v0 + 1]) <= VLLM_GAP_BOUND
+        # a new request on a prefix the long one had cached under the old weights (> one KV block)
+        shared = ray.get(vllm_moe.generate.remote(spanning.prompt_ids + spanning.token_ids[:400],
+                                                  SamplingConfig(max_tokens=8, ignore_eos=True)))
+        tf, _ = teacher_forced(model, shared)
+        assert np.max(np.abs(tf - np.asarray(shared.logprobs))) <= VLLM_GAP_BOUND
         after = ray.get(vllm_moe.generate.remote(p, SamplingConfig(max_tokens=24)))
         assert set(after.versions) == {v0 + 1}
         tf, _ = teacher_forced(model, after)  # log-probs follow the new weights

@@ -131,18 +131,27 @@ def expected_probe_logprobs(hf_model, ids: list[int]) -> list[float]:
     return lp[:-1].gather(1, torch.tensor(ids[1:], device=lp.device)[:, None])[:, 0].tolist()
 
 
-def check_probe(got: list[float], expected: list[float] | None, tol: float, version: int) -> float | None:
+def check_probe(got: list[float], expected: list[float] | None, tol: float, version: int,
+                previous: list[float] | None = None) -> float | None:
+    """The largest |engine - trainer| probe log-prob gap, or WeightSyncError above `tol`.
+    `previous`: the engine's probe after its last checked sync, to say in the error whether it
+    still serves those weights."""
     if expected is None:
         return None
     if len(got) != len(expected):
         raise WeightSyncError(f"probe length mismatch: engine {len(got)}, expected {len(expected)}")
-    diff = float(np.max(np.abs(np.asarray(got) - np.asarray(expected))))
+    gaps = np.abs(np.asarray(got) - np.asarray(expected))
+    diff = float(np.max(gaps))
     if not diff <= tol:  # also catches NaN
+        where = f"at {int(np.sum(~(gaps <= tol)))} of {len(gaps)} probe positions"
+        if previous is not None and len(previous) == len(got):
+            same = float(np.max(np.abs(np.asarray(got) - np.asarray(previous))))
+            where += f"; the engine's log-probs differ from its previous sync's by up to {same:.3g}"
         raise WeightSyncError(
             f"after the sync to version {version} the engine's probe log-probs differ from the "
-            f"trainer's by up to {diff:.3g} (tolerance {tol:g}): it does not serve the new weights "
-            f"(or it computes in a lower precision than the trainer, e.g. a bf16 engine: then raise the "
-            f"tolerance, LoopConfig.sync_tol)"
+            f"trainer's by up to {diff:.3g} (tolerance {tol:g}; {where}): it does not serve the new "
+            f"weights (or it computes in a lower precision than the trainer, e.g. a bf16 engine: then "
+            f"raise the tolerance, LoopConfig.sync_tol)"
         )
     return diff
 
@@ -156,6 +165,7 @@ class RolloutEngine(abc.ABC):
 
     def __init__(self):
         self.version = 0
+        self._checked_probe: list[float] | None = None  # the probe after the last checked sync (for errors)
 
     @abc.abstractmethod
     async def start(self) -> dict: ...
@@ -208,7 +218,9 @@ class RolloutEngine(abc.ABC):
         from `expected_probe_logprobs`) within `tol`, else WeightSyncError.
 
         In-flight requests are paused (kept), not aborted: tokens sampled after the sync carry
-        the new version, so one completion can span two versions (partial rollout)."""
+        the new version, so one completion can span two versions (partial rollout). The load
+        drops the old weights' K/V (in-flight requests re-encode their context under the new
+        ones), so each token is exactly its version's policy on its whole context."""
         nbytes = sum(v.numel() * v.element_size() for v in state_dict.values())
         return await self._update(lambda v: self._load_weights(state_dict), nbytes, version, expected_probe, probe, tol)
 
@@ -231,7 +243,8 @@ class RolloutEngine(abc.ABC):
             got = await self.probe_logprobs(probe or probe_ids(self.vocab_size))
             if inspect.isawaitable(expected_probe):  # the trainer's, computed while this engine loaded
                 expected_probe = await expected_probe
-            diff = check_probe(got, expected_probe, tol, new_version)
+            diff = check_probe(got, expected_probe, tol, new_version, self._checked_probe)
+            self._checked_probe = got
         return WeightSyncReport(new_version, time.perf_counter() - t0, nbytes, diff, diff is not None)
 
     async def _set_version(self, version: int) -> None:

@@ -8,7 +8,9 @@ How it runs: requests queue up; a scheduler task takes up to `max_batch` of them
 their prompts into one batch, prefills once and decodes step by step with the HF KV cache
 (static batching: requests that arrive mid-batch wait for the next one). Each forward runs in
 a worker thread so the event loop stays free; between steps the loop honours abort, pause and
-weight updates, so a request spans two policy versions when weights change mid-flight.
+weight updates, so a request spans two policy versions when weights change mid-flight. As in the
+vllm backend, a weight load drops the batch's K/V: the next step re-encodes every row's context
+under the new weights, so each token is exactly its version's policy on its whole context.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class ReferenceEngine(RolloutEngine):
         self._unpaused.set()
         self._wakeup = asyncio.Event()
         self._step_lock = asyncio.Lock()  # held during each forward; weight loads wait for it
+        self._loads = 0  # weight loads so far: a batch whose K/V predates the last one re-encodes
         self._scheduler = asyncio.create_task(self._run())
         return self.info()
 
@@ -162,6 +165,7 @@ class ReferenceEngine(RolloutEngine):
             missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
             if unexpected or missing:
                 raise ValueError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            self._loads += 1
 
     async def probe_logprobs(self, ids: list[int]) -> list[float]:
         from .engine import expected_probe_logprobs
@@ -220,19 +224,23 @@ class ReferenceEngine(RolloutEngine):
 
         for r in batch:
             self._active[r.request_id] = r
-        B, L = len(batch), max(len(r.prompt_ids) for r in batch)
-        ids = torch.full((B, L), self.model.config.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for i, r in enumerate(batch):  # left padding: every row's next position is column L
-            ids[i, L - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            mask[i, L - len(r.prompt_ids) :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
+        B = len(batch)
         live = list(range(B))
-        step = 0
+        loads = None  # the weight loads the batch's K/V was computed after
         while live:
             await self._unpaused.wait()
             async with self._step_lock:
+                prefill = loads != self._loads
+                if prefill:  # the start, or weights loaded since: encode every row's whole context
+                    seqs = [r.prompt_ids + r.token_ids for r in batch]
+                    L = max(len(q) for q in seqs)
+                    ids = torch.full((B, L), self.model.config.pad_token_id or 0, dtype=torch.long)
+                    mask = torch.zeros((B, L), dtype=torch.long)
+                    for i, q in enumerate(seqs):  # left padding: every row's next position is column L
+                        ids[i, L - len(q):] = torch.tensor(q)
+                        mask[i, L - len(q):] = 1
+                    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+                    cache, loads = DynamicCache(config=self.model.config), self._loads
                 logits, cache, routed = await asyncio.to_thread(self._forward, ids, mask, pos, cache)
                 version = self.version
             if routed is not None:  # [B * S, layers, k] -> per row, per fed (non-pad) position
@@ -240,8 +248,10 @@ class ReferenceEngine(RolloutEngine):
                 for i in live:
                     r = batch[i]
                     if r.want_experts:
-                        rows = routed[i, L - len(r.prompt_ids) :] if step == 0 else routed[i]
-                        r.experts.extend(rows)
+                        if prefill:  # a re-encoded context's experts replace the earlier ones
+                            r.experts = list(routed[i, L - len(seqs[i]):])
+                        else:
+                            r.experts.extend(routed[i])
             next_ids = torch.full((B, 1), self.model.config.pad_token_id or 0, dtype=torch.long)
             for i in list(live):
                 r = batch[i]
@@ -263,7 +273,6 @@ class ReferenceEngine(RolloutEngine):
             ids = next_ids
             mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
             pos = pos[:, -1:] + 1
-            step += 1
 
     def _stop_reason(self, r: _Request, tok: int) -> str | None:
         s = r.sampling

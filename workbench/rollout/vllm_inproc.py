@@ -178,8 +178,8 @@ class InprocLLM:
     async def collective_rpc(self, method: str, args: tuple = ()):
         return await self.call_in_thread(lambda: self.engine.collective_rpc(method, args=args))
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self.call_in_thread(self.engine.reset_prefix_cache)
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return await self.call_in_thread(lambda: self.engine.reset_prefix_cache(reset_running_requests))
 
     def shutdown(self, timeout: float | None = None) -> None:
         """`timeout` is AsyncLLM's (for its core process) and not used: the thread ends after
