@@ -386,12 +386,21 @@ def test_vllm_in_process_core_samples_as_the_core_process_does(vllm_moe, moe_pat
         for a, b in zip(here, there):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
             assert np.allclose(a.logprobs, b.logprobs, atol=1e-5) and a.versions == b.versions
-        # its weight sync goes by file (the in-process core's by reference: the test above)
+        # its weight sync goes by file (the in-process core's by reference: the test above), here
+        # while a request runs: its K/V is recomputed in the core process too, so each of its
+        # tokens is its own version's policy on the whole context
         model = load_hf_model(moe_path)
         model.load_state_dict(perturbed(model))
         expected = expected_probe_logprobs(model, probe_ids(model.config.vocab_size))
+        long = apart.generate.remote(prompts(moe_path)[1], SamplingConfig(max_tokens=900, ignore_eos=True))
+        time.sleep(0.2)
         report = ray.get(apart.update_weights.remote(model.state_dict(), None, expected))
         assert report.checked and report.probe_max_abs_diff <= VLLM_GAP_BOUND
+        spanning = ray.get(long)
+        versions, got = np.asarray(spanning.versions), np.asarray(spanning.logprobs)
+        assert set(spanning.versions) == {0, 1} and spanning.versions == sorted(spanning.versions)
+        assert np.max(np.abs(teacher_forced(load_hf_model(moe_path), spanning)[0] - got)[versions == 0]) <= VLLM_GAP_BOUND
+        assert np.max(np.abs(teacher_forced(model, spanning)[0] - got)[versions == 1]) <= VLLM_GAP_BOUND
     finally:
         stop_engine(apart)
     assert temp_dir_sockets() - sockets_before == set()  # vLLM's went into the engine's temp dir, removed with it
