@@ -121,8 +121,11 @@ def test_stats_of_a_split_batch_merge_to_the_whole():
     whole = correction_weights(old, behav, mask, versions, 6, cfg).stats
     parts = [correction_weights(old[i:i + 1], behav[i:i + 1], mask[i:i + 1], versions[i:i + 1], 6, cfg).stats for i in range(2)]
     merged = merge_stats(parts)
-    for k in ("kl_k1", "kl_k3", "max_abs_delta_p", "gate_pass_ratio", "token_mask_ratio"):
+    for k in ("kl_k1", "kl_k3", "kl_k3_current", "max_abs_delta_p", "gate_pass_ratio", "token_mask_ratio"):
         assert merged[k] == pytest.approx(whole[k], abs=1e-6), k
+    # k3 on the trainer's own version's tokens only (version 6: r = 1.2 and 1.0): staleness excluded
+    assert merged["tokens_current"] == whole["tokens_current"] == 2
+    assert whole["kl_k3_current"] == pytest.approx((1.2 - 1 - math.log(1.2)) / 2, abs=1e-6)
     assert merged["is_weight_hist"] == whole["is_weight_hist"] and merged["tokens_per_version"] == whole["tokens_per_version"]
 
 

@@ -507,6 +507,54 @@ def test_vllm_weight_update_partial_rollout_and_check(vllm_moe, moe_path):
         ray.get(vllm_moe.update_weights.remote(original, None, expected))
 
 
+def test_k3_on_current_tokens_catches_old_kv_kept_across_a_sync(vllm_moe, moe_path):
+    """The forward-consistency statistic on the partial-rollout mechanism: k3 on the tokens of the
+    trainer's own version (kl_k3_current, staleness excluded) is ~0 when the engine recomputes an
+    in-flight request's K/V at a sync, and large when it keeps the old weights' K/V (what the
+    engine did before session 24, put back here for one sync)."""
+    import types
+
+    from workbench.correction import CorrectionConfig, correction_weights
+
+    model = load_hf_model(moe_path)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    new = perturbed(model, seed=3)
+    model.load_state_dict(new)  # the trainer, one version ahead of the sampler's start
+
+    def keep_old_kv(host, keep: bool):
+        engine = host.engine
+        if keep:
+            async def plain_reset(self):  # refused by vLLM while a request holds blocks
+                await self.llm.reset_prefix_cache()
+            engine._drop_old_kv = types.MethodType(plain_reset, engine)
+        else:
+            engine.__dict__.pop("_drop_old_kv", None)
+
+    def k3_current(keep: bool) -> dict:
+        ray.get(vllm_moe.__ray_call__.remote(keep_old_kv, keep))
+        try:
+            v0 = ray.get(vllm_moe.info.remote())["version"]
+            long = vllm_moe.generate.remote(prompts(moe_path)[1], SamplingConfig(max_tokens=900, ignore_eos=True))
+            time.sleep(0.2)
+            ray.get(vllm_moe.update_weights.remote(new))
+            sample = ray.get(long)
+        finally:
+            ray.get(vllm_moe.__ray_call__.remote(keep_old_kv, False))
+            ray.get(vllm_moe.update_weights.remote(original))
+        trainer_lp, _ = teacher_forced(model, sample)
+        row = lambda x, dtype=torch.float32: torch.tensor([list(x)], dtype=dtype)  # noqa: E731
+        corr = correction_weights(row(trainer_lp), row(sample.logprobs), torch.ones(1, len(sample.token_ids)),
+                                  row(sample.versions, torch.long), v0 + 1, CorrectionConfig())
+        return corr.stats
+
+    kept, recomputed = k3_current(keep=True), k3_current(keep=False)
+    assert kept["tokens_current"] > 0 and recomputed["tokens_current"] > 0
+    print(f"[measured] k3 on current-version tokens: old K/V kept {kept['kl_k3_current']:.3g}, "
+          f"recomputed {recomputed['kl_k3_current']:.2g}")
+    assert kept["kl_k3_current"] > 0.05
+    assert recomputed["kl_k3_current"] < 1e-6
+
+
 def test_vllm_seeded_requests_with_long_concurrent_prompts_keep_the_engine_alive(vllm_moe):
     """Seeded requests whose prompts together exceed a step's token budget: vLLM's CPU build
     killed its engine core as soon as one such prefill was chunked ("CPU Generator does not use

@@ -364,6 +364,8 @@ def test_kl_statistic_catches_a_missing_weight_sync(ray_local, vllm_moe, moe_pat
         sync_weights([vllm_moe], original)
     assert broken[0]["kl_k3"] > 0.01 and broken[0]["max_abs_delta_p"] > 0.05
     assert fixed[0]["kl_k3"] < 1e-6 and fixed[0]["max_abs_delta_p"] < 1e-4
+    # every token was sampled at the trainer's version: the current-version k3 sees the same
+    assert broken[0]["kl_k3_current"] > 0.01 and fixed[0]["kl_k3_current"] < 1e-6
 
 
 def test_async_loop_overlaps_rollout_with_training_and_corrects_staleness(ray_local, vllm_moe, moe_path):
@@ -403,6 +405,9 @@ def test_async_loop_overlaps_rollout_with_training_and_corrects_staleness(ray_lo
     assert all(h["gate_pass_ratio"] == 1.0 and h["stale_dropped"] == 0 for h in hist)
     assert hist[0]["kl_k3"] < 1e-6  # step 0 was sampled by exactly the trainer's weights
     assert any(h["kl_k3"] > 1e-7 for h in hist[1:])  # stale tokens: the k3 statistic sees the version gap
+    # ... which is all of it: the tokens of the trainer's own version match its forward (an episode
+    # spanning a sync had its K/V recomputed under the new weights)
+    assert all(h["kl_k3_current"] < 1e-6 for h in hist)
 
 
 def test_nccl_weight_sync_is_refused_clearly_without_gpus(trainer, vllm_moe):

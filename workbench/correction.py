@@ -208,6 +208,8 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions) ->
     trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions = (
         t.detach().cpu() for t in (trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions))
     n = int(m.sum())
+    current = m & (stale == 0)  # sampled by the weights the trainer holds now
+    n_current = int(current.sum())
     rows = m.any(-1)  # sequences with trainable tokens (padding rows are neither kept nor dropped)
     lr = torch.log(r[m]) if n else torch.zeros(0)
     kept = m & keep[:, None]
@@ -222,6 +224,11 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions) ->
         # KL(behaviour || trainer) estimators on the behaviour samples, with r = pi_old / pi_behav
         "kl_k1": float((-lr).mean()) if n else 0.0,
         "kl_k3": kl_k3_sum(trainer_lp, behav_lp, m)[0] / n if n else 0.0,
+        # the same on the tokens of the trainer's own version: staleness excluded, what is left is
+        # the engine's forward against the trainer's (0 up to rounding when they agree; a K/V kept
+        # from older weights, a missed sync, a lower-precision engine or unreplayed routing show here)
+        "kl_k3_current": kl_k3_sum(trainer_lp, behav_lp, current)[0] / n_current if n_current else 0.0,
+        "tokens_current": n_current,
         "max_abs_delta_p": float((trainer_lp.float().exp() - behav_lp.float().exp())[m].abs().max()) if n else 0.0,
         "is_weight_hist": {"edges": list(WEIGHT_BINS), "counts": [int(c) for c in hist.tolist()]},
         "staleness_hist": dict(sorted(Counter(stale[m].tolist()).items())),
@@ -234,6 +241,7 @@ def merge_stats(parts: list[dict]) -> dict:
     """One statistics dict for a batch computed in parts (per micro-batch, per trainer rank):
     token-weighted means, sequence-weighted gate ratio, maxima, sums, summed histograms."""
     tokens = sum(p["tokens"] for p in parts)
+    current = sum(p["tokens_current"] for p in parts)
     sequences = sum(p["sequences"] for p in parts)
 
     def wmean(k):
@@ -252,6 +260,8 @@ def merge_stats(parts: list[dict]) -> dict:
         "band_dropped": sum(p["band_dropped"] for p in parts),
         "veto_dropped": sum(p.get("veto_dropped", 0) for p in parts),
         "token_mask_ratio": wmean("token_mask_ratio"), "kl_k1": wmean("kl_k1"), "kl_k3": wmean("kl_k3"),
+        "kl_k3_current": (sum(p["kl_k3_current"] * p["tokens_current"] for p in parts) / current) if current else 0.0,
+        "tokens_current": current,
         "max_abs_delta_p": max(p["max_abs_delta_p"] for p in parts),
         "is_weight_hist": {"edges": parts[0]["is_weight_hist"]["edges"],
                            "counts": [sum(c) for c in zip(*(p["is_weight_hist"]["counts"] for p in parts))]},
