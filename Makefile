@@ -1,7 +1,7 @@
 # The two commands of README.md. Each first installs what is missing into .venv (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-script recipes test test-long bench bench-loopback bench-loopback-capacity bench-rollout bench-trainer bench-vs-trl bench-async clean-cache kernels lab
+.PHONY: setup demo demo-script recipes test test-long bench bench-loopback bench-loopback-capacity bench-rollout bench-trainer bench-vs-trl bench-async bench-sync-inflight clean-cache kernels lab
 
 setup:
 	@bash scripts/setup.sh
@@ -62,6 +62,10 @@ bench-vs-trl: setup
 # continuous async (lag 1, 2) vs sync in one session: s/step ratio, gate pass and admitted ratios
 bench-async: setup
 	$(PY) bench/async_loop.py $(BENCH_ARGS)
+
+# a batch of in-flight requests with and without one weight sync halfway (their K/V recompute)
+bench-sync-inflight: setup
+	$(PY) bench/sync_inflight.py $(BENCH_ARGS)
 
 clean-cache:
 	rm -rf $${WORKBENCH_CACHE:-$$HOME/.cache/workbench}/toy
