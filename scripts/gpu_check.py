@@ -18,7 +18,9 @@ Sections, each printed as one JSON line ("check": name, figures):
   plain HF loop on the same tokens (fp32 weights under bf16 autocast, micro-batches padded to the
   batch's width, full logits), on a Qwen3-0.6B-shaped model with rows of 256-1024 tokens: tokens/s
   of each and their ratio (issue 13 item 7: target >= 1.0); also the trainer computing the padded
-  batch (pack_sequences=False) and by a token budget (micro_batch_tokens). One rank only.
+  batch (pack_sequences=False), by a token budget of as many tokens a forward as the plain loop's
+  padded micro-batch (micro_batch_tokens), and with full logits (GPU_CHECK_VARIANTS); the host's
+  waits on the device a step. One rank only.
 - replay: forward + backward of the log-probs on the MoE with routing replay on vs off (the
   recorded experts of the same batch); target <= 1.05.
 
@@ -223,8 +225,9 @@ def check_replay(device, steps: int = 10) -> None:
     experts = cap.pop().view(*ids.shape, -1, model.config.num_experts_per_tok)
 
     def fwd_bwd(e):
-        with replay.routing_replay(model, e, positions=mask):
+        with replay.routing_replay(model, e, positions=mask) as stats:
             logprobs.forward_logprobs(model, ids, mask, 1.0, 256.0).float().sum().backward()
+        stats.replayed  # the counts read once a step, as the trainer reads them
         model.zero_grad(set_to_none=True)
 
     times = interleaved({"off": lambda: fwd_bwd(None), "on": lambda: fwd_bwd(experts)}, device, 3, steps)
@@ -307,6 +310,7 @@ def check_trainer(device, steps: int = 5, overrides: dict | None = None) -> None
         sys.modules["ray"] = types.ModuleType("ray")
     from workbench.tokens import Segment, training_tensors
     from workbench.trainer.fsdp import TrainerConfig, TrainerWorker
+    from workbench.trainer.packing import micro_batches_by_tokens
 
     small = TOKENS < 512  # --cpu
     steps = steps if not small else 2
@@ -348,13 +352,22 @@ def check_trainer(device, steps: int = 5, overrides: dict | None = None) -> None
         opt.zero_grad(set_to_none=True)
 
     dist.destroy_process_group()
-    base = TrainerConfig(**{"lr": 1e-6, "micro_batch_size": micro, "mixed_precision": "bfloat16", **(overrides or {})})
+    # load="sharded": meta-device init, the rank reads its shards (a full load initialises 0.6B
+    # parameters on the host first: most of this check's two minutes of set-up)
+    base = TrainerConfig(**{"lr": 1e-6, "micro_batch_size": micro, "mixed_precision": "bfloat16", "load": "sharded",
+                            **(overrides or {})})
     worker = TrainerWorker(0, 1, directory, base)
     worker._store = TCPStore("127.0.0.1", 0, 1, is_master=True)
     worker.setup("127.0.0.1", worker._store.port)
     variants = {"trainer": base, "trainer_padded": dataclasses.replace(base, pack_sequences=False),
                 "trainer_full_logits": dataclasses.replace(base, logprob_chunk_mb=None),
-                "trainer_tokens": dataclasses.replace(base, micro_batch_tokens=int(batch["attention_mask"].sum()) // (rows // micro))}
+                # as many tokens a forward as the plain loop's padded micro-batch (the same activation
+                # memory): packed, the batch's real tokens take fewer forwards
+                "trainer_budget": dataclasses.replace(base, micro_batch_tokens=micro * batch["input_ids"].shape[1])}
+
+    # GPU_CHECK_VARIANTS="trainer,trainer_full_logits": others than the default three (trainer_padded always runs)
+    keep = os.environ.get("GPU_CHECK_VARIANTS", "trainer,trainer_budget").split(",")
+    variants = {k: v for k, v in variants.items() if k in keep or k == "trainer_padded"}
 
     def trainer_step(c):
         worker.cfg = c
@@ -368,15 +381,17 @@ def check_trainer(device, steps: int = 5, overrides: dict | None = None) -> None
     runs = {"plain": plain_step, **{k: (lambda c=c: trainer_step(c)) for k, c in variants.items()}}
     reset(device)
     times = interleaved(runs, device, 2, steps)
-    profiles = {k: profile_step(k, runs[k], device) for k in ("plain", "trainer")}
-    syncs = {k: count_syncs(runs[k], device) for k in ("plain", "trainer")}
+    profiles = {k: profile_step(k, runs[k], device) for k in ("plain", "trainer", "trainer_budget") if k in runs}
+    syncs = {k: count_syncs(runs[k], device) for k in ("plain", "trainer", "trainer_budget") if k in runs}
     tokens = int(batch["attention_mask"].sum())
     emit("trainer", params=sum(p.numel() for p in plain.parameters()), rows=rows, tokens=tokens,
          padded_tokens=int(batch["input_ids"].numel()), step_s=times,
          tokens_per_s={k: round(tokens / v) for k, v in times.items()},
          ratio_vs_plain={k: round(times["plain"] / v, 3) for k, v in times.items() if k != "plain"},
          peak_gib=peak(device), fsdp_units=worker.footprint()["fsdp_units"],
-         overrides=overrides or {}, profiled=profiles, syncs_per_step=syncs, micro_batches=-(-rows // micro), packed_vs_padded_logprob_diff={"mean": float(diff.mean()), "max": float(diff.max())})
+         overrides=overrides or {}, profiled=profiles, syncs_per_step=syncs, micro_batches={"plain": -(-rows // micro), "trainer_budget": len(micro_batches_by_tokens(
+             batch["attention_mask"].sum(1).tolist(), micro * batch["input_ids"].shape[1]))},
+         packed_vs_padded_logprob_diff={"mean": float(diff.mean()), "max": float(diff.max())})
     import shutil
 
     shutil.rmtree(directory)

@@ -3,7 +3,8 @@
 # transformers but no vLLM or Ray (../shared/FACTS.md): FSDP2 on NCCL with bf16 mixed precision,
 # the bf16-vs-fp32 routing flip rate with and without routing replay, chunked log-probs memory,
 # the rank-0 and per-rank sharded loads, routing replay's cost, and the trainer's own train_step
-# against a plain HF loop. About 5 minutes on one H200; one JSON line per figure, also written to
+# against a plain HF loop. About 8 minutes on one H200 (replay and trainer alone:
+# --only replay trainer, about 4); one JSON line per figure, also written to
 # $OUT/gpu_check.jsonl (or ./gpu_check.jsonl), the profiles of one step of each to $OUT/profile_*.txt.
 #
 #   scripts/gpu_check.sh          # on the GPU machine
