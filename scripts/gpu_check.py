@@ -50,6 +50,23 @@ from workbench import replay  # noqa: E402
 from workbench.trainer import loading, logprobs  # noqa: E402
 
 
+def other_workbench(root: str | None):
+    """Another checkout's workbench (root/workbench) imported as the package "workbench_ab", or
+    None: an A/B of two versions of the code in one process (--ab). A ratio between two runs in
+    two processes moved ~15% for the same code on this host-bound step (docs/cluster.md)."""
+    if not root:
+        return None
+    import importlib
+    import importlib.util
+
+    where = Path(root).resolve() / "workbench"
+    spec = importlib.util.spec_from_file_location("workbench_ab", where / "__init__.py", submodule_search_locations=[str(where)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["workbench_ab"] = package  # its modules import each other relatively, inside this package
+    spec.loader.exec_module(package)
+    return package
+
+
 def moe_config(vocab: int = 4096, layers: int = 4):
     from transformers import Qwen3MoeConfig
 
@@ -211,7 +228,7 @@ def check_load(device) -> None:
         shutil.rmtree(directory[0])
 
 
-def check_replay(device, steps: int = 10) -> None:
+def check_replay(device, steps: int = 10, ab=None) -> None:
     steps = steps if TOKENS >= 512 else 2
     model = build(moe_config(), torch.bfloat16, device).train()
     g = torch.Generator().manual_seed(2)
@@ -224,15 +241,21 @@ def check_replay(device, steps: int = 10) -> None:
     cap.remove()
     experts = cap.pop().view(*ids.shape, -1, model.config.num_experts_per_tok)
 
-    def fwd_bwd(e):
-        with replay.routing_replay(model, e, positions=mask) as stats:
+    def fwd_bwd(e, code=replay):
+        with code.routing_replay(model, e, positions=mask) as stats:
             logprobs.forward_logprobs(model, ids, mask, 1.0, 256.0).float().sum().backward()
         stats.replayed  # the counts read once a step, as the trainer reads them
         model.zero_grad(set_to_none=True)
 
-    times = interleaved({"off": lambda: fwd_bwd(None), "on": lambda: fwd_bwd(experts)}, device, 3, steps)
+    runs = {"off": lambda: fwd_bwd(None), "on": lambda: fwd_bwd(experts)}
+    if ab is not None:  # the other checkout's routing_replay, interleaved with this one's
+        import importlib
+
+        runs["on_ab"] = lambda code=importlib.import_module("workbench_ab.replay"): fwd_bwd(experts, code)
+    times = interleaved(runs, device, 3, steps)
     emit("replay", tokens=int(ids.numel()), off_s=times["off"], on_s=times["on"],
-         ratio_on_off=round(times["on"] / times["off"], 4))
+         ratio_on_off=round(times["on"] / times["off"], 4),
+         **({"on_ab_s": times["on_ab"], "ratio_on_ab_off": round(times["on_ab"] / times["off"], 4)} if ab else {}))
 
 
 def interleaved(runs: dict, device, warmup: int, steps: int) -> dict:
@@ -291,7 +314,7 @@ def count_syncs(fn, device) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def check_trainer(device, steps: int = 5, overrides: dict | None = None) -> None:
+def check_trainer(device, steps: int = 5, overrides: dict | None = None, ab=None) -> None:
     """TrainerWorker itself joins its own process group (one rank): the script's is closed first,
     and this check runs last. Ray is not on the GPU machine; the worker needs it only to find its
     node's IP (rendezvous(), not called here: the store is made below)."""
@@ -379,10 +402,24 @@ def check_trainer(device, steps: int = 5, overrides: dict | None = None) -> None
     worker.cfg = base
     diff = (worker.logprobs(batch)[0] - padded).abs()[batch["loss_mask"].bool()]
     runs = {"plain": plain_step, **{k: (lambda c=c: trainer_step(c)) for k, c in variants.items()}}
+    if ab is not None:
+        import importlib
+
+        # the other checkout's train_step on this worker's own state (model, optimizer, config):
+        # only the code differs, and its steps interleave with this one's
+        other = object.__new__(importlib.import_module("workbench_ab.trainer.fsdp").TrainerWorker)
+        other.__dict__ = worker.__dict__
+
+        def other_step(c):
+            other.cfg = c
+            return other.train_step(batch, 0)
+
+        runs.update({f"ab_{k}": (lambda c=variants[k]: other_step(c)) for k in ("trainer", "trainer_budget") if k in variants})
     reset(device)
     times = interleaved(runs, device, 2, steps)
-    profiles = {k: profile_step(k, runs[k], device) for k in ("plain", "trainer", "trainer_budget") if k in runs}
-    syncs = {k: count_syncs(runs[k], device) for k in ("plain", "trainer", "trainer_budget") if k in runs}
+    profiled = ("plain", "trainer", "trainer_budget", "ab_trainer", "ab_trainer_budget")
+    profiles = {k: profile_step(k, runs[k], device) for k in profiled if k in runs}
+    syncs = {k: count_syncs(runs[k], device) for k in profiled if k in runs}
     tokens = int(batch["attention_mask"].sum())
     emit("trainer", params=sum(p.numel() for p in plain.parameters()), rows=rows, tokens=tokens,
          padded_tokens=int(batch["input_ids"].numel()), step_s=times,
@@ -402,6 +439,9 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU: a smoke test of this script")
     ap.add_argument("--trainer-cfg", type=json.loads, default={},
                     help="TrainerConfig fields for the trainer check, as JSON (e.g. '{\"shard_unit\": \"model\"}')")
+    ap.add_argument("--ab", metavar="DIR",
+                    help="another checkout (DIR/workbench): its replay and train_step run interleaved with this "
+                         "one's in the same process (ab_* figures), e.g. git archive BRANCH workbench | tar -x -C DIR")
     ap.add_argument("--only", nargs="*", default=["fsdp", "routing", "logprobs", "load", "replay", "trainer"],
                     help="trainer runs last: it closes this script's process group and joins its own")
     args = ap.parse_args()
@@ -415,6 +455,7 @@ def main() -> None:
     if gpu:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if gpu else "gloo")
+    ab = other_workbench(args.ab)
     emit("env", torch=torch.__version__, cuda=torch.version.cuda, device=torch.cuda.get_device_name(device) if gpu else "cpu",
          world_size=dist.get_world_size())
     for name in args.only:
@@ -422,7 +463,8 @@ def main() -> None:
         try:
             {"fsdp": lambda: check_fsdp(device, "nccl" if gpu else "gloo"), "routing": lambda: check_routing(device),
              "logprobs": lambda: check_logprobs(device), "load": lambda: check_load(device),
-             "replay": lambda: check_replay(device), "trainer": lambda: check_trainer(device, overrides=args.trainer_cfg)}[name]()
+             "replay": lambda: check_replay(device, ab=ab),
+             "trainer": lambda: check_trainer(device, overrides=args.trainer_cfg, ab=ab)}[name]()
         except Exception as e:  # report and go on: one failing check must not hide the others
             emit(name, error=f"{type(e).__name__}: {e}"[:500])
         emit(f"{name}_time", seconds=round(time.perf_counter() - t, 2))
