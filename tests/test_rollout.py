@@ -223,6 +223,53 @@ def test_partial_rollout_records_two_versions_in_one_episode(rollout_for, moe_pa
 
 
 
+def test_a_turn_after_a_sync_is_replayed_with_its_own_versions_routing(moe_path, reference_engines):
+    """An episode's two turns sampled at two versions: the later turn's tokens were sampled with
+    the new weights' routing at every earlier position (its prefill recomputed them), while the
+    segment keeps each position's first recording (Accumulator merges so; vLLM reports a request
+    resumed after a sync so). The batch replays only the routing recorded at the segment's latest
+    version (replay.latest_version_routing; earlier positions route live): a trainer holding that
+    version reproduces the later turn's log-probs exactly. Replaying the segment's recording as it
+    stands does not: that was the bias, on every episode spanning a sync under routing replay."""
+    from workbench.tokens import Accumulator, Segment, training_tensors
+    from workbench.trainer.fsdp import token_logprobs
+
+    engine = reference_engines[0]
+    model = load_hf_model(moe_path)
+    sampling = SamplingConfig(max_tokens=24, ignore_eos=True)
+    prompt, user = list(range(20, 60)), list(range(300, 310))
+    first = ray.get(engine.generate.remote(prompt, sampling, None, True))
+    # the next version's routers choose differently at many positions (one large step)
+    new = {k: v + (0.5 * torch.randn_like(v) if k.endswith("mlp.gate.weight") else 0) for k, v in model.state_dict().items()}
+    model.load_state_dict(new)
+    try:
+        sync_weights([engine], new)
+        second = ray.get(engine.generate.remote(prompt + first.token_ids + user, sampling, None, True))
+    finally:  # the session's engine serves later tests: its checkpoint's weights again (under a newer version)
+        sync_weights([engine], load_hf_model(moe_path).state_dict())
+    assert second.versions[0] == first.versions[0] + 1
+    seg = Segment()
+    for ids, sample in ((prompt, None), (first.token_ids, first), (user, None), (second.token_ids, second)):
+        seg.append(ids, trainable=sample is not None, logprobs=sample and sample.logprobs, versions=sample and sample.versions)
+        if sample is not None:
+            Accumulator._merge_experts(None, seg, sample)  # as a conversation's turns are recorded
+    batch = training_tensors([seg])
+    later = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)
+    later[0, len(seg) - len(second.token_ids):] = True
+
+    def gap(experts):
+        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], experts=experts)
+        return float((lp - batch["behaviour_logprobs"])[later].abs().max())
+
+    replayed = batch["routed_experts"]
+    assert (replayed[0, : len(prompt) + len(first.token_ids) + len(user) - 1] == -1).all()  # the first turn routes live
+    as_recorded = torch.from_numpy(seg.routed_experts.astype("int16"))[None]
+    print(f"[measured] later turn vs its behaviour log-probs: latest version's routing {gap(replayed):.2g}, "
+          f"as recorded {gap(as_recorded):.2g}")
+    assert gap(replayed) < 1e-4
+    assert gap(as_recorded) > 1e-3
+
+
 def test_a_probe_sent_as_a_reference_is_checked_after_the_load(moe_path, reference_engines):
     """loop.sync_engines hands the engines the trainer's expected probe as a Ray reference, which
     each awaits once its load is done (the trainer computes it meanwhile): it is checked all the

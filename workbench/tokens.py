@@ -198,9 +198,12 @@ def training_tensors(segments: list[Segment], pad_id: int = 0) -> dict[str, Any]
                                    ("behaviour_logprobs", "logprobs", torch.float32), ("versions", "versions", torch.long)):
         out[key][real] = torch.tensor([x for s in segments for x in getattr(s, field_name)], dtype=dtype)
     if out["routed_experts"] is not None:
+        from .replay import latest_version_routing  # (torch-only module; imported here, like torch)
+
         for i, s in enumerate(segments):
-            if s.routed_experts is not None:
-                out["routed_experts"][i, :len(s)] = torch.from_numpy(s.routed_experts.astype(np.int16))
+            if s.routed_experts is not None:  # a segment spanning versions replays its latest one's routing
+                replayed = latest_version_routing(s.routed_experts, s.versions, s.loss_mask)
+                out["routed_experts"][i, :len(s)] = torch.from_numpy(replayed.astype(np.int16))
     return out
 
 
