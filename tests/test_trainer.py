@@ -407,7 +407,11 @@ def test_async_loop_overlaps_rollout_with_training_and_corrects_staleness(ray_lo
     assert any(h["kl_k3"] > 1e-7 for h in hist[1:])  # stale tokens: the k3 statistic sees the version gap
     # ... which is all of it: the tokens of the trainer's own version match its forward (an episode
     # spanning a sync had its K/V recomputed under the new weights)
-    assert all(h["kl_k3_current"] < 1e-6 for h in hist)
+    current = [h for h in hist if h["tokens_current"]]
+    assert all(h["kl_k3_current"] is None for h in hist if not h["tokens_current"])  # nothing measured reads None, not 0
+    assert any(h["step"] >= 1 for h in current) and all(h["kl_k3_current"] < 1e-6 for h in current)
+    # (8-token episodes finish before the sync here: a request spanning one is checked in
+    # tests/test_engines.py, token by token against each version's weights)
 
 
 def test_nccl_weight_sync_is_refused_clearly_without_gpus(trainer, vllm_moe):

@@ -226,8 +226,9 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions) ->
         "kl_k3": kl_k3_sum(trainer_lp, behav_lp, m)[0] / n if n else 0.0,
         # the same on the tokens of the trainer's own version: staleness excluded, what is left is
         # the engine's forward against the trainer's (0 up to rounding when they agree; a K/V kept
-        # from older weights, a missed sync, a lower-precision engine or unreplayed routing show here)
-        "kl_k3_current": kl_k3_sum(trainer_lp, behav_lp, current)[0] / n_current if n_current else 0.0,
+        # from older weights, a missed sync, a lower-precision engine or unreplayed routing show here).
+        # None without such tokens: a 0 would read as a healthy engine where nothing was measured
+        "kl_k3_current": kl_k3_sum(trainer_lp, behav_lp, current)[0] / n_current if n_current else None,
         "tokens_current": n_current,
         "max_abs_delta_p": float((trainer_lp.float().exp() - behav_lp.float().exp())[m].abs().max()) if n else 0.0,
         "is_weight_hist": {"edges": list(WEIGHT_BINS), "counts": [int(c) for c in hist.tolist()]},
@@ -260,7 +261,8 @@ def merge_stats(parts: list[dict]) -> dict:
         "band_dropped": sum(p["band_dropped"] for p in parts),
         "veto_dropped": sum(p.get("veto_dropped", 0) for p in parts),
         "token_mask_ratio": wmean("token_mask_ratio"), "kl_k1": wmean("kl_k1"), "kl_k3": wmean("kl_k3"),
-        "kl_k3_current": (sum(p["kl_k3_current"] * p["tokens_current"] for p in parts) / current) if current else 0.0,
+        "kl_k3_current": (sum(p["kl_k3_current"] * p["tokens_current"] for p in parts if p["tokens_current"]) / current
+                          if current else None),
         "tokens_current": current,
         "max_abs_delta_p": max(p["max_abs_delta_p"] for p in parts),
         "is_weight_hist": {"edges": parts[0]["is_weight_hist"]["edges"],

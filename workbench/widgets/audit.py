@@ -276,7 +276,7 @@ def main(argv=None) -> None:
 
 # ------------------------------------------------------------------ step revisit (wb.revisit)
 REVISITED = ("loss", "grad_norm", "gate_pass_ratio", "stale_dropped", "band_dropped", "veto_dropped", "kl_k1", "kl_k3",
-             "kl_k3_current", "max_abs_delta_p", "staleness_hist", "tokens_per_version", "is_weight_hist", "replay_disagree_rate",
+             "kl_k3_current", "tokens_current", "max_abs_delta_p", "staleness_hist", "tokens_per_version", "is_weight_hist", "replay_disagree_rate",
              "replay_disagree_per_layer", "replay_fallback", "kl_k3_live", "kl_ref")
 
 
@@ -306,7 +306,8 @@ class Revisit:
                 return a == b or abs(a - b) <= atol + rtol * abs(a)
             return a == b
         rec = json.loads(json.dumps(self.recomputed, default=str))  # keys as the JSON log has them
-        return {k: (self.logged.get(k), rec.get(k)) for k in REVISITED if not same(self.logged.get(k), rec.get(k))}
+        # a statistic the logged run predates (its metrics.jsonl has no such key) has nothing to compare
+        return {k: (self.logged.get(k), rec.get(k)) for k in REVISITED if k in self.logged and not same(self.logged[k], rec.get(k))}
 
     def journey(self, row: int = 0, col: int | None = None):
         """The token journey widget on the recomputed report (default: row's first sampled token)."""
