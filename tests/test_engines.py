@@ -186,7 +186,7 @@ def test_reference_weight_update_and_partial_rollout(moe_path):
         after = await e.generate(p, SamplingConfig(max_tokens=20))
         # a stale engine fails the post-sync check
         # (the same weights loaded again: the error says the engine serves its previous sync's)
-        with pytest.raises(WeightSyncError, match=r"at \d+ of 47 probe positions; .* previous sync's by up to 0\)"
+        with pytest.raises(WeightSyncError, match=r"at \d+ of 47 probe positions, the first at \d+, the largest at \d+; .* previous sync's by up to 0\)"
                                                   r": it does not serve the new weights"):
             stale = expected_probe_logprobs(load_hf_model(moe_path), probe_ids(e.vocab_size))
             await e.update_weights(new, expected_probe=stale)
