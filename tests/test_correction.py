@@ -127,6 +127,10 @@ def test_stats_of_a_split_batch_merge_to_the_whole():
     assert merged["tokens_current"] == whole["tokens_current"] == 2
     assert whole["kl_k3_current"] == pytest.approx((1.2 - 1 - math.log(1.2)) / 2, abs=1e-6)
     assert merged["is_weight_hist"] == whole["is_weight_hist"] and merged["tokens_per_version"] == whole["tokens_per_version"]
+    # a batch without a token of the trainer's version measures nothing there: None, not 0
+    later = correction_weights(old, behav, mask, versions, 9, cfg).stats
+    assert later["tokens_current"] == 0 and later["kl_k3_current"] is None
+    assert merge_stats([later, whole])["kl_k3_current"] == pytest.approx(whole["kl_k3_current"], abs=1e-12)
 
 
 def test_gate_ratio_ignores_padding_rows_and_merges_over_unequal_parts():
