@@ -411,7 +411,9 @@ class VLLMEngine(RolloutEngine):
         the in-flight requests frees their blocks: each resumes by recomputing its context under
         the new weights, so every token is exactly its version's policy on its whole context
         (what the trainer and routing replay reproduce), at the cost of that recompute."""
-        await self.llm.reset_prefix_cache(reset_running_requests=True)
+        if await self.llm.reset_prefix_cache(reset_running_requests=True) is False:  # (vLLM 0.32 raises instead)
+            raise RuntimeError("vLLM refused to drop the K/V of the old weights after a weight load: "
+                               "tokens sampled now would read it; the sync is not complete")
 
     async def _set_version(self, version: int) -> None:
         await self.llm.update_weight_version(str(version))
