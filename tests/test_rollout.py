@@ -258,7 +258,8 @@ def test_a_turn_after_a_sync_is_replayed_with_its_own_versions_routing(moe_path,
     later[0, len(seg) - len(second.token_ids):] = True
 
     def gap(experts):
-        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], experts=experts)
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], experts=experts)
         return float((lp - batch["behaviour_logprobs"])[later].abs().max())
 
     replayed = batch["routed_experts"]
