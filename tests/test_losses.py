@@ -27,6 +27,20 @@ def test_group_estimators():
     assert torch.allclose(rpp, centred / centred.std(unbiased=False), atol=1e-4)
 
 
+@pytest.mark.parametrize("reward,n", [(0.7, 8), (0.7, 16), (0.1, 7), (0.9, 32), (1 / 3, 5)])
+def test_a_group_of_equal_rewards_has_no_advantage(reward, n):
+    """Equal non-integer rewards teach nothing. In float32 the group's mean was off by ~1e-8 and
+    its std ~1e-8, so grpo gave every episode the same advantage (+0.056 at 8 x 0.7), its sign
+    set by rounding. A second group with a spread keeps its advantages."""
+    rewards = torch.tensor([reward] * n + [0.0, 1.0], dtype=torch.float32)
+    groups = torch.tensor([0] * n + [1, 1])
+    x = AdvantageInput(rewards, groups, torch.ones(n + 2, 3))
+    for name in ("grpo", "dr_grpo", "rloo"):
+        a = get_advantage(name)(x)
+        assert a.dtype == torch.float32 and (a[:n] == 0).all(), (name, a[:n, 0])
+        assert (a[n:, 0] != 0).all(), name
+
+
 def test_singleton_group_has_no_leave_one_out_baseline():
     x = AdvantageInput(torch.tensor([3.0]), torch.tensor([7]), torch.tensor([[1, 1]]))
     assert get_advantage("rloo")(x).abs().sum() == 0

@@ -63,47 +63,59 @@ class AdvantageInput:
     teacher_logprobs: torch.Tensor | None = None  # [N, T] a teacher's log-probs of the same tokens
 
 
+EQUAL_REWARDS_TOL = 1e-9  # rewards of a group this close are one value (loop.zero_variance's tolerance)
+
+
 def _group_stats(x: torch.Tensor, groups: torch.Tensor):
-    """Per-element mean, std (unbiased where a group has > 1 member) and size of its group."""
+    """Per-element mean, std (unbiased where a group has > 1 member) and size of its group, in
+    float64. A group whose rewards are all equal (within EQUAL_REWARDS_TOL) has its rewards as
+    mean and std 0 exactly: in float32 eight rewards of 0.7 had a mean off by ~1e-8 and a std
+    of ~1e-8, and grpo's (r - mean) / (std + eps) gave the whole group the same advantage
+    (+0.056), its sign set by rounding: the policy's own samples pushed up or down together."""
+    x = x.double()
     _, idx, counts = torch.unique(groups, return_inverse=True, return_counts=True)
     sums = torch.zeros(len(counts), dtype=x.dtype).index_add_(0, idx, x)
     mean = (sums / counts)[idx]
     sq = torch.zeros(len(counts), dtype=x.dtype).index_add_(0, idx, (x - mean) ** 2)
     std = torch.sqrt(sq / (counts - 1).clamp(min=1))[idx]
-    return mean, std, counts[idx]
+    hi = torch.full((len(counts),), -torch.inf, dtype=x.dtype).scatter_reduce(0, idx, x, "amax")
+    lo = torch.full((len(counts),), torch.inf, dtype=x.dtype).scatter_reduce(0, idx, x, "amin")
+    flat = (hi - lo)[idx] <= EQUAL_REWARDS_TOL
+    return torch.where(flat, x, mean), torch.where(flat, torch.zeros_like(std), std), counts[idx]
 
 
 def _per_token(a: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return a[:, None] * mask.float()
+    return a.float()[:, None] * mask.float()
 
 
 @register_advantage("grpo")
 def grpo(x: AdvantageInput, eps: float = 1e-6) -> torch.Tensor:
     """(r - group mean) / (group std + eps)."""
-    mean, std, _ = _group_stats(x.rewards.float(), x.groups)
-    return _per_token((x.rewards - mean) / (std + eps), x.loss_mask)
+    mean, std, _ = _group_stats(x.rewards, x.groups)
+    return _per_token((x.rewards.double() - mean) / (std + eps), x.loss_mask)
 
 
 @register_advantage("dr_grpo")
 def dr_grpo(x: AdvantageInput) -> torch.Tensor:
     """r - group mean, no std scaling (pair with aggregate="constant")."""
-    mean, _, _ = _group_stats(x.rewards.float(), x.groups)
-    return _per_token(x.rewards - mean, x.loss_mask)
+    mean, _, _ = _group_stats(x.rewards, x.groups)
+    return _per_token(x.rewards.double() - mean, x.loss_mask)
 
 
 @register_advantage("rloo")
 def rloo(x: AdvantageInput) -> torch.Tensor:
     """r_i minus the mean of the *other* rewards of its group (leave-one-out)."""
-    mean, _, n = _group_stats(x.rewards.float(), x.groups)
-    loo = torch.where(n > 1, (mean * n - x.rewards) / (n - 1).clamp(min=1), torch.zeros_like(mean))
-    return _per_token(torch.where(n > 1, x.rewards - loo, torch.zeros_like(mean)), x.loss_mask)
+    mean, std, n = _group_stats(x.rewards, x.groups)
+    r = x.rewards.double()
+    loo = torch.where(n > 1, (mean * n - r) / (n - 1).clamp(min=1), torch.zeros_like(mean))
+    return _per_token(torch.where((n > 1) & (std > 0), r - loo, torch.zeros_like(mean)), x.loss_mask)
 
 
 @register_advantage("reinforce_pp_baseline")
 def reinforce_pp_baseline(x: AdvantageInput, eps: float = 1e-6) -> torch.Tensor:
     """REINFORCE++ with baseline: subtract the group mean, then whiten over the whole batch."""
-    mean, _, _ = _group_stats(x.rewards.float(), x.groups)
-    a = x.rewards - mean
+    mean, _, _ = _group_stats(x.rewards, x.groups)
+    a = x.rewards.double() - mean
     return _per_token((a - a.mean()) / (a.std(unbiased=False) + eps), x.loss_mask)
 
 
