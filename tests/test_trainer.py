@@ -463,6 +463,29 @@ def test_dense_bf16_mixed_precision_with_a_kl_penalty_to_the_reference(ray_local
         t.shutdown()
 
 
+def test_more_updates_than_rows_runs_one_update_a_row(ray_local, dense_path):
+    """updates_per_step above a rank's rows trains as one update a row: no empty mini-batch (one
+    ran no forward yet averaged a zero gradient norm into the step's, and with
+    micro_batch_tokens it ran a forward on no rows)."""
+    g = torch.Generator().manual_seed(2)
+    segs = [Segment(torch.randint(3, 500, (20,), generator=g).tolist(), [0] * 8 + [1] * 12, [0.0] * 20, [-1] * 8 + [0] * 12)
+            for _ in range(3)]
+    b = training_tensors(segs)
+    b["advantages"] = torch.tensor([1.0, -1.0, 1.0])[:, None] * b["loss_mask"]
+    results = []
+    for updates in (4, 3):
+        t = Trainer(str(dense_path), world_size=1, cfg=TrainerConfig(lr=1e-2, updates_per_step=updates, micro_batch_tokens=64,
+                                                                     correction=CorrectionConfig(enabled=False, max_staleness=None)))
+        try:
+            b["behaviour_logprobs"] = t.logprobs(b) * b["loss_mask"]
+            stats = t.train_step(b)
+            results.append((stats["loss"], stats["grad_norm"], t.logprobs(b)))
+        finally:
+            t.shutdown()
+    (loss4, norm4, lp4), (loss3, norm3, lp3) = results
+    assert norm3 > 0 and abs(norm4 - norm3) < 1e-6 * norm3 and abs(loss4 - loss3) < 1e-7 and torch.equal(lp4, lp3)
+
+
 def test_several_updates_per_step_move_the_ratios_off_one(ray_local, dense_path):
     """updates_per_step=2: two AdamW steps against one pi_old, so the second update's ratios
     differ from 1 (where PPO clipping acts); the loss is still the objective's mean."""

@@ -413,6 +413,10 @@ class TrainerWorker:
         self.model.train()
         loss_sum, norms, corr_parts, replay, rows, kl_sum, shift_sum = 0.0, [], [], [], [], 0.0, 0.0
         per = -(-batch["input_ids"].shape[0] // updates)
+        # fewer rows than updates: one update a row (an empty mini-batch would average a zero
+        # gradient norm into the step's, and with micro_batch_tokens run a forward on no rows).
+        # Every rank has as many rows (Trainer._split), so every rank runs as many updates.
+        updates = -(-batch["input_ids"].shape[0] // per) if per else updates
         for u in range(updates):
             ub = {k: (v[u * per: (u + 1) * per] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
             # the mini-batch's trainable tokens and episodes over all ranks: what its means divide by
