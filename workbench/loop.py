@@ -30,7 +30,7 @@ from .agents import Task
 from .rollout.actor import sync_weights
 from .rollout.engine import probe_ids
 from .tokens import Trajectory, training_tensors
-from .trainer.losses import ADVANTAGES, PER_TOKEN_ADVANTAGES, AdvantageInput, get_advantage
+from .trainer.losses import ADVANTAGES, EQUAL_REWARDS_TOL, PER_TOKEN_ADVANTAGES, AdvantageInput, get_advantage
 
 MODES = ("sync", "async")
 # What a step does with an episode that failed (the agent raised or timed out, an engine died)
@@ -142,7 +142,7 @@ def episode_reward(t: Trajectory, on_failed: str = "drop", on_truncated: str = "
 
 
 def zero_variance(group: list[Trajectory], on_failed: str = "drop", on_truncated: str = "keep",
-                  overlong: tuple | None = None, tol: float = 1e-9) -> bool:
+                  overlong: tuple | None = None, tol: float = EQUAL_REWARDS_TOL) -> bool:
     """True when the rewards the batch would train this group on (episode_reward) are all equal
     (or fewer than two are kept): every advantage of the group is then 0, so it teaches nothing."""
     rewards = [r for _, r, _ in (episode_reward(t, on_failed, on_truncated, overlong) for t in group) if r is not None]

@@ -63,7 +63,7 @@ class AdvantageInput:
     teacher_logprobs: torch.Tensor | None = None  # [N, T] a teacher's log-probs of the same tokens
 
 
-EQUAL_REWARDS_TOL = 1e-9  # rewards of a group this close are one value (loop.zero_variance's tolerance)
+EQUAL_REWARDS_TOL = 1e-9  # rewards of a group this close are one value (here and in loop.zero_variance)
 
 
 def _group_stats(x: torch.Tensor, groups: torch.Tensor):
