@@ -136,8 +136,19 @@ def register_staleness_gate(fn=None) -> None:
 class Correction:
     weights: torch.Tensor  # [B, T] per-token weight, 0 where dropped or not trainable
     keep: torch.Tensor  # [B] bool: sequence passed the staleness gate, the veto and (seq/geo mask) the band
-    stats: dict
     token_keep: torch.Tensor | None = None  # [B, T] bool: trainable tokens of kept units (every loss term's mask)
+    # the statistics' inputs, detached, where they were computed: read by `stats` on first use, so
+    # a trainer on a GPU reads every micro-batch's statistics once, after its step's last kernel
+    # is queued (each read on the host waits for the device to drain its queue)
+    _inputs: tuple = ()
+    _computed: dict | None = None
+
+    @property
+    def stats(self) -> dict:
+        if self._computed is None:
+            self._computed = _stats(*self._inputs)
+            self._inputs = ()
+        return self._computed
 
 
 def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, loss_mask: torch.Tensor,
@@ -188,10 +199,8 @@ def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
         if cfg.enabled and cfg.mode == "mask" and cfg.level == "token":
             token_keep &= in_band
 
-        stats = _stats(trainer_logprobs, behaviour_logprobs, m, r, weights, keep, fresh, stale, versions)
-        stats["veto_dropped"] = int((fresh & vetoed & m.any(-1)).sum())
-        stats["band_dropped"] -= stats["veto_dropped"]
-    return Correction(weights, keep, stats, token_keep)
+        inputs = tuple(t.detach() for t in (trainer_logprobs, behaviour_logprobs, m, r, weights, keep, fresh, stale, versions, vetoed))
+    return Correction(weights, keep, token_keep, inputs)
 
 
 def kl_k3_sum(trainer_lp: torch.Tensor, behaviour_lp: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, int]:
@@ -203,10 +212,10 @@ def kl_k3_sum(trainer_lp: torch.Tensor, behaviour_lp: torch.Tensor, loss_mask: t
     return float((lr.exp() - 1 - lr).sum()), int(m.sum())
 
 
-def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions) -> dict:
+def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions, vetoed) -> dict:
     # on CPU: small tensors, and torch.histogram has no CUDA kernel
-    trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions = (
-        t.detach().cpu() for t in (trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions))
+    trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions, vetoed = (
+        t.cpu() for t in (trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions, vetoed))
     n = int(m.sum())
     current = m & (stale == 0)  # sampled by the weights the trainer holds now
     n_current = int(current.sum())
@@ -219,7 +228,8 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions) ->
         "gate_pass_ratio": float(keep[rows].float().mean()) if rows.any() else 1.0,
         "sequences": int(rows.sum()),
         "stale_dropped": int((~fresh & rows).sum()),
-        "band_dropped": int((fresh & ~keep & rows).sum()),
+        "band_dropped": int((fresh & ~keep & ~vetoed & rows).sum()),
+        "veto_dropped": int((fresh & vetoed & rows).sum()),
         "token_mask_ratio": float((weights[m] > 0).float().mean()) if n else 1.0,
         # KL(behaviour || trainer) estimators on the behaviour samples, with r = pi_old / pi_behav
         "kl_k1": float((-lr).mean()) if n else 0.0,

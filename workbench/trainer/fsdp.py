@@ -16,7 +16,6 @@ given tokens < i; column 0 is 0.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import socket
@@ -27,7 +26,7 @@ import ray
 import torch
 
 from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_stats
-from ..replay import routing_replay
+from ..replay import ReplayStats, routing_replay
 from .logprobs import forward_logprobs, logprob_head, sampled_logprobs
 from .packing import micro_batches_by_tokens, pack, packed_forward, unpack
 from .losses import KL_ESTIMATORS, aggregation_weights, episode_units, get_surrogate
@@ -149,20 +148,21 @@ class TrainerConfig:
 
 @contextlib.contextmanager
 def replayed_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None, apply_replay: bool = True,
-                      positions=None, chunk_mb: float | None = 256.0, packed: bool = False):
+                      positions=None, chunk_mb: float | None = 256.0, packed: bool = False, host_mask=None):
     """Yields (log-probs [B, T] with column 0 = 0, ReplayStats) of one forward of `model`, with
     routing replay when `experts` ([B, T, layers, k]) is given; run the backward inside the
     context (activation-checkpoint recomputes must replay too). `apply_replay=False` routes live
     but still counts where live routing disagrees with `experts`. `positions`: where replay
     statistics count (default: the attention mask). `chunk_mb`: the largest fp32 logits chunk
     (trainer/logprobs.py; None: full logits). `packed`: the rows' attended tokens as one row
-    (trainer/packing.py); padding positions then get log-prob 0."""
+    (trainer/packing.py); padding positions then get log-prob 0; `host_mask`: the attention mask's
+    copy on the host, where the packing plan is made (None: read from the device)."""
     positions = attention_mask if positions is None else positions
     if not packed:
         with routing_replay(model, experts, apply=apply_replay, positions=positions) as stats:
             yield forward_logprobs(model, input_ids, attention_mask, temperature, chunk_mb), stats
         return
-    p = pack(input_ids, attention_mask, experts, positions)
+    p = pack(input_ids, attention_mask, experts, positions, host_mask)
     with routing_replay(model, p.experts, apply=apply_replay, positions=p.counted) as stats:
         with logprob_head(model, p.input_ids, temperature, chunk_mb) as swapped:
             out = packed_forward(model, p).logits
@@ -170,10 +170,10 @@ def replayed_logprobs(model, input_ids, attention_mask, temperature: float = 1.0
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None, apply_replay: bool = True,
-                   positions=None, chunk_mb: float | None = 256.0, packed: bool = False):
+                   positions=None, chunk_mb: float | None = 256.0, packed: bool = False, host_mask=None):
     """(log-probs, ReplayStats) of one forward: replayed_logprobs, without a backward."""
     with replayed_logprobs(model, input_ids, attention_mask, temperature, experts, apply_replay, positions,
-                           chunk_mb, packed) as (lp, stats):
+                           chunk_mb, packed, host_mask) as (lp, stats):
         pass
     return lp, stats
 
@@ -191,8 +191,9 @@ RENDEZVOUS_TIMEOUT_S = 600  # how long ranks wait for each other (loading a larg
 
 def _sum_replay(parts: list) -> dict:
     """Per-layer replayed / fallback / disagree counts (ReplayStats or their dicts), summed."""
-    parts = [dataclasses.asdict(p) if dataclasses.is_dataclass(p) else p for p in parts]
-    return {k: [sum(col) for col in zip(*(p[k] for p in parts))] for k in ("replayed", "fallback", "disagree")}
+    keys = ("replayed", "fallback", "disagree")
+    parts = [{k: getattr(p, k) for k in keys} if isinstance(p, ReplayStats) else p for p in parts]
+    return {k: [sum(col) for col in zip(*(p[k] for p in parts))] for k in keys}
 
 
 def replay_summary(parts: list[dict]) -> dict:
@@ -338,7 +339,12 @@ class TrainerWorker:
                 "checkpoint_bytes_read": self.checkpoint_bytes_read}
 
     def _to(self, batch: dict) -> dict:
-        return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        """The batch on this rank's device, and its attention mask also on the host
+        ("attention_mask_host"): micro-batch cuts and packing plans are made from it there, so
+        a GPU step does not wait for the device to read them."""
+        host = batch.get("attention_mask_host", batch["attention_mask"]).cpu()
+        out = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items() if k != "attention_mask_host"}
+        return {**out, "attention_mask_host": host}
 
     def _micro(self, batch: dict):
         """The micro-batches of this rank's rows: micro_batch_size rows each, or (with
@@ -349,7 +355,7 @@ class TrainerWorker:
         else:
             import torch.distributed as dist
 
-            lengths = batch["attention_mask"].sum(1).tolist()
+            lengths = batch["attention_mask_host"].sum(1).tolist()
             count = torch.tensor([len(micro_batches_by_tokens(lengths, budget))], device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank runs as many forwards (collectives)
             cuts = micro_batches_by_tokens(lengths, budget, int(count))
@@ -373,7 +379,8 @@ class TrainerWorker:
             for mb in self._micro(batch):
                 lp, st = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
                                         mb.get("routed_experts"), apply_replay=replay, positions=self._counted(mb),
-                                        chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences)
+                                        chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences,
+                                        host_mask=mb["attention_mask_host"])
                 out.append(lp.cpu())
                 stats.append(st)
         self._reshard()
@@ -411,7 +418,10 @@ class TrainerWorker:
             batch["old_logprobs"] = self.logprobs(batch)[0].to(self.device)
         surrogate = get_surrogate(self.cfg.surrogate)
         self.model.train()
-        loss_sum, norms, corr_parts, replay, rows, kl_sum, shift_sum = 0.0, [], [], [], [], 0.0, 0.0
+        # the step's sums stay on the device (a float() per micro-batch would wait for the device
+        # each time, draining its queue), read once after the last update is queued
+        zero = torch.zeros((), device=self.device, dtype=torch.float64)
+        loss_sum, norms, corr_parts, replay, rows, kl_sum, shift_sum = zero, [], [], [], [], zero, zero
         per = -(-batch["input_ids"].shape[0] // updates)
         # fewer rows than updates: one update a row (an empty mini-batch would average a zero
         # gradient norm into the step's, and with micro_batch_tokens run a forward on no rows).
@@ -420,15 +430,15 @@ class TrainerWorker:
         for u in range(updates):
             ub = {k: (v[u * per: (u + 1) * per] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
             # the mini-batch's trainable tokens and episodes over all ranks: what its means divide by
-            counts = torch.tensor([float(ub["loss_mask"].sum()), float(episode_units(ub["loss_mask"], ub.get("episode_tokens")).sum())],
-                                  device=self.device)
+            counts = torch.stack([ub["loss_mask"].sum().double(), episode_units(ub["loss_mask"], ub.get("episode_tokens")).sum().double()])
             dist.all_reduce(counts)
+            counts = counts.tolist()  # read once per update (micro-batches divide by these)
             for mb in self._micro(ub):
                 # the replay context spans backward: activation-checkpoint recompute must replay too
                 with replayed_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
                                        mb.get("routed_experts"), apply_replay=self.cfg.routing_replay,
                                        positions=self._counted(mb), chunk_mb=self.cfg.logprob_chunk_mb,
-                                       packed=self.cfg.pack_sequences) as (lp, rstats):
+                                       packed=self.cfg.pack_sequences, host_mask=mb["attention_mask_host"]) as (lp, rstats):
                     old = lp.detach() if updates == 1 else mb["old_logprobs"]
                     corr = correction_weights(old, mb["behaviour_logprobs"], mb["loss_mask"], mb["versions"],
                                               trainer_version, self.cfg.correction)
@@ -438,25 +448,28 @@ class TrainerWorker:
                         # gated like the surrogate (a dropped sequence gets no KL gradient either), not
                         # IS-weighted: the penalty is on the current policy's own tokens, not a correction
                         tl = tl + self.cfg.kl_coef * kl * corr.token_keep
-                        kl_sum += float(kl.detach().sum())  # the statistic: KL on every trainable token
+                        kl_sum = kl_sum + kl.detach().sum()  # the statistic: KL on every trainable token
                     # this rank's share of the mini-batch's loss; x world size because FSDP averages
                     # the ranks' gradients, where the loss is their sum
-                    w = aggregation_weights(mb["loss_mask"], self.cfg.aggregation, *counts.tolist(),
+                    w = aggregation_weights(mb["loss_mask"], self.cfg.aggregation, *counts,
                                             max_len=self.cfg.constant_len, episode_tokens=mb.get("episode_tokens"))
                     (tl * w).sum().mul(self.world_size).backward()
                 contribution = (tl * w).detach() / updates  # of the step's reported loss (mean over updates)
-                shift_sum += float(((lp.detach() - old).abs() * mb["loss_mask"]).sum())
-                loss_sum += float(contribution.sum())
-                corr_parts.append(corr.stats)
+                shift_sum = shift_sum + ((lp.detach() - old).abs() * mb["loss_mask"]).sum()
+                loss_sum = loss_sum + contribution.sum()
+                corr_parts.append(corr)
                 replay.append(rstats)
                 if report:
                     rows.append({"trainer_logprobs": old, "is_weight": corr.weights, "gate_keep": corr.token_keep,
                                  "loss_contribution": contribution})
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        out = {"loss": loss_sum, "grad_norm": sum(norms) / len(norms), "correction": merge_stats(corr_parts),
+        # (with cpu_offload the gradients, so their norms, are on the host)
+        sums = [loss_sum, kl_sum, shift_sum, *(n.double().to(self.device) for n in norms)]
+        loss_sum, kl_sum, shift_sum, *norms = torch.stack(sums).tolist()
+        out = {"loss": loss_sum, "grad_norm": sum(norms) / len(norms), "correction": merge_stats([c.stats for c in corr_parts]),
                "replay": _sum_replay(replay), "kl_k3_live": live,
                "kl_ref": {"sum": kl_sum, "tokens": int(batch["loss_mask"].sum())} if self.ref_model else None,
                # mean |log pi - log pi_old| over the step's tokens: 0 with one update per step; how far
@@ -476,7 +489,8 @@ class TrainerWorker:
         with torch.no_grad():
             ref, _ = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
                                     mb.get("routed_experts"), apply_replay=self.cfg.routing_replay,
-                                    chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences)
+                                    chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences,
+                                    host_mask=mb["attention_mask_host"])
         self._reshard(self.ref_model)
         return KL_ESTIMATORS[self.cfg.kl_estimator](lp - ref) * mb["loss_mask"].float()
 

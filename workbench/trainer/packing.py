@@ -28,10 +28,16 @@ class Packed:
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, experts: torch.Tensor | None = None,
-         counted: torch.Tensor | None = None) -> Packed:
+         counted: torch.Tensor | None = None, host_mask: torch.Tensor | None = None) -> Packed:
     """The attended positions of [rows, width] tensors (any padding side), first-fit decreasing
-    into as few packed rows as hold them, each as wide as the longest row."""
-    valid = attention_mask.bool()
+    into as few packed rows as hold them, each as wide as the longest row.
+
+    The plan (where each token goes) is made on the host from `host_mask`, the attention mask's
+    CPU copy (default: read from `attention_mask`, a wait on a GPU), and moved to the tensors'
+    device in one copy; the tensors are then moved by index only. Boolean-mask indexing on a GPU
+    waits for the device (the result's size is data-dependent): six waits a micro-batch."""
+    device = input_ids.device
+    valid = (attention_mask if host_mask is None else host_mask).bool().cpu()
     lengths = valid.sum(1).tolist()
     width = max(lengths, default=0) or 1
     fill, start = [], [0] * len(lengths)  # tokens used per packed row; each row's flat start
@@ -41,26 +47,33 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, experts: torch.T
             fill.append(0)
         start[i], fill[r] = r * width + fill[r], fill[r] + lengths[i]
     positions = valid.long().cumsum(1) - 1  # 0.. over each row's attended positions
-    dest = torch.tensor(start, dtype=torch.long, device=input_ids.device)[:, None] + positions
+    dest = torch.tensor(start, dtype=torch.long)[:, None] + positions
     index = torch.where(valid, dest, torch.zeros_like(dest))
     n = len(fill) * width
-    ids = input_ids.new_zeros(n)
-    ids[dest[valid]] = input_ids[valid]
+    src, dst = valid.reshape(-1).nonzero()[:, 0], dest[valid]  # flat: where each real token is, where it goes
     # a packed row's unused tail is its own sequence (positions from 0), so no real token sees it
     pos = torch.cat([torch.cat([torch.zeros(used, dtype=torch.long), torch.arange(width - used)]) for used in fill])
-    pos = pos.to(input_ids.device)
-    pos[dest[valid]] = positions[valid]
-    out = Packed(input_ids=ids.view(len(fill), width), position_ids=pos.view(len(fill), width), experts=None,
-                 counted=None, valid=valid, index=index)
-    if experts is not None:
-        e = experts.new_full((n, *experts.shape[2:]), -1)
-        e[dest[valid]] = experts[valid]
-        out.experts = e.view(len(fill), width, *experts.shape[2:])
-    if counted is not None:
-        c = counted.new_zeros(n)
-        c[dest[valid]] = counted[valid]
-        out.counted = c.view(len(fill), width)
-    return out
+    pos[dst] = positions[valid]
+    src, dst, pos, index, valid = _to_device(device, src, dst, pos, index, valid)
+
+    def moved(t: torch.Tensor, fill_value) -> torch.Tensor:  # t's real positions at their packed places
+        flat = t.reshape(-1, *t.shape[2:])
+        out = flat.new_full((n, *t.shape[2:]), fill_value)
+        return out.index_copy_(0, dst, flat.index_select(0, src)).view(len(fill), width, *t.shape[2:])
+
+    return Packed(input_ids=moved(input_ids, 0), position_ids=pos.view(len(fill), width),
+                  experts=None if experts is None else moved(experts, -1),
+                  counted=None if counted is None else moved(counted, 0), valid=valid, index=index)
+
+
+def _to_device(device: torch.device, *host: torch.Tensor) -> list[torch.Tensor]:
+    """Host tensors (long or bool) on `device` in one copy that does not wait for the device
+    (pinned memory, non_blocking): the plan of a micro-batch is ready before its forward runs."""
+    if device.type == "cpu":
+        return list(host)
+    flat = torch.cat([t.reshape(-1).long() for t in host]).pin_memory().to(device, non_blocking=True)
+    out = list(flat.split([t.numel() for t in host]))
+    return [o.view(t.shape).to(t.dtype) for o, t in zip(out, host)]
 
 
 def unpack(lp: torch.Tensor, packed: Packed) -> torch.Tensor:
