@@ -17,7 +17,7 @@ import pytest
 import ray
 import torch
 
-from workbench.loopback.server import LoopbackServer
+from workbench.loopback.server import LoopbackServer, session_seed
 from workbench.rollout.engine import SamplingConfig
 from workbench.tokens import Accumulator
 from workbench.toy.models import load_hf_model, load_tokenizer
@@ -543,6 +543,23 @@ def teacher_forced(model, prompt_ids, token_ids, temperature):
     return np.asarray([lp[len(prompt_ids) - 1 + j, t].item() for j, t in enumerate(token_ids)])
 
 
+def test_a_group_sending_one_seed_samples_independently(server):
+    """A group's episodes send the same first request; an agent that sets `seed` would draw the
+    same sample in every one of them (a group without reward variance: no signal, silently).
+    The recorded turn's seed is the agent's mixed with the session id: distinct per session."""
+    sids = [server.open_session() for _ in range(4)]
+    replies = []
+    for sid in sids:
+        r = oai(server, sid).chat.completions.create(model="policy", max_tokens=12, seed=7,
+                                                     messages=[{"role": "user", "content": "Tell me a story."}])
+        replies.append(r.choices[0].message.content)
+        assert server.engine.sampling[-1].seed == session_seed(7, sid) != 7
+    assert len(set(replies)) == 4  # old: one reply four times
+    assert len({session_seed(7, s) for s in sids}) == 4 and session_seed(None, sids[0]) is None
+    for sid in sids:
+        server.close_session(sid)
+
+
 def test_policy_owns_the_sampling_of_recorded_turns(vllm_moe, tokenizer, moe_path):
     """An agent sends temperature 0.7 and top_p 0.95: its recorded turn is sampled at the
     policy's temperature (0.9, top_p 1), so its behaviour log-probs are the trainer's
@@ -557,7 +574,7 @@ def test_policy_owns_the_sampling_of_recorded_turns(vllm_moe, tokenizer, moe_pat
                                            seed=5, stop=["zzz"], logprobs=True, extra_body={"ignore_eos": True})
         first, asked = srv.engine.samples[-1], srv.engine.sampling[-1]
         assert (asked.temperature, asked.top_p) == (0.9, 1.0)
-        assert (asked.max_tokens, asked.seed, asked.stop, asked.ignore_eos) == (16, 5, ["zzz"], True)
+        assert (asked.max_tokens, asked.seed, asked.stop, asked.ignore_eos) == (16, session_seed(5, sid), ["zzz"], True)
         assert [t.logprob for t in r.choices[0].logprobs.content] == pytest.approx(first.logprobs)
         msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
         client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)  # sends no temperature

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import logging
 import re
 import secrets
@@ -226,6 +227,16 @@ def retry_count(request: Request) -> int:
         return int(request.headers.get("x-stainless-retry-count", "0"))
     except ValueError:
         return 0
+
+
+def session_seed(seed: int | None, session_id: str) -> int | None:
+    """A recorded turn's seed: the agent's (or the policy's) mixed with its session id. Why: a
+    group's G episodes send the same first request, and one seed would draw the same sample G
+    times: a group with no reward variance, so no signal, that no statistic names. Mixed, each
+    session still samples reproducibly from its seed, independently of the group's others."""
+    if seed is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{session_id}".encode(), digest_size=8).digest(), "big") >> 1
 
 
 class LoopbackServer:
@@ -582,10 +593,11 @@ class LoopbackServer:
         sampling.max_tokens = min(wanted, room)
         return True, sampling.max_tokens < wanted
 
-    def _policy_sampling(self, req: ChatRequest) -> tuple[SamplingConfig, list[str]]:
+    def _policy_sampling(self, req: ChatRequest, sid: str) -> tuple[SamplingConfig, list[str]]:
         """The sampling of a recorded turn: the policy's distribution, the agent's max_tokens,
-        stop strings, seed and ignore_eos. Also the sent fields that differ from the policy's
-        (override mode counts them; strict mode refuses the request here)."""
+        stop strings, seed (made the session's own: session_seed) and ignore_eos. Also the sent
+        fields that differ from the policy's (override mode counts them; strict mode refuses
+        the request here)."""
         p, a = self.policy_sampling, req.sampling
         differing = [n for n, v in req.sent.items() if differs(n, v, p)]
         if differing and self.sampling_mode == "strict":
@@ -599,7 +611,8 @@ class LoopbackServer:
         return SamplingConfig(temperature=p.temperature, top_p=p.top_p, max_tokens=1,
                               stop=list(dict.fromkeys(p.stop + a.stop)),
                               stop_token_ids=list(dict.fromkeys(p.stop_token_ids + a.stop_token_ids)),
-                              ignore_eos=a.ignore_eos or p.ignore_eos, seed=a.seed if a.seed is not None else p.seed), differing
+                              ignore_eos=a.ignore_eos or p.ignore_eos,
+                              seed=session_seed(a.seed if a.seed is not None else p.seed, sid)), differing
 
     async def turn(self, session_id: str, messages: list[dict], tools: list | None, sampling) -> Reply:
         """One recorded turn without HTTP, for the framework-owned Env loop: the same
@@ -620,7 +633,7 @@ class LoopbackServer:
     async def _session_turn(self, sid: str, req: ChatRequest):
         acc = self.sessions[sid]
         async with acc.lock:
-            sampling, differing = self._policy_sampling(req)  # strict mode refuses here: nothing recorded
+            sampling, differing = self._policy_sampling(req, sid)  # strict mode refuses here: nothing recorded
             req.sampling = sampling  # stop strings are applied to the reply from here
             plan = await self._plan(acc, req)  # render + encode in a worker thread
             if plan.cached is not None:
