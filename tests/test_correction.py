@@ -178,6 +178,9 @@ def test_token_veto_by_hand():
     assert c.stats["veto_dropped"] == 1
     c = run(CorrectionConfig(level="token", mode="trunc", low=0.0, high=2.0, max_staleness=None, veto_high=1.1))
     assert c.keep.tolist() == [False, True] and torch.allclose(c.weights[1], torch.tensor([0, 0.5, 1.0]))
+    # the veto is a gate: with the correction's weights off (every kept token weighs 1) it still drops
+    c = run(CorrectionConfig(level="token", mode="trunc", low=0.0, high=2.0, max_staleness=None, veto_low=0.6, enabled=False))
+    assert c.keep.tolist() == [True, False] and c.weights[1].sum() == 0 and c.stats["veto_dropped"] == 1
     # token mask: a rejected token is out of every loss term (token_keep), a kept one in
     c = run(CorrectionConfig(level="token", mode="mask", low=0.8, high=1.1, max_staleness=None))
     assert c.token_keep.tolist() == [[False, True, False], [False, False, True]]

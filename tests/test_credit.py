@@ -4,6 +4,7 @@ follow the loop's setting. Constructed trajectories, hand-computed values."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,6 +46,19 @@ def test_an_episode_of_five_segments_weighs_once_in_its_group(estimator, expecte
     assert info["signal_tokens"] == 16  # the first group's 8 rows of 2 tokens; the others' advantages are 0
     _, info = batch_from_groups([[episode(1.0), episode(1.0)]], estimator)
     assert info["signal_tokens"] == 0
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "dr_grpo"])
+def test_rewards_equal_in_float64_but_not_in_float32_have_no_advantage(estimator):
+    """Rewards 6e-10 apart (one value to zero_variance, within 1e-9) that straddle a float32
+    rounding point: cast to float32 before the advantage they were one float32 step apart, and
+    grpo gave the group +-0.029 while zero_variance_groups counted it as flat."""
+    a = float(np.float32(0.7))
+    mid = (a + float(np.nextafter(np.float32(0.7), np.float32(1)))) / 2
+    group = [episode(mid + d) for d in (-3e-10, 3e-10, -3e-10, 3e-10)]
+    batch, info = batch_from_groups([group], estimator)
+    assert info["zero_variance_groups"] == 1 and info["signal_tokens"] == 0
+    assert batch["advantages"].abs().max() == 0
 
 
 def test_steps_without_learning_signal_are_reported_once_a_streak(capsys):

@@ -160,6 +160,10 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     assert all(t.error is None and t.reward == 1.0 for t in ok)
     crash = rollout_for(AGENTS / "crashing.py").run_groups([task], group_size=2, progress=False)[0]
     assert all("agent exploded on purpose" in t.error and t.reward == 0.0 for t in crash)
+    # a NaN reward fails its episode (one NaN advantage makes every weight NaN at the next update),
+    # keeping what it recorded
+    nan = rollout_for(AGENTS / "nan_reward.py").run_groups([task], group_size=2, progress=False)[0]
+    assert all("reward is nan: a reward must be a finite number" in t.error and t.reward == 0.0 and t.segments for t in nan)
     t0 = time.time()
     hang = rollout_for(AGENTS / "hanging.py", episode_timeout_s=5).run_groups([task], group_size=2, progress=False)[0]
     assert time.time() - t0 < 60

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -160,4 +161,6 @@ def as_reward(result) -> tuple[float, dict]:
         reward, info = result, {}
     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
         raise TypeError(f"an agent must return a reward (a number) or (reward, info), got {result!r}")
+    if not math.isfinite(reward):  # one NaN advantage makes the loss, so every weight, NaN at the next update
+        raise ValueError(f"the episode's reward is {reward}: a reward must be a finite number")
     return float(reward), info

@@ -60,7 +60,7 @@ class CorrectionConfig:
     low: float = 0.99
     high: float = 1.01
     max_staleness: int | None = 4  # None: no staleness gate
-    enabled: bool = True  # False: every kept token weighs 1 (the gates still apply)
+    enabled: bool = True  # False: every kept token weighs 1 (the staleness gate and the veto still apply)
     kept_weight: str = "ratio"  # mask mode: a kept unit weighs its ratio u ("ratio") or 1 ("one")
     veto_low: float | None = None  # drop a sequence holding any token ratio below this (e.g. 1e-4)
     veto_high: float | None = None  # ... or above this
@@ -184,7 +184,7 @@ def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
             w = unit.clamp(max=cfg.high)
         keep = fresh.clone()
         vetoed = torch.zeros_like(fresh)
-        if cfg.enabled and (cfg.veto_low is not None or cfg.veto_high is not None):
+        if cfg.veto_low is not None or cfg.veto_high is not None:  # a gate: it applies enabled or not
             bad = torch.zeros_like(m)
             if cfg.veto_low is not None:
                 bad |= r < cfg.veto_low

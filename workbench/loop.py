@@ -203,13 +203,13 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
         for i, s in enumerate(segments):
             lp_teacher[i, :len(s)] = torch.tensor(teacher[id(s)], dtype=torch.float32)
         m = batch["loss_mask"]
-        x = AdvantageInput(torch.tensor(rewards, dtype=torch.float32)[index], index, m,
+        x = AdvantageInput(torch.tensor(rewards, dtype=torch.float64)[index], index, m,
                            logprobs=batch["behaviour_logprobs"], teacher_logprobs=lp_teacher)
         batch["advantages"] = get_advantage(advantage)(x).float() * m
         info["distill_reverse_kl"] = float(((batch["behaviour_logprobs"] - lp_teacher) * m).sum() / m.sum().clamp(min=1))
     else:
         # one row per episode (an episode without trainable tokens still counts in its group's baseline)
-        x = AdvantageInput(torch.tensor(rewards, dtype=torch.float32), torch.tensor(group_index),
+        x = AdvantageInput(torch.tensor(rewards, dtype=torch.float64), torch.tensor(group_index),
                            torch.ones(len(rewards), 1))
         per_episode = get_advantage(advantage)(x).float()[:, 0]
         batch["advantages"] = per_episode[index][:, None] * batch["loss_mask"]

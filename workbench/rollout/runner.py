@@ -153,7 +153,7 @@ class RolloutRunner:
             if terminated or truncated:
                 break
             messages += [dict(m) for m in observation]
-        return total, {**info, "turns": turns}
+        return as_reward((total, {**info, "turns": turns}))  # a non-finite total fails the episode
 
     async def shutdown(self) -> None:
         if self._clients is not None:  # their connection pools (aiohttp sessions), on the loop they live on
