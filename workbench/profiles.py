@@ -99,13 +99,14 @@ class ModelProfile:
 
 @dataclass
 class Checkpoint:
-    """What a family decision may look at: the directory, its config.json and its tokenizer's
-    special tokens (no weights are read)."""
+    """What a family decision may look at: the directory, its config.json, its tokenizer's
+    special tokens and its chat template (no weights are read)."""
 
     path: Path
     config: dict
     special_tokens: set[str]
     toy_spec: dict | None
+    chat_template: str | None = None  # chat_template.jinja, else tokenizer_config.json's (its default)
 
     @classmethod
     def read(cls, path: str | Path) -> "Checkpoint":
@@ -119,7 +120,7 @@ class Checkpoint:
         if tok_file.is_file():
             special = {t["content"] for t in json.loads(tok_file.read_text()).get("added_tokens", [])}
         spec = path / "workbench_spec.json"
-        return cls(path, config, special, json.loads(spec.read_text()) if spec.is_file() else None)
+        return cls(path, config, special, json.loads(spec.read_text()) if spec.is_file() else None, _chat_template(path))
 
     @property
     def model_type(self) -> str:
@@ -128,6 +129,16 @@ class Checkpoint:
     @property
     def context(self) -> int:
         return int(self.config.get("max_position_embeddings") or 4096)
+
+
+def _chat_template(path: Path) -> str | None:
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    cfg = path / "tokenizer_config.json"
+    tpl = json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
+    if isinstance(tpl, list):  # named templates: the default one
+        tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
+    return tpl if isinstance(tpl, str) else None
 
 
 FAMILIES: dict[str, Callable[[Checkpoint], ModelProfile | None]] = {}
@@ -164,10 +175,20 @@ def _qwen3(ck: Checkpoint):
         return None
     moe = ck.model_type == "qwen3_moe"
     tiny = (ck.path / "workbench_tiny.json").is_file()  # workbench.checkpoints.tiny_qwen3_path: CPU-sized, fp32
-    # the template strips earlier <think> blocks once a new user turn arrives: a template_rewrite seal at
+    # One model_type, three templates: hybrid (enable_thinking: Qwen3-0.6B..235B), thinking only
+    # (the generation prompt opens <think>: -Thinking-2507) and none (-Instruct-2507, -Coder). The
+    # qwen3 reasoning parser with thinking on reads a reply without </think> as all reasoning: a
+    # non-thinking checkpoint's every answer reached the agent as content "" (scored 0, silently).
+    # No template in the directory: the hybrid one, Qwen3's original.
+    tpl = ck.chat_template
+    hybrid, thinks = tpl is None or "enable_thinking" in tpl, tpl is None or "<think>" in tpl
+    # Qwen3-Coder's template writes tool calls as XML (<function=name><parameter=...>), not hermes JSON
+    tool_parser = "qwen3_coder" if tpl is not None and "<function=" in tpl else "hermes"
+    # the hybrid template strips earlier <think> blocks once a new user turn arrives: a template_rewrite seal at
     # every user turn with thinking on; the current turn's reasoning renders back as its <think> block
-    return ModelProfile("qwen3", chat_template_kwargs={"enable_thinking": True}, end_of_turn="<|im_end|>",
-                        tool_parser="hermes", reasoning_parser="qwen3", reasoning_field="reasoning_content",
+    return ModelProfile("qwen3", chat_template_kwargs={"enable_thinking": True} if hybrid else {}, end_of_turn="<|im_end|>",
+                        tool_parser=tool_parser, reasoning_parser="qwen3" if thinks else None,
+                        reasoning_field="reasoning_content" if thinks else None,
                         max_model_len=min(ck.context, 32768),
                         dtype="float32" if tiny else "bfloat16", moe=moe, capture_experts=moe, replay_rule="Qwen3MoeTopKRouter" if moe else None)
 
