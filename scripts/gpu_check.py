@@ -253,6 +253,8 @@ def check_replay(device, steps: int = 10, ab=None) -> None:
 
         runs["on_ab"] = lambda code=importlib.import_module("workbench_ab.replay"): fwd_bwd(experts, code)
     times = interleaved(runs, device, 3, steps)
+    for k in ("off", "on"):  # where the difference goes: $OUT/profile_replay_{off,on}.txt
+        profile_step(f"replay_{k}", runs[k], device)
     emit("replay", tokens=int(ids.numel()), off_s=times["off"], on_s=times["on"],
          ratio_on_off=round(times["on"] / times["off"], 4),
          **({"on_ab_s": times["on_ab"], "ratio_on_ab_off": round(times["on_ab"] / times["off"], 4)} if ab else {}))
