@@ -655,3 +655,23 @@ def test_context_clamps_max_tokens_and_a_full_context_ends_the_turn(vllm_moe, to
         assert r.choices[0].finish_reason == "length"
         _, state = srv.close_session(sid, details=True)
         assert not state["truncated"] and srv.summary()["truncated_sessions"] == 1
+
+
+def test_text_parts_are_joined_as_vllm_joins_them():
+    """vLLM renders a message's text parts (OpenAI content parts, Anthropic text blocks) and a
+    tool result's text blocks joined with "\\n", Anthropic system blocks with "": the prompt the
+    policy is trained on is the one it is deployed with. Before, every join was "", gluing an
+    agent's reminder block and its question into one word."""
+    from workbench.loopback import anthropic_api, openai_api
+
+    oai_req = openai_api.parse_request({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "<reminder>be brief</reminder>"}, {"type": "text", "text": "Fix it."}]}]})
+    assert oai_req.messages[0]["content"] == "<reminder>be brief</reminder>\nFix it."
+    ant = anthropic_api.parse_request({"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}],
+                                       "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": "a.py"}, {"type": "text", "text": "b.py"}]}]}]})
+    assert [m["content"] for m in ant.messages] == ["AB", "one\ntwo", "x\ny", "a.py\nb.py"]

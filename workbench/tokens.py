@@ -213,7 +213,7 @@ def _text(content) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")  # as vLLM joins parts
 
 
 # What canonical_message may keep, per model profile field (workbench.profiles.ModelProfile).

@@ -39,7 +39,7 @@ def _blocks(content, where: str) -> list[dict]:
     return content
 
 
-def _text_of(content, where: str) -> str:
+def _text_of(content, where: str, sep: str) -> str:
     if content is None:
         return ""
     parts = []
@@ -47,13 +47,16 @@ def _text_of(content, where: str) -> str:
         if b["type"] != "text":
             raise RequestError(400, f"{where}.content[{j}]: only text blocks are supported here, got {b['type']!r}")
         parts.append(str(b.get("text", "")))
-    return "".join(parts)
+    return sep.join(parts)
 
 
 def _messages(messages: list, system) -> list[dict]:
     out = []
     if system:
-        out.append({"role": "system", "content": system if isinstance(system, str) else _text_of(system, "system")})
+        # joined as vLLM's Anthropic server joins them: system blocks with "", text blocks of a
+        # message and a tool result's blocks with "\n" (an agent's reminder block and its question
+        # glued into one word would be trained on as the prompt vLLM never renders)
+        out.append({"role": "system", "content": system if isinstance(system, str) else _text_of(system, "system", "")})
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -82,7 +85,7 @@ def _messages(messages: list, system) -> list[dict]:
                     thinking.append(b.get("thinking", ""))
                 elif b["type"] != "redacted_thinking":
                     raise RequestError(400, f"{where}.content[{j}]: unsupported block type {b['type']!r}")
-            msg = {"role": "assistant", "content": "".join(text)}
+            msg = {"role": "assistant", "content": "\n".join(text)}
             if calls:
                 msg["tool_calls"] = calls
             if "".join(thinking):
@@ -96,17 +99,17 @@ def _messages(messages: list, system) -> list[dict]:
                 pending.append(str(b.get("text", "")))
             elif b["type"] == "tool_result":
                 if pending:
-                    out.append({"role": "user", "content": "".join(pending)})
+                    out.append({"role": "user", "content": "\n".join(pending)})
                     pending = []
                 content = b.get("content", "")
                 if not isinstance(b.get("tool_use_id", ""), (str, type(None))):
                     raise RequestError(400, f"{where}.content[{j}].tool_use_id must be a string")
-                out.append({"role": "tool", "content": _text_of(content, f"{where}.content[{j}]"),
+                out.append({"role": "tool", "content": _text_of(content, f"{where}.content[{j}]", "\n"),
                             "tool_call_id": _call_id(b.get("tool_use_id"))})
             else:
                 raise RequestError(400, f"{where}.content[{j}]: unsupported block type {b['type']!r} (text and tool_result only)")
         if pending:
-            out.append({"role": "user", "content": "".join(pending)})
+            out.append({"role": "user", "content": "\n".join(pending)})
     return out
 
 

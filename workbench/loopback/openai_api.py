@@ -24,7 +24,7 @@ def _content(m: dict, i: int):
         for part in c:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise RequestError(400, f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
-        return "".join(p["text"] for p in c)
+        return "\n".join(p["text"] for p in c)  # as vLLM's renderer joins text parts
     raise RequestError(400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
 
 
