@@ -136,6 +136,12 @@ OPENAI_CASES = [
     ("stream_options.include_usage a string", json.dumps({"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}}),
      "include_usage", None),
     ("invalid UTF-8", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "not valid UTF-8", None),
+    # vLLM's template extras: every turn renders with the profile's template (they were ignored)
+    ("chat_template_kwargs the profile does not set", json.dumps({"messages": USER, "chat_template_kwargs": {"enable_thinking": False}}),
+     "chat_template_kwargs.enable_thinking is False, but the policy's profile does not set it", "chat_template_kwargs"),
+    ("continue_final_message", json.dumps({"messages": USER, "continue_final_message": True}), "'continue_final_message' is not supported",
+     "continue_final_message"),
+    ("a per-request chat_template", json.dumps({"messages": USER, "chat_template": "{{ messages }}"}), "per-request chat_template", "chat_template"),
 ]
 ANTHROPIC_CASES = [
     ("array nested 100,000 deep", nest(100_000), f"deeper than {MAX_JSON_DEPTH}", None),
@@ -157,6 +163,8 @@ ANTHROPIC_CASES = [
     ("tool_use_id an object", json.dumps({"max_tokens": 4, "messages": USER + [
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "calc", "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": {"a": 1}, "content": "5"}]}]}), "tool_use_id must be a string", None),
+    ("chat_template_kwargs the profile does not set", json.dumps({"max_tokens": 4, "messages": USER, "chat_template_kwargs": {"thinking": True}}),
+     "chat_template_kwargs.thinking is True", None),
 ]
 
 

@@ -302,6 +302,28 @@ def _logit_bias(body: dict) -> dict:
     return bias
 
 
+def check_template_controls(body: dict, template_kwargs: dict) -> None:
+    """vLLM's request extras that change how the prompt renders (the SDKs send them through
+    extra_body). Every turn renders with the profile's template and kwargs, so the prompt the
+    policy is trained on is one template's: a request asking for another gets a 400 naming the
+    field, where it used to be ignored (an agent turning Qwen3's thinking off got thinking)."""
+    kwargs = want(body, "chat_template_kwargs", dict, default={}) or {}
+    other = {k: v for k, v in kwargs.items() if template_kwargs.get(k, v) != v or k not in template_kwargs}
+    if other:
+        k = next(iter(other))
+        have = f"renders with {template_kwargs[k]!r}" if k in template_kwargs else "does not set it"
+        raise RequestError(400, f"chat_template_kwargs.{k} is {other[k]!r}, but the policy's profile {have}: every turn "
+                                f"renders with the profile's template kwargs {template_kwargs} (set them in the model "
+                                f"profile, e.g. profile={{'chat_template_kwargs': ...}})", param="chat_template_kwargs")
+    if want(body, "chat_template", str) is not None:
+        raise RequestError(400, "a per-request chat_template is not supported: every turn renders with the policy's "
+                                "template", param="chat_template")
+    if want(body, "continue_final_message", bool, default=False) or not want(body, "add_generation_prompt", bool, default=True):
+        name = "continue_final_message" if body.get("continue_final_message") else "add_generation_prompt"
+        raise RequestError(400, f"'{name}' is not supported: a turn always opens a new assistant message "
+                                f"(a final assistant message is rendered as a closed turn)", param=name)
+
+
 def sampling_from(body: dict, max_tokens: int | None, stop: list[str]) -> tuple[SamplingConfig, dict]:
     """The request's SamplingConfig, and the distribution fields it *sent* ({name: value}; a
     field that is absent or null is not in it), which the server checks against the policy.

@@ -41,7 +41,7 @@ from ..rollout.engine import Sample, SamplingConfig
 from ..tokens import Accumulator, ChatFormat, Segment, SEGMENT_TOTALS, new_tool_call_id, request_key, segment_stats
 from . import anthropic_api, openai_api
 from .parsing import ReplyParser, reply_text
-from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, differs, loads, policy_value
+from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, check_template_controls, differs, loads, policy_value
 from .streaming import ReplyStream, TokenFeed
 
 PROTOCOLS = {"openai": openai_api, "anthropic": anthropic_api}
@@ -433,7 +433,9 @@ class LoopbackServer:
         """api.parse_request; a failure its checks did not foresee is still the request's fault
         (it depends on nothing else): a 400, logged and counted (unexpected_errors["parse"])."""
         try:
-            return api.parse_request(body)
+            req = api.parse_request(body)
+            check_template_controls(body, self.fmt.template_kwargs)
+            return req
         except RequestError:
             raise
         except Exception as e:
