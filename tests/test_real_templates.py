@@ -338,3 +338,22 @@ def test_c_deepseek_v31(fams):
     bare = ChatFormat(fam.tokenizer, fam.chat_format().end_of_turn)
     (v, _, why), = accumulate(fam, calls[0], bare)
     assert v == "error" and "can only concatenate str" in why
+
+
+def test_the_prompt_memo_keeps_two_requests_that_differ_in_key_order_apart(fams):
+    """Qwen3's template renders a tool's JSON schema with keys in the order sent (tojson does not
+    sort): two sessions whose tools differ only in key order get two prompts, each its own
+    render. Before, the memo's key sorted them: the second session got the first's prompt and
+    sealed a template_rewrite at its next turn."""
+    from workbench.loopback.server import PromptMemo
+
+    fmt = fams["qwen3"].chat_format()
+    props = {"a": {"type": "integer"}, "b": {"type": "integer"}}
+    tools = [[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": p}}}]
+             for p in (props, dict(reversed(props.items())))]
+    msgs = [{"role": "user", "content": "hi"}]
+    memo = PromptMemo()
+    got = [memo.get(fmt, msgs, t) for t in tools]
+    assert got[0][1] != got[1][1] and memo.hits == 0
+    assert [g[1] for g in got] == [fmt.prompt(msgs, t)[1] for t in tools]
+    assert memo.get(fmt, msgs, tools[1]) == got[1] and memo.hits == 1

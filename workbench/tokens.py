@@ -603,8 +603,11 @@ class Accumulator:
 
 def request_key(messages: list[dict], tools: list | None) -> tuple[str, str]:
     """What makes two requests the same request (rule 4): their canonical messages and tools as
-    JSON text (JSON, not ==: 1 and 1.0 or true and 1 are different requests)."""
-    return json.dumps(messages, sort_keys=True), json.dumps(tools, sort_keys=True)
+    JSON text (JSON, not ==: 1 and 1.0 or true and 1 are different requests), keys in the order
+    sent: a template renders them in that order (transformers' tojson does not sort), so two
+    requests that differ only in key order render two prompts (sorted, the server's PromptMemo
+    gave the second the first's)."""
+    return json.dumps(messages), json.dumps(tools)
 
 
 def _mismatch(recorded: list[int], sampled: list[int]) -> int:

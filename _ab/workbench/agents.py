@@ -1,0 +1,166 @@
+"""The agent API. A user file defines `AgentRunner`, one of two shapes:
+
+- `Env` (the framework owns the LLM loop): Gymnasium-aligned async `reset(task)` ->
+  (observation, info) and `step(message)` -> (observation, reward, terminated, truncated,
+  info). Observations are chat messages; the framework renders them through the chat template
+  via the same accumulator the loopback server uses (an env never writes template markers).
+- `ChatAgent` (the user owns the loop): async `run(ctx)` calls a stock OpenAI or Anthropic SDK
+  at `ctx.base_url` / `ctx.anthropic_base_url` and returns its reward (and info).
+
+Everything else, the reward included, is ordinary code. The file may also define
+`tasks(n, seed)` returning its own prompts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Task:
+    """One prompt: the opening messages, optional tools (OpenAI function specs) and a label
+    (whatever the reward needs, e.g. the right answer)."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    label: Any = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class AgentContext:
+    """What a ChatAgent gets: where to send its requests, and the task."""
+
+    base_url: str  # OpenAI SDK base_url of this episode's (recorded) session
+    anthropic_base_url: str  # Anthropic SDK base_url of the same session
+    side_base_url: str  # OpenAI base_url that records nothing (judges, reference calls)
+    side_anthropic_base_url: str
+    api_key: str
+    model: str
+    task: Task
+    episode_id: str
+    group_id: str
+    clients: Any = field(default=None, repr=False)  # the runner's shared SDK clients (see openai())
+
+    def openai(self, side: bool = False):
+        """A stock `openai.AsyncOpenAI` for this episode (side=True: the non-recording route).
+        It shares the runner's connection pool: building a fresh SDK client costs ~25 ms of CPU
+        (TLS set-up, even for http), which adds up over thousands of episodes. Do not close it."""
+        import openai
+
+        url = self.side_base_url if side else self.base_url
+        if self.clients is None:
+            return openai.AsyncOpenAI(base_url=url, api_key=self.api_key, max_retries=0)
+        return self.clients.openai.with_options(base_url=url)
+
+    def anthropic(self, side: bool = False):
+        """A stock `anthropic.AsyncAnthropic` for this episode; same sharing as openai()."""
+        import anthropic
+
+        url = self.side_anthropic_base_url if side else self.anthropic_base_url
+        if self.clients is None:
+            return anthropic.AsyncAnthropic(base_url=url, api_key=self.api_key, max_retries=0)
+        return self.clients.anthropic.with_options(base_url=url)
+
+    @property
+    def messages(self) -> list[dict]:
+        return [dict(m) for m in self.task.messages]
+
+    @property
+    def tools(self) -> list[dict] | None:
+        return self.task.tools
+
+    @property
+    def label(self) -> Any:
+        return self.task.label
+
+
+class ChatAgent:
+    """Subclass and implement `run`; return a reward (float) or (reward, info)."""
+
+    async def run(self, ctx: AgentContext) -> float | tuple[float, dict]:
+        raise NotImplementedError
+
+
+class Env:
+    """Subclass and implement `reset` and `step`. `max_turns` bounds the framework's loop
+    (the episode is truncated there); `tools` (OpenAI function specs) are shown to the model."""
+
+    max_turns: int = 8
+    tools: list[dict] | None = None
+
+    async def reset(self, task: Task) -> tuple[list[dict], dict]:
+        """Return the opening messages (usually task.messages) and an info dict."""
+        return [dict(m) for m in task.messages], {}
+
+    async def step(self, message: dict) -> tuple[list[dict], float, bool, bool, dict]:
+        """Take the assistant's message (role, content, tool_calls); return the new messages it
+        causes (e.g. tool results or a user follow-up), reward, terminated, truncated, info."""
+        raise NotImplementedError
+
+
+class AgentLoadError(ValueError):
+    pass
+
+
+@dataclass
+class AgentSpec:
+    """A loaded agent file: its AgentRunner class, its kind, and its own tasks() if any."""
+
+    path: str
+    runner: type
+    kind: str  # "env" | "chat"
+    tasks: Any = None
+
+    def make(self):
+        return self.runner()
+
+
+def load_agent(path: str | Path) -> AgentSpec:
+    """Import the user's file and find `AgentRunner` (a subclass of Env or ChatAgent)."""
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise AgentLoadError(f"agent file {str(path)!r} does not exist")
+    if path.suffix != ".py":
+        raise AgentLoadError(f"agent file {str(path)!r} is not a .py file")
+    name = f"workbench_agent_{path.stem}_{abs(hash(str(path)))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling need the module registered
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise AgentLoadError(f"importing agent file {str(path)!r} failed: {type(e).__name__}: {e}") from e
+    runner = getattr(module, "AgentRunner", None)
+    if runner is None:
+        raise AgentLoadError(f"agent file {str(path)!r} defines no AgentRunner")
+    if not inspect.isclass(runner) or not issubclass(runner, (Env, ChatAgent)):
+        raise AgentLoadError(
+            f"AgentRunner in {str(path)!r} must be a class deriving from workbench.agents.Env or "
+            f"workbench.agents.ChatAgent, got {runner!r}"
+        )
+    kind = "env" if issubclass(runner, Env) else "chat"
+    if kind == "chat" and not callable(getattr(runner, "run", None)):
+        raise AgentLoadError(f"AgentRunner in {str(path)!r} has no run(ctx) method")
+    return AgentSpec(str(path), runner, kind, getattr(module, "tasks", None))
+
+
+def as_reward(result) -> tuple[float, dict]:
+    """A ChatAgent's return value as (reward, info), with a clear error for anything else."""
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+        reward, info = result
+    else:
+        reward, info = result, {}
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        raise TypeError(f"an agent must return a reward (a number) or (reward, info), got {result!r}")
+    if not math.isfinite(reward):  # one NaN advantage makes the loss, so every weight, NaN at the next update
+        raise ValueError(f"the episode's reward is {reward}: a reward must be a finite number")
+    return float(reward), info

@@ -1,0 +1,205 @@
+"""Prompt sources: where Tasks come from. Each returns a list of `Task`s.
+
+A record (dict) becomes a Task as follows: `messages` (a chat message list) or `prompt` (a
+string, becomes one user message, after an optional `system`); `tools`; `label` (or `answer`);
+everything else goes to `info`. Toy tasks generate their own (see workbench/examples).
+
+Data files (`load_tasks`): JSONL, Parquet, CSV, Arrow or a `datasets.save_to_disk` directory,
+with a field mapping (`fields="gsm8k"`: `question` -> prompt, the answer after `####` -> label).
+`TaskDataset` serves a pool in epochs, each a seeded shuffle, by data position, so the loop can
+record where it is and a resumed run continue there (see TaskDataset).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from .agents import Task
+
+
+def task_from_record(record: dict, where: str = "record") -> Task:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a task must be an object, got {type(record).__name__}")
+    r = dict(record)
+    if "messages" in r:
+        messages = r.pop("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError(f"{where}: 'messages' must be a list of chat messages with a 'role'")
+    elif "prompt" in r:
+        messages = [{"role": "user", "content": str(r.pop("prompt"))}]
+        if "system" in r:
+            messages.insert(0, {"role": "system", "content": str(r.pop("system"))})
+    else:
+        raise ValueError(f"{where}: a task needs 'messages' or 'prompt' (got keys {sorted(r)})")
+    label = r.pop("label", r.pop("answer", None))
+    tools = r.pop("tools", None)
+    task_id = str(r.pop("id", "")) or None
+    t = Task(messages=messages, tools=tools, label=label, info=r)
+    if task_id:
+        t.id = task_id
+    return t
+
+
+def tasks_from_list(records: Iterable[dict | Task]) -> list[Task]:
+    return [r if isinstance(r, Task) else task_from_record(r, f"item {i}") for i, r in enumerate(records)]
+
+
+# ----------------------------------------------------------------------------- files with a field mapping
+# Field presets for load_tasks(fields=...): which column becomes the prompt and which the label.
+# "gsm8k": `question` is the prompt, `answer` the worked solution whose final answer follows
+# '####' (the label is that final answer; the whole solution stays in info["solution"]).
+FIELD_PRESETS = {"gsm8k": {"prompt": "question", "label": "answer", "final_answer": "####"}}
+TASK_FIELDS = ("prompt", "messages", "system", "label", "tools", "id")
+
+
+def final_answer(solution: str, marker: str = "####") -> str:
+    """The final answer of a worked solution: the text after the last `marker`, stripped, with
+    thousands separators removed ("#### 1,234" -> "1234"). A solution without the marker is an
+    error naming it (a label that silently became the whole solution would never match)."""
+    text = str(solution)
+    if marker not in text:
+        raise ValueError(f"no {marker!r} final answer in {text[-80:]!r}")
+    return text.rsplit(marker, 1)[1].strip().replace(",", "")
+
+
+def load_records(path: str | Path, split: str = "train") -> list[dict]:
+    """The rows of a local data file as dicts: .jsonl / .json (one object per line), .parquet
+    (pyarrow), .csv and .arrow (through `datasets`), or a directory written by
+    `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk` (`split` picks the split)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such data file: {path}")
+    if path.is_dir():
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"{path}: no split {split!r} (has {sorted(ds)})")
+            ds = ds[split]
+        return [dict(r) for r in ds]
+    if path.suffix in (".jsonl", ".json"):
+        records = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not valid JSON: {e}") from e
+        return records
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix in (".csv", ".arrow"):
+        import datasets
+
+        if path.suffix == ".arrow":
+            return [dict(r) for r in datasets.Dataset.from_file(str(path))]
+        return [dict(r) for r in datasets.load_dataset("csv", data_files=str(path), split="train")]
+    raise ValueError(f"unsupported data file {str(path)!r}: use .jsonl, .json, .parquet, .csv, .arrow or a "
+                     f"datasets.save_to_disk directory")
+
+
+def load_tasks(path: str | Path, fields: str | dict | None = None, template: str | None = None,
+               split: str = "train", limit: int | None = None) -> list[Task]:
+    """Tasks from a local data file (see load_records) with a field mapping.
+
+    `fields`: a preset name (FIELD_PRESETS, e.g. "gsm8k") or a dict from a task field
+    (`prompt`, `messages`, `system`, `label`, `tools`, `id`) to the file's column, plus an
+    optional `final_answer` marker: the label is then the text after it (see final_answer).
+    None: the columns already carry the task fields (task_from_record). `template`: a
+    str.format template over the row's columns for the prompt (e.g. "{question}\\nEnd with
+    '#### <number>'."). Columns not mapped go to `info`. A task's id is the row's `id` column
+    if mapped, else `<file stem>:<row>`, so the same file gives the same ids in every process
+    (a resumed run names its tasks as the first one did)."""
+    path = Path(path)
+    records = load_records(path, split)
+    if limit is not None:
+        records = records[:limit]
+    mapping = FIELD_PRESETS.get(fields) if isinstance(fields, str) else fields
+    if isinstance(fields, str) and mapping is None:
+        raise ValueError(f"unknown field preset {fields!r}; presets: {sorted(FIELD_PRESETS)} (or a dict)")
+    mapping = dict(mapping or {})
+    marker = mapping.pop("final_answer", None)
+    unknown = sorted(set(mapping) - set(TASK_FIELDS))
+    if unknown:
+        raise ValueError(f"fields: {unknown} are not task fields; map any of {TASK_FIELDS} to a column")
+    tasks = []
+    for i, row in enumerate(records):
+        where = f"{path}[{i}]"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be an object, got {type(row).__name__}")
+        missing = sorted(c for c in mapping.values() if c not in row)
+        if missing:
+            raise ValueError(f"{where}: no column(s) {missing} for fields={fields!r}; the row has {sorted(row)}")
+        record = {k: v for k, v in row.items() if k not in mapping.values() and v is not None}
+        record.update({field: row[col] for field, col in mapping.items()})
+        if template is not None:
+            try:
+                record["prompt"] = template.format(**row)
+            except KeyError as e:
+                raise ValueError(f"{where}: template names column {e} that the row lacks (has {sorted(row)})") from None
+        if marker is not None and "label" in record:
+            try:
+                record["solution"] = record["label"]
+                record["label"] = final_answer(record["label"], marker)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+        record.setdefault("id", f"{path.stem}:{i}")
+        tasks.append(task_from_record(record, where))
+    return tasks
+
+
+class TaskDataset:
+    """A pool of tasks served in epochs, each epoch a seeded shuffle of the pool. Position p is
+    the p-th task drawn since the run began: epoch p // len, slot p % len of that epoch's order
+    (numpy's permutation seeded by (seed, epoch); `shuffle=False`: the file's order every epoch).
+
+    `take(position, n)` is a pure function of its arguments, so the loop keeps the position,
+    advances it by every task it draws (dynamic sampling's replacements too), records it per
+    step (`data_position`, `data_next` in metrics.jsonl) and in the checkpoint's run_state
+    (`data_position`): a resumed run draws exactly the tasks the first would have drawn next.
+    Called as `source(n, step)` (the plain task-source contract) it serves position step * n."""
+
+    def __init__(self, tasks: Iterable[dict | Task], seed: int = 0, shuffle: bool = True):
+        self.tasks = tasks_from_list(tasks)
+        if not self.tasks:
+            raise ValueError("a TaskDataset needs at least one task")
+        self.seed, self.shuffle = int(seed), shuffle
+        self._orders: dict[int, list[int]] = {}
+
+    @classmethod
+    def from_file(cls, path: str | Path, fields: str | dict | None = None, template: str | None = None, seed: int = 0,
+                  shuffle: bool = True, split: str = "train", limit: int | None = None) -> "TaskDataset":
+        return cls(load_tasks(path, fields, template, split, limit), seed=seed, shuffle=shuffle)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def order(self, epoch: int) -> list[int]:
+        """The pool's indices in the order epoch `epoch` serves them."""
+        if not self.shuffle:
+            return list(range(len(self.tasks)))
+        if epoch not in self._orders:
+            import numpy as np
+
+            if len(self._orders) > 8:  # interactive draws visit far epochs; keep a few
+                self._orders.clear()
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.tasks)).tolist()
+        return self._orders[epoch]
+
+    def take(self, position: int, n: int) -> list[Task]:
+        """The n tasks from `position` on (crossing into the next epoch's order where needed)."""
+        if position < 0 or n < 0:
+            raise ValueError(f"take(position={position}, n={n}): both must be >= 0")
+        size = len(self.tasks)
+        return [self.tasks[self.order(p // size)[p % size]] for p in range(position, position + n)]
+
+    def epoch(self, position: int) -> int:
+        return position // len(self.tasks)
+
+    def __call__(self, n: int, step: int) -> list[Task]:
+        return self.take(step * n, n)

@@ -1,0 +1,94 @@
+"""Evaluation on held-out tasks: pass@1 and unbiased pass@k, sampled and greedy.
+
+`evaluate(rollout, tasks, n)` runs `n` episodes per task at the policy's sampling (the
+training rollout's engines and runners) and, given a `greedy_rollout` (runners whose policy
+sampling is temperature 0), one greedy episode per task. An episode is correct when its info
+says so (`info["correct"]`, as the example envs report it), else when its reward reaches
+`success_reward`. Per task, with c correct of n samples, the unbiased estimator of pass@k
+(the chance that at least one of k samples drawn without replacement from the n is correct) is
+
+    pass@k = 1 - C(n - c, k) / C(n, k)          (1 when n - c < k)
+
+averaged over tasks; pass@1 is then the mean of c / n. Every evaluation episode is marked
+`info["eval"] = True`, and loop.batch_from_groups refuses such an episode, so an evaluation
+never trains (asserted there, and tested end to end).
+"""
+
+from __future__ import annotations
+
+import time
+from math import comb
+
+from .agents import Task
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one task with c correct out of n samples (k <= n)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def default_ks(n: int) -> list[int]:
+    """1, 2, 4, ... up to n, and n itself."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
+
+
+def is_correct(t, success_reward: float = 1.0) -> bool:
+    if t.error is not None:
+        return False
+    if "correct" in t.info:
+        return bool(t.info["correct"])
+    return float(t.reward) >= success_reward
+
+
+def _mark(groups: list[list]) -> list[list]:
+    for g in groups:
+        for t in g:
+            t.info["eval"] = True
+    return groups
+
+
+def summarize(groups: list[list], ks: list[int] | None = None, success_reward: float = 1.0,
+              prefix: str = "eval_") -> dict:
+    """pass@k (k in ks, default default_ks(n)) over groups of n episodes of one task each, the
+    mean reward and the counts, as flat metrics named `<prefix>pass@k`."""
+    if not groups:
+        raise ValueError("nothing to evaluate: no groups")
+    n = min(len(g) for g in groups)
+    ks = ks or default_ks(n)
+    if max(ks) > n:
+        raise ValueError(f"pass@{max(ks)} needs at least {max(ks)} samples per task, got {n}")
+    correct = [sum(is_correct(t, success_reward) for t in g[:n]) for g in groups]
+    out = {f"{prefix}pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(groups) for k in ks}
+    rewards = [t.reward for g in groups for t in g if t.error is None]
+    out.update({f"{prefix}reward_mean": sum(rewards) / max(len(rewards), 1), f"{prefix}tasks": len(groups),
+                f"{prefix}n": n, f"{prefix}failed": sum(t.error is not None for g in groups for t in g)})
+    return out
+
+
+def evaluate(rollout, tasks: list[Task], n: int = 4, greedy_rollout=None, ks: list[int] | None = None,
+             success_reward: float = 1.0) -> tuple[dict, list[list]]:
+    """Run the evaluation: (metrics, the evaluation groups, greedy ones appended after the
+    sampled ones). Metrics: eval_pass@k and eval_reward_mean (sampled), eval_greedy_pass@1 and
+    eval_greedy_reward_mean (with greedy_rollout), eval_s."""
+    tasks = list(tasks)
+    if not tasks:
+        raise ValueError("nothing to evaluate: no tasks")
+    t0 = time.time()
+    sampled = _mark(rollout.run_groups(tasks, n, progress=False))
+    metrics = summarize(sampled, ks, success_reward)
+    groups = list(sampled)
+    if greedy_rollout is not None:  # greedy samples are all alike: one per task
+        greedy = _mark(greedy_rollout.run_groups(tasks, 1, progress=False))
+        g = summarize(greedy, [1], success_reward, prefix="eval_greedy_")
+        metrics.update({k: v for k, v in g.items() if k in ("eval_greedy_pass@1", "eval_greedy_reward_mean")})
+        groups += greedy
+    metrics["eval_s"] = time.time() - t0
+    return metrics, groups

@@ -1,0 +1,37 @@
+"""Toy Env: single-digit addition, answered with the number only. The tiny warm-started model
+gets it right now and then (a few percent), so RL has a visible reward to raise.
+
+    AgentRunner = ArithmeticEnv; tasks(n, seed) gives the prompts (label = the answer).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from workbench.agents import Env, Task
+from workbench.toy.tasks import arithmetic_problem
+
+
+def tasks(n: int, seed: int = 0) -> list[Task]:
+    rng = random.Random(seed)
+    return [Task(p.messages, label=p.answer) for p in (arithmetic_problem(rng) for _ in range(n))]
+
+
+class ArithmeticEnv(Env):
+    max_turns = 1
+
+    async def reset(self, task: Task):
+        self.answer = task.label
+        return [dict(m) for m in task.messages], {}
+
+    async def step(self, message: dict):
+        m = re.fullmatch(r"\s*(-?\d+)\s*", message.get("content") or "")
+        correct = m is not None and int(m.group(1)) == self.answer
+        # 1 for the right number; partial credit for a number close to it, so that a group of
+        # samples almost always carries some signal even while exact answers are rare
+        close = 0.0 if m is None else max(0.0, 1.0 - abs(int(m.group(1)) - self.answer) / 10)
+        return [], 1.0 if correct else 0.5 * close, True, False, {"correct": correct}
+
+
+AgentRunner = ArithmeticEnv

@@ -1,0 +1,38 @@
+"""Multi-turn tool use through the stock OpenAI SDK: the model may call `calc`; the agent runs
+the tool and sends the result back, until the model answers. Reward: the last number in the
+final answer equals the right result."""
+
+from __future__ import annotations
+
+import json
+
+from workbench.agents import ChatAgent
+from workbench.examples.tools import calc, last_number, tool_tasks
+
+MAX_TURNS = 4
+
+
+def tasks(n: int, seed: int = 0):
+    return tool_tasks(n, seed)
+
+
+class CalculatorAgent(ChatAgent):
+    async def run(self, ctx):
+        client = ctx.openai()  # a stock AsyncOpenAI at this episode's base_url
+        messages, answer, calls = ctx.messages, None, 0
+        for _ in range(MAX_TURNS):
+            r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools, max_tokens=48)
+            msg = r.choices[0].message
+            messages.append(msg.model_dump(exclude_none=True))
+            if not msg.tool_calls:
+                answer = msg.content
+                break
+            for call in msg.tool_calls:
+                calls += 1
+                args = json.loads(call.function.arguments or "{}")
+                result = calc(args.get("expression", "")) if call.function.name == "calc" else "error: unknown tool"
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        return float(last_number(answer) == ctx.label), {"tool_calls": calls, "answer": answer}
+
+
+AgentRunner = CalculatorAgent

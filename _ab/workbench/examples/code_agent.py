@@ -1,0 +1,45 @@
+"""Code execution: the model's tool call is run as Python in the sandbox (isolated interpreter,
+no network, wall-clock and memory limits, truncated output), and the output goes back as the
+tool result. A `calc`-style call from the toy model runs as `print(<expression>)`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from workbench.agents import ChatAgent, Task
+from workbench.examples.tools import last_number, tool_tasks
+from workbench.sandbox import run_python
+
+PYTHON_TOOL = {"type": "function", "function": {
+    "name": "python", "description": "Run Python code and return what it prints.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+
+
+def tasks(n: int, seed: int = 0):
+    return [Task(t.messages, tools=t.tools + [PYTHON_TOOL], label=t.label) for t in tool_tasks(n, seed)]
+
+
+class CodeAgent(ChatAgent):
+    timeout_s, memory_mb = 5.0, 256
+
+    async def run(self, ctx):
+        client = ctx.openai()  # a stock AsyncOpenAI at this episode's base_url
+        messages, answer, runs = ctx.messages, None, []
+        for _ in range(3):
+            r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools, max_tokens=48)
+            msg = r.choices[0].message
+            messages.append(msg.model_dump(exclude_none=True))
+            if not msg.tool_calls:
+                answer = msg.content
+                break
+            for call in msg.tool_calls:
+                args = json.loads(call.function.arguments or "{}")
+                code = args.get("code") or f"print({args.get('expression', '')})"
+                res = await asyncio.to_thread(run_python, code, self.timeout_s, self.memory_mb, 1000)
+                runs.append({"code": code, "exit_code": res.exit_code, "timed_out": res.timed_out})
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": (res.stdout or res.stderr)[-500:]})
+        return float(last_number(answer) == ctx.label), {"runs": runs, "answer": answer}
+
+
+AgentRunner = CodeAgent

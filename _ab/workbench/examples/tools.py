@@ -1,0 +1,108 @@
+"""Helpers shared by the example agents."""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+import re
+
+from ..agents import Task
+from ..toy.tasks import CALC_TOOL, TOOL_SYSTEM_PROMPT, arithmetic_problem
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.USub: operator.neg}
+
+
+def calc(expression: str) -> str:
+    """Evaluate + - * on integers, nothing else (the calculator tool; never eval())."""
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError("unsupported expression")
+
+    try:
+        return str(ev(ast.parse(str(expression), mode="eval")))
+    except (SyntaxError, ValueError, RecursionError):
+        return "error: unsupported expression"
+
+
+def last_number(text: str | None) -> int | None:
+    found = re.findall(r"-?\d+", text or "")
+    return int(found[-1]) if found else None
+
+
+def tool_tasks(n: int, seed: int = 0) -> list[Task]:
+    """'Compute a*b.' tasks with the calc tool; label = the right answer."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = arithmetic_problem(rng, max_operand=99, ops="+-*")
+        out.append(Task([{"role": "system", "content": TOOL_SYSTEM_PROMPT},
+                         {"role": "user", "content": f"Compute {p.expression}."}], tools=[CALC_TOOL], label=p.answer))
+    return out
+
+
+# A small local document collection for the search tool: one fact per sentence, each sentence
+# a passage. Shipped in code, so every runner (a Ray actor) has the same collection.
+DOCUMENTS = {
+    "orchard": ["The orchard has 37 apple trees.", "The orchard has 12 pear trees.",
+                "A fence of 80 posts surrounds the orchard."],
+    "library": ["The library holds 64 shelves of books.", "The reading room of the library seats 23 people."],
+    "harbor": ["The harbor shelters 15 fishing boats.", "The lighthouse of the harbor is 41 meters tall."],
+    "bakery": ["The bakery sells 58 loaves a day.", "The bakery bakes 26 cakes on Sundays."],
+}
+# (document, what the question names, its value): the facts document tasks ask about
+FACTS = [("orchard", "apple trees in the orchard", 37), ("orchard", "pear trees in the orchard", 12),
+         ("library", "shelves of books in the library", 64), ("library", "seats in the reading room of the library", 23),
+         ("harbor", "fishing boats in the harbor", 15), ("bakery", "cakes the bakery bakes on Sundays", 26)]
+SEARCH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the local documents; returns the best matching passage.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}
+SEARCH_SYSTEM_PROMPT = "You are a careful assistant. Use the search tool for documents and the calc tool for arithmetic."
+_STOP = {"the", "a", "an", "of", "in", "on", "is", "are", "how", "many", "what", "and", "add", "to", "number",
+         "document", "documents", "look", "up", "search"}
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z]+|\d+", str(text).lower())) - _STOP
+
+
+def search(query: str) -> str:
+    """The document search tool: the passage ("document: sentence") sharing the most words
+    with the query (stop words aside; the first on a tie), or "no match"."""
+    passages = [f"{doc}: {s}" for doc, sentences in DOCUMENTS.items() for s in sentences]
+    words = _words(query)
+    score, best = max(((len(words & _words(p)), -i), p) for i, p in enumerate(passages))
+    return best if score[0] > 0 else "no match"
+
+
+def document_tasks(n: int, seed: int = 0) -> list[Task]:
+    """Tasks for the calc + search agents, alternating: a document task ('Look up the number of
+    pear trees in the orchard and add 7.'; label = the fact's value + 7; info["query"] = the
+    question), offered both tools, and a 'Compute a*b.' task (tool_tasks), offered calc alone:
+    the toy model was warm-started with calc as its only tool, and a second tool in its prompt
+    puts it out of its distribution (it then writes no valid call at all)."""
+    rng = random.Random(seed)
+    calc_tasks = iter(tool_tasks(n, seed))
+    out = []
+    for i in range(n):
+        if i % 2:
+            out.append(next(calc_tasks))
+            continue
+        doc, what, value = rng.choice(FACTS)
+        k = rng.randint(1, 9)
+        question = f"Look up the number of {what} and add {k}."
+        out.append(Task([{"role": "system", "content": SEARCH_SYSTEM_PROMPT}, {"role": "user", "content": question}],
+                        tools=[CALC_TOOL, SEARCH_TOOL], label=value + k, info={"query": question, "document": doc}))
+    return out

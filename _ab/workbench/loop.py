@@ -1,0 +1,851 @@
+"""The RL loop: rollout -> training tensors -> advantages -> one trainer step -> weight sync
+with the post-sync check, repeated. Metrics per step go to a list (and the caller's callback),
+so a notebook or a script can plot them.
+
+Two modes (LoopConfig.mode):
+- "sync": the rollout of step k starts after step k-1 is trained and synced. Every token is
+  sampled by the weights it is trained against (staleness 0).
+- "async" (continuous): a rollout thread keeps groups in flight on every runner while the
+  trainer trains (GroupStream), group by group, with no per-step barrier: a step trains on the
+  first prompts_per_step groups to finish. Weight syncs land mid-episode (engines pause in keep
+  mode), so an episode's tokens can span versions; each token keeps the version it was sampled
+  by, and correction.py weights and gates them per token. A group whose oldest token is more
+  than `async_lag` versions behind the trainer is not admitted to a batch (groups_dropped_stale);
+  the trainer's max_staleness must allow async_lag (checked up front).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import ray
+import torch
+
+from .agents import Task
+from .rollout.actor import sync_weights
+from .rollout.engine import probe_ids
+from .tokens import Trajectory, training_tensors
+from .trainer.losses import ADVANTAGES, EQUAL_REWARDS_TOL, PER_TOKEN_ADVANTAGES, AdvantageInput, get_advantage
+
+MODES = ("sync", "async")
+# What a step does with an episode that failed (the agent raised or timed out, an engine died)
+# or was truncated (its conversation outgrew the context): leave it out of the batch, keep it
+# with the reward it got, or keep it with reward 0. Kept episodes count in their group's
+# statistics and train on what they recorded.
+EPISODE_RULES = ("drop", "keep", "zero")
+
+
+@dataclass
+class LoopConfig:
+    steps: int = 10
+    prompts_per_step: int = 16
+    group_size: int = 8
+    advantage: str = "grpo"
+    sync_tol: float = 1e-3
+    initial_sync: bool = True  # first make the engines serve the trainer's weights
+    mode: str = "sync"
+    # async: how many versions behind the trainer a group's oldest token may be when it trains
+    # (older groups are not admitted); the rollout starts at most (1 + async_lag) steps of groups
+    # ahead of the steps trained
+    async_lag: int = 1
+    # failed episodes carry no reward the agent computed (a crash or a timeout), so by default
+    # they leave the batch; truncated ones ran and were scored, so they stay with their reward
+    on_failed: str = "drop"
+    on_truncated: str = "keep"
+    # dynamic sampling (DAPO): a group whose rewards (as the batch sees them: episode rules and
+    # overlong shaping applied) are all equal has zero advantage and teaches nothing; it is
+    # filtered and replaced by the groups of freshly drawn tasks, in up to `dynamic_sampling_rounds`
+    # more rollouts per step (metrics: ds_filtered_groups, ds_rounds, ds_groups, ds_short)
+    dynamic_sampling: bool = False
+    dynamic_sampling_rounds: int = 2
+    # overlong reward shaping (DAPO): an episode of L sampled tokens gets a penalty rising linearly
+    # from 0 at L = overlong_max_tokens - overlong_band to overlong_coef at L = overlong_max_tokens
+    # (and overlong_coef beyond), subtracted from its reward before advantages (metrics:
+    # overlong_penalized, overlong_penalty_mean); the recorded reward stays the agent's
+    overlong_shaping: bool = False
+    overlong_max_tokens: int = 0
+    overlong_band: int = 0
+    overlong_coef: float = 1.0
+    # evaluation on held-out tasks every `eval_every` steps (0: never), after the step's weight
+    # sync: `eval_n` samples per task at the policy's temperature (pass@1, pass@k for k = 1, 2,
+    # 4, ..., eval_n) and, with eval_greedy, one greedy episode per task (greedy pass@1); merged
+    # into that step's metrics as eval_* (workbench.evaluation). Its episodes never train.
+    eval_every: int = 0
+    eval_n: int = 4
+    eval_greedy: bool = True
+    # on-policy distillation (advantage="distill"): the teacher, a model name or checkpoint
+    # directory with the policy's tokenizer, served frozen on its own engine (the session starts
+    # it; loop.run(teacher_engines=...)). Each step's sampled tokens are scored by it
+    # (teacher_logprobs) and every token's advantage is log p_teacher - log p_student, the
+    # negative per-token reverse KL (metrics: distill_reverse_kl)
+    teacher: str | None = None
+
+    def overlong(self) -> tuple | None:
+        """(max_tokens, band, coef) for batch_from_groups when overlong shaping is on, else None."""
+        return (self.overlong_max_tokens, self.overlong_band, self.overlong_coef) if self.overlong_shaping else None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"LoopConfig.mode {self.mode!r} unknown; choose one of {MODES}")
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(f"LoopConfig.advantage {self.advantage!r} unknown; registered: {sorted(ADVANTAGES)}")
+        if self.advantage in PER_TOKEN_ADVANTAGES and not self.teacher:
+            raise ValueError(f"LoopConfig.advantage {self.advantage!r} needs per-token teacher log-probs: set LoopConfig.teacher "
+                             f"(a model name or checkpoint directory, served on its own engine), or use a reward-based "
+                             f"estimator ({sorted(set(ADVANTAGES) - PER_TOKEN_ADVANTAGES)})")
+        for name in ("on_failed", "on_truncated"):
+            if getattr(self, name) not in EPISODE_RULES:
+                raise ValueError(f"LoopConfig.{name} {getattr(self, name)!r} unknown; choose one of {EPISODE_RULES}")
+        for name in ("steps", "prompts_per_step", "group_size", "async_lag", "dynamic_sampling_rounds", "eval_every",
+                     "eval_n"):
+            if getattr(self, name) < (1 if name in ("prompts_per_step", "group_size", "async_lag", "eval_n") else 0):
+                raise ValueError(f"LoopConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.overlong_shaping and not 0 < self.overlong_band <= self.overlong_max_tokens:
+            raise ValueError(f"LoopConfig.overlong_shaping needs 0 < overlong_band <= overlong_max_tokens (the penalty "
+                             f"rises over the last overlong_band tokens before overlong_max_tokens), got overlong_band="
+                             f"{self.overlong_band}, overlong_max_tokens={self.overlong_max_tokens}")
+
+
+def overlong_penalty(length: int, max_tokens: int, band: int, coef: float = 1.0) -> float:
+    """DAPO's soft overlong penalty: 0 up to max_tokens - band sampled tokens, then rising
+    linearly to `coef` at max_tokens, and `coef` beyond."""
+    start = max_tokens - band
+    return 0.0 if length <= start else coef * min(1.0, (length - start) / band)
+
+
+def sampled_tokens(t: Trajectory) -> int:
+    """The tokens the policy sampled in an episode (every turn, every segment)."""
+    return int(sum(sum(s.loss_mask) for s in t.segments))
+
+
+def episode_reward(t: Trajectory, on_failed: str = "drop", on_truncated: str = "keep",
+                   overlong: tuple | None = None) -> tuple[str, float | None, float]:
+    """(rule, reward the batch trains on or None when dropped, overlong penalty) of one episode:
+    the episode rules (EPISODE_RULES) first, then the overlong penalty (`overlong`: (max_tokens,
+    band, coef), LoopConfig.overlong()) subtracted from a kept reward. An evaluation episode
+    (info["eval"]) is refused: evaluation episodes never enter a training batch."""
+    if t.info.get("eval"):
+        raise ValueError(f"episode {t.episode_id} is an evaluation episode (info['eval']): evaluation episodes never "
+                         f"enter a training batch")
+    failed = t.error is not None
+    truncated = bool(getattr(t, "truncated", False)) and not failed
+    rule = on_failed if failed else on_truncated if truncated else "keep"
+    if rule == "drop":
+        return rule, None, 0.0
+    penalty = overlong_penalty(sampled_tokens(t), *overlong) if overlong else 0.0
+    return rule, (0.0 if rule == "zero" else float(t.reward)) - penalty, penalty
+
+
+def zero_variance(group: list[Trajectory], on_failed: str = "drop", on_truncated: str = "keep",
+                  overlong: tuple | None = None, tol: float = EQUAL_REWARDS_TOL) -> bool:
+    """True when the rewards the batch would train this group on (episode_reward) are all equal
+    (or fewer than two are kept): every advantage of the group is then 0, so it teaches nothing."""
+    rewards = [r for _, r, _ in (episode_reward(t, on_failed, on_truncated, overlong) for t in group) if r is not None]
+    return len(rewards) < 2 or max(rewards) - min(rewards) <= tol
+
+
+def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: int = 0, on_failed: str = "drop",
+                      on_truncated: str = "keep", overlong: tuple | None = None,
+                      teacher: dict | None = None) -> tuple[dict, dict]:
+    """Training tensors (one row per trainable segment) with advantages computed over EPISODES:
+    the registered estimator sees one reward per episode and its group, and every segment of
+    an episode gets that episode's advantage (an episode sealed into five segments weighs once
+    in its group's statistics). `batch["episode_tokens"]` holds each row's episode's trainable
+    tokens, so sequence-level aggregations average over episodes too. Failed and truncated
+    episodes follow `on_failed` / `on_truncated` (EPISODE_RULES); `overlong` (max_tokens, band,
+    coef) shapes rewards (episode_reward). A per-token estimator (distill) instead gets each
+    row's behaviour log-probs and `teacher` (teacher_logprobs: id(segment) -> the teacher's
+    log-prob of each of its tokens), and info["distill_reverse_kl"] is the mean over sampled
+    tokens of log p_student - log p_teacher."""
+    segments, seg_episode, rewards, group_index = [], [], [], []
+    info = {"episodes": 0, "segments": 0, "failed_episodes": 0, "truncated_episodes": 0, "dropped_episodes": 0,
+            "sampling_overridden": 0,
+            # groups whose rewards are all equal: advantage 0, they teach nothing (with every group
+            # so, the step's gradient is 0: a policy that earns every group the same reward, e.g.
+            # 0, stays as it is)
+            "zero_variance_groups": sum(zero_variance(g, on_failed, on_truncated, overlong) for g in groups)}
+    penalties = []
+    for gi, group in enumerate(groups):
+        for t in group:
+            failed = t.error is not None
+            info["failed_episodes"] += failed
+            info["truncated_episodes"] += bool(getattr(t, "truncated", False)) and not failed
+            info["sampling_overridden"] += sum(s.stats.get("sampling_overridden", 0) for s in t.segments)
+            rule, reward, penalty = episode_reward(t, on_failed, on_truncated, overlong)
+            if rule == "drop":
+                info["dropped_episodes"] += 1
+                continue
+            for s in t.segments:
+                if any(s.loss_mask):
+                    segments.append(s)
+                    seg_episode.append(len(rewards))
+            rewards.append(reward)
+            penalties.append(penalty)
+            group_index.append(gi)
+    if overlong:
+        info["overlong_penalized"] = sum(p > 0 for p in penalties)
+        info["overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
+    if not segments:
+        raise RuntimeError(f"no trainable segment in this batch: every episode was dropped or sampled nothing ({info})")
+    batch = training_tensors(segments, pad_id)
+    index = torch.tensor(seg_episode)
+    if advantage in PER_TOKEN_ADVANTAGES:  # per token, per row: the teacher's log-probs of the row's tokens
+        missing = [i for i, s in enumerate(segments) if teacher is None or id(s) not in teacher]
+        if missing:
+            raise ValueError(f"advantage {advantage!r} needs the teacher's log-probs of every trainable segment "
+                             f"(loop.teacher_logprobs); {len(missing)} of {len(segments)} have none")
+        lp_teacher = torch.zeros_like(batch["behaviour_logprobs"])
+        for i, s in enumerate(segments):
+            lp_teacher[i, :len(s)] = torch.tensor(teacher[id(s)], dtype=torch.float32)
+        m = batch["loss_mask"]
+        x = AdvantageInput(torch.tensor(rewards, dtype=torch.float64)[index], index, m,
+                           logprobs=batch["behaviour_logprobs"], teacher_logprobs=lp_teacher)
+        batch["advantages"] = get_advantage(advantage)(x).float() * m
+        info["distill_reverse_kl"] = float(((batch["behaviour_logprobs"] - lp_teacher) * m).sum() / m.sum().clamp(min=1))
+    else:
+        # one row per episode (an episode without trainable tokens still counts in its group's baseline)
+        x = AdvantageInput(torch.tensor(rewards, dtype=torch.float64), torch.tensor(group_index),
+                           torch.ones(len(rewards), 1))
+        per_episode = get_advantage(advantage)(x).float()[:, 0]
+        batch["advantages"] = per_episode[index][:, None] * batch["loss_mask"]
+    # trainable tokens whose advantage is not 0: none, and the rewards moved nothing this step
+    info["signal_tokens"] = int(((batch["advantages"] != 0) & batch["loss_mask"].bool()).sum())
+    tokens = batch["loss_mask"].sum(-1)
+    batch["episode_tokens"] = torch.zeros(len(rewards)).index_add_(0, index, tokens)[index]
+    info.update(episodes=len(rewards), segments=len(segments))
+    return batch, info
+
+
+# A plain task source `source(n, seed)` is called with seed = step for a step's tasks; the
+# replacement draws of dynamic sampling need other tasks, so they get seeds from this range
+# (REFILL_SEED + step * 1000 + round), apart from the steps' and from wb.rollout's (1e6 on).
+REFILL_SEED = 2_000_000_000
+
+
+def draw_tasks(source, n: int, step: int, position: int, round: int = 0) -> list[Task]:
+    """n tasks for `step`: from data position `position` when the source is positional (has
+    take(position, n), e.g. data.TaskDataset), else source(n, seed) as above."""
+    if hasattr(source, "take"):
+        return list(source.take(position, n))
+    return list(source(n, step if round == 0 else REFILL_SEED + step * 1000 + round))
+
+
+def collect_groups(rollout, source, cfg: "LoopConfig", step: int, position: int) -> tuple[list, dict, int]:
+    """The groups step `step` trains on, drawn from data position `position`: (groups, stats,
+    next position). With cfg.dynamic_sampling, groups of zero reward variance (zero_variance)
+    are filtered and replaced by the groups of freshly drawn tasks, up to
+    cfg.dynamic_sampling_rounds more rollouts; a step still short trains on the groups it kept
+    (ds_short counts the missing ones), and one left with none trains on its first draw (every
+    advantage 0: no signal, but the step and its statistics happen)."""
+    n = cfg.prompts_per_step
+    groups = rollout.run_groups(draw_tasks(source, n, step, position), cfg.group_size, progress=False)
+    position += n
+    if not cfg.dynamic_sampling:
+        return groups, {}, position
+    rule = {"on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated, "overlong": cfg.overlong()}
+    kept = [g for g in groups if not zero_variance(g, **rule)]
+    filtered, rounds, sampled = len(groups) - len(kept), 0, list(groups)
+    while len(kept) < n and rounds < cfg.dynamic_sampling_rounds:
+        rounds += 1
+        more = rollout.run_groups(draw_tasks(source, n - len(kept), step, position, rounds), cfg.group_size,
+                                  progress=False)
+        position += n - len(kept)
+        sampled += more
+        good = [g for g in more if not zero_variance(g, **rule)]
+        filtered += len(more) - len(good)
+        kept += good
+    rewards = [t.reward for g in sampled for t in g if t.error is None]
+    stats = {"ds_filtered_groups": filtered, "ds_rounds": rounds, "ds_kept_groups": len(kept), "ds_short": n - len(kept),
+             # the mean reward of every episode rolled out this step, filtered ones included
+             # (reward_mean, over the trained groups, leans toward mixed groups)
+             "ds_reward_mean_sampled": sum(rewards) / max(len(rewards), 1)}
+    return kept or groups, stats, position
+
+
+def teacher_logprobs(teachers: list, segments: list) -> dict[int, list[float]]:
+    """The teacher's log-prob of every token of each segment given the tokens before it, at
+    temperature 1 (column 0, which has no context: 0.0), keyed by id(segment): the teacher
+    engines' probe_logprobs (prompt log-probs, vLLM or reference), spread round robin."""
+    refs = [teachers[i % len(teachers)].probe_logprobs.remote(list(s.token_ids)) for i, s in enumerate(segments)]
+    return {id(s): [0.0] + list(lp) for s, lp in zip(segments, ray.get(refs))}
+
+
+def check_teacher(rollout, cfg: "LoopConfig", teacher_engines: list | None) -> None:
+    """A per-token (distillation) advantage needs teacher engines, and the policy sampling at
+    temperature 1: the teacher's log-probs are of its unscaled distribution, and the reverse KL
+    compares them with the student's sampled log-probs."""
+    if cfg.advantage not in PER_TOKEN_ADVANTAGES:
+        return
+    if not teacher_engines:
+        raise ValueError(f"advantage {cfg.advantage!r} needs a teacher engine (loop.run(teacher_engines=...); a session "
+                         f"starts one for LoopConfig.teacher)")
+    sampling = getattr(rollout, "sampling", None)
+    if sampling is not None and sampling.temperature != 1.0:
+        raise ValueError(f"on-policy distillation compares the student's sampled log-probs with the teacher's at "
+                         f"temperature 1; the policy samples at temperature {sampling.temperature:g} (set temperature=1.0)")
+
+
+class EnginesLost(RuntimeError):
+    """Every rollout engine is dead."""
+
+
+def drop_dead_engines(engines: list, lost: list) -> None:
+    """Remove the engines in `lost` ((engine, error) pairs) from `engines`, IN PLACE: the list is
+    the session's (or the caller's) list of live engines, so everyone holding it stops syncing and
+    stopping a dead actor. The runners' routers find out on their own (their next request to it
+    fails and is retried elsewhere). Raises EnginesLost when none is left."""
+    import sys
+
+    for engine, err in lost:
+        if engine in engines:
+            engines.remove(engine)
+            first = " ".join(str(err).split())[:300]
+            print(f"workbench: a rollout engine died and was dropped ({len(engines)} left): {first}", file=sys.stderr)
+    if not engines:
+        raise EnginesLost(f"every rollout engine is dead (last error: {lost[-1][1] if lost else '?'}); "
+                          f"the run cannot continue without one")
+
+
+def engines_version(engines: list, lost: list | None = None) -> int:
+    """The newest policy version any live engine serves (dead engines are dropped from
+    `engines`, see drop_dead_engines, and added to `lost` when given)."""
+    refs = [e.info.remote() for e in engines]
+    versions, dead = [], []
+    for e, r in zip(list(engines), refs):
+        try:
+            versions.append(ray.get(r)["version"])
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+            dead.append((e, err))
+    drop_dead_engines(engines, dead)
+    if lost is not None:
+        lost += dead
+    return max(versions)
+
+
+def sync_engines(trainer, engines: list, tol: float, lost: list | None = None) -> list:
+    """Push the trainer's current weights to every engine under the trainer's version and check
+    each engine's probe against the trainer's own log-probs. By NCCL broadcast once
+    trainer.init_nccl_sync(engines) ran (GPU); else the CPU path (a state dict through Ray), where
+    an engine found dead is dropped from `engines` (drop_dead_engines; added to `lost` when given)
+    and the live ones are synced. (The NCCL group includes every engine: a dead one fails it.)"""
+    if getattr(trainer, "nccl", None) is not None:
+        expected = trainer.probe(probe_ids(trainer.vocab_size))
+        return trainer.sync_weights_nccl(engines, trainer.version, expected, tol)
+    # the engines load the gathered weights while the ranks compute the expected probe (a reference
+    # each engine awaits only for its check): the trainer's probe is off the sync's critical path
+    weights, expected, ranks = trainer.weights_and_probe(probe_ids(trainer.vocab_size))
+    dead: list = []
+    reports = sync_weights(list(engines), weights, version=trainer.version, expected_probe=expected, tol=tol, lost=dead)
+    ray.get(ranks)  # every rank's part of both collectives (an error of theirs is raised here)
+    drop_dead_engines(engines, dead)
+    if lost is not None:
+        lost += dead
+    return reports
+
+
+def save_checkpoint(trainer, path: str, run_state: dict) -> str:
+    """Trainer.save into `path`, atomically: the checkpoint is written beside it (`path.new`,
+    complete once its run_state.json exists, which Trainer.save writes last), then swapped in by
+    two renames. A process killed at any point leaves a complete checkpoint that
+    recover_checkpoint finds: the old one, or the new one."""
+    import shutil
+
+    path = os.path.abspath(path)
+    new, old = path + ".new", path + ".old"
+    shutil.rmtree(new, ignore_errors=True)
+    trainer.save(new, run_state)
+    if os.path.isdir(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(new, path)
+    shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def _complete(path: str) -> bool:
+    import json
+
+    try:
+        with open(os.path.join(path, "run_state.json")) as f:
+            return "next_step" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def recover_checkpoint(path: str) -> bool:
+    """Finish or undo a save_checkpoint that a killed process left half done; True when a complete
+    checkpoint is at `path` afterwards: the newest complete one of `path.new`, `path`, `path.old`
+    (a partial `path.new`, killed while being written, is removed)."""
+    import shutil
+
+    path = os.path.abspath(path)
+    new, old = path + ".new", path + ".old"
+    for candidate in (new, path, old):
+        if _complete(candidate):
+            if candidate != path:
+                shutil.rmtree(path, ignore_errors=True)
+                os.rename(candidate, path)
+            break
+    for leftover in (new, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return _complete(path)
+
+
+class TrainerRankDied(RuntimeError):
+    """A trainer rank's actor died; the trainer group was stopped."""
+
+    def __init__(self, message: str, rank: int, actor_id: str):
+        super().__init__(message)
+        self.rank, self.actor_id = rank, actor_id
+
+
+class TrainerWatch:
+    """Watches the trainer's rank actors while the loop runs. When one rank dies, the others wait
+    in their next collective (gloo until its timeout, NCCL for ever) and the driver's call on them
+    with it, so at the first death this kills the whole trainer group: the driver's pending calls
+    fail at once and the loop raises TrainerRankDied naming the rank.
+
+    How it sees a death without disturbing a step: it keeps one `__ray_ready__` call queued on
+    every rank (a rank runs its calls in order, so during a step the call waits behind it); the
+    call of a dead rank fails with RayActorError."""
+
+    def __init__(self, trainer, interval: float = 0.5):
+        self.workers = list(getattr(trainer, "workers", None) or [])
+        self.interval = interval
+        self.failure: TrainerRankDied | None = None
+        self._failed = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="workbench-trainer-watch", daemon=True)
+
+    def __enter__(self) -> "TrainerWatch":
+        if self.workers:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        pending: dict = {}  # ref -> rank
+        while not self._stop.is_set():
+            for rank, w in enumerate(self.workers):
+                if rank not in pending.values():
+                    pending[w.__ray_ready__.remote()] = rank
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.interval)
+            for ref in done:
+                rank = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                    self._died(rank, e)
+                    return
+            if len(done) == len(self.workers):  # idle ranks answer at once: poll, do not spin
+                self._stop.wait(self.interval)
+
+    def _died(self, rank: int, error: BaseException) -> None:
+        actor_id = self.workers[rank]._actor_id.hex()
+        reason = " ".join(str(error).split())[:400]
+        for w in self.workers:  # the whole group: its other ranks would wait in a collective
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        self.failure = TrainerRankDied(
+            f"trainer rank {rank} of {len(self.workers)} (actor {actor_id}) died; the trainer group was stopped (its other "
+            f"ranks would wait in a collective). What was recorded before stays recorded; resume from the last checkpoint "
+            f"(a session: workbench.connect(run_dir=..., resume=True)). Cause: {reason}", rank, actor_id)
+        self._failed.set()
+
+    def explain(self, error: BaseException, wait_s: float = 3.0) -> BaseException:
+        """The error to raise for `error`, which a trainer call raised: TrainerRankDied when a rank
+        died (waiting up to `wait_s` for the watch to see it; a surviving rank may have failed
+        first, e.g. gloo's 'connection closed by peer'), else `error` itself."""
+        if self.failure is None and isinstance(error, ray.exceptions.RayError) and self._thread.is_alive():
+            self._failed.wait(wait_s)
+        return self.failure or error
+
+
+def check_staleness(trainer, cfg: LoopConfig) -> None:
+    max_staleness = trainer.cfg.correction.max_staleness
+    # the gate applies even with correction disabled (correction_weights keeps only fresh rows)
+    if cfg.mode == "async" and max_staleness is not None and cfg.async_lag > max_staleness:
+        raise ValueError(f"async_lag={cfg.async_lag} lets tokens be {cfg.async_lag} versions stale, but the trainer's "
+                         f"correction gate drops sequences older than max_staleness={max_staleness}: raise max_staleness "
+                         f"or lower async_lag")
+
+
+def check_sampling(rollout, trainer) -> None:
+    """The rollout's policy sampling must be what the trainer's log-probs assume (the same
+    temperature, a full-vocabulary distribution): CorrectionConfig.check_sampling."""
+    sampling = getattr(rollout, "sampling", None)
+    if sampling is None:
+        return
+    trainer.cfg.correction.check_sampling(top_p=sampling.top_p, temperature=sampling.temperature,
+                                          trainer_temperature=trainer.cfg.temperature)
+
+
+def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[Task]], cfg: LoopConfig,
+        on_step: Callable[[dict], None] | None = None, progress: bool = True,
+        checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+        stop: threading.Event | None = None, on_groups: Callable[[int, list], None] | None = None,
+        start_step: int = 0, start_position: int | None = None,
+        evaluate: Callable[[int], dict] | None = None, teacher_engines: list | None = None) -> list[dict]:
+    """Run the loop in `cfg.mode`. `task_source(n, step)` gives the prompts of each step (so the
+    data position is the step). With `checkpoint_dir`, a checkpoint found there is resumed from
+    (the next step is the one after it: no step is repeated or skipped), and one is written
+    every `checkpoint_every` steps. `stop` (an Event) ends the loop after the current step.
+    `on_groups(step, groups)` sees each step's trajectories. `start_step`: the first step's
+    index (a session continuing earlier steps); `start_position`: its data position (default
+    start_step * prompts_per_step; a checkpoint's `data_position` wins). `evaluate(step)` runs
+    every cfg.eval_every steps after the step's sync; its dict joins the step's metrics.
+    `teacher_engines`: the frozen teacher for advantage="distill" (never synced).
+    Returns one metrics dict per step.
+
+    Faults: an engine that dies is dropped from `engines` (in place) and the run goes on with the
+    others (its in-flight requests were retried on them by the runners' routers); a rollout runner
+    that dies fails the episodes it was running (Rollout.run_groups) and the run goes on; a trainer
+    rank that dies stops the run with TrainerRankDied (TrainerWatch), with the trainer group killed
+    so that nothing waits in a collective."""
+    check_staleness(trainer, cfg)
+    check_sampling(rollout, trainer)
+    check_teacher(rollout, cfg, teacher_engines)
+    with TrainerWatch(trainer) as watch:
+        try:
+            return _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every,
+                        stop, on_groups, start_step, start_position, evaluate, teacher_engines)
+        except Exception as e:
+            err = watch.explain(e)
+            if err is e:
+                raise
+            raise err from e
+
+
+def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every, stop, on_groups,
+         start_step, start_position=None, evaluate=None, teacher_engines=None) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    first = start_step
+    if checkpoint_dir and recover_checkpoint(checkpoint_dir):
+        state = trainer.restore(checkpoint_dir)
+        first, start_position = state["next_step"], state.get("data_position")
+    # the data position: tasks drawn so far (the producer advances it, replacements included)
+    position = first * cfg.prompts_per_step if start_position is None else start_position
+    # one version counter for trainer and engines; it only ever increases
+    trainer.version = max(engines_version(engines), trainer.version)
+    if cfg.initial_sync:  # rollouts must come from the trainer's weights, not whatever the engines hold
+        trainer.version += 1
+        sync_engines(trainer, engines, cfg.sync_tol)
+
+    stop = stop or threading.Event()
+    if cfg.mode == "async":
+        return _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir,
+                          checkpoint_every, stop, on_groups, first, position, evaluate, teacher_engines)
+    # sync: the rollout of step k starts once step k-1 is trained and synced
+    trained = threading.Semaphore(0)
+    batches: queue.Queue = queue.Queue()
+
+    def produce():
+        nonlocal position
+        for step in range(first, cfg.steps):
+            if step > first:
+                while not trained.acquire(timeout=0.5):
+                    if stop.is_set():
+                        return
+            if stop.is_set():
+                return
+            try:
+                t0, start = time.time(), position
+                groups, extra, position = collect_groups(rollout, task_source, cfg, step, position)
+                if cfg.advantage in PER_TOKEN_ADVANTAGES:  # scored here: overlaps training in async mode
+                    extra["_teacher"] = teacher_logprobs(teacher_engines, [s for g in groups for t in g
+                                                                           for s in t.segments if any(s.loss_mask)])
+                batches.put((step, groups, t0, time.time(), {"data_position": start, "data_next": position, **extra}))
+            except BaseException as e:  # surfaced in the training thread
+                batches.put((step, e, 0.0, 0.0, {}))
+                return
+
+    producer = threading.Thread(target=produce, name="workbench-rollout", daemon=True)
+    producer.start()
+    history = []
+    try:
+        for step in tqdm(range(first, cfg.steps), desc=f"RL steps ({cfg.mode})", initial=first, total=cfg.steps,
+                         disable=not progress):
+            item = _poll(batches, stop, producer)
+            if item is None:
+                break
+            got_step, groups, r0, r1, extra = item
+            if isinstance(groups, BaseException):
+                raise RuntimeError(f"rollout of step {got_step} failed: {groups}") from groups
+            if on_groups is not None:
+                on_groups(step, groups)
+            teacher = extra.pop("_teacher", None)
+            metrics = {**_train_on(trainer, engines, groups, cfg, step, r0, r1, teacher), **extra}
+            trained.release()
+            if _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every, stop):
+                break
+    finally:
+        stop.set()
+        producer.join()  # an in-flight rollout finishes (episodes have timeouts); its batch is dropped
+    return history
+
+
+def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every, stop) -> bool:
+    """A trained step's evaluation, record, checkpoint and callback; True when `stop` is set."""
+    if evaluate is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+        metrics.update(evaluate(step))  # on the weights just synced; never part of a batch
+    history.append(metrics)
+    warn_no_signal(history)
+    if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
+        save_checkpoint(trainer, checkpoint_dir, {"next_step": step + 1, "data_position": metrics["data_next"]})
+    if on_step is not None:
+        on_step(metrics)
+    return stop.is_set()
+
+
+NO_SIGNAL_STEPS = 5
+
+
+def warn_no_signal(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> bool:
+    """Say so (stderr, once a streak) when the last `steps` steps had no trainable token with an
+    advantage (`signal_tokens` 0; with a group estimator: every group's rewards were equal): the
+    rewards gave no gradient, and a policy that earns every group the same reward stays so. The
+    run goes on, learning nothing. True when it printed."""
+    import sys
+
+    def silent(m: dict) -> bool:
+        return m.get("signal_tokens") == 0
+
+    # the streak is exactly `steps` long: the last `steps` silent, the one before not (or none);
+    # only those steps + 1 are read, however long the run or the streak
+    if len(history) < steps or not all(silent(m) for m in history[-steps:]):
+        return False
+    if len(history) > steps and silent(history[-steps - 1]):
+        return False
+    last = history[-1]
+    print(f"workbench: the last {steps} steps (to step {last.get('step')}) had no learning signal: every advantage was 0 "
+          f"(with a group estimator: every group's rewards were equal; reward_mean {last.get('reward_mean', float('nan')):.3f}), so the "
+          f"rewards gave no gradient and the policy does not change. Look at the rewards and kl_k3 of the steps "
+          f"before; a lower lr or a sequence-level gate (trainer.correction) keeps an off-policy run from this.",
+          file=sys.stderr)
+    return True
+
+
+def oldest_version(group: list[Trajectory]) -> int | None:
+    """The version that sampled the group's oldest trainable token (None: it sampled none)."""
+    return min((v for t in group for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m), default=None)
+
+
+class GroupStream:
+    """The continuous async rollout: a thread keeps groups in flight on the runners (each to the
+    one with the fewest outstanding episodes, Rollout.submit_group) and queues each as it
+    finishes, so the rollout waits neither for a step's slowest group nor for training. It
+    starts at most prompts_per_step x (1 + async_lag) groups beyond the steps trained (allow():
+    each trained step, and each group not admitted, lets more start), so a group started after
+    step t's sync is at most async_lag versions old when taken in order; one that is overtaken
+    can be older, and the loop does not admit it. Tasks are drawn a step's worth at a time
+    (draw_tasks, as in sync mode)."""
+
+    def __init__(self, rollout, source, cfg: LoopConfig, first: int, position: int, stop: threading.Event,
+                 teacher_engines: list | None = None):
+        self.rollout, self.source, self.cfg, self.stop, self.teachers = rollout, source, cfg, stop, teacher_engines
+        self.chunk, self.position, self.tasks = first, position, []
+        self.allowed = cfg.prompts_per_step * (1 + cfg.async_lag)
+        self.limit = cfg.prompts_per_step * (cfg.steps - first)  # groups the run needs (+ those not admitted)
+        self.started = 0
+        # (group, its task's data position, start time, end time, teacher log-probs) or an error
+        self.finished: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._produce, name="workbench-rollout", daemon=True)
+        self.thread.start()
+
+    def allow(self, groups: int = 0, replace: int = 0) -> None:
+        """`groups` more may start (a step was trained and synced); `replace` groups were not
+        admitted, so as many more may start, beyond the run's need too."""
+        with self._lock:
+            self.allowed += groups + replace
+            self.limit += replace
+
+    def _next_task(self) -> tuple[Task, int]:
+        """The next task and its data position."""
+        if not self.tasks:
+            drawn = draw_tasks(self.source, self.cfg.prompts_per_step, self.chunk, self.position)
+            self.tasks = [(t, self.position + i) for i, t in enumerate(drawn)]
+            self.chunk += 1
+            self.position += len(drawn)
+        return self.tasks.pop(0)
+
+    def _produce(self) -> None:
+        inflight: dict = {}  # ref -> (runner, task, its data position, start time)
+        try:
+            while not self.stop.is_set():
+                while self.started < min(self.allowed, self.limit):
+                    task, at = self._next_task()
+                    started = self.rollout.submit_group(task, self.cfg.group_size)
+                    if started is None:  # every runner is full: put the task back
+                        self.tasks.insert(0, (task, at))
+                        break
+                    inflight[started[0]] = (started[1], task, at, time.time())
+                    self.started += 1
+                if not inflight:
+                    self.stop.wait(0.05)
+                    continue
+                done, _ = ray.wait(list(inflight), num_returns=1, timeout=0.1)
+                for ref in done:
+                    runner, task, at, t0 = inflight.pop(ref)
+                    group = self.rollout.finish_group(ref, runner, task, self.cfg.group_size)
+                    teacher = None
+                    if self.cfg.advantage in PER_TOKEN_ADVANTAGES:  # scored here, while the trainer trains
+                        teacher = teacher_logprobs(self.teachers, [s for t in group for s in t.segments if any(s.loss_mask)])
+                    self.finished.put((group, at, t0, time.time(), teacher))
+        except BaseException as e:  # surfaced in the training thread
+            self.finished.put(e)
+        finally:  # groups in flight finish (episodes have timeouts), so the runners' counts stay right
+            for ref, (runner, task, *_) in inflight.items():
+                try:
+                    self.rollout.finish_group(ref, runner, task, self.cfg.group_size)
+                except Exception:
+                    pass
+
+    def take(self):
+        """The next finished group (see _produce), or None once stopped."""
+        return _poll(self.finished, self.stop, self.thread)
+
+
+def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
+    """The groups of one async step, trained from `version`: the first prompts_per_step finished
+    groups whose oldest token is at most cfg.async_lag versions behind (older ones are not
+    admitted: groups_dropped_stale); with dynamic sampling, zero-variance groups are filtered too,
+    up to dynamic_sampling_rounds x prompts_per_step of them per step. (groups, r0, r1, extra,
+    teacher log-probs), or None once stopped."""
+    n, groups, teacher, starts, ends, positions = cfg.prompts_per_step, [], {}, [], [], []
+    stale = filtered = zero = 0
+    rule = {"on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated, "overlong": cfg.overlong()}
+    sampled: list = []
+    while len(groups) < n:
+        item = stream.take()
+        if item is None:
+            return None
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"the rollout failed: {item}") from item
+        group, at, t0, t1, lp = item
+        oldest = oldest_version(group)
+        if oldest is not None and version - oldest > cfg.async_lag:
+            stale += 1
+            stream.allow(replace=1)
+            continue
+        sampled.append(group)
+        if cfg.dynamic_sampling and zero_variance(group, **rule):
+            if filtered < cfg.dynamic_sampling_rounds * n:
+                filtered += 1
+                stream.allow(replace=1)
+                continue
+            zero += 1
+        groups.append(group)
+        teacher.update(lp or {})
+        starts.append(t0)
+        ends.append(t1)
+        positions.append(at)
+    per_version: dict[int, int] = {}
+    for g in groups:
+        v = oldest_version(g)
+        if v is not None:
+            per_version[v] = per_version.get(v, 0) + 1
+    # data_next: the next task not yet started (a run continued from it skips those in flight)
+    queued = list(stream.tasks)
+    extra = {"data_position": min(positions), "data_next": queued[0][1] if queued else stream.position,
+             "groups_dropped_stale": stale, "groups_per_version": dict(sorted(per_version.items())),
+             "episodes_spanning_versions": sum(len({v for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m}) > 1
+                                               for g in groups for t in g)}
+    if cfg.dynamic_sampling:
+        rewards = [t.reward for g in sampled for t in g if t.error is None]
+        extra.update(ds_filtered_groups=filtered, ds_rounds=-(-filtered // n), ds_kept_groups=n - zero, ds_short=zero,
+                     ds_reward_mean_sampled=sum(rewards) / max(len(rewards), 1))
+    return groups, min(starts), max(ends), extra, teacher or None
+
+
+def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every, stop,
+               on_groups, first, position, evaluate, teacher_engines) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    stream = GroupStream(rollout, task_source, cfg, first, position, stop, teacher_engines)
+    history = []
+    try:
+        for step in tqdm(range(first, cfg.steps), desc="RL steps (async)", initial=first, total=cfg.steps,
+                         disable=not progress):
+            got = _async_batch(stream, cfg, trainer.version)
+            if got is None:
+                break
+            groups, r0, r1, extra, teacher = got
+            if on_groups is not None:
+                on_groups(step, groups)
+            metrics = {**_train_on(trainer, engines, groups, cfg, step, r0, r1, teacher), **extra}
+            stream.allow(cfg.prompts_per_step)  # trained and synced: a step's worth more may start
+            if _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every, stop):
+                break
+    finally:
+        stop.set()
+        stream.thread.join()
+    return history
+
+
+def _poll(items: queue.Queue, stop: threading.Event, producer: threading.Thread):
+    """The next item a producer thread queued, or None once stopped or the producer is done."""
+    while True:
+        try:
+            return items.get(timeout=0.5)
+        except queue.Empty:
+            if stop.is_set() or not producer.is_alive() and items.empty():
+                return None
+
+
+def step_statistics(stats: dict) -> dict:
+    """A trainer step's statistics (Trainer.train_step's result) under the keys metrics.jsonl
+    logs them: loss, gate and correction, replay. wb.revisit recomputes a step through this too."""
+    corr, replay = stats["correction"], stats["replay"]
+    return {
+        "loss": stats["loss"], "grad_norm": stats["grad_norm"],
+        "gate_pass_ratio": corr["gate_pass_ratio"], "stale_dropped": corr["stale_dropped"], "band_dropped": corr["band_dropped"],
+        "veto_dropped": corr.get("veto_dropped", 0),
+        "kl_k1": corr["kl_k1"], "kl_k3": corr["kl_k3"], "kl_k3_current": corr["kl_k3_current"], "tokens_current": corr["tokens_current"],
+        "max_abs_delta_p": corr["max_abs_delta_p"], "staleness_hist": corr["staleness_hist"], "tokens_per_version": corr["tokens_per_version"],
+        "is_weight_hist": corr["is_weight_hist"],
+        "replay_disagree_rate": replay["disagree_rate"], "replay_disagree_per_layer": replay["disagree_rate_per_layer"],
+        "replay_fallback": sum(replay["fallback"]), "kl_k3_live": stats["kl_k3_live"], "kl_ref": stats["kl_ref"],
+    }
+
+
+def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r1: float, teacher=None) -> dict:
+    t1 = time.time()
+    ran = [t for g in groups for t in g if t.error is None]
+    rewards = [t.reward for t in ran]
+    correct = [bool(t.info["correct"]) for t in ran if "correct" in t.info]
+    batch, info = batch_from_groups(groups, cfg.advantage, on_failed=cfg.on_failed, on_truncated=cfg.on_truncated,
+                                    overlong=cfg.overlong(), teacher=teacher)
+    tb = time.time()
+    stats = trainer.train_step(batch)
+    t2 = time.time()
+    lost: list = []
+    reports = sync_engines(trainer, engines, cfg.sync_tol, lost)
+    reasons: dict[str, int] = {}  # why episodes failed: the first line of each error, counted
+    for t in (t for g in groups for t in g if t.error is not None):
+        line = (t.error.strip().splitlines() or ["?"])[0][:200]
+        reasons[line] = reasons.get(line, 0) + 1
+    return {
+        "step": step, "version": stats["version"], "mode": cfg.mode,
+        "reward_mean": sum(rewards) / max(len(rewards), 1),
+        "correct_rate": sum(correct) / len(correct) if correct else None,
+        **info, "failure_reasons": reasons, "engines": len(engines), "engines_lost": len(lost),
+        **step_statistics(stats),
+        "sync_max_abs_diff": max(r.probe_max_abs_diff for r in reports),
+        # train_s holds batch_s (the batch built on the driver); step_s - the rest: the driver's own records
+        "rollout_s": r1 - r0, "batch_s": tb - t1, "train_s": t2 - t1, "sync_s": time.time() - t2,
+        "step_s": time.time() - min(r0, t1),
+        "rollout_start": r0, "rollout_end": r1, "train_start": t1, "train_end": t2,
+    }

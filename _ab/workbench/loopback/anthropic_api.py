@@ -1,0 +1,218 @@
+"""Anthropic Messages wire format: request parsing (into the canonical chat form), replies
+(JSON and the SSE event sequence the SDK expects), errors."""
+
+from __future__ import annotations
+
+import json
+
+from .protocol import ChatRequest, Reply, RequestError, number, sampling_from, short, stop_strings, want
+
+# Tool-use ids are the reply's tool-call ids behind this prefix; requests map them back (a template
+# that renders ids, Mistral's, sees the same id on both protocols).
+TOOLU = "toolu_"
+# Thinking blocks carry a signature the real API checks when they come back; this server records
+# ids, not text, and checks nothing: a fixed marker.
+SIGNATURE = "workbench-loopback"
+
+
+def _call_id(tool_use_id):
+    return tool_use_id[len(TOOLU):] if isinstance(tool_use_id, str) and tool_use_id.startswith(TOOLU) else tool_use_id
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}.get(
+        status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _blocks(content, where: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise RequestError(400, f"{where}.content must be a string or a list of content blocks")
+    for j, b in enumerate(content):
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+            raise RequestError(400, f"{where}.content[{j}] must be a content block with a 'type'")
+        if b["type"] == "text" and not isinstance(b.get("text", ""), str):
+            raise RequestError(400, f"{where}.content[{j}].text must be a string")
+    return content
+
+
+def _text_of(content, where: str) -> str:
+    if content is None:
+        return ""
+    parts = []
+    for j, b in enumerate(_blocks(content, where)):
+        if b["type"] != "text":
+            raise RequestError(400, f"{where}.content[{j}]: only text blocks are supported here, got {b['type']!r}")
+        parts.append(str(b.get("text", "")))
+    return "".join(parts)
+
+
+def _messages(messages: list, system) -> list[dict]:
+    out = []
+    if system:
+        out.append({"role": "system", "content": system if isinstance(system, str) else _text_of(system, "system")})
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(400, f"{where} must be an object")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise RequestError(400, f"{where}.role: unknown role {short(role)} (expected 'user' or 'assistant')")
+        if "content" not in m:
+            raise RequestError(400, f"{where}: missing required field 'content'")
+        blocks = _blocks(m["content"], where)
+        if role == "assistant":
+            text, calls, thinking = [], [], []
+            for j, b in enumerate(blocks):
+                if b["type"] == "text":
+                    text.append(str(b.get("text", "")))
+                elif b["type"] == "tool_use":
+                    if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                        raise RequestError(400, f"{where}.content[{j}]: tool_use needs a name and an object input")
+                    call = {"type": "function", "function": {"name": b["name"], "arguments": b.get("input", {})}}
+                    if isinstance(b.get("id"), str):
+                        call["id"] = _call_id(b["id"])
+                    calls.append(call)
+                elif b["type"] == "thinking":  # the reasoning the reply carried: the template may render it back
+                    if not isinstance(b.get("thinking", ""), str):
+                        raise RequestError(400, f"{where}.content[{j}].thinking must be a string")
+                    thinking.append(b.get("thinking", ""))
+                elif b["type"] != "redacted_thinking":
+                    raise RequestError(400, f"{where}.content[{j}]: unsupported block type {b['type']!r}")
+            msg = {"role": "assistant", "content": "".join(text)}
+            if calls:
+                msg["tool_calls"] = calls
+            if "".join(thinking):
+                msg["reasoning_content"] = "".join(thinking)
+            out.append(msg)
+            continue
+        # user: consecutive text blocks form one user message; each tool_result is a tool message
+        pending: list[str] = []
+        for j, b in enumerate(blocks):
+            if b["type"] == "text":
+                pending.append(str(b.get("text", "")))
+            elif b["type"] == "tool_result":
+                if pending:
+                    out.append({"role": "user", "content": "".join(pending)})
+                    pending = []
+                content = b.get("content", "")
+                if not isinstance(b.get("tool_use_id", ""), (str, type(None))):
+                    raise RequestError(400, f"{where}.content[{j}].tool_use_id must be a string")
+                out.append({"role": "tool", "content": _text_of(content, f"{where}.content[{j}]"),
+                            "tool_call_id": _call_id(b.get("tool_use_id"))})
+            else:
+                raise RequestError(400, f"{where}.content[{j}]: unsupported block type {b['type']!r} (text and tool_result only)")
+        if pending:
+            out.append({"role": "user", "content": "".join(pending)})
+    return out
+
+
+def parse_request(body: dict) -> ChatRequest:
+    messages = want(body, "messages", list, required=True)
+    if not messages:
+        raise RequestError(400, "'messages' must not be empty", param="messages")
+    max_tokens = number(body, "max_tokens", required=True)
+    system = want(body, "system", (str, list))
+    tools = want(body, "tools", list)
+    specs = []
+    for j, t in enumerate(tools or []):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise RequestError(400, f"tools[{j}] needs a 'name'", param="tools")
+        if not isinstance(t.get("description", ""), str) or not isinstance(t.get("input_schema", {}), dict):
+            raise RequestError(400, f"tools[{j}]: 'description' must be a string and 'input_schema' an object", param="tools")
+        specs.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                       "parameters": t.get("input_schema", {})}})
+    choice = want(body, "tool_choice", dict, default={"type": "auto"})
+    if choice.get("type") not in ("auto", "none"):
+        raise RequestError(400, f"tool_choice {choice.get('type')!r} is not supported (use 'auto' or 'none'): the loopback server does not constrain decoding")
+    stop = stop_strings(want(body, "stop_sequences", list, default=[]), "stop_sequences")
+    sampling, sent = sampling_from(body, max_tokens, stop)
+    return ChatRequest(messages=_messages(messages, system), tools=specs or None,
+                       sampling=sampling, max_tokens=max_tokens, sent=sent,
+                       stream=want(body, "stream", bool, default=False), parse_tools=choice.get("type") != "none")
+
+
+def _stop_reason(r: Reply) -> str:
+    if r.tool_calls:
+        return "tool_use"
+    return {"length": "max_tokens", "stop_sequence": "stop_sequence"}.get(r.finish, "end_turn")
+
+
+def _content(r: Reply) -> list[dict]:
+    blocks = [{"type": "thinking", "thinking": r.reasoning, "signature": SIGNATURE}] if r.reasoning else []
+    blocks += [{"type": "text", "text": r.content}] if r.content or not r.tool_calls else []
+    blocks += [{"type": "tool_use", "id": TOOLU + c["id"].split("_")[-1], "name": c["name"], "input": c["arguments"]}
+               for c in r.tool_calls]
+    return blocks
+
+
+def response_body(r: Reply, req: ChatRequest, model: str) -> dict:
+    return {"id": "msg_" + r.id.split("-")[-1], "type": "message", "role": "assistant", "model": model, "content": _content(r),
+            "stop_reason": _stop_reason(r), "stop_sequence": r.stop_sequence,
+            "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}}
+
+
+async def stream_events(head: Reply, parts, req: ChatRequest, model: str):
+    """The SSE event sequence the SDK expects, while the reply is sampled: `parts` as
+    openai_api.stream_events takes it. Reasoning deltas go to a thinking block (closed with the
+    signature), content to a text block, each tool call to a tool_use block, whole."""
+    def event(kind: str, data: dict) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+    yield event("message_start", {"message": {
+        "id": "msg_" + head.id.split("-")[-1], "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": head.prompt_tokens, "output_tokens": 0}}})
+    index, block, texts = -1, None, 0
+
+    def close() -> list[str]:  # the open block's end (a thinking block's signature first, as the real API)
+        out = []
+        if block == "thinking":
+            out.append(event("content_block_delta", {"index": index, "delta": {"type": "signature_delta", "signature": SIGNATURE}}))
+        if block is not None:
+            out.append(event("content_block_stop", {"index": index}))
+        return out
+
+    async for part in parts:
+        if isinstance(part, Reply):
+            r = part
+            break
+        if part[0] == "error":
+            yield f"event: error\ndata: {json.dumps(error_body(part[1], part[2]))}\n\n"
+            return
+        kind = "thinking" if part[0] == "reasoning" else "text"
+        if kind != block:
+            for e in close():
+                yield e
+            index, block = index + 1, kind
+            texts += kind == "text"
+            yield event("content_block_start", {"index": index, "content_block": {"type": "thinking", "thinking": "", "signature": ""}
+                                               if kind == "thinking" else {"type": "text", "text": ""}})
+        delta = {"type": "thinking_delta", "thinking": part[1]} if kind == "thinking" else {"type": "text_delta", "text": part[1]}
+        yield event("content_block_delta", {"index": index, "delta": delta})
+    if not texts and not r.tool_calls:  # an empty reply is one empty text block, as response_body's
+        for e in close():
+            yield e
+        index, block = index + 1, "text"
+        yield event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+        yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": ""}})
+    for e in close():
+        yield e
+    for b in [b for b in _content(r) if b["type"] == "tool_use"]:
+        index += 1
+        yield event("content_block_start", {"index": index, "content_block": {**b, "input": {}}})
+        yield event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta", "partial_json": json.dumps(b["input"])}})
+        yield event("content_block_stop", {"index": index})
+    yield event("message_delta", {"delta": {"stop_reason": _stop_reason(r), "stop_sequence": r.stop_sequence},
+                                  "usage": {"output_tokens": r.completion_tokens}})
+    yield event("message_stop", {})
+
+
+def models_body(model: str, created: int) -> dict:
+    import datetime
+
+    at = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat()
+    return {"data": [{"type": "model", "id": model, "display_name": model, "created_at": at}],
+            "has_more": False, "first_id": model, "last_id": model}

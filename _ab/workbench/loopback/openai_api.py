@@ -1,0 +1,188 @@
+"""OpenAI Chat Completions wire format: request parsing, replies (JSON and SSE), errors."""
+
+from __future__ import annotations
+
+import json
+
+from .protocol import ChatRequest, Reply, RequestError, loads, number, sampling_from, short, stop_strings, want
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    code = code or {413: "request_too_large", 503: "engine_unavailable"}.get(status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _content(m: dict, i: int):
+    c = m.get("content")
+    if c is None or isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        for part in c:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(400, f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
+        return "".join(p["text"] for p in c)
+    raise RequestError(400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+
+
+def _arguments(args, where: str):
+    """A tool call's arguments: a JSON string (the wire form; text that is not JSON is kept
+    verbatim, the template renders it as is) or an object. JSON inside the string is held to
+    the body's bounds (depth, number sizes), as the accumulator parses it to compare turns."""
+    if isinstance(args, dict):
+        return args
+    if not isinstance(args, str):
+        raise RequestError(400, f"{where} must be a JSON string, got {type(args).__name__}", param=where)
+    try:
+        loads(args, what=where)
+    except RequestError as e:
+        if e.code is not None:  # too deep, a number too long, a lone surrogate: refused
+            raise RequestError(400, e.message, param=where, code=e.code) from None
+    return args or "{}"
+
+
+def _message(m, i: int) -> dict:
+    if not isinstance(m, dict):
+        raise RequestError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
+    role = m.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise RequestError(400, f"messages[{i}].role: unknown role {short(role)} (expected one of {sorted(ROLES)})", param=f"messages[{i}].role")
+    out = {"role": "system" if role == "developer" else role, "content": _content(m, i) or ""}
+    if role == "assistant" and m.get("tool_calls"):
+        calls = m["tool_calls"]
+        if not isinstance(calls, list):
+            raise RequestError(400, f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
+        out["tool_calls"] = []
+        for j, tc in enumerate(calls):
+            f = tc.get("function") if isinstance(tc, dict) else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                raise RequestError(400, f"messages[{i}].tool_calls[{j}] needs function.name", param=f"messages[{i}].tool_calls")
+            args = _arguments(f.get("arguments") or "{}", f"messages[{i}].tool_calls[{j}].function.arguments")
+            call = {"type": "function", "function": {"name": f["name"], "arguments": args}}
+            if isinstance(tc.get("id"), str):  # kept where the profile's template renders ids (Mistral)
+                call["id"] = tc["id"]
+            out["tool_calls"].append(call)
+    if role == "assistant":  # the reasoning a reply carried (reasoning_content; `reasoning` in newer servers)
+        for key in ("reasoning_content", "reasoning"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise RequestError(400, f"messages[{i}].{key} must be a string", param=f"messages[{i}].{key}")
+                out["reasoning_content"] = m[key]
+                break
+    if role == "tool" and m.get("tool_call_id") is not None:
+        if not isinstance(m["tool_call_id"], str):
+            raise RequestError(400, f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id")
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def parse_request(body: dict) -> ChatRequest:
+    messages = want(body, "messages", list, required=True)
+    if not messages:
+        raise RequestError(400, "'messages' must not be empty", param="messages")
+    msgs = [_message(m, i) for i, m in enumerate(messages)]
+    n = number(body, "n", default=1)
+    if n != 1:
+        raise RequestError(400, "n > 1 is not supported: send n separate requests (each is its own sample)", param="n")
+    tools = want(body, "tools", list)
+    if tools:
+        for j, t in enumerate(tools):
+            if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+                    and isinstance(t["function"].get("name"), str)):
+                raise RequestError(400, f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
+            f = t["function"]
+            if not isinstance(f.get("description", ""), (str, type(None))) or not isinstance(f.get("parameters", {}), (dict, type(None))):
+                raise RequestError(400, f"tools[{j}].function: 'description' must be a string and 'parameters' an object", param="tools")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError(400, f"tool_choice {choice!r} is not supported (use 'auto' or 'none'): the loopback server does not constrain decoding", param="tool_choice")
+    max_tokens = number(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = number(body, "max_tokens")
+    stop = want(body, "stop", (str, list), default=[])
+    stop = stop_strings([stop] if isinstance(stop, str) else stop, "stop")
+    top_logprobs = number(body, "top_logprobs", default=0)
+    if top_logprobs:
+        raise RequestError(400, "top_logprobs > 0 is not supported; logprobs=true returns each sampled token's log-prob", param="top_logprobs")
+    opts = want(body, "stream_options", dict, default={})
+    if not isinstance(opts.get("include_usage", False), (bool, type(None))):
+        raise RequestError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
+    sampling, sent = sampling_from(body, max_tokens, stop)
+    # vLLM's OpenAI server accepts ignore_eos as an extra field (SDK: extra_body); so do we
+    sampling.ignore_eos = want(body, "ignore_eos", bool, default=False)
+    return ChatRequest(
+        messages=msgs, tools=tools or None, sampling=sampling, max_tokens=max_tokens, sent=sent,
+        stream=want(body, "stream", bool, default=False), include_usage=bool(opts.get("include_usage")),
+        logprobs=want(body, "logprobs", bool, default=False), parse_tools=choice != "none",
+    )
+
+
+def _finish(r: Reply) -> str:
+    if r.tool_calls:
+        return "tool_calls"
+    return "length" if r.finish == "length" else "stop"
+
+
+def _tool_calls(r: Reply) -> list[dict]:
+    return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+            for c in r.tool_calls]
+
+
+def _logprobs(r: Reply) -> dict:
+    return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                        for s, lp in zip(r.token_strs, r.logprobs)]}
+
+
+def _usage(r: Reply) -> dict:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+            "total_tokens": r.prompt_tokens + r.completion_tokens}
+
+
+def response_body(r: Reply, req: ChatRequest, model: str) -> dict:
+    message = {"role": "assistant", "content": r.content if (r.content or not r.tool_calls) else None}
+    if r.reasoning:  # vLLM's field for what the reasoning parser split off
+        message["reasoning_content"] = r.reasoning
+    if r.tool_calls:
+        message["tool_calls"] = _tool_calls(r)
+    return {
+        "id": r.id, "object": "chat.completion", "created": r.created, "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": _finish(r),
+                     "logprobs": _logprobs(r) if req.logprobs else None}],
+        "usage": _usage(r),
+    }
+
+
+async def stream_events(head: Reply, parts, req: ChatRequest, model: str):
+    """SSE `data:` lines while the reply is sampled. `parts` (server._stream_parts) yields
+    ("reasoning" | "content", text) deltas, then the finished Reply (its tool calls, each whole
+    in one delta; the finish reason; every token's log-prob, on the finishing chunk), or
+    ("error", status, message) for a turn that failed after the stream began."""
+    def chunk(delta: dict, finish=None, logprobs=None, usage=None, choices=True) -> str:
+        body = {"id": head.id, "object": "chat.completion.chunk", "created": head.created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}] if choices else []}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    async for part in parts:
+        if isinstance(part, Reply):
+            r = part
+            break
+        if part[0] == "error":
+            yield f"data: {json.dumps(error_body(part[1], part[2]))}\n\n"
+            return
+        yield chunk({"reasoning_content" if part[0] == "reasoning" else "content": part[1]})  # vLLM's delta fields
+    for i, tc in enumerate(_tool_calls(r)):  # a call whole, in one delta
+        yield chunk({"tool_calls": [{"index": i, **tc}]})
+    yield chunk({}, finish=_finish(r), logprobs=_logprobs(r) if req.logprobs else None)
+    if req.include_usage:
+        yield chunk({}, usage=_usage(r), choices=False)
+    yield "data: [DONE]\n\n"
+
+
+def models_body(model: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "workbench"}]}

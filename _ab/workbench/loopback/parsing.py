@@ -1,0 +1,140 @@
+"""Replies from sampled ids: reasoning, content and tool calls, as the model profile says.
+
+The engine returns a whole sample (ids); the server parses it once, then writes it in either wire
+format (whole or streamed in pieces). The recorded trajectory is the ids, never this text.
+
+Which parser does what (docs/ARCHITECTURE.md, "Model profiles"):
+- tool parser `hermes` (the toy's, Qwen's `<tool_call>{json}</tool_call>`) is ours
+  (workbench.loopback.toolcalls): on Qwen3's recorded outputs it reads 42/43 tool calls, vLLM's 41.
+  With a reasoning parser, vLLM's registered reasoning parser of that name
+  (`vllm.reasoning.ReasoningParserManager`, e.g. `qwen3`) splits the reasoning off first, and ours
+  reads the tool calls in the rest.
+- any other tool parser is vLLM's: `vllm.parser.ParserManager.get_parser(tool, reasoning)`, the
+  same composition vLLM's OpenAI server uses (reasoning first, tool calls from the rest), run
+  standalone with the policy's tokenizer. gpt-oss's names (`openai`, `openai_gptoss`) are vLLM's
+  harmony stubs: vLLM parses harmony from the ids (its HarmonyParser), and so do we.
+- no reasoning parser and hermes (the toy): the text is content and tool calls, exactly as before.
+
+Text: the sampled ids without the token that ended the turn, decoded with special tokens skipped,
+unless vLLM's parser asks to keep them (its `adjust_request` sets skip_special_tokens=False:
+Mistral's [TOOL_CALLS], Qwen3's parser engine), as vLLM's server decodes for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from .toolcalls import get_tool_parser
+
+log = logging.getLogger(__name__)
+# gpt-oss: vLLM's tool/reasoning parser names that only declare harmony (its HarmonyParser parses)
+HARMONY_PARSERS = {"openai", "openai_gptoss"}
+
+
+@dataclass
+class Parsed:
+    reasoning: str | None
+    content: str
+    calls: list[dict]  # {"name", "arguments" (dict)}
+
+
+def _request(tools: list | None = None):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}], tools=tools or None)
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+def reply_text(fmt, ids: list[int], finish: str, skip_special_tokens: bool, stop_ids=()) -> tuple[str, list[int]]:
+    """The text a parser reads, and the ids it covers: the sampled ids decoded without special
+    tokens, or, where the parser keeps them, without the one token that ended the turn (an end of
+    turn of the format, a stop id, EOS), as vLLM's detokenizer leaves a stop token out."""
+    ids = list(ids)
+    if not skip_special_tokens and ids and finish == "stop":
+        ends = set(getattr(fmt, "turn_end_ids", (fmt.end_of_turn_id,))) | set(stop_ids)
+        ends.add(getattr(fmt.tokenizer, "eos_token_id", None))
+        ids = ids[:-1] if ids[-1] in ends else ids
+    return fmt.decode(ids, skip_special_tokens=skip_special_tokens), ids
+
+
+class ReplyParser:
+    """`parse(text, ids, parse_tools)` -> Parsed. `text`: the reply decoded as `skip_special_tokens`
+    says (the server decodes it so). `template_kwargs`: the profile's chat-template kwargs (Qwen3's
+    enable_thinking tells vLLM's qwen3 parser whether the reply opens with reasoning)."""
+
+    def __init__(self, tokenizer, tool_parser: str = "hermes", reasoning_parser: str | None = None,
+                 template_kwargs: dict | None = None):
+        self.tokenizer, self.tool_parser, self.reasoning_parser = tokenizer, tool_parser, reasoning_parser
+        self.template_kwargs = dict(template_kwargs or {})
+        self.skip_special_tokens = True
+        self.failures = 0  # replies a parser raised on (returned as content)
+        self._ours = get_tool_parser(tool_parser)  # a clear error for an unknown name
+        self._reasoning_cls = self._combined_cls = None
+        if self._ours is not None:  # ours (hermes), with vLLM's reasoning parser before it
+            if reasoning_parser is not None:
+                from vllm.reasoning import ReasoningParserManager
+
+                try:
+                    self._reasoning_cls = ReasoningParserManager.get_reasoning_parser(reasoning_parser)
+                except KeyError:
+                    raise ValueError(f"unknown reasoning parser {reasoning_parser!r}: not one of vLLM's "
+                                     f"({sorted(ReasoningParserManager.list_registered())})") from None
+                if reasoning_parser in HARMONY_PARSERS:
+                    raise ValueError(f"reasoning parser {reasoning_parser!r} is harmony's: use tool parser 'openai'")
+                self.skip_special_tokens = self._skip_special(self._reasoning_cls(tokenizer, chat_template_kwargs=self.template_kwargs))
+        else:  # vLLM's composition of its tool and reasoning parsers, as its OpenAI server runs them
+            from vllm.parser.parser_manager import ParserManager
+
+            harmony = tool_parser in HARMONY_PARSERS or reasoning_parser in HARMONY_PARSERS
+            self._combined_cls = ParserManager.get_parser(tool_parser_name=tool_parser, reasoning_parser_name=reasoning_parser,
+                                                          enable_auto_tools=True, is_harmony=harmony)
+            self.skip_special_tokens = self._skip_special(self._new(None))
+
+    def _new(self, tools):
+        return self._combined_cls(self.tokenizer, tools, chat_template_kwargs=dict(self.template_kwargs))
+
+    @staticmethod
+    def _skip_special(parser) -> bool:
+        """Whether vLLM would decode this parser's replies without special tokens (its
+        adjust_request on a request with tools decides)."""
+        try:
+            return bool(parser.adjust_request(_request([_PROBE_TOOL])).skip_special_tokens)
+        except Exception:  # a parser that cannot adjust a plain request: vLLM's default
+            return True
+
+    def parse(self, text: str, ids: list[int], parse_tools: bool = True, tools: list | None = None) -> Parsed:
+        """Never raises: a parser that fails on a reply (a random model's bytes) leaves the text as
+        the model wrote it, as content (logged; `failures` counts them)."""
+        try:
+            return self._parse(text, ids, parse_tools, tools)
+        except Exception:
+            self.failures += 1
+            log.warning("reply parser (%s, %s) failed; the reply is returned as content", self.tool_parser,
+                        self.reasoning_parser, exc_info=True)
+            return Parsed(None, text, [])
+
+    def _parse(self, text: str, ids: list[int], parse_tools: bool, tools: list | None) -> Parsed:
+        if self._combined_cls is not None:
+            reasoning, content, calls = self._new(tools).parse(text, _request(tools), enable_auto_tools=parse_tools,
+                                                               model_output_token_ids=list(ids))
+            out = []
+            for c in (calls or []) if parse_tools else []:
+                try:
+                    args = json.loads(c.arguments or "{}")
+                except json.JSONDecodeError:
+                    return Parsed(reasoning or None, text if content is None else content, [])
+                if not isinstance(args, dict):  # as hermes: a call we cannot read leaves the text as written
+                    return Parsed(reasoning or None, text, [])
+                out.append({"name": c.name, "arguments": args})
+            return Parsed(reasoning or None, (content or "").strip() if out else (content or ""), out)
+        reasoning = None
+        if self._reasoning_cls is not None:
+            rp = self._reasoning_cls(self.tokenizer, chat_template_kwargs=dict(self.template_kwargs))
+            reasoning, rest = rp.extract_reasoning(text, _request(tools))
+            text = rest or ""
+        content, calls = self._ours(text) if parse_tools else (text, [])
+        return Parsed(reasoning or None, content, calls)

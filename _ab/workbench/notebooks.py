@@ -1,0 +1,121 @@
+"""Run the notebooks headless with papermill: `python -m workbench.notebooks 00_quickstart`
+(a recipe: `recipes/math_grpo`); `--list` shows every notebook with its parameters and the run
+time its metadata states (`workbench.cpu_minutes`: the CPU default on 2 cores).
+
+The executed notebook lands in its run directory, next to what the notebook itself writes
+there (metrics, trajectories, plots, results.json). `make demo` and the tests use this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def ensure_kernel(name: str = "workbench-local") -> None:
+    """Install the workbench kernelspecs into this environment if `name` is not found."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        KernelSpecManager().get_kernel_spec(name)
+    except NoSuchKernel:
+        from .kernels import install
+
+        install()
+
+
+@contextmanager
+def _local_env(ray_address: str | None = None):
+    """The local kernel starts its own Ray: hide a RAY_ADDRESS this process may carry (or name
+    the one it joins)."""
+    saved = os.environ.pop("RAY_ADDRESS", None)
+    if ray_address:
+        os.environ["RAY_ADDRESS"] = ray_address
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["RAY_ADDRESS"] = saved
+
+
+def run_notebook(name: str, run_dir: str | Path, kernel: str = "workbench-local", progress: bool = True,
+                 timeout_s: int = 1800, ray_address: str | None = None, **parameters) -> Path:
+    """Execute notebooks/<name>.ipynb with `run_dir` and `parameters`; returns the executed
+    notebook's path (<run_dir>/<name>.ipynb). A failing cell raises papermill's error, and the
+    partly executed notebook is still written for a look. `ray_address`: a local Ray instance
+    the kernel joins instead of starting its own (the tests share theirs: a Ray start is a
+    large part of a short notebook's time on 2 cores; the kernel's actors end with it)."""
+    import papermill
+
+    src = NOTEBOOK_DIR / f"{name}.ipynb"
+    if not src.is_file():
+        known = sorted(p.stem for p in NOTEBOOK_DIR.glob("*.ipynb"))
+        raise FileNotFoundError(f"no notebook {name!r} in {NOTEBOOK_DIR}; known: {known}")
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / f"{Path(name).name}.ipynb"  # a recipe ("recipes/math_grpo") lands as math_grpo.ipynb
+    ensure_kernel(kernel)
+    with (_local_env(ray_address) if kernel == "workbench-local" else nullcontext()):
+        papermill.execute_notebook(str(src), str(out), parameters={"run_dir": str(run_dir), **parameters},
+                                   kernel_name=kernel, cwd=str(NOTEBOOK_DIR.parent), progress_bar=progress,
+                                   execution_timeout=timeout_s)
+    return out
+
+
+def notebooks() -> list[str]:
+    """Every notebook's name (notebooks/*.ipynb, then notebooks/recipes/*.ipynb), as run_notebook takes it."""
+    return [str(p.relative_to(NOTEBOOK_DIR).with_suffix("")) for p in
+            sorted(NOTEBOOK_DIR.glob("*.ipynb")) + sorted(NOTEBOOK_DIR.glob("recipes/*.ipynb"))]
+
+
+def describe(name: str) -> dict:
+    """A notebook's parameters (name -> default, as written in its `parameters` cell), and its
+    expected minutes on 2 CPU cores from its metadata (None when it states none)."""
+    import nbformat
+    import papermill
+
+    path = NOTEBOOK_DIR / f"{name}.ipynb"
+    meta = nbformat.read(path, as_version=4).metadata.get("workbench", {})
+    params = {k: v["default"] for k, v in papermill.inspect_notebook(str(path)).items()}
+    return {"name": name, "cpu_minutes": meta.get("cpu_minutes"), "parameters": params}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m workbench.notebooks", description=__doc__.split("\n\n")[0])
+    p.add_argument("name", nargs="?", help="notebook name without .ipynb, e.g. 00_quickstart or recipes/math_grpo")
+    p.add_argument("--list", action="store_true", help="every notebook with its parameters and expected run time")
+    p.add_argument("--run-dir", default=None, help="default: runs/<name>")
+    p.add_argument("--kernel", default="workbench-local")
+    p.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                   help="a notebook parameter (VALUE is parsed as a Python literal when it is one)")
+    a = p.parse_args(argv)
+    if a.list:
+        for name in notebooks():
+            d = describe(name)
+            minutes = f"~{d['cpu_minutes']:g} min on 2 CPU cores" if d["cpu_minutes"] else "run time not stated"
+            print(f"{name}  ({minutes})")
+            print("    " + "  ".join(f"{k}={v}" for k, v in d["parameters"].items() if k != "run_dir"))
+        return 0
+    if a.name is None:
+        p.error("a notebook name, or --list")
+    import ast
+
+    params = {}
+    for k, v in a.param:
+        try:
+            params[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            params[k] = v
+    out = run_notebook(a.name, a.run_dir or Path("runs") / a.name, a.kernel, **params)
+    print(f"executed notebook: {out}\nrun directory:     {out.parent}")
+    for f in sorted(out.parent.iterdir()):
+        print(f"  {f.name}{'/' if f.is_dir() else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

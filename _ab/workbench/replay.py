@@ -1,0 +1,245 @@
+"""Invariant 3, forward consistency for MoE: routing capture and routing replay (R3).
+
+HF transformers 5.x routes through small router modules (`Qwen3MoeTopKRouter`,
+`MixtralTopKRouter`, ...) whose forward returns `(router_logits, routing_weights, expert_ids)`.
+Forward hooks on those modules are all this file needs, no fork of the model code:
+
+- `RouterCapture` records the expert ids each router chose (the reference sampler uses it to
+  return `routed_experts` like vLLM does on GPU).
+- `routing_replay` substitutes recorded ids for the live top-k. The router logits and softmax
+  are still computed, so the router keeps receiving gradients; only the *choice* is replayed,
+  and the gate weights are gathered at the recorded ids and renormalized as the model does.
+  Positions recorded as -1 keep live routing and are counted.
+
+Layout of recorded experts for a forward over input_ids [B, S]: [B, S, moe_layers, top_k]
+(or [S, moe_layers, top_k] for B == 1), int, -1 = not captured.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+def latest_version_routing(experts, versions: list[int], loss_mask: list[int]):
+    """The recorded experts ([T, layers, k]) of one segment that the trainer replays: where the
+    segment's trainable tokens were sampled at several policy versions, only the routing recorded
+    at the latest one; earlier positions become -1 (live routing).
+
+    Why: a token sampled after a weight sync saw every earlier position computed by the new
+    weights, their routing included (the engine recomputes an in-flight request's context at a
+    sync; a later turn's prefill computes the whole conversation again). But a segment keeps each
+    position's first recording: vLLM reports a resumed request's earlier positions as first routed,
+    and Accumulator keeps the earlier turn's. Replaying those under the new weights makes the
+    newest tokens' forward differ from the engine's wherever the two versions route differently.
+    Live routing by a trainer at that version is the engine's routing there; the older tokens,
+    stale and importance-corrected, cannot be matched in the same forward anyway."""
+    import numpy as np
+
+    sampled = [v for v, m in zip(versions, loss_mask) if m]
+    if experts is None or len(set(sampled)) < 2:
+        return experts
+    latest = max(sampled)
+    first = next(i for i, (v, m) in enumerate(zip(versions, loss_mask)) if m and v == latest)
+    out = np.array(experts, copy=True)
+    out[: max(first - 1, 0)] = -1  # position first - 1 produced the first latest-version token: recorded then
+    return out
+
+
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's top-k router modules, in layer order."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+# How each router class turns logits into gate weights for its chosen ids, mirrored exactly so
+# that a replayed forward equals the recorded one (dtype included). Add a rule per new router.
+REPLAY_RULES = {}
+
+
+def register_replay_rule(router_class_name: str):
+    def deco(fn):
+        REPLAY_RULES[router_class_name] = fn
+        return fn
+
+    return deco
+
+
+def _softmax_gather(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    w = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
+    return w / w.sum(dim=-1, keepdim=True) if renormalize else w
+
+
+@register_replay_rule("Qwen3MoeTopKRouter")
+def _qwen3_moe(router, logits, ids):
+    # fp32 softmax over all experts, gather, renormalize when norm_topk_prob, back to logits dtype
+    return _softmax_gather(logits, ids, router.norm_topk_prob).to(logits.dtype)
+
+
+@register_replay_rule("MixtralTopKRouter")
+def _mixtral(router, logits, ids):
+    # fp32 softmax, gather, always renormalized over the top-k; the weights stay fp32
+    return _softmax_gather(logits, ids, True)
+
+
+def _gate_weights(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gate weights at the given expert ids, computed exactly as `router` does for its own top-k."""
+    return REPLAY_RULES[type(router).__name__](router, logits, ids)
+
+
+class RouterCapture:
+    """Records each router's expert ids on every forward while `active`."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = moe_routers(model)
+        self.active = False
+        self.calls: list[list[torch.Tensor]] = []  # per forward: per layer [N, top_k]
+        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+
+    def _hook(self, layer: int):
+        def hook(module, args, output):
+            if self.active:
+                if layer == 0:
+                    self.calls.append([])
+                self.calls[-1].append(output[2].detach().to(torch.int16).clone())
+
+        return hook
+
+    def pop(self) -> torch.Tensor | None:
+        """Expert ids of the last forward: [N, layers, top_k] (N = B * S flattened), or None."""
+        if not self.calls:
+            return None
+        layers = self.calls.pop()
+        self.calls.clear()
+        return torch.stack(layers, dim=1)
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+def recorded_experts(live_ids: torch.Tensor, recorded_ids: torch.Tensor) -> torch.Tensor:
+    """The experts a replayed forward routes with ([N, top_k] each): the recorded ids, and the
+    router's live top-k where none were recorded (-1)."""
+    captured = (recorded_ids >= 0).all(dim=-1, keepdim=True)
+    return torch.where(captured, recorded_ids, live_ids)
+
+
+_choice = [recorded_experts]
+
+
+def register_expert_choice(fn=None) -> None:
+    """Make `fn(live_ids, recorded_ids) -> ids` the rule routing_replay routes with in this
+    process (None: recorded_experts again). The extension point of workshop notebook 03's
+    exercise; a trainer rank is another process and keeps its own."""
+    _choice[0] = fn or recorded_experts
+
+
+@dataclass(eq=False)
+class ReplayStats:
+    """Per MoE layer: positions replayed, positions that fell back to live routing (-1), and
+    positions where the live top-k set differs from the replayed one (router disagreement).
+
+    The forwards' counts stay tensors on the model's device (`pending`) until one of the three
+    lists is first read: then all of them in one transfer. On a GPU each read waits for the
+    device to drain its queue: an int() per layer and forward cost replay on vs off 1.08x on an
+    H200, and the trainer reads a step's counts once, after its last micro-batch."""
+
+    layers: int = 0
+    pending: list = field(default_factory=list)  # (layer, tensor [replayed, fallback, disagree])
+    _counts: list | None = None  # [replayed, fallback, disagree], each a list per layer
+
+    def _read(self) -> list:
+        if self._counts is None:
+            self._counts = [[0] * self.layers for _ in range(3)]
+        if self.pending:
+            for (layer, _), values in zip(self.pending, torch.stack([c for _, c in self.pending]).tolist()):
+                for counts, v in zip(self._counts, values):
+                    counts[layer] += v
+            self.pending = []
+        return self._counts
+
+    def __eq__(self, other) -> bool:  # equal counts (the pending tensors read first)
+        return isinstance(other, ReplayStats) and self._read() == other._read()
+
+    replayed = property(lambda self: self._read()[0])
+    fallback = property(lambda self: self._read()[1])
+    disagree = property(lambda self: self._read()[2])
+
+    @property
+    def disagreement_rate(self) -> float:
+        n = sum(self.replayed)
+        return sum(self.disagree) / n if n else 0.0
+
+
+def _in_backward() -> bool:
+    # autograd's current graph task is -1 outside a backward pass (torch.utils.checkpoint
+    # uses the same test to tell a recompute from a forward)
+    return torch._C._current_graph_task_id() != -1
+
+
+@contextmanager
+def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: bool = True,
+                  positions: torch.Tensor | None = None):
+    """Within this context, every forward of `model` routes with the recorded `experts`.
+
+    `experts`: [B, S, layers, top_k] or [S, layers, top_k] matching the next forward's
+    input_ids. Yields a ReplayStats filled in as forwards run. With `experts=None` nothing is
+    replayed (live routing) and nothing is counted. `apply=False` observes only: live routing
+    runs, and the statistics count where it disagrees with `experts` (what replay would have
+    changed). `positions` ([B, S] or [S], e.g. the attention mask): count only these positions
+    (padding is neither a replay nor a fallback). With activation checkpointing, run the
+    backward inside the context too: its recompute forwards must replay the same experts.
+    The statistics are read when first used (ReplayStats): each layer's counts stay tensors on
+    the model's device until then.
+    """
+    routers = moe_routers(model)
+    stats = ReplayStats(len(routers))
+    if experts is None or not routers:
+        yield stats
+        return
+    unknown = sorted({type(r).__name__ for r in routers} - set(REPLAY_RULES))
+    if unknown:
+        raise NotImplementedError(f"no routing-replay rule for router class(es) {unknown}; "
+                                  f"register one with workbench.replay.register_replay_rule (known: {sorted(REPLAY_RULES)})")
+    experts = torch.as_tensor(experts)
+    if experts.shape[-2] != len(routers):
+        raise ValueError(f"recorded experts have {experts.shape[-2]} MoE layers, model has {len(routers)}")
+    flat = experts.reshape(-1, experts.shape[-2], experts.shape[-1]).long()
+    counted = None if positions is None else torch.as_tensor(positions).reshape(-1).bool()
+    on_device = {}  # (flat, counted) on each device the routers run on, moved there once
+
+    def hook_for(layer: int):
+        def hook(module, args, output):
+            logits, _, live_ids = output
+            if logits.shape[0] != flat.shape[0]:
+                raise ValueError(
+                    f"routing replay: forward routes {logits.shape[0]} positions, "
+                    f"recorded experts cover {flat.shape[0]}"
+                )
+            if live_ids.device not in on_device:
+                on_device[live_ids.device] = (flat.to(live_ids.device), None if counted is None else counted.to(live_ids.device))
+            rec_all, real = on_device[live_ids.device]
+            rec = rec_all[:, layer, :]
+            captured = (rec >= 0).all(dim=-1)
+            ids = _choice[0](live_ids, rec).to(live_ids.device)
+            # Activation checkpointing re-runs this forward inside backward: the replay must
+            # apply there too (hence the context must stay open across backward), but the
+            # positions are counted once, on the real forward.
+            if not _in_backward():
+                real = torch.ones_like(captured) if real is None else real
+                differs = (live_ids.sort(-1).values != ids.sort(-1).values).any(-1) & captured & real
+                stats.pending.append((layer, torch.stack([(captured & real).sum(), (~captured & real).sum(), differs.sum()])))
+            if not apply:
+                return None  # keep the router's own output
+            return logits, _gate_weights(module, logits, ids), ids.to(live_ids.dtype)
+
+        return hook
+
+    handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
+    try:
+        yield stats
+    finally:
+        for h in handles:
+            h.remove()

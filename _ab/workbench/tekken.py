@@ -1,0 +1,131 @@
+"""Mistral's Tekken tokenizer as a ChatFormat: mistral-common renders the conversation, not a template.
+
+A Tekken checkpoint (tekken.json beside config.json: Mistral NeMo, Pixtral, Ministral) has no Jinja
+chat template that vLLM uses: vLLM's MistralTokenizer encodes a chat request to ids with
+mistral-common's instruct tokenizer. `TekkenFormat` does the same, so the prompt ids are exactly the
+ones vLLM would build, and gives the accumulator what it needs from any ChatFormat:
+
+- `render`: mistral-common's encoding of the request, as text with the control tokens spelled out
+  (`<s>[AVAILABLE_TOOLS]...[/AVAILABLE_TOOLS][INST]...[/INST]`), which is what `Tokenized.text` is;
+- `encode`: that text back to mistral-common's ids: control tokens by their special ids, each text
+  piece between them by the Tekkenizer without BOS/EOS. mistral-common encodes every text piece on
+  its own between control tokens, so splitting at them reproduces its ids (tests/test_tekken.py);
+- `decode` / `text_units`: from the Tekkenizer's byte pieces (there is no HF `tokenizers` backend).
+
+What this does to accumulation (the v3 instruct encoding of both Tekken files mistral-common ships,
+the NeMo tokenizer): tool calls and tool results before the last user message are dropped, and
+[AVAILABLE_TOOLS] and the system prompt sit in front of the last user message; so a new user turn
+rewrites the history (template_rewrite) whenever there are tools, a system prompt or a tool call,
+while tool results after a tool call extend the exact sampled ids. Tekken has no leading-space trap
+after [TOOL_CALLS] (the SentencePiece v3 tokenizer has).
+
+`tokenizer` is vLLM's MistralTokenizer (the loopback's tool parser, `mistral`, reads Tekken's
+`[TOOL_CALLS][{...}]` with it). Text a user writes that spells a control token ('[INST]') encodes as
+that control token here, as with every template-text ChatFormat.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+from .tokens import ChatFormat, canonical_message
+
+
+def tekken_profile(path: str | Path):
+    """The `mistral` profile of a Tekken directory: profile_for's when it is a checkpoint (config.json),
+    else the mistral family's for a tokenizer directory (chat_format "tekken": it has tekken.json)."""
+    from .profiles import FAMILIES, Checkpoint, profile_for
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return profile_for(path)
+    return FAMILIES["mistral"](Checkpoint(path, {"model_type": "mistral"}, set(), None))
+
+
+def load_tokenizer(path: str | Path):
+    """vLLM's MistralTokenizer for a directory with tekken.json (offline: the file is read as is)."""
+    from vllm.tokenizers.mistral import MistralTokenizer
+
+    return MistralTokenizer.from_pretrained(str(path))
+
+
+class TekkenFormat(ChatFormat):
+    """ChatFormat over mistral-common's request encoding (see the module docstring)."""
+
+    def __init__(self, tokenizer, end_of_turn: str | None = "</s>", template_kwargs: dict | None = None,
+                 turn_ends: tuple[str, ...] = (), message_form: dict | None = None):
+        from mistral_common.protocol.instruct.validator import ValidationMode
+        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+
+        if not hasattr(tokenizer, "mistral"):
+            raise TypeError(f"TekkenFormat needs vLLM's MistralTokenizer (workbench.tekken.load_tokenizer(checkpoint)), "
+                            f"got {type(tokenizer).__name__}")
+        self.tokenizer = tokenizer  # vLLM's MistralTokenizer
+        self.mistral = tokenizer.mistral  # mistral-common's MistralTokenizer (validation mode "test": serving)
+        self.tekken = self.mistral.instruct_tokenizer.tokenizer
+        if type(self.tekken).__name__ != "Tekkenizer":
+            raise TypeError(f"TekkenFormat needs a Tekken tokenizer, got {type(self.tekken).__name__}")
+        # A history that ends with the assistant's reply (Accumulator.record renders it) is a
+        # "finetuning" request to mistral-common's validator (serving refuses a final assistant
+        # message); the same validator class in that mode, the same tokenizer otherwise.
+        self._history = copy.copy(self.mistral)
+        self._history._chat_completion_request_validator = type(self.mistral._chat_completion_request_validator)(
+            mode=ValidationMode.finetuning)
+        self._keep = SpecialTokenPolicy.KEEP
+        self._ignore = SpecialTokenPolicy.IGNORE
+        n = self.tekken.num_special_tokens
+        self._special = {self.tekken.id_to_piece(i): i for i in range(n)}
+        self._special_re = re.compile("(" + "|".join(map(re.escape, sorted(self._special, key=len, reverse=True))) + ")")
+        self.end_of_turn = end_of_turn or "</s>"
+        self.end_of_turn_id = self._special[self.end_of_turn]
+        self.turn_end_tokens = tuple(dict.fromkeys((self.end_of_turn, *turn_ends)))
+        self.turn_end_ids = tuple(self._special[t] for t in self.turn_end_tokens)
+        self.template_kwargs = dict(template_kwargs or {})  # mistral-common takes none; kept for the interface
+        self.message_form = dict(message_form or {})
+
+    @classmethod
+    def for_profile(cls, tokenizer, profile) -> "TekkenFormat":
+        return cls(tokenizer, profile.end_of_turn, profile.chat_template_kwargs, profile.turn_ends, profile.message_form)
+
+    def tokenize_request(self, messages: list[dict], tools: list | None, add_generation_prompt: bool):
+        """mistral-common's Tokenized for OpenAI-style messages (ids in .tokens, text in .text)."""
+        from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+        msgs = [canonical_message(m, **self.message_form) for m in messages]
+        final_reply = bool(msgs) and msgs[-1]["role"] == "assistant" and not add_generation_prompt
+        req = ChatCompletionRequest.from_openai(msgs, tools or None)
+        return (self._history if final_reply else self.mistral).encode_chat_completion(req)
+
+    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
+        return self.tokenize_request(messages, tools, add_generation_prompt).text
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for k, piece in enumerate(self._special_re.split(text)):
+            if k % 2:  # a control token, spelled out
+                ids.append(self._special[piece])
+            elif piece:
+                ids += self.tekken.encode(piece, bos=False, eos=False)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tekken.decode(list(ids), special_token_policy=self._ignore if skip_special_tokens else self._keep)
+
+    def text_units(self, ids: list[int]) -> list[tuple[int, int, tuple]] | None:
+        """tokens.text_units for Tekken: byte pieces grouped until they complete UTF-8 characters."""
+        units, pos, start, buf = [], 0, 0, b""
+        for k, i in enumerate(ids):
+            buf += self.tekken.id_to_byte_piece(i, self._keep)  # a control token: its name
+            try:
+                chunk = buf.decode("utf-8")
+            except UnicodeDecodeError:
+                if k + 1 - start > 16:
+                    return None
+                continue
+            units.append((pos, pos + len(chunk), tuple(ids[start: k + 1])))
+            pos, start, buf = pos + len(chunk), k + 1, b""
+        if start < len(ids):
+            units.append((pos, -1, tuple(ids[start:])))
+        return units

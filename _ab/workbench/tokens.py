@@ -1,0 +1,623 @@
+"""Invariant 1, token identity: never train on a token the policy did not sample.
+
+The sampled ids returned by the engine ARE the trajectory; text is only a view of them.
+`Accumulator` is the only code that appends ids to a trajectory. For each request of a
+session with messages M (DESIGN.md, "Token identity"):
+
+1. M extends the session (earlier messages unchanged, the last assistant message the one the
+   server returned): the engine prompt is `accumulated_ids + delta_ids`, where the delta is
+   the template text the new messages add (ALL messages after the last assistant turn),
+   preceded by the template's closing text after the sampled end-of-turn token (e.g. "\n").
+2. Otherwise the open segment is sealed with a reason and a new one starts from the full
+   render of M.
+3. A reply cut by max_tokens has no end-of-turn token: the template's closing tokens
+   (end-of-turn included) enter the next delta as non-trainable tokens.
+4. A retry returns the cached reply and records nothing twice. A request is a retry when it
+   repeats the last request's messages and tools AND the client says it is one: the stock
+   Stainless-generated SDKs (openai, anthropic) send `x-stainless-retry-count` on every request,
+   0 on the first attempt and k on their k-th retry (timeouts, 5xx, lost connections). An
+   identical request without that (count 0 or no header) is a new sample: it does not extend the
+   conversation, so the open segment is sealed (`history_rewritten`) and the sample starts a new
+   one; n identical requests give n samples. Turns of one session are serialised by a lock, so a
+   retry sent while its original is still in flight waits for it and gets its reply.
+
+Measured per segment: `identity_mismatch` (trainable ids that differ from the engine's sampled
+ids; 0 whenever this mechanism works), `retokenization_drift` (sampled ids that a
+retokenization of their decoded text would change: the damage a text-based pipeline would do)
+and `sampling_overridden` (recorded turns whose request asked for other sampling than the
+policy's; the server replaced it). A session whose turn was cut by the context is `truncated`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Why a segment was sealed. Keys are what Segment.seal_reason holds.
+SEAL_REASONS = {
+    "history_rewritten": "earlier messages were changed or removed (e.g. context compaction)",
+    "assistant_changed": "the assistant message sent back differs from the one the server returned",
+    "template_rewrite": "the chat template renders earlier turns differently once new messages are added",
+    "episode_end": "the session was closed (normal end of an episode)",
+}
+
+
+@dataclass
+class Segment:
+    """A run of token ids that one prompt-extension chain produced. Per token: `loss_mask`
+    (1 = sampled by the policy), `logprobs` (behaviour log-prob; 0.0 where not sampled),
+    `versions` (policy version that sampled it; -1 for prompt/template/tool tokens).
+    `routed_experts`: [T, moe_layers, top_k] int16, -1 = not captured."""
+
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None
+    messages: list[dict] = field(default_factory=list)
+    seal_reason: str | None = None  # None while the segment is open
+    stats: dict = field(default_factory=lambda: {"identity_mismatch": 0, "retokenization_drift": 0, "sampled_tokens": 0,
+                                                 "turns": 0, "sampling_overridden": 0})
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def append(self, ids, trainable: bool, logprobs=None, versions=None) -> None:
+        n = len(ids)
+        self.token_ids += list(ids)
+        self.loss_mask += [int(trainable)] * n
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
+        self.versions += list(versions) if versions is not None else [-1] * n
+
+    def copy(self) -> "Segment":
+        """An independent copy. (copy.deepcopy walks every id one object at a time: ~1 ms per
+        short episode on the loopback's event loop; the number columns copy flat.)"""
+        ex = self.routed_experts
+        return Segment(list(self.token_ids), list(self.loss_mask), list(self.logprobs), list(self.versions),
+                       None if ex is None else ex.copy(), copy.deepcopy(self.messages), self.seal_reason, dict(self.stats))
+
+    def check(self) -> None:
+        n = len(self.token_ids)
+        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+            raise ValueError("segment columns have different lengths")
+        if self.routed_experts is not None and self.routed_experts.shape[0] != n:
+            raise ValueError(f"routed_experts covers {self.routed_experts.shape[0]} positions, segment has {n}")
+
+
+@dataclass
+class Trajectory:
+    """One agent episode: its segments plus reward, ids, info and error (None when it ran).
+    `truncated`: a turn was cut by the context (the conversation outgrew max_model_len); what
+    was recorded is exact, the episode just could not go on."""
+
+    segments: list[Segment] = field(default_factory=list)
+    reward: float = 0.0
+    group_id: str = ""
+    episode_id: str = ""
+    info: dict = field(default_factory=dict)
+    error: str | None = None
+    truncated: bool = False
+
+
+# ------------------------------------------------------------------ on-disk format (parquet)
+# One row per segment, trajectory fields repeated on each row. Why parquet (through pyarrow):
+# columnar, with typed list columns that load straight into numpy/torch without parsing, good
+# compression of id runs, appendable as one file per batch, and readable by pandas/duckdb/Ray
+# Data for analysis. JSON lines would parse every id; pickles are neither portable nor safe.
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("episode_id", pa.string()), ("group_id", pa.string()), ("segment_index", pa.int32()),
+        ("reward", pa.float64()), ("error", pa.string()), ("info", pa.string()),
+        ("seal_reason", pa.string()), ("messages", pa.string()), ("stats", pa.string()),
+        ("token_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
+        ("logprobs", pa.list_(pa.float32())), ("versions", pa.list_(pa.int32())),
+        ("routed_experts", pa.list_(pa.int16())), ("routed_experts_shape", pa.list_(pa.int32())),
+        ("truncated", pa.bool_()),
+    ])
+
+
+def write_trajectories(trajectories: list[Trajectory], path: str | Path) -> Path:
+    """Write trajectories to one parquet file (format documented in docs/ARCHITECTURE.md)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for t in trajectories:
+        for i, s in enumerate(t.segments):
+            s.check()
+            ex = s.routed_experts
+            rows.append({
+                "episode_id": t.episode_id, "group_id": t.group_id, "segment_index": i,
+                "reward": float(t.reward), "error": t.error, "info": json.dumps(t.info, default=str),
+                "seal_reason": s.seal_reason, "messages": json.dumps(s.messages, default=str),
+                "stats": json.dumps(s.stats), "token_ids": s.token_ids, "loss_mask": s.loss_mask,
+                "logprobs": s.logprobs, "versions": s.versions,
+                "routed_experts": None if ex is None else ex.reshape(-1).tolist(),
+                "routed_experts_shape": None if ex is None else list(ex.shape),
+                "truncated": bool(t.truncated),
+            })
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=_schema()), path)
+    return path
+
+
+def read_trajectories(path: str | Path) -> list[Trajectory]:
+    import pyarrow.parquet as pq
+
+    out: dict[str, Trajectory] = {}
+    for r in pq.read_table(path).to_pylist():
+        t = out.setdefault(r["episode_id"], Trajectory(
+            reward=r["reward"], group_id=r["group_id"], episode_id=r["episode_id"],
+            info=json.loads(r["info"]), error=r["error"], truncated=bool(r.get("truncated"))))  # older files: no column
+        ex = None
+        if r["routed_experts"] is not None:
+            ex = np.asarray(r["routed_experts"], dtype=np.int16).reshape(r["routed_experts_shape"])
+        t.segments.append(Segment(r["token_ids"], r["loss_mask"], r["logprobs"], r["versions"], ex,
+                                  json.loads(r["messages"]), r["seal_reason"], json.loads(r["stats"])))
+    return list(out.values())
+
+
+def training_tensors(segments: list[Segment], pad_id: int = 0) -> dict[str, Any]:
+    """Right-padded training tensors, one row per segment. Index i of every column describes
+    token i: `logprobs[i]`/`versions[i]`/`loss_mask[i]` belong to `input_ids[i]`, whose
+    log-prob the trainer reads from the logits at position i - 1 (shift by one there)."""
+    import torch
+
+    n, width = len(segments), max((len(s) for s in segments), default=0)
+    out = {
+        "input_ids": torch.full((n, width), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros((n, width), dtype=torch.long),
+        "loss_mask": torch.zeros((n, width), dtype=torch.float32),
+        "behaviour_logprobs": torch.zeros((n, width), dtype=torch.float32),
+        "versions": torch.full((n, width), -1, dtype=torch.long),
+        "routed_experts": None,
+    }
+    shapes = {s.routed_experts.shape[1:] for s in segments if s.routed_experts is not None}
+    if len(shapes) > 1:
+        raise ValueError(f"segments disagree on routed-expert shape: {shapes}")
+    if shapes:
+        out["routed_experts"] = torch.full((n, width, *shapes.pop()), -1, dtype=torch.int16)
+    for s in segments:
+        s.check()
+    # every column filled by one copy of its concatenated rows (a boolean mask fills in row-major
+    # order: row i's first len(segment i) positions): per-row tensor copies took ~10 ms of the
+    # driver's critical path a step at 128 episodes
+    real = torch.arange(width) < torch.tensor([len(s) for s in segments], dtype=torch.long)[:, None]
+    out["attention_mask"][real] = 1
+    for key, field_name, dtype in (("input_ids", "token_ids", torch.long), ("loss_mask", "loss_mask", torch.float32),
+                                   ("behaviour_logprobs", "logprobs", torch.float32), ("versions", "versions", torch.long)):
+        out[key][real] = torch.tensor([x for s in segments for x in getattr(s, field_name)], dtype=dtype)
+    if out["routed_experts"] is not None:
+        from .replay import latest_version_routing  # (torch-only module; imported here, like torch)
+
+        for i, s in enumerate(segments):
+            if s.routed_experts is not None:  # a segment spanning versions replays its latest one's routing
+                replayed = latest_version_routing(s.routed_experts, s.versions, s.loss_mask)
+                out["routed_experts"][i, :len(s)] = torch.from_numpy(replayed.astype(np.int16))
+    return out
+
+
+# ------------------------------------------------------------------ messages and the template
+def _text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+
+
+# What canonical_message may keep, per model profile field (workbench.profiles.ModelProfile).
+MESSAGE_FORMS = {"tool_call_ids": (None, "alnum9"), "tool_arguments": ("object", "json"),
+                 "reasoning_field": (None, "reasoning_content", "thinking")}
+# Where an incoming assistant message may carry its reasoning: vLLM's and DeepSeek's
+# `reasoning_content`, the newer `reasoning`, gpt-oss's (HF) `thinking`; the loopback's Anthropic
+# route puts the text of `thinking` blocks into `reasoning_content`.
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
+def canonical_message(m: dict, *, tool_call_ids: str | None = None, tool_arguments: str = "object",
+                      reasoning_field: str | None = None) -> dict:
+    """The parts of a chat message the template renders, in one comparable form. Wire-format
+    noise (`refusal: null`, argument JSON spacing, content as parts) is dropped; what the
+    template renders is kept where the model profile says it does (ModelProfile.message_form,
+    passed explicitly; the defaults keep what the toy's template renders):
+
+    tool_call_ids "alnum9": tool-call ids and tool results' `tool_call_id` (Mistral's templates
+        render them and refuse any other shape than 9 alphanumeric characters); None drops them.
+    tool_arguments "json": arguments as JSON text, `json.dumps` of the parsed object (templates
+        that concatenate them as a string: DeepSeek V3.1); "object": the parsed object.
+    reasoning_field: the key the template renders an assistant turn's reasoning from (Qwen3
+        `reasoning_content`, gpt-oss `thinking`), filled from any of REASONING_KEYS; None drops it."""
+    out = {"role": m["role"], "content": _text(m.get("content"))}
+    calls = []
+    for tc in m.get("tool_calls") or []:
+        f = tc.get("function", tc)
+        args = f.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                pass  # keep the raw string; the template renders it verbatim
+        if tool_arguments == "json" and not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        call = {"type": "function", "function": {"name": f.get("name", ""), "arguments": args}}
+        if tool_call_ids is not None and tc.get("id") is not None:
+            call["id"] = str(tc["id"])
+        calls.append(call)
+    if calls:
+        out["tool_calls"] = calls
+    if tool_call_ids is not None and m.get("tool_call_id") is not None:
+        out["tool_call_id"] = str(m["tool_call_id"])
+    if reasoning_field is not None and m["role"] == "assistant":
+        reasoning = next((m[k] for k in REASONING_KEYS if isinstance(m.get(k), str) and m[k]), None)
+        # gpt-oss's template renders one analysis message before a tool call, from content or from
+        # thinking, and refuses both: a harmony preamble (content) with reasoning keeps the content
+        if reasoning and not (reasoning_field == "thinking" and calls and out["content"]):
+            out[reasoning_field] = reasoning
+    return out
+
+
+_ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def new_tool_call_id(style: str | None = None) -> str:
+    """A fresh tool-call id in the shape a profile's template needs (ModelProfile.tool_call_ids):
+    "alnum9" 9 alphanumeric characters (Mistral); None the OpenAI-like `call_<16 hex>`."""
+    import secrets
+
+    if style == "alnum9":
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
+    return f"call_{secrets.token_hex(8)}"
+
+
+class ChatFormat:
+    """The tokenizer and chat template as the accumulator uses them."""
+
+    def __init__(self, tokenizer, end_of_turn: str | None = None, template_kwargs: dict | None = None,
+                 turn_ends: tuple[str, ...] = (), message_form: dict | None = None):
+        self.tokenizer = tokenizer
+        self.end_of_turn = end_of_turn or tokenizer.eos_token
+        self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.end_of_turn)
+        # every token that ends an assistant turn: the end of turn first, then the profile's turn_ends
+        # (gpt-oss's <|call|>); a sampled one closes the turn (Accumulator.record)
+        self.turn_end_tokens = tuple(dict.fromkeys((self.end_of_turn, *turn_ends)))
+        self.turn_end_ids = tuple(tokenizer.convert_tokens_to_ids(t) for t in self.turn_end_tokens)
+        self.template_kwargs = dict(template_kwargs or {})  # the model profile's (Qwen3's enable_thinking, ...)
+        # what canonical_message keeps (the profile's tool_call_ids, tool_arguments, reasoning_field)
+        self.message_form = dict(message_form or {})
+        self._backend = tokenizer.backend_tokenizer
+
+    @classmethod
+    def for_profile(cls, tokenizer, profile) -> "ChatFormat":
+        """The format a model profile (workbench.profiles) describes: its end of turn (and the other
+        tokens that end a turn), template kwargs and what canonical messages keep. A Tekken profile
+        (chat_format="tekken") gets workbench.tekken.TekkenFormat: mistral-common renders, no template."""
+        if getattr(profile, "chat_format", "template") == "tekken" and cls is ChatFormat:
+            from .tekken import TekkenFormat
+
+            return TekkenFormat.for_profile(tokenizer, profile)
+        return cls(tokenizer, profile.end_of_turn, profile.chat_template_kwargs, profile.turn_ends, profile.message_form)
+
+    def canonical(self, m: dict) -> dict:
+        """canonical_message with this format's message form."""
+        return canonical_message(m, **self.message_form)
+
+    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
+            **self.template_kwargs,
+        )
+
+    def prompt(self, messages: list[dict], tools: list | None) -> tuple[str, list[int]]:
+        """A new segment's prompt: the whole conversation rendered with the generation prompt,
+        and its ids (the loopback server memoizes it per request, see PromptMemo)."""
+        text = self.render(messages, tools, add_generation_prompt=True)
+        return text, self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize *template* text (never generated text) into ids. (The fast tokenizer's
+        backend directly: same ids, a third of the per-call cost of the transformers wrapper.)"""
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+_MAX_PENDING = 16  # tokens without a complete character; a UTF-8 character spans at most 4 byte tokens
+
+
+def text_units(fmt: ChatFormat, ids: list[int]) -> list[tuple[int, int, tuple]] | None:
+    """The ids cut into units at character boundaries: (start, end, ids) where text[start:end]
+    is what those ids decode to, in order. A unit is one token, or a run of tokens that only
+    together complete a character (byte-level BPE splits multi-byte characters). One streaming
+    decode step per token (tokenizers' DecodeStream keeps a window of a few ids): linear time.
+    None when the stream cannot be cut this way (a long run of undecodable bytes)."""
+    if hasattr(fmt, "text_units"):  # a format without an HF tokenizers backend (TekkenFormat) cuts its own
+        return fmt.text_units(ids)
+    from tokenizers.decoders import DecodeStream
+
+    step = DecodeStream(skip_special_tokens=False).step
+    units, pos, start = [], 0, 0
+    for k, i in enumerate(ids):
+        chunk = step(fmt._backend, i)
+        if chunk is None:  # an incomplete character: the unit goes on
+            if k + 1 - start > _MAX_PENDING:
+                return None
+            continue
+        units.append((pos, pos + len(chunk), tuple(ids[start : k + 1])))
+        pos += len(chunk)
+        start = k + 1
+    if start < len(ids):  # trailing bytes that never completed a character
+        units.append((pos, -1, tuple(ids[start:])))
+    return units
+
+
+def retokenization_drift(fmt: ChatFormat, sampled: list[int]) -> int:
+    """How many sampled ids a retokenization of their decoded text would not reproduce: both
+    the sampled ids and `encode(decode(sampled))` are cut into character-aligned units
+    (`text_units`), and a sampled token drifts when its unit (character span and ids) is not
+    among the retokenization's units. Linear in the number of tokens (difflib, used before, was
+    quadratic on repetitive output: ~7 s at 16k tokens, on the server's event loop)."""
+    if not sampled:
+        return 0
+    again = fmt.encode(fmt.decode(sampled))
+    if again == sampled:
+        return 0
+    mine, theirs = text_units(fmt, sampled), text_units(fmt, again)
+    if mine is None or theirs is None:  # undecodable runs: count what differs between the common ends
+        n, m = len(sampled), len(again)
+        head = next((k for k in range(min(n, m)) if sampled[k] != again[k]), min(n, m))
+        tail = next((k for k in range(min(n, m) - head) if sampled[n - 1 - k] != again[m - 1 - k]), min(n, m) - head)
+        return n - head - tail
+    theirs = set(theirs)
+    return sum(len(u[2]) for u in mine if u not in theirs)
+
+
+@dataclass
+class TurnPlan:
+    """What the accumulator decided for one request: the engine prompt and how it was built."""
+
+    prompt_ids: list[int]
+    messages: list[dict]  # canonical request messages
+    tools: list | None
+    prompt_text: str  # render of the request's window (Accumulator.window) with the generation prompt
+    delta_len: int  # ids added to the segment before sampling
+    new_segment: bool
+    seal_reason: str | None
+    cached: Any = None  # the previous reply, for a retried request
+    window_start: int = 0  # the rendered window: leading system messages + messages[window_start:] (0: all)
+
+
+class Accumulator:
+    """Exact per-token accumulation for one session (one agent episode).
+
+    An extending turn renders a window of the conversation, not all of it: the leading system
+    messages and everything from a user message on (`window`). Rendering all of it made every turn
+    cost time linear in the conversation (two template renders per turn, ~10 us per message). The
+    window starts at the first message and moves to the last user message once it holds more than
+    `window_messages` messages; a shorter conversation renders whole. Exact where a message renders
+    the same whatever precedes that user message, besides the system messages: the rewrites that
+    templates make of earlier turns (Qwen3 strips reasoning before the last user message, Mistral
+    moves the system prompt and tools to it) touch only messages from the previous user message on,
+    which the window holds (tests/test_tokens.py: the same plans and records with the window
+    moved at every user turn as with the whole conversation, on the real templates' shapes).
+    A template that numbers turns or counts earlier messages needs `window_messages = None`.
+    Small windows render less: 4 rather than 32 cut the server's CPU per request in the last 8
+    turns of 64-turn episodes from 1.41-1.65 to 1.18-1.19 ms (bench/loopback.py's history cost;
+    a move's extra render is of a short window)."""
+
+    window_messages: int | None = 4
+
+    def __init__(self, fmt: ChatFormat):
+        self.fmt = fmt
+        self.segments: list[Segment] = []
+        self.lock = asyncio.Lock()  # turns of one session are serialised
+        self._conversation: list[dict] | None = None  # request + returned assistant message
+        self._conversation_text = ""  # render of _conversation's window (no generation prompt)
+        self._window_start = 0  # the window of _conversation_text (see window)
+        self._tools_key: str | None = None
+        self._closing_text = ""  # template text owed after the last sampled token
+        self._unrendered: tuple | None = None  # (prompt text, tools, sampled ids) of a turn not yet rendered
+        self._last_request: tuple | None = None
+        self._last_reply: Any = None
+        self.truncated = False  # a turn was cut by the context (the server sets it; see LoopbackServer)
+
+    @property
+    def open_segment(self) -> Segment | None:
+        return self.segments[-1] if self.segments and self.segments[-1].seal_reason is None else None
+
+    def plan(self, messages: list[dict], tools: list | None = None, retry: bool = False) -> TurnPlan:
+        """Decide the engine prompt for a request. Changes nothing until `record`. `retry`: the
+        client says this request is a retry of its previous one (rule 4); only then is a
+        repeat of the last request served from the cache."""
+        canonical = getattr(self.fmt, "canonical", canonical_message)  # a format without a profile: the defaults
+        msgs = [canonical(m) for m in messages]
+        if retry and self._last_reply is not None and request_key(msgs, tools) == request_key(*self._last_request):
+            return TurnPlan([], msgs, tools, "", 0, False, None, cached=self._last_reply)  # nothing to render
+        seg, reason = self.open_segment, None
+        if seg is not None and self._conversation is not None:
+            self._render_recorded()
+            reason = self._why_not_extending(msgs)
+            if reason is None:
+                start = self._window_start
+                text = self.fmt.render(self.window(msgs, start), tools, add_generation_prompt=True)
+                if self._extends(self._conversation_text, text):
+                    delta = self.fmt.encode(self._closing_text + text[len(self._conversation_text):])
+                    return TurnPlan(seg.token_ids + delta, msgs, tools, text, len(delta), False, None, window_start=start)
+                reason = "template_rewrite"
+        full, ids = self.fmt.prompt(msgs, tools)
+        return TurnPlan(ids, msgs, tools, full, len(ids), True, reason)
+
+    @staticmethod
+    def window(messages: list[dict], start: int) -> list[dict]:
+        """What a turn renders: the leading system messages and messages[start:] (start 0: all)."""
+        if start == 0:
+            return messages
+        head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        return messages[:head] + messages[start:]
+
+    @staticmethod
+    def _extends(recorded_text: str, render: str) -> bool:
+        """Whether a fresh render of the request extends the text the open segment recorded (else the
+        segment is sealed: template_rewrite). Notebook 04's exercise overrides it."""
+        return render.startswith(recorded_text)
+
+    def _why_not_extending(self, msgs: list[dict]) -> str | None:
+        conv = self._conversation
+        n = len(conv)
+        if len(msgs) <= n or msgs[: n - 1] != conv[: n - 1]:
+            return "history_rewritten"
+        if msgs[n - 1] != conv[n - 1]:
+            return "assistant_changed"
+        return None
+
+    def record(self, plan: TurnPlan, sample, assistant_message: dict, reply: Any = None,
+               sampling_overridden: bool = False) -> Segment:
+        """Append one turn: the plan's delta (non-trainable) and the engine's sampled ids
+        (trainable, with their log-probs and versions), then remember the conversation.
+        `sampling_overridden`: the request asked for other sampling than the policy's (counted)."""
+        if plan.cached is not None:
+            return self.segments[-1]
+        if plan.new_segment:
+            if self.open_segment is not None:
+                self.seal(plan.seal_reason or "history_rewritten")
+            self.segments.append(Segment())
+        seg = self.segments[-1]
+        seg.append(plan.prompt_ids[len(seg):], trainable=False)
+        sampled = self._append_sampled(seg, sample)
+        seg.stats["identity_mismatch"] += _mismatch(sampled, list(sample.token_ids))
+        seg.stats["retokenization_drift"] += retokenization_drift(self.fmt, sampled)
+        seg.stats["sampled_tokens"] += len(sampled)
+        seg.stats["turns"] += 1
+        seg.stats["sampling_overridden"] = seg.stats.get("sampling_overridden", 0) + int(bool(sampling_overridden))
+        self._merge_experts(seg, sample)
+        # Remember what the server returned. The template text owed after the sampled ids needs a
+        # render of the conversation: done when the next request comes (_render_recorded), as an
+        # episode's last turn (every turn of a single-turn episode) never needs it.
+        assistant = getattr(self.fmt, "canonical", canonical_message)(assistant_message)
+        self._conversation = plan.messages + [assistant]
+        self._window_start = plan.window_start
+        self._unrendered = (plan.prompt_text, plan.tools, sampled)
+        self._last_request = (plan.messages, plan.tools)  # keyed only when a retry comes (request_key)
+        self._last_reply = reply
+        seg.messages = list(self._conversation)
+        seg.check()
+        return seg
+
+    def _render_recorded(self) -> None:
+        """The recorded conversation's render (its window, no generation prompt) and the template
+        text owed after the last sampled ids (`_closing_text`), for the turn record() left."""
+        if self._unrendered is None:
+            return
+        prompt_text, tools, sampled = self._unrendered
+        self._unrendered = None
+        try:
+            self._conversation_text = self.fmt.render(self.window(self._conversation, self._window_start), tools,
+                                                      add_generation_prompt=False)
+        except Exception:  # the template refuses the reply as history: the ids are recorded; the next request
+            self._conversation_text = ""  # renders afresh (and is refused by the template, or seals)
+        turn_text = self._conversation_text[len(prompt_text):] if self._conversation_text.startswith(prompt_text) else ""
+        ends = dict(zip(getattr(self.fmt, "turn_end_ids", (self.fmt.end_of_turn_id,)),
+                        getattr(self.fmt, "turn_end_tokens", (self.fmt.end_of_turn,))))
+        if sampled and sampled[-1] in ends:  # the turn ended: the template must render that very token
+            eot = ends[sampled[-1]]
+            cut = turn_text.rfind(eot)
+        else:  # cut by max_tokens / a stop string: the template's last end of turn closes it
+            eot, cut = max(((e, turn_text.rfind(e)) for e in ends.values()), key=lambda x: x[1])
+        if cut < 0 or not turn_text:  # the template does not append the turn as rendered (gpt-oss renders a
+            # sampled <|return|> as <|end|>): the next request re-renders (template_rewrite)
+            self._conversation_text = "\0"  # never a prefix: forces a template_rewrite seal
+            self._closing_text = ""
+        elif sampled and sampled[-1] in ends:
+            self._closing_text = turn_text[cut + len(eot):]  # e.g. "\n" after <|im_end|>
+        else:  # cut by max_tokens / a stop string: end-of-turn and closing enter as template text
+            self._closing_text = turn_text[cut:]
+        self._move_window(tools)
+
+    def _move_window(self, tools: list | None) -> None:
+        """Start the window at the last user message once it holds more than window_messages."""
+        conv, start = self._conversation, self._window_start
+        if self.window_messages is None or len(conv) - start <= self.window_messages or self._conversation_text in ("", "\0"):
+            return
+        last_user = next((i for i in range(len(conv) - 1, start, -1) if conv[i]["role"] == "user"), None)
+        if last_user is None or all(m["role"] == "system" for m in conv[:last_user]):
+            return  # no user message since the window's start (a long run of tool calls): it keeps growing
+        try:
+            text = self.fmt.render(self.window(conv, last_user), tools, add_generation_prompt=False)
+        except Exception:
+            return  # the template refuses the shorter window: keep the one it renders
+        self._window_start, self._conversation_text = last_user, text
+
+    def forget_last_request(self) -> None:
+        """A request failed after planning (engine error): a retry of it must not be answered
+        with the reply of an older, identical request."""
+        self._last_request = self._last_reply = None
+
+    def _append_sampled(self, seg: Segment, sample) -> list[int]:
+        """Append the ids to train on: exactly the engine's, with their log-probs and versions.
+        (A test overrides this with the classic retokenizing bug to show the statistic catch it.)"""
+        seg.append(sample.token_ids, trainable=True, logprobs=sample.logprobs, versions=sample.versions)
+        return list(sample.token_ids)
+
+    def _merge_experts(self, seg: Segment, sample) -> None:
+        ex = getattr(sample, "routed_experts", None)
+        if ex is None:
+            if seg.routed_experts is not None:  # keep the column aligned: unknown routing is -1
+                pad = np.full((len(seg) - seg.routed_experts.shape[0], *seg.routed_experts.shape[1:]), -1, np.int16)
+                seg.routed_experts = np.concatenate([seg.routed_experts, pad])
+            return
+        ex = np.asarray(ex, dtype=np.int16)[: len(seg)]
+        if ex.shape[0] < len(seg):
+            ex = np.concatenate([ex, np.full((len(seg) - ex.shape[0], *ex.shape[1:]), -1, np.int16)])
+        if seg.routed_experts is None:
+            seg.routed_experts = ex
+        else:  # routing recorded when a token's logits were produced wins; fill only the gaps
+            old = seg.routed_experts
+            merged = ex.copy()
+            keep = (old >= 0).all(axis=(1, 2))
+            merged[: old.shape[0]][keep] = old[keep]
+            seg.routed_experts = merged
+
+    def seal(self, reason: str) -> None:
+        if reason not in SEAL_REASONS:
+            raise ValueError(f"unknown seal reason {reason!r}")
+        seg = self.open_segment
+        if seg is not None:
+            seg.seal_reason = reason
+
+    def close(self) -> list[Segment]:
+        """End the episode: seal the open segment and return all segments (copies)."""
+        self.seal("episode_end")
+        return [s.copy() for s in self.segments]
+
+
+def request_key(messages: list[dict], tools: list | None) -> tuple[str, str]:
+    """What makes two requests the same request (rule 4): their canonical messages and tools as
+    JSON text (JSON, not ==: 1 and 1.0 or true and 1 are different requests)."""
+    return json.dumps(messages, sort_keys=True), json.dumps(tools, sort_keys=True)
+
+
+def _mismatch(recorded: list[int], sampled: list[int]) -> int:
+    return sum(a != b for a, b in zip(recorded, sampled)) + abs(len(recorded) - len(sampled))
+
+
+SEGMENT_TOTALS = ("identity_mismatch", "retokenization_drift", "sampled_tokens", "sampling_overridden")
+
+
+def segment_stats(segments: list[Segment]) -> dict:
+    """Totals of the token-identity measurements over segments."""
+    # a segment without a measurement is a bug, not a 0; only files older than sampling_overridden lack it
+    totals = {k: sum(s.stats[k] if k != "sampling_overridden" else s.stats.get(k, 0) for s in segments)
+              for k in SEGMENT_TOTALS}
+    return {"segments": len(segments), **totals, "seals": dict(Counter(s.seal_reason for s in segments if s.seal_reason))}
+

@@ -1,0 +1,105 @@
+"""Experiment tracking beside metrics.jsonl: TensorBoard event files and Weights & Biases in
+offline mode (no account, nothing leaves the machine; `wandb sync DIR` uploads later).
+
+`WorkbenchConfig.loggers=["tensorboard", "wandb"]` makes the session write every step's
+metrics (and every evaluation's) to run_dir/tensorboard/ and run_dir/wandb/. Each logger is
+also a monitor (on_step(metrics)), so a script's loop.run(on_step=logger.on_step) works too.
+Both packages are optional: `pip install -e ".[tracking]"` (the dev extra, which `make test`
+installs, includes it). What is logged: every number of a step's metrics (bools as 0/1) under
+its name, and dicts of numbers one level deep as name/key (e.g. staleness_hist/1); strings,
+None and lists are left to metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+LOGGERS = ("tensorboard", "wandb")
+EXTRA_HINT = "pip install -e '.[tracking]' (the dev extra includes it)"
+
+
+def scalars(metrics: dict) -> dict[str, float]:
+    """The loggable numbers of one metrics dict (see the module doc)."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, bool) or isinstance(v, (int, float)):
+            out[k] = float(v)
+        elif isinstance(v, dict):
+            out.update({f"{k}/{kk}": float(vv) for kk, vv in v.items() if isinstance(vv, (int, float))})
+    return out
+
+
+class TensorBoardLogger:
+    """Scalars into TensorBoard event files under `log_dir` (torch's SummaryWriter)."""
+
+    name = "tensorboard"
+
+    def __init__(self, log_dir: str | Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError(f"loggers=['tensorboard'] needs the tensorboard package ({e}): {EXTRA_HINT}") from e
+        self.log_dir = str(log_dir)
+        self.writer = SummaryWriter(log_dir=self.log_dir)
+
+    def log(self, metrics: dict, step: int) -> None:
+        for k, v in scalars(metrics).items():
+            self.writer.add_scalar(k, v, global_step=step)
+        self.writer.flush()  # a notebook reads the run while it goes; a crash keeps what was logged
+
+    def on_step(self, metrics: dict) -> None:
+        self.log(metrics, int(metrics["step"]))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """A Weights & Biases run in offline mode, written under `directory` (its wandb/ folder)."""
+
+    name = "wandb"
+
+    def __init__(self, directory: str | Path, config: dict | None = None, project: str = "workbench",
+                 name: str | None = None):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(f"loggers=['wandb'] needs the wandb package ({e}): {EXTRA_HINT}") from e
+        import os
+
+        os.environ.setdefault("WANDB_ERROR_REPORTING", "false")  # offline means nothing leaves the machine
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(mode="offline", dir=str(directory), project=project, name=name, config=config or {},
+                              settings=wandb.Settings(silent=True, x_disable_stats=True, console="off"), reinit="create_new")
+        self.directory = str(directory)
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.run.log(scalars(metrics), step=step)
+
+    def on_step(self, metrics: dict) -> None:
+        self.log(metrics, int(metrics["step"]))
+
+    def close(self) -> None:
+        import wandb
+
+        self.run.finish()
+        # finish() can return before wandb-core has written the run file (seen under load: the
+        # file held only its header); teardown waits for the service to end, so the record is
+        # complete on disk when close() returns. (It ends the process's wandb service: a later
+        # WandbLogger starts a new one.)
+        wandb.teardown()
+
+
+def make_loggers(names: list, run_dir: str | Path, config: dict | None = None) -> list:
+    """Loggers for `names` (LOGGERS; an object with log/on_step/close passes through)."""
+    out = []
+    for n in names:
+        if not isinstance(n, str):
+            out.append(n)
+        elif n == "tensorboard":
+            out.append(TensorBoardLogger(Path(run_dir) / "tensorboard"))
+        elif n == "wandb":
+            out.append(WandbLogger(Path(run_dir), config, name=Path(run_dir).name))
+        else:
+            raise ValueError(f"unknown logger {n!r}; known: {LOGGERS}")
+    return out

@@ -1,0 +1,842 @@
+"""The FSDP2 trainer: a Ray actor group of N ranks (gloo on CPU, NCCL on GPU) over an HF
+transformers causal LM, dense or MoE.
+
+Each rank shards every decoder layer and the root with `fully_shard`. A step, on one batch
+(rows = segments, see tokens.training_tensors), split evenly over ranks:
+
+    old log-probs (no grad, routing replayed)  ->  correction weights (workbench.correction)
+    -> per micro-batch: log-probs (grad, routing replayed) -> surrogate -> backward
+    -> clip grad norm -> optimizer step
+
+Log-probs are of the sampled tokens under logits / sampling temperature (what the engine's
+processed log-probs are, for top_p = 1), aligned per token: column i is token i's log-prob
+given tokens < i; column 0 is 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_stats
+from ..replay import ReplayStats, routing_replay
+from .logprobs import forward_logprobs, logprob_head, sampled_logprobs
+from .packing import micro_batches_by_tokens, pack, packed_forward, unpack
+from .losses import KL_ESTIMATORS, aggregation_weights, episode_units, get_surrogate
+
+# A CPU trainer step frees and re-allocates the same large buffers (activations, logits,
+# gradients). glibc serves an allocation over its mmap threshold (128 KB to 32 MB) with a fresh
+# mapping and unmaps it at free, so every step faults those pages in again (SmolLM2's recipe
+# step: ~1.2M faults, 1.6-1.7x its time on a 2-core VM). Without mmap and heap trimming, freed
+# memory stays mapped and a warm step faults nothing; the rank keeps its peak memory and some
+# fragmentation (figures: docs/ARCHITECTURE.md, `bench/trainer.py --malloc-only`). glibc reads
+# these variables at process start, so they go into the ranks' Ray runtime_env.
+CPU_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 8
+    # pack each micro-batch's rows into one padding-free row (trainer/packing.py): no compute is
+    # spent on padding, and each row's log-probs equal its padded forward's to fp32 rounding
+    pack_sequences: bool = True
+    # with pack_sequences: micro-batches of about this many real tokens (a longer row alone), the
+    # count agreed across ranks; None: micro_batch_size rows each
+    micro_batch_tokens: int | None = None
+    # optimizer updates per train_step: the batch's rows are cut into this many mini-batches, one
+    # AdamW step each, all against the same pi_old (the weights at the start of the step). With 1,
+    # pi_old is the gradient forward's own log-probs and every surrogate's ratio is exactly 1
+    # (PPO clipping, CISPO's cap and GSPO act only from the second update on).
+    updates_per_step: int = 1
+    temperature: float = 1.0  # the sampling temperature: trainer log-probs use logits / T
+    # log-probs of the sampled ids a chunk of positions at a time, each chunk's fp32 logits at
+    # most this many MB (trainer/logprobs.py); None: full [batch, length, vocab] logits
+    logprob_chunk_mb: float | None = 256.0
+    surrogate: str = "ppo_clip"  # with updates_per_step=1 every surrogate sees ratio 1 (see updates_per_step)
+    surrogate_kwargs: dict = field(default_factory=dict)
+    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | constant (losses.aggregation_weights)
+    # "constant" (Dr.GRPO) divides each episode's token-loss sum by this fixed length (e.g. the
+    # rollout's max tokens per episode), never by the batch's padded width, which changes per batch
+    constant_len: int | None = None
+    # optional KL penalty to a frozen reference (the initial weights, or ref_model_path): each
+    # token loss gains kl_coef * KL_ESTIMATORS[kl_estimator](log pi - log pi_ref)
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    ref_model_path: str | None = None
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    routing_replay: bool = True  # MoE: replay the rollout's expert ids when the batch has them
+    # MoE with recorded experts: one more no-grad forward per step with live routing, to report
+    # the train-vs-rollout KL without replay next to the one with it (what replay buys)
+    measure_live_routing: bool = True
+    activation_checkpointing: bool = False  # recompute layer activations in backward (replay holds there)
+    # FSDP2: free each unit's gathered parameters after its forward (True: least memory) or keep
+    # them for the backward (False: one all-gather per unit and micro-batch fewer; ZeRO-2-like).
+    # None: torch's rule, True for the layers and False for the root, whose backward starts at
+    # once and would gather it again (with shard_unit "model", the CPU default, the root is all:
+    # one all-gather a micro-batch instead of two); with one rank (world_size 1) False for every
+    # unit: nothing is sharded across ranks, and gathering each layer again (a copy, and a cast
+    # with mixed_precision) for its backward only costs time. On an H200, a 0.6B model's step took
+    # 0.876x -> 0.952x a plain HF loop's (scripts/gpu_check.py); kept, the gathered copy costs one
+    # more copy of the model in the compute dtype between forward and backward (True frees it)
+    reshard_after_forward: bool | None = None
+    # FSDP2's units: "layer" (each decoder layer, then the root: one layer's full parameters at a
+    # time, each unit's all-gather overlapping compute on GPUs) or "model" (the root alone: one
+    # all-gather and one reduce-scatter a micro-batch). On CPU a gloo collective overlaps nothing
+    # and costs milliseconds: train_step on the quickstart's batch (128 x 33 tokens, 2 ranks)
+    # took 186-206 ms per layer, 142-163 ms as one unit. None: "model" on CPU ranks, "layer" on GPUs.
+    shard_unit: str | None = None
+    dtype: str = "float32"  # the parameters' dtype (the FSDP shards and the optimizer state)
+    # FSDP2 mixed precision: compute in this dtype ("bfloat16" on GPU), reduce gradients in fp32,
+    # keep fp32 master weights. None: compute in `dtype`.
+    mixed_precision: str | None = None
+    # the frozen reference's parameter dtype (kl_coef > 0): it has no optimizer, so no master
+    # weights; None: mixed_precision if set (half the bytes of fp32), else dtype
+    ref_dtype: str | None = None
+    # FSDP2 CPUOffloadPolicy: the sharded parameters, their gradients and the optimizer state live
+    # in host memory (the optimizer step runs there); each layer is copied to the GPU to compute
+    cpu_offload: bool = False
+    seed: int = 0
+    # CPU ranks (no GPUs in the cluster): glibc keeps freed memory for re-use (CPU_MALLOC_ENV)
+    # instead of unmapping it, so a step re-uses the pages the last one faulted in. False: glibc's
+    # default (the rank's memory shrinks after a step; every step faults its large buffers in again)
+    keep_freed_memory: bool = True
+    # how the ranks get the weights: "full" (each rank loads the whole checkpoint in `dtype`, moves
+    # it to its device and shards it: simple, but 8 full copies in host memory and a full copy on
+    # each GPU for a moment) or "rank0" (every rank builds the model on the meta device and shards
+    # it empty; rank 0 alone reads the checkpoint, on CPU, and broadcasts it tensor by tensor, each
+    # rank keeping its shard: what a 30B model on 80 GB GPUs needs; docs/cluster.md) or "sharded"
+    # (meta init and sharding as "rank0", then each rank reads from the safetensors only the
+    # slices it owns: no full copy anywhere; trainer/loading.py)
+    load: str = "full"
+
+    def __post_init__(self):
+        for name in ("dtype", "mixed_precision", "ref_dtype"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(getattr(torch, str(v), None), torch.dtype):
+                raise ValueError(f"TrainerConfig.{name}={v!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+        if self.micro_batch_tokens is not None and (not self.pack_sequences or self.micro_batch_tokens < 1):
+            raise ValueError(f"TrainerConfig.micro_batch_tokens needs pack_sequences=True and a value >= 1, got "
+                             f"{self.micro_batch_tokens} with pack_sequences={self.pack_sequences}")
+        if self.micro_batch_size < 1 or self.updates_per_step < 1:
+            raise ValueError(f"TrainerConfig.micro_batch_size and updates_per_step must be >= 1, got "
+                             f"{self.micro_batch_size}, {self.updates_per_step}")
+        if self.aggregation not in ("token_mean", "seq_mean_token_mean", "constant"):
+            raise ValueError(f"TrainerConfig.aggregation {self.aggregation!r} unknown: token_mean, seq_mean_token_mean or constant")
+        if self.aggregation == "constant" and not (isinstance(self.constant_len, int) and self.constant_len > 0):
+            raise ValueError("TrainerConfig.aggregation='constant' needs constant_len, a fixed positive length (e.g. the "
+                             f"rollout's max tokens per episode), got {self.constant_len!r}")
+        get_surrogate(self.surrogate)  # unknown names fail here, not on the first step
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"TrainerConfig.kl_estimator {self.kl_estimator!r} unknown: {sorted(KL_ESTIMATORS)}")
+        if self.shard_unit not in (None, "layer", "model"):
+            raise ValueError(f"TrainerConfig.shard_unit {self.shard_unit!r} unknown: 'layer', 'model' or None (by device)")
+        if self.load not in ("full", "rank0", "sharded"):
+            raise ValueError(f"TrainerConfig.load {self.load!r} unknown: 'full', 'rank0' or 'sharded'")
+        if self.kl_coef < 0:
+            raise ValueError(f"TrainerConfig.kl_coef must be >= 0, got {self.kl_coef}")
+
+
+@contextlib.contextmanager
+def replayed_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None, apply_replay: bool = True,
+                      positions=None, chunk_mb: float | None = 256.0, packed: bool = False, host_mask=None):
+    """Yields (log-probs [B, T] with column 0 = 0, ReplayStats) of one forward of `model`, with
+    routing replay when `experts` ([B, T, layers, k]) is given; run the backward inside the
+    context (activation-checkpoint recomputes must replay too). `apply_replay=False` routes live
+    but still counts where live routing disagrees with `experts`. `positions`: where replay
+    statistics count (default: the attention mask). `chunk_mb`: the largest fp32 logits chunk
+    (trainer/logprobs.py; None: full logits). `packed`: the rows' attended tokens as one row
+    (trainer/packing.py); padding positions then get log-prob 0; `host_mask`: the attention mask's
+    copy on the host, where the packing plan is made (None: read from the device)."""
+    positions = attention_mask if positions is None else positions
+    if not packed:
+        with routing_replay(model, experts, apply=apply_replay, positions=positions) as stats:
+            yield forward_logprobs(model, input_ids, attention_mask, temperature, chunk_mb), stats
+        return
+    p = pack(input_ids, attention_mask, experts, positions, host_mask)
+    with routing_replay(model, p.experts, apply=apply_replay, positions=p.counted) as stats:
+        with logprob_head(model, p.input_ids, temperature, chunk_mb) as swapped:
+            out = packed_forward(model, p).logits
+        yield unpack(out if swapped else sampled_logprobs(out, p.input_ids, temperature), p), stats
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None, apply_replay: bool = True,
+                   positions=None, chunk_mb: float | None = 256.0, packed: bool = False, host_mask=None):
+    """(log-probs, ReplayStats) of one forward: replayed_logprobs, without a backward."""
+    with replayed_logprobs(model, input_ids, attention_mask, temperature, experts, apply_replay, positions,
+                           chunk_mb, packed, host_mask) as (lp, stats):
+        pass
+    return lp, stats
+
+
+def free_port() -> int:
+    """A TCP port free on every interface of this host (a rendezvous on the cluster network
+    listens on all of them, not only on loopback)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+RENDEZVOUS_TIMEOUT_S = 600  # how long ranks wait for each other (loading a large model on every rank comes first)
+
+
+def _sum_replay(parts: list) -> dict:
+    """Per-layer replayed / fallback / disagree counts (ReplayStats or their dicts), summed."""
+    keys = ("replayed", "fallback", "disagree")
+    parts = [{k: getattr(p, k) for k in keys} if isinstance(p, ReplayStats) else p for p in parts]
+    return {k: [sum(col) for col in zip(*(p[k] for p in parts))] for k in keys}
+
+
+def replay_summary(parts: list[dict]) -> dict:
+    """Replay statistics summed over ranks: per-layer replayed / fallback / disagree counts,
+    the overall disagreement rate (live top-k differs from the recorded one) and per layer."""
+    acc = _sum_replay(parts)
+    acc["disagree_rate"] = sum(acc["disagree"]) / max(sum(acc["replayed"]), 1)
+    acc["disagree_rate_per_layer"] = [d / max(r, 1) for d, r in zip(acc["disagree"], acc["replayed"])]
+    return acc
+
+
+class TrainerWorker:
+    """One rank (Ray actor body). Built in two calls: the constructor only records its place;
+    rank 0's `rendezvous()` opens the process group's store on its own node; then every rank's
+    `setup(host, port)` joins it, loads and shards the model."""
+
+    def __init__(self, rank: int, world_size: int, model_path: str, cfg: TrainerConfig):
+        self.rank, self.world_size, self.cfg, self.model_path = rank, world_size, cfg, model_path
+        self._store = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: the process group's TCP store, listening on this node at a port the OS picks
+        here (port 0: free on this node by construction, and held from now on, so no other
+        process can take it between choosing and binding). Returns (this node's IP, the port):
+        what the other ranks, on any node, connect to."""
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        host = ray.util.get_node_ip_address()
+        self._store = TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+        return host, self._store.port
+
+    def node(self) -> dict:
+        """Where this rank runs: Ray node id and IP, and the process group's backend."""
+        import torch.distributed as dist
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "backend": dist.get_backend() if dist.is_initialized() else None}
+
+    def setup(self, host: str, port: int) -> int:
+        """Join the process group at rank 0's store (NCCL on GPUs, gloo on CPU), then load the
+        model and shard it."""
+        import datetime
+
+        import torch.distributed as dist
+        from torch.distributed import TCPStore
+
+        rank, world_size, cfg, model_path = self.rank, self.world_size, self.cfg, self.model_path
+        torch.manual_seed(cfg.seed)
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+            torch.cuda.set_device(self.device)
+            backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            backend = "gloo"
+        timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+        store = self._store if rank == 0 else TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        reshard = cfg.reshard_after_forward
+        if reshard is None and world_size == 1:  # one rank: see TrainerConfig.reshard_after_forward
+            reshard = False
+        shard_kwargs = {"reshard_after_forward": reshard}
+        if cfg.mixed_precision:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            shard_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.mixed_precision),
+                                                             reduce_dtype=torch.float32)
+        if cfg.cpu_offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            shard_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        self.checkpoint_bytes_read = 0
+        self.model = self._sharded_model(model_path, shard_kwargs, cfg.activation_checkpointing, cfg.dtype)
+        self.ref_model = None
+        if cfg.kl_coef > 0:  # frozen, sharded the same way, never in the optimizer
+            self.ref_model = self._sharded_model(cfg.ref_model_path or model_path, shard_kwargs, False,
+                                                 cfg.ref_dtype or cfg.mixed_precision or cfg.dtype)
+            self.ref_model.requires_grad_(False)
+        # foreach: torch picks it by default only for CUDA tensors; on CPU each DTensor parameter was
+        # updated one op at a time through DTensor's dispatch (toy MoE, 25 parameters: 10.5 ms a
+        # step vs 2.6 ms foreach). On GPUs foreach is already the default.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+        return rank
+
+    def _sharded_model(self, path: str, shard_kwargs: dict, checkpointing: bool, dtype: str):
+        """The checkpoint's model in `dtype`, sharded with fully_shard in the units cfg.shard_unit
+        says, loaded as cfg.load says ("full", "rank0" or "sharded"; trainer/loading.py)."""
+        from torch.distributed.fsdp import fully_shard
+
+        from ..toy.models import load_hf_model
+        from .loading import load_from_rank0, load_own_shards, meta_model
+
+        dtype = getattr(torch, dtype)
+        if self.cfg.load == "full":
+            model = load_hf_model(path, dtype=dtype).to(self.device)
+        else:  # no weights anywhere yet: FSDP2 shards the empty parameters
+            model = meta_model(path, dtype)
+        if checkpointing:
+            # non-reentrant: the recompute runs inside backward, where routing_replay's hooks
+            # still apply because train_step keeps the replay context open across backward
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if (self.cfg.shard_unit or ("model" if self.device.type == "cpu" else "layer")) == "layer":
+            for layer in model.model.layers:
+                fully_shard(layer, **shard_kwargs)
+        fully_shard(model, **shard_kwargs)
+        if self.cfg.load != "full":
+            # this rank's shards, uninitialised: in host memory when FSDP2 offloads them
+            model.to_empty(device="cpu" if self.cfg.cpu_offload else self.device)
+            if self.cfg.load == "rank0":
+                load_from_rank0(model, path, dtype, self.rank)
+            else:
+                self.checkpoint_bytes_read += load_own_shards(model, path, dtype)
+        return model.eval()
+
+    def footprint(self) -> dict:
+        """This rank's memory by what holds it, in bytes per device: the policy's parameter
+        shards, its optimizer state (after a step), the reference's shards; their dtypes, the
+        FSDP2 policies and units in force, and the checkpoint bytes this rank read (load="sharded")."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        def by_device(tensors) -> dict:
+            out = {}
+            for t in tensors:
+                t = t.to_local() if isinstance(t, DTensor) else t
+                out[str(t.device)] = out.get(str(t.device), 0) + t.numel() * t.element_size()
+            return out
+
+        group = self.model._get_fsdp_state()._fsdp_param_group
+        # AdamW moments (its step counters are scalars kept on the CPU in any case)
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+        ref = list(self.ref_model.parameters()) if self.ref_model is not None else []
+        return {"params": by_device(self.model.parameters()), "optimizer": by_device(state),
+                "reference": by_device(ref), "param_dtypes": sorted({str(p.dtype) for p in self.model.parameters()}),
+                "optimizer_dtypes": sorted({str(v.dtype) for v in state}),
+                "reference_dtypes": sorted({str(p.dtype) for p in ref}),
+                "compute_dtype": str(group.mp_policy.param_dtype), "offload": type(group.offload_policy).__name__,
+                "fsdp_units": sum(isinstance(m, FSDPModule) for m in self.model.modules()),
+                "checkpoint_bytes_read": self.checkpoint_bytes_read}
+
+    def _to(self, batch: dict) -> dict:
+        """The batch on this rank's device, and its attention mask also on the host
+        ("attention_mask_host"): micro-batch cuts and packing plans are made from it there, so
+        a GPU step does not wait for the device to read them."""
+        host = batch.get("attention_mask_host", batch["attention_mask"]).cpu()
+        out = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items() if k != "attention_mask_host"}
+        return {**out, "attention_mask_host": host}
+
+    def _micro(self, batch: dict):
+        """The micro-batches of this rank's rows: micro_batch_size rows each, or (with
+        micro_batch_tokens) about that many real tokens each, as many on every rank."""
+        n, budget = batch["input_ids"].shape[0], self.cfg.micro_batch_tokens
+        if budget is None:
+            cuts = [range(s, min(s + self.cfg.micro_batch_size, n)) for s in range(0, n, self.cfg.micro_batch_size)]
+        else:
+            import torch.distributed as dist
+
+            lengths = batch["attention_mask_host"].sum(1).tolist()
+            count = torch.tensor([len(micro_batches_by_tokens(lengths, budget))], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank runs as many forwards (collectives)
+            cuts = micro_batches_by_tokens(lengths, budget, int(count))
+        for r in cuts:
+            yield {k: (v[r.start: r.stop] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    @staticmethod
+    def _counted(mb):
+        """Positions replay statistics count: real tokens of real rows (Trainer._split's padding
+        rows are attended, to avoid NaN, but are neither replays nor fallbacks)."""
+        return mb["attention_mask"] * mb["loss_mask"].any(-1, keepdim=True)
+
+    def logprobs(self, batch: dict, replay: bool | None = None) -> tuple[torch.Tensor, dict]:
+        """Log-probs of this rank's rows (no grad), on CPU, and the replay statistics (summed
+        ReplayStats fields, per MoE layer). `replay`: None follows the config."""
+        batch = self._to(batch)
+        replay = self.cfg.routing_replay if replay is None else replay
+        out, stats = [], []
+        self.model.eval()
+        with torch.no_grad():
+            for mb in self._micro(batch):
+                lp, st = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
+                                        mb.get("routed_experts"), apply_replay=replay, positions=self._counted(mb),
+                                        chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences,
+                                        host_mask=mb["attention_mask_host"])
+                out.append(lp.cpu())
+                stats.append(st)
+        self._reshard()
+        return torch.cat(out), _sum_replay(stats)
+
+    def _reshard(self, model=None) -> None:
+        """After no-grad forwards: a unit kept gathered after its forward (reshard_after_forward
+        False; the root by default) is resharded by FSDP2 after its backward only, so without
+        one its full parameters would stay registered and allocated: the state dict, a checkpoint
+        and memory expect the shards (the frozen reference has no backward at all). No
+        collective: it frees the gathered copy."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in (model or self.model).modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    def train_step(self, batch: dict, trainer_version: int, report: bool = False) -> dict:
+        """`updates_per_step` optimizer updates on this rank's rows (every rank runs this at
+        once). `report`: also return per-token tensors of this step (the token-journey view).
+
+        pi_old (the ratios' denominator) is the policy at the start of the step. With one update
+        it is the gradient forward's own log-probs, detached: a separate no-grad forward would
+        only repeat it (it cost a quarter of the step; bench/trainer.py). Correction weights are
+        per row, so computing them per micro-batch gives the whole batch's."""
+        import torch.distributed as dist
+
+        batch = self._to(batch)
+        live = None
+        if self.cfg.routing_replay and self.cfg.measure_live_routing and batch.get("routed_experts") is not None:
+            live = dict(zip(("sum", "tokens"), kl_k3_sum(self.logprobs(batch, replay=False)[0].to(self.device),
+                                                         batch["behaviour_logprobs"], batch["loss_mask"])))
+        updates = self.cfg.updates_per_step
+        if updates > 1:
+            batch["old_logprobs"] = self.logprobs(batch)[0].to(self.device)
+        surrogate = get_surrogate(self.cfg.surrogate)
+        self.model.train()
+        # the step's sums stay on the device (a float() per micro-batch would wait for the device
+        # each time, draining its queue), read once after the last update is queued
+        zero = torch.zeros((), device=self.device, dtype=torch.float64)
+        loss_sum, norms, corr_parts, replay, rows, kl_sum, shift_sum = zero, [], [], [], [], zero, zero
+        per = -(-batch["input_ids"].shape[0] // updates)
+        # fewer rows than updates: one update a row (an empty mini-batch would average a zero
+        # gradient norm into the step's, and with micro_batch_tokens run a forward on no rows).
+        # Every rank has as many rows (Trainer._split), so every rank runs as many updates.
+        updates = -(-batch["input_ids"].shape[0] // per) if per else updates
+        for u in range(updates):
+            ub = {k: (v[u * per: (u + 1) * per] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+            # the mini-batch's trainable tokens and episodes over all ranks: what its means divide by
+            counts = torch.stack([ub["loss_mask"].sum().double(), episode_units(ub["loss_mask"], ub.get("episode_tokens")).sum().double()])
+            dist.all_reduce(counts)
+            counts = counts.tolist()  # read once per update (micro-batches divide by these)
+            for mb in self._micro(ub):
+                # the replay context spans backward: activation-checkpoint recompute must replay too
+                with replayed_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
+                                       mb.get("routed_experts"), apply_replay=self.cfg.routing_replay,
+                                       positions=self._counted(mb), chunk_mb=self.cfg.logprob_chunk_mb,
+                                       packed=self.cfg.pack_sequences, host_mask=mb["attention_mask_host"]) as (lp, rstats):
+                    old = lp.detach() if updates == 1 else mb["old_logprobs"]
+                    corr = correction_weights(old, mb["behaviour_logprobs"], mb["loss_mask"], mb["versions"],
+                                              trainer_version, self.cfg.correction)
+                    tl = surrogate(lp, old, mb["advantages"], corr.weights, mb["loss_mask"].float(), **self.cfg.surrogate_kwargs)
+                    if self.ref_model is not None:
+                        kl = self._kl_to_reference(mb, lp)
+                        # gated like the surrogate (a dropped sequence gets no KL gradient either), not
+                        # IS-weighted: the penalty is on the current policy's own tokens, not a correction
+                        tl = tl + self.cfg.kl_coef * kl * corr.token_keep
+                        kl_sum = kl_sum + kl.detach().sum()  # the statistic: KL on every trainable token
+                    # this rank's share of the mini-batch's loss; x world size because FSDP averages
+                    # the ranks' gradients, where the loss is their sum
+                    w = aggregation_weights(mb["loss_mask"], self.cfg.aggregation, *counts,
+                                            max_len=self.cfg.constant_len, episode_tokens=mb.get("episode_tokens"))
+                    (tl * w).sum().mul(self.world_size).backward()
+                contribution = (tl * w).detach() / updates  # of the step's reported loss (mean over updates)
+                shift_sum = shift_sum + ((lp.detach() - old).abs() * mb["loss_mask"]).sum()
+                loss_sum = loss_sum + contribution.sum()
+                corr_parts.append(corr)
+                replay.append(rstats)
+                if report:
+                    rows.append({"trainer_logprobs": old, "is_weight": corr.weights, "gate_keep": corr.token_keep,
+                                 "loss_contribution": contribution})
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        # (with cpu_offload the gradients, so their norms, are on the host)
+        sums = [loss_sum, kl_sum, shift_sum, *(n.double().to(self.device) for n in norms)]
+        loss_sum, kl_sum, shift_sum, *norms = torch.stack(sums).tolist()
+        out = {"loss": loss_sum, "grad_norm": sum(norms) / len(norms), "correction": merge_stats([c.stats for c in corr_parts]),
+               "replay": _sum_replay(replay), "kl_k3_live": live,
+               "kl_ref": {"sum": kl_sum, "tokens": int(batch["loss_mask"].sum())} if self.ref_model else None,
+               # mean |log pi - log pi_old| over the step's tokens: 0 with one update per step; how far
+               # later updates' ratios move from 1 (where the surrogates' clipping acts) otherwise
+               "policy_shift": {"sum": shift_sum, "tokens": int(batch["loss_mask"].sum())}}
+        if report:
+            out["report"] = {k: batch[k].cpu() for k in ("input_ids", "loss_mask", "behaviour_logprobs", "versions", "advantages")}
+            out["report"].update({k: torch.cat([r[k] for r in rows]).cpu() for k in rows[0]})
+            if batch.get("routed_experts") is not None:
+                out["report"]["routed_experts"] = batch["routed_experts"].cpu()
+        return out
+
+    def _kl_to_reference(self, mb: dict, lp: torch.Tensor) -> torch.Tensor:
+        """Per-token KL(pi || pi_ref) estimate on the sampled tokens (routing replayed in the
+        reference too: the same experts the tokens were sampled with)."""
+        self.ref_model.eval()
+        with torch.no_grad():
+            ref, _ = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
+                                    mb.get("routed_experts"), apply_replay=self.cfg.routing_replay,
+                                    chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences,
+                                    host_mask=mb["attention_mask_host"])
+        self._reshard(self.ref_model)
+        return KL_ESTIMATORS[self.cfg.kl_estimator](lp - ref) * mb["loss_mask"].float()
+
+    def probe(self, ids: list[int]) -> list[float]:
+        """log p(ids[i+1] | ids[:i+1]) at temperature 1, live routing: what a synced engine's
+        probe must match (every rank must call: FSDP forwards are collectives)."""
+        self.model.eval()
+        with torch.no_grad():
+            t = torch.tensor([ids], device=self.device)
+            lp, _ = token_logprobs(self.model, t, torch.ones_like(t))
+        self._reshard()
+        return lp[0, 1:].cpu().tolist()
+
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    # GPU weight sync by NCCL broadcast (rollout/nccl_sync.py); rank 0 joins the engines' group
+    def nccl_endpoint(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), free_port()
+
+    def connect_nccl(self, cfg, world_size: int) -> None:
+        from ..rollout.nccl_sync import TrainerSender
+
+        self._tx = TrainerSender(cfg, world_size, self.rank)
+        self._tx.connect()
+
+    def weight_meta(self, wire: str | None) -> dict:
+        """Names, dtypes and global shapes of the weights (nothing gathered)."""
+        from ..rollout.nccl_sync import TransferMeta
+
+        return TransferMeta.from_tensors(self.model.state_dict().items(), wire).update_info()
+
+    def send_weights_nccl(self, meta: dict) -> int:
+        """Every rank: gather one tensor at a time; rank 0 broadcasts it to the engines."""
+        from ..rollout.nccl_sync import TransferMeta, full_tensors
+
+        return self._tx.send(full_tensors(self.model), TransferMeta(**meta))
+
+    def full_state_dict(self, wire: bool = False):
+        """HF-named full tensors on CPU, on rank 0 (every rank must call: it is a collective);
+        `wire`: as WireWeights, the weight sync's form in Ray's object store."""
+        from ..rollout.engine import WireWeights
+
+        full = gather_full_tensors(self.model.state_dict(), self.rank, self.world_size)
+        if self.rank != 0:
+            return None
+        return WireWeights.of(full) if wire else full
+
+    def save(self, path: str) -> None:
+        """Sharded model + optimizer state with torch.distributed.checkpoint, and this rank's RNG."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+        torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                   os.path.join(path, f"rng_rank{self.rank}.pt"))
+
+    def load(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
+        if not os.path.isfile(rng_file):  # a checkpoint of fewer ranks: this rank keeps its seed
+            return
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def gather_full_tensors(state: dict, rank: int, world_size: int) -> dict | None:
+    """The full tensors of an FSDP2 state dict on CPU, on rank 0 (None elsewhere); every rank calls.
+
+    Why not DTensor.full_tensor() per tensor: each call is its own collective behind DTensor's
+    redistribute machinery, ~0.7 ms on gloo whatever the size; the toy MoE's 25 tensors (2.5 MB)
+    took 17-19 ms that way on 2 ranks, one gather of every shard 2.1-2.4 ms (on 1 rank the local
+    shard is the tensor: no collective at all). fully_shard splits dim 0 as torch.chunk does
+    (rank r holds rows [r*c, min((r+1)*c, n)), c = ceil(n / world)), so each rank sends its shards
+    padded to c rows, one buffer per dtype, and rank 0 cuts them apart. Tensors sharded any other
+    way (a 2-D mesh, another dim) take full_tensor()."""
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    def flat_sharded(v) -> bool:
+        return (isinstance(v, DTensor) and v.device_mesh.ndim == 1 and v.device_mesh.size() == world_size
+                and tuple(v.placements) == (Shard(0),))
+
+    full, buckets = {}, {}  # dtype -> [(name, the DTensor, c: rows per full shard, elements per row)]
+    for k, v in state.items():
+        if flat_sharded(v) and world_size == 1:  # the one shard is the whole tensor
+            full[k] = v.to_local().detach()
+        elif flat_sharded(v):
+            rows, c, row = v.shape[0], -(-v.shape[0] // world_size), math.prod(v.shape[1:])
+            if v.to_local().shape[0] != max(0, min(c, rows - rank * c)):  # a guard, should FSDP2 ever split otherwise
+                raise RuntimeError(f"{k}: rank {rank} holds {v.to_local().shape[0]} of {rows} rows, not torch.chunk's split")
+            buckets.setdefault(v.dtype, []).append((k, v, c, row))
+        else:
+            full[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+    for dtype, items in buckets.items():
+        flat = torch.zeros(sum(c * row for _, _, c, row in items), dtype=dtype, device=items[0][1].to_local().device)
+        at = 0
+        for _, v, c, row in items:
+            local = v.to_local().detach().reshape(-1)
+            flat[at:at + local.numel()] = local
+            at += c * row
+        parts = [torch.empty_like(flat) for _ in range(world_size)] if rank == 0 else None
+        dist.gather(flat, parts, dst=0)
+        if rank == 0:
+            at = 0
+            for k, v, c, row in items:
+                pieces = [parts[r][at:at + max(0, min(c, v.shape[0] - r * c)) * row] for r in range(world_size)]
+                full[k] = torch.cat(pieces).view(v.shape)
+                at += c * row
+    return {k: full[k].cpu() for k in state} if rank == 0 else None
+
+
+def _get_all(refs: list) -> list:
+    """ray.get of every ref, raising as soon as any fails: a rank that fails to load leaves the
+    others waiting in the rendezvous, so waiting on them in order would hang until its timeout."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+    return ray.get(refs)
+
+
+class Trainer:
+    """Driver-side handle over `world_size` TrainerWorker actors."""
+
+    def __init__(self, model_path: str, world_size: int = 2, cfg: TrainerConfig | None = None, profile=None,
+                 actor_options: list[dict] | None = None):
+        """`actor_options`: per rank, Ray actor options that place it (workbench.placement's
+        Placement.options("trainer", rank): its GPU and placement-group bundle); None: one GPU per
+        rank where the cluster has GPUs, Ray chooses where.
+
+        The ranks meet at rank 0: it opens the process group's store on its own node (its IP, a
+        port free there), so ranks on other nodes can join; nothing of the driver's host is used.
+
+        `profile` (workbench.profiles.ModelProfile; None: read off the checkpoint): an MoE
+        profile that captures experts must name a router whose replay rule is registered, or
+        routing replay could not reproduce the rollout's forward (refused here, not mid-run)."""
+        from ..profiles import ProfileError, profile_for
+        from ..replay import REPLAY_RULES
+
+        if profile is None:  # a checkpoint no family claims still trains; replay then checks its routers itself
+            try:
+                profile = profile_for(model_path)
+            except ProfileError:
+                profile = None
+        self.profile = profile
+        if profile is not None and profile.capture_experts and profile.replay_rule not in REPLAY_RULES:
+            raise ValueError(f"profile {profile.family!r} captures experts for routing replay, but its router rule "
+                             f"{profile.replay_rule!r} is not registered (known: {sorted(REPLAY_RULES)}); register one "
+                             f"with workbench.replay.register_replay_rule or set capture_experts=False in the profile")
+        self.cfg = cfg or TrainerConfig()
+        self.version = 0
+        self.model_path = str(model_path)
+        self.nccl = None  # NcclSyncConfig once init_nccl_sync ran (GPU weight sync)
+        from ..cluster import cluster_gpus
+
+        if actor_options is not None and len(actor_options) != world_size:
+            raise ValueError(f"actor_options has {len(actor_options)} entries for {world_size} ranks")
+        # one GPU per rank where the cluster has GPUs (NCCL), none on CPU (gloo)
+        gpus = cluster_gpus()
+        default = {"num_cpus": 0, "num_gpus": 1 if gpus else 0}
+        if self.cfg.keep_freed_memory and not gpus:
+            default["runtime_env"] = {"env_vars": CPU_MALLOC_ENV}
+        self.workers = [ray.remote(TrainerWorker).options(**{**default, **(actor_options[r] if actor_options else {})})
+                        .remote(r, world_size, str(model_path), self.cfg) for r in range(world_size)]
+        try:
+            self.rendezvous = tuple(ray.get(self.workers[0].rendezvous.remote()))
+            _get_all([w.setup.remote(*self.rendezvous) for w in self.workers])
+        except BaseException:
+            for w in self.workers:
+                ray.kill(w)
+            raise
+
+    def nodes(self) -> list[dict]:
+        """Per rank: its Ray node id, IP and process-group backend."""
+        return ray.get([w.node.remote() for w in self.workers])
+
+    def _split(self, batch: dict) -> list[dict]:
+        """Rows split evenly over ranks; short ranks get all-masked padding rows, so every rank
+        runs the same number of forwards (FSDP collectives would hang otherwise)."""
+        n, w = batch["input_ids"].shape[0], len(self.workers)
+        per = -(-n // w)
+        padded = {}
+        for k, v in batch.items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            pad = torch.zeros((per * w - n, *v.shape[1:]), dtype=v.dtype)
+            if k == "routed_experts":
+                pad -= 1
+            if k == "attention_mask":  # a fully masked row makes attention NaN, and NaN * 0 is NaN
+                pad += 1
+            padded[k] = torch.cat([v, pad])
+        return [{k: v[r * per: (r + 1) * per] for k, v in padded.items()} for r in range(w)]
+
+    def logprobs(self, batch: dict, replay: bool | None = None, with_stats: bool = False):
+        """Trainer log-probs of every row ([B, T]). `replay`: None follows the config; False routes
+        live. `with_stats`: also return the replay statistics (per MoE layer; see replay_summary)."""
+        n = batch["input_ids"].shape[0]
+        outs = ray.get([wk.logprobs.remote(part, replay) for wk, part in zip(self.workers, self._split(batch))])
+        lp = torch.cat([o[0] for o in outs])[:n]
+        return (lp, replay_summary([o[1] for o in outs])) if with_stats else lp
+
+    def train_step(self, batch: dict, report: bool = False) -> dict:
+        """One optimizer step on `batch` (see tokens.training_tensors, plus "advantages").
+        Returns the step's statistics; with `report`, also per-token tensors of every row
+        (trainer log-prob, IS weight, gate decision, advantage, loss contribution, ...)."""
+        parts = self._split(batch)
+        stats = ray.get([wk.train_step.remote(p, self.version, report) for wk, p in zip(self.workers, parts)])
+        self.version += 1
+        out = {"version": self.version, "loss": sum(s["loss"] for s in stats), "grad_norm": stats[0]["grad_norm"],
+               "correction": merge_stats([s["correction"] for s in stats]),
+               "replay": replay_summary([s["replay"] for s in stats])}
+        for key in ("kl_k3_live", "kl_ref", "policy_shift"):  # token-weighted over ranks
+            vals = [s[key] for s in stats if s[key] is not None]
+            out[key] = sum(x["sum"] for x in vals) / max(sum(x["tokens"] for x in vals), 1) if vals else None
+        if report:
+            n = batch["input_ids"].shape[0]
+            out["report"] = {k: torch.cat([s["report"][k] for s in stats])[:n] for k in stats[0]["report"]}
+        return out
+
+    def probe(self, ids: list[int]) -> list[float]:
+        return ray.get([w.probe.remote(ids) for w in self.workers])[0]
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        return ray.get(self.workers[0].vocab_size.remote())
+
+    def state_dict(self) -> dict:
+        return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
+
+    def weights_and_probe(self, ids: list[int]) -> tuple[Any, Any, list]:
+        """References to rank 0's full state dict and to probe(ids), without waiting: both are
+        collectives, queued on every rank in the same order, the gather first, so that an engine
+        can load the weights while the ranks compute the probe (loop.sync_engines). The weights
+        stay in Ray's object store, where the engines read them; the driver never copies them
+        (the CPU weight sync). The third item holds every rank's part of both: ray.get it for the
+        ranks' errors."""
+        weights = [w.full_state_dict.remote(True) for w in self.workers]
+        probes = [w.probe.remote(ids) for w in self.workers]
+        return weights[0], probes[0], weights + probes
+
+    def footprint(self) -> list[dict]:
+        """Per rank: the bytes its parameter shards, optimizer state and reference hold, by
+        device, with their dtypes and the FSDP2 policies in force (TrainerWorker.footprint)."""
+        return ray.get([w.footprint.remote() for w in self.workers])
+
+    def init_nccl_sync(self, engines: list, engine_world_sizes: list[int] | None = None, **cfg_kwargs) -> None:
+        """GPU: one NCCL group of trainer rank 0 and every engine worker (engines started with
+        weight_transfer="nccl"). Afterwards loop.sync_engines uses sync_weights_nccl."""
+        from ..rollout.nccl_sync import NcclSyncConfig, group_layout
+
+        host, port = ray.get(self.workers[0].nccl_endpoint.remote())
+        cfg = NcclSyncConfig(master_port=port, master_address=host, **cfg_kwargs)
+        offsets, world = group_layout(engine_world_sizes or [1] * len(engines))
+        # both sides meet in the same rendezvous: launch them together, then wait for all
+        ray.get([w.connect_nccl.remote(cfg, world) for w in self.workers]
+                + [e.init_nccl.remote(cfg, off, world) for e, off in zip(engines, offsets)])
+        self.nccl = cfg
+
+    def sync_weights_nccl(self, engines: list, version: int, expected_probe=None, tol: float = 1e-3) -> list:
+        """Broadcast the weights to the engines (each pauses, receives, bumps its version, resumes
+        and checks its probe). The names are checked here first: a refusal inside an engine
+        would leave trainer rank 0 blocked in a broadcast, and NCCL has no timeout."""
+        from ..rollout.nccl_sync import TransferMeta, check_meta, hf_meta, plan_buckets
+
+        meta = ray.get(self.workers[0].weight_meta.remote(self.nccl.wire_dtype))
+        check_meta(TransferMeta(**meta), hf_meta(self.model_path))
+        if self.nccl.packed:
+            plan_buckets(TransferMeta(**meta), self.nccl.bucket_bytes)
+        receive = [e.update_weights_nccl.remote(meta, version, expected_probe, None, tol) for e in engines]
+        ray.get([w.send_weights_nccl.remote(meta) for w in self.workers])
+        return ray.get(receive)
+
+    def export_hf(self, path: str, dtype: str | None = None) -> str:
+        """The trained policy as a Hugging Face checkpoint directory: safetensors in the source
+        checkpoint's layout (transformers writes fused MoE experts back per expert), config,
+        generation config, and the source's tokenizer and chat-template files. Loadable by
+        transformers and vLLM. `dtype`: the weights' dtype on disk (default: the trainer's;
+        "bfloat16" halves an fp32 trainer's export). Every rank takes part (a gather)."""
+        import shutil
+
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        full = self.state_dict()  # rank 0's gathered, HF-named tensors on CPU
+        dtype = getattr(torch, dtype or self.cfg.dtype)
+        config = AutoConfig.from_pretrained(self.model_path)
+        with torch.device("meta"):  # no second copy of the weights: the gathered tensors are assigned
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.load_state_dict({k: v.to(dtype) for k, v in full.items()}, strict=True, assign=True)
+        os.makedirs(path, exist_ok=True)
+        model.save_pretrained(path, safe_serialization=True)
+        skip = ("config.json", "generation_config.json", "model.safetensors.index.json")
+        for name in os.listdir(self.model_path):  # tokenizer, chat template, special tokens, ...
+            src = os.path.join(self.model_path, name)
+            if os.path.isfile(src) and name not in skip and not name.endswith((".safetensors", ".bin", ".pt", ".pth")):
+                shutil.copy2(src, os.path.join(path, name))
+        return path
+
+    def save(self, path: str, run_state: dict | None = None) -> str:
+        """Checkpoint to `path` (a directory every rank can reach): sharded weights and optimizer
+        (torch.distributed.checkpoint), per-rank RNG, and run_state.json (the trainer version
+        plus whatever the caller passes: step, data position, ...)."""
+        import json
+
+        os.makedirs(path, exist_ok=True)
+        ray.get([w.save.remote(path) for w in self.workers])
+        with open(os.path.join(path, "run_state.json"), "w") as f:
+            json.dump({**(run_state or {}), "version": self.version, "world_size": len(self.workers)}, f)
+        return path
+
+    def restore(self, path: str) -> dict:
+        """Load a checkpoint written by save(); returns its run_state."""
+        import json
+
+        state_file = os.path.join(path, "run_state.json")
+        if not os.path.isfile(state_file):
+            raise FileNotFoundError(f"no checkpoint at {path!r} (run_state.json missing)")
+        with open(state_file) as f:
+            run_state = json.load(f)
+        # torch.distributed.checkpoint reshards on load: a checkpoint of N ranks restores onto M
+        # (each rank reads the pieces of the saved shards that make up its own); only the per-rank
+        # RNG states do not carry over (load says which ranks kept their seed)
+        ray.get([w.load.remote(path) for w in self.workers])
+        self.version = run_state["version"]
+        return run_state
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+        finally:
+            for w in self.workers:
+                ray.kill(w)

@@ -1,0 +1,98 @@
+"""Filling an FSDP2 model that was built on the meta device and sharded empty
+(TrainerConfig.load): "rank0" (rank 0 reads the whole checkpoint and broadcasts it, each rank
+keeping its shard) or "sharded" (each rank reads from the safetensors only the dim-0 slices it
+owns; no rank ever holds a full copy). Imports only torch, transformers and safetensors:
+scripts/gpu_check.py loads this file on a machine without the rest of workbench's dependencies."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+
+def meta_model(path: str, dtype: torch.dtype):
+    """The checkpoint's model with shapes only (no weights anywhere yet)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+
+
+def load_from_rank0(model, path: str, dtype: torch.dtype, rank: int) -> None:
+    """Rank 0 reads the checkpoint through transformers (which also converts its layout, e.g.
+    per-expert tensors into fused MoE parameters) into host memory, one copy on the node, and
+    broadcasts it tensor by tensor into every rank's shards."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype) if rank == 0 else None
+    set_model_state_dict(model, full.state_dict() if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # buffers outside the state dict (rotary inv_freq, ...) were left empty by to_empty: rank 0's values
+    names = [n for n, _ in model.named_buffers()]
+    values = [[dict(full.named_buffers())[n].cpu() for n in names] if full is not None else None]
+    dist.broadcast_object_list(values, src=0)
+    with torch.no_grad():
+        for (_, buf), value in zip(model.named_buffers(), values[0]):
+            buf.copy_(value.to(buf.device, buf.dtype))
+
+
+class _CountingSlice:
+    """A safetensors slice that counts the bytes actually read through it."""
+
+    def __init__(self, part, counter: list[int]):
+        self.part, self.counter = part, counter
+
+    def get_shape(self):
+        return self.part.get_shape()
+
+    def get_dtype(self):
+        return self.part.get_dtype()
+
+    def __getitem__(self, index):
+        t = self.part[index]
+        self.counter[0] += t.numel() * t.element_size()
+        return t
+
+
+def load_own_shards(model, path: str, dtype: torch.dtype) -> int:
+    """Every rank reads from the checkpoint's safetensors only the slices its FSDP2 shards hold
+    (dim 0 of each parameter; whole experts of a fused MoE parameter) and sets them as its local
+    DTensor shards. Returns the bytes this rank read.
+
+    The reading is transformers' own (core_model_loading, the path of from_pretrained onto a
+    model already sharded with DTensors, transformers 5.16-5.19): it renames and fuses the
+    checkpoint's tensors as from_pretrained does and slices each on read."""
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"load='sharded' reads safetensors; none in {path!r}")
+    local = next(p.to_local() for p in model.parameters())  # the device the shards live on
+    read = [0]
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), "pt")) for f in files]
+        state = {k: _CountingSlice(h.get_slice(k), read) for h in handles for k in h.keys()}
+        info, _ = convert_and_load_state_dict_in_model(
+            model, state, LoadStateDictConfig(dtype=dtype, device_map={"": local.device},
+                                              weight_mapping=get_model_conversion_mapping(model)))
+    model.tie_weights()  # a tied output embedding is the input one, loaded once under its name
+    names_of = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), set()).add(name)
+    missing = {k for k in info.missing_keys if not any(k in names and names - info.missing_keys for names in names_of.values())}
+    if missing or info.mismatched_keys or info.conversion_errors:
+        raise ValueError(f"load='sharded' of {path!r}: missing {sorted(missing)[:5]}, mismatched "
+                         f"{sorted(info.mismatched_keys)[:5]}, conversion errors {info.conversion_errors}")
+    # the non-persistent buffers (rotary frequencies) are computed, not read: transformers'
+    # own initialisation of those modules, as its meta-device loading does
+    for module in model.modules():
+        if module._buffers:
+            model._init_weights(module)
+    return read[0]

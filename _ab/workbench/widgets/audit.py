@@ -1,0 +1,326 @@
+"""The run audit page (`wb.audit()`, `python -m workbench.audit RUN_DIR`) and the revisit view.
+
+The page is one HTML file with no script and no network (inline SVG and CSS only), built from
+the run directory alone (config.json, metrics.jsonl, trajectories/step_*.parquet), so it works
+on a run copied from a cluster. Every step's invariant statistics are held to `Thresholds`;
+a step over one is flagged in the summary, the table and the plot, and linked to the token
+views of the trajectories that caused it (for per-token trainer statistics, which the run
+directory does not keep per token: the step's trajectories, and `wb.revisit(run_dir, step)`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass, fields
+from html import escape
+from pathlib import Path
+
+from ..tokens import Trajectory, read_trajectories
+from . import spans_html, token_spans, trajectory_html
+
+
+@dataclass
+class Thresholds:
+    """What each step's statistics are held to (None: shown, never flagged). max_staleness and
+    sync_max_abs_diff default to the run's own CorrectionConfig.max_staleness and loop.sync_tol."""
+    identity_mismatch: float | None = 0  # trainable ids differing from the sampled ones: invariant 1 says 0
+    retokenization_drift: float | None = None  # what a text pipeline would have changed: informative
+    unexpected_seals: float | None = 0  # segments sealed for a reason other than episode_end
+    max_staleness: float | None = None
+    gate_pass_ratio: float | None = 0.9  # a minimum
+    is_weight_outside: float | None = 0.1  # share of tokens whose IS weight is outside [0.8, 1.25)
+    replay_disagree_rate: float | None = 0.05
+    kl_k3: float | None = 1e-3
+    kl_k3_live: float | None = None
+    sync_max_abs_diff: float | None = None
+    failed_rate: float | None = 0.0
+    truncated_rate: float | None = 0.25
+
+
+MINIMA = {"gate_pass_ratio"}
+# (key, title, what it measures); the order of the page's sections
+CHECKS = (
+    ("identity_mismatch", "identity mismatch", "trainable token ids that differ from the ids the engine sampled"),
+    ("retokenization_drift", "retokenization drift", "sampled ids that decoding and re-encoding the text would change"),
+    ("unexpected_seals", "seals by reason", "segments sealed for a reason other than episode_end (per reason in the table)"),
+    ("max_staleness", "staleness", "versions between the trainer and the oldest sampled token of the step"),
+    ("gate_pass_ratio", "gate pass ratio", "share of sequences the correction gate kept (staleness, band, veto)"),
+    ("is_weight_outside", "IS-weight distribution", "share of trainable tokens whose IS weight is outside [0.8, 1.25)"),
+    ("replay_disagree_rate", "replay disagreement", "share of routed-expert choices where live routing differs from the replayed"),
+    ("kl_k3", "k3 with replay", "KL(behaviour || trainer) k3 estimate, routing replayed"),
+    ("kl_k3_live", "k3 without replay", "the same KL with live routing (what replay removes)"),
+    ("sync_max_abs_diff", "sync probe difference", "max |engine - trainer| probe log-prob after the step's weight sync"),
+    ("failed_rate", "failed episodes", "share of the step's episodes that failed (agent error, timeout, dead engine)"),
+    ("truncated_rate", "truncated episodes", "share of the step's episodes cut by the context"),
+)
+PER_EPISODE = {"identity_mismatch", "retokenization_drift", "unexpected_seals", "max_staleness", "failed_rate",
+               "truncated_rate"}
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """metrics.jsonl's steps (a torn last line, from a killed run, is skipped)."""
+    out = []
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _hist_outside(h: dict | None) -> float | None:
+    if not h or not sum(h["counts"]):
+        return None
+    out = sum(c for a, b, c in zip(h["edges"], h["edges"][1:], h["counts"]) if a < 0.8 or b > 1.25)
+    return out / sum(h["counts"])
+
+
+def _episode(t: Trajectory, trainer_version: int) -> dict:
+    """Per episode: the statistics the per-episode checks count."""
+    sampled = [v for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m and v >= 0]
+    return {"identity_mismatch": sum(s.stats.get("identity_mismatch", 0) for s in t.segments),
+            "retokenization_drift": sum(s.stats.get("retokenization_drift", 0) for s in t.segments),
+            "unexpected_seals": sum(s.seal_reason not in (None, "episode_end") for s in t.segments),
+            "seals": [s.seal_reason or "open" for s in t.segments],
+            "max_staleness": trainer_version - min(sampled) if sampled else 0,
+            "failed_rate": t.error is not None, "truncated_rate": bool(t.truncated) and t.error is None}
+
+
+def step_values(m: dict, trajs: list[Trajectory]) -> tuple[dict, dict]:
+    """One step's statistics (CHECKS keys) and, per key, each episode's value (per-episode checks)."""
+    eps = {t.episode_id: _episode(t, m.get("version", 1) - 1) for t in trajs}  # the step trains version - 1
+    n = max(m.get("episodes", 0) + m.get("dropped_episodes", 0), len(trajs), 1)  # every episode, dropped ones too
+    v = {"identity_mismatch": sum(e["identity_mismatch"] for e in eps.values()),
+         "retokenization_drift": sum(e["retokenization_drift"] for e in eps.values()),
+         "unexpected_seals": sum(e["unexpected_seals"] for e in eps.values()),
+         "max_staleness": max((int(k) for k, c in (m.get("staleness_hist") or {}).items() if c), default=None),
+         "is_weight_outside": _hist_outside(m.get("is_weight_hist")),
+         "failed_rate": m.get("failed_episodes", sum(e["failed_rate"] for e in eps.values())) / n,
+         "truncated_rate": m.get("truncated_episodes", sum(e["truncated_rate"] for e in eps.values())) / n}
+    for k in ("gate_pass_ratio", "replay_disagree_rate", "kl_k3", "kl_k3_live", "sync_max_abs_diff"):
+        v[k] = m.get(k)
+    return v, {k: {ep: e[k] for ep, e in eps.items()} for k in PER_EPISODE} | {"seals": {ep: e["seals"] for ep, e in eps.items()}}
+
+
+def _over(key: str, value, limit) -> bool:
+    if value is None or limit is None:
+        return False
+    return value < limit if key in MINIMA else value > limit
+
+
+def _id(*parts) -> str:
+    return "-".join(re.sub(r"[^A-Za-z0-9_]", "_", str(p)) for p in parts)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.3g}" if v == 0 or abs(v) >= 1e-3 else f"{v:.2e}"
+    return str(v)
+
+
+def _plot(key: str, steps: list[int], values: list, limit, bad: set[int], width=580, height=140) -> str:
+    """One statistic over steps as inline SVG: line and points, the limit dashed, flagged steps red
+    and linked to their entry in the violation list."""
+    pts = [(s, float(v)) for s, v in zip(steps, values) if v is not None]
+    if not pts:
+        return "<p class='na'>not recorded in this run</p>"
+    l, r, t, b = 60, 10, 10, 24
+    w, h = width - l - r, height - t - b
+    ys = [y for _, y in pts] + ([float(limit)] if limit is not None else [])
+    lo, hi = min(0.0, min(ys)), max(ys)
+    hi = hi if hi > lo else lo + 1.0
+    x0, x1 = steps[0], steps[-1] if steps[-1] > steps[0] else steps[0] + 1
+    X = lambda s: l + (s - x0) / (x1 - x0) * w  # noqa: E731
+    Y = lambda y: t + h - (y - lo) / (hi - lo) * h  # noqa: E731
+    out = [f"<svg width='{width}' height='{height}' font-size='10' font-family='sans-serif'>",
+           f"<rect x='{l}' y='{t}' width='{w}' height='{h}' fill='#fafafa' stroke='#ccc'/>",
+           f"<text x='{l - 4}' y='{Y(hi) + 4:.0f}' text-anchor='end'>{_fmt(hi)}</text>",
+           f"<text x='{l - 4}' y='{Y(lo):.0f}' text-anchor='end'>{_fmt(lo)}</text>",
+           f"<text x='{l}' y='{height - 6}'>step {x0}</text><text x='{l + w}' y='{height - 6}' text-anchor='end'>step {steps[-1]}</text>"]
+    if limit is not None:
+        out.append(f"<line x1='{l}' x2='{l + w}' y1='{Y(limit):.1f}' y2='{Y(limit):.1f}' stroke='#d00' stroke-dasharray='4 3'/>"
+                   f"<text x='{l + w - 2}' y='{Y(limit) - 3:.0f}' text-anchor='end' fill='#d00'>"
+                   f"{'min' if key in MINIMA else 'max'} {_fmt(limit)}</text>")
+    out.append("<polyline fill='none' stroke='#1f77b4' stroke-width='1.5' points='"
+               + " ".join(f"{X(s):.1f},{Y(y):.1f}" for s, y in pts) + "'/>")
+    for s, y in pts:
+        dot = f"<circle cx='{X(s):.1f}' cy='{Y(y):.1f}' r='{4 if s in bad else 2.5}' fill='{'#d00' if s in bad else '#1f77b4'}'>" \
+              f"<title>step {s}: {_fmt(y)}</title></circle>"
+        out.append(f"<a href='#{_id('v', s, key)}'>{dot}</a>" if s in bad else dot)
+    return "".join(out) + "</svg>"
+
+
+CSS = ("body{font-family:sans-serif;margin:16px;max-width:1200px}table{border-collapse:collapse;font-size:12px}"
+       "td,th{border:1px solid #ddd;padding:2px 6px;text-align:right}th{background:#f3f3f3}td.bad{background:#fdd}"
+       "td.bad a{color:#a00;font-weight:bold}section{margin:18px 0}.na{color:#999}li.v{margin:3px 0}"
+       ":target{outline:3px solid #f90}.traj{border:1px solid #ddd;padding:6px;margin:8px 0}"
+       ".stat{display:inline-block;vertical-align:top;width:590px;margin:6px 8px 6px 0}.stat h2{font-size:16px;margin:4px 0}"
+       ".stat p{font-size:12px;margin:2px 0 4px}")
+
+
+def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, max_views_per_step: int = 16,
+               sample_per_step: int = 4) -> str:
+    """The audit page of the run in `run_dir` (see the module docstring). `tokenizer` (a fast HF
+    tokenizer or ChatFormat) shows tokens as text; without one, token views show ids. Token views
+    are rendered for flagged steps only: the offending episodes (at most `max_views_per_step`), or
+    where no episode is to blame (a per-token statistic) the step's first `sample_per_step`."""
+    run_dir = Path(run_dir)
+    metrics = read_metrics(run_dir)
+    if not metrics:
+        raise ValueError(f"{str(run_dir)!r} has no steps in metrics.jsonl: nothing to audit")
+    cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    th = thresholds or Thresholds()
+    limits = {f.name: getattr(th, f.name) for f in fields(th)}
+    if limits["max_staleness"] is None:
+        limits["max_staleness"] = cfg.get("trainer", {}).get("correction", {}).get("max_staleness")
+    if limits["sync_max_abs_diff"] is None:
+        limits["sync_max_abs_diff"] = cfg.get("loop", {}).get("sync_tol")
+    steps, rows, trajs = [], [], {}
+    for m in metrics:
+        path = run_dir / "trajectories" / f"step_{m['step']:05d}.parquet"
+        trajs[m["step"]] = read_trajectories(path) if path.is_file() else []
+        steps.append(m["step"])
+        rows.append((m, *step_values(m, trajs[m["step"]])))
+    # violations: (step, key, value, offending episode ids)
+    violations = []
+    for (m, v, per_ep), s in zip(rows, steps):
+        for key, _, _ in CHECKS:
+            if _over(key, v[key], limits[key]):
+                eps = [ep for ep, x in per_ep.get(key, {}).items() if (x > 0 if key.endswith("rate") else _over(key, x, limits[key]))]
+                violations.append((s, key, v[key], eps))
+    flagged = {(s, k) for s, k, _, _ in violations}
+    title = f"Audit of {run_dir.name}"
+    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title><style>{CSS}</style></head><body>",
+           f"<h1>{escape(title)}</h1><p>{len(steps)} step(s), {steps[0]}..{steps[-1]}; model {escape(str(cfg.get('model', '?')))}, "
+           f"backend {escape(str(cfg.get('backend', '?')))}, mode {escape(str(metrics[-1].get('mode', '?')))}; "
+           f"{sum(len(t) for t in trajs.values())} episode(s) in trajectories/. Read from {escape(str(run_dir))}.</p>",
+           f"<section id='violations'><h2>Violations: {len(violations)}</h2><ul>"]
+    by_step: dict[int, list] = {}
+    for s, key, value, eps in violations:
+        by_step.setdefault(s, []).extend(eps)
+        links = (", ".join(f"<a href='#{_id('t', s, ep)}'>{escape(ep)}</a>" for ep in eps[:max_views_per_step]) if eps else
+                 f"<a href='#{_id('step', s)}'>a sample of the step's trajectories</a> (per-token values: wb.revisit(run_dir, {s}))")
+        out.append(f"<li class='v' id='{_id('v', s, key)}'>step {s}: <a href='#{_id('stat', key)}'>{escape(dict((k, t) for k, t, _ in CHECKS)[key])}</a> "
+                   f"= {_fmt(value)} ({'min' if key in MINIMA else 'max'} {_fmt(limits[key])}) &rarr; {links}</li>")
+    out.append("</ul>" + ("" if violations else "<p>Every statistic of every step is within its threshold.</p>") + "</section>")
+    # every step's statistics, flagged cells linked to their violation
+    out.append("<section id='steps'><h2>Every step</h2><table><tr><th>step</th>"
+               + "".join(f"<th><a href='#{_id('stat', k)}'>{escape(t)}</a></th>" for k, t, _ in CHECKS)
+               + "<th>seals by reason</th><th>staleness: tokens</th><th>IS weights: counts per bin</th></tr>")
+    for (m, v, per_ep), s in zip(rows, steps):
+        seals: dict[str, int] = {}
+        for ss in per_ep["seals"].values():
+            for r in ss:
+                seals[r] = seals.get(r, 0) + 1
+        cells = "".join(f"<td class='bad'><a href='#{_id('v', s, k)}'>{_fmt(v[k])}</a></td>" if (s, k) in flagged
+                        else f"<td>{_fmt(v[k])}</td>" for k, _, _ in CHECKS)
+        hist = m.get("is_weight_hist") or {}
+        out.append(f"<tr><td>{s}</td>{cells}<td>{escape(', '.join(f'{r} {c}' for r, c in sorted(seals.items())))}</td>"
+                   f"<td>{escape(', '.join(f'{k}: {c}' for k, c in (m.get('staleness_hist') or {}).items()))}</td>"
+                   f"<td>{escape(' '.join(str(c) for c in hist.get('counts', [])))}</td></tr>")
+    edges = next((m["is_weight_hist"]["edges"] for m in metrics if m.get("is_weight_hist")), None)
+    out.append("</table>" + (f"<p>IS-weight bins: edges {escape(str(edges))}</p>" if edges else "") + "</section>")
+    for key, name, what in CHECKS:
+        bad = {s for s, k in flagged if k == key}
+        out.append(f"<section class='stat' id='{_id('stat', key)}'><h2>{escape(name)}</h2><p>{escape(what)}; "
+                   f"{'min' if key in MINIMA else 'max'} {_fmt(limits[key])}; {len(bad)} step(s) flagged.</p>"
+                   f"{_plot(key, steps, [v[key] for _, v, _ in rows], limits[key], bad)}</section>")
+    # token views of the flagged steps' trajectories, offending ones first
+    out.append("<section id='trajectories'><h2>Token views of flagged steps</h2>"
+               "<p>Colour: sampled tokens from green (log-prob 0) to red (log-prob &le; -5); grey: not sampled. "
+               "Hover a token for its id, log-prob and version.</p>")
+    for s in sorted(by_step):
+        # the offending episodes; for a per-token statistic (no episode to blame) a sample of the step's
+        order = [t for t in trajs[s] if t.episode_id in by_step[s]][:max_views_per_step] or trajs[s][:sample_per_step]
+        out.append(f"<div id='{_id('step', s)}'><h3>step {s}</h3>")
+        for t in order:
+            out.append(f"<div class='traj' id='{_id('t', s, t.episode_id)}'>{trajectory_html(t)}"
+                       f"{spans_html(token_spans(t, 'logprob', tokenizer))}</div>")
+        out.append("</div>")
+    return "".join(out) + "</section></body></html>"
+
+
+def write_audit(run_dir, path=None, tokenizer=None, thresholds: Thresholds | None = None) -> Path:
+    """Write the audit page (default: run_dir/audit.html); returns its path."""
+    path = Path(path or Path(run_dir) / "audit.html")
+    path.write_text(audit_html(run_dir, tokenizer, thresholds), encoding="utf-8")
+    return path
+
+
+def _tokenizer(run_dir: Path, given: str | None):
+    """--tokenizer, else a kept policy's (wb.run(keep_policy_every=N) copies tokenizer files), else None."""
+    from ..toy.models import load_tokenizer
+
+    for d in ([Path(given)] if given else sorted((run_dir / "policies").glob("step_*"))):
+        if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
+            return load_tokenizer(str(d))
+    return None
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m workbench.audit", description="Write a run's audit page (one offline HTML file).")
+    p.add_argument("run_dir")
+    p.add_argument("-o", "--out", help="the page's path (default RUN_DIR/audit.html)")
+    p.add_argument("--tokenizer", help="a checkpoint directory whose tokenizer shows tokens as text")
+    for f in fields(Thresholds):
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default, help=f"threshold (default {f.default})")
+    a = p.parse_args(argv)
+    th = Thresholds(**{f.name: getattr(a, f.name) for f in fields(Thresholds)})
+    path = write_audit(a.run_dir, a.out, _tokenizer(Path(a.run_dir), a.tokenizer), th)
+    print(f"{path} ({path.stat().st_size} bytes)")
+
+
+# ------------------------------------------------------------------ step revisit (wb.revisit)
+REVISITED = ("loss", "grad_norm", "gate_pass_ratio", "stale_dropped", "band_dropped", "veto_dropped", "kl_k1", "kl_k3",
+             "kl_k3_current", "tokens_current", "max_abs_delta_p", "staleness_hist", "tokens_per_version", "is_weight_hist", "replay_disagree_rate",
+             "replay_disagree_per_layer", "replay_fallback", "kl_k3_live", "kl_ref")
+
+
+@dataclass
+class Revisit:
+    """Step `step` recomputed on the policy it trained from (wb.revisit): `recomputed` holds the
+    statistics under metrics.jsonl's keys (REVISITED), `logged` that step's line, `report` the
+    per-token tensors (trainer log-probs, IS weights, gate decisions, advantages, loss
+    contributions: what the token journey shows), `trajectories` and `batch` what it trained on."""
+    step: int
+    version: int
+    logged: dict
+    recomputed: dict
+    report: dict
+    trajectories: list
+    batch: dict
+    tokenizer: object = None
+
+    def differences(self, rtol: float = 1e-5, atol: float = 1e-7) -> dict:
+        """{key: (logged, recomputed)} for the statistics that differ beyond rtol/atol."""
+        def same(a, b):
+            if isinstance(a, dict) and isinstance(b, dict):
+                return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+            if isinstance(a, list) and isinstance(b, list):
+                return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+            if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+                return a == b or abs(a - b) <= atol + rtol * abs(a)
+            return a == b
+        rec = json.loads(json.dumps(self.recomputed, default=str))  # keys as the JSON log has them
+        # a statistic the logged run predates (its metrics.jsonl has no such key) has nothing to compare
+        return {k: (self.logged.get(k), rec.get(k)) for k in REVISITED if k in self.logged and not same(self.logged[k], rec.get(k))}
+
+    def journey(self, row: int = 0, col: int | None = None):
+        """The token journey widget on the recomputed report (default: row's first sampled token)."""
+        from . import TokenJourney
+
+        col = int(self.report["loss_mask"][row].nonzero()[0, 0]) if col is None else col
+        return TokenJourney(self.report, row, col, self.tokenizer)
+
+    def _repr_html_(self) -> str:
+        diff = self.differences()
+        rec = json.loads(json.dumps(self.recomputed, default=str))
+        rows = "".join(f"<tr><td>{k}</td><td>{escape(_fmt(self.logged.get(k)))}</td><td>{escape(_fmt(rec.get(k)))}</td>"
+                       f"<td>{'<b style=color:#c00>differs</b>' if k in diff else 'equal'}</td></tr>" for k in REVISITED)
+        return (f"<b>step {self.step}, policy version {self.version}</b>: {len(self.trajectories)} episode(s), "
+                f"{self.batch['input_ids'].shape[0]} row(s); .report holds the per-token values, .journey(row, col) "
+                f"follows one token<table><tr><th>statistic</th><th>logged</th><th>recomputed</th><th></th></tr>{rows}</table>")
