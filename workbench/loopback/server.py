@@ -715,8 +715,11 @@ class LoopbackServer:
         )
 
     def summary(self) -> dict:
-        """Server-wide measurements, open sessions included."""
-        open_stats = segment_stats([s for acc in self.sessions.values() for s in acc.segments])
+        """Server-wide measurements, open sessions included. Callable from any thread: the
+        server's loop opens and closes sessions meanwhile, so the open ones are copied first
+        (one C-level copy under the GIL; iterating the dict raised 'changed size')."""
+        open_accs = list(self.sessions.values())
+        open_stats = segment_stats([s for acc in open_accs for s in list(acc.segments)])
         ov = sorted(self.stats.overhead_s)
         pct = (lambda q: ov[min(len(ov) - 1, int(q * len(ov)))] if ov else None)
         return {
@@ -725,7 +728,7 @@ class LoopbackServer:
             "seals": dict(self.stats.seals + Counter(open_stats["seals"])),
             **{k: self.stats.segment_totals[k] + open_stats[k] for k in SEGMENT_TOTALS},
             "sampling_refused": dict(self.stats.sampling_refused),
-            "truncated_sessions": self.stats.truncated_sessions + sum(acc.truncated for acc in self.sessions.values()),
+            "truncated_sessions": self.stats.truncated_sessions + sum(acc.truncated for acc in open_accs),
             "unexpected_errors": dict(self.stats.unexpected_errors),
             "overhead_p50_s": pct(0.5), "overhead_p99_s": pct(0.99),
         }
