@@ -115,6 +115,30 @@ def test_a_encode_splits_at_control_tokens_only(fmt):
     assert fmt.encode("[TOOL_CALLS][") == [9] + t.encode("[", bos=False, eos=False)
 
 
+def test_a_text_that_spells_a_control_token_stays_text(ckpt, fmt):
+    """mistral-common (so vLLM) encodes a user's or a tool's '<s>', '</s>', '[INST]' as text. The
+    render escapes them, and encode gives mistral-common's ids: before, they became BOS, EOS and
+    [INST] mid-prompt (17 ids where mistral-common has 22, for the first message). A literal
+    escape character round-trips too."""
+    from workbench.tekken import ESCAPE
+
+    user = f"Summarise: <s>old price</s> new price [INST] ok {ESCAPE}[/INST]{ESCAPE}{ESCAPE} [{ESCAPE}INST]"
+    msgs = [{"role": "user", "content": user}, CALL,
+            {"role": "tool", "tool_call_id": "abcDEF123", "content": "<html><s>21</s> [TOOL_CALLS] degrees</html>"}]
+    for k in (1, 3):
+        text = fmt.render(msgs[:k], TOOLS, add_generation_prompt=True)
+        assert fmt.encode(text) == _mistral_common_ids(ckpt, msgs[:k], TOOLS), k
+    # in the accumulator: the tool result extends the recorded ids, which are mistral-common's
+    acc = Accumulator(fmt)
+    first = acc.plan(msgs[:1], TOOLS)
+    assert first.prompt_ids == _mistral_common_ids(ckpt, msgs[:1], TOOLS) and first.prompt_ids.count(1) == 1
+    call = fmt.tekken.encode('[{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcDEF123"}]', bos=False, eos=False)
+    acc.record(first, sample_of([9] + call + [2]), CALL)
+    second = acc.plan(msgs, TOOLS)
+    assert not second.new_segment and second.prompt_ids[:len(first.prompt_ids)] == first.prompt_ids
+    assert second.prompt_ids[-12:] == _mistral_common_ids(ckpt, msgs, TOOLS)[-12:]  # the result's ids, as text
+
+
 def test_a_text_units_and_drift_without_an_hf_backend(fmt):
     # Tekken has no HF `tokenizers` backend: TekkenFormat cuts ids at character boundaries itself.
     # '€' is 3 UTF-8 bytes; as byte tokens it only decodes after the third: one unit of 3 ids.

@@ -20,8 +20,10 @@ while tool results after a tool call extend the exact sampled ids. Tekken has no
 after [TOOL_CALLS] (the SentencePiece v3 tokenizer has).
 
 `tokenizer` is vLLM's MistralTokenizer (the loopback's tool parser, `mistral`, reads Tekken's
-`[TOOL_CALLS][{...}]` with it). Text a user writes that spells a control token ('[INST]') encodes as
-that control token here, as with every template-text ChatFormat.
+`[TOOL_CALLS][{...}]` with it). Text that spells a control token ('[INST]', an HTML '<s>' in a tool
+result) is text to mistral-common, so to vLLM. The render therefore escapes it (ESCAPE after the
+name's first character; a literal ESCAPE doubled), and `encode` splits only at unescaped names: it
+used to turn such text into the control token, a prompt vLLM never builds (BOS or EOS mid-prompt).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ import re
 from pathlib import Path
 
 from .tokens import ChatFormat, canonical_message
+
+ESCAPE = "\ue000"  # a private-use character: marks text that spells a control token (see the module docstring)
+_UNESCAPE = re.compile(ESCAPE + "(" + ESCAPE + ")?")
 
 
 def tekken_profile(path: str | Path):
@@ -99,15 +104,30 @@ class TekkenFormat(ChatFormat):
         return (self._history if final_reply else self.mistral).encode_chat_completion(req)
 
     def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
-        return self.tokenize_request(messages, tools, add_generation_prompt).text
+        """mistral-common's ids as text: control tokens by name, each text piece between them
+        decoded and escaped where it spells a control token (mistral-common's own .text does not
+        tell the two apart)."""
+        ids = self.tokenize_request(messages, tools, add_generation_prompt).tokens
+        n, out, run = self.tekken.num_special_tokens, [], []
+        for i in [*ids, None]:
+            if i is not None and i >= n:
+                run.append(i)
+                continue
+            if run:
+                piece = self.tekken.decode(run, special_token_policy=self._keep).replace(ESCAPE, ESCAPE * 2)
+                out.append(self._special_re.sub(lambda m: m.group(0)[0] + ESCAPE + m.group(0)[1:], piece))
+                run = []
+            if i is not None:
+                out.append(self.tekken.id_to_piece(i))
+        return "".join(out)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
         for k, piece in enumerate(self._special_re.split(text)):
             if k % 2:  # a control token, spelled out
                 ids.append(self._special[piece])
-            elif piece:
-                ids += self.tekken.encode(piece, bos=False, eos=False)
+            elif piece:  # text, unescaped: what mistral-common encoded
+                ids += self.tekken.encode(_UNESCAPE.sub(lambda m: m.group(1) or "", piece), bos=False, eos=False)
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
