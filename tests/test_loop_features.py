@@ -288,6 +288,8 @@ def test_distillation_advantage_and_reverse_kl_hand_computed():
     teacher = {id(a.segments[0]): [0.0, -3.0, -1.5, -0.5], id(b.segments[0]): [0.0, -9.0, -1.0]}
     with pytest.raises(ValueError, match="needs per-token teacher log-probs: set LoopConfig.teacher"):
         LoopConfig(advantage="distill")
+    with pytest.raises(ValueError, match="turn dynamic_sampling off"):  # it filters by rewards, distill ignores them
+        LoopConfig(advantage="distill", teacher="dense", dynamic_sampling=True)
     cfg = LoopConfig(advantage="distill", teacher="dense")
     batch, info = batch_from_groups([[a, b]], cfg.advantage, teacher=teacher)
     # advantage = log p_teacher - log p_student on sampled tokens only (prompt tokens: 0, whatever the teacher says)

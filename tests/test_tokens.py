@@ -219,6 +219,11 @@ def test_malformed_segment_is_refused(tmp_path):
     bad = Segment([1, 2], [1], [0.0, 0.0], [0, 0])
     with pytest.raises(ValueError, match="different lengths"):
         write_trajectories([Trajectory([bad])], tmp_path / "x.parquet")
+    # a trainable first token has no position to be predicted from: refused before training (kept on disk)
+    first = Segment([1, 2], [1, 1], [-0.5, -0.5], [0, 0])
+    write_trajectories([Trajectory([first])], tmp_path / "y.parquet")
+    with pytest.raises(ValueError, match="segment 0's first token is marked trainable"):
+        training_tensors([first])
 
 
 class WholeConversation(Accumulator):

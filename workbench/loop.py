@@ -98,6 +98,12 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.advantage {self.advantage!r} needs per-token teacher log-probs: set LoopConfig.teacher "
                              f"(a model name or checkpoint directory, served on its own engine), or use a reward-based "
                              f"estimator ({sorted(set(ADVANTAGES) - PER_TOKEN_ADVANTAGES)})")
+        if self.advantage in PER_TOKEN_ADVANTAGES and self.dynamic_sampling:
+            # the filter drops groups of equal rewards, but a per-token estimator's signal is the
+            # teacher's log-probs, not the reward: it would discard (and redraw) groups that teach
+            raise ValueError(f"LoopConfig.dynamic_sampling filters groups by reward variance, but advantage "
+                             f"{self.advantage!r} learns from the teacher's per-token log-probs, not rewards: "
+                             f"turn dynamic_sampling off")
         for name in ("on_failed", "on_truncated"):
             if getattr(self, name) not in EPISODE_RULES:
                 raise ValueError(f"LoopConfig.{name} {getattr(self, name)!r} unknown; choose one of {EPISODE_RULES}")

@@ -187,8 +187,13 @@ def training_tensors(segments: list[Segment], pad_id: int = 0) -> dict[str, Any]
         raise ValueError(f"segments disagree on routed-expert shape: {shapes}")
     if shapes:
         out["routed_experts"] = torch.full((n, width, *shapes.pop()), -1, dtype=torch.int16)
-    for s in segments:
+    for i, s in enumerate(segments):
         s.check()
+        if len(s) and s.loss_mask[0]:
+            # the trainer reads token i's log-prob from position i - 1: token 0 has none (its column
+            # is 0), so a trainable first token would train on a made-up ratio
+            raise ValueError(f"segment {i}'s first token is marked trainable: it has no context to be predicted "
+                             f"from (a segment starts with its prompt)")
     # every column filled by one copy of its concatenated rows (a boolean mask fills in row-major
     # order: row i's first len(segment i) positions): per-row tensor copies took ~10 ms of the
     # driver's critical path a step at 128 episodes
