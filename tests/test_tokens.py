@@ -195,11 +195,14 @@ def test_parquet_round_trip_and_training_tensors(tmp_path):
                 np.arange(16, dtype=np.int16).reshape(4, 2, 2), [{"role": "user", "content": "x"}], "episode_end")
     b = Segment([5, 6], [0, 1], [0.0, -0.3], [-1, 4], None, [], "history_rewritten")
     t = Trajectory([a, b], reward=1.5, group_id="g", episode_id="e", info={"k": 1}, error=None, truncated=True)
-    path = write_trajectories([t, Trajectory([b], episode_id="f")], tmp_path / "t.parquet")
-    back, other = read_trajectories(path)
+    # an episode that recorded nothing still counts in its group's baseline: it is kept, without segments
+    empty = Trajectory([], reward=0.0, group_id="g", episode_id="crashed", error="RuntimeError: boom")
+    path = write_trajectories([t, Trajectory([b], episode_id="f"), empty], tmp_path / "t.parquet")
+    back, other, crashed = read_trajectories(path)
+    assert (crashed.segments, crashed.error, crashed.group_id) == ([], "RuntimeError: boom", "g")
     assert back.truncated and not other.truncated
     pq.write_table(pq.read_table(path).drop(["truncated"]), tmp_path / "old.parquet")  # a file from before the column
-    assert [x.truncated for x in read_trajectories(tmp_path / "old.parquet")] == [False, False]
+    assert [x.truncated for x in read_trajectories(tmp_path / "old.parquet")] == [False, False, False]
     assert back.reward == 1.5 and back.info == {"k": 1} and [s.seal_reason for s in back.segments] == ["episode_end", "history_rewritten"]
     assert back.segments[0].token_ids == a.token_ids and np.array_equal(back.segments[0].routed_experts, a.routed_experts)
     assert np.allclose(back.segments[0].logprobs, a.logprobs) and back.segments[1].routed_experts is None

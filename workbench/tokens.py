@@ -132,18 +132,25 @@ def write_trajectories(trajectories: list[Trajectory], path: str | Path) -> Path
 
     rows = []
     for t in trajectories:
+        episode = {"episode_id": t.episode_id, "group_id": t.group_id, "reward": float(t.reward), "error": t.error,
+                   "info": json.dumps(t.info, default=str), "truncated": bool(t.truncated)}
+        if not t.segments:
+            # an episode that recorded nothing (it crashed or ran out of context before its first
+            # turn) still counted in its group's baseline: one row without tokens keeps it, so a
+            # reread step (wb.revisit) computes the advantages the run trained with
+            rows.append({**episode, "segment_index": -1, "seal_reason": None, "messages": "[]", "stats": "{}",
+                         "token_ids": [], "loss_mask": [], "logprobs": [], "versions": [],
+                         "routed_experts": None, "routed_experts_shape": None})
         for i, s in enumerate(t.segments):
             s.check()
             ex = s.routed_experts
             rows.append({
-                "episode_id": t.episode_id, "group_id": t.group_id, "segment_index": i,
-                "reward": float(t.reward), "error": t.error, "info": json.dumps(t.info, default=str),
+                **episode, "segment_index": i,
                 "seal_reason": s.seal_reason, "messages": json.dumps(s.messages, default=str),
                 "stats": json.dumps(s.stats), "token_ids": s.token_ids, "loss_mask": s.loss_mask,
                 "logprobs": s.logprobs, "versions": s.versions,
                 "routed_experts": None if ex is None else ex.reshape(-1).tolist(),
                 "routed_experts_shape": None if ex is None else list(ex.shape),
-                "truncated": bool(t.truncated),
             })
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,6 +166,8 @@ def read_trajectories(path: str | Path) -> list[Trajectory]:
         t = out.setdefault(r["episode_id"], Trajectory(
             reward=r["reward"], group_id=r["group_id"], episode_id=r["episode_id"],
             info=json.loads(r["info"]), error=r["error"], truncated=bool(r.get("truncated"))))  # older files: no column
+        if r["segment_index"] < 0:  # an episode without segments (see write_trajectories)
+            continue
         ex = None
         if r["routed_experts"] is not None:
             ex = np.asarray(r["routed_experts"], dtype=np.int16).reshape(r["routed_experts_shape"])
