@@ -35,7 +35,7 @@ def test_a_group_of_equal_rewards_has_no_advantage(reward, n):
     rewards = torch.tensor([reward] * n + [0.0, 1.0], dtype=torch.float32)
     groups = torch.tensor([0] * n + [1, 1])
     x = AdvantageInput(rewards, groups, torch.ones(n + 2, 3))
-    for name in ("grpo", "dr_grpo", "rloo"):
+    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
         a = get_advantage(name)(x)
         assert a.dtype == torch.float32 and (a[:n] == 0).all(), (name, a[:n, 0])
         assert (a[n:, 0] != 0).all(), name

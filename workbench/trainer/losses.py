@@ -113,10 +113,13 @@ def rloo(x: AdvantageInput) -> torch.Tensor:
 
 @register_advantage("reinforce_pp_baseline")
 def reinforce_pp_baseline(x: AdvantageInput, eps: float = 1e-6) -> torch.Tensor:
-    """REINFORCE++ with baseline: subtract the group mean, then whiten over the whole batch."""
+    """REINFORCE++ with baseline: subtract the group mean, then whiten over the whole batch.
+    Group-centred rewards have batch mean 0 exactly, so whitening only divides by their std;
+    subtracting the computed mean (~1e-17 of rounding) gave a group of equal rewards a nonzero
+    advantage, counted as signal_tokens."""
     mean, _, _ = _group_stats(x.rewards, x.groups)
     a = x.rewards.double() - mean
-    return _per_token((a - a.mean()) / (a.std(unbiased=False) + eps), x.loss_mask)
+    return _per_token(a / (a.std(unbiased=False) + eps), x.loss_mask)
 
 
 @register_advantage("distill", per_token=True)
