@@ -32,9 +32,11 @@ def test_a_group_of_equal_rewards_has_no_advantage(reward, n):
     """Equal non-integer rewards teach nothing. In float32 the group's mean was off by ~1e-8 and
     its std ~1e-8, so grpo gave every episode the same advantage (+0.056 at 8 x 0.7), its sign
     set by rounding. A second group with a spread keeps its advantages."""
-    rewards = torch.tensor([reward] * n + [0.0, 1.0], dtype=torch.float32)
-    groups = torch.tensor([0] * n + [1, 1])
-    x = AdvantageInput(rewards, groups, torch.ones(n + 2, 3))
+    # (a second group of 3, whose centred rewards -2/3, 1/3, 1/3 do not sum to 0 in floating point:
+    # reinforce_pp_baseline subtracted that rounding, -5e-17, from every advantage)
+    rewards = torch.tensor([reward] * n + [0.0, 1.0, 1.0], dtype=torch.float32)
+    groups = torch.tensor([0] * n + [1, 1, 1])
+    x = AdvantageInput(rewards, groups, torch.ones(n + 3, 3))
     for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
         a = get_advantage(name)(x)
         assert a.dtype == torch.float32 and (a[:n] == 0).all(), (name, a[:n, 0])
