@@ -78,8 +78,30 @@ def test_tool_agent(sdk, execute, tmp_path):
 def test_code_agent(execute, tmp_path):
     results, _ = execute("code_agent", tmp_path)
     # the sandboxed tests grade: the reference solution passes all, a wrong one none, prose none
-    assert results["by_hand"] == {"right": 1.0, "identity": 0.0, "not code": 0.0}
+    assert results["by_hand"] == {"right": 1.0, "identity": 0.0, "not code": 0.0, "prints PASSED": 0.0}
     assert results["episodes"] == 4 and results["failed_episodes"] == 0 and results["reward_is_share_passed"]
+
+
+def test_the_code_grader_pays_only_right_return_values():
+    """RL learns whatever earns reward. The grader used to count passes inside the sandbox and read
+    'PASSED n' from the code's output: printing it earned 1.0 ('PASSED 400': 100), a return value
+    equal to everything 1.0, an __eq__ returning 10**400 crashed the grader (a failed episode is
+    dropped, not scored 0). Now the expected values never enter the sandbox."""
+    import sys
+
+    sys.path.insert(0, str(RECIPES / "agents"))
+    from code_tests import score, tasks
+
+    label = tasks(1, seed=0)[0].label
+    name = label["name"]
+    hacks = {"prints PASSED": 'print("PASSED 4")\nraise SystemExit', "prints PASSED 400": 'print("PASSED 400")',
+             "equal to everything": f"class A:\n    def __eq__(s, o): return True\ndef {name}(x): return A()",
+             "huge __eq__": f"class A:\n    def __eq__(s, o): return 10**400\ndef {name}(x): return A()",
+             "True for 1": f"def {name}(x): return True",
+             "right, then hangs": label["solution"] + "\nwhile True: pass"}
+    for what, code in hacks.items():
+        assert score(code, label, timeout_s=2)[0] == 0.0, what
+    assert score(label["solution"], label)[0] == 1.0
 
 
 def test_judge_reward(execute, tmp_path):

@@ -1,6 +1,7 @@
 """Code with unit tests: the policy writes a small Python function, which runs in the sandbox
-(workbench.sandbox: isolated interpreter, no network, time and memory limits) against the
-task's unit tests; reward = the share of tests passed. Used by notebooks/recipes/code_agent.ipynb.
+(workbench.sandbox: isolated interpreter, no network, time and memory limits) on the task's test
+inputs; reward = the share of tests whose returned value is right, judged outside the sandbox.
+Used by notebooks/recipes/code_agent.ipynb.
 For your own task: tasks() (the prompt, the function's name, the tests) and nothing else."""
 
 from __future__ import annotations
@@ -32,27 +33,48 @@ def tasks(n: int, seed: int = 0) -> list[Task]:
     return out
 
 
+# The harness runs the policy's code and only reports what the function returned, as JSON; the
+# expected answers never enter the sandbox and are compared here, in the trusted process. Why: RL
+# learns whatever earns reward. A harness that counted passes inside the sandbox and printed
+# "PASSED n" was beaten by `print("PASSED 4")` (and "PASSED 400": reward 100), by a return value
+# whose __eq__ is always True, and by an __eq__ returning 10**400 (score() raised, and a failed
+# episode is dropped, not scored 0). Returned values are compared as JSON, so an object can only
+# pass by being the right value.
 HARNESS = """
 import json
-passed = 0
-for x, want in json.loads({tests!r}):
+out = []
+for x in json.loads({inputs!r}):
     try:
-        passed += {name}(x) == want
-    except Exception:
-        pass
-print("PASSED", passed)
+        out.append(json.loads(json.dumps({name}(x))))
+    except BaseException:
+        out.append(None)
+print({marker!r} + json.dumps(out))
 """
+MARKER = "RESULTS "
 
 
 def score(code: str, label: dict, timeout_s: float = 5.0) -> tuple[float, dict]:
-    """Run `code` and the label's tests in the sandbox: (share passed, details)."""
+    """Run `code` and the label's test inputs in the sandbox, compare what it returned with the
+    expected values here: (share passed, in [0, 1], details). A run that did not exit cleanly
+    (a crash, a timeout, output cut) passes nothing."""
     code = re.sub(r"^```(?:python)?\s*|```\s*$", "", code.strip(), flags=re.M)  # a fenced reply
-    program = code + "\n" + HARNESS.format(tests=json.dumps(label["tests"]), name=label["name"])
+    inputs, wanted = [x for x, _ in label["tests"]], [w for _, w in label["tests"]]
+    program = code + "\n" + HARNESS.format(inputs=json.dumps(inputs), name=label["name"], marker=MARKER)
     res = run_python(program, timeout_s, 256, 2000)
-    m = re.search(r"PASSED (\d+)", res.stdout or "")
-    passed = int(m.group(1)) if m else 0  # code that does not even define the function passes nothing
-    total = len(label["tests"])
-    return passed / total, {"passed": passed, "tests": total, "exit_code": res.exit_code, "ran": m is not None}
+    got = None
+    lines = (res.stdout or "").splitlines()
+    # the harness's line is the last one: a line the code printed itself comes earlier
+    if res.exit_code == 0 and not res.timed_out and not res.truncated and lines and lines[-1].startswith(MARKER):
+        try:
+            got = json.loads(lines[-1][len(MARKER):])
+        except ValueError:
+            got = None
+    if not isinstance(got, list) or len(got) != len(wanted):
+        got = [None] * len(wanted)  # code that does not even define the function passes nothing
+    passed = sum(type(g) is type(w) and g == w for g, w in zip(got, wanted))
+    total = len(wanted)
+    return passed / total, {"passed": passed, "tests": total, "exit_code": res.exit_code, "timed_out": res.timed_out,
+                            "ran": lines[-1:] != [] and lines[-1].startswith(MARKER)}
 
 
 class CodeWithTests(ChatAgent):
