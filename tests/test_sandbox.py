@@ -240,6 +240,47 @@ def test_fork_bomb_is_stopped_at_the_process_limit():
     assert time.monotonic() - t0 < 3
 
 
+def test_threads_are_capped_so_one_sandbox_cannot_take_the_hosts_pids():
+    """Threads are allowed, and a thread's stack can be tiny: the memory limit does not bound how
+    many. Uncapped, one sandbox made 8,000 host tasks in 0.1 s (pid_max 32,768); RLIMIT_NPROC
+    stops it at MAX_TASKS (as root, the count of uid 65534, which sandboxes running at once share)."""
+    from workbench.sandbox import MAX_TASKS
+
+    cap = MAX_TASKS["root" if os.geteuid() == 0 else "rootless"]
+    r = run("""
+        import threading, time
+        threading.stack_size(64 * 1024)
+        made = 0
+        try:
+            for _ in range(5000):
+                threading.Thread(target=time.sleep, args=(3,), daemon=True).start(); made += 1
+        except RuntimeError as e:
+            print('refused', e)
+        print('made', made)""", timeout_s=10, memory_mb=1024)
+    made = int(r.stdout.split("made ")[-1])
+    assert "refused can't start new thread" in r.stdout and 0 < made < cap, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64 syscall numbers")
+def test_kernel_interfaces_the_code_has_no_use_for_are_refused():
+    # io_uring_setup, bpf, userfaultfd, perf_event_open, ptrace, process_vm_readv: EPERM from the filter
+    r = run("""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        for name, nr in (('io_uring_setup', 425), ('bpf', 321), ('userfaultfd', 323), ('perf_event_open', 298),
+                         ('ptrace', 101), ('process_vm_readv', 310)):
+            rc = libc.syscall(nr, 0, 0, 0, 0, 0, 0)
+            print(name, rc, ctypes.get_errno())""")
+    assert r.ok, r.stderr
+    assert all(line.split()[1:] == ["-1", str(errno.EPERM)] for line in r.stdout.splitlines()), r.stdout
+
+
+def test_output_printed_before_a_timeout_is_kept():
+    # the interpreter runs unbuffered: what the code printed before the kill reaches the caller
+    r = run_python("print('partial 123')\nwhile True: pass", timeout_s=1.5)
+    assert r.timed_out and r.stdout == "partial 123\n"
+
+
 def test_cpu_limit_cannot_be_raised():
     t0 = time.monotonic()
     r = run("""
@@ -439,9 +480,12 @@ def test_disk_exhaustion_hits_enospc_in_a_bounded_tmpfs():
 
 def test_refuses_without_the_sandbox_unless_opted_out(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    reason = sandbox._sandbox_problem.__wrapped__()
+    monkeypatch.setattr(sandbox, "_SANDBOX_OK", [])  # not checked yet in this process
+    reason = sandbox._sandbox_problem()
     assert "bubblewrap" in reason and "apt-get install -y bubblewrap" in reason
     monkeypatch.undo()
+    monkeypatch.setattr(sandbox, "_SANDBOX_OK", [])
+    assert sandbox._sandbox_problem() is None  # a failed check is not remembered: bwrap is back, so is the sandbox
     monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
     monkeypatch.setattr(sandbox, "_sandbox_problem", lambda: reason)
     with pytest.raises(SandboxUnavailable, match=f"bubblewrap.*{sandbox.UNSAFE_ENV}=1"):

@@ -38,7 +38,12 @@ class CodeAgent(ChatAgent):
                 code = args.get("code") or f"print({args.get('expression', '')})"
                 res = await asyncio.to_thread(run_python, code, self.timeout_s, self.memory_mb, 1000)
                 runs.append({"code": code, "exit_code": res.exit_code, "timed_out": res.timed_out})
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": (res.stdout or res.stderr)[-500:]})
+                # what went wrong is said, not left as an empty or cut result the model cannot read
+                notes = ([f"[timed out after {self.timeout_s:g} s]"] if res.timed_out else []) + \
+                        (["[output truncated]"] if res.truncated else []) + \
+                        ([f"[exit code {res.exit_code}]"] if res.exit_code not in (0, None) and not res.timed_out else [])
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": "\n".join([(res.stdout or res.stderr)[-500:], *notes]).strip()})
         return float(last_number(answer) == ctx.label), {"runs": runs, "answer": answer}
 
 
