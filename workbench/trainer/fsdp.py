@@ -310,6 +310,15 @@ class TrainerWorker:
                 load_from_rank0(model, path, dtype, self.rank)
             else:
                 self.checkpoint_bytes_read += load_own_shards(model, path, dtype)
+            if self.cfg.cpu_offload:
+                # the loaders may hand back shards on the mesh's device (transformers' sharded read
+                # did, on an H200: FSDP2 then refused to start, 'parameters should be materialized
+                # on CPU'); an offloaded shard lives in host memory
+                with torch.no_grad():
+                    for module in model.modules():
+                        for p in module._parameters.values():
+                            if p is not None and p.device.type != "cpu":
+                                p.data = p.data.to("cpu")
         return model.eval()
 
     def footprint(self) -> dict:
