@@ -92,6 +92,8 @@ def test_continuous_async_trains_within_the_bound_and_keeps_per_token_versions(t
         assert step > 0 and versions[0] == first and len(set(versions)) >= 2, (step, versions)
         assert first < versions[-1] <= hist[step]["version"] - 1 and versions == sorted(versions), (step, versions)
     assert sum(h["episodes_spanning_versions"] for h in hist) >= 2
+    # a group holding an episode that spans versions mixes versions too (counted with every group's)
+    assert all(h["groups_mixing_versions"] >= min(h["episodes_spanning_versions"], 1) for h in hist)
     episodes = [t for _, t in spanning]
     recorded = {t.episode_id: t for t in read_trajectories(write_trajectories(episodes, tmp_path / "t.parquet"))}
     assert all(recorded[t.episode_id].segments[0].versions == t.segments[0].versions for t in episodes)

@@ -300,3 +300,30 @@ def test_distillation_advantage_and_reverse_kl_hand_computed():
         batch_from_groups([[a, b]], "distill", teacher={id(a.segments[0]): teacher[id(a.segments[0])]})
     with pytest.raises(ValueError, match="needs a teacher engine"):
         check_teacher(None, cfg, None)
+
+
+def test_engines_are_judged_by_the_oldest_version_and_a_dropped_engine_stops_serving(ray_local):
+    """After a sync that failed part-way one engine serves v+1, another v: the newest version
+    (the counter's) said no sync was needed, the oldest says one is. An engine dropped from the
+    synced list (a RayActorError, which includes ActorUnavailableError, possibly transient) is
+    killed too: alive, it went on serving the runners' routers ever older weights."""
+    import ray
+
+    from workbench.loop import drop_dead_engines, engines_version
+
+    @ray.remote(num_cpus=0)
+    class Engine:
+        def __init__(self, version):
+            self.version = version
+
+        def info(self):
+            return {"version": self.version}
+
+    a, b = Engine.remote(5), Engine.remote(4)
+    engines = [a, b]
+    assert engines_version(engines) == 5 and engines_version(engines, newest=False) == 4
+    drop_dead_engines(engines, [(b, ray.exceptions.ActorUnavailableError("a network blip", None))])
+    assert engines == [a]
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(b.info.remote(), timeout=30)
+    ray.kill(a)

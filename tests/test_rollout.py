@@ -171,6 +171,31 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     assert all(t.segments and t.segments[0].stats["turns"] == 1 for t in hang)  # kept what it recorded
 
 
+def test_an_interrupted_rollout_gives_its_slots_back_when_its_groups_finish(rollout_for, monkeypatch):
+    """Ctrl-C in a notebook while run_groups waits: the runners still run the groups, so their
+    slots stay taken until those finish, and are given back then. Before, the counts leaked: once
+    they reached the runners' slots every later rollout waited for ever, with no message."""
+    import workbench.rollout.runner as runner_mod
+
+    rollout = rollout_for(AGENTS / "hanging.py", episode_timeout_s=3)
+    task = Task([{"role": "user", "content": "Say something."}])
+    real_wait, calls = ray.wait, []
+
+    def interrupted_wait(refs, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # the user's Ctrl-C, while waiting for the groups
+        return real_wait(refs, **kw)
+
+    monkeypatch.setattr(runner_mod.ray, "wait", interrupted_wait)
+    with pytest.raises(KeyboardInterrupt):
+        rollout.run_groups([task, task], group_size=2, progress=False)
+    assert sum(rollout.outstanding.values()) == 4  # still running: their slots are still theirs
+    time.sleep(6)  # the episodes time out (3 s) and the groups finish
+    rollout.run_groups([task], group_size=2, progress=False)  # releases the finished ones, then runs
+    assert sum(rollout.outstanding.values()) == 0 and not rollout._abandoned
+
+
 def test_sticky_routing_and_a_killed_engine(rollout_for, moe_path):
     from workbench.rollout.actor import launch_engine
 

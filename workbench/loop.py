@@ -310,6 +310,13 @@ def drop_dead_engines(engines: list, lost: list) -> None:
     for engine, err in lost:
         if engine in engines:
             engines.remove(engine)
+            # killed too: an ActorUnavailableError may be transient (a network blip between nodes),
+            # and an engine no longer synced but still alive would go on serving the runners'
+            # routers (each holds its own list) ever older weights; dead, they fail over
+            try:
+                ray.kill(engine)
+            except Exception:
+                pass
             first = " ".join(str(err).split())[:300]
             print(f"workbench: a rollout engine died and was dropped ({len(engines)} left): {first}", file=sys.stderr)
     if not engines:
@@ -317,9 +324,11 @@ def drop_dead_engines(engines: list, lost: list) -> None:
                           f"the run cannot continue without one")
 
 
-def engines_version(engines: list, lost: list | None = None) -> int:
-    """The newest policy version any live engine serves (dead engines are dropped from
-    `engines`, see drop_dead_engines, and added to `lost` when given)."""
+def engines_version(engines: list, lost: list | None = None, newest: bool = True) -> int:
+    """The newest policy version any live engine serves (`newest=False`: the oldest, what
+    decides whether every engine needs a sync: after a sync that failed part-way the newest
+    says none does). Dead engines are dropped from `engines` (drop_dead_engines) and added to
+    `lost` when given."""
     refs = [e.info.remote() for e in engines]
     versions, dead = [], []
     for e, r in zip(list(engines), refs):
@@ -330,7 +339,7 @@ def engines_version(engines: list, lost: list | None = None) -> int:
     drop_dead_engines(engines, dead)
     if lost is not None:
         lost += dead
-    return max(versions)
+    return max(versions) if newest else min(versions)
 
 
 def sync_engines(trainer, engines: list, tol: float, lost: list | None = None) -> list:
@@ -643,6 +652,11 @@ def warn_no_signal(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> bool:
     return True
 
 
+def _sampled_versions(trajectories: list[Trajectory]) -> set[int]:
+    """The policy versions the trajectories' trainable tokens were sampled at."""
+    return {v for t in trajectories for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m}
+
+
 def oldest_version(group: list[Trajectory]) -> int | None:
     """The version that sampled the group's oldest trainable token (None: it sampled none)."""
     return min((v for t in group for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m), default=None)
@@ -767,8 +781,10 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
     queued = list(stream.tasks)
     extra = {"data_position": min(positions), "data_next": queued[0][1] if queued else stream.position,
              "groups_dropped_stale": stale, "groups_per_version": dict(sorted(per_version.items())),
-             "episodes_spanning_versions": sum(len({v for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m}) > 1
-                                               for g in groups for t in g)}
+             "episodes_spanning_versions": sum(len(_sampled_versions([t])) > 1 for g in groups for t in g),
+             # a group whose episodes were sampled at several versions: its advantages compare rewards
+             # of different policies (a sibling queued across a sync), which no other count shows
+             "groups_mixing_versions": sum(len(_sampled_versions(g)) > 1 for g in groups)}
     if cfg.dynamic_sampling:
         rewards = [t.reward for g in sampled for t in g if t.error is None]
         extra.update(ds_filtered_groups=filtered, ds_rounds=-(-filtered // n), ds_kept_groups=n - zero, ds_short=zero,

@@ -358,7 +358,8 @@ class Workbench:
         check_teacher(self._rollout, cfg, teachers)
         if cfg.eval_every and self.eval_tasks is None:
             raise ConfigError(f"loop.eval_every={cfg.eval_every} needs held-out tasks: connect(eval_tasks=...)")
-        if engines_version(self.engines) < self._trainer.version:  # wb.trainer.step() ran without a wb.sync() after it
+        # wb.trainer.step() ran without a wb.sync() after it, or a sync failed part-way (the oldest engine decides)
+        if engines_version(self.engines, newest=False) < self._trainer.version:
             self.sync()
         handle = RunHandle(self, cfg, list(monitors or []), progress, checkpoint_every, steps, keep_policy_every)
         self._run = handle

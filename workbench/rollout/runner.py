@@ -199,6 +199,9 @@ class Rollout:
         # wb.rollout): one shared count, so each group goes to the least loaded runner of all
         self.outstanding = {id(r): 0 for r in self.runners}
         self._lock = threading.Lock()
+        # groups a caller stopped waiting for (run_groups interrupted): their runners still run them,
+        # so their slots are given back when they finish (_release_abandoned), not before, not never
+        self._abandoned: dict = {}  # ref -> (runner, group size)
 
     def _lose(self, runner, error: BaseException) -> str:
         import sys
@@ -217,6 +220,7 @@ class Rollout:
         with self._lock:
             if not self.runners:
                 raise RunnersLost(f"no rollout runner left: {'; '.join(self.lost) or 'all were shut down'}")
+            self._release_abandoned()
             room = max(self._slots, group_size)  # a group larger than the slots runs alone
             free = [r for r in self.runners if self.outstanding[id(r)] + group_size <= room]
             if not free:
@@ -224,6 +228,14 @@ class Rollout:
             runner = min(free, key=lambda r: self.outstanding[id(r)])
             self.outstanding[id(runner)] += group_size
         return runner.run_group.remote(task, group_size), runner
+
+    def _release_abandoned(self) -> None:
+        """(Under the lock.) Give back the slots of abandoned groups that have finished."""
+        if self._abandoned:
+            ready, _ = ray.wait(list(self._abandoned), num_returns=len(self._abandoned), timeout=0)
+            for ref in ready:
+                runner, n = self._abandoned.pop(ref)
+                self.outstanding[id(runner)] = self.outstanding.get(id(runner), n) - n
 
     def finish_group(self, ref, runner, task: Task, group_size: int) -> list[Trajectory]:
         """The trajectories of a group submit_group started (ready, or waited for); a dead
@@ -254,21 +266,28 @@ class Rollout:
                     return
                 inflight[started[0]] = (waiting.pop(), started[1])
 
-        submit()
-        with tqdm(total=len(tasks), desc=f"rollout ({group_size}/group)", disable=not progress) as bar:
-            while inflight or waiting:
-                if not inflight:  # every runner is full with another caller's groups
-                    time.sleep(0.05)
+        try:
+            submit()
+            with tqdm(total=len(tasks), desc=f"rollout ({group_size}/group)", disable=not progress) as bar:
+                while inflight or waiting:
+                    if not inflight:  # every runner is full with another caller's groups
+                        time.sleep(0.05)
+                        submit()
+                        continue
+                    done, _ = ray.wait(list(inflight), num_returns=1)
+                    for ref in done:
+                        i, r = inflight.pop(ref)
+                        out[i] = self.finish_group(ref, r, tasks[i], group_size)
+                        bar.update(1)
+                    if not self.runners:
+                        raise RunnersLost(f"every rollout runner died: {'; '.join(self.lost)}")
                     submit()
-                    continue
-                done, _ = ray.wait(list(inflight), num_returns=1)
-                for ref in done:
-                    i, r = inflight.pop(ref)
-                    out[i] = self.finish_group(ref, r, tasks[i], group_size)
-                    bar.update(1)
-                if not self.runners:
-                    raise RunnersLost(f"every rollout runner died: {'; '.join(self.lost)}")
-                submit()
+        finally:
+            # interrupted (Ctrl-C in a notebook, an error): the groups still running keep their
+            # slots until they finish. Dropped, their counts leaked, and once they reached the
+            # runners' slots every later rollout waited for ever with no message
+            with self._lock:
+                self._abandoned.update({ref: (r, group_size) for ref, (_, r) in inflight.items()})
         return out
 
     def run_episodes(self, tasks: list[Task], progress: bool = True) -> list[Trajectory]:
