@@ -327,3 +327,41 @@ def test_engines_are_judged_by_the_oldest_version_and_a_dropped_engine_stops_ser
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(b.info.remote(), timeout=30)
     ray.kill(a)
+
+
+def test_an_engine_failing_before_the_nccl_broadcast_is_raised_not_waited_on(ray_local, monkeypatch):
+    """The NCCL sync's driver: an engine that fails before joining the broadcast (e.g. 'policy
+    version must increase') leaves trainer rank 0 blocked in it, NCCL has no timeout. The driver
+    waited on the senders first and hung for ever; it raises the first failure of either side."""
+    import time
+    from types import SimpleNamespace
+
+    import ray
+
+    from workbench.rollout import nccl_sync
+    from workbench.trainer.fsdp import Trainer
+
+    @ray.remote(num_cpus=0)
+    class Rank0:
+        def weight_meta(self, wire):
+            return {}
+
+        def send_weights_nccl(self, meta):
+            time.sleep(3600)  # blocked in a broadcast no engine joins
+
+    @ray.remote(num_cpus=0)
+    class Engine:
+        def update_weights_nccl(self, *args):
+            raise RuntimeError("policy version must increase")
+
+    monkeypatch.setattr(nccl_sync, "TransferMeta", lambda **kw: None)
+    monkeypatch.setattr(nccl_sync, "check_meta", lambda *a: None)
+    monkeypatch.setattr(nccl_sync, "hf_meta", lambda path: None)
+    rank0, engine = Rank0.remote(), Engine.remote()
+    driver = SimpleNamespace(workers=[rank0], nccl=SimpleNamespace(wire_dtype="bfloat16", packed=False), model_path="m")
+    t0 = time.monotonic()
+    with pytest.raises(ray.exceptions.RayTaskError, match="policy version must increase"):
+        Trainer.sync_weights_nccl(driver, [engine], 3)
+    assert time.monotonic() - t0 < 30
+    ray.kill(rank0)
+    ray.kill(engine)

@@ -787,7 +787,14 @@ class Trainer:
         if self.nccl.packed:
             plan_buckets(TransferMeta(**meta), self.nccl.bucket_bytes)
         receive = [e.update_weights_nccl.remote(meta, version, expected_probe, None, tol) for e in engines]
-        ray.get([w.send_weights_nccl.remote(meta) for w in self.workers])
+        send = [w.send_weights_nccl.remote(meta) for w in self.workers]
+        # the first failure on either side is raised as it happens: waiting on the senders first hung
+        # for ever when an engine failed before joining the broadcast (rank 0 stays blocked in it;
+        # the error at least says why)
+        pending = receive + send
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)
         return ray.get(receive)
 
     def export_hf(self, path: str, dtype: str | None = None) -> str:
