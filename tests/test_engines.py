@@ -213,6 +213,16 @@ def test_versions_must_increase(dense_path):
         e = await start("reference", dense_path)
         with pytest.raises(ValueError, match="must increase"):
             await e.update_weights({}, version=0)
+        # a state dict that does not fit loads nothing: the model keeps every old weight, the version
+        # stays (load_state_dict copied what fitted, then the load was refused: half new, old label)
+        before = {k: v.clone() for k, v in e.model.state_dict().items()}
+        new = {k: v + 1.0 for k, v in before.items()}
+        name = next(iter(new))
+        new[name] = new[name][:1]  # one tensor of another shape
+        with pytest.raises(ValueError, match=r"nothing loaded.*other shapes"):
+            await e.update_weights(new)
+        assert all(torch.equal(before[k], v) for k, v in e.model.state_dict().items())
+        assert e.info()["version"] == 0
         await e.shutdown()
 
     asyncio.run(main())

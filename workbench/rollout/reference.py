@@ -162,9 +162,15 @@ class ReferenceEngine(RolloutEngine):
 
     async def _load_weights(self, state_dict: dict) -> None:
         async with self._step_lock:
-            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-            if unexpected or missing:
-                raise ValueError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            # checked before anything is copied: load_state_dict copies what fits, then reports, and
+            # a refused load left the model half new under the old version
+            own = self.model.state_dict()
+            missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+            wrong = sorted(k for k in set(own) & set(state_dict) if tuple(own[k].shape) != tuple(state_dict[k].shape))
+            if unexpected or missing or wrong:
+                raise ValueError(f"weights do not fit the model (nothing loaded): missing {missing[:5]}, unexpected "
+                                 f"{unexpected[:5]}, other shapes {wrong[:5]}")
+            self.model.load_state_dict(state_dict, strict=True)
             self._loads += 1
 
     async def probe_logprobs(self, ids: list[int]) -> list[float]:
