@@ -95,8 +95,10 @@ async def _timed_streams(server):
 
 def _episode(server, stream: bool, protocol: str, seed: int):
     """Two turns, the second on the first's reply as the SDK put it together; returns the
-    session's segments and the replies' texts."""
-    sid = server.open_session()
+    session's segments and the replies' texts. The session id is the seed's: a recorded turn's
+    seed is the agent's mixed with its session id (server.session_seed), so the same seed and id
+    sample the same."""
+    sid = server.open_session(f"seeded-{seed}")
     texts = []
     if protocol == "openai":
         client = openai.OpenAI(base_url=server.base_url(sid), api_key=server.api_key, max_retries=0)
