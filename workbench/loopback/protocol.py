@@ -308,7 +308,7 @@ def check_template_controls(body: dict, template_kwargs: dict) -> None:
     policy is trained on is one template's: a request asking for another gets a 400 naming the
     field, where it used to be ignored (an agent turning Qwen3's thinking off got thinking)."""
     kwargs = want(body, "chat_template_kwargs", dict, default={}) or {}
-    other = {k: v for k, v in kwargs.items() if template_kwargs.get(k, v) != v or k not in template_kwargs}
+    other = {k: v for k, v in kwargs.items() if k not in template_kwargs or template_kwargs[k] != v}
     if other:
         k = next(iter(other))
         have = f"renders with {template_kwargs[k]!r}" if k in template_kwargs else "does not set it"
