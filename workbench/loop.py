@@ -659,7 +659,7 @@ def _sampled_versions(trajectories: list[Trajectory]) -> set[int]:
 
 def oldest_version(group: list[Trajectory]) -> int | None:
     """The version that sampled the group's oldest trainable token (None: it sampled none)."""
-    return min((v for t in group for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m), default=None)
+    return min(_sampled_versions(group), default=None)
 
 
 class GroupStream:
