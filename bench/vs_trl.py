@@ -21,6 +21,16 @@ cores it kept busy: wall time drifts with a shared machine's neighbours, the CPU
 it tells work from waiting. Targets (issue 13): first step done under 20 s after connect(); s/step
 at most 1.0x TRL's; time to a reward level at most 1.5x TRL's with start-up, 1.0x without.
 
+A side whose rewards were all 0 for 5 steps or more is reported as collapsed (every group flat,
+no gradient) and left out of the time-to-reward comparison: its curve says nothing about speed,
+and it would pull the levels the others are compared at down to its own. The async side does
+collapse at these hyper-parameters: on 2026-12-04, async_lag 1 with the quickstart's lr 1e-3 and
+token TIS (cap 2) collapsed in 6 of 7 runs (3 of 3 here, 3 of 4 in the loop alone), the policy
+moving 0.3-8 nats a token between versions (kl_k1 of the stale tokens) where no importance weight
+can correct one-version-old samples; at lr 3e-4 it learned in 4 of 4 (20-30 steps, no mean reward under 0.16), and
+the sync loop (1 of 5 dipped to 0.02, recovered) and TRL (0 of 3) are on-policy. The loop warns
+after 5 steps without signal (loop.warn_no_signal).
+
     .venv/bin/python bench/vs_trl.py [--budget 120] [--sides trl workbench workbench-async] [--backend vllm|reference] [--seeds 0 1 2] [--trainer-ranks N]
 Results: bench/results/vs_trl.json. With several --seeds every side runs once per seed and the
 medians over the seeds follow: one run's time to a reward level rides on its own reward curve.
@@ -210,7 +220,24 @@ def summarize(name: str, launch: float, events: list[dict]) -> dict:
             "first_step_after_ready_s": ends[0] - ready if ready is not None else None,
             "s_per_step": statistics.median(gaps[2:] or gaps or [float("nan")]),
             "rewards": [e["reward"] for e in steps], "ends": ends,
-            "reward_per_s": sum(e["reward"] for e in steps) / ends[-1], "reward_per_step": statistics.mean(e["reward"] for e in steps)}
+            "reward_per_s": sum(e["reward"] for e in steps) / ends[-1], "reward_per_step": statistics.mean(e["reward"] for e in steps),
+            "collapsed_at": collapsed_at([e["reward"] for e in steps])}
+
+
+COLLAPSE_STEPS = 5  # the loop's no-signal warning's streak (loop.NO_SIGNAL_STEPS)
+
+
+def collapsed_at(rewards: list[float]) -> int | None:
+    """The first step (1-based) of the first run of at least COLLAPSE_STEPS steps whose rewards
+    were all 0: every group flat, so no gradient, and a policy stays so unless a stale group
+    still carries a reward. A side that collapsed says nothing about speed: its time to a reward
+    level is not compared, and it does not set the levels the other sides are compared at."""
+    streak = 0
+    for i, r in enumerate(rewards):
+        streak = streak + 1 if r == 0.0 else 0
+        if streak == COLLAPSE_STEPS:
+            return i + 2 - COLLAPSE_STEPS
+    return None
 
 
 def time_to(s: dict, level: float, window: int = 5) -> tuple[float, float] | None:
@@ -272,6 +299,10 @@ def main() -> None:
     (results_dir / "vs_trl.json").write_text(json.dumps({"args": vars(a), "runs": {str(k): v for k, v in runs.items()}}, indent=1))
 
 
+def best_trailing_mean(rewards: list[float], window: int = 5) -> float:
+    return max(statistics.mean(rewards[i:i + window]) for i in range(max(1, len(rewards) - window + 1)))
+
+
 def report_over_seeds(runs: dict[int, dict]) -> None:
     """Medians over the seeds: a single run's time to a reward level rides on its own reward
     curve (two runs of the same sides and seed an hour apart: 2.64x and 1.71x TRL's time to reward
@@ -287,16 +318,21 @@ def report_over_seeds(runs: dict[int, dict]) -> None:
               f"{statistics.median(x['s_per_step'] for x in xs):.2f} s/step")
     if "trl" not in sides:
         return
-    top = min(max(statistics.mean(x["rewards"][i:i + 5]) for i in range(max(1, len(x["rewards"]) - 4)))
-              for k in seeds for x in runs[k].values() if x.get("steps"))
     for name in sides:
         if name == "trl":
             continue
+        collapsed = [k for k in seeds if runs[k][name].get("collapsed_at")]
+        if collapsed:
+            print(f"{name}: collapsed ({COLLAPSE_STEPS}+ steps of reward 0) in seed(s) {collapsed}; those seeds' times to a "
+                  "reward level are left out")
+        ok = [k for k in seeds if k not in collapsed]
+        # the levels: fractions of the lowest best trailing mean of this side and TRL in those seeds
+        top = min((best_trailing_mean(runs[k][n]["rewards"]) for k in ok for n in (name, "trl")), default=None)
         print(f"{name}: s/step / TRL, per seed "
               + ", ".join(f"{runs[k][name]['s_per_step'] / runs[k]['trl']['s_per_step']:.2f}x" for k in seeds)
               + f"; median {statistics.median(runs[k][name]['s_per_step'] / runs[k]['trl']['s_per_step'] for k in seeds):.2f}x")
-        for level in [round(v, 2) for v in (top * f for f in (0.6, 0.8, 1.0))]:
-            pairs = [(time_to(runs[k][name], level), time_to(runs[k]["trl"], level)) for k in seeds]
+        for level in [round(v, 2) for v in (top * f for f in (0.6, 0.8, 1.0))] if top else []:
+            pairs = [(time_to(runs[k][name], level), time_to(runs[k]["trl"], level)) for k in ok]
             pairs = [(w, t) for w, t in pairs if w and t]
             if not pairs:
                 continue
@@ -311,6 +347,7 @@ def report(s: dict, a) -> None:
         if not x["steps"]:
             print(f"{name:15s}: no step finished within {a.budget:.0f} s")
             continue
+        x.setdefault("collapsed_at", collapsed_at(x["rewards"]))  # (a summary saved before the field)
         print(f"{name:15s}: ready {x['ready_s']:5.1f} s, first step done {x['first_step_done_s']:5.1f} s "
               f"({x['first_step_after_ready_s']:.1f} s after ready), {x['s_per_step']:.2f} s/step, {x['steps']} steps, "
               f"reward/step {x['reward_per_step']:.3f}, reward/s {x['reward_per_s']:.3f}, last-5 mean "
@@ -332,7 +369,11 @@ def report(s: dict, a) -> None:
         if wb.get("cpu") and trl.get("cpu"):
             print(f"  CPU a step {name} / TRL: {wb['cpu']['per_step_s'] / trl['cpu']['per_step_s']:.2f}x "
                   f"({wb['cpu']['cores_busy']:.2f} vs {trl['cpu']['cores_busy']:.2f} cores busy)")
-        top = min(max(statistics.mean(x["rewards"][i:i + 5]) for i in range(max(1, len(x["rewards"]) - 4))) for x in (wb, trl))
+        if wb.get("collapsed_at"):
+            print(f"  collapsed at step {wb['collapsed_at']}: {COLLAPSE_STEPS}+ steps of reward 0 from there (every group "
+                  "flat, no gradient); its time to a reward level is not compared")
+            continue
+        top = min(best_trailing_mean(x["rewards"]) for x in (wb, trl))
         for level in [round(v, 2) for v in (top * f for f in (0.6, 0.8, 1.0))]:
             tw, tt = time_to(wb, level), time_to(trl, level)
             if tw and tt:
