@@ -131,6 +131,13 @@ def test_stats_of_a_split_batch_merge_to_the_whole():
     later = correction_weights(old, behav, mask, versions, 9, cfg).stats
     assert later["tokens_current"] == 0 and later["kl_k3_current"] is None
     assert merge_stats([later, whole])["kl_k3_current"] == pytest.approx(whole["kl_k3_current"], abs=1e-12)
+    # ... and k3 on the stale tokens only (versions 5 and 1 under trainer version 6: r = 1.0 and 0.5)
+    k3 = lambda r: r - 1 - math.log(r)  # noqa: E731
+    assert whole["kl_k3_stale"] == pytest.approx((k3(1.0) + k3(0.5)) / 2, abs=1e-6)
+    assert merged["kl_k3_stale"] == pytest.approx(whole["kl_k3_stale"], abs=1e-9)
+    assert later["kl_k3_stale"] == pytest.approx(later["kl_k3"], abs=1e-12)  # every token stale
+    on_time = correction_weights(old, behav, mask, torch.where(mask.bool(), 6, -1), 6, cfg).stats
+    assert on_time["kl_k3_stale"] is None and merge_stats([on_time, whole])["kl_k3_stale"] == pytest.approx(whole["kl_k3_stale"])
 
 
 def test_gate_ratio_ignores_padding_rows_and_merges_over_unequal_parts():

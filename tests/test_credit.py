@@ -74,6 +74,18 @@ def test_steps_without_learning_signal_are_reported_once_a_streak(capsys):
     assert "had no learning signal" in capsys.readouterr().err
 
 
+def test_a_policy_moving_too_far_for_its_stale_tokens_is_reported_once_a_streak(capsys):
+    from workbench.loop import STALE_KL_LIMIT, warn_policy_outran_correction
+
+    kls = [None, 0.3, 2 * STALE_KL_LIMIT, 3 * STALE_KL_LIMIT, 0.5, 1.5 * STALE_KL_LIMIT]
+    history, printed = [], []
+    for step, kl in enumerate(kls):  # None: no stale token (a sync step), nothing measured
+        history.append({"step": step, "kl_k3_stale": kl})
+        printed.append(warn_policy_outran_correction(history))
+    assert [i for i, p in enumerate(printed) if p] == [2, 5]
+    assert "step 2's stale tokens were sampled 2.00 nats" in capsys.readouterr().err
+
+
 def test_sequence_level_aggregations_average_over_episodes():
     groups = [[episode(0.0, n_segments=5), episode(1.0), episode(1.0), episode(1.0)]]
     b, _ = batch_from_groups(groups, "grpo")

@@ -405,6 +405,8 @@ def test_async_loop_overlaps_rollout_with_training_and_corrects_staleness(ray_lo
     assert all(h["gate_pass_ratio"] == 1.0 and h["stale_dropped"] == 0 for h in hist)
     assert hist[0]["kl_k3"] < 1e-6  # step 0 was sampled by exactly the trainer's weights
     assert any(h["kl_k3"] > 1e-7 for h in hist[1:])  # stale tokens: the k3 statistic sees the version gap
+    assert hist[0]["kl_k3_stale"] is None  # ... and kl_k3_stale is that gap alone (None: no stale token)
+    assert any(h["kl_k3_stale"] is not None and h["kl_k3_stale"] > 1e-7 for h in hist[1:])
     # ... which is all of it: the tokens of the trainer's own version match its forward (an episode
     # spanning a sync had its K/V recomputed under the new weights)
     current = [h for h in hist if h["tokens_current"]]

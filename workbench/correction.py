@@ -240,6 +240,10 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions, ve
         # None without such tokens: a 0 would read as a healthy engine where nothing was measured
         "kl_k3_current": kl_k3_sum(trainer_lp, behav_lp, current)[0] / n_current if n_current else None,
         "tokens_current": n_current,
+        # ... and on the stale tokens (sampled by older weights): how far the policy moved between
+        # their version and the trainer's (loop.warn_policy_outran_correction reads it); None
+        # without stale tokens
+        "kl_k3_stale": kl_k3_sum(trainer_lp, behav_lp, m & (stale > 0))[0] / (n - n_current) if n > n_current else None,
         "max_abs_delta_p": float((trainer_lp.float().exp() - behav_lp.float().exp())[m].abs().max()) if n else 0.0,
         "is_weight_hist": {"edges": list(WEIGHT_BINS), "counts": [int(c) for c in hist.tolist()]},
         "staleness_hist": dict(sorted(Counter(stale[m].tolist()).items())),
@@ -274,6 +278,8 @@ def merge_stats(parts: list[dict]) -> dict:
         "kl_k3_current": (sum(p["kl_k3_current"] * p["tokens_current"] for p in parts if p["tokens_current"]) / current
                           if current else None),
         "tokens_current": current,
+        "kl_k3_stale": (sum(p["kl_k3_stale"] * (p["tokens"] - p["tokens_current"]) for p in parts if p["kl_k3_stale"] is not None)
+                        / (tokens - current) if tokens > current else None),
         "max_abs_delta_p": max(p["max_abs_delta_p"] for p in parts),
         "is_weight_hist": {"edges": parts[0]["is_weight_hist"]["edges"],
                            "counts": [sum(c) for c in zip(*(p["is_weight_hist"]["counts"] for p in parts))]},

@@ -616,6 +616,7 @@ def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpo
     if evaluate is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
         metrics.update(evaluate(step))  # on the weights just synced; never part of a batch
     history.append(metrics)
+    warn_policy_outran_correction(history)
     warn_no_signal(history)
     if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
         save_checkpoint(trainer, checkpoint_dir, {"next_step": step + 1, "data_position": metrics["data_next"]})
@@ -649,6 +650,35 @@ def warn_no_signal(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> bool:
           f"rewards gave no gradient and the policy does not change. Look at the rewards and kl_k3 of the steps "
           f"before; a lower lr or a sequence-level gate (trainer.correction) keeps an off-policy run from this.",
           file=sys.stderr)
+    return True
+
+
+# KL(behaviour || trainer) a token, on the stale tokens, above which importance weights no longer
+# correct them: most of their ratios lie beyond [1/e, e], where TIS's cap (2) and band masks act
+# instead of the ratio. Measured on the quickstart task at async_lag 1 (bench/vs_trl.py), 2026-12-04:
+# 6 of the 7 runs that collapsed went over 1.0 one to four steps before (1.03-8.1), two that dipped
+# to ~0 and came back went over too (1.4, 1.6); the 11 that never fell to 0 stayed under it
+# (0.03-0.92; the 4 at lr 3e-4 under 0.6), and so did one that fell to 0 for a step (0.73).
+STALE_KL_LIMIT = 1.0
+
+
+def warn_policy_outran_correction(history: list[dict], limit: float = STALE_KL_LIMIT) -> bool:
+    """Say so (stderr, once a streak) when the last step's stale tokens were sampled by a policy
+    more than `limit` nats a token (kl_k3_stale) from the one training on them: the policy moves
+    too far a version for off-policy samples, and an async run in that state tends to collapse
+    (every reward 0, then no gradient). True when it printed."""
+    import sys
+
+    def over(m: dict) -> bool:
+        return (m.get("kl_k3_stale") or 0.0) > limit
+
+    if not history or not over(history[-1]) or (len(history) > 1 and over(history[-2])):
+        return False
+    last = history[-1]
+    print(f"workbench: step {last.get('step')}'s stale tokens were sampled {last['kl_k3_stale']:.2f} nats a token (kl_k3_stale) "
+          f"from the policy training on them (over {limit}): the policy moves too far a version for importance weights to "
+          f"correct one-version-old samples, and an async run like this tends to collapse. Lower trainer.lr (on the "
+          f"quickstart task 3e-4 held where 1e-3 collapsed), or run mode='sync'.", file=sys.stderr)
     return True
 
 
@@ -836,6 +866,7 @@ def step_statistics(stats: dict) -> dict:
         "gate_pass_ratio": corr["gate_pass_ratio"], "stale_dropped": corr["stale_dropped"], "band_dropped": corr["band_dropped"],
         "veto_dropped": corr.get("veto_dropped", 0),
         "kl_k1": corr["kl_k1"], "kl_k3": corr["kl_k3"], "kl_k3_current": corr["kl_k3_current"], "tokens_current": corr["tokens_current"],
+        "kl_k3_stale": corr["kl_k3_stale"],
         "max_abs_delta_p": corr["max_abs_delta_p"], "staleness_hist": corr["staleness_hist"], "tokens_per_version": corr["tokens_per_version"],
         "is_weight_hist": corr["is_weight_hist"],
         "replay_disagree_rate": replay["disagree_rate"], "replay_disagree_per_layer": replay["disagree_rate_per_layer"],

@@ -438,12 +438,14 @@ class GateMonitor(_Monitor):
     TITLES = ("gate pass ratio", "KL(behaviour||trainer) k1, k3", "max |delta p|",
               "staleness (last step)", "tokens per version", "IS weights (last step)")
 
-    LINES = (("gate_pass_ratio", 1, 1), ("kl_k1", 1, 2), ("kl_k3", 1, 2), ("kl_k3_current", 1, 2), ("max_abs_delta_p", 1, 3))
+    LINES = (("gate_pass_ratio", 1, 1), ("kl_k1", 1, 2), ("kl_k3", 1, 2), ("kl_k3_current", 1, 2), ("kl_k3_stale", 1, 2),
+             ("max_abs_delta_p", 1, 3))
     BARS = (("staleness_hist", 2, 1), ("tokens_per_version", 2, 2), ("is_weight_hist", 2, 3))
     LABELS = {"gate_pass_ratio": "gate pass ratio: share of sequences the IS gate kept (0..1)",
               "kl_k1": "k1 = mean log(p_behaviour / p_trainer) (can be < 0)",
               "kl_k3": "k3 = mean(r - 1 - log r) (never < 0)",
               "kl_k3_current": "k3 on the tokens of the trainer's version (staleness excluded: the engine's forward vs the trainer's)",
+              "kl_k3_stale": "k3 on the stale tokens (the policy's move since they were sampled; over 1: too far to correct)",
               "max_abs_delta_p": "largest |p_trainer - p_behaviour| of a sampled token",
               "staleness_hist": "sampled tokens by versions behind", "tokens_per_version": "sampled tokens by policy version",
               "is_weight_hist": "kept tokens by IS weight"}
