@@ -510,3 +510,19 @@ def test_several_updates_per_step_move_the_ratios_off_one(ray_local, dense_path)
         assert float(((t.logprobs(b) - before) * b["advantages"])[m].sum()) > 0
     finally:
         t.shutdown()
+
+
+def test_the_live_routing_forward_runs_on_its_cadence(trainer, samples):
+    """TrainerConfig.measure_live_routing: the extra no-grad forward with live routing (kl_k3_live)
+    runs on a trainer's first train_step and every N-th after it (default N = 10; it cost 1.35x the
+    quickstart's step); the other steps report None, not a stale or zero value."""
+    assert trainer.cfg.measure_live_routing == 10
+    done = ray.get(trainer.workers[0].__ray_call__.remote(lambda self: self.steps_done))  # this module's steps so far
+    b, seen = batch_of(samples), []
+    for i in range(done, done + 11):
+        seen.append((i, trainer.train_step(dict(b))["kl_k3_live"]))
+    assert [kl is not None for _, kl in seen] == [i % 10 == 0 for i, _ in seen]
+    assert sum(kl is not None for _, kl in seen) in (1, 2) and all(kl > 0 for _, kl in seen if kl is not None)
+    for bad in (-1, "10", 2.5):
+        with pytest.raises(ValueError, match="measure_live_routing"):
+            TrainerConfig(measure_live_routing=bad)
