@@ -25,8 +25,8 @@ A side whose rewards were all 0 for 5 steps or more is reported as collapsed (ev
 no gradient) and left out of the time-to-reward comparison: its curve says nothing about speed,
 and it would pull the levels the others are compared at down to its own. The async side does
 collapse at these hyper-parameters: on 2026-12-04, async_lag 1 with the quickstart's lr 1e-3 and
-token TIS (cap 2) collapsed in 5 of 11 runs (3 of 3 here, 60 s each; 2 of 8 in the loop alone,
-12-20 steps; 3 more fell to ~0 and came back), the policy moving up to 8 nats a token between
+token TIS (cap 2) collapsed in 5 of 12 runs (3 of 4 here, 60 s each; 2 of 8 in the loop alone,
+12-20 steps; 4 more fell to 0.01-0.09 and came back), the policy moving up to 8 nats a token between
 versions (kl_k3_stale) where no importance weight corrects one-version-old samples; at lr 3e-4 it
 learned in 4 of 4 (20-30 steps, no mean reward under 0.16), and the sync loop (1 of 5 dipped to
 0.02, recovered) and TRL (0 of 3) are on-policy. The loop warns when kl_k3_stale goes over 1.0

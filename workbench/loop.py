@@ -655,11 +655,11 @@ def warn_no_signal(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> bool:
 
 # KL(behaviour || trainer) a token, on the stale tokens, above which importance weights no longer
 # correct them: most of their ratios lie beyond [1/e, e], where TIS's cap (2) and band masks act
-# instead of the ratio. Measured on the quickstart task at async_lag 1, 2026-12-04 (26 runs, lr 1e-3
+# instead of the ratio. Measured on the quickstart task at async_lag 1, 2026-12-04 (27 runs, lr 1e-3
 # unless said, several corrections): of the 6 runs that collapsed (5+ steps at reward 0) whose
 # statistics were kept, 5 went over 1.0 one to four steps before (1.03-8.1); 3 that fell to ~0 and
-# came back went over too (1.4-1.7); none of the 15 whose reward stayed above 0.09 did (0.03-0.92;
-# the 4 at lr 3e-4 under 0.6).
+# came back went over too (1.4-1.7), one that fell to 0.05 did not (0.87); none of the 15 whose
+# reward stayed above 0.09 did (0.03-0.92; the 4 at lr 3e-4 under 0.6).
 STALE_KL_LIMIT = 1.0
 
 
