@@ -88,11 +88,12 @@ def run():
 def short_run(ray_local, moe_path, tmp_path_factory):
     """One short real run, shared by the audit and revisit tests (the page's browser test too):
     reference engine (it records MoE experts), one trainer rank, 3 steps of 2 x 2 episodes, the
-    policy kept every 2 steps. Yields the live session (wb.run_dir holds the run)."""
+    policy kept every 2 steps, the KL without replay measured every step (revisit compares it).
+    Yields the live session (wb.run_dir holds the run)."""
     import workbench
 
     wb = workbench.connect(backend="reference", trainer_ranks=1, run_dir=str(tmp_path_factory.mktemp("short") / "run"),
-                           loop={"prompts_per_step": 2, "group_size": 2})
+                           loop={"prompts_per_step": 2, "group_size": 2}, trainer={"measure_live_routing": True})
     try:
         wb.run(3, background=False, progress=False, keep_policy_every=2)
         yield wb

@@ -64,7 +64,14 @@ def test_revisit_recomputes_the_logged_step(short_run):
     kept policy is refused, naming the setting."""
     rv = short_run.revisit(short_run.run_dir, 2)
     logged = read_metrics(short_run.run_dir)[2]
-    assert rv.version == logged["version"] - 1 and rv.differences() == {}
+    assert rv.version == logged["version"] - 1 and rv.differences() == {} and logged["kl_k3_live"] is not None
+    # a statistic the logged step did not measure (kl_k3_live off its cadence: None) is not compared;
+    # one it did, and that differs, is
+    rv.logged = {**logged, "kl_k3_live": None}
+    assert rv.differences() == {}
+    rv.logged = {**logged, "kl_k3_live": logged["kl_k3_live"] + 1.0}
+    assert set(rv.differences()) == {"kl_k3_live"}
+    rv.logged = logged
     counts = rv.recomputed["is_weight_hist"]["counts"]
     assert sum(counts) > 0 and counts == logged["is_weight_hist"]["counts"]
     # a zero loss is right only when no group had an advantage (the engine's batching, hence the
