@@ -326,10 +326,10 @@ def report_over_seeds(runs: dict[int, dict]) -> None:
     for name in sides:
         if name == "trl":
             continue
-        collapsed = [k for k in seeds if runs[k][name].get("collapsed_at")]
+        collapsed = [k for k in seeds if runs[k][name].get("collapsed_at") or runs[k]["trl"].get("collapsed_at")]
         if collapsed:
-            print(f"{name}: collapsed ({COLLAPSE_STEPS}+ steps of reward 0) in seed(s) {collapsed}; those seeds' times to a "
-                  "reward level are left out")
+            print(f"{name} or TRL: collapsed ({COLLAPSE_STEPS}+ steps of reward 0) in seed(s) {collapsed}; those seeds' "
+                  "times to a reward level are left out")
         ok = [k for k in seeds if k not in collapsed]
         # the levels: fractions of the lowest best trailing mean of this side and TRL in those seeds
         top = min((best_trailing_mean(runs[k][n]["rewards"]) for k in ok for n in (name, "trl")), default=None)
@@ -369,15 +369,17 @@ def report(s: dict, a) -> None:
     for name, wb in s.items():
         if name == "trl" or not wb["steps"]:
             continue
-        print(f"{name}: s/step {name} / TRL: {wb['s_per_step'] / trl['s_per_step']:.2f}x (target <= 1.0x); "
-              + (f"connect() to the first step done: {wb['connect_to_first_step_s']:.1f} s (target < 20 s)"
+        print(f"{name}: s/step {name} / TRL: {wb['s_per_step'] / trl['s_per_step']:.2f}x (target <= 1.0x)"
+              + (f"; connect() to the first step done: {wb['connect_to_first_step_s']:.1f} s (target < 20 s)"
                  if wb.get("connect_to_first_step_s") is not None else ""))
         if wb.get("cpu") and trl.get("cpu"):
             print(f"  CPU a step {name} / TRL: {wb['cpu']['per_step_s'] / trl['cpu']['per_step_s']:.2f}x "
                   f"({wb['cpu']['cores_busy']:.2f} vs {trl['cpu']['cores_busy']:.2f} cores busy)")
-        if wb.get("collapsed_at"):
-            print(f"  collapsed at step {wb['collapsed_at']}: {COLLAPSE_STEPS}+ steps of reward 0 from there (every group "
-                  "flat, no gradient); its time to a reward level is not compared")
+        for who, x in ((name, wb), ("TRL", trl)):
+            if x.get("collapsed_at"):
+                print(f"  {who} collapsed at step {x['collapsed_at']}: {COLLAPSE_STEPS}+ steps of reward 0 from there "
+                      "(every group flat, no gradient); times to a reward level are not compared")
+        if wb.get("collapsed_at") or trl.get("collapsed_at"):
             continue
         top = min(best_trailing_mean(x["rewards"]) for x in (wb, trl))
         for level in [round(v, 2) for v in (top * f for f in (0.6, 0.8, 1.0))]:

@@ -136,6 +136,9 @@ def test_stats_of_a_split_batch_merge_to_the_whole():
     assert whole["kl_k3_stale"] == pytest.approx((k3(1.0) + k3(0.5)) / 2, abs=1e-6)
     assert merged["kl_k3_stale"] == pytest.approx(whole["kl_k3_stale"], abs=1e-9)
     assert later["kl_k3_stale"] == pytest.approx(later["kl_k3"], abs=1e-12)  # every token stale
+    # a token newer than the trainer (after a restore to older weights) is neither current nor stale
+    restored = correction_weights(old, behav, mask, versions, 4, cfg).stats
+    assert restored["tokens_stale"] == 1 and restored["kl_k3_stale"] == pytest.approx(k3(0.5), abs=1e-6)
     on_time = correction_weights(old, behav, mask, torch.where(mask.bool(), 6, -1), 6, cfg).stats
     assert on_time["kl_k3_stale"] is None and merge_stats([on_time, whole])["kl_k3_stale"] == pytest.approx(whole["kl_k3_stale"])
 

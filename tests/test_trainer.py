@@ -515,9 +515,10 @@ def test_several_updates_per_step_move_the_ratios_off_one(ray_local, dense_path)
 def test_the_live_routing_forward_runs_on_its_cadence(trainer, samples):
     """TrainerConfig.measure_live_routing: the extra no-grad forward with live routing (kl_k3_live)
     runs on a trainer's first train_step and every N-th after it (default N = 10; it cost 1.35x the
-    quickstart's step); the other steps report None, not a stale or zero value."""
+    quickstart's step), decided by the driver for every rank at once (the forward has collectives);
+    the other steps report None, not a stale or zero value."""
     assert trainer.cfg.measure_live_routing == 10
-    done = ray.get(trainer.workers[0].__ray_call__.remote(lambda self: self.steps_done))  # this module's steps so far
+    done = trainer.steps_done  # this module's steps so far
     b, seen = batch_of(samples), []
     for i in range(done, done + 11):
         seen.append((i, trainer.train_step(dict(b))["kl_k3_live"]))

@@ -219,6 +219,8 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions, ve
     n = int(m.sum())
     current = m & (stale == 0)  # sampled by the weights the trainer holds now
     n_current = int(current.sum())
+    older = m & (stale > 0)  # (a token newer than the trainer, after a restore to older weights, is neither)
+    n_older = int(older.sum())
     rows = m.any(-1)  # sequences with trainable tokens (padding rows are neither kept nor dropped)
     lr = torch.log(r[m]) if n else torch.zeros(0)
     kept = m & keep[:, None]
@@ -243,7 +245,8 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions, ve
         # ... and on the stale tokens (sampled by older weights): how far the policy moved between
         # their version and the trainer's (loop.warn_policy_outran_correction reads it); None
         # without stale tokens
-        "kl_k3_stale": kl_k3_sum(trainer_lp, behav_lp, m & (stale > 0))[0] / (n - n_current) if n > n_current else None,
+        "kl_k3_stale": kl_k3_sum(trainer_lp, behav_lp, older)[0] / n_older if n_older else None,
+        "tokens_stale": n_older,
         "max_abs_delta_p": float((trainer_lp.float().exp() - behav_lp.float().exp())[m].abs().max()) if n else 0.0,
         "is_weight_hist": {"edges": list(WEIGHT_BINS), "counts": [int(c) for c in hist.tolist()]},
         "staleness_hist": dict(sorted(Counter(stale[m].tolist()).items())),
@@ -257,6 +260,7 @@ def merge_stats(parts: list[dict]) -> dict:
     token-weighted means, sequence-weighted gate ratio, maxima, sums, summed histograms."""
     tokens = sum(p["tokens"] for p in parts)
     current = sum(p["tokens_current"] for p in parts)
+    stale = sum(p["tokens_stale"] for p in parts)
     sequences = sum(p["sequences"] for p in parts)
 
     def wmean(k):
@@ -278,8 +282,9 @@ def merge_stats(parts: list[dict]) -> dict:
         "kl_k3_current": (sum(p["kl_k3_current"] * p["tokens_current"] for p in parts if p["tokens_current"]) / current
                           if current else None),
         "tokens_current": current,
-        "kl_k3_stale": (sum(p["kl_k3_stale"] * (p["tokens"] - p["tokens_current"]) for p in parts if p["kl_k3_stale"] is not None)
-                        / (tokens - current) if tokens > current else None),
+        "kl_k3_stale": (sum(p["kl_k3_stale"] * p["tokens_stale"] for p in parts if p["tokens_stale"]) / stale
+                        if stale else None),
+        "tokens_stale": stale,
         "max_abs_delta_p": max(p["max_abs_delta_p"] for p in parts),
         "is_weight_hist": {"edges": parts[0]["is_weight_hist"]["edges"],
                            "counts": [sum(c) for c in zip(*(p["is_weight_hist"]["counts"] for p in parts))]},

@@ -77,8 +77,8 @@ class TrainerConfig:
     routing_replay: bool = True  # MoE: replay the rollout's expert ids when the batch has them
     # MoE with recorded experts: one more no-grad forward with live routing, to report the
     # train-vs-rollout KL without replay (kl_k3_live) next to the one with it (what replay buys),
-    # on this trainer's first train_step and every this many after it (counted by the ranks, so
-    # a resumed run starts its count again), None on the others; True or 1: every step, False
+    # on a Trainer's first train_step and every this many after it (counted by the Trainer, so a
+    # new session, a resumed run's included, starts its count again), None on the others; True or 1: every step, False
     # or 0: never. Why not every step: it made the quickstart batch's train_step 1.35x, and the
     # loop's step on the reference backend 1.12x (docs/ARCHITECTURE.md).
     measure_live_routing: int = 10
@@ -220,7 +220,6 @@ class TrainerWorker:
     def __init__(self, rank: int, world_size: int, model_path: str, cfg: TrainerConfig):
         self.rank, self.world_size, self.cfg, self.model_path = rank, world_size, cfg, model_path
         self._store = None
-        self.steps_done = 0  # train_step calls: the live-routing forward's cadence (measure_live_routing)
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: the process group's TCP store, listening on this node at a port the OS picks
@@ -415,9 +414,11 @@ class TrainerWorker:
             if isinstance(m, FSDPModule):
                 m.reshard()
 
-    def train_step(self, batch: dict, trainer_version: int, report: bool = False) -> dict:
+    def train_step(self, batch: dict, trainer_version: int, report: bool = False, live_routing: bool = False) -> dict:
         """`updates_per_step` optimizer updates on this rank's rows (every rank runs this at
         once). `report`: also return per-token tensors of this step (the token-journey view).
+        `live_routing`: also the no-grad forward with live routing for kl_k3_live (MoE with
+        recorded experts; the driver decides for every rank at once: it has collectives).
 
         pi_old (the ratios' denominator) is the policy at the start of the step. With one update
         it is the gradient forward's own log-probs, detached: a separate no-grad forward would
@@ -427,8 +428,7 @@ class TrainerWorker:
 
         batch = self._to(batch)
         live = None
-        every = int(self.cfg.measure_live_routing)
-        if self.cfg.routing_replay and every and self.steps_done % every == 0 and batch.get("routed_experts") is not None:
+        if live_routing and self.cfg.routing_replay and batch.get("routed_experts") is not None:
             live = dict(zip(("sum", "tokens"), kl_k3_sum(self.logprobs(batch, replay=False)[0].to(self.device),
                                                          batch["behaviour_logprobs"], batch["loss_mask"])))
         updates = self.cfg.updates_per_step
@@ -498,7 +498,6 @@ class TrainerWorker:
             out["report"].update({k: torch.cat([r[k] for r in rows]).cpu() for k in rows[0]})
             if batch.get("routed_experts") is not None:
                 out["report"]["routed_experts"] = batch["routed_experts"].cpu()
-        self.steps_done += 1
         return out
 
     def _kl_to_reference(self, mb: dict, lp: torch.Tensor) -> torch.Tensor:
@@ -679,6 +678,7 @@ class Trainer:
                              f"with workbench.replay.register_replay_rule or set capture_experts=False in the profile")
         self.cfg = cfg or TrainerConfig()
         self.version = 0
+        self.steps_done = 0  # train_step calls of this Trainer: the live-routing forward's cadence
         self.model_path = str(model_path)
         self.nccl = None  # NcclSyncConfig once init_nccl_sync ran (GPU weight sync)
         from ..cluster import cluster_gpus
@@ -734,7 +734,10 @@ class Trainer:
         Returns the step's statistics; with `report`, also per-token tensors of every row
         (trainer log-prob, IS weight, gate decision, advantage, loss contribution, ...)."""
         parts = self._split(batch)
-        stats = ray.get([wk.train_step.remote(p, self.version, report) for wk, p in zip(self.workers, parts)])
+        every = int(self.cfg.measure_live_routing)
+        live = bool(every) and self.steps_done % every == 0  # decided here once, for every rank
+        self.steps_done += 1
+        stats = ray.get([wk.train_step.remote(p, self.version, report, live) for wk, p in zip(self.workers, parts)])
         self.version += 1
         out = {"version": self.version, "loss": sum(s["loss"] for s in stats), "grad_norm": stats[0]["grad_norm"],
                "correction": merge_stats([s["correction"] for s in stats]),

@@ -473,6 +473,7 @@ class ReplayMonitor(_Monitor):
 
     def _style(self, fig):
         fig.update_xaxes(dtick=1, row=1, col=2)  # MoE layer indices
+        fig.update_traces(connectgaps=True, selector={"meta": "kl_k3_live"})  # measured every N-th step only
 
 
 class RewardMonitor(_Monitor):

@@ -306,11 +306,11 @@ class Revisit:
                 return a == b or abs(a - b) <= atol + rtol * abs(a)
             return a == b
         rec = json.loads(json.dumps(self.recomputed, default=str))  # keys as the JSON log has them
-        # a statistic the logged run predates (its metrics.jsonl has no such key), or one the step
-        # did not measure (None: kl_k3_live off its cadence, the recomputing trainer's first step
-        # measures it), has nothing to compare
-        return {k: (self.logged.get(k), rec.get(k)) for k in REVISITED
-                if self.logged.get(k) is not None and not same(self.logged[k], rec.get(k))}
+        # a statistic the logged run predates (its metrics.jsonl has no such key), or kl_k3_live on a
+        # step off its cadence (None; the recomputing trainer's first step measures it), has
+        # nothing to compare
+        return {k: (self.logged.get(k), rec.get(k)) for k in REVISITED if k in self.logged
+                and not (k == "kl_k3_live" and self.logged[k] is None) and not same(self.logged[k], rec.get(k))}
 
     def journey(self, row: int = 0, col: int | None = None):
         """The token journey widget on the recomputed report (default: row's first sampled token)."""
