@@ -78,9 +78,9 @@ class TrainerConfig:
     # MoE with recorded experts: one more no-grad forward with live routing, to report the
     # train-vs-rollout KL without replay (kl_k3_live) next to the one with it (what replay buys),
     # on a Trainer's first train_step and every this many after it (counted by the Trainer, so a
-    # new session, a resumed run's included, starts its count again), None on the others; True or 1: every step, False
-    # or 0: never. Why not every step: it made the quickstart batch's train_step 1.35x, and the
-    # loop's step on the reference backend 1.12x (docs/ARCHITECTURE.md).
+    # new session, a resumed run's included, starts its count again), None on the others; True
+    # or 1: every step, False or 0: never. Why not every step: it made the quickstart batch's
+    # train_step 1.35x, and the loop's step on the reference backend 1.12x (docs/ARCHITECTURE.md).
     measure_live_routing: int = 10
     activation_checkpointing: bool = False  # recompute layer activations in backward (replay holds there)
     # FSDP2: free each unit's gathered parameters after its forward (True: least memory) or keep
