@@ -86,12 +86,18 @@ def test_lint_catches_the_leading_space_of_a_legacy_sentencepiece():
     assert report.traps_found()["leading_space"] and not lint("mistral-v3", ["plain"]).traps_found()["leading_space"]
 
 
-def test_lint_a_tokenizer_directory_and_the_cli(tmp_path):
+def test_lint_a_tokenizer_directory_and_the_cli(tmp_path, capsys):
+    from workbench.lint import main
+
     d = rm.load_family("llama3.1").save(tmp_path / "llama")
     assert lint(str(d), ["plain"]).verdicts() == {"plain": "extends"}
-    out = subprocess.run([sys.executable, "-m", "workbench.lint", "qwen3", "--shape", "reasoning_on", "--json"],
+    # the command line in a process of its own, on the directory (a family name would build its
+    # reasoning parser: a further import of vLLM, ~10 s of the suite)
+    out = subprocess.run([sys.executable, "-m", "workbench.lint", str(d), "--shape", "plain", "--json"],
                          capture_output=True, text=True, check=True).stdout
-    assert json.loads(out)[0]["verdicts"] == {"reasoning_on": TR}
+    assert json.loads(out)[0]["verdicts"] == {"plain": "extends"}
+    assert main(["qwen3", "--shape", "reasoning_on", "--json"]) == 0  # a family by name
+    assert json.loads(capsys.readouterr().out)[0]["verdicts"] == {"reasoning_on": TR}
     with pytest.raises(FileNotFoundError):
         lint(str(tmp_path / "nothing"))
 

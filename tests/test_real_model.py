@@ -25,7 +25,7 @@ def smollm2():
 
 def test_smollm2_profile_and_greedy_ids_equal_transformers(ray_local, smollm2):
     from workbench.profiles import profile_for
-    from workbench.rollout.actor import launch_engine, stop_engine
+    from workbench.rollout.actor import start_engine, stop_engine
     from workbench.rollout.engine import SamplingConfig
     from workbench.toy.models import load_hf_model, load_tokenizer
 
@@ -35,14 +35,16 @@ def test_smollm2_profile_and_greedy_ids_equal_transformers(ray_local, smollm2):
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
                                        return_dict=True)["input_ids"]
                for q in ("What is 2+3?", "Name a colour.", "Write one word: hello")]
-    model = load_hf_model(smollm2, dtype=getattr(torch, prof.dtype))
-    stop = prof.stop_token_ids(tok)
-    expected = []
-    for p in prompts:
-        out = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=stop)[0, len(p):].tolist()
-        expected.append(out)
-    engine = launch_engine("vllm", model_path=str(smollm2), dtype=prof.dtype, max_model_len=512)
+    # the engine loads while transformers computes the expected ids
+    engine, loaded = start_engine("vllm", model_path=str(smollm2), dtype=prof.dtype, max_model_len=512)
     try:
+        model = load_hf_model(smollm2, dtype=getattr(torch, prof.dtype))
+        stop = prof.stop_token_ids(tok)
+        expected = []
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=stop)[0, len(p):].tolist()
+            expected.append(out)
+        ray.get(loaded)
         # on CPU vLLM's engine core runs in the engine's own process: no child process
         # (tests/test_engines.py checks the core process of the GPU path on the toy)
         host = ray.get(engine.__ray_call__.remote(lambda self: os.getpid()))

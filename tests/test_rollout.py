@@ -153,19 +153,26 @@ def test_same_prompt_requests_of_one_pass_go_as_one_engine_call(reference_engine
 
 
 def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
+    from concurrent.futures import ThreadPoolExecutor
+
     task = Task([{"role": "user", "content": "Say something about tools."}])
+    # the four rollouts' runners start together (each a process importing transformers, seconds each)
+    with ThreadPoolExecutor(4) as pool:
+        made = list(pool.map(lambda a: rollout_for(AGENTS / a[0], **a[1]),
+                             [("sync_agent.py", {}), ("crashing.py", {}), ("nan_reward.py", {}),
+                              ("hanging.py", {"episode_timeout_s": 5})]))
     # first, so the engine has served a request: a fresh vLLM engine's first one takes seconds (warm-up),
     # and the hanging agent's 5 s must cover its one recorded turn
-    ok = rollout_for(AGENTS / "sync_agent.py").run_groups([task], group_size=2, progress=False)[0]
+    ok = made[0].run_groups([task], group_size=2, progress=False)[0]
     assert all(t.error is None and t.reward == 1.0 for t in ok)
-    crash = rollout_for(AGENTS / "crashing.py").run_groups([task], group_size=2, progress=False)[0]
+    crash = made[1].run_groups([task], group_size=2, progress=False)[0]
     assert all("agent exploded on purpose" in t.error and t.reward == 0.0 for t in crash)
     # a NaN reward fails its episode (one NaN advantage makes every weight NaN at the next update),
     # keeping what it recorded
-    nan = rollout_for(AGENTS / "nan_reward.py").run_groups([task], group_size=2, progress=False)[0]
+    nan = made[2].run_groups([task], group_size=2, progress=False)[0]
     assert all("reward is nan: a reward must be a finite number" in t.error and t.reward == 0.0 and t.segments for t in nan)
     t0 = time.time()
-    hang = rollout_for(AGENTS / "hanging.py", episode_timeout_s=5).run_groups([task], group_size=2, progress=False)[0]
+    hang = made[3].run_groups([task], group_size=2, progress=False)[0]
     assert time.time() - t0 < 60
     assert all("timed out after 5 s" in t.error for t in hang)
     assert all(t.segments and t.segments[0].stats["turns"] == 1 for t in hang)  # kept what it recorded
