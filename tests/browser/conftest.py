@@ -25,10 +25,9 @@ def chromium():
     return path
 
 
-# lab and browser live for one test module, not the session: Playwright's sync API keeps an
-# asyncio loop running in this thread while it is open, so every later asyncio.run() in the
-# session (the engine and loopback tests) would fail with "cannot be called from a running event loop"
-@pytest.fixture(scope="module")
+# one JupyterLab server for every browser test (its start is seconds); each test writes its own
+# notebooks and shuts the kernels down first
+@pytest.fixture(scope="session")
 def lab(chromium, tmp_path_factory):
     from workbench.notebooks import ensure_kernel
 
@@ -40,6 +39,9 @@ def lab(chromium, tmp_path_factory):
     server.stop()
 
 
+# the browser lives for one test module, not the session: Playwright's sync API keeps an asyncio
+# loop running in this thread while it is open, so every later asyncio.run() in the session (the
+# engine and loopback tests) would fail with "cannot be called from a running event loop"
 @pytest.fixture(scope="module")
 def browser(chromium):
     """A function giving a fresh browser context (its own profile dir); each is closed at the end."""
