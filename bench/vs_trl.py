@@ -29,7 +29,9 @@ token TIS (cap 2) collapsed in 5 of 12 runs (3 of 4 here, 60 s each; 2 of 8 in t
 12-20 steps; 4 more fell to 0.01-0.09 and came back), the policy moving up to 8 nats a token between
 versions (kl_k3_stale) where no importance weight corrects one-version-old samples; at lr 3e-4 it
 learned in 4 of 4 (20-30 steps, no mean reward under 0.16), and the sync loop (1 of 5 dipped to
-0.02, recovered) and TRL (0 of 3) are on-policy. The loop warns when kl_k3_stale goes over 1.0
+0.02, recovered) and TRL (0 of 3) are on-policy. The sync loop can stall too: later that day it
+went 5 steps at reward 0 from step 7 in 1 of 4 runs here (then a lucky sample gave a reward and
+it learned on; seed 0, not repeated on a rerun), TRL in 0 of 3. The loop warns when kl_k3_stale goes over 1.0
 (loop.warn_policy_outran_correction) and after 5 steps without signal (loop.warn_no_signal).
 
     .venv/bin/python bench/vs_trl.py [--budget 120] [--sides trl workbench workbench-async] [--backend vllm|reference] [--seeds 0 1 2] [--trainer-ranks N]
@@ -377,8 +379,11 @@ def report(s: dict, a) -> None:
                   f"({wb['cpu']['cores_busy']:.2f} vs {trl['cpu']['cores_busy']:.2f} cores busy)")
         for who, x in ((name, wb), ("TRL", trl)):
             if x.get("collapsed_at"):
-                print(f"  {who} collapsed at step {x['collapsed_at']}: {COLLAPSE_STEPS}+ steps of reward 0 from there "
-                      "(every group flat, no gradient); times to a reward level are not compared")
+                at = x["collapsed_at"]
+                zeros = next((n for n, r in enumerate(x["rewards"][at - 1:]) if r != 0.0), None)
+                how = (f"{zeros} steps of reward 0 (every group flat, no gradient), then a lucky sample gave rewards again"
+                       if zeros is not None else "reward 0 from there to the end (every group flat, no gradient)")
+                print(f"  {who} collapsed at step {at}: {how}; times to a reward level are not compared")
         if wb.get("collapsed_at") or trl.get("collapsed_at"):
             continue
         top = min(best_trailing_mean(x["rewards"]) for x in (wb, trl))
