@@ -30,8 +30,8 @@ token TIS (cap 2) collapsed in 5 of 12 runs (3 of 4 here, 60 s each; 2 of 8 in t
 versions (kl_k3_stale) where no importance weight corrects one-version-old samples; at lr 3e-4 it
 learned in 4 of 4 (20-30 steps, no mean reward under 0.16), and the sync loop (1 of 5 dipped to
 0.02, recovered) and TRL (0 of 3) are on-policy. The sync loop can stall too: later that day it
-went 5 steps at reward 0 from step 7 in 1 of 4 runs here (then a lucky sample gave a reward and
-it learned on; seed 0, not repeated on a rerun), TRL in 0 of 3. The loop warns when kl_k3_stale goes over 1.0
+went 5 steps at reward 0 from step 7 in 1 of 5 runs here (then a lucky sample gave a reward and
+it learned on; seed 0, not repeated on a rerun), TRL in 0 of 4. The loop warns when kl_k3_stale goes over 1.0
 (loop.warn_policy_outran_correction) and after 5 steps without signal (loop.warn_no_signal).
 
     .venv/bin/python bench/vs_trl.py [--budget 120] [--sides trl workbench workbench-async] [--backend vllm|reference] [--seeds 0 1 2] [--trainer-ranks N]
