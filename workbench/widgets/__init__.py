@@ -566,14 +566,6 @@ def svg(monitor: _Monitor, width: int = 900) -> str:
     return "".join(out) + "</svg>"
 
 
-def callback(*monitors: _Monitor) -> Callable[[dict], None]:
-    """One `on_step(metrics)` for a training loop that feeds several monitors."""
-    def on_step(metrics: dict):
-        for m in monitors:
-            m.on_step(metrics)
-    return on_step
-
-
 # ------------------------------------------------------------------ views kept apart from a run
 class Views:
     """The views a run feeds (monitors, its progress bar), kept apart from the training thread.
