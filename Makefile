@@ -1,7 +1,7 @@
 # The two commands of README.md. Each first installs what is missing into .venv (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-script recipes test test-long bench bench-loopback bench-loopback-capacity bench-rollout bench-trainer bench-vs-trl bench-async bench-sync-inflight clean-cache kernels lab
+.PHONY: setup demo demo-script recipes test test-long bench bench-loopback bench-loopback-capacity bench-rollout bench-rollout-floor bench-trainer bench-vs-trl bench-async bench-sync-inflight clean-cache kernels lab
 
 setup:
 	@bash scripts/setup.sh
@@ -50,6 +50,11 @@ bench-loopback-capacity: setup
 
 bench-rollout: setup
 	$(PY) bench/rollout.py
+
+# The quickstart's rollout batch four ways, each in a fresh process: transformers' generate (TRL's
+# path), vLLM's own LLM.generate, workbench's engine in-process, and as the Ray actor a loop uses
+bench-rollout-floor: setup
+	$(PY) bench/rollout_floor.py $(BENCH_ARGS)
 
 bench-trainer: setup
 	$(PY) bench/trainer.py
