@@ -114,3 +114,18 @@ def test_kl_estimators_against_hand_values():
     # k3 = pi_ref/pi - 1 - log(pi_ref/pi): 0 at d = 0; 0.5 - 1 + ln 2 at d = ln 2; 2 - 1 - ln 2 at d = -ln 2
     assert torch.allclose(KL_ESTIMATORS["k3"](d), torch.tensor([0.0, math.log(2.0) - 0.5, 1 - math.log(2.0)]))
     assert (KL_ESTIMATORS["k3"](torch.linspace(-3, 3, 61)) >= -1e-7).all()  # never negative (up to rounding)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_penalty_stays_finite_where_nothing_trains(estimator):
+    """A prompt token the policy puts ~93 nats under the reference: k3's e^-d overflows there, and
+    masking after the estimator (inf * 0) made the loss and every gradient NaN."""
+    from workbench.trainer.losses import KL_ESTIMATORS, kl_to_reference
+
+    lp = torch.tensor([[-95.0, -1.0]], requires_grad=True)
+    ref, mask = torch.tensor([[-2.0, -1.2]]), torch.tensor([[0, 1]])
+    kl = kl_to_reference(estimator, lp, ref, mask)
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(lp.grad).all()
+    assert kl[0, 0] == 0 and lp.grad[0, 0] == 0  # nothing from the untrained token
+    assert torch.allclose(kl[0, 1], KL_ESTIMATORS[estimator](torch.tensor(0.2)))  # the trained one as before

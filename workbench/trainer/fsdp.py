@@ -29,7 +29,7 @@ from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_
 from ..replay import ReplayStats, routing_replay
 from .logprobs import forward_logprobs, logprob_head, sampled_logprobs
 from .packing import micro_batches_by_tokens, pack, packed_forward, unpack
-from .losses import KL_ESTIMATORS, aggregation_weights, episode_units, get_surrogate
+from .losses import KL_ESTIMATORS, aggregation_weights, episode_units, get_surrogate, kl_to_reference
 
 # A CPU trainer step frees and re-allocates the same large buffers (activations, logits,
 # gradients). glibc serves an allocation over its mmap threshold (128 KB to 32 MB) with a fresh
@@ -510,7 +510,7 @@ class TrainerWorker:
                                     chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences,
                                     host_mask=mb["attention_mask_host"])
         self._reshard(self.ref_model)
-        return KL_ESTIMATORS[self.cfg.kl_estimator](lp - ref) * mb["loss_mask"].float()
+        return kl_to_reference(self.cfg.kl_estimator, lp, ref, mb["loss_mask"])
 
     def probe(self, ids: list[int]) -> list[float]:
         """log p(ids[i+1] | ids[:i+1]) at temperature 1, live routing: what a synced engine's

@@ -36,6 +36,15 @@ KL_ESTIMATORS: dict[str, Callable] = {
 }
 
 
+def kl_to_reference(estimator: str, lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The per-token KL(pi || pi_ref) estimate where `mask` is set, 0 elsewhere. d = lp - ref is
+    zeroed where nothing trains (prompt, tool output, padding) before the estimator: there the
+    policy may sit ~90 nats under the reference, k3's e^-d is inf, and inf * 0 (a mask) is NaN,
+    in the loss and in every gradient."""
+    m = mask.bool()
+    return KL_ESTIMATORS[estimator](torch.where(m, lp - ref, 0.0)) * m
+
+
 def register_advantage(name: str, per_token: bool = False):
     def deco(fn):
         ADVANTAGES[name] = fn
