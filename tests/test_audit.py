@@ -30,14 +30,17 @@ def test_audit_page_of_a_real_run(short_run, tmp_path):
 
 
 def test_a_breach_is_flagged_and_linked_to_its_token_view(short_run, tmp_path):
-    """A copy of the run with step 1's sync probe difference over its limit (metrics.jsonl) and an
-    identity mismatch recorded in one episode of step 2 (its parquet): both are flagged, the
-    first linked to the step's trajectories, the second to that episode's token view; the
-    command line writes the same page."""
+    """A copy of the run with step 1's sync probe difference over its limit and step 0's share of
+    tokens kept under its minimum (metrics.jsonl), and an identity mismatch recorded in one
+    episode of step 2 (its parquet): all are flagged, the step statistics linked to the step's
+    trajectories, the mismatch to that episode's token view; the command line writes the same
+    page."""
     run = tmp_path / "copy"
     shutil.copytree(short_run.run_dir, run, ignore=shutil.ignore_patterns("policies", "checkpoint"))
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     lines[1]["sync_max_abs_diff"] = 0.5
+    assert lines[0]["token_keep_ratio"] == 1.0  # the run's own (no token-level mask)
+    lines[0]["token_keep_ratio"] = 0.4  # what a token-level mask dropping 60% of the tokens logs
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     step2 = run / "trajectories" / "step_00002.parquet"
     trajs = read_trajectories(step2)
@@ -49,8 +52,9 @@ def test_a_breach_is_flagged_and_linked_to_its_token_view(short_run, tmp_path):
                          capture_output=True, text=True, check=True)
     assert "a.html" in out.stdout
     html = (tmp_path / "a.html").read_text()
-    assert "Violations: 2" in html
+    assert "Violations: 3" in html
     assert re.search(r"<li class='v' id='v-1-sync_max_abs_diff'>step 1: .*= 0\.5 .*href='#step-1'", html)
+    assert re.search(r"<li class='v' id='v-0-token_keep_ratio'>step 0: .*= 0\.4 .*href='#step-0'", html)
     assert re.search(rf"<li class='v' id='v-2-identity_mismatch'>step 2: .*= 3 .*href='#t-2-{bad}'", html)
     assert f"<div class='traj' id='t-2-{bad}'>" in html and "<div id='step-1'>" in html
     assert "<td class='bad'><a href='#v-2-identity_mismatch'>3</a></td>" in html

@@ -32,7 +32,8 @@ def test_token_levels_and_modes():
     assert torch.allclose(c.weights, torch.tensor([[0, 1.0, 1.1], [0, 0.8, 1.0]]))
     c = run(CorrectionConfig(level="token", mode="mask", low=0.8, high=1.1, max_staleness=None))
     assert torch.allclose(c.weights, torch.tensor([[0, 1.0, 0.0], [0, 0.0, 1.0]]))
-    assert c.stats["token_mask_ratio"] == 0.5 and c.stats["gate_pass_ratio"] == 1.0
+    assert c.stats["token_keep_ratio"] == 0.5 and c.stats["gate_pass_ratio"] == 1.0
+    assert sum(c.stats["is_weight_hist"]["counts"]) == 2  # the kept tokens' weights, not the masked ones' zeros
 
 
 def test_seq_and_geo_levels():
@@ -121,7 +122,7 @@ def test_stats_of_a_split_batch_merge_to_the_whole():
     whole = correction_weights(old, behav, mask, versions, 6, cfg).stats
     parts = [correction_weights(old[i:i + 1], behav[i:i + 1], mask[i:i + 1], versions[i:i + 1], 6, cfg).stats for i in range(2)]
     merged = merge_stats(parts)
-    for k in ("kl_k1", "kl_k3", "kl_k3_current", "max_abs_delta_p", "gate_pass_ratio", "token_mask_ratio"):
+    for k in ("kl_k1", "kl_k3", "kl_k3_current", "max_abs_delta_p", "gate_pass_ratio", "token_keep_ratio"):
         assert merged[k] == pytest.approx(whole[k], abs=1e-6), k
     # k3 on the trainer's own version's tokens only (version 6: r = 1.2 and 1.0): staleness excluded
     assert merged["tokens_current"] == whole["tokens_current"] == 2

@@ -223,7 +223,7 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions, ve
     n_older = int(older.sum())
     rows = m.any(-1)  # sequences with trainable tokens (padding rows are neither kept nor dropped)
     lr = torch.log(r[m]) if n else torch.zeros(0)
-    kept = m & keep[:, None]
+    kept = m & keep[:, None] & (weights > 0)  # a token-level mask's rejections are not kept tokens (token_keep_ratio)
     w = weights[kept]
     hist = torch.histogram(w.clamp(max=1e6), bins=torch.tensor(WEIGHT_BINS[:-1] + (1e6,))).hist if w.numel() else torch.zeros(len(WEIGHT_BINS) - 1)
     return {
@@ -232,7 +232,9 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions, ve
         "stale_dropped": int((~fresh & rows).sum()),
         "band_dropped": int((fresh & ~keep & ~vetoed & rows).sum()),
         "veto_dropped": int((fresh & vetoed & rows).sum()),
-        "token_mask_ratio": float((weights[m] > 0).float().mean()) if n else 1.0,
+        # share of trainable tokens the correction kept: a token-level mask drops tokens, not
+        # sequences, so its rejections show here and not in gate_pass_ratio
+        "token_keep_ratio": float((weights[m] > 0).float().mean()) if n else 1.0,
         # KL(behaviour || trainer) estimators on the behaviour samples, with r = pi_old / pi_behav
         "kl_k1": float((-lr).mean()) if n else 0.0,
         "kl_k3": kl_k3_sum(trainer_lp, behav_lp, m)[0] / n if n else 0.0,
@@ -278,7 +280,7 @@ def merge_stats(parts: list[dict]) -> dict:
         "stale_dropped": sum(p["stale_dropped"] for p in parts),
         "band_dropped": sum(p["band_dropped"] for p in parts),
         "veto_dropped": sum(p.get("veto_dropped", 0) for p in parts),
-        "token_mask_ratio": wmean("token_mask_ratio"), "kl_k1": wmean("kl_k1"), "kl_k3": wmean("kl_k3"),
+        "token_keep_ratio": wmean("token_keep_ratio"), "kl_k1": wmean("kl_k1"), "kl_k3": wmean("kl_k3"),
         "kl_k3_current": (sum(p["kl_k3_current"] * p["tokens_current"] for p in parts if p["tokens_current"]) / current
                           if current else None),
         "tokens_current": current,

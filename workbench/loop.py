@@ -865,7 +865,7 @@ def step_statistics(stats: dict) -> dict:
     return {
         "loss": stats["loss"], "grad_norm": stats["grad_norm"],
         "gate_pass_ratio": corr["gate_pass_ratio"], "stale_dropped": corr["stale_dropped"], "band_dropped": corr["band_dropped"],
-        "veto_dropped": corr.get("veto_dropped", 0),
+        "veto_dropped": corr.get("veto_dropped", 0), "token_keep_ratio": corr["token_keep_ratio"],
         "kl_k1": corr["kl_k1"], "kl_k3": corr["kl_k3"], "kl_k3_current": corr["kl_k3_current"], "tokens_current": corr["tokens_current"],
         "kl_k3_stale": corr["kl_k3_stale"],
         "max_abs_delta_p": corr["max_abs_delta_p"], "staleness_hist": corr["staleness_hist"], "tokens_per_version": corr["tokens_per_version"],

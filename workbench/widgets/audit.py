@@ -30,6 +30,7 @@ class Thresholds:
     unexpected_seals: float | None = 0  # segments sealed for a reason other than episode_end
     max_staleness: float | None = None
     gate_pass_ratio: float | None = 0.9  # a minimum
+    token_keep_ratio: float | None = 0.9  # a minimum
     is_weight_outside: float | None = 0.1  # share of tokens whose IS weight is outside [0.8, 1.25)
     replay_disagree_rate: float | None = 0.05
     kl_k3: float | None = 1e-3
@@ -39,7 +40,7 @@ class Thresholds:
     truncated_rate: float | None = 0.25
 
 
-MINIMA = {"gate_pass_ratio"}
+MINIMA = {"gate_pass_ratio", "token_keep_ratio"}
 # (key, title, what it measures); the order of the page's sections
 CHECKS = (
     ("identity_mismatch", "identity mismatch", "trainable token ids that differ from the ids the engine sampled"),
@@ -47,6 +48,7 @@ CHECKS = (
     ("unexpected_seals", "seals by reason", "segments sealed for a reason other than episode_end (per reason in the table)"),
     ("max_staleness", "staleness", "versions between the trainer and the oldest sampled token of the step"),
     ("gate_pass_ratio", "gate pass ratio", "share of sequences the correction gate kept (staleness, band, veto)"),
+    ("token_keep_ratio", "tokens kept", "share of trainable tokens the correction kept (a token-level mask drops tokens, not sequences)"),
     ("is_weight_outside", "IS-weight distribution", "share of trainable tokens whose IS weight is outside [0.8, 1.25)"),
     ("replay_disagree_rate", "replay disagreement", "share of routed-expert choices where live routing differs from the replayed"),
     ("kl_k3", "k3 with replay", "KL(behaviour || trainer) k3 estimate, routing replayed"),
@@ -99,7 +101,7 @@ def step_values(m: dict, trajs: list[Trajectory]) -> tuple[dict, dict]:
          "is_weight_outside": _hist_outside(m.get("is_weight_hist")),
          "failed_rate": m.get("failed_episodes", sum(e["failed_rate"] for e in eps.values())) / n,
          "truncated_rate": m.get("truncated_episodes", sum(e["truncated_rate"] for e in eps.values())) / n}
-    for k in ("gate_pass_ratio", "replay_disagree_rate", "kl_k3", "kl_k3_live", "sync_max_abs_diff"):
+    for k in ("gate_pass_ratio", "token_keep_ratio", "replay_disagree_rate", "kl_k3", "kl_k3_live", "sync_max_abs_diff"):
         v[k] = m.get(k)
     return v, {k: {ep: e[k] for ep, e in eps.items()} for k in PER_EPISODE} | {"seals": {ep: e["seals"] for ep, e in eps.items()}}
 
@@ -275,7 +277,7 @@ def main(argv=None) -> None:
 
 
 # ------------------------------------------------------------------ step revisit (wb.revisit)
-REVISITED = ("loss", "grad_norm", "gate_pass_ratio", "stale_dropped", "band_dropped", "veto_dropped", "kl_k1", "kl_k3",
+REVISITED = ("loss", "grad_norm", "gate_pass_ratio", "token_keep_ratio", "stale_dropped", "band_dropped", "veto_dropped", "kl_k1", "kl_k3",
              "kl_k3_current", "tokens_current", "kl_k3_stale", "max_abs_delta_p", "staleness_hist", "tokens_per_version", "is_weight_hist", "replay_disagree_rate",
              "replay_disagree_per_layer", "replay_fallback", "kl_k3_live", "kl_ref")
 
