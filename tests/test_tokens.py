@@ -275,3 +275,44 @@ def test_window_gives_the_real_templates_verdicts(name):
     from workbench.lint import lint
 
     assert lint(name, accumulator_cls=WindowAtEveryUserTurn).table() == lint(name, accumulator_cls=WholeConversation).table()
+
+
+def test_window_moves_only_where_the_template_renders_the_same_qwen3_tool_responses():
+    """Qwen3's template strips the reasoning of every turn before the last *query*, and a user
+    message holding a <tool_response> (how Qwen-Agent-style agents return results) is not one.
+    A window moved to such a message held no query, rendered the turns it kept stripped and let
+    the next real question extend that, where the whole conversation seals (template_rewrite):
+    the engine then read reasoning the template would have stripped. The move is refused there:
+    the same plans, seals and records as with the whole conversation."""
+    from workbench.real_models import load_family
+
+    fmt = load_family("qwen3").chat_format()
+
+    def assistant(reasoning, content=""):
+        call = [{"id": "x", "type": "function", "function": {"name": "f", "arguments": {"q": 1}}}]
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning, **({} if content else {"tool_calls": call})}
+
+    def sampled(msgs, message):  # the ids the model samples for `message`: the template's turn, to its end of turn
+        c = [fmt.canonical(m) for m in msgs]
+        prompt, full = fmt.render(c, None, True), fmt.render(c + [fmt.canonical(message)], None, False)
+        text = full[len(prompt):]
+        ids = fmt.encode(text[: text.index(fmt.end_of_turn) + len(fmt.end_of_turn)])
+        return Sample([], ids, [-0.1] * len(ids), [0] * len(ids), "stop")
+
+    steps = [[{"role": "system", "content": "S"}, {"role": "user", "content": "Question one"}]]
+    steps += [[{"role": "user", "content": f"<tool_response>\nr{k}\n</tool_response>"}] for k in range(1, 7)]
+    steps += [[{"role": "user", "content": "Real question two"}], [{"role": "user", "content": "Q3"}]]
+    accs = [WholeConversation(fmt), WindowAtEveryUserTurn(fmt), Accumulator(fmt)]
+    msgs = []
+    for i, added in enumerate(steps):
+        msgs = msgs + added
+        plans = [acc.plan(msgs) for acc in accs]
+        for p in plans[1:]:
+            assert (p.prompt_ids, p.new_segment, p.seal_reason) == (plans[0].prompt_ids, plans[0].new_segment, plans[0].seal_reason), i
+        message = assistant(f"think{i}", "answer" if i >= 7 else "")
+        sample = sampled(msgs, message)
+        for acc, p in zip(accs, plans):
+            acc.record(p, sample, message)
+        msgs = msgs + [message]
+    assert [s.seal_reason for s in accs[0].segments] == ["template_rewrite", "template_rewrite", None]
+    assert all([(len(s), s.seal_reason) for s in a.segments] == [(len(s), s.seal_reason) for s in accs[0].segments] for a in accs)

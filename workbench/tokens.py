@@ -425,7 +425,10 @@ class Accumulator:
     moves the system prompt and tools to it) touch only messages from the previous user message on,
     which the window holds (tests/test_tokens.py: the same plans and records with the window
     moved at every user turn as with the whole conversation, on the real templates' shapes).
-    A template that numbers turns or counts earlier messages needs `window_messages = None`.
+    Where that fails, the move is refused: it is kept only if the messages it keeps render the
+    same (Qwen3's "last user message" is the last *query*, and a user message holding a
+    <tool_response> is none: a window starting there rendered the turns it kept otherwise; see
+    _move_window). A template that numbers turns or counts earlier messages needs `window_messages = None`.
     Small windows render less: 4 rather than 32 cut the server's CPU per request in the last 8
     turns of 64-turn episodes from 1.41-1.65 to 1.18-1.19 ms (bench/loopback.py's history cost;
     a move's extra render is of a short window)."""
@@ -570,6 +573,18 @@ class Accumulator:
             text = self.fmt.render(self.window(conv, last_user), tools, add_generation_prompt=False)
         except Exception:
             return  # the template refuses the shorter window: keep the one it renders
+        # The move must not change how the messages it keeps render. A template that reads the
+        # messages before the window would render them otherwise, and the next request would then
+        # extend that render instead of sealing at the template's rewrite: Qwen3 strips the
+        # reasoning of every turn before the last *query*, and a user message holding a
+        # <tool_response> is not one, so a window starting there had no query and rendered the
+        # turns stripped, while the whole conversation kept their reasoning until the next real
+        # question (tests/test_tokens.py). Past the system head both renders share, the new render
+        # must be the old one's end.
+        old = self._conversation_text
+        head = next((i for i, (a, b) in enumerate(zip(text, old)) if a != b), min(len(text), len(old)))
+        if not old.endswith(text[head:]):
+            return  # keep the wider window (it grows until a move keeps the render)
         self._window_start, self._conversation_text = last_user, text
 
     def forget_last_request(self) -> None:
