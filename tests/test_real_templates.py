@@ -246,9 +246,14 @@ def test_c_llama_bos_and_date_header(fams):
     bos = fam.tokenizer.bos_token_id
     fixtures = rf.fixtures(fam.name, with_expected=True)
     v = _verdicts(fam, fixtures)
-    # the model's own JSON ("arguments" for "parameters", <|python_tag|>, <|eom_id|>, its spacing)
-    # stays in the prompt: extends*, never a seal
-    assert v == Counter({("extends", "extends"): 16, ("extends*", "extends*"): 7})
+    # the model's own JSON ("arguments" for "parameters", <|python_tag|>, its spacing) stays in the
+    # prompt: extends*. A turn it ended with <|eom_id|> (a stop token, no turn end: the template
+    # closes a JSON tool call with <|eot_id|>) seals at the next request, as gpt-oss's <|return|>
+    # does; the closing text used to put <|eot_id|> after it, <|eom_id|><|eot_id|>, which no
+    # template renders and no inference produces
+    assert v == Counter({("extends", "extends"): 16, ("extends*", "extends*"): 3, ("seal:template_rewrite", "extends"): 4})
+    eom = [d for d in fixtures if _stop(fam, d) == "<|eom_id|>"]
+    assert len(eom) == 4 and all(accumulate(fam, d)[0][0] == "seal:template_rewrite" for d in eom)
     d = fixtures[0]
     acc = Accumulator(fmt)
     plan = acc.plan([{"role": "user", "content": "hi"}], d["tools"])
@@ -317,10 +322,10 @@ def test_c_gpt_oss_return_rendered_back_as_end(fams):
     reasoned = next(d for d in finals if d["expected"]["reasoning_content"] and "commentary" not in d["raw_output"])
     (v2, i, ctx), _ = accumulate(fam, reasoned)
     assert v2 == "seal:template_rewrite" and "recorded 'analysis" in ctx
-    # with <|return|> alone as the end of turn (the family's eos), a sampled <|call|> is no end: the
-    # accumulator cannot place the closing text and every tool turn seals
+    # with <|return|> alone as the end of turn (the family's eos), a sampled <|call|> is still a special
+    # token the template renders back where the turn ends: the same verdicts as with the profile's ends
     only_return = ChatFormat(fam.tokenizer, "<|return|>", message_form=fmt.message_form)
-    assert _verdicts(fam, calls[:5], only_return) == Counter({("seal:template_rewrite", "seal:template_rewrite"): 5})
+    assert _verdicts(fam, calls[:5], only_return) == _verdicts(fam, calls[:5]) != Counter()
 
 
 def test_c_deepseek_v31(fams):

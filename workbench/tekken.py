@@ -87,6 +87,7 @@ class TekkenFormat(ChatFormat):
         self.end_of_turn_id = self._special[self.end_of_turn]
         self.turn_end_tokens = tuple(dict.fromkeys((self.end_of_turn, *turn_ends)))
         self.turn_end_ids = tuple(self._special[t] for t in self.turn_end_tokens)
+        self.special_ids = frozenset(self._special.values())  # (as ChatFormat's: a turn ended on one)
         self.template_kwargs = dict(template_kwargs or {})  # mistral-common takes none; kept for the interface
         self.message_form = dict(message_form or {})
 

@@ -306,6 +306,9 @@ class ChatFormat:
         # (gpt-oss's <|call|>); a sampled one closes the turn (Accumulator.record)
         self.turn_end_tokens = tuple(dict.fromkeys((self.end_of_turn, *turn_ends)))
         self.turn_end_ids = tuple(tokenizer.convert_tokens_to_ids(t) for t in self.turn_end_tokens)
+        # the tokenizer's special tokens: a turn that ends on one that is no turn end ended on an
+        # engine stop id (Llama's <|eom_id|>, an EOS), which the template may render otherwise
+        self.special_ids = frozenset(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
         self.template_kwargs = dict(template_kwargs or {})  # the model profile's (Qwen3's enable_thinking, ...)
         # what canonical_message keeps (the profile's tool_call_ids, tool_arguments, reasoning_field)
         self.message_form = dict(message_form or {})
@@ -546,6 +549,13 @@ class Accumulator:
         turn_text = self._conversation_text[len(prompt_text):] if self._conversation_text.startswith(prompt_text) else ""
         ends = dict(zip(getattr(self.fmt, "turn_end_ids", (self.fmt.end_of_turn_id,)),
                         getattr(self.fmt, "turn_end_tokens", (self.fmt.end_of_turn,))))
+        if sampled and sampled[-1] not in ends and sampled[-1] in getattr(self.fmt, "special_ids", ()):
+            # the turn ended on a special token that is no turn end (an engine stop id: Llama's
+            # <|eom_id|>, Qwen's <|endoftext|>). It closes the turn only where the template renders
+            # it there too; else the next request re-renders (template_rewrite), where the cut-reply
+            # branch below would have appended the template's end of turn after it: ids like
+            # <|eom_id|><|eot_id|> that no template renders and no inference produces
+            ends[sampled[-1]] = self.fmt.decode([sampled[-1]])
         if sampled and sampled[-1] in ends:  # the turn ended: the template must render that very token
             eot = ends[sampled[-1]]
             cut = turn_text.rfind(eot)
