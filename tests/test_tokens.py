@@ -69,6 +69,23 @@ def test_extension_is_exact_delta_with_closing_text(fmt):
     assert seg.versions == [v if m else -1 for v, m in zip(seg.versions, seg.loss_mask)]
 
 
+def test_identity_mismatch_is_measured_on_the_record_itself(fmt):
+    """An append that records a retokenization but reports the engine's ids (as a wrapper that
+    logs what it was given would): the statistic reads the segment, so it still counts."""
+
+    class QuietlyRetokenizing(Accumulator):
+        def _append_sampled(self, seg, sample):
+            ids = self.fmt.encode(self.fmt.decode(sample.token_ids))
+            seg.append(ids, trainable=True, logprobs=[0.0] * len(ids), versions=[0] * len(ids))
+            return list(sample.token_ids)
+
+    sample = reply(fmt, "12")  # "1", "2": the canonical encoding is one token
+    _, seg = turn(QuietlyRetokenizing(fmt), [SYS, USER], sample, "12")
+    assert seg.stats["identity_mismatch"] > 0
+    _, exact = turn(Accumulator(fmt), [SYS, USER], sample, "12")
+    assert exact.stats["identity_mismatch"] == 0
+
+
 def test_cut_reply_gets_end_of_turn_as_template_tokens(fmt):
     acc = Accumulator(fmt)
     _, seg = turn(acc, [SYS, USER], reply(fmt, "The answer", eot=False), "The answer")

@@ -514,7 +514,11 @@ class Accumulator:
             self.segments.append(Segment())
         seg = self.segments[-1]
         seg.append(plan.prompt_ids[len(seg):], trainable=False)
-        sampled = self._append_sampled(seg, sample)
+        start = len(seg)
+        self._append_sampled(seg, sample)
+        # measured on the record itself (what the segment now holds for the turn), not on what
+        # the append reports: a broken append that returns the engine's ids is caught too
+        sampled = seg.token_ids[start:]
         seg.stats["identity_mismatch"] += _mismatch(sampled, list(sample.token_ids))
         seg.stats["retokenization_drift"] += retokenization_drift(self.fmt, sampled)
         seg.stats["sampled_tokens"] += len(sampled)
@@ -603,8 +607,9 @@ class Accumulator:
         self._last_request = self._last_reply = None
 
     def _append_sampled(self, seg: Segment, sample) -> list[int]:
-        """Append the ids to train on: exactly the engine's, with their log-probs and versions.
-        (A test overrides this with the classic retokenizing bug to show the statistic catch it.)"""
+        """Append the ids to train on: exactly the engine's, with their log-probs and versions, and
+        return them. (A test and notebook 01 override this with the classic retokenizing bug to show
+        the statistic catch it; record measures what the segment holds, whatever this returns.)"""
         seg.append(sample.token_ids, trainable=True, logprobs=sample.logprobs, versions=sample.versions)
         return list(sample.token_ids)
 
