@@ -142,6 +142,9 @@ OPENAI_CASES = [
     ("continue_final_message", json.dumps({"messages": USER, "continue_final_message": True}), "'continue_final_message' is not supported",
      "continue_final_message"),
     ("a per-request chat_template", json.dumps({"messages": USER, "chat_template": "{{ messages }}"}), "per-request chat_template", "chat_template"),
+    ("reasoning_effort the profile does not set", json.dumps({"messages": USER, "reasoning_effort": "none"}),
+     "reasoning_effort is 'none', but the policy's profile does not set it", "reasoning_effort"),
+    ("documents", json.dumps({"messages": USER, "documents": [{"title": "t", "text": "x"}]}), "'documents' is not supported", "documents"),
 ]
 ANTHROPIC_CASES = [
     ("array nested 100,000 deep", nest(100_000), f"deeper than {MAX_JSON_DEPTH}", None),

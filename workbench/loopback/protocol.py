@@ -318,6 +318,17 @@ def check_template_controls(body: dict, template_kwargs: dict) -> None:
     if want(body, "chat_template", str) is not None:
         raise RequestError(400, "a per-request chat_template is not supported: every turn renders with the policy's "
                                 "template", param="chat_template")
+    # vLLM renders these two into the template as well (reasoning_effort "none" turns Qwen3's
+    # thinking off; gpt-oss writes "Reasoning: <effort>"): ignored, they changed nothing here
+    effort = body.get("reasoning_effort")
+    if effort is not None and template_kwargs.get("reasoning_effort") != effort:
+        have = (f"renders with {template_kwargs['reasoning_effort']!r}" if "reasoning_effort" in template_kwargs
+                else "does not set it")
+        raise RequestError(400, f"reasoning_effort is {short(effort)}, but the policy's profile {have}: every turn renders "
+                                f"with the profile's template kwargs (set it there: chat_template_kwargs)", param="reasoning_effort")
+    if body.get("documents"):
+        raise RequestError(400, "'documents' is not supported: every turn renders the conversation's messages and tools "
+                                "only", param="documents")
     if want(body, "continue_final_message", bool, default=False) or not want(body, "add_generation_prompt", bool, default=True):
         name = "continue_final_message" if body.get("continue_final_message") else "add_generation_prompt"
         raise RequestError(400, f"'{name}' is not supported: a turn always opens a new assistant message "
