@@ -256,6 +256,32 @@ def test_engine_refusal_is_a_400_and_an_engine_bug_a_500_without_internals(vllm_
         assert srv.sessions[o].segments == [] and srv.summary()["unexpected_errors"] == {"internal": 1}
 
 
+def test_a_reply_that_fails_after_sampling_is_not_answered_by_an_older_identical_request(vllm_moe, tokenizer):
+    """The reply's building fails after the engine sampled (a fake fault: a parser that raises
+    once). That request recorded nothing, so its retry must be sampled anew, not answered from
+    the cache with the reply of an older, identical request of the session."""
+
+    class FailingOnce(LoopbackServer):
+        fail = False
+
+        def _reply(self, sample, req, prompt_len):
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("reply parser bug")
+            return super()._reply(sample, req, prompt_len)
+
+    body = {"model": "p", "messages": USER, "max_tokens": 4}
+    with FailingOnce(SessionTap(vllm_moe), tokenizer) as srv, httpx.Client(timeout=60) as http:
+        o = srv.open_session()
+        url, key = srv.base_url(o) + "/chat/completions", {"Authorization": f"Bearer {srv.api_key}"}
+        assert http.post(url, headers=key, json=body).status_code == 200  # recorded; the session's last request
+        srv.fail = True
+        assert http.post(url, headers=key, json=body).status_code == 500  # the same request again: sampled, then failed
+        r = http.post(url, headers={**key, "x-stainless-retry-count": "1"}, json=body)  # the SDK's retry of it
+        assert r.status_code == 200 and srv.stats.retries_served_from_cache == 0
+        assert len(srv.engine.samples) == 3 and len(srv.close_session(o)) == 2  # the retry sampled and recorded anew
+
+
 @pytest.fixture
 def doomed_engine(ray_local, moe_path):
     """A reference engine actor of this test's own, to be killed."""

@@ -656,7 +656,11 @@ class LoopbackServer:
             engine_s = time.perf_counter() - t
             if self.sessions.get(sid) is not acc:  # closed meanwhile (episode timed out): drop
                 raise RequestError(404, f"session {sid!r} was closed while this request was in flight")
-            reply = self._reply(sample, req, len(plan.prompt_ids))
+            try:
+                reply = self._reply(sample, req, len(plan.prompt_ids))
+            except BaseException:
+                acc.forget_last_request()  # nothing recorded for it either: as for a failed engine call
+                raise
             if clamped and sample.finish_reason == "length":  # cut by the context, not by the agent's max_tokens
                 reply.truncated = acc.truncated = True
             acc.record(plan, sample, reply.assistant_message(), reply=reply, sampling_overridden=bool(differing))
