@@ -94,6 +94,22 @@ def test_cut_reply_gets_end_of_turn_as_template_tokens(fmt):
     assert fmt.decode(p.prompt_ids[n:]).startswith("<|im_end|>\n<|im_start|>user\ngo on")
 
 
+
+def test_a_cut_reply_ending_on_a_special_token_still_extends(fmt):
+    """A reply cut by max_tokens (ignore_eos) can end on any token, a special one too: the
+    template's end of turn closes it and the next request extends. Only a turn the engine stopped
+    on a special token that is no turn end (an engine stop id) seals at the next request."""
+    eos = fmt.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    ids = fmt.encode("The answer") + [eos]
+    msgs = [SYS, USER, {"role": "assistant", "content": "The answer"}, {"role": "user", "content": "go on"}]
+    for finish, sealed in (("length", False), ("stop", True)):
+        acc = Accumulator(fmt)
+        _, seg = turn(acc, [SYS, USER], Sample([], ids, [-0.5] * len(ids), [0] * len(ids), finish), "The answer")
+        p = acc.plan(msgs)
+        assert (p.new_segment, p.seal_reason) == ((True, "template_rewrite") if sealed else (False, None)), finish
+        if not sealed:
+            assert fmt.decode(p.prompt_ids[len(seg):]).startswith("<|im_end|>\n<|im_start|>user\ngo on")
+
 def test_retry_is_served_from_cache_and_recorded_once(fmt):
     acc = Accumulator(fmt)
     msgs = [SYS, USER]

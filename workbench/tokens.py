@@ -447,7 +447,7 @@ class Accumulator:
         self._window_start = 0  # the window of _conversation_text (see window)
         self._tools_key: str | None = None
         self._closing_text = ""  # template text owed after the last sampled token
-        self._unrendered: tuple | None = None  # (prompt text, tools, sampled ids) of a turn not yet rendered
+        self._unrendered: tuple | None = None  # (prompt text, tools, sampled ids, stopped) of a turn not yet rendered
         self._last_request: tuple | None = None
         self._last_reply: Any = None
         self.truncated = False  # a turn was cut by the context (the server sets it; see LoopbackServer)
@@ -531,7 +531,7 @@ class Accumulator:
         assistant = getattr(self.fmt, "canonical", canonical_message)(assistant_message)
         self._conversation = plan.messages + [assistant]
         self._window_start = plan.window_start
-        self._unrendered = (plan.prompt_text, plan.tools, sampled)
+        self._unrendered = (plan.prompt_text, plan.tools, sampled, getattr(sample, "finish_reason", "stop") == "stop")
         self._last_request = (plan.messages, plan.tools)  # keyed only when a retry comes (request_key)
         self._last_reply = reply
         seg.messages = list(self._conversation)
@@ -543,7 +543,7 @@ class Accumulator:
         text owed after the last sampled ids (`_closing_text`), for the turn record() left."""
         if self._unrendered is None:
             return
-        prompt_text, tools, sampled = self._unrendered
+        prompt_text, tools, sampled, stopped = self._unrendered
         self._unrendered = None
         try:
             self._conversation_text = self.fmt.render(self.window(self._conversation, self._window_start), tools,
@@ -553,12 +553,14 @@ class Accumulator:
         turn_text = self._conversation_text[len(prompt_text):] if self._conversation_text.startswith(prompt_text) else ""
         ends = dict(zip(getattr(self.fmt, "turn_end_ids", (self.fmt.end_of_turn_id,)),
                         getattr(self.fmt, "turn_end_tokens", (self.fmt.end_of_turn,))))
-        if sampled and sampled[-1] not in ends and sampled[-1] in getattr(self.fmt, "special_ids", ()):
+        if stopped and sampled and sampled[-1] not in ends and sampled[-1] in getattr(self.fmt, "special_ids", ()):
             # the turn ended on a special token that is no turn end (an engine stop id: Llama's
             # <|eom_id|>, Qwen's <|endoftext|>). It closes the turn only where the template renders
             # it there too; else the next request re-renders (template_rewrite), where the cut-reply
             # branch below would have appended the template's end of turn after it: ids like
-            # <|eom_id|><|eot_id|> that no template renders and no inference produces
+            # <|eom_id|><|eot_id|> that no template renders and no inference produces. Only a turn the
+            # engine *stopped* on it: a reply cut by max_tokens (ignore_eos) can end on any token, and
+            # the template's end of turn does close it
             ends[sampled[-1]] = self.fmt.decode([sampled[-1]])
         if sampled and sampled[-1] in ends:  # the turn ended: the template must render that very token
             eot = ends[sampled[-1]]
