@@ -145,6 +145,17 @@ OPENAI_CASES = [
     ("reasoning_effort the profile does not set", json.dumps({"messages": USER, "reasoning_effort": "none"}),
      "reasoning_effort is 'none', but the policy's profile does not set it", "reasoning_effort"),
     ("documents", json.dumps({"messages": USER, "documents": [{"title": "t", "text": "x"}]}), "'documents' is not supported", "documents"),
+    # decoding constraints: nothing constrains decoding (they were ignored: unconstrained replies)
+    ("response_format json_object", json.dumps({"messages": USER, "response_format": {"type": "json_object"}}),
+     "'response_format' other than", "response_format"),
+    ("parallel_tool_calls false", json.dumps({"messages": USER, "parallel_tool_calls": False}), "'parallel_tool_calls' is False", "parallel_tool_calls"),
+    ("legacy functions", json.dumps({"messages": USER, "functions": [{"name": "f", "parameters": {}}]}), "'functions' is", "functions"),
+    ("a legacy function_call in history", json.dumps({"messages": USER + [
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}, {"role": "user", "content": "ok"}]}),
+     "function_call (the legacy functions API)", "messages[1].function_call"),
+    ("vLLM's guided_json", json.dumps({"messages": USER, "guided_json": {"type": "object"}}), "'guided_json' is", "guided_json"),
+    ("vLLM's min_tokens", json.dumps({"messages": USER, "min_tokens": 5}), "'min_tokens' is 5", "min_tokens"),
+    ("vLLM's stop_token_ids", json.dumps({"messages": USER, "stop_token_ids": [5]}), "'stop_token_ids' is [5]", "stop_token_ids"),
 ]
 ANTHROPIC_CASES = [
     ("array nested 100,000 deep", nest(100_000), f"deeper than {MAX_JSON_DEPTH}", None),
@@ -162,7 +173,20 @@ ANTHROPIC_CASES = [
      "text must be a string", None),
     ("block type a list", json.dumps({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": ["text"]}]}]}), "with a 'type'", None),
     ("system with a lone surrogate", f'{{"messages": {MSGS}, "max_tokens": 4, "system": "\\udbff"}}', "lone surrogate", None),
-    ("tool input_schema a list", json.dumps({"max_tokens": 4, "messages": USER, "tools": [{"name": "f", "input_schema": [1]}]}), "'input_schema' an object", None),
+    ("tool input_schema a list", json.dumps({"max_tokens": 4, "messages": USER, "tools": [{"name": "f", "input_schema": [1]}]}), "'input_schema' must be an object", None),
+    ("tool without input_schema", json.dumps({"max_tokens": 4, "messages": USER, "tools": [{"name": "f"}]}), "'input_schema' must be an object", None),
+    ("Anthropic's bash tool", json.dumps({"max_tokens": 4, "messages": USER, "tools": [{"type": "bash_20250124", "name": "bash"}]}),
+     "Anthropic's 'bash_20250124' tool", None),
+    ("disable_parallel_tool_use", json.dumps({"max_tokens": 4, "messages": USER, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}),
+     "disable_parallel_tool_use is not supported", None),
+    ("a prefill", json.dumps({"max_tokens": 4, "messages": USER + [{"role": "assistant", "content": "{"}]}), "(prefill) is not supported", None),
+    ("thinking on a policy that does not reason", json.dumps({"max_tokens": 40, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 20}}),
+     "thinking.type is 'enabled', but the policy's profile renders every turn without reasoning", None),
+    ("thinking of an unknown type", json.dumps({"max_tokens": 4, "messages": USER, "thinking": {"type": "sometimes"}}), "thinking.type must be", None),
+    ("output_config.effort", json.dumps({"max_tokens": 4, "messages": USER, "output_config": {"effort": "low"}}),
+     "output_config.effort is 'low'", None),
+    ("output_config.format", json.dumps({"max_tokens": 4, "messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {}}}}),
+     "output_config.format is not supported", None),
     ("tool_use_id an object", json.dumps({"max_tokens": 4, "messages": USER + [
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "calc", "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": {"a": 1}, "content": "5"}]}]}), "tool_use_id must be a string", None),
@@ -431,3 +455,65 @@ def test_a_huge_request_is_tokenized_off_the_event_loop(server):
     seg, = server.close_session(sid)
     assert seg.stats["turns"] == 4 and seg.seal_reason == "episode_end"
     server.close_session(big_sid)
+
+
+class Scripted:
+    """An engine that answers with the text it is given, encoded, and the finish reason given (a
+    fake: replies a test needs exactly, and an abort, which a real engine gives only at its
+    shutdown). Keeps each request's sampling."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.replies, self.sampling = tokenizer, [], []
+
+    async def generate(self, prompt_ids, sampling):
+        from workbench.rollout.engine import Sample
+
+        self.sampling.append(sampling)
+        text, finish = self.replies.pop(0)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return Sample(list(prompt_ids), ids, [-0.1] * len(ids), [0] * len(ids), finish)
+
+
+def test_replies_without_tools_aborts_defaults_and_anthropic_edges(tokenizer):
+    """What real agents send and got wrong answers to. A request without tools gets tool-call
+    syntax back as text (it was parsed into calls the agent never declared); an agent sending no
+    max_tokens gets the policy's; an aborted sample is a 503 and records nothing (it was recorded
+    and answered as a finished turn); Claude Code's per-request billing header does not seal every
+    turn; a tool call's stop string is no stop_sequence; thinking "disabled" on a policy that does
+    not reason is accepted."""
+    from workbench.toy.tasks import CALC_TOOL
+
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expression": "1+1"}}\n</tool_call>'
+    engine = Scripted(tokenizer)
+    with LoopbackServer(engine, tokenizer, policy_sampling=SamplingConfig(max_tokens=300)) as srv:
+        o = srv.open_session()
+        client = openai.OpenAI(base_url=srv.base_url(o), api_key=srv.api_key, max_retries=0)
+        engine.replies += [(call + "<|im_end|>", "stop")] * 2
+        r = client.chat.completions.create(model="p", messages=USER)  # no tools, no max_tokens
+        assert r.choices[0].message.content == call and not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
+        assert engine.sampling[-1].max_tokens == 300
+        r = client.chat.completions.create(model="p", messages=USER, tools=[CALC_TOOL])
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "calc"
+        before = snapshot(srv)
+        engine.replies.append(("partial", "abort"))
+        with pytest.raises(openai.InternalServerError) as e:
+            client.chat.completions.create(model="p", messages=USER + [{"role": "user", "content": "more"}], max_tokens=8)
+        assert e.value.status_code == 503 and "EngineAborted" in e.value.body["message"] and snapshot(srv) == before
+
+        a = srv.open_session()
+        ac = anthropic.Anthropic(base_url=srv.base_url(a, "anthropic"), api_key=srv.api_key, max_retries=0)
+        msgs = [{"role": "user", "content": "Compute 1+1."}]
+        for k in range(2):  # the header's hash changes at every request
+            system = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1; cch={k}a9f;"},
+                      {"type": "text", "text": "You are a calculator."}]
+            engine.replies.append((call + " END<|im_end|>", "stop"))
+            m = ac.messages.create(model="p", max_tokens=40, system=system, messages=msgs, stop_sequences=["END"],
+                                   tools=[{"name": "calc", "input_schema": CALC_TOOL["function"]["parameters"]}],
+                                   thinking={"type": "disabled"})
+            assert (m.stop_reason, m.stop_sequence) == ("tool_use", None)
+            use = m.content[-1]
+            msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "2"}]}]
+        assert "billing" not in tokenizer.decode(srv.sessions[a].segments[0].token_ids)
+        assert len(srv.close_session(a)) == 1  # the second turn extended the first
+        srv.close_session(o)

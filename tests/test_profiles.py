@@ -86,6 +86,17 @@ def test_message_form_fields_reach_canonical_messages():
     assert new_tool_call_id(None).startswith("call_")
 
 
+def test_which_profiles_think():
+    """ModelProfile.thinks: a reasoning parser, unless the template kwargs turn thinking off;
+    DeepSeek V3.1's template thinks only with its `thinking` kwarg set."""
+    from workbench.profiles import ModelProfile
+
+    assert not ModelProfile("toy").thinks()
+    assert ModelProfile("gpt-oss", reasoning_parser="openai_gptoss").thinks()
+    assert not ModelProfile("deepseek-v3", reasoning_parser="deepseek_v3").thinks()
+    assert ModelProfile("deepseek-v3", reasoning_parser="deepseek_v3", chat_template_kwargs={"thinking": True}).thinks()
+
+
 def test_unknown_checkpoints_are_refused_by_name(tmp_path):
     with pytest.raises(ProfileError, match=r"no model family claims .* \(model_type 'falcon'\)"):
         profile_for(checkpoint(tmp_path, "falcon"))
@@ -151,6 +162,8 @@ def test_a_qwen3_checkpoints_template_decides_reasoning_and_tool_syntax(tmp_path
     prof = profile_for(d)
     thinks = "Instruct" not in repo and "Coder" not in repo
     assert (prof.reasoning_parser is not None, prof.tool_parser) == (thinks, "qwen3_coder" if "Coder" in repo else "hermes")
+    # what an Anthropic request's `thinking` is checked against; the hybrid's thinking turned off in the profile
+    assert prof.thinks() == thinks and not prof.replace(chat_template_kwargs={"enable_thinking": False}).thinks()
     fam = load_family("qwen3")
     rp = ReplyParser(fam.tokenizer, prof.tool_parser, prof.reasoning_parser, prof.chat_template_kwargs)
     cases = [x for x in fixtures("qwen3", with_expected=True) if x["tokenizer"]["repo"] == repo and x["id"] not in QWEN3_XFAIL

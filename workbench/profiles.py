@@ -74,6 +74,16 @@ class ModelProfile:
             ids.append(int(i))
         return sorted(set(ids))
 
+    def thinks(self) -> bool:
+        """Whether the policy's turns carry reasoning as this profile renders them: what an
+        Anthropic request's `thinking` is checked against (the loopback refuses the other). A
+        reasoning parser, unless the template kwargs turn thinking off (Qwen3's enable_thinking);
+        DeepSeek V3.1's template thinks only when its `thinking` kwarg is set."""
+        kw = self.chat_template_kwargs
+        if self.reasoning_parser is None or kw.get("enable_thinking") is False:
+            return False
+        return bool(kw.get("thinking", self.reasoning_parser != "deepseek_v3"))
+
     def replace(self, **overrides) -> "ModelProfile":
         known = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - known)

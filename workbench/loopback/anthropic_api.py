@@ -13,6 +13,7 @@ TOOLU = "toolu_"
 # Thinking blocks carry a signature the real API checks when they come back; this server records
 # ids, not text, and checks nothing: a fixed marker.
 SIGNATURE = "workbench-loopback"
+BILLING_HEADER = "x-anthropic-billing-header"
 
 
 def _call_id(tool_use_id):
@@ -52,6 +53,11 @@ def _text_of(content, where: str, sep: str) -> str:
 
 def _messages(messages: list, system) -> list[dict]:
     out = []
+    if isinstance(system, list):
+        # Claude Code's first system block is a billing header with a per-request hash: kept, it
+        # changed the system prompt at every request, so every turn sealed (history_rewritten) and
+        # re-prefilled the whole history. vLLM's Anthropic server drops it too.
+        system = [b for b in system if not (isinstance(b, dict) and str(b.get("text", "")).startswith(BILLING_HEADER))]
     if system:
         # joined as vLLM's Anthropic server joins them: system blocks with "", text blocks of a
         # message and a tool result's blocks with "\n" (an agent's reminder block and its question
@@ -124,24 +130,41 @@ def parse_request(body: dict) -> ChatRequest:
     for j, t in enumerate(tools or []):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise RequestError(400, f"tools[{j}] needs a 'name'", param="tools")
-        if not isinstance(t.get("description", ""), str) or not isinstance(t.get("input_schema", {}), dict):
-            raise RequestError(400, f"tools[{j}]: 'description' must be a string and 'input_schema' an object", param="tools")
+        if t.get("type", "custom") not in ("custom", None):  # bash_*, text_editor_*, web_search_*: no schema here
+            raise RequestError(400, f"tools[{j}] is Anthropic's {t['type']!r} tool, which is not supported: declare it "
+                                    f"as a custom tool with its input_schema", param="tools")
+        if not isinstance(t.get("description", ""), str) or not isinstance(t.get("input_schema"), dict):
+            raise RequestError(400, f"tools[{j}]: 'input_schema' must be an object and 'description' a string", param="tools")
         specs.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                       "parameters": t.get("input_schema", {})}})
+                                                       "parameters": t["input_schema"]}})
     choice = want(body, "tool_choice", dict, default={"type": "auto"})
     if choice.get("type") not in ("auto", "none"):
         raise RequestError(400, f"tool_choice {choice.get('type')!r} is not supported (use 'auto' or 'none'): the loopback server does not constrain decoding")
+    if choice.get("disable_parallel_tool_use"):
+        raise RequestError(400, "tool_choice.disable_parallel_tool_use is not supported: the loopback server does not "
+                                "constrain decoding (and a reply cut to one call would leave the others in the model's "
+                                "context)", param="tool_choice")
+    if isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+        # a prefill continues the assistant's message; rendered as a closed turn, the model started a
+        # new reply behind it, which the agent glued to the prefill
+        raise RequestError(400, "a final assistant message (prefill) is not supported: the loopback server always opens a "
+                                "new assistant turn", param="messages")
     stop = stop_strings(want(body, "stop_sequences", list, default=[]), "stop_sequences")
     sampling, sent = sampling_from(body, max_tokens, stop)
     return ChatRequest(messages=_messages(messages, system), tools=specs or None,
                        sampling=sampling, max_tokens=max_tokens, sent=sent,
-                       stream=want(body, "stream", bool, default=False), parse_tools=choice.get("type") != "none")
+                       stream=want(body, "stream", bool, default=False),
+                       parse_tools=bool(specs) and choice.get("type") != "none")  # (no tools: text, as openai_api)
 
 
 def _stop_reason(r: Reply) -> str:
     if r.tool_calls:
         return "tool_use"
     return {"length": "max_tokens", "stop_sequence": "stop_sequence"}.get(r.finish, "end_turn")
+
+
+def _stop_sequence(r: Reply) -> str | None:  # only where it is the stop reason (a tool call wins), as the API's
+    return r.stop_sequence if _stop_reason(r) == "stop_sequence" else None
 
 
 def _content(r: Reply) -> list[dict]:
@@ -154,7 +177,7 @@ def _content(r: Reply) -> list[dict]:
 
 def response_body(r: Reply, req: ChatRequest, model: str) -> dict:
     return {"id": "msg_" + r.id.split("-")[-1], "type": "message", "role": "assistant", "model": model, "content": _content(r),
-            "stop_reason": _stop_reason(r), "stop_sequence": r.stop_sequence,
+            "stop_reason": _stop_reason(r), "stop_sequence": _stop_sequence(r),
             "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}}
 
 
@@ -208,7 +231,7 @@ async def stream_events(head: Reply, parts, req: ChatRequest, model: str):
         yield event("content_block_start", {"index": index, "content_block": {**b, "input": {}}})
         yield event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta", "partial_json": json.dumps(b["input"])}})
         yield event("content_block_stop", {"index": index})
-    yield event("message_delta", {"delta": {"stop_reason": _stop_reason(r), "stop_sequence": r.stop_sequence},
+    yield event("message_delta", {"delta": {"stop_reason": _stop_reason(r), "stop_sequence": _stop_sequence(r)},
                                   "usage": {"output_tokens": r.completion_tokens}})
     yield event("message_stop", {})
 

@@ -51,6 +51,9 @@ def _message(m, i: int) -> dict:
     if not isinstance(role, str) or role not in ROLES:
         raise RequestError(400, f"messages[{i}].role: unknown role {short(role)} (expected one of {sorted(ROLES)})", param=f"messages[{i}].role")
     out = {"role": "system" if role == "developer" else role, "content": _content(m, i) or ""}
+    if role == "assistant" and m.get("function_call") is not None:  # (the legacy form of tool_calls)
+        raise RequestError(400, f"messages[{i}].function_call (the legacy functions API) is not supported: "
+                                f"send tool_calls", param=f"messages[{i}].function_call")
     if role == "assistant" and m.get("tool_calls"):
         calls = m["tool_calls"]
         if not isinstance(calls, list):
@@ -116,7 +119,9 @@ def parse_request(body: dict) -> ChatRequest:
     return ChatRequest(
         messages=msgs, tools=tools or None, sampling=sampling, max_tokens=max_tokens, sent=sent,
         stream=want(body, "stream", bool, default=False), include_usage=bool(opts.get("include_usage")),
-        logprobs=want(body, "logprobs", bool, default=False), parse_tools=choice != "none",
+        # a request without tools gets its reply as text, tool-call syntax included, as from vLLM
+        # (an agent describing its tools in the prompt parses them itself)
+        logprobs=want(body, "logprobs", bool, default=False), parse_tools=bool(tools) and choice != "none",
     )
 
 

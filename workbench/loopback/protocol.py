@@ -302,11 +302,51 @@ def _logit_bias(body: dict) -> dict:
     return bias
 
 
-def check_template_controls(body: dict, template_kwargs: dict) -> None:
+# Request fields that ask the engine to constrain or reshape decoding (structured output, one tool
+# call at most, vLLM's extras), with the values that ask for nothing. Nothing here constrains
+# decoding, and cutting a reply to fit would leave ids the agent never saw in the model's context:
+# any other value gets a 400 naming the field, where it used to be ignored.
+DECODING_FIELDS = {"parallel_tool_calls": (None, True), "functions": (None, []), "function_call": (None,),
+                   "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
+                   "guided_choice": (None,), "guided_grammar": (None,), "min_tokens": (None, 0),
+                   "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False),
+                   "skip_special_tokens": (None, True)}
+
+
+def check_decoding_controls(body: dict) -> None:
+    for name, off in DECODING_FIELDS.items():
+        value = body.get(name)
+        if not any(value is v or (type(value) is type(v) and value == v) for v in off):
+            raise RequestError(400, f"'{name}' is {short(value)}, which is not supported: the loopback server samples "
+                                    f"without constraining decoding (omit it)", param=name)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise RequestError(400, "'response_format' other than {'type': 'text'} is not supported: the loopback server does "
+                                "not constrain decoding (ask for JSON in the prompt and parse the reply)", param="response_format")
+
+
+def check_template_controls(body: dict, template_kwargs: dict, thinks: bool = False) -> None:
     """vLLM's request extras that change how the prompt renders (the SDKs send them through
-    extra_body). Every turn renders with the profile's template and kwargs, so the prompt the
-    policy is trained on is one template's: a request asking for another gets a 400 naming the
-    field, where it used to be ignored (an agent turning Qwen3's thinking off got thinking)."""
+    extra_body), and Anthropic's thinking and effort. Every turn renders with the profile's
+    template and kwargs, so the prompt the policy is trained on is one template's: a request
+    asking for another gets a 400 naming the field, where it used to be ignored (an agent
+    turning Qwen3's thinking off got thinking). `thinks`: whether the policy's turns carry
+    reasoning as the profile renders them (ModelProfile.thinks)."""
+    check_decoding_controls(body)
+    thinking = want(body, "thinking", dict)
+    if thinking is not None:
+        kind = thinking.get("type")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise RequestError(400, f"thinking.type must be 'enabled', 'disabled' or 'adaptive', got {short(kind)}", param="thinking")
+        if (kind != "disabled") != thinks:
+            # (budget_tokens is not enforced apart: a turn's thinking and answer share max_tokens)
+            raise RequestError(400, f"thinking.type is {kind!r}, but the policy's profile renders every turn "
+                                    f"{'with' if thinks else 'without'} reasoning (set it in the model profile: "
+                                    f"chat_template_kwargs)", param="thinking")
+    output = want(body, "output_config", dict, default={}) or {}
+    if output.get("format") is not None:
+        raise RequestError(400, "output_config.format is not supported: the loopback server does not constrain decoding",
+                           param="output_config")
     kwargs = want(body, "chat_template_kwargs", dict, default={}) or {}
     other = {k: v for k, v in kwargs.items() if k not in template_kwargs or template_kwargs[k] != v}
     if other:
@@ -320,12 +360,15 @@ def check_template_controls(body: dict, template_kwargs: dict) -> None:
                                 "template", param="chat_template")
     # vLLM renders these two into the template as well (reasoning_effort "none" turns Qwen3's
     # thinking off; gpt-oss writes "Reasoning: <effort>"): ignored, they changed nothing here
-    effort = body.get("reasoning_effort")
+    # (Anthropic's output_config.effort is the same control)
+    name = "reasoning_effort" if body.get("reasoning_effort") is not None else "output_config.effort"
+    effort = body.get("reasoning_effort", output.get("effort"))
     if effort is not None and template_kwargs.get("reasoning_effort") != effort:
         have = (f"renders with {template_kwargs['reasoning_effort']!r}" if "reasoning_effort" in template_kwargs
                 else "does not set it")
-        raise RequestError(400, f"reasoning_effort is {short(effort)}, but the policy's profile {have}: every turn renders "
-                                f"with the profile's template kwargs (set it there: chat_template_kwargs)", param="reasoning_effort")
+        raise RequestError(400, f"{name} is {short(effort)}, but the policy's profile {have} (reasoning_effort): every "
+                                f"turn renders with the profile's template kwargs (set it there: chat_template_kwargs)",
+                           param=name)
     if body.get("documents"):
         raise RequestError(400, "'documents' is not supported: every turn renders the conversation's messages and tools "
                                 "only", param="documents")

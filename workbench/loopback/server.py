@@ -64,6 +64,17 @@ class ServerStats:
     unexpected_errors: Counter = field(default_factory=Counter)
 
 
+class EngineAborted(RuntimeError):
+    """The engine ended the request unfinished (finish_reason "abort": its shutdown, an abort):
+    answered 503 and recorded nothing, where it was recorded and answered as a finished turn."""
+
+
+def finished(sample):
+    if sample.finish_reason == "abort":
+        raise EngineAborted(f"the engine aborted the request after {len(sample.token_ids)} tokens")
+    return sample
+
+
 async def call_engine(engine, prompt_ids, sampling, session_id=None, return_routed_experts=False, feed=None):
     """`engine`: an EngineRouter (gets the session id, for stickiness), a Ray actor handle
     (EngineHost), or any object with an async `generate(prompt_ids, sampling)`. With `feed` (a
@@ -111,7 +122,7 @@ async def stream_engine(engine, prompt_ids, sampling, session_id, return_routed_
 ENGINE_REFUSED = {"VLLMClientError", "ValueError", "OverflowError"}
 ENGINE_UNAVAILABLE = {"RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError",
                       "WorkerCrashedError", "NodeDiedError", "ObjectLostError", "OwnerDiedError", "OutOfMemoryError",
-                      "RaySystemError", "GetTimeoutError", "EngineUnavailable", "EngineDeadError"}
+                      "RaySystemError", "GetTimeoutError", "EngineUnavailable", "EngineDeadError", "EngineAborted"}
 _SCRUB = [(re.compile(p), r) for p, r in [
     (r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b", "<ip>"), (r"(?<![\w:])(?:[0-9a-fA-F]{1,4}:|:){2,7}[0-9a-fA-F]{1,4}(?![\w:])", "<ip>"),
     (r"(?i)\bpid[=: ]*\d+", "pid <n>"), (r"\b(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{16,}\b", "<id>"), (r"ray::\S+", "<task>"),
@@ -267,7 +278,8 @@ class LoopbackServer:
                 raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
             self.max_request_bytes = max_request_bytes
         self.engine, self.side_engine = engine, side_engine or engine
-        self.policy_sampling = policy_sampling or SamplingConfig()  # what recorded turns are sampled with
+        # what recorded turns are sampled with; its max_tokens is theirs where the agent sends none
+        self.policy_sampling = policy_sampling or SamplingConfig(max_tokens=default_max_tokens)
         self.sampling_mode = check_sampling_mode(sampling_mode)
         self.profile = profile
         self.fmt = ChatFormat(tokenizer) if profile is None else ChatFormat.for_profile(tokenizer, profile)
@@ -434,7 +446,7 @@ class LoopbackServer:
         (it depends on nothing else): a 400, logged and counted (unexpected_errors["parse"])."""
         try:
             req = api.parse_request(body)
-            check_template_controls(body, self.fmt.template_kwargs)
+            check_template_controls(body, self.fmt.template_kwargs, self.profile is not None and self.profile.thinks())
             return req
         except RequestError:
             raise
@@ -585,11 +597,11 @@ class LoopbackServer:
         return 500, "internal server error; the detail is in the server's log"
 
     # ------------------------------------------------------------------ turns
-    def _fit(self, req: ChatRequest, sampling: SamplingConfig, prompt_len: int) -> tuple[bool, bool]:
-        """Set sampling.max_tokens: the request's (or the default), clamped to the room the
+    def _fit(self, req: ChatRequest, sampling: SamplingConfig, prompt_len: int, default: int) -> tuple[bool, bool]:
+        """Set sampling.max_tokens: the request's (or `default`), clamped to the room the
         context leaves. Returns (room left?, clamped?)."""
         room = self.max_model_len - prompt_len
-        wanted = req.max_tokens or self.default_max_tokens
+        wanted = req.max_tokens or default
         if room < 1:
             return False, True
         sampling.max_tokens = min(wanted, room)
@@ -641,13 +653,14 @@ class LoopbackServer:
             if plan.cached is not None:
                 self.stats.retries_served_from_cache += 1
                 return plan.cached, 0.0
-            room, clamped = self._fit(req, sampling, len(plan.prompt_ids))
+            # an agent that sends no max_tokens gets the policy's (the loop's SamplingConfig)
+            room, clamped = self._fit(req, sampling, len(plan.prompt_ids), self.policy_sampling.max_tokens)
             if not room:  # the conversation has outgrown the context: end the turn, record nothing
                 acc.truncated = True
                 return Reply(finish="length", prompt_tokens=len(plan.prompt_ids), truncated=True), 0.0
             t = time.perf_counter()
             try:
-                sample = await call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts, req.feed)
+                sample = finished(await call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts, req.feed))
             except BaseException as e:
                 acc.forget_last_request()  # its retry must not get an older identical request's reply
                 if isinstance(e, Exception):
@@ -689,13 +702,13 @@ class LoopbackServer:
                 _, ids = fmt.prompt(req.messages, req.tools)
         except Exception as e:
             raise RequestError(400, f"the chat template cannot render these messages: {scrub(e)}", param="messages")
-        room, _ = self._fit(req, req.sampling, len(ids))
+        room, _ = self._fit(req, req.sampling, len(ids), self.default_max_tokens)
         if not room:
             raise RequestError(400, f"the prompt is {len(ids)} tokens, but the context is {self.max_model_len} tokens",
                                param="messages", code="context_length_exceeded")
         t = time.perf_counter()
         try:
-            sample = await call_engine(self.side_engine, ids, req.sampling, feed=req.feed)
+            sample = finished(await call_engine(self.side_engine, ids, req.sampling, feed=req.feed))
         except Exception as e:
             raise EngineCallFailed(e) from e
         return self._reply(sample, req, len(ids)), time.perf_counter() - t
