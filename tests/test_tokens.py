@@ -223,6 +223,39 @@ def test_routed_experts_keep_the_routing_of_sampling_time(fmt):
     assert (seg.routed_experts[P + T - 1] == 1).all()  # was -1: filled by the later prefill
 
 
+
+def test_a_turn_after_a_sync_keeps_its_own_requests_routing_and_a_resumed_request_does_not(fmt):
+    """Replayed routing per segment (what training_tensors hands the trainer). A later turn
+    sampled wholly at a newer version: its request's prefill routed the whole context under the
+    new weights, and that is replayed everywhere (the first turn's recording was kept, then masked
+    to live routing). One request resumed across a sync: positions before its first new-version
+    token were reported as first routed, under the old weights: they route live."""
+    from workbench.replay import latest_version_routing
+
+    def sample(n_ctx, ids, version, fill):
+        ex = np.full((n_ctx + len(ids), 1, 1), fill, np.int16)
+        ex[-1] = -1  # the last sampled token is never fed
+        return Sample([], ids, [-0.1] * len(ids), [version] * len(ids), "stop", routed_experts=ex)
+
+    acc = Accumulator(fmt)
+    p1 = acc.plan([SYS, USER])
+    acc.record(p1, sample(len(p1.prompt_ids), fmt.encode("12") + [fmt.end_of_turn_id], 1, 1), {"role": "assistant", "content": "12"})
+    p2 = acc.plan([SYS, USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "ok"}])
+    seg = acc.record(p2, sample(len(p2.prompt_ids), fmt.encode("7"), 2, 2), {"role": "assistant", "content": "7"})
+    replayed = latest_version_routing(seg.routed_experts, seg.versions, seg.loss_mask)
+    assert (replayed[:-1] == 2).all()  # the later turn's own routing, at every position it was fed
+    # the same turn recorded without routing: the first turn's (old weights) is not kept for it
+    acc = Accumulator(fmt)
+    acc.record(acc.plan([SYS, USER]), sample(len(p1.prompt_ids), fmt.encode("12") + [fmt.end_of_turn_id], 1, 1),
+               {"role": "assistant", "content": "12"})
+    plan = acc.plan([SYS, USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "ok"}])
+    seg = acc.record(plan, Sample([], fmt.encode("7"), [-0.1], [2], "stop"), {"role": "assistant", "content": "7"})
+    assert (seg.routed_experts == -1).all()
+    # one request across a sync: versions 1, 1, 2, 2 in one run of sampled tokens
+    versions, mask = [-1] * 4 + [1, 1, 2, 2], [0] * 4 + [1] * 4
+    resumed = latest_version_routing(np.ones((8, 1, 1), np.int16), versions, mask)
+    assert (resumed[:5] == -1).all() and (resumed[5:] == 1).all()  # position 5 produced the first v2 token
+
 def test_parquet_round_trip_and_training_tensors(tmp_path):
     a = Segment([1, 2, 3, 4], [0, 0, 1, 1], [0.0, 0.0, -0.1, -0.2], [-1, -1, 3, 4],
                 np.arange(16, dtype=np.int16).reshape(4, 2, 2), [{"role": "user", "content": "x"}], "episode_end")

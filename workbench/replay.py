@@ -26,16 +26,16 @@ import torch
 def latest_version_routing(experts, versions: list[int], loss_mask: list[int]):
     """The recorded experts ([T, layers, k]) of one segment that the trainer replays: where the
     segment's trainable tokens were sampled at several policy versions, only the routing recorded
-    at the latest one; earlier positions become -1 (live routing).
+    at the latest one; where a request spanned the sync, earlier positions become -1 (live).
 
     Why: a token sampled after a weight sync saw every earlier position computed by the new
     weights, their routing included (the engine recomputes an in-flight request's context at a
-    sync; a later turn's prefill computes the whole conversation again). But a segment keeps each
-    position's first recording: vLLM reports a resumed request's earlier positions as first routed,
-    and Accumulator keeps the earlier turn's. Replaying those under the new weights makes the
-    newest tokens' forward differ from the engine's wherever the two versions route differently.
-    Live routing by a trainer at that version is the engine's routing there; the older tokens,
-    stale and importance-corrected, cannot be matched in the same forward anyway."""
+    sync; a later turn's prefill computes the whole conversation again). A later turn's request
+    reports that routing for its whole context, and Accumulator keeps it (_merge_experts). But
+    vLLM reports a request resumed after a sync with its earlier positions as first routed, under
+    the old weights: replaying those makes the newest tokens' forward differ from the engine's
+    wherever the two versions route differently, so they route live; the older tokens, stale and
+    importance-corrected, cannot be matched in the same forward anyway."""
     import numpy as np
 
     sampled = [v for v, m in zip(versions, loss_mask) if m]
@@ -43,6 +43,8 @@ def latest_version_routing(experts, versions: list[int], loss_mask: list[int]):
         return experts
     latest = max(sampled)
     first = next(i for i, (v, m) in enumerate(zip(versions, loss_mask)) if m and v == latest)
+    if not loss_mask[first - 1]:  # the latest version's tokens begin a turn: its request's prefill recorded all
+        return experts
     out = np.array(experts, copy=True)
     out[: max(first - 1, 0)] = -1  # position first - 1 produced the first latest-version token: recorded then
     return out

@@ -524,7 +524,7 @@ class Accumulator:
         seg.stats["sampled_tokens"] += len(sampled)
         seg.stats["turns"] += 1
         seg.stats["sampling_overridden"] = seg.stats.get("sampling_overridden", 0) + int(bool(sampling_overridden))
-        self._merge_experts(seg, sample)
+        self._merge_experts(seg, sample, start)
         # Remember what the server returned. The template text owed after the sampled ids needs a
         # render of the conversation: done when the next request comes (_render_recorded), as an
         # episode's last turn (every turn of a single-turn episode) never needs it.
@@ -615,17 +615,28 @@ class Accumulator:
         seg.append(sample.token_ids, trainable=True, logprobs=sample.logprobs, versions=sample.versions)
         return list(sample.token_ids)
 
-    def _merge_experts(self, seg: Segment, sample) -> None:
+    def _merge_experts(self, seg: Segment, sample, start: int | None = None) -> None:
+        """The sample's routing into the segment's column (the sample's ids appended from `start`;
+        None: its last len(sample.token_ids) positions)."""
         ex = getattr(sample, "routed_experts", None)
+        start = len(seg) - len(sample.token_ids) if start is None else start
+        earlier = [v for v, m in zip(seg.versions[:start], seg.loss_mask[:start]) if m]
+        newer = bool(earlier) and min(sample.versions, default=-1) > max(earlier)  # sampled wholly after a sync
         if ex is None:
-            if seg.routed_experts is not None:  # keep the column aligned: unknown routing is -1
-                pad = np.full((len(seg) - seg.routed_experts.shape[0], *seg.routed_experts.shape[1:]), -1, np.int16)
-                seg.routed_experts = np.concatenate([seg.routed_experts, pad])
+            if seg.routed_experts is not None:  # keep the column aligned: unknown routing is -1 (and the
+                # earlier turns' routing is not what a turn sampled after a sync saw)
+                old = np.full_like(seg.routed_experts, -1) if newer else seg.routed_experts
+                pad = np.full((len(seg) - old.shape[0], *old.shape[1:]), -1, np.int16)
+                seg.routed_experts = np.concatenate([old, pad])
             return
         ex = np.asarray(ex, dtype=np.int16)[: len(seg)]
         if ex.shape[0] < len(seg):
             ex = np.concatenate([ex, np.full((len(seg) - ex.shape[0], *ex.shape[1:]), -1, np.int16)])
-        if seg.routed_experts is None:
+        if seg.routed_experts is None or newer:
+            # a turn sampled wholly after a sync: its request prefilled the whole context under the
+            # new weights (the sync dropped every cached K/V), so its routing is what its tokens saw
+            # at every earlier position. Keeping the earlier turns' recording there left the trainer
+            # nothing to replay for them (latest_version_routing) but live routing
             seg.routed_experts = ex
         else:  # routing recorded when a token's logits were produced wins; fill only the gaps
             old = seg.routed_experts
