@@ -96,6 +96,41 @@ def test_dynamic_sampling_filters_and_replaces_up_to_the_limit():
     assert len(groups) == 3 and stats == {} and nxt == 3
 
 
+
+def test_async_admission_judges_the_episodes_the_batch_trains_on():
+    """A group of episodes sampled at version 5 and one timed-out episode holding tokens of
+    versions 3-5 (a failed episode keeps its segments; on_failed='drop' removes it from the
+    batch). At version 5 with async_lag 1 the group is admitted: it rejected the whole group, so
+    the long, hard prompts where timeouts cluster were filtered out of training. With
+    on_failed='zero' the old episode is trained on, and the group is refused."""
+    from workbench.loop import _async_batch
+
+    def at(*versions, error=None):
+        t = episode(1.0 if error is None else 0.0, len(versions), error=error)
+        t.segments[0].versions = [-1, -1, *versions]
+        return t
+
+    class Stream:  # what _async_batch reads of a GroupStream
+        tasks, position = [], 9
+
+        def __init__(self, groups):
+            self.items, self.allowed = [(g, i, 0.0, 1.0, None) for i, g in enumerate(groups)], 0
+
+        def take(self):
+            return self.items.pop(0) if self.items else None
+
+        def allow(self, replace=0):
+            self.allowed += replace
+
+    group = [at(5, 5), at(5, 5), at(3, 4, 5, error="episode timed out")]
+    taken = _async_batch(Stream([group]), LoopConfig(prompts_per_step=1, group_size=3, async_lag=1), version=5)
+    groups, _, _, extra, _ = taken
+    assert groups == [group] and extra["groups_dropped_stale"] == 0
+    assert extra["groups_per_version"] == {5: 1} and extra["episodes_spanning_versions"] == 0
+    stream = Stream([group])
+    cfg = LoopConfig(prompts_per_step=1, group_size=3, async_lag=1, on_failed="zero")
+    assert _async_batch(stream, cfg, version=5) is None and stream.allowed == 1  # refused, one replacement asked
+
 def test_zero_variance_follows_the_episode_rules():
     group = [episode(1.0), episode(0.0, error="boom")]
     assert zero_variance(group)  # the failed episode is dropped (on_failed="drop"): one reward left

@@ -348,9 +348,14 @@ def test_an_episode_that_outgrows_the_context_is_truncated_not_failed(rollout_fo
         assert len(sampled) == seg.stats["sampled_tokens"] and len(sampled) < 2 * 120  # the second turn was clamped
     assert assert_exact(trajs, [vllm_moe]) == 2 * len(trajs)  # every sampled run is the engine's own
     assert ray.get(rollout.runners[0].stats.remote())["server"]["truncated_sessions"] == 2
-    short = rollout_for(AGENTS / "long_env.py", sampling=SamplingConfig(max_tokens=8))
+    # an Env's own truncation is one too: its step said truncated, or max_turns ran out first (each
+    # went into the batch as a finished episode, whatever on_truncated said)
+    for agent, turns in (("truncating_env.py", 1), ("long_env.py", 4)):
+        ended = rollout_for(AGENTS / agent, sampling=SamplingConfig(max_tokens=8)).run_groups([task], group_size=1, progress=False)[0]
+        assert [(t.error, t.truncated, t.info["turns"]) for t in ended] == [(None, True, turns)], agent
+    short = rollout_for(AGENTS / "waiting_env.py", sampling=SamplingConfig(max_tokens=8))  # terminated at turn 2
     normal = short.run_groups([task], group_size=2, progress=False)[0]
-    assert not any(t.truncated for t in normal)
+    assert not any(t.truncated or t.error for t in normal)
     # in the batch, by the loop's setting (LoopConfig.on_truncated): kept with their recorded
     # segments and reward (default), dropped, or kept with reward 0; counted either way
     from workbench.loop import batch_from_groups

@@ -688,6 +688,12 @@ def _sampled_versions(trajectories: list[Trajectory]) -> set[int]:
     return {v for t in trajectories for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m}
 
 
+def trained_episodes(group: list[Trajectory], rule: dict) -> list[Trajectory]:
+    """The group's episodes a batch would train on: those the episode rules (`rule`: on_failed,
+    on_truncated, overlong; episode_reward) do not drop."""
+    return [t for t in group if episode_reward(t, **rule)[0] != "drop"]
+
+
 def oldest_version(group: list[Trajectory]) -> int | None:
     """The version that sampled the group's oldest trainable token (None: it sampled none)."""
     return min(_sampled_versions(group), default=None)
@@ -786,7 +792,10 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
         if isinstance(item, BaseException):
             raise RuntimeError(f"the rollout failed: {item}") from item
         group, at, t0, t1, lp = item
-        oldest = oldest_version(group)
+        # over the episodes the batch trains on: a timed-out episode (kept with its segments, then
+        # dropped by on_failed) holding old tokens rejected its whole group, so the long, hard
+        # prompts where timeouts cluster were filtered out of training
+        oldest = oldest_version(trained_episodes(group, rule))
         if oldest is not None and version - oldest > cfg.async_lag:
             stale += 1
             stream.allow(replace=1)
@@ -803,8 +812,9 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
         starts.append(t0)
         ends.append(t1)
         positions.append(at)
+    trained = [trained_episodes(g, rule) for g in groups]  # (what the version counts describe)
     per_version: dict[int, int] = {}
-    for g in groups:
+    for g in trained:
         v = oldest_version(g)
         if v is not None:
             per_version[v] = per_version.get(v, 0) + 1
@@ -812,10 +822,10 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
     queued = list(stream.tasks)
     extra = {"data_position": min(positions), "data_next": queued[0][1] if queued else stream.position,
              "groups_dropped_stale": stale, "groups_per_version": dict(sorted(per_version.items())),
-             "episodes_spanning_versions": sum(len(_sampled_versions([t])) > 1 for g in groups for t in g),
+             "episodes_spanning_versions": sum(len(_sampled_versions([t])) > 1 for g in trained for t in g),
              # a group whose episodes were sampled at several versions: its advantages compare rewards
              # of different policies (a sibling queued across a sync), which no other count shows
-             "groups_mixing_versions": sum(len(_sampled_versions(g)) > 1 for g in groups)}
+             "groups_mixing_versions": sum(len(_sampled_versions(g)) > 1 for g in trained)}
     if cfg.dynamic_sampling:
         rewards = [t.reward for g in sampled for t in g if t.error is None]
         extra.update(ds_filtered_groups=filtered, ds_rounds=-(-filtered // n), ds_kept_groups=n - zero, ds_short=zero,

@@ -94,8 +94,9 @@ class Segment:
 @dataclass
 class Trajectory:
     """One agent episode: its segments plus reward, ids, info and error (None when it ran).
-    `truncated`: a turn was cut by the context (the conversation outgrew max_model_len); what
-    was recorded is exact, the episode just could not go on."""
+    `truncated`: a turn was cut by the context (the conversation outgrew max_model_len), or an
+    Env's episode was truncated (its step said so, or max_turns ran out); what was recorded is
+    exact, the episode just could not go on (LoopConfig.on_truncated decides its reward)."""
 
     segments: list[Segment] = field(default_factory=list)
     reward: float = 0.0

@@ -86,10 +86,10 @@ class RolloutRunner:
         async with self._sem:
             episode_id = uuid.uuid4().hex[:16]
             sid = self.server.open_session(episode_id)
-            reward, info, error, timed_out = 0.0, {}, None, False
+            reward, info, error, timed_out, cut = 0.0, {}, None, False, False
             try:
                 episode = self._env_episode(task, sid) if self.spec.kind == "env" else self._chat_episode(task, sid, group_id)
-                reward, info = await asyncio.wait_for(episode, self.episode_timeout_s)
+                reward, info, cut = await asyncio.wait_for(episode, self.episode_timeout_s)
             except asyncio.TimeoutError:
                 timed_out = True
                 error = f"episode timed out after {self.episode_timeout_s:g} s"
@@ -97,7 +97,7 @@ class RolloutRunner:
                 error = f"{type(e).__name__}: {e}\n{''.join(traceback.format_exc(limit=-3))}"
             segments, state = await self.server.close_session_async(sid, wait=not timed_out, details=True)
             return Trajectory(segments, reward, group_id, episode_id, {"task_id": task.id, **info}, error,
-                              truncated=state["truncated"])
+                              truncated=state["truncated"] or cut)
 
     def _shared_clients(self):
         """One OpenAI and one Anthropic SDK client per runner (made on its event loop); agents get
@@ -132,15 +132,18 @@ class RolloutRunner:
             result = await agent.run(ctx)
         else:  # a synchronous agent (stock sync SDK client) runs in a thread, not on this loop
             result = await asyncio.to_thread(agent.run, ctx)
-        return as_reward(result)
+        return (*as_reward(result), False)
 
     async def _env_episode(self, task: Task, sid: str):
-        """The framework-owned loop: render -> sample -> env.step, through the server's accumulator."""
+        """The framework-owned loop: render -> sample -> env.step, through the server's accumulator.
+        (reward, info, truncated): truncated when the Env's step said so (and not terminated) or
+        max_turns ran out first, so that LoopConfig.on_truncated applies to it as to an episode
+        cut by the context (it trained on a partial reward as if finished)."""
         env = self.spec.make()
         observation, info = await env.reset(task)
         messages = [dict(m) for m in observation]
         tools = env.tools or task.tools
-        total, turns = 0.0, 0
+        total, turns, cut = 0.0, 0, False
         for turns in range(1, env.max_turns + 1):
             reply = await self.server.turn(sid, messages, tools, self.sampling)
             if reply.truncated and not reply.token_ids:  # no room left in the context: the episode ends here
@@ -151,9 +154,12 @@ class RolloutRunner:
             total += float(reward)
             info.update(step_info or {})
             if terminated or truncated:
+                cut = bool(truncated) and not terminated
                 break
             messages += [dict(m) for m in observation]
-        return as_reward((total, {**info, "turns": turns}))  # a non-finite total fails the episode
+        else:  # max_turns ran out before the Env ended the episode
+            cut = True
+        return (*as_reward((total, {**info, "turns": turns})), cut)  # a non-finite total fails the episode
 
     async def shutdown(self) -> None:
         if self._clients is not None:  # their connection pools (aiohttp sessions), on the loop they live on
