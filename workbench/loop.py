@@ -34,7 +34,7 @@ from .trainer.losses import ADVANTAGES, EQUAL_REWARDS_TOL, PER_TOKEN_ADVANTAGES,
 
 MODES = ("sync", "async")
 # What a step does with an episode that failed (the agent raised or timed out, an engine died)
-# or was truncated (its conversation outgrew the context): leave it out of the batch, keep it
+# or was truncated (its conversation outgrew the context, or its Env truncated it): leave it out of the batch, keep it
 # with the reward it got, or keep it with reward 0. Kept episodes count in their group's
 # statistics and train on what they recorded.
 EPISODE_RULES = ("drop", "keep", "zero")

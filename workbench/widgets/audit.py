@@ -55,7 +55,7 @@ CHECKS = (
     ("kl_k3_live", "k3 without replay", "the same KL with live routing (what replay removes)"),
     ("sync_max_abs_diff", "sync probe difference", "max |engine - trainer| probe log-prob after the step's weight sync"),
     ("failed_rate", "failed episodes", "share of the step's episodes that failed (agent error, timeout, dead engine)"),
-    ("truncated_rate", "truncated episodes", "share of the step's episodes cut by the context"),
+    ("truncated_rate", "truncated episodes", "share of the step's episodes cut by the context or by an Env's truncation (its step, max_turns)"),
 )
 PER_EPISODE = {"identity_mismatch", "retokenization_drift", "unexpected_seals", "max_staleness", "failed_rate",
                "truncated_rate"}
