@@ -152,6 +152,37 @@ def test_same_prompt_requests_of_one_pass_go_as_one_engine_call(reference_engine
     assert router.state()["coalesced"] == 4
 
 
+
+@ray.remote(num_cpus=0)
+class DeadCore:
+    """An engine actor alive while its core is dead (a fake: vLLM's core crashing inside a live
+    actor, which the in-process engine then reports for every request as EngineCoreDead)."""
+
+    async def generate(self, *args):
+        from workbench.rollout.engine import EngineCoreDead
+
+        raise EngineCoreDead("the in-process vLLM engine has stopped")
+
+    async def generate_n(self, *args):
+        await self.generate()
+
+
+def test_an_engine_whose_core_died_is_taken_as_dead(reference_engines, run):
+    """It fails every request at once, so it kept the fewest outstanding requests and least-
+    outstanding placement sent it most new sessions, each failing its episode. Its error (inside
+    Ray's task error) marks it dead: the request fails over to a live engine, later ones go there."""
+    from workbench.rollout.router import EngineRouter
+
+    dead = DeadCore.remote()
+    router = EngineRouter([dead, reference_engines[0]])
+    s = SamplingConfig(max_tokens=4)
+    try:
+        first = run(router.generate([5, 6, 7], s, session_id="a"))  # placed on the dead core first (a tie)
+        assert first.token_ids and router.state()["dead"] == [0] and router.state()["failovers"] == 1
+        assert run(router.generate([5, 6, 7], s, session_id="b")).token_ids and router.state()["requests"] == {1: 2}
+    finally:
+        ray.kill(dead)
+
 def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     from concurrent.futures import ThreadPoolExecutor
 

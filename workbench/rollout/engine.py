@@ -25,6 +25,11 @@ class WeightSyncError(RuntimeError):
     """The engine does not serve the weights it was just given (post-sync check failed)."""
 
 
+class EngineCoreDead(RuntimeError):
+    """The engine's core has stopped inside a live actor (vLLM's raises EngineDeadError): every
+    later request fails at once. The router takes the engine as dead, as one whose actor died."""
+
+
 @dataclass
 class SamplingConfig:
     temperature: float = 1.0

@@ -13,6 +13,21 @@ class EngineUnavailable(RuntimeError):
     pass
 
 
+# An engine whose core died inside its live actor fails every request at once, so it kept the
+# fewest outstanding requests and least-outstanding placement sent it most new sessions (each
+# failing its episode) until the step's sync raised: its errors, by class name (the engine's
+# own, inside Ray's task error), mark it dead like a dead actor.
+CORE_DEAD = {"EngineCoreDead", "EngineDeadError"}
+
+
+def _core_dead(e: BaseException) -> bool:
+    while e is not None:
+        if CORE_DEAD & {c.__name__ for c in type(e).__mro__}:
+            return True
+        e = getattr(e, "cause", None) if "RayTaskError" in {c.__name__ for c in type(e).__mro__} else None
+    return False
+
+
 class EngineRouter:
     routes_sessions = True  # the loopback server passes session ids to generate()
 
@@ -90,6 +105,14 @@ class EngineRouter:
                 last_error = e
             except asyncio.TimeoutError:
                 raise EngineUnavailable(f"engine {i} did not answer within {self.request_timeout_s} s") from None
+            except Exception as e:
+                if not _core_dead(e):
+                    raise
+                self.dead.add(i)
+                if started:
+                    raise
+                self.failovers += 1
+                last_error = e
             finally:
                 self.outstanding[i] -= 1
         raise EngineUnavailable(f"all {len(self.engines)} rollout engines are dead (last error: {last_error})")

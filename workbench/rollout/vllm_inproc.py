@@ -24,6 +24,8 @@ import os
 import queue
 import threading
 
+from .engine import EngineCoreDead
+
 
 class InprocLLM:
     """AsyncLLM's calls that VLLMEngine makes, on an in-process LLMEngine."""
@@ -95,7 +97,7 @@ class InprocLLM:
 
     def _refuse_queued(self, settle) -> None:
         """Stopped (shut down, or the engine failed): calls still queued get an error, not a wait."""
-        stopped = RuntimeError("the in-process vLLM engine has stopped")
+        stopped = EngineCoreDead("the in-process vLLM engine has stopped")
         while True:
             try:
                 _, fut = self._calls.get_nowait()
@@ -131,7 +133,7 @@ class InprocLLM:
     async def call_in_thread(self, fn):
         """fn() in the engine's thread, between two steps; its result (or error) here."""
         if self._stopped:
-            raise RuntimeError("the in-process vLLM engine has stopped")
+            raise EngineCoreDead("the in-process vLLM engine has stopped")
         fut = self._loop.create_future()
         self._calls.put((fn, fut))
         self._wake.set()
@@ -149,7 +151,7 @@ class InprocLLM:
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
-                    raise RuntimeError(f"vLLM's engine core failed: {item!r}") from item
+                    raise EngineCoreDead(f"vLLM's engine core failed: {item!r}") from item
                 out, n = item
                 finished = out.finished
                 if not finished and out.outputs:
@@ -188,7 +190,7 @@ class InprocLLM:
         self._wake.set()
         self._thread.join(timeout=30)
         self._refuse_queued(lambda fut, e: _settle(fut, None, e))  # any queued after the thread's last look
-        self._fail_all(RuntimeError("the in-process vLLM engine was shut down"))  # requests still streaming
+        self._fail_all(EngineCoreDead("the in-process vLLM engine was shut down"))  # requests still streaming
         self.engine.engine_core.shutdown()
 
 
