@@ -494,6 +494,12 @@ def test_replies_without_tools_aborts_defaults_and_anthropic_edges(tokenizer):
         assert engine.sampling[-1].max_tokens == 300
         r = client.chat.completions.create(model="p", messages=USER, tools=[CALC_TOOL])
         assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "calc"
+        # a parser that raises on a reply (a fake fault): the reply reaches the agent as content, counted
+        parse, srv.reply_parser._parse = srv.reply_parser._parse, lambda *a: 1 / 0
+        engine.replies.append((call + "<|im_end|>", "stop"))
+        r = client.chat.completions.create(model="p", messages=USER + [{"role": "user", "content": "again"}], tools=[CALC_TOOL])
+        srv.reply_parser._parse = parse
+        assert r.choices[0].message.content == call and srv.summary()["parser_failures"] == 1
         before = snapshot(srv)
         engine.replies.append(("partial", "abort"))
         with pytest.raises(openai.InternalServerError) as e:

@@ -748,5 +748,8 @@ class LoopbackServer:
             "sampling_refused": dict(self.stats.sampling_refused),
             "truncated_sessions": self.stats.truncated_sessions + sum(acc.truncated for acc in open_accs),
             "unexpected_errors": dict(self.stats.unexpected_errors),
+            # replies a tool/reasoning parser raised on, handed to the agent as plain content (a
+            # tool call in them never reached it): counted, where only the log said so
+            "parser_failures": self.reply_parser.failures,
             "overhead_p50_s": pct(0.5), "overhead_p99_s": pct(0.99),
         }
