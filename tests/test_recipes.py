@@ -98,7 +98,10 @@ def test_the_code_grader_pays_only_right_return_values():
              "equal to everything": f"class A:\n    def __eq__(s, o): return True\ndef {name}(x): return A()",
              "huge __eq__": f"class A:\n    def __eq__(s, o): return 10**400\ndef {name}(x): return A()",
              "True for 1": f"def {name}(x): return True",
-             "right, then hangs": label["solution"] + "\nwhile True: pass"}
+             "right, then hangs": label["solution"] + "\nwhile True: pass",
+             # a marker line the JSON parser recurses out on (RecursionError, not ValueError: score raised)
+             "deep marker": 'import os\nprint("RESULTS " + "[" * 1500, flush=True)\nos._exit(0)',
+             "a NUL byte": label["solution"] + "\x00", "a lone surrogate": label["solution"] + "\n# \ud800"}
     for what, code in hacks.items():
         assert score(code, label, timeout_s=2)[0] == 0.0, what
     assert score(label["solution"], label)[0] == 1.0
@@ -172,3 +175,13 @@ def test_real_model_grpo_rises(execute, tmp_path):
     assert before["eval_tasks"] == after["eval_tasks"] == 16 and before["eval_n"] == 4
     assert results["reward_last"] > results["reward_first"]
     assert after["eval_pass@1"] > before["eval_pass@1"] and after["eval_reward_mean"] > before["eval_reward_mean"]
+
+
+def test_the_code_agent_answers_malformed_tool_arguments_instead_of_failing():
+    """Arguments that are not a JSON object with a string 'code' raised in the agent, failing
+    the episode, which the loop drops instead of scoring: a way out of a low reward. They are
+    now said to the model as the tool's result."""
+    from workbench.examples.code_agent import python_code
+
+    assert python_code('{"code": "print(1)"}') == "print(1)" and python_code('{"expression": "2*3"}') == "print(2*3)"
+    assert [python_code(a) for a in ("not json", "[1]", '{"code": 5}', '"print(1)"')] == [None] * 4

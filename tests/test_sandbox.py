@@ -243,10 +243,10 @@ def test_fork_bomb_is_stopped_at_the_process_limit():
 def test_threads_are_capped_so_one_sandbox_cannot_take_the_hosts_pids():
     """Threads are allowed, and a thread's stack can be tiny: the memory limit does not bound how
     many. Uncapped, one sandbox made 8,000 host tasks in 0.1 s (pid_max 32,768); RLIMIT_NPROC
-    stops it at MAX_TASKS (as root, the count of uid 65534, which sandboxes running at once share)."""
+    stops it at MAX_TASKS (as root, the count of the host uid the sandbox runs as, its own)."""
     from workbench.sandbox import MAX_TASKS
 
-    cap = MAX_TASKS["root" if os.geteuid() == 0 else "rootless"]
+    cap = MAX_TASKS
     r = run("""
         import threading, time
         threading.stack_size(64 * 1024)
@@ -259,6 +259,70 @@ def test_threads_are_capped_so_one_sandbox_cannot_take_the_hosts_pids():
         print('made', made)""", timeout_s=10, memory_mb=1024)
     made = int(r.stdout.split("made ")[-1])
     assert "refused can't start new thread" in r.stdout and 0 < made < cap, r.stdout + r.stderr
+
+
+def test_one_sandboxs_threads_do_not_starve_another_running_at_once():
+    """As root every sandbox ran as host uid 65534, whose task limit they shared: one holding
+    1,023 threads left a concurrent sibling unable to start one (a way for an episode to lower
+    its group's other rewards). Each now runs as a uid of its own."""
+    hog = """
+        import threading, time
+        threading.stack_size(64 * 1024)
+        try:
+            while True:
+                threading.Thread(target=time.sleep, args=(4,), daemon=True).start()
+        except RuntimeError:
+            print('full', flush=True)
+        time.sleep(4)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(run, hog, timeout_s=10)
+        time.sleep(1.5)  # the hog has filled its own limit
+        r = run("""
+            import os, threading
+            ts = [threading.Thread(target=print, args=('t',)) for _ in range(8)]
+            [t.start() for t in ts]; [t.join() for t in ts]
+            print('uid', os.getuid())""")
+    assert r.ok and r.stdout.count("t\n") == 8, r.stdout + r.stderr
+    assert "full" in first.result().stdout
+    if os.geteuid() == 0:
+        assert int(r.stdout.split("uid ")[-1]) in sandbox.SANDBOX_UIDS
+
+
+def test_sysv_and_posix_ipc_and_other_socket_families_are_refused():
+    """A SysV shared-memory segment outlives its detach outside RLIMIT_AS (1.5 GiB held under
+    a 64 MiB limit in review); AF_VSOCK reaches the hypervisor's port space, which no network
+    namespace covers. Both refused by the filter; unix and inet sockets still open (and reach
+    nothing outside)."""
+    r = run("""
+        import ctypes, socket
+        libc = ctypes.CDLL(None, use_errno=True)
+        print('shmget', libc.shmget(0, 1 << 20, 0o1600), ctypes.get_errno())
+        print('msgget', libc.msgget(0, 0o1600), ctypes.get_errno())
+        print('semget', libc.semget(0, 1, 0o1600), ctypes.get_errno())
+        for fam in (socket.AF_VSOCK, socket.AF_PACKET, socket.AF_UNIX, socket.AF_INET):
+            try:
+                socket.socket(fam, socket.SOCK_STREAM if fam != socket.AF_PACKET else socket.SOCK_RAW).close()
+                print(fam, 'opened')
+            except OSError as e:
+                print(fam, e.errno)""", memory_mb=64)
+    assert r.ok, r.stderr
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert all(lines[k] == f"-1 {errno.EPERM}" for k in ("shmget", "msgget", "semget")), r.stdout
+    assert lines[str(int(socket.AF_VSOCK))] == lines[str(int(socket.AF_PACKET))] == str(errno.EAFNOSUPPORT), r.stdout
+    assert lines[str(int(socket.AF_UNIX))] == lines[str(int(socket.AF_INET))] == "opened", r.stdout
+
+
+def test_code_the_call_itself_refused_fails_in_the_interpreter():
+    """Code is a file, not an argument: a NUL, a lone surrogate or code over 128 KiB made the call
+    raise (ValueError, UnicodeEncodeError, E2BIG), failing the episode, which the loop drops
+    instead of scoring 0. Now each is a failed run, and long code runs."""
+    for code, why in (("print(1)\x00", "null bytes"), ("print('\ud800')", "Non-UTF-8")):
+        r = run_python(code)
+        assert r.exit_code == 1 and "SyntaxError" in r.stderr and why in r.stderr, r.stderr
+    r = run_python("x = 1\n" * 40_000 + "print('long', x)")
+    assert r.ok and r.stdout == "long 1\n"
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64 syscall numbers")
@@ -295,14 +359,24 @@ def test_cpu_limit_cannot_be_raised():
 
 
 def _survivors(token: str) -> str:
-    return subprocess.run(["pgrep", "-af", token], capture_output=True, text=True).stdout
+    """Processes named `token` (the sandboxed code names itself: its code is a file, on no
+    command line)."""
+    return subprocess.run(["pgrep", "-a", token], capture_output=True, text=True).stdout
+
+
+def _token() -> str:  # a process name (at most 15 characters)
+    return f"wb{uuid.uuid4().hex[:13]}"
+
+
+def _named(token: str) -> str:
+    return f"import ctypes; ctypes.CDLL(None).prctl(15, b'{token}', 0, 0, 0)"  # PR_SET_NAME
 
 
 def test_escaping_grandchild_does_not_outlive_the_timeout():
-    token = f"tok{uuid.uuid4().hex}"
+    token = _token()
     t0 = time.monotonic()
     r = run(f"""
-        # {token}
+        {_named(token)}
         import os, time
         try:
             if os.fork() == 0:
@@ -321,13 +395,12 @@ def test_escaping_grandchild_does_not_outlive_the_timeout():
 
 def test_sandbox_dies_with_its_caller():
     # the caller is SIGKILLed mid-run, so no timeout of ours fires: --die-with-parent does it
-    token = f"tok{uuid.uuid4().hex}"
+    token = _token()
     caller = subprocess.Popen([sys.executable, "-c", dedent(f"""
         import importlib.util, os, sys
         spec = importlib.util.spec_from_file_location("sb", {sandbox.__file__!r})
         sb = importlib.util.module_from_spec(spec); sys.modules["sb"] = sb; spec.loader.exec_module(sb)
-        sb.run_python("# " + os.environ["TOKEN"] + "\\nimport time; time.sleep(60)", timeout_s=60)""")],
-        env={**os.environ, "TOKEN": token})  # not on any command line but the sandboxed code's
+        sb.run_python({_named(token)!r} + "\\nimport time; time.sleep(60)", timeout_s=60)""")])
     try:
         deadline = time.monotonic() + 10
         while not _survivors(token) and time.monotonic() < deadline:

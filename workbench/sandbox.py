@@ -3,29 +3,37 @@
 Isolation (bubblewrap, Debian package `bubblewrap` >= 0.8, installed by scripts/setup.sh):
 - new PID, mount, network, IPC, UTS (and cgroup) namespaces: no host process, socket (unix,
   abstract or TCP, 127.0.0.1 included) or hostname is reachable; `--die-with-parent`;
-- the code runs as uid 65534 without capabilities and with no_new_privs. Started by a normal
-  user, bwrap also gives it a user namespace (uid 65534 inside, the caller's uid outside). Started
-  by root, bwrap runs in its privileged mode instead and the launcher below drops to the host's
-  uid 65534: a user namespace would map the sandbox to host uid 0, and the kernel exempts host
-  root from RLIMIT_NPROC and lets it write global sysctls under /proc/sys (both seen here);
+- the code runs as an unprivileged uid without capabilities and with no_new_privs. Started by a
+  normal user, bwrap also gives it a user namespace (uid 65534 inside, the caller's uid outside).
+  Started by root, bwrap runs in its privileged mode instead and the launcher below drops to a
+  host uid of the sandbox's own (random, in SANDBOX_UIDS): a user namespace would map the sandbox
+  to host uid 0, and the kernel exempts host root from RLIMIT_NPROC and lets it write global
+  sysctls under /proc/sys (both seen here); a uid shared by every sandbox (65534) shared its task
+  limit too, so one sandbox's threads starved its siblings (a way to lower their rewards);
 - the filesystem is an empty read-only root with, read-only, only the interpreter, its stdlib
   (its site-packages hidden) and the system library directory; a fresh /proc of the new PID
   namespace, a minimal /dev, and a private size-limited tmpfs /tmp as the work directory; task
   `files` are read-only inside it and copied afresh for every call; no inherited descriptors;
 - a seccomp filter (libseccomp, via bwrap --seccomp) forbids new processes (fork, vfork, clone
-  without CLONE_THREAD; threads are fine), new namespaces, memfds and kernel keyrings. One
+  without CLONE_THREAD; threads are fine), new namespaces, memfds, kernel keyrings, SysV and
+  POSIX IPC (a shared-memory segment outlives its detach, outside RLIMIT_AS: 1.5 GiB held under
+  a 64 MiB limit), and sockets other than unix, inet, inet6 and netlink (AF_VSOCK reaches the
+  hypervisor's port space, which no network namespace covers). One
   process makes the rlimits whole-sandbox limits: address space, CPU seconds, file size, open
   files, tasks (MAX_TASKS), set by the launcher with hard == soft (CPU: hard = soft + 1 s, so the
   soft limit's SIGXCPU is seen), which the unprivileged code cannot raise; the filter also
   refuses io_uring, bpf, userfaultfd, perf_event_open, ptrace, process_vm_*, personality, kexec;
 - a wall-clock timeout kills bwrap's process group; the sandbox's PID 1 dies with it and the
   kernel then kills everything in the namespace; output is read incrementally and at most
-  `max_output` characters per stream are kept.
+  `max_output` characters per stream are kept;
+- the code is a read-only file (/run/main.py), not an argument: a single argument over 128 KiB
+  (or one holding a NUL) failed the call itself (E2BIG, ValueError), and a failed call fails the
+  episode, which the loop drops instead of scoring 0. Such code now fails in the interpreter.
 
 Where the sandbox cannot be had (no bwrap, no libseccomp, namespaces refused), run_python raises
 SandboxUnavailable. WORKBENCH_UNSAFE_NO_SANDBOX=1 (or unsafe_no_sandbox=True) runs the code
-anyway, UNSANDBOXED: only `python -I -S`, the rlimits and the timeout; host files, network and
-processes are then reachable.
+anyway, UNSANDBOXED: only `python -I -S`, the rlimits and the timeout, as the caller's uid (root
+too); host files, network and processes are then reachable.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import ctypes.util
 import errno
 import functools
 import os
+import secrets
 import selectors
 import shutil
 import signal
@@ -73,20 +82,22 @@ class SandboxResult:
 # then replace itself with a fresh interpreter for the untrusted code.
 _LAUNCHER = """
 import os, resource as r, sys
-mem, cpu, fsize, drop, tasks = map(int, sys.argv[1:6])
-if drop and os.getuid() == 0:
-    os.setgroups([]); os.setgid(%d); os.setuid(%d)
+mem, cpu, fsize, uid, tasks = map(int, sys.argv[1:6])
+if uid and os.getuid() == 0:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
 for k, v in ((r.RLIMIT_AS, (mem, mem)), (r.RLIMIT_CPU, (cpu, cpu + 1)), (r.RLIMIT_FSIZE, (fsize, fsize)),
              (r.RLIMIT_NOFILE, (256, 256)), (r.RLIMIT_CORE, (0, 0)), (r.RLIMIT_NPROC, (tasks, tasks))):
     r.setrlimit(k, v)
 # -u: unbuffered, so what the code printed before a timeout kill or os._exit is not lost
-os.execv(sys.executable, [sys.executable, "-I", "-S", "-u", "-c", sys.argv[6]])
-""" % (NOBODY, NOBODY)
+os.execv(sys.executable, [sys.executable, "-I", "-S", "-u", sys.argv[6]])
+"""
+CODE_PATH = "/run/main.py"  # where the code is, read-only, inside the sandbox
 # Threads (tasks) of the sandbox's uid: RLIMIT_NPROC. Threads are allowed and a raw clone() thread
 # needs no stack, so the memory limit does not bound them: one sandbox made 8,000 host tasks in
-# 0.1 s (pid_max was 32,768). Rootless, the count is the sandbox's own user namespace's; as root the
-# code runs as the host's uid 65534, whose count every sandbox running at once shares.
-MAX_TASKS = {"rootless": 64, "root": 1024}
+# 0.1 s (pid_max was 32,768). Rootless, the count is the sandbox's own user namespace's; as root,
+# that of the host uid the sandbox runs as, drawn for it from SANDBOX_UIDS (no account has them).
+MAX_TASKS = 64
+SANDBOX_UIDS = range(1_000_000, 2_000_000)
 
 
 @functools.lru_cache(maxsize=1)
@@ -112,8 +123,14 @@ def _seccomp_program() -> bytes:
     rules = [(n, deny(errno.EPERM), None) for n in
              ("fork", "vfork", "unshare", "setns", "memfd_create", "add_key", "keyctl", "request_key",
               "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf", "userfaultfd", "perf_event_open",
-              "ptrace", "process_vm_readv", "process_vm_writev", "personality", "kexec_load", "kexec_file_load")]
+              "ptrace", "process_vm_readv", "process_vm_writev", "personality", "kexec_load", "kexec_file_load",
+              "shmget", "shmat", "msgget", "msgsnd", "semget", "mq_open")]
     rules.append(("clone", deny(errno.EPERM), Cmp(0, 7, 0x10000, 0)))  # (flags & CLONE_THREAD) == 0
+    # socket(family, ...): AF_UNIX 1, AF_INET 2, AF_INET6 10, AF_NETLINK 16 (glibc's getaddrinfo
+    # reads interfaces through it; it sees only the sandbox's network namespace); others refused
+    eq, ge = 4, 5  # SCMP_CMP_EQ, SCMP_CMP_GE
+    rules += [("socket", deny(errno.EAFNOSUPPORT), Cmp(0, eq, f, 0)) for f in (0, *range(3, 10), *range(11, 16))]
+    rules.append(("socket", deny(errno.EAFNOSUPPORT), Cmp(0, ge, 17, 0)))
     rules.append(("clone3", deny(errno.ENOSYS), None))  # its flags are behind a pointer; glibc falls back to clone
     ctx = lib.seccomp_init(allow)
     fd = os.memfd_create("seccomp")
@@ -184,15 +201,16 @@ def _parents(path: str) -> list[str]:
     return out
 
 
-def _bwrap_args(bwrap: str, disk_mb: int, seccomp_fd: int, file_fds: dict[str, int]) -> list[str]:
+def _bwrap_args(bwrap: str, disk_mb: int, seccomp_fd: int, file_fds: dict[str, int], code_fd: int) -> list[str]:
     exe, view = _interpreter()
-    if os.geteuid() == 0:  # privileged mode; the launcher drops to uid 65534 (see the module doc)
+    if os.geteuid() == 0:  # privileged mode; the launcher drops to the sandbox's own uid (see the module doc)
         ns = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
               "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         ns = ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", str(NOBODY), "--gid", str(NOBODY)]
     args = [bwrap, *ns, "--hostname", "sandbox", *view, "--proc", "/proc", "--dev", "/dev",
-            "--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", WORKDIR]
+            "--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", WORKDIR,
+            "--perms", "0755", "--dir", os.path.dirname(CODE_PATH), "--perms", "0444", "--ro-bind-data", str(code_fd), CODE_PATH]
     for name, fd in file_fds.items():
         dest = os.path.join(WORKDIR, name)
         for p in reversed(_parents(dest)):
@@ -267,25 +285,35 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
     exe = _interpreter()[0]
     limits = [str(memory_mb << 20), str(int(timeout_s) + 1), str(disk_mb << 20)]
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": WORKDIR}
+    # a lone surrogate goes in as written: the interpreter refuses it (a failed run, not a failed call)
+    source = code.encode("utf-8", "surrogatepass")
+    # (0: the launcher keeps its uid. Unsandboxed it must: an interpreter under /root is not
+    # executable by another uid, and without the sandbox nothing shows it elsewhere)
+    uid = secrets.choice(SANDBOX_UIDS) if os.geteuid() == 0 and bwrap is not None else 0
     fds: list[int] = []
     tmp = None
     try:
         if bwrap is not None:
             fds.append(_data_fd(_seccomp_program()))
+            fds.append(_data_fd(source))
             file_fds = {name: _data_fd(data) for name, data in files.items()}
             fds += file_fds.values()
-            cmd, cwd = _bwrap_args(bwrap, disk_mb, fds[0], file_fds), None
+            cmd, cwd, path = _bwrap_args(bwrap, disk_mb, fds[0], file_fds, fds[1]), None, CODE_PATH
         else:
             tmp = tempfile.TemporaryDirectory(prefix="workbench-unsafe-")
-            cwd, env["HOME"] = tmp.name, tmp.name
+            cwd, env["HOME"] = os.path.join(tmp.name, "work"), os.path.join(tmp.name, "work")
+            os.mkdir(cwd)
+            path = os.path.join(tmp.name, "main.py")
+            with open(path, "wb") as f:
+                f.write(source)
+            os.chmod(path, 0o444)
             for name, data in files.items():
                 os.makedirs(os.path.dirname(os.path.join(cwd, name)), exist_ok=True)
                 with open(os.path.join(cwd, name), "wb") as f:
                     f.write(data)
                 os.chmod(os.path.join(cwd, name), 0o444)
             cmd = [exe]
-        tasks = MAX_TASKS["root" if os.geteuid() == 0 else "rootless"]
-        cmd += ["-I", "-S", "-c", _LAUNCHER, *limits, str(int(bwrap is not None)), str(tasks), code]
+        cmd += ["-I", "-S", "-c", _LAUNCHER, *limits, str(uid), str(MAX_TASKS), path]
         # a session of its own: the timeout kills the group (bwrap, and with it the sandbox)
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True)

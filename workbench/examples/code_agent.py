@@ -20,6 +20,19 @@ def tasks(n: int, seed: int = 0):
     return [Task(t.messages, tools=t.tools + [PYTHON_TOOL], label=t.label) for t in tool_tasks(n, seed)]
 
 
+def python_code(arguments: str | None) -> str | None:
+    """The code a tool call asks to run (a calc-style call's expression, printed), or None when
+    its arguments are not a JSON object holding a string."""
+    try:
+        args = json.loads(arguments or "{}")
+    except ValueError:
+        return None
+    if not isinstance(args, dict):
+        return None
+    code = args.get("code") or f"print({args.get('expression', '')})"
+    return code if isinstance(code, str) else None
+
+
 class CodeAgent(ChatAgent):
     timeout_s, memory_mb = 5.0, 256
 
@@ -34,8 +47,11 @@ class CodeAgent(ChatAgent):
                 answer = msg.content
                 break
             for call in msg.tool_calls:
-                args = json.loads(call.function.arguments or "{}")
-                code = args.get("code") or f"print({args.get('expression', '')})"
+                code = python_code(call.function.arguments)
+                if code is None:  # said to the model as the tool's result: raised, it failed (dropped) the episode
+                    messages.append({"role": "tool", "tool_call_id": call.id,
+                                     "content": "[invalid arguments: expected a JSON object with a string 'code']"})
+                    continue
                 res = await asyncio.to_thread(run_python, code, self.timeout_s, self.memory_mb, 1000)
                 runs.append({"code": code, "exit_code": res.exit_code, "timed_out": res.timed_out})
                 # what went wrong is said, not left as an empty or cut result the model cannot read

@@ -67,7 +67,7 @@ def score(code: str, label: dict, timeout_s: float = 5.0) -> tuple[float, dict]:
     if res.exit_code == 0 and not res.timed_out and not res.truncated and lines and lines[-1].startswith(MARKER):
         try:
             got = json.loads(lines[-1][len(MARKER):])
-        except ValueError:
+        except Exception:  # not only ValueError: "[" * 1500 raised RecursionError, failing (dropping) the episode
             got = None
     if not isinstance(got, list) or len(got) != len(wanted):
         got = [None] * len(wanted)  # code that does not even define the function passes nothing
