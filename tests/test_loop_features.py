@@ -131,6 +131,55 @@ def test_async_admission_judges_the_episodes_the_batch_trains_on():
     cfg = LoopConfig(prompts_per_step=1, group_size=3, async_lag=1, on_failed="zero")
     assert _async_batch(stream, cfg, version=5) is None and stream.allowed == 1  # refused, one replacement asked
 
+
+def test_a_step_whose_sync_failed_is_recorded_before_the_error():
+    """The step trained, then its weight sync failed: it is recorded (history, metrics, the
+    callback that advances wb.next_step) before the error is raised, and not evaluated on engines
+    that did not take its weights. It was not recorded, so the next wb.run() trained the same
+    step again on the same tasks, over weights that already held its update."""
+    import threading
+
+    from workbench.loop import _after_step
+    from workbench.rollout.engine import WeightSyncError
+
+    history, seen, evaluated = [], [], []
+    error = WeightSyncError("the engine's probe differs")
+    cfg = LoopConfig(eval_every=1)
+    with pytest.raises(WeightSyncError):
+        _after_step(None, cfg, 3, {"step": 3, "sync_error": str(error), "data_next": 8}, history,
+                    lambda step: evaluated.append(step) or {}, seen.append, None, 0, threading.Event(), error)
+    assert [m["step"] for m in history] == [m["step"] for m in seen] == [3] and evaluated == []
+
+
+def test_async_continues_a_callable_source_from_its_data_position():
+    """A callable source (the agent's tasks(n, seed)) is drawn by the continuous async loop a
+    chunk of prompts_per_step at a time, seeded per chunk. A run continued from a data position
+    (data_next: the next task not started, mid-chunk) goes on in that chunk; seeded by the step,
+    it drew again tasks an earlier run had trained."""
+    import threading
+
+    from workbench.loop import GroupStream
+
+    class Full:  # every runner full: the stream draws its first chunk and starts nothing
+        def submit_group(self, task, n):
+            return None
+
+    def source(n, seed):
+        return [Task([{"role": "user", "content": f"{seed}-{i}"}], id=f"{seed}-{i}") for i in range(n)]
+
+    stop = threading.Event()
+    stop.set()
+    cfg = LoopConfig(steps=10, prompts_per_step=4, group_size=2, mode="async")
+    stream = GroupStream(Full(), source, cfg, first=2, position=9, stop=stop)
+    stream.thread.join()
+    assert [(t.id, at) for t, at in stream.tasks] == [("2-1", 9), ("2-2", 10), ("2-3", 11)]
+    assert stream._next_task()[0].id == "2-1" and [stream._next_task()[1] for _ in range(3)] == [10, 11, 12]
+    assert stream.tasks[0][0].id == "3-1"  # the next chunk, seeded 3
+    fresh = GroupStream(Full(), source, cfg, first=2, position=8, stop=stop)  # a new run from step 2
+    fresh.thread.join()
+    task, at = fresh._next_task()
+    assert (task.id, at) == ("2-0", 8)
+
 def test_zero_variance_follows_the_episode_rules():
     group = [episode(1.0), episode(0.0, error="boom")]
     assert zero_variance(group)  # the failed episode is dropped (on_failed="drop"): one reward left

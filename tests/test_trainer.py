@@ -284,7 +284,17 @@ def test_checkpoint_then_resume_gives_the_same_next_step(ray_local, moe_path, sa
     cfg = TrainerConfig(lr=1e-3, micro_batch_size=2, correction=CorrectionConfig.tis())
     b1, b2 = batch_of(samples), batch_of(samples, rewards=[-1.0, 1.0, 0.5, -0.5, 1.0])
     a = Trainer(str(moe_path), world_size=2, cfg=cfg)
+
+    def adamw(t):  # each rank's AdamW step counters and learning rates
+        return ray.get([w.__ray_call__.remote(lambda self: (sorted({int(st["step"]) for st in self.optimizer.state.values()}),
+                                                            [g["lr"] for g in self.optimizer.param_groups]))
+                        for w in t.workers])
+
     try:
+        # saved before any step: the save made the optimizer's state with a zero-gradient step,
+        # which left AdamW's counters at 1 (the first real update 0.74x); they stay at 0
+        a.save(str(tmp_path / "fresh"))
+        assert all(steps == [0] for steps, _ in adamw(a))
         a.train_step(b1)
         a.save(str(tmp_path / "ckpt"), {"next_step": 1})
         uninterrupted = a.train_step(b2)
@@ -294,8 +304,13 @@ def test_checkpoint_then_resume_gives_the_same_next_step(ray_local, moe_path, sa
     b = Trainer(str(moe_path), world_size=2, cfg=cfg)
     try:
         assert b.restore(str(tmp_path / "ckpt"))["next_step"] == 1 and b.version == 1
+        assert all(steps == [1] for steps, _ in adamw(b))
         resumed = b.train_step(b2)
         after_b = b.logprobs(b2)
+        # a resume under another learning rate takes it (the checkpoint's was kept, silently)
+        ray.get([w.__ray_call__.remote(lambda self: setattr(self.cfg, "lr", 3e-4)) for w in b.workers])
+        b.restore(str(tmp_path / "ckpt"))
+        assert all(lrs and set(lrs) == {3e-4} for _, lrs in adamw(b))
     finally:
         b.shutdown()
     assert resumed["loss"] == pytest.approx(uninterrupted["loss"], abs=1e-6)

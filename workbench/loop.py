@@ -325,15 +325,16 @@ def drop_dead_engines(engines: list, lost: list) -> None:
 
 
 def engines_version(engines: list, lost: list | None = None, newest: bool = True) -> int:
-    """The newest policy version any live engine serves (`newest=False`: the oldest, what
-    decides whether every engine needs a sync: after a sync that failed part-way the newest
-    says none does). Dead engines are dropped from `engines` (drop_dead_engines) and added to
-    `lost` when given."""
+    """The newest policy version any live engine serves (`newest=False`: the oldest verified one,
+    what decides whether every engine needs a sync: after a sync that failed part-way the newest
+    says none does, and an engine whose probe check failed is tagged with the version it failed
+    at). Dead engines are dropped from `engines` (drop_dead_engines) and added to `lost` when given."""
     refs = [e.info.remote() for e in engines]
     versions, dead = [], []
     for e, r in zip(list(engines), refs):
         try:
-            versions.append(ray.get(r)["version"])
+            info = ray.get(r)
+            versions.append(info["version"] if newest else info.get("verified_version", info["version"]))
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
             dead.append((e, err))
     drop_dead_engines(engines, dead)
@@ -601,9 +602,12 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
             if on_groups is not None:
                 on_groups(step, groups)
             teacher = extra.pop("_teacher", None)
-            metrics = {**_train_on(trainer, engines, groups, cfg, step, r0, r1, teacher), **extra}
-            trained.release()
-            if _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every, stop):
+            trained_metrics, sync_error = _train_on(trainer, engines, groups, cfg, step, r0, r1, teacher)
+            metrics = {**trained_metrics, **extra}
+            if sync_error is None:
+                trained.release()
+            if _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every,
+                           stop, sync_error) or sync_error is not None:
                 break
     finally:
         stop.set()
@@ -611,9 +615,13 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     return history
 
 
-def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every, stop) -> bool:
-    """A trained step's evaluation, record, checkpoint and callback; True when `stop` is set."""
-    if evaluate is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every, stop,
+                sync_error: BaseException | None = None) -> bool:
+    """A trained step's evaluation, record, checkpoint and callback; True when `stop` is set.
+    With `sync_error` (the step trained, then its weight sync failed) the step is recorded, so a
+    run continued later starts after it (it trained the step again on the same tasks, over weights
+    that held its update, and overwrote its record), then the error is raised."""
+    if sync_error is None and evaluate is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
         metrics.update(evaluate(step))  # on the weights just synced; never part of a batch
     history.append(metrics)
     warn_policy_outran_correction(history)
@@ -622,6 +630,8 @@ def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpo
         save_checkpoint(trainer, checkpoint_dir, {"next_step": step + 1, "data_position": metrics["data_next"]})
     if on_step is not None:
         on_step(metrics)
+    if sync_error is not None:
+        raise sync_error
     return stop.is_set()
 
 
@@ -713,6 +723,16 @@ class GroupStream:
                  teacher_engines: list | None = None):
         self.rollout, self.source, self.cfg, self.stop, self.teachers = rollout, source, cfg, stop, teacher_engines
         self.chunk, self.position, self.tasks = first, position, []
+        if not hasattr(source, "take") and position % cfg.prompts_per_step:
+            # a callable source is seeded per chunk of prompts_per_step tasks, so a run continued
+            # from a data position (data_next, mid-chunk) goes on in that chunk; seeded by step, it
+            # drew again tasks an earlier run had trained (those that finished first)
+            self.chunk, skip = divmod(position, cfg.prompts_per_step)
+            self.position -= skip
+            self._draw()
+            del self.tasks[:skip]
+        elif not hasattr(source, "take"):
+            self.chunk = position // cfg.prompts_per_step
         self.allowed = cfg.prompts_per_step * (1 + cfg.async_lag)
         self.limit = cfg.prompts_per_step * (cfg.steps - first)  # groups the run needs (+ those not admitted)
         self.started = 0
@@ -729,13 +749,17 @@ class GroupStream:
             self.allowed += groups + replace
             self.limit += replace
 
+    def _draw(self) -> None:
+        """The next chunk of prompts_per_step tasks, with their data positions, into self.tasks."""
+        drawn = draw_tasks(self.source, self.cfg.prompts_per_step, self.chunk, self.position)
+        self.tasks = [(t, self.position + i) for i, t in enumerate(drawn)]
+        self.chunk += 1
+        self.position += len(drawn)
+
     def _next_task(self) -> tuple[Task, int]:
         """The next task and its data position."""
         if not self.tasks:
-            drawn = draw_tasks(self.source, self.cfg.prompts_per_step, self.chunk, self.position)
-            self.tasks = [(t, self.position + i) for i, t in enumerate(drawn)]
-            self.chunk += 1
-            self.position += len(drawn)
+            self._draw()
         return self.tasks.pop(0)
 
     def _produce(self) -> None:
@@ -848,9 +872,12 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
             groups, r0, r1, extra, teacher = got
             if on_groups is not None:
                 on_groups(step, groups)
-            metrics = {**_train_on(trainer, engines, groups, cfg, step, r0, r1, teacher), **extra}
-            stream.allow(cfg.prompts_per_step)  # trained and synced: a step's worth more may start
-            if _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every, stop):
+            trained_metrics, sync_error = _train_on(trainer, engines, groups, cfg, step, r0, r1, teacher)
+            metrics = {**trained_metrics, **extra}
+            if sync_error is None:
+                stream.allow(cfg.prompts_per_step)  # trained and synced: a step's worth more may start
+            if _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every,
+                           stop, sync_error):
                 break
     finally:
         stop.set()
@@ -885,7 +912,9 @@ def step_statistics(stats: dict) -> dict:
     }
 
 
-def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r1: float, teacher=None) -> dict:
+def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r1: float, teacher=None):
+    """Train on the groups and sync the engines: (the step's metrics, the sync's error or None).
+    A failed sync is returned, not raised: the step trained, and _after_step records it first."""
     t1 = time.time()
     ran = [t for g in groups for t in g if t.error is None]
     rewards = [t.reward for t in ran]
@@ -896,7 +925,10 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     stats = trainer.train_step(batch)
     t2 = time.time()
     lost: list = []
-    reports = sync_engines(trainer, engines, cfg.sync_tol, lost)
+    try:
+        reports, sync_error = sync_engines(trainer, engines, cfg.sync_tol, lost), None
+    except Exception as e:
+        reports, sync_error = [], e
     reasons: dict[str, int] = {}  # why episodes failed: the first line of each error, counted
     for t in (t for g in groups for t in g if t.error is not None):
         line = (t.error.strip().splitlines() or ["?"])[0][:200]
@@ -907,9 +939,10 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         "correct_rate": sum(correct) / len(correct) if correct else None,
         **info, "failure_reasons": reasons, "engines": len(engines), "engines_lost": len(lost),
         **step_statistics(stats),
-        "sync_max_abs_diff": max(r.probe_max_abs_diff for r in reports),
+        "sync_max_abs_diff": max((r.probe_max_abs_diff for r in reports), default=None),
+        **({"sync_error": f"{type(sync_error).__name__}: {sync_error}"} if sync_error is not None else {}),
         # train_s holds batch_s (the batch built on the driver); step_s - the rest: the driver's own records
         "rollout_s": r1 - r0, "batch_s": tb - t1, "train_s": t2 - t1, "sync_s": time.time() - t2,
         "step_s": time.time() - min(r0, t1),
         "rollout_start": r0, "rollout_end": r1, "train_start": t1, "train_end": t2,
-    }
+    }, sync_error

@@ -137,10 +137,14 @@ def expected_probe_logprobs(hf_model, ids: list[int]) -> list[float]:
 
 
 def check_probe(got: list[float], expected: list[float] | None, tol: float, version: int,
-                previous: list[float] | None = None) -> float | None:
+                previous: list[float] | None = None, previous_expected: list[float] | None = None) -> float | None:
     """The largest |engine - trainer| probe log-prob gap, or WeightSyncError above `tol`.
-    `previous`: the engine's probe after its last checked sync, to say in the error whether it
-    still serves those weights."""
+    `previous`, `previous_expected`: the engine's and the trainer's probe at its last checked
+    sync. With them, an engine within `tol` of the new weights must also be nearer to them than
+    to the previous ones, wherever the step moved the probe past the engine's own precision gap
+    (3x the last sync's mean gap): a tolerance raised for a bf16 engine (notebook 03: 1.0) was
+    wider than a step's move (0.54 nat at most on the toy at lr 1e-4), so an engine that kept
+    its previous weights passed every sync."""
     if expected is None:
         return None
     if len(got) != len(expected):
@@ -162,6 +166,17 @@ def check_probe(got: list[float], expected: list[float] | None, tol: float, vers
             f"weights (or it computes in a lower precision than the trainer, e.g. a bf16 engine: then "
             f"raise the tolerance, LoopConfig.sync_tol)"
         )
+    if previous is not None and previous_expected is not None and len(previous) == len(previous_expected) == len(got):
+        got, exp, prev_exp = np.asarray(got), np.asarray(expected), np.asarray(previous_expected)
+        noise = float(np.mean(np.abs(np.asarray(previous) - prev_exp)))  # the engine's gap at the same weights
+        moved = float(np.mean(np.abs(exp - prev_exp)))
+        to_new, to_old = float(np.mean(np.abs(got - exp))), float(np.mean(np.abs(got - prev_exp)))
+        if moved > 3 * noise and not to_new < to_old:
+            raise WeightSyncError(
+                f"after the sync to version {version} the engine's probe log-probs are nearer the previous sync's "
+                f"weights (mean gap {to_old:.3g}) than the new ones ({to_new:.3g}), which the step moved by {moved:.3g} "
+                f"on average: it still serves the previous weights (within the tolerance {tol:g}, which is wider than "
+                f"the step)")
     return diff
 
 
@@ -174,7 +189,12 @@ class RolloutEngine(abc.ABC):
 
     def __init__(self):
         self.version = 0
-        self._checked_probe: list[float] | None = None  # the probe after the last checked sync (for errors)
+        # the version whose sync passed its probe check (or was not checked): behind `version` after
+        # a failed check, so the next run syncs again (engines_version(newest=False))
+        self.verified_version = 0
+        # the engine's and the trainer's probe after the last checked sync
+        self._checked_probe: list[float] | None = None
+        self._checked_expected: list[float] | None = None
 
     @abc.abstractmethod
     async def start(self) -> dict: ...
@@ -252,8 +272,9 @@ class RolloutEngine(abc.ABC):
             got = await self.probe_logprobs(probe or probe_ids(self.vocab_size))
             if inspect.isawaitable(expected_probe):  # the trainer's, computed while this engine loaded
                 expected_probe = await expected_probe
-            diff = check_probe(got, expected_probe, tol, new_version, self._checked_probe)
-            self._checked_probe = got
+            diff = check_probe(got, expected_probe, tol, new_version, self._checked_probe, self._checked_expected)
+            self._checked_probe, self._checked_expected = got, list(expected_probe)
+        self.verified_version = new_version
         return WeightSyncReport(new_version, time.perf_counter() - t0, nbytes, diff, diff is not None)
 
     async def _set_version(self, version: int) -> None:
@@ -263,6 +284,7 @@ class RolloutEngine(abc.ABC):
         return {
             "backend": self.backend,
             "version": self.version,
+            "verified_version": self.verified_version,
             "vocab_size": self.vocab_size,
             "supports_routed_experts": self.supports_routed_experts,
         }

@@ -562,7 +562,15 @@ class TrainerWorker:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        fresh = not self.optimizer.state
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if fresh:  # get_state_dict made the optimizer's state with a zero-gradient step: AdamW's step
+            # counter then read 1, and the first real update was 0.74x (bias-corrected at step 2),
+            # here and in a run resumed from this checkpoint. Counters at 0 with zero moments are a
+            # fresh AdamW's state
+            for st in list(self.optimizer.state.values()) + list(optim_sd.get("state", {}).values()):
+                if torch.is_tensor(st.get("step")):
+                    st["step"].zero_()
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
         torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                    os.path.join(path, f"rng_rank{self.rank}.pt"))
@@ -575,6 +583,8 @@ class TrainerWorker:
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for group in self.optimizer.param_groups:  # the run's config, not the checkpoint's: a resume with a lower
+            group["lr"], group["weight_decay"] = self.cfg.lr, self.cfg.weight_decay  # lr kept the old one, silently
         rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
         if not os.path.isfile(rng_file):  # a checkpoint of fewer ranks: this rank keeps its seed
             return
