@@ -159,7 +159,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
-    parse_tools: bool = True  # False for tool_choice "none"
+    parse_tools: bool = True  # False for tool_choice "none" and for a request that declares no tools
     sent: dict = field(default_factory=dict)  # distribution fields the request sent (protocol.sampling_from)
     retry: bool = False  # the client says this is a retry of its previous request (x-stainless-retry-count >= 1)
     size: int = 0  # bytes of the request body (or characters of its messages): large ones are planned in a thread

@@ -636,7 +636,7 @@ class LoopbackServer:
         if session_id not in self.sessions:
             raise KeyError(f"unknown session {session_id!r}")
         req = ChatRequest(messages=messages, tools=tools, sampling=copy.copy(sampling), max_tokens=sampling.max_tokens,
-                          sent={"temperature": sampling.temperature, "top_p": sampling.top_p},
+                          sent={"temperature": sampling.temperature, "top_p": sampling.top_p}, parse_tools=bool(tools),
                           size=sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 1024 for m in messages))
         fut = asyncio.run_coroutine_threadsafe(self._session_turn(session_id, req), self.loop)
         try:
