@@ -523,3 +523,15 @@ def test_replies_without_tools_aborts_defaults_and_anthropic_edges(tokenizer):
         assert "billing" not in tokenizer.decode(srv.sessions[a].segments[0].token_ids)
         assert len(srv.close_session(a)) == 1  # the second turn extended the first
         srv.close_session(o)
+
+
+def test_anthropic_empty_text_blocks_are_skipped_as_vllm_does():
+    """vLLM's Anthropic server skips an empty text block; joined here, it put a "\\n" before the
+    next one, a prompt vLLM never renders. A message of empty text stays an empty message."""
+    from workbench.loopback.anthropic_api import _messages
+
+    msgs = [{"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "x"}]},
+            {"role": "user", "content": ""}]
+    assert _messages(msgs, None) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
+                                     {"role": "user", "content": ""}]

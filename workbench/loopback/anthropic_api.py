@@ -77,7 +77,8 @@ def _messages(messages: list, system) -> list[dict]:
             text, calls, thinking = [], [], []
             for j, b in enumerate(blocks):
                 if b["type"] == "text":
-                    text.append(str(b.get("text", "")))
+                    if b.get("text"):  # an empty block is skipped, as vLLM does (joined, it added a "\n")
+                        text.append(b["text"])
                 elif b["type"] == "tool_use":
                     if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                         raise RequestError(400, f"{where}.content[{j}]: tool_use needs a name and an object input")
@@ -100,9 +101,11 @@ def _messages(messages: list, system) -> list[dict]:
             continue
         # user: consecutive text blocks form one user message; each tool_result is a tool message
         pending: list[str] = []
+        before = len(out)
         for j, b in enumerate(blocks):
             if b["type"] == "text":
-                pending.append(str(b.get("text", "")))
+                if b.get("text"):  # (skipped when empty, as vLLM does)
+                    pending.append(b["text"])
             elif b["type"] == "tool_result":
                 if pending:
                     out.append({"role": "user", "content": "\n".join(pending)})
@@ -114,7 +117,7 @@ def _messages(messages: list, system) -> list[dict]:
                             "tool_call_id": _call_id(b.get("tool_use_id"))})
             else:
                 raise RequestError(400, f"{where}.content[{j}]: unsupported block type {b['type']!r} (text and tool_result only)")
-        if pending:
+        if pending or len(out) == before:  # (a message of empty text stays an empty user message)
             out.append({"role": "user", "content": "\n".join(pending)})
     return out
 
