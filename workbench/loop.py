@@ -607,7 +607,7 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
             if sync_error is None:
                 trained.release()
             if _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every,
-                           stop, sync_error) or sync_error is not None:
+                           stop, sync_error):  # (raises sync_error once the step is recorded)
                 break
     finally:
         stop.set()
