@@ -43,6 +43,34 @@ def test_each_family_is_read_off_its_checkpoint(tmp_path, model_type, specials, 
     assert p.dtype == "bfloat16"
 
 
+def test_every_eos_of_the_checkpoints_configs_is_a_stop_token(tmp_path):
+    """Real Qwen3 checkpoints list <|endoftext|> besides <|im_end|> as generation_config.json's
+    eos_token_id, and the engines stop on both: the profile names it as a stop token, so the
+    server leaves it out of the reply's text (it reached agents as literal content) and the
+    accumulator knows the turn ended on it. Llama 3.1's configs list three."""
+    from workbench.loopback.parsing import reply_text
+    from workbench.real_models import load_family
+    from workbench.tokens import ChatFormat
+
+    d = checkpoint(tmp_path, "qwen3", eos_token_id=151645)
+    (d / "tokenizer.json").write_text(json.dumps({"added_tokens": [
+        {"id": 151643, "content": "<|endoftext|>"}, {"id": 151644, "content": "<|im_start|>"}, {"id": 151645, "content": "<|im_end|>"}]}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643], "do_sample": True}))
+    prof = profile_for(d)
+    assert prof.stop_tokens == ("<|endoftext|>",) and prof.end_of_turn == "<|im_end|>"
+    assert profile_for(d, {"stop_tokens": ()}).stop_tokens == ()  # an override still wins
+    (d / "generation_config.json").unlink()
+    assert profile_for(d).stop_tokens == ()
+    # the real tokenizer: the reply's text without it, as vLLM's detokenizer leaves a stop token out
+    fam = load_family("qwen3")
+    prof = fam.profile()
+    assert "<|endoftext|>" in prof.stop_tokens
+    fmt = ChatFormat.for_profile(fam.tokenizer, prof)
+    ids = fam.tokenizer.encode("Sunny.", add_special_tokens=False) + [151643]
+    assert reply_text(fmt, ids, "stop", False, prof.stop_token_ids(fam.tokenizer))[0] == "Sunny."
+    assert load_family("llama3.1").profile().stop_tokens == ("<|eom_id|>", "<|end_of_text|>")
+
+
 def test_toy_checkpoints_and_overrides(moe_path, dense_path):
     from workbench.toy.models import load_tokenizer
 

@@ -110,6 +110,27 @@ def test_a_cut_reply_ending_on_a_special_token_still_extends(fmt):
         if not sealed:
             assert fmt.decode(p.prompt_ids[len(seg):]).startswith("<|im_end|>\n<|im_start|>user\ngo on")
 
+def test_a_special_stop_token_found_inside_the_rendered_content_seals(fmt):
+    """A tool-call turn the engine stopped on a special token that is no turn end, whose text an
+    agent got back inside its content (a parser that keeps special tokens, before the profile knew
+    that stop id): the template renders that copy *before* the tool call. The accumulator took the
+    copy as the turn's end and recorded the rendered tool call a second time as context (an
+    "extension"); it seals now. Where only an end of turn follows the token, it still closes the turn."""
+    eos = fmt.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    text = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    for message, follow, sealed in (
+            ({"role": "assistant", "content": "<|endoftext|>", "tool_calls": [call]}, {"role": "tool", "content": "3"}, True),
+            ({"role": "assistant", "content": "The answer<|endoftext|>"}, {"role": "user", "content": "go on"}, False)):
+        ids = fmt.encode(text if "tool_calls" in message else "The answer") + [eos]
+        acc = Accumulator(fmt)
+        acc.record(acc.plan([SYS, USER]), Sample([], ids, [-0.5] * len(ids), [0] * len(ids), "stop"), message)
+        p = acc.plan([SYS, USER, message, follow])
+        assert (p.new_segment, p.seal_reason) == ((True, "template_rewrite") if sealed else (False, None)), message
+        if not sealed:  # the template renders the token, then its end of turn: the record is that render
+            assert p.prompt_ids == fmt.encode(fmt.render([SYS, USER, message, follow], None, True))
+
+
 def test_retry_is_served_from_cache_and_recorded_once(fmt):
     acc = Accumulator(fmt)
     msgs = [SYS, USER]

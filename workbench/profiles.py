@@ -117,6 +117,9 @@ class Checkpoint:
     special_tokens: set[str]
     toy_spec: dict | None
     chat_template: str | None = None  # chat_template.jinja, else tokenizer_config.json's (its default)
+    # the special tokens config.json and generation_config.json name as eos_token_id: the engines
+    # stop on each of them (vLLM; the reference sampler's eos_ids)
+    eos_tokens: tuple[str, ...] = ()
 
     @classmethod
     def read(cls, path: str | Path) -> "Checkpoint":
@@ -125,12 +128,18 @@ class Checkpoint:
         if not cfg_file.is_file():
             raise ProfileError(f"{str(path)!r} has no config.json: not a checkpoint directory")
         config = json.loads(cfg_file.read_text())
-        special: set[str] = set()
+        added_tokens = []
         tok_file = path / "tokenizer.json"
         if tok_file.is_file():
-            special = {t["content"] for t in json.loads(tok_file.read_text()).get("added_tokens", [])}
+            added_tokens = json.loads(tok_file.read_text()).get("added_tokens", [])
+        added = {t["id"]: t["content"] for t in added_tokens if "id" in t}
+        gen_file = path / "generation_config.json"
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        eos_ids = [i for c in (config, gen) for i in _ids(c.get("eos_token_id"))]
+        eos = tuple(dict.fromkeys(added[i] for i in eos_ids if i in added))
         spec = path / "workbench_spec.json"
-        return cls(path, config, special, json.loads(spec.read_text()) if spec.is_file() else None, _chat_template(path))
+        return cls(path, config, {t["content"] for t in added_tokens}, json.loads(spec.read_text()) if spec.is_file() else None,
+                   _chat_template(path), eos)
 
     @property
     def model_type(self) -> str:
@@ -139,6 +148,11 @@ class Checkpoint:
     @property
     def context(self) -> int:
         return int(self.config.get("max_position_embeddings") or 4096)
+
+
+def _ids(value) -> list[int]:
+    """eos_token_id as configs write it: an int, a list of ints, or absent."""
+    return [value] if isinstance(value, int) else [i for i in value if isinstance(i, int)] if isinstance(value, list) else []
 
 
 def _chat_template(path: Path) -> str | None:
@@ -293,4 +307,16 @@ def profile_for(model_path: str | Path, overrides: dict | str | None = None) -> 
         if base is None:
             raise ProfileError(f"no model family claims {str(model_path)!r} (model_type {ck.model_type!r}); name one "
                                f"with profile={{'family': ...}} (registered: {list(FAMILIES)}) or register_family a new one")
-    return base.replace(**overrides)
+    return with_eos_stops(base, ck.eos_tokens).replace(**overrides)
+
+
+def with_eos_stops(profile: ModelProfile, eos_tokens) -> ModelProfile:
+    """`profile` with every token in `eos_tokens` among its stop tokens. The engines end a turn on
+    each EOS the checkpoint's configs name: the server must know it as a stop id too, to leave it
+    out of the reply's text (as vLLM's detokenizer does) and for the accumulator to close or seal
+    the turn it ended. Real Qwen3 checkpoints list <|endoftext|> in generation_config.json besides
+    <|im_end|>: a turn ending on it reached the agent with the literal token in its content, and
+    the accumulator found that copy inside the rendered content (a tool call recorded twice)."""
+    known = {profile.end_of_turn, *profile.turn_ends, *profile.stop_tokens}
+    extra = tuple(t for t in dict.fromkeys(eos_tokens) if t not in known)
+    return profile.replace(stop_tokens=profile.stop_tokens + extra) if extra else profile

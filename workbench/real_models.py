@@ -241,14 +241,15 @@ class Family:
         """The workbench.profiles family's profile for a checkpoint of this family (read off its
         model_type and the tokenizer's special tokens, as profile_for does), with this family's
         template kwargs (the template's own defaults otherwise: Llama's date, Qwen3's thinking)."""
-        from .profiles import FAMILIES as PROFILE_FAMILIES, Checkpoint
+        from .profiles import FAMILIES as PROFILE_FAMILIES, Checkpoint, with_eos_stops
 
         ck = Checkpoint(Path("/nonexistent"), {"model_type": self.spec.model_type},
                         {str(t) for t in self.tokenizer.added_tokens_decoder.values()}, None)
         prof = next((p for p in (fn(ck) for fn in PROFILE_FAMILIES.values()) if p is not None), None)
         if prof is None:
             raise KeyError(f"no workbench.profiles family claims {self.name} (model_type {self.spec.model_type!r})")
-        return prof.replace(chat_template_kwargs=dict(self.spec.template_kwargs))
+        # the engine stops of such a checkpoint (its configs' EOS ids), as profile_for adds them
+        return with_eos_stops(prof, self.spec.stops).replace(chat_template_kwargs=dict(self.spec.template_kwargs))
 
     def chat_format(self, end_of_turn: str | None = None) -> ChatFormat:
         """The ChatFormat the loopback server would use with this family's profile (its end of turn

@@ -416,6 +416,13 @@ class TurnPlan:
     window_start: int = 0  # the rendered window: leading system messages + messages[window_start:] (0: all)
 
 
+def _more_than_closing(rest: str, end_tokens) -> bool:
+    """True when `rest` holds more than ends of turn and whitespace (a turn's closing)."""
+    for e in end_tokens:
+        rest = rest.replace(e, "")
+    return bool(rest.strip())
+
+
 class Accumulator:
     """Exact per-token accumulation for one session (one agent episode).
 
@@ -554,7 +561,8 @@ class Accumulator:
         turn_text = self._conversation_text[len(prompt_text):] if self._conversation_text.startswith(prompt_text) else ""
         ends = dict(zip(getattr(self.fmt, "turn_end_ids", (self.fmt.end_of_turn_id,)),
                         getattr(self.fmt, "turn_end_tokens", (self.fmt.end_of_turn,))))
-        if stopped and sampled and sampled[-1] not in ends and sampled[-1] in getattr(self.fmt, "special_ids", ()):
+        special_end = stopped and sampled and sampled[-1] not in ends and sampled[-1] in getattr(self.fmt, "special_ids", ())
+        if special_end:
             # the turn ended on a special token that is no turn end (an engine stop id: Llama's
             # <|eom_id|>, Qwen's <|endoftext|>). It closes the turn only where the template renders
             # it there too; else the next request re-renders (template_rewrite), where the cut-reply
@@ -568,6 +576,12 @@ class Accumulator:
             cut = turn_text.rfind(eot)
         else:  # cut by max_tokens / a stop string: the template's last end of turn closes it
             eot, cut = max(((e, turn_text.rfind(e)) for e in ends.values()), key=lambda x: x[1])
+        if special_end and cut >= 0 and _more_than_closing(turn_text[cut + len(eot):], ends.values()):
+            # a special token the engine stopped on closes the turn only where the template puts nothing
+            # but its end of turn after it: the one rfind found may be a copy inside the rendered content
+            # (a parser that keeps special tokens handed it to the agent), with a tool call rendered after
+            # it, which the closing text would then have recorded a second time
+            cut = -1
         if cut < 0 or not turn_text:  # the template does not append the turn as rendered (gpt-oss renders a
             # sampled <|return|> as <|end|>): the next request re-renders (template_rewrite)
             self._conversation_text = "\0"  # never a prefix: forces a template_rewrite seal
