@@ -72,6 +72,9 @@ def test_steps_without_learning_signal_are_reported_once_a_streak(capsys):
         printed.append(warn_no_signal(history))
     assert [i for i, p in enumerate(printed) if p] == [NO_SIGNAL_STEPS - 1, 2 * NO_SIGNAL_STEPS + 1]
     assert "had no learning signal" in capsys.readouterr().err
+    # the trainer's count decides where there is one: a batch with advantages that the gate dropped whole
+    gated = {"signal_tokens": 40, "signal_tokens_trained": 0, "reward_mean": 0.5}
+    assert warn_no_signal([{**gated, "step": s} for s in range(NO_SIGNAL_STEPS)])
 
 
 def test_a_policy_moving_too_far_for_its_stale_tokens_is_reported_once_a_streak(capsys):

@@ -7,7 +7,8 @@ off. Each test here fails on one realistic bug:
   (b) the training forward routing experts live instead of replaying the recorded ones
   (c) backward outside the routing-replay context (checkpoint recompute routes live)
   (d) the accumulator stamping a reply's first version on all its tokens
-  (e) the KL-to-reference term added outside the gate (a dropped sequence still trained)
+  (e) the KL-to-reference term added outside the gate (a dropped sequence still trained), or an
+      optimizer step taken on the zero gradients of a step that trained on nothing
 """
 
 from __future__ import annotations
@@ -72,10 +73,19 @@ def test_a_gated_sequence_gets_no_gradient_from_the_kl_term(dense_trainer):
     b["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None] * b["loss_mask"]
     t.train_step(b)  # moves the policy away from the reference
     stale = dict(b, versions=torch.where(m, t.version - 3, -1))  # 3 versions behind, max_staleness 1
+    before = t.state_dict()
     stats = t.train_step(stale)
     assert stats["correction"]["stale_dropped"] == 4 and stats["correction"]["gate_pass_ratio"] == 0.0
     assert stats["kl_ref"] > 0  # the statistic still measures the KL on every token
     assert stats["loss"] == 0.0 and stats["grad_norm"] == 0.0, "a gated sequence still got KL gradient"
+    # and no update at all: AdamW moved every weight along its momentum on the zero gradients (0.67x
+    # the previous step's move, in its direction) and decayed it
+    assert (stats["updates_skipped"], stats["signal_tokens_trained"]) == (1, 0)
+    after = t.state_dict()
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not moved, f"a step that trained on nothing moved {len(moved)} tensors, e.g. {moved[:3]}"
+    stats = t.train_step(dict(b, versions=torch.where(m, t.version, -1)))  # fresh again: it trains
+    assert stats["updates_skipped"] == 0 and stats["signal_tokens_trained"] == int(m.sum())
 
 
 @pytest.fixture(scope="module")

@@ -639,14 +639,15 @@ NO_SIGNAL_STEPS = 5
 
 
 def warn_no_signal(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> bool:
-    """Say so (stderr, once a streak) when the last `steps` steps had no trainable token with an
-    advantage (`signal_tokens` 0; with a group estimator: every group's rewards were equal): the
-    rewards gave no gradient, and a policy that earns every group the same reward stays so. The
-    run goes on, learning nothing. True when it printed."""
+    """Say so (stderr, once a streak) when the last `steps` steps trained no token with an
+    advantage (`signal_tokens_trained` 0: with a group estimator every group's rewards were equal,
+    or the gate dropped every row that had one): the rewards gave no gradient, the trainer skipped
+    its updates, and a policy that earns every group the same reward stays so. The run goes on,
+    learning nothing. True when it printed."""
     import sys
 
-    def silent(m: dict) -> bool:
-        return m.get("signal_tokens") == 0
+    def silent(m: dict) -> bool:  # the trainer's count: after the gate (a batch with signal it dropped whole)
+        return m.get("signal_tokens_trained", m.get("signal_tokens")) == 0
 
     # the streak is exactly `steps` long: the last `steps` silent, the one before not (or none);
     # only those steps + 1 are read, however long the run or the streak
@@ -901,6 +902,7 @@ def step_statistics(stats: dict) -> dict:
     corr, replay = stats["correction"], stats["replay"]
     return {
         "loss": stats["loss"], "grad_norm": stats["grad_norm"],
+        "signal_tokens_trained": stats.get("signal_tokens_trained"), "updates_skipped": stats.get("updates_skipped", 0),
         "gate_pass_ratio": corr["gate_pass_ratio"], "stale_dropped": corr["stale_dropped"], "band_dropped": corr["band_dropped"],
         "veto_dropped": corr.get("veto_dropped", 0), "token_keep_ratio": corr["token_keep_ratio"],
         "kl_k1": corr["kl_k1"], "kl_k3": corr["kl_k3"], "kl_k3_current": corr["kl_k3_current"], "tokens_current": corr["tokens_current"],

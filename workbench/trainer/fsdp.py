@@ -440,6 +440,7 @@ class TrainerWorker:
         # each time, draining its queue), read once after the last update is queued
         zero = torch.zeros((), device=self.device, dtype=torch.float64)
         loss_sum, norms, corr_parts, replay, rows, kl_sum, shift_sum = zero, [], [], [], [], zero, zero
+        skipped, carried_total = 0, 0
         per = -(-batch["input_ids"].shape[0] // updates)
         # fewer rows than updates: one update a row (an empty mini-batch would average a zero
         # gradient norm into the step's, and with micro_batch_tokens run a forward on no rows).
@@ -451,6 +452,7 @@ class TrainerWorker:
             counts = torch.stack([ub["loss_mask"].sum().double(), episode_units(ub["loss_mask"], ub.get("episode_tokens")).sum().double()])
             dist.all_reduce(counts)
             counts = counts.tolist()  # read once per update (micro-batches divide by these)
+            carried = torch.zeros((), device=self.device, dtype=torch.float64)  # tokens with a gradient
             for mb in self._micro(ub):
                 # the replay context spans backward: activation-checkpoint recompute must replay too
                 with replayed_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
@@ -472,6 +474,8 @@ class TrainerWorker:
                     w = aggregation_weights(mb["loss_mask"], self.cfg.aggregation, *counts,
                                             max_len=self.cfg.constant_len, episode_tokens=mb.get("episode_tokens"))
                     (tl * w).sum().mul(self.world_size).backward()
+                    keep = corr.token_keep & mb["loss_mask"].bool()
+                    carried = carried + (keep if self.ref_model is not None else keep & (mb["advantages"] != 0)).sum()
                 contribution = (tl * w).detach() / updates  # of the step's reported loss (mean over updates)
                 shift_sum = shift_sum + ((lp.detach() - old).abs() * mb["loss_mask"]).sum()
                 loss_sum = loss_sum + contribution.sum()
@@ -480,9 +484,19 @@ class TrainerWorker:
                 if report:
                     rows.append({"trainer_logprobs": old, "is_weight": corr.weights, "gate_keep": corr.token_keep,
                                  "loss_contribution": contribution})
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-            self.optimizer.step()
+            # An update with no token carrying a gradient (the gate dropped every row, every advantage
+            # 0) is no update: the backward left zero gradients, not None, and AdamW would still move
+            # every weight along its momentum (0.67x a real step here) and decay it
+            dist.all_reduce(carried)
+            carried = int(carried.item())
+            carried_total += carried
+            if carried == 0:
+                skipped += 1
+                norms.append(zero)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+                norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         # (with cpu_offload the gradients, so their norms, are on the host)
         sums = [loss_sum, kl_sum, shift_sum, *(n.double().to(self.device) for n in norms)]
@@ -492,7 +506,10 @@ class TrainerWorker:
                "kl_ref": {"sum": kl_sum, "tokens": int(batch["loss_mask"].sum())} if self.ref_model else None,
                # mean |log pi - log pi_old| over the step's tokens: 0 with one update per step; how far
                # later updates' ratios move from 1 (where the surrogates' clipping acts) otherwise
-               "policy_shift": {"sum": shift_sum, "tokens": int(batch["loss_mask"].sum())}}
+               "policy_shift": {"sum": shift_sum, "tokens": int(batch["loss_mask"].sum())},
+               # over every rank (all-reduced): tokens that carried a gradient, summed over the updates, and
+               # the updates skipped for having none
+               "signal_tokens_trained": carried_total, "updates_skipped": skipped}
         if report:
             out["report"] = {k: batch[k].cpu() for k in ("input_ids", "loss_mask", "behaviour_logprobs", "versions", "advantages")}
             out["report"].update({k: torch.cat([r[k] for r in rows]).cpu() for k in rows[0]})
@@ -751,7 +768,8 @@ class Trainer:
         self.version += 1
         out = {"version": self.version, "loss": sum(s["loss"] for s in stats), "grad_norm": stats[0]["grad_norm"],
                "correction": merge_stats([s["correction"] for s in stats]),
-               "replay": replay_summary([s["replay"] for s in stats])}
+               "replay": replay_summary([s["replay"] for s in stats]),
+               "signal_tokens_trained": stats[0]["signal_tokens_trained"], "updates_skipped": stats[0]["updates_skipped"]}
         for key in ("kl_k3_live", "kl_ref", "policy_shift"):  # token-weighted over ranks
             vals = [s[key] for s in stats if s[key] is not None]
             out[key] = sum(x["sum"] for x in vals) / max(sum(x["tokens"] for x in vals), 1) if vals else None
