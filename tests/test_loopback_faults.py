@@ -474,6 +474,33 @@ class Scripted:
         return Sample(list(prompt_ids), ids, [-0.1] * len(ids), [0] * len(ids), finish)
 
 
+def test_a_tool_call_the_agent_could_not_send_back_is_left_as_text(tokenizer):
+    """A call whose arguments the server would refuse when the agent sends its history back (a
+    number past MAX_NUMBER_CHARS, NaN) reached the agent as a call: every later request of the
+    episode was a 400 and the episode died. It is the model's text now, as any call a parser
+    cannot read (counted), and the next request extends the recorded turn."""
+    from workbench.toy.tasks import CALC_TOOL
+
+    big = "1" * (MAX_NUMBER_CHARS + 20)
+    engine = Scripted(tokenizer)
+    with LoopbackServer(engine, tokenizer) as srv:
+        for bad in (big, "NaN"):
+            sid = srv.open_session()
+            client = openai.OpenAI(base_url=srv.base_url(sid), api_key=srv.api_key, max_retries=0)
+            call = '<tool_call>\n{"name": "calc", "arguments": {"expression": %s}}\n</tool_call>' % bad
+            engine.replies += [(call + "<|im_end|>", "stop"), ("2<|im_end|>", "stop")]
+            failures = srv.summary()["parser_failures"]
+            r = client.chat.completions.create(model="p", messages=USER, tools=[CALC_TOOL], max_tokens=200)
+            m = r.choices[0].message
+            assert (m.content, m.tool_calls, r.choices[0].finish_reason) == (call, None, "stop"), bad
+            assert srv.summary()["parser_failures"] == failures + 1
+            msgs = USER + [m.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
+            r = client.chat.completions.create(model="p", messages=msgs, tools=[CALC_TOOL], max_tokens=8)
+            assert r.choices[0].message.content == "2"
+            seg, = srv.close_session(sid)
+            assert seg.stats["turns"] == 2  # extended: one segment
+
+
 def test_replies_without_tools_aborts_defaults_and_anthropic_edges(tokenizer):
     """What real agents send and got wrong answers to. A request without tools gets tool-call
     syntax back as text (it was parsed into calls the agent never declared); an agent sending no

@@ -26,6 +26,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+from .protocol import loads
 from .toolcalls import get_tool_parser
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,13 @@ class ReplyParser:
         """Never raises: a parser that fails on a reply (a random model's bytes) leaves the text as
         the model wrote it, as content (logged; `failures` counts them)."""
         try:
-            return self._parse(text, ids, parse_tools, tools)
+            parsed = self._parse(text, ids, parse_tools, tools)
+            for call in parsed.calls:
+                # a call the agent could not send back: its history's next request would be refused
+                # (a 400 at every later turn of the episode: a 120-digit number, NaN, nesting past the
+                # body's bounds). Left as the text the model wrote, as any call a parser cannot read
+                loads(json.dumps(call["arguments"]), what=f"tool call {call.get('name')!r}'s arguments")
+            return parsed
         except Exception:
             self.failures += 1
             log.warning("reply parser (%s, %s) failed; the reply is returned as content", self.tool_parser,
