@@ -35,10 +35,11 @@ EXPECTED = {
                    "reasoning_off": (TR, 3), "system_changed": (HR, 2), "max_tokens_cut": ("extends", None)},
     # gpt-oss: <|call|> ends a tool-call turn (the profile's turn_ends) and renders back, so tool results
     # extend; a final answer's <|return|> comes back as <|end|> (template_rewrite at the next request),
-    # and a tool call's analysis message is dropped once a final answer follows it; a cut reply's
-    # closing text is <|return|> and becomes <|end|>.
+    # and a tool call's analysis message is dropped once a final answer follows it. A cut reply
+    # extends: rendered as the last message it closes with <|return|>, as history with <|end|>, and
+    # the next request continues the cut ids' very text with <|end|> (the accumulator's second test).
     "gpt-oss": {"plain": (TR, 2), "tool_one": (TR, 3), "tool_many": (TR, 3), "reasoning_on": (TR, 3),
-                "reasoning_off": (TR, 3), "system_changed": (HR, 2), "max_tokens_cut": (TR, 2)},
+                "reasoning_off": (TR, 3), "system_changed": (HR, 2), "max_tokens_cut": ("extends", None)},
     # DeepSeek V3.1: its template concatenates tool-call arguments as a string, which canonical
     # messages keep as JSON text (the profile's tool_arguments): everything extends.
     "deepseek-v3.1": {"plain": ("extends", None), "tool_one": ("extends", None), "tool_many": ("extends", None),

@@ -224,12 +224,39 @@ def test_c_qwen3_thinking_strips_earlier_think_blocks(fams):
     v = _verdicts(fam, thinking)
     # a reasoning + tool-call turn: the tool result extends it; the next user turn strips its <think>
     assert v[("extends", "seal:template_rewrite")] == 6
-    # a reasoning + answer turn (no call): the next user turn strips its <think> at once
-    assert v[("seal:template_rewrite", "seal:template_rewrite")] == 4
+    # a reasoning + answer turn (no call): the next user turn strips its <think> at once. The turn
+    # after it ("Done.", sampled without a <think> block) extends at the next user turn: rendered as
+    # the last message it gets an empty <think> block the model did not sample, as history none,
+    # so the request continues the recorded ids' very text (it sealed before the Accumulator's
+    # second test, _turn_text)
+    assert v[("seal:template_rewrite", "extends")] == 4
     assert sum(v.values()) == 10
     d = next(x for x in thinking if x["id"] == "qwen3-hermes/single-call-thinking")
     (v2, *_), (v3, i, ctx) = accumulate(fam, d)
     assert (v2, v3) == ("extends", "seal:template_rewrite") and "recorded '<think>" in ctx
+
+
+def test_c_qwen3_a_tool_call_without_thinking_extends(fams):
+    """Thinking on, the model skips <think> and calls a tool: the template renders that reply, as
+    the last message, with an empty <think> block the model did not sample, and as history without
+    one. The tool result's request continues the recorded ids exactly: it extends (it sealed as a
+    template rewrite, re-prefilling the history at every such turn)."""
+    fam = fams["qwen3"]
+    fmt = fam.chat_format()
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    acc = Accumulator(fmt)
+    msgs = [{"role": "user", "content": "Paris?"}]
+    plan = acc.plan(msgs, tools)
+    ids = fmt.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>') + [fmt.end_of_turn_id]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    seg = acc.record(plan, sample_of(ids, "stop"), msgs[-1])
+    assert "<think>" in fmt.render(msgs, tools, False) and "<think>" not in fmt.decode(ids)  # rendered last: an empty block
+    msgs.append({"role": "tool", "tool_call_id": "c1", "content": "sunny"})
+    plan = acc.plan(msgs, tools)
+    assert not plan.new_segment and plan.prompt_ids[: len(seg)] == seg.token_ids
+    assert plan.prompt_ids == fmt.encode(fmt.render(msgs, tools, add_generation_prompt=True))  # exactly a fresh render
 
 
 def test_c_qwen3_no_thinking_drops_the_empty_think_block(fams):
