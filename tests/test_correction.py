@@ -207,3 +207,8 @@ def test_sampling_check_refuses_a_temperature_the_trainer_does_not_use():
     with pytest.raises(CorrectionConfigError, match="greedy"):
         cfg.check_sampling(temperature=0.0, trainer_temperature=0.0)
     cfg.check_sampling(temperature=0.7, trainer_temperature=0.7)
+    # vLLM samples 0.005 at 0.01 (the recorded log-probs 0.3 nat off a trainer at 0.005) and refuses 2.5
+    for t in (0.005, 2.5):
+        with pytest.raises(CorrectionConfigError, match=r"in \[0.01, 2\]"):
+            cfg.check_sampling(temperature=t, trainer_temperature=t)
+    cfg.check_sampling(temperature=0.01, trainer_temperature=0.01)

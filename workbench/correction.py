@@ -98,6 +98,11 @@ class CorrectionConfig:
                 raise CorrectionConfigError(
                     f"the policy samples at temperature {temperature}: greedy tokens have no sampling "
                     "distribution to train on; use a temperature > 0 for recorded turns")
+            if temperature < 0.01 or temperature > 2:
+                raise CorrectionConfigError(
+                    f"the policy samples at temperature {temperature}: vLLM samples below 0.01 at 0.01 (the "
+                    "recorded log-probs would not be at the trainer's temperature) and refuses above 2; use "
+                    "a temperature in [0.01, 2]")
             if abs(temperature - trainer_temperature) > 1e-6:
                 raise CorrectionConfigError(
                     f"the rollout samples at temperature {temperature} but the trainer computes log-probs at "

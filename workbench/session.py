@@ -144,8 +144,11 @@ class WorkbenchConfig:
         if self.sampling not in ("override", "strict"):
             raise ConfigError(f"sampling {self.sampling!r} unknown: 'override' (the policy's values replace an agent's, "
                               f"counted) or 'strict' (an agent's differing values are refused with a 400)")
-        if not isinstance(self.temperature, (int, float)) or self.temperature <= 0:
-            raise ConfigError(f"temperature must be > 0 (the trainer computes log-probs at it), got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0.01 <= self.temperature <= 2:
+            # vLLM samples 0 < t < 0.01 at 0.01 (the trainer would divide by t: 0.3 nat off at 0.005)
+            # and refuses t > 2 on every request (the run would train on nothing)
+            raise ConfigError(f"temperature must be in [0.01, 2] (vLLM's range for sampling; the trainer computes "
+                              f"log-probs at it), got {self.temperature!r}")
         for name in ("num_engines", "num_runners", "trainer_ranks", "max_tokens", "max_model_len", "max_request_bytes"):
             if name == "max_model_len" and self.max_model_len is None:
                 continue

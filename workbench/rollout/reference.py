@@ -44,14 +44,15 @@ class _Request:
 
 # As vLLM 0.32 (sampling_params.py, v1/sample/sampler.py): temperature 0 is greedy and reports
 # the log-prob of the unscaled logits (log_softmax(logits), the temperature-1 distribution);
-# 0 < temperature < 0.01 is raised to 0.01 ("may cause numerical errors"). tests/test_engines.py
-# compares both backends at temperature 0 and below 0.01.
-GREEDY_EPS, MIN_TEMPERATURE = 1e-5, 1e-2
+# 0 < temperature < 0.01 is raised to 0.01 ("may cause numerical errors") before vLLM's greedy
+# test, so only 0 itself is greedy (1e-6 samples at 0.01). tests/test_engines.py compares both
+# backends at temperature 0 and below 0.01.
+MIN_TEMPERATURE = 1e-2
 
 
 def sample_next(logits: torch.Tensor, s: SamplingConfig, generator: torch.Generator) -> tuple[int, float]:
     """Sample one token from a [V] logit row; return (id, processed log-prob)."""
-    if s.temperature < GREEDY_EPS:
+    if s.temperature <= 0:
         lp = torch.log_softmax(logits.float(), dim=-1)
         tok = int(torch.argmax(lp))
         return tok, float(lp[tok])
