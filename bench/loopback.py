@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import time
@@ -346,6 +347,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each configuration, the two paths alternating; the median ratio is reported")
     ap.add_argument("--engine-core-process", action="store_true",
                     help="vLLM's engine core as a process of its own (on CPU it runs in the engine's process by default)")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave the process's heap in the collector's walk (the runner freezes it once its server is up)")
     ap.add_argument("--stream", action="store_true", help="also measure time to first token, streamed vs unstreamed")
     ap.add_argument("--stream-windows-ms", type=float, nargs="*", default=[0, 20, 100],
                     help="with --stream: fixed merge windows of the engine actor to time the whole streamed reply at,"
@@ -364,6 +367,11 @@ def main() -> None:
     init_ray()
     actor = launch_engine("vllm", model_path=str(path), env={"VLLM_LOGGING_LEVEL": "WARNING"},
                           engine_core_in_process=not args.engine_core_process)
+    # as the rollout runner does once its server is up (RolloutRunner.__init__): what is alive now
+    # is out of the collector's walk, so a full collection does not stall the requests in flight
+    # (--no-gc-freeze: without, to compare)
+    if not args.no_gc_freeze:
+        gc.freeze()
     results = []
     try:
         for n, reply_tokens, transport in [(n, r, t) for r in args.reply_tokens for n in args.sessions for t in args.transports]:

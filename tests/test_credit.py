@@ -138,3 +138,40 @@ def test_failed_and_truncated_episodes_follow_the_setting():
 def test_distillation_without_teacher_logprobs_is_refused_up_front():
     with pytest.raises(ValueError, match="teacher log-probs"):
         LoopConfig(advantage="distill")
+
+
+def test_rewards_the_advantages_cannot_hold_are_refused_by_name():
+    """A reward past MAX_ABS_REWARD made float32 advantages inf (dr_grpo: one of 1e39 in a group)
+    or NaN, or silently 0; an int past float's range raised OverflowError without naming the
+    reward; an Env's True or numpy float32 was summed silently. Each is a clear error now (the
+    runner fails the episode with it: test_rollout's NaN agent)."""
+    from workbench.agents import MAX_ABS_REWARD, as_reward, reward_value
+    from workbench.trainer.losses import AdvantageInput, get_advantage
+
+    x = AdvantageInput(torch.tensor([1e39, 0, 0, 0], dtype=torch.float64), torch.zeros(4, dtype=torch.long), torch.ones(4, 1))
+    assert not torch.isfinite(get_advantage("dr_grpo")(x).float()).all()  # why the bound
+    for bad, match in ((1e39, "beyond"), (10**400, "past a float's range"), (float("nan"), "finite"),
+                       (True, "must be a number"), (np.float32(0.5), "must be a number"), ("0.75", "must be a number")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            reward_value(bad, "the reward MyEnv.step returned at turn 2")
+    assert reward_value(np.float64(0.5)) == 0.5 and reward_value(-MAX_ABS_REWARD) == -MAX_ABS_REWARD
+    assert as_reward((3, {"a": 1})) == (3.0, {"a": 1})
+    with pytest.raises(ValueError, match="the episode's reward is 1e\\+39"):
+        as_reward(1e39)
+
+
+def test_the_shipped_graders_survive_what_a_policy_writes():
+    """The calculator tool and the answer readers take the policy's text: "-" * 6000 + "1" raised
+    MemoryError out of the calculator, 5,000 nines a ValueError out of int(), each failing (so
+    dropping) the episode, a way out of a low reward. Now a tool error and "no answer"."""
+    import asyncio
+
+    from workbench.examples.arithmetic_env import ArithmeticEnv
+    from workbench.examples.tools import calc, last_number
+
+    assert calc("2+3*4") == "14" and calc("-" * 6000 + "1").startswith("error") and calc("~" * 6000 + "1").startswith("error")
+    assert last_number("so 41 or 42") == 42 and last_number("9" * 5000) is None and last_number("no number") is None
+    env = ArithmeticEnv()
+    asyncio.run(env.reset(type("T", (), {"label": 7, "messages": []})()))
+    for text, reward in (("7", 1.0), ("9" * 5000, 0.0), ("8", 0.45)):
+        assert asyncio.run(env.step({"role": "assistant", "content": text}))[1] == pytest.approx(reward), text

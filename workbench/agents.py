@@ -153,6 +153,28 @@ def load_agent(path: str | Path) -> AgentSpec:
     return AgentSpec(str(path), runner, kind, getattr(module, "tasks", None))
 
 
+# Advantages are float32: a group holding a reward of 1e39 made an inf advantage (dr_grpo, rloo),
+# two of 1e308 a NaN (grpo), one of 1e155 silently all-zero advantages (grpo's variance overflows)
+MAX_ABS_REWARD = 1e6
+
+
+def reward_value(reward, what: str = "the episode's reward") -> float:
+    """A reward as a float, or a clear error: a number (not a bool, a string or a numpy float32,
+    which float() would take silently), finite, within +-MAX_ABS_REWARD."""
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        raise TypeError(f"{what} must be a number (int or float), got {reward!r} ({type(reward).__name__})")
+    try:
+        value = float(reward)
+    except OverflowError:  # an int past float's range
+        raise ValueError(f"{what} is an integer of {len(str(abs(reward)))} digits: past a float's range") from None
+    if not math.isfinite(value):  # one NaN advantage makes the loss, so every weight, NaN at the next update
+        raise ValueError(f"{what} is {value}: a reward must be a finite number")
+    if abs(value) > MAX_ABS_REWARD:
+        raise ValueError(f"{what} is {value:g}: beyond +-{MAX_ABS_REWARD:g} (agents.MAX_ABS_REWARD) the group's "
+                         f"float32 advantages overflow; scale the reward down")
+    return value
+
+
 def as_reward(result) -> tuple[float, dict]:
     """A ChatAgent's return value as (reward, info), with a clear error for anything else."""
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
@@ -161,6 +183,4 @@ def as_reward(result) -> tuple[float, dict]:
         reward, info = result, {}
     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
         raise TypeError(f"an agent must return a reward (a number) or (reward, info), got {result!r}")
-    if not math.isfinite(reward):  # one NaN advantage makes the loss, so every weight, NaN at the next update
-        raise ValueError(f"the episode's reward is {reward}: a reward must be a finite number")
-    return float(reward), info
+    return reward_value(reward), info

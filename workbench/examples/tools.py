@@ -26,15 +26,23 @@ def calc(expression: str) -> str:
             return _OPS[type(node.op)](ev(node.operand))
         raise ValueError("unsupported expression")
 
+    expression = str(expression)
+    if len(expression) > MAX_EXPRESSION_CHARS:  # the policy writes it: "-" * 6000 + "1" raised MemoryError in the parser
+        return f"error: expression longer than {MAX_EXPRESSION_CHARS} characters"
     try:
-        return str(ev(ast.parse(str(expression), mode="eval")))
-    except (SyntaxError, ValueError, RecursionError):
+        return str(ev(ast.parse(expression, mode="eval")))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return "error: unsupported expression"
 
 
+MAX_EXPRESSION_CHARS = 256
+MAX_ANSWER_DIGITS = 30  # int() refuses over 4300 digits (a ValueError failed, so dropped, the episode)
+
+
 def last_number(text: str | None) -> int | None:
+    """The text's last integer; None when there is none or it has more than MAX_ANSWER_DIGITS digits."""
     found = re.findall(r"-?\d+", text or "")
-    return int(found[-1]) if found else None
+    return int(found[-1]) if found and len(found[-1].lstrip("-")) <= MAX_ANSWER_DIGITS else None
 
 
 def tool_tasks(n: int, seed: int = 0) -> list[Task]:
