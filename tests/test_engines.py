@@ -421,6 +421,24 @@ def test_vllm_in_process_core_samples_as_the_core_process_does(vllm_moe, moe_pat
     assert not core[0].is_running() or core[0].status() == psutil.STATUS_ZOMBIE
 
 
+def test_the_loop_checks_the_log_probs_each_engine_reports(vllm_moe):
+    """The running vLLM engine says what its log-probs are of (its model config's logprobs_mode);
+    the loop's sampling check reads it from every engine: an engine reporting raw log-probs (of the
+    distribution before temperature) is refused before a step. The check was handed nothing."""
+    import types
+
+    from workbench.correction import CorrectionConfig, CorrectionConfigError
+    from workbench.loop import check_sampling
+    from workbench.trainer.fsdp import TrainerConfig
+
+    assert ray.get(vllm_moe.info.remote())["logprobs_mode"] == "processed_logprobs"
+    trainer = types.SimpleNamespace(cfg=TrainerConfig(correction=CorrectionConfig()))
+    check_sampling(None, trainer, [vllm_moe])
+    raw = types.SimpleNamespace(info=types.SimpleNamespace(remote=lambda: ray.put({"logprobs_mode": "raw_logprobs"})))
+    with pytest.raises(CorrectionConfigError, match="processed log-probs"):
+        check_sampling(None, trainer, [vllm_moe, raw])
+
+
 def test_vllm_cpu_kv_cache_holds_what_the_engine_needs(vllm_moe, moe_path):
     from workbench.rollout.vllm_engine import VLLMEngine, kv_bytes_per_token
 

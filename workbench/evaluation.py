@@ -58,7 +58,10 @@ def _mark(groups: list[list]) -> list[list]:
 def summarize(groups: list[list], ks: list[int] | None = None, success_reward: float = 1.0,
               prefix: str = "eval_") -> dict:
     """pass@k (k in ks, default default_ks(n)) over groups of n episodes of one task each, the
-    mean reward and the counts, as flat metrics named `<prefix>pass@k`."""
+    mean reward and the counts, as flat metrics named `<prefix>pass@k`. pass@k counts a failed
+    episode (crash, timeout) as wrong; the reward mean is over the episodes that ran (a failed one
+    has no reward the agent computed): read it with `<prefix>failed`, or a policy that fails more
+    can show a higher mean."""
     if not groups:
         raise ValueError("nothing to evaluate: no groups")
     n = min(len(g) for g in groups)

@@ -497,14 +497,16 @@ def check_staleness(trainer, cfg: LoopConfig) -> None:
                          f"or lower async_lag")
 
 
-def check_sampling(rollout, trainer) -> None:
+def check_sampling(rollout, trainer, engines: list = ()) -> None:
     """The rollout's policy sampling must be what the trainer's log-probs assume (the same
-    temperature, a full-vocabulary distribution): CorrectionConfig.check_sampling."""
+    temperature, a full-vocabulary distribution), and each engine must report the log-probs of
+    the distribution it sampled (its info()'s logprobs_mode): CorrectionConfig.check_sampling."""
     sampling = getattr(rollout, "sampling", None)
-    if sampling is None:
-        return
-    trainer.cfg.correction.check_sampling(top_p=sampling.top_p, temperature=sampling.temperature,
-                                          trainer_temperature=trainer.cfg.temperature)
+    if sampling is not None:
+        trainer.cfg.correction.check_sampling(top_p=sampling.top_p, temperature=sampling.temperature,
+                                              trainer_temperature=trainer.cfg.temperature)
+    for info in ray.get([e.info.remote() for e in engines]):
+        trainer.cfg.correction.check_sampling(logprobs_mode=info.get("logprobs_mode", "processed_logprobs"))
 
 
 def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[Task]], cfg: LoopConfig,
@@ -530,7 +532,7 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
     rank that dies stops the run with TrainerRankDied (TrainerWatch), with the trainer group killed
     so that nothing waits in a collective."""
     check_staleness(trainer, cfg)
-    check_sampling(rollout, trainer)
+    check_sampling(rollout, trainer, engines)
     check_teacher(rollout, cfg, teacher_engines)
     with TrainerWatch(trainer) as watch:
         try:

@@ -356,7 +356,7 @@ class Workbench:
         self._idle("run")
         cfg = dataclasses.replace(self.cfg.loop, steps=self.next_step + steps, initial_sync=False, **loop_overrides)
         check_staleness(self._trainer, cfg)  # here, not in the background thread where it would only be stored
-        check_sampling(self._rollout, self._trainer)
+        check_sampling(self._rollout, self._trainer, self.engines)
         teachers = self._teacher_engines(cfg.teacher) if cfg.advantage in PER_TOKEN_ADVANTAGES else None
         check_teacher(self._rollout, cfg, teachers)
         if cfg.eval_every and self.eval_tasks is None:

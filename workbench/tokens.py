@@ -455,7 +455,7 @@ class Accumulator:
         self._window_start = 0  # the window of _conversation_text (see window)
         self._tools_key: str | None = None
         self._closing_text = ""  # template text owed after the last sampled token
-        self._turn_text: str | None = None  # the last turn's prompt text + its sampled ids' text (same window)
+        self._last_turn: tuple | None = None  # (prompt text, sampled ids) of the last turn, in the current window
         self._unrendered: tuple | None = None  # (prompt text, tools, sampled ids, stopped) of a turn not yet rendered
         self._last_request: tuple | None = None
         self._last_reply: Any = None
@@ -483,16 +483,22 @@ class Accumulator:
                 if self._extends(self._conversation_text, text):
                     delta = self.fmt.encode(self._closing_text + text[len(self._conversation_text):])
                     return TurnPlan(seg.token_ids + delta, msgs, tools, text, len(delta), False, None, window_start=start)
-                if self._turn_text is not None and self._extends(self._turn_text, text):
+                turn_text = self._turn_text()
+                if turn_text is not None and self._extends(turn_text, text):
                     # the template renders the reply one way as the last message and another inside the
                     # conversation (Qwen3 gives its last assistant message an empty <think> block, which a
                     # reply that skipped thinking did not sample): the request still continues the very
                     # text of the recorded ids, so it extends (it sealed, re-prefilling the history)
-                    delta = self.fmt.encode(text[len(self._turn_text):])
+                    delta = self.fmt.encode(text[len(turn_text):])
                     return TurnPlan(seg.token_ids + delta, msgs, tools, text, len(delta), False, None, window_start=start)
                 reason = "template_rewrite"
         full, ids = self.fmt.prompt(msgs, tools)
         return TurnPlan(ids, msgs, tools, full, len(ids), True, reason)
+
+    def _turn_text(self) -> str | None:
+        """The last turn's prompt text followed by the text of its sampled ids (decoded only when
+        the first extension test failed: most turns never need it)."""
+        return None if self._last_turn is None else self._last_turn[0] + self.fmt.decode(self._last_turn[1])
 
     @staticmethod
     def window(messages: list[dict], start: int) -> list[dict]:
@@ -561,7 +567,7 @@ class Accumulator:
             return
         prompt_text, tools, sampled, stopped = self._unrendered
         self._unrendered = None
-        self._turn_text = prompt_text + self.fmt.decode(sampled)
+        self._last_turn = (prompt_text, sampled)
         try:
             self._conversation_text = self.fmt.render(self.window(self._conversation, self._window_start), tools,
                                                       add_generation_prompt=False)
@@ -626,7 +632,7 @@ class Accumulator:
         if not old.endswith(text[head:]):
             return  # keep the wider window (it grows until a move keeps the render)
         self._window_start, self._conversation_text = last_user, text
-        self._turn_text = None  # rendered in the old window
+        self._last_turn = None  # rendered in the old window
 
     def forget_last_request(self) -> None:
         """A request failed after planning (engine error): a retry of it must not be answered

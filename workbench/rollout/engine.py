@@ -289,6 +289,8 @@ class RolloutEngine(abc.ABC):
             "verified_version": self.verified_version,
             "vocab_size": self.vocab_size,
             "supports_routed_experts": self.supports_routed_experts,
+            # what the recorded log-probs are of (the reference sampler: after temperature and top-p)
+            "logprobs_mode": "processed_logprobs",
         }
 
 

@@ -303,10 +303,14 @@ class VLLMEngine(RolloutEngine):
         return self.info()
 
     def info(self) -> dict:
-        cache = self.llm.vllm_config.cache_config if self.llm is not None else None
-        if cache is None or not cache.num_gpu_blocks:
-            return super().info()
-        return {**super().info(), "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size}
+        out = super().info()
+        if self.llm is None:
+            return out
+        out["logprobs_mode"] = str(self.llm.vllm_config.model_config.logprobs_mode)  # the running engine's own
+        cache = self.llm.vllm_config.cache_config
+        if cache is not None and cache.num_gpu_blocks:
+            out["kv_cache_tokens"] = cache.num_gpu_blocks * cache.block_size
+        return out
 
     async def generate(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False) -> Sample:
         async for item in self.generate_stream(prompt_ids, sampling, request_id, return_routed_experts):
