@@ -913,6 +913,10 @@ def step_statistics(stats: dict) -> dict:
         "is_weight_hist": corr["is_weight_hist"],
         "replay_disagree_rate": replay["disagree_rate"], "replay_disagree_per_layer": replay["disagree_rate_per_layer"],
         "replay_fallback": sum(replay["fallback"]), "kl_k3_live": stats["kl_k3_live"], "kl_ref": stats["kl_ref"],
+        # positions replayed (0: nothing captured, so the disagreement measured nothing) and those the
+        # forward routed otherwise than recorded although replay applied (0 unless the rule is broken)
+        "replay_positions": sum(replay["replayed"]), "replay_unreplayed": sum(replay.get("unreplayed", [])),
+        "policy_shift": stats.get("policy_shift"),
     }
 
 

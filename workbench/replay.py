@@ -140,8 +140,10 @@ def register_expert_choice(fn=None) -> None:
 
 @dataclass(eq=False)
 class ReplayStats:
-    """Per MoE layer: positions replayed, positions that fell back to live routing (-1), and
-    positions where the live top-k set differs from the replayed one (router disagreement).
+    """Per MoE layer: positions replayed, positions that fell back to live routing (-1),
+    positions where the live top-k set differs from the recorded one (router disagreement), and
+    recorded positions the forward did not route as recorded while replay applied (`unreplayed`:
+    0 unless the replay rule is broken; the disagreement cannot show that, it is about the router).
 
     The forwards' counts stay tensors on the model's device (`pending`) until one of the three
     lists is first read: then all of them in one transfer. On a GPU each read waits for the
@@ -149,12 +151,12 @@ class ReplayStats:
     H200, and the trainer reads a step's counts once, after its last micro-batch."""
 
     layers: int = 0
-    pending: list = field(default_factory=list)  # (layer, tensor [replayed, fallback, disagree])
-    _counts: list | None = None  # [replayed, fallback, disagree], each a list per layer
+    pending: list = field(default_factory=list)  # (layer, tensor [replayed, fallback, disagree, unreplayed])
+    _counts: list | None = None  # [replayed, fallback, disagree, unreplayed], each a list per layer
 
     def _read(self) -> list:
         if self._counts is None:
-            self._counts = [[0] * self.layers for _ in range(3)]
+            self._counts = [[0] * self.layers for _ in range(4)]
         if self.pending:
             for (layer, _), values in zip(self.pending, torch.stack([c for _, c in self.pending]).tolist()):
                 for counts, v in zip(self._counts, values):
@@ -168,6 +170,7 @@ class ReplayStats:
     replayed = property(lambda self: self._read()[0])
     fallback = property(lambda self: self._read()[1])
     disagree = property(lambda self: self._read()[2])
+    unreplayed = property(lambda self: self._read()[3])
 
     @property
     def disagreement_rate(self) -> float:
@@ -244,10 +247,14 @@ def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: 
             # apply there too (hence the context must stay open across backward), but the
             # positions are counted once, on the real forward.
             if not _in_backward():
-                # the live top-k set differs from the replayed one (sets of k distinct ids: some live
-                # id is not among them; a pairwise compare, not two sorts)
-                differs = ~(live_ids[:, :, None] == ids[:, None, :]).any(-1).all(-1)
-                stats.pending.append((layer, torch.cat([base[layer], (differs & counted_captured[:, layer]).sum()[None]])))
+                # the live top-k set differs from the recorded one (sets of k distinct ids: some live
+                # id is not among them; a pairwise compare, not two sorts). Against the record, not
+                # the ids routed: a rule that routes live would make those agree with live routing
+                here = counted_captured[:, layer]
+                differs = ~(live_ids[:, :, None] == rec[:, None, :]).any(-1).all(-1) & here
+                # the routed set is not the recorded one where replay applies: the rule is broken
+                unreplayed = ~(ids[:, :, None] == rec[:, None, :]).any(-1).all(-1) & here if apply else torch.zeros_like(here)
+                stats.pending.append((layer, torch.cat([base[layer], differs.sum()[None], unreplayed.sum()[None]])))
             if not apply:
                 return None  # keep the router's own output
             return logits, _gate_weights(module, logits, ids), ids.to(live_ids.dtype)

@@ -197,8 +197,8 @@ RENDEZVOUS_TIMEOUT_S = 600  # how long ranks wait for each other (loading a larg
 
 
 def _sum_replay(parts: list) -> dict:
-    """Per-layer replayed / fallback / disagree counts (ReplayStats or their dicts), summed."""
-    keys = ("replayed", "fallback", "disagree")
+    """Per-layer replayed / fallback / disagree / unreplayed counts (ReplayStats or their dicts), summed."""
+    keys = ("replayed", "fallback", "disagree", "unreplayed")
     parts = [{k: getattr(p, k) for k in keys} if isinstance(p, ReplayStats) else p for p in parts]
     return {k: [sum(col) for col in zip(*(p[k] for p in parts))] for k in keys}
 

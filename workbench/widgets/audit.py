@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from dataclasses import dataclass, fields
 from html import escape
@@ -33,9 +34,11 @@ class Thresholds:
     token_keep_ratio: float | None = 0.9  # a minimum
     is_weight_outside: float | None = 0.1  # share of tokens whose IS weight is outside [0.8, 1.25)
     replay_disagree_rate: float | None = 0.05
+    replay_unreplayed: float | None = 0  # recorded routings the forward did not use: invariant 3 says 0
     kl_k3: float | None = 1e-3
     kl_k3_live: float | None = None
     sync_max_abs_diff: float | None = None
+    sync_failed: float | None = 0  # a step whose weight sync raised
     failed_rate: float | None = 0.0
     truncated_rate: float | None = 0.25
 
@@ -50,10 +53,16 @@ CHECKS = (
     ("gate_pass_ratio", "gate pass ratio", "share of sequences the correction gate kept (staleness, band, veto)"),
     ("token_keep_ratio", "tokens kept", "share of trainable tokens the correction kept (a token-level mask drops tokens, not sequences)"),
     ("is_weight_outside", "IS-weight distribution", "share of trainable tokens whose IS weight is outside [0.8, 1.25)"),
-    ("replay_disagree_rate", "replay disagreement", "share of routed-expert choices where live routing differs from the replayed"),
-    ("kl_k3", "k3 with replay", "KL(behaviour || trainer) k3 estimate, routing replayed"),
+    ("replay_disagree_rate", "replay disagreement", "share of routed-expert choices where live routing differs from the recorded "
+     "(not measured: no routing was captured)"),
+    ("replay_unreplayed", "routing not replayed", "recorded (token, layer) routings the trainer's forward did not use although "
+     "replay applied: 0 unless the replay rule is broken"),
+    ("kl_k3", "k3 with replay", "KL(behaviour || trainer) k3 estimate, routing replayed, on the tokens the trained version "
+     "sampled (a stale token's KL is its staleness, not the forward)"),
     ("kl_k3_live", "k3 without replay", "the same KL with live routing (what replay removes)"),
     ("sync_max_abs_diff", "sync probe difference", "max |engine - trainer| probe log-prob after the step's weight sync"),
+    ("sync_failed", "failed weight sync", "the step trained, then its weight sync raised (a probe mismatch, an engine lost): "
+     "the engines may not serve the trained weights"),
     ("failed_rate", "failed episodes", "share of the step's episodes that failed (agent error, timeout, dead engine)"),
     ("truncated_rate", "truncated episodes", "share of the step's episodes cut by the context or by an Env's truncation (its step, max_turns)"),
 )
@@ -101,14 +110,22 @@ def step_values(m: dict, trajs: list[Trajectory]) -> tuple[dict, dict]:
          "is_weight_outside": _hist_outside(m.get("is_weight_hist")),
          "failed_rate": m.get("failed_episodes", sum(e["failed_rate"] for e in eps.values())) / n,
          "truncated_rate": m.get("truncated_episodes", sum(e["truncated_rate"] for e in eps.values())) / n}
-    for k in ("gate_pass_ratio", "token_keep_ratio", "replay_disagree_rate", "kl_k3", "kl_k3_live", "sync_max_abs_diff"):
+    for k in ("gate_pass_ratio", "token_keep_ratio", "replay_disagree_rate", "kl_k3", "kl_k3_live", "sync_max_abs_diff",
+              "replay_unreplayed"):
         v[k] = m.get(k)
+    if m.get("replay_positions") == 0:  # nothing captured: the rate 0 measured nothing
+        v["replay_disagree_rate"] = None
+    if "kl_k3_current" in m:  # on the trained version's own tokens (None: the step had none)
+        v["kl_k3"] = m["kl_k3_current"]
+    v["sync_failed"] = int(bool(m.get("sync_error")))
     return v, {k: {ep: e[k] for ep, e in eps.items()} for k in PER_EPISODE} | {"seals": {ep: e["seals"] for ep, e in eps.items()}}
 
 
 def _over(key: str, value, limit) -> bool:
     if value is None or limit is None:
         return False
+    if isinstance(value, float) and not math.isfinite(value):  # a NaN compares False with anything
+        return True
     return value < limit if key in MINIMA else value > limit
 
 
