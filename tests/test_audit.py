@@ -90,3 +90,24 @@ def test_revisit_recomputes_the_logged_step(short_run):
     assert "equal" in rv._repr_html_() and rv.journey(0).values["gate_keep"] in (True, False)
     with pytest.raises(FileNotFoundError, match="keep_policy_every"):
         short_run.revisit(None, 1)
+
+
+def test_the_audit_flags_a_failed_sync_nan_and_unreplayed_routing():
+    """Three breaches the page passed as "within its threshold": a step whose weight sync raised
+    (its sync_max_abs_diff is None then, so the probe check could never fire), a NaN statistic (a
+    NaN compares False), and recorded routing the forward did not use. A run that captured no
+    routing shows its disagreement as not measured, not as 0."""
+    from workbench.widgets.audit import Thresholds, _over, step_values
+
+    base = {"step": 0, "version": 1, "episodes": 4, "gate_pass_ratio": 1.0, "token_keep_ratio": 1.0, "kl_k3": 1e-5,
+            "kl_k3_current": 1e-5, "replay_disagree_rate": 0.0, "replay_positions": 100, "replay_unreplayed": 0}
+    th = Thresholds()
+    flagged = lambda m: sorted(k for k, v in step_values(m, [])[0].items() if _over(k, v, getattr(th, k, None)))  # noqa: E731
+    assert flagged(base) == []
+    assert flagged({**base, "sync_error": "WeightSyncError: probe differs by 0.7"}) == ["sync_failed"]
+    assert flagged({**base, "kl_k3": float("nan"), "kl_k3_current": float("nan")}) == ["kl_k3"]
+    assert flagged({**base, "gate_pass_ratio": float("nan")}) == ["gate_pass_ratio"]
+    assert flagged({**base, "replay_unreplayed": 12}) == ["replay_unreplayed"]
+    # async: the stale tokens' KL is the staleness; the check reads the trained version's own tokens
+    assert flagged({**base, "kl_k3": 0.3}) == [] and flagged({**base, "kl_k3_current": 0.3}) == ["kl_k3"]
+    assert step_values({**base, "replay_positions": 0}, [])[0]["replay_disagree_rate"] is None

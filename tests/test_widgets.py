@@ -399,7 +399,9 @@ def test_inspector_boxes_tokens_and_a_click_opens_the_journey():
     # each token its own box (adjacent tokens of one colour stay apart), addressed by data-i
     assert html.count("border:1px solid") == 4 and [f"data-i='{i}'" in html for i in range(4)] == [True] * 4
     assert "logprob -0.5000" in html and "version 3" in html and "experts L0[4, 5]" in html  # the hover card's text
-    assert find_row(r, s) == 0 and find_row(r, seg([21, 22], [0, 1])) == 1 and find_row(r, seg([99], [1])) is None
+    assert find_row(r, s) == 0 and find_row(r, seg([21, 22, 23], [0, 1, 1])) == 1 and find_row(r, seg([99], [1])) is None
+    # a shorter segment whose turn begins another episode's longer row is not that row (its advantage showed)
+    assert find_row(r, seg([11, 12, 13], [0, 0, 1])) is None
     ins.tokens.selected = 2  # what a click in the browser sets
     (view,) = ins.journey.children
     assert isinstance(view, TokenJourney) and (view.row.value, view.col.value) == (0, 2)

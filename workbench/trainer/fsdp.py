@@ -490,16 +490,15 @@ class TrainerWorker:
             dist.all_reduce(carried)
             carried = int(carried.item())
             carried_total += carried
-            if carried == 0:
+            if carried == 0:  # (no norm: the step's grad_norm is the mean over the updates taken)
                 skipped += 1
-                norms.append(zero)
             else:
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
                 norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         # (with cpu_offload the gradients, so their norms, are on the host)
-        sums = [loss_sum, kl_sum, shift_sum, *(n.double().to(self.device) for n in norms)]
+        sums = [loss_sum, kl_sum, shift_sum, *(n.double().to(self.device) for n in norms or [zero])]
         loss_sum, kl_sum, shift_sum, *norms = torch.stack(sums).tolist()
         out = {"loss": loss_sum, "grad_norm": sum(norms) / len(norms), "correction": merge_stats([c.stats for c in corr_parts]),
                "replay": _sum_replay(replay), "kl_k3_live": live,

@@ -688,12 +688,15 @@ def recorded_journey(segment: Segment, index: int, tokenizer=None) -> dict:
 
 def find_row(report: dict, segment: Segment) -> int | None:
     """The row of a training report ([B, T] columns; rows are trainable segments) holding
-    `segment`: the one whose ids and loss mask start with the segment's. None if none does."""
+    `segment`: the one whose ids and loss mask start with the segment's and that trains nothing
+    after it (padding). A longer segment of another episode that begins with the same turn matched
+    first before, and the journey showed that episode's advantage. None if none does."""
     n = len(segment)
     ids, mask = report["input_ids"], report["loss_mask"]
     want_ids, want_mask = list(segment.token_ids), [int(m) for m in segment.loss_mask]
     for r in range(len(ids)):
-        if n <= len(ids[r]) and [int(x) for x in ids[r][:n]] == want_ids and [int(x) for x in mask[r][:n]] == want_mask:
+        if (n <= len(ids[r]) and [int(x) for x in ids[r][:n]] == want_ids and [int(x) for x in mask[r][:n]] == want_mask
+                and not any(int(x) for x in mask[r][n:])):
             return r
     return None
 
