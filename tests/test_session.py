@@ -23,6 +23,8 @@ def test_config_errors_name_the_field():
         WorkbenchConfig(model="/nonexistent/model")
     with pytest.raises(ConfigError, match="sampling 'loose' unknown"):
         WorkbenchConfig(sampling="loose")
+    with pytest.raises(ConfigError, match="Duplicate GPU detected"):  # NCCL refuses two group ranks on one GPU
+        WorkbenchConfig(placement="colocated", engine_kwargs={"weight_transfer": "nccl"})
     for t in (0.0, 0.005, 2.5):  # vLLM samples below 0.01 at 0.01 and refuses above 2
         with pytest.raises(ConfigError, match=r"temperature must be in \[0.01, 2\]"):
             WorkbenchConfig(temperature=t)

@@ -141,6 +141,11 @@ class WorkbenchConfig:
             raise ConfigError(f"backend {self.backend!r} unknown; registered engines: {sorted(ENGINE_BACKENDS)}")
         if self.placement not in ("split", "colocated", "none"):
             raise ConfigError(f"placement {self.placement!r} unknown: 'split', 'colocated' or 'none' (workbench.placement)")
+        if self.placement == "colocated" and self.engine_kwargs.get("weight_transfer") == "nccl":
+            # trainer rank 0 and engine 0 share GPU 0 and would both be ranks of the transfer group
+            raise ConfigError("placement 'colocated' with engine_kwargs weight_transfer 'nccl': trainer rank 0 and "
+                              "engine 0 share a GPU, and NCCL refuses two ranks of one group on one device "
+                              "('Duplicate GPU detected'); use placement 'split' for the NCCL weight sync")
         if self.sampling not in ("override", "strict"):
             raise ConfigError(f"sampling {self.sampling!r} unknown: 'override' (the policy's values replace an agent's, "
                               f"counted) or 'strict' (an agent's differing values are refused with a 400)")
@@ -303,7 +308,11 @@ class Workbench:
                 bar.update()
             bar.set_postfix_str("weight sync")
             if cfg.engine_kwargs.get("weight_transfer") == "nccl":  # GPU: join the engines' NCCL group once
-                self._trainer.init_nccl_sync(self.engines, [cfg.engine_kwargs.get("tensor_parallel_size", 1)] * len(self.engines))
+                # the engines' dtype on the wire (bf16 on GPU: half the bytes of the trainer's fp32 master
+                # weights; vLLM's loader casts to it anyway)
+                wire = self.profile.dtype if self.profile.dtype in ("bfloat16", "float16") else None
+                self._trainer.init_nccl_sync(self.engines, [cfg.engine_kwargs.get("tensor_parallel_size", 1)] * len(self.engines),
+                                             wire_dtype=wire)
             self.sync()  # the engines serve the trainer's weights from the first rollout on
             bar.update()
             if cfg.resume:  # the run's checkpoint (weights, optimizer, RNG, next step) and its history to there
@@ -480,6 +489,16 @@ class Workbench:
             raise ConfigError(f"{field} {name!r} tokenizes differently from the policy: it would read other tokens than "
                               f"the policy's")
         kwargs = {k: v for k, v in self.cfg.engine_kwargs.items() if k != "weight_transfer"}  # never synced
+        import ray
+
+        from .cluster import cluster_gpus
+
+        need = kwargs.get("tensor_parallel_size", 1)
+        if cluster_gpus() and ray.available_resources().get("GPU", 0) < need:
+            # its actor would wait for a GPU forever: the placement plan holds every GPU of the cluster
+            raise ConfigError(f"{field} {name!r}: its engine needs {need} GPU(s) and the cluster has "
+                              f"{ray.available_resources().get('GPU', 0):g} free (the placement plan reserves the "
+                              f"rest): lower num_engines or trainer_ranks to leave it room")
         return launch_engine(self.cfg.backend, model_path=path, seed=seed,
                              **{"max_model_len": self.profile.max_model_len, "dtype": self.profile.dtype, **kwargs})
 

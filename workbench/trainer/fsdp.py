@@ -255,7 +255,9 @@ class TrainerWorker:
         if torch.cuda.is_available():
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
             torch.cuda.set_device(self.device)
-            backend = "nccl"
+            # offloaded parameters and gradients are CPU DTensors: their collectives (clip_grad_norm_'s
+            # all-reduce, the state-dict gathers) need a CPU backend beside NCCL
+            backend = "cpu:gloo,cuda:nccl" if cfg.cpu_offload else "nccl"
         else:
             self.device = torch.device("cpu")
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -635,6 +637,17 @@ def gather_full_tensors(state: dict, rank: int, world_size: int) -> dict | None:
         return (isinstance(v, DTensor) and v.device_mesh.ndim == 1 and v.device_mesh.size() == world_size
                 and tuple(v.placements) == (Shard(0),))
 
+    if world_size > 1 and torch.cuda.is_available():
+        # On GPUs one tensor at a time, each to the host as soon as it is whole: the bucketed gather
+        # below holds world_size x the model on rank 0's device, then a second copy (fp32 Qwen3-8B:
+        # 2 x 32.8 GB beside the shards and AdamW). NCCL's per-call cost is small; gloo's is not
+        out = {}
+        for k, v in state.items():
+            t = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+            if rank == 0:
+                out[k] = t.cpu()
+            del t
+        return out if rank == 0 else None
     full, buckets = {}, {}  # dtype -> [(name, the DTensor, c: rows per full shard, elements per row)]
     for k, v in state.items():
         if flat_sharded(v) and world_size == 1:  # the one shard is the whole tensor
