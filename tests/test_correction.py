@@ -73,7 +73,12 @@ def test_a_registered_staleness_gate_is_the_one_correction_weights_applies():
         assert c.keep.tolist() == [True, True] and c.stats["stale_dropped"] == 0 and c.weights[1].abs().sum() > 0
     finally:
         register_staleness_gate(None)
-    assert run(cfg).keep.tolist() == [True, False]
+    good = run(cfg)
+    assert good.keep.tolist() == [True, False]
+    # the statistic that tells them apart (the audit's staleness): the oldest token trained on. The
+    # histogram is before the gate: the same for both
+    assert (c.stats["max_staleness_kept"], good.stats["max_staleness_kept"]) == (5, 1)
+    assert c.stats["staleness_hist"] == good.stats["staleness_hist"]
 
 
 def test_kl_estimators_and_delta_p():

@@ -257,6 +257,9 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions, ve
         "max_abs_delta_p": float((trainer_lp.float().exp() - behav_lp.float().exp())[m].abs().max()) if n else 0.0,
         "is_weight_hist": {"edges": list(WEIGHT_BINS), "counts": [int(c) for c in hist.tolist()]},
         "staleness_hist": dict(sorted(Counter(stale[m].tolist()).items())),
+        # the oldest token trained on (what the gate bounds; the histogram is before the gate, so a gate
+        # that kept a stale sequence showed the same histogram as one that dropped it); None: none kept
+        "max_staleness_kept": int(stale[kept].max()) if kept.any() else None,
         "tokens_per_version": dict(sorted(Counter(versions[m].tolist()).items())),
         "tokens": n,
     }
@@ -296,4 +299,6 @@ def merge_stats(parts: list[dict]) -> dict:
         "is_weight_hist": {"edges": parts[0]["is_weight_hist"]["edges"],
                            "counts": [sum(c) for c in zip(*(p["is_weight_hist"]["counts"] for p in parts))]},
         "staleness_hist": add("staleness_hist"), "tokens_per_version": add("tokens_per_version"), "tokens": tokens,
+        "max_staleness_kept": max((p["max_staleness_kept"] for p in parts if p.get("max_staleness_kept") is not None),
+                                  default=None),
     }

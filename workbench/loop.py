@@ -910,6 +910,7 @@ def step_statistics(stats: dict) -> dict:
         "kl_k1": corr["kl_k1"], "kl_k3": corr["kl_k3"], "kl_k3_current": corr["kl_k3_current"], "tokens_current": corr["tokens_current"],
         "kl_k3_stale": corr["kl_k3_stale"],
         "max_abs_delta_p": corr["max_abs_delta_p"], "staleness_hist": corr["staleness_hist"], "tokens_per_version": corr["tokens_per_version"],
+        "max_staleness_kept": corr.get("max_staleness_kept"),
         "is_weight_hist": corr["is_weight_hist"],
         "replay_disagree_rate": replay["disagree_rate"], "replay_disagree_per_layer": replay["disagree_rate_per_layer"],
         "replay_fallback": sum(replay["fallback"]), "kl_k3_live": stats["kl_k3_live"], "kl_ref": stats["kl_ref"],

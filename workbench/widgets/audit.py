@@ -49,7 +49,7 @@ CHECKS = (
     ("identity_mismatch", "identity mismatch", "trainable token ids that differ from the ids the engine sampled"),
     ("retokenization_drift", "retokenization drift", "sampled ids that decoding and re-encoding the text would change"),
     ("unexpected_seals", "seals by reason", "segments sealed for a reason other than episode_end (per reason in the table)"),
-    ("max_staleness", "staleness", "versions between the trainer and the oldest sampled token of the step"),
+    ("max_staleness", "staleness", "versions between the trainer and the oldest token the step trained on (after the gate)"),
     ("gate_pass_ratio", "gate pass ratio", "share of sequences the correction gate kept (staleness, band, veto)"),
     ("token_keep_ratio", "tokens kept", "share of trainable tokens the correction kept (a token-level mask drops tokens, not sequences)"),
     ("is_weight_outside", "IS-weight distribution", "share of trainable tokens whose IS weight is outside [0.8, 1.25)"),
@@ -106,7 +106,9 @@ def step_values(m: dict, trajs: list[Trajectory]) -> tuple[dict, dict]:
     v = {"identity_mismatch": sum(e["identity_mismatch"] for e in eps.values()),
          "retokenization_drift": sum(e["retokenization_drift"] for e in eps.values()),
          "unexpected_seals": sum(e["unexpected_seals"] for e in eps.values()),
-         "max_staleness": max((int(k) for k, c in (m.get("staleness_hist") or {}).items() if c), default=None),
+         # the oldest token trained on (the gate's bound); runs before it logged only the histogram (before the gate)
+         "max_staleness": (m["max_staleness_kept"] if "max_staleness_kept" in m else
+                           max((int(k) for k, c in (m.get("staleness_hist") or {}).items() if c), default=None)),
          "is_weight_outside": _hist_outside(m.get("is_weight_hist")),
          "failed_rate": m.get("failed_episodes", sum(e["failed_rate"] for e in eps.values())) / n,
          "truncated_rate": m.get("truncated_episodes", sum(e["truncated_rate"] for e in eps.values())) / n}
