@@ -2,6 +2,7 @@
 check the logic each widget shows (spans, drift marks, trace data, journey values) without a
 browser, Ray or an engine. Segments and trajectories are built by hand."""
 
+import math
 import os
 
 import numpy as np
@@ -429,3 +430,15 @@ def test_monitor_legends_axes_and_a_single_step_as_numbers():
     assert gate.trace("kl_k3").mode == "lines+markers" and gate.trace("kl_k3").text is None
     replay = ReplayMonitor()
     assert "(from 0)" in replay.trace("replay_disagree_rate").name and replay.fig.layout.xaxis2.title.text == "MoE layer"
+
+
+def test_a_monitor_names_a_non_finite_value():
+    """NaN and inf reach the browser as null (plotly's JSON), a gap like a step not measured: the
+    monitor names them in its title instead; finite again, the title goes."""
+    gate = GateMonitor(HISTORY[:1])
+    assert not gate.fig.layout.title.text
+    gate.on_step({**HISTORY[1], "step": 1, "kl_k3": float("nan")})
+    assert "not finite" in gate.fig.layout.title.text and "step 1" in gate.fig.layout.title.text
+    assert gate.trace("kl_k3").y[-1] is None or math.isnan(gate.trace("kl_k3").y[-1])
+    gate.update(HISTORY[:2])
+    assert not gate.fig.layout.title.text

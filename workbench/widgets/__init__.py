@@ -393,6 +393,12 @@ class _Monitor(W.VBox):
                                    marker_size=10 if one else 6)
         for _, r, c in self.LINES:  # a tick per step while there are few (not 0.5-steps)
             self.fig.update_xaxes(dtick=1 if len(steps) <= 10 else None, row=r, col=c)
+        # NaN / inf reach the browser as null, a gap like a step not measured: name them in the title
+        bad = [f"{self.LABELS.get(key, key).split(':')[0].split(' (')[0]} at step {s}" for key, *_ in self.LINES
+               for s, m in zip(steps, self.history) if isinstance(m.get(key), float) and not math.isfinite(m[key])]
+        self.fig.update_layout(title=dict(text=("<span style='color:#c00'>not finite: " + "; ".join(bad[:4])
+                                                + (f" (+{len(bad) - 4})" if len(bad) > 4 else "") + "</span>") if bad else None,
+                                          font_size=12, x=0.01))
         for key, *_ in self.BARS:
             x, y = _bars(last.get(key))
             self.trace(key).update(x=x, y=y)
