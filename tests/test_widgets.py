@@ -442,3 +442,23 @@ def test_a_monitor_names_a_non_finite_value():
     assert gate.trace("kl_k3").y[-1] is None or math.isnan(gate.trace("kl_k3").y[-1])
     gate.update(HISTORY[:2])
     assert not gate.fig.layout.title.text
+
+
+def test_drift_views_render_the_tools_the_segment_declared(fmt, tmp_path):
+    """A tool agent's segment records the tools its requests declared (and keeps them through
+    parquet): the drift view re-renders with them. Without, the template's tool block was missing
+    from the re-render and the whole system prompt showed as retokenization drift."""
+    from workbench.rollout.engine import Sample
+    from workbench.tokens import Accumulator, read_trajectories, write_trajectories
+    from workbench.toy.tasks import CALC_TOOL
+    from workbench.widgets import drift_positions
+
+    acc = Accumulator(fmt)
+    msgs = [{"role": "system", "content": "Use the tool."}, {"role": "user", "content": "2+3?"}]
+    plan = acc.plan(msgs, [CALC_TOOL])
+    ids = fmt.encode("5") + [fmt.end_of_turn_id]
+    seg = acc.record(plan, Sample([], ids, [-0.1] * len(ids), [0] * len(ids), "stop"), {"role": "assistant", "content": "5"})
+    assert seg.tools == [CALC_TOOL] and drift_positions(seg, fmt) == []
+    assert len(drift_positions(seg, fmt, tools=[])) > 20  # what the view showed before: the tool block as drift
+    (back,) = read_trajectories(write_trajectories([Trajectory([seg], episode_id="e")], tmp_path / "t.parquet"))
+    assert back.segments[0].tools == [CALC_TOOL] and back.segments[0].copy().tools == [CALC_TOOL]

@@ -65,6 +65,7 @@ class Segment:
     seal_reason: str | None = None  # None while the segment is open
     stats: dict = field(default_factory=lambda: {"identity_mismatch": 0, "retokenization_drift": 0, "sampled_tokens": 0,
                                                  "turns": 0, "sampling_overridden": 0})
+    tools: list | None = None  # the tools the requests declared: the template renders them (drift views re-render)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -81,7 +82,8 @@ class Segment:
         short episode on the loopback's event loop; the number columns copy flat.)"""
         ex = self.routed_experts
         return Segment(list(self.token_ids), list(self.loss_mask), list(self.logprobs), list(self.versions),
-                       None if ex is None else ex.copy(), copy.deepcopy(self.messages), self.seal_reason, dict(self.stats))
+                       None if ex is None else ex.copy(), copy.deepcopy(self.messages), self.seal_reason, dict(self.stats),
+                       copy.deepcopy(self.tools))
 
     def check(self) -> None:
         n = len(self.token_ids)
@@ -122,7 +124,7 @@ def _schema():
         ("token_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
         ("logprobs", pa.list_(pa.float32())), ("versions", pa.list_(pa.int32())),
         ("routed_experts", pa.list_(pa.int16())), ("routed_experts_shape", pa.list_(pa.int32())),
-        ("truncated", pa.bool_()),
+        ("truncated", pa.bool_()), ("tools", pa.string()),
     ])
 
 
@@ -152,6 +154,7 @@ def write_trajectories(trajectories: list[Trajectory], path: str | Path) -> Path
                 "logprobs": s.logprobs, "versions": s.versions,
                 "routed_experts": None if ex is None else ex.reshape(-1).tolist(),
                 "routed_experts_shape": None if ex is None else list(ex.shape),
+                "tools": None if s.tools is None else json.dumps(s.tools, default=str),
             })
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,7 +176,8 @@ def read_trajectories(path: str | Path) -> list[Trajectory]:
         if r["routed_experts"] is not None:
             ex = np.asarray(r["routed_experts"], dtype=np.int16).reshape(r["routed_experts_shape"])
         t.segments.append(Segment(r["token_ids"], r["loss_mask"], r["logprobs"], r["versions"], ex,
-                                  json.loads(r["messages"]), r["seal_reason"], json.loads(r["stats"])))
+                                  json.loads(r["messages"]), r["seal_reason"], json.loads(r["stats"]),
+                                  json.loads(r["tools"]) if r.get("tools") else None))  # older files: no column
     return list(out.values())
 
 
@@ -557,6 +561,7 @@ class Accumulator:
         self._last_request = (plan.messages, plan.tools)  # keyed only when a retry comes (request_key)
         self._last_reply = reply
         seg.messages = list(self._conversation)
+        seg.tools = plan.tools
         seg.check()
         return seg
 

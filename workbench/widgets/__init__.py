@@ -107,13 +107,15 @@ class RolloutStepper(W.VBox):
 
 # ------------------------------------------------------------------ segment inspector
 def drift_positions(segment: Segment, tokenizer, tools: list | None = None) -> list[int]:
-    """Positions of `segment.token_ids` that re-rendering `segment.messages` through the chat
-    template and re-tokenizing does not reproduce: where a text-based pipeline would train on
-    other ids than the ones sampled (tokens.retokenization_drift counts the sampled part)."""
+    """Positions of `segment.token_ids` that re-rendering `segment.messages` (with `tools`, else the
+    tools the segment's requests declared) through the chat template and re-tokenizing does not
+    reproduce: where a text-based pipeline would train on other ids than the ones sampled
+    (tokens.retokenization_drift counts the sampled part). Without the tools a tool agent's whole
+    system prompt showed as drift."""
     if not segment.messages:
         return []
     fmt = _fmt(tokenizer)
-    again = fmt.encode(fmt.render(segment.messages, tools, add_generation_prompt=False))
+    again = fmt.encode(fmt.render(segment.messages, tools if tools is not None else segment.tools, add_generation_prompt=False))
     same = set()
     for a, _, n in difflib.SequenceMatcher(None, segment.token_ids, again, autojunk=False).get_matching_blocks():
         same.update(range(a, a + n))
