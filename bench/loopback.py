@@ -371,6 +371,7 @@ def main() -> None:
     # is out of the collector's walk, so a full collection does not stall the requests in flight
     # (--no-gc-freeze: without, to compare)
     if not args.no_gc_freeze:
+        gc.collect()
         gc.freeze()
     results = []
     try:

@@ -259,6 +259,44 @@ def test_c_qwen3_a_tool_call_without_thinking_extends(fams):
     assert plan.prompt_ids == fmt.encode(fmt.render(msgs, tools, add_generation_prompt=True))  # exactly a fresh render
 
 
+def test_c_qwen3_answers_without_thinking_extend_after_the_window_moves(fams):
+    """Thinking on, five user turns answered without <think>: every turn after the first extends,
+    exactly the fresh render, with the rendered window moving (its second extension test is
+    re-rendered in the new window; cleared, turns 3-5 sealed)."""
+    fam = fams["qwen3"]
+    fmt = fam.chat_format()
+    acc = Accumulator(fmt)
+    msgs, verdicts = [{"role": "system", "content": "S"}], []
+    for q in range(5):
+        msgs.append({"role": "user", "content": f"Q{q}"})
+        p = acc.plan(msgs, None)
+        verdicts.append("seal" if p.new_segment else "ext")
+        if not p.new_segment:
+            assert p.prompt_ids == fmt.encode(fmt.render(msgs, None, add_generation_prompt=True)), q
+        ids = fmt.encode(f"Done {q}.") + [fmt.end_of_turn_id]
+        msgs.append({"role": "assistant", "content": f"Done {q}."})
+        acc.record(p, sample_of(ids, "stop"), msgs[-1])
+    assert verdicts == ["seal", "ext", "ext", "ext", "ext"] and len(acc.segments) == 1 and acc._window_start > 0
+
+
+def test_b_a_call_the_agent_could_not_send_back_keeps_its_reasoning(fams):
+    """A tool call with NaN or a number past the body's bound is left as the model's text (the
+    agent could not send it back), with the reasoning split off as for any reply: it went down
+    the parser-crash path, the whole reply (reasoning too) as content, while streaming had sent the
+    reasoning already, so the two replies differed."""
+    from workbench.loopback.parsing import ReplyParser
+
+    fam = fams["qwen3"]
+    prof = fam.profile()
+    rp = ReplyParser(fam.tokenizer, prof.tool_parser, prof.reasoning_parser, prof.chat_template_kwargs)
+    for bad in ("NaN", "1" * 130):
+        call = '<tool_call>\n{"name": "f", "arguments": {"x": %s}}\n</tool_call>' % bad
+        p = rp.parse("<think>\nR\n</think>\n\nOK.\n" + call, [], tools=[{"type": "function", "function": {"name": "f"}}])
+        assert (p.reasoning.strip(), p.calls) == ("R", []) and p.content.strip() == "OK.\n" + call, bad
+    good = rp.parse('<think>\nR\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {"x": 1.5e3, "y": ["é", [1]]}}\n</tool_call>', [])
+    assert good.calls == [{"name": "f", "arguments": {"x": 1500.0, "y": ["é", [1]]}}]
+
+
 def test_c_qwen3_no_thinking_drops_the_empty_think_block(fams):
     fam = fams["qwen3-nothink"]
     plain = [d for d in rf.fixtures("qwen3", folder="qwen3-hermes", with_expected=True) if d.get("thinking") is False]

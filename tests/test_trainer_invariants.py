@@ -86,6 +86,9 @@ def test_a_gated_sequence_gets_no_gradient_from_the_kl_term(dense_trainer):
     assert not moved, f"a step that trained on nothing moved {len(moved)} tensors, e.g. {moved[:3]}"
     stats = t.train_step(dict(b, versions=torch.where(m, t.version, -1)))  # fresh again: it trains
     assert stats["updates_skipped"] == 0 and stats["signal_tokens_trained"] == int(m.sum())
+    # no advantage anywhere: the KL term still trains (a gradient, an update), but no learning signal
+    stats = t.train_step(dict(b, versions=torch.where(m, t.version, -1), advantages=torch.zeros_like(b["advantages"])))
+    assert stats["updates_skipped"] == 0 and stats["grad_norm"] > 0 and stats["signal_tokens_trained"] == 0
 
 
 @pytest.fixture(scope="module")

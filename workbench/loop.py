@@ -505,7 +505,11 @@ def check_sampling(rollout, trainer, engines: list = ()) -> None:
     if sampling is not None:
         trainer.cfg.correction.check_sampling(top_p=sampling.top_p, temperature=sampling.temperature,
                                               trainer_temperature=trainer.cfg.temperature)
-    for info in ray.get([e.info.remote() for e in engines]):
+    for ref in [e.info.remote() for e in engines]:
+        try:
+            info = ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            continue  # a dead engine: the run drops it (engines_version), it samples nothing
         trainer.cfg.correction.check_sampling(logprobs_mode=info.get("logprobs_mode", "processed_logprobs"))
 
 

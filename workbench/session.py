@@ -494,6 +494,9 @@ class Workbench:
         from .cluster import cluster_gpus
 
         need = kwargs.get("tensor_parallel_size", 1)
+        deadline = time.time() + 10  # Ray's free-resource view lags a killed actor's release
+        while cluster_gpus() and ray.available_resources().get("GPU", 0) < need and time.time() < deadline:
+            time.sleep(1)
         if cluster_gpus() and ray.available_resources().get("GPU", 0) < need:
             # its actor would wait for a GPU forever: the placement plan holds every GPU of the cluster
             raise ConfigError(f"{field} {name!r}: its engine needs {need} GPU(s) and the cluster has "

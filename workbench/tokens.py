@@ -637,7 +637,21 @@ class Accumulator:
         if not old.endswith(text[head:]):
             return  # keep the wider window (it grows until a move keeps the render)
         self._window_start, self._conversation_text = last_user, text
-        self._last_turn = None  # rendered in the old window
+        self._last_turn = self._last_turn_in(conv, last_user, tools)
+
+    def _last_turn_in(self, conv: list[dict], start: int, tools: list | None) -> tuple | None:
+        """The last turn's (prompt text, sampled ids) in the window starting at `start`: its prompt
+        rendered there, kept only where it is the old prompt's end past the head both share (the
+        move's own test), so the second extension test goes on working after a move."""
+        if self._last_turn is None:
+            return None
+        old, sampled = self._last_turn
+        try:
+            new = self.fmt.render(self.window(conv[:-1], start), tools, add_generation_prompt=True)
+        except Exception:
+            return None
+        head = next((i for i, (a, b) in enumerate(zip(new, old)) if a != b), min(len(new), len(old)))
+        return (new, sampled) if old.endswith(new[head:]) else None
 
     def forget_last_request(self) -> None:
         """A request failed after planning (engine error): a retry of it must not be answered

@@ -54,7 +54,8 @@ class JudgedAgent(ChatAgent):
             messages=[{"role": "user", "content": RUBRIC.format(question=question, answer=answer,
                                                                 tag="answer-" + secrets.token_hex(4))}])
         said = verdict.choices[0].message.content or ""
-        score = parse_score(said)
+        # a verdict cut by judge_max_tokens is none (a "10" cut to "1" would pay 0.1)
+        score = parse_score(said) if verdict.choices[0].finish_reason == "stop" else None
         # an unparsable verdict scores 0 and is counted (info), so a judge that stops answering shows
         return (score or 0.0), {"answer": answer, "verdict": said, "judge_parsed": score is not None,
                                 "judge_tokens": verdict.usage.completion_tokens}

@@ -26,7 +26,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from .protocol import loads
+from .protocol import RequestError, loads
 from .toolcalls import get_tool_parser
 
 log = logging.getLogger(__name__)
@@ -111,13 +111,7 @@ class ReplyParser:
         """Never raises: a parser that fails on a reply (a random model's bytes) leaves the text as
         the model wrote it, as content (logged; `failures` counts them)."""
         try:
-            parsed = self._parse(text, ids, parse_tools, tools)
-            for call in parsed.calls:
-                # a call the agent could not send back: its history's next request would be refused
-                # (a 400 at every later turn of the episode: a 120-digit number, NaN, nesting past the
-                # body's bounds). Left as the text the model wrote, as any call a parser cannot read
-                loads(json.dumps(call["arguments"]), what=f"tool call {call.get('name')!r}'s arguments")
-            return parsed
+            return self._parse(text, ids, parse_tools, tools)
         except Exception:
             self.failures += 1
             log.warning("reply parser (%s, %s) failed; the reply is returned as content", self.tool_parser,
@@ -134,8 +128,8 @@ class ReplyParser:
                     args = json.loads(c.arguments or "{}")
                 except json.JSONDecodeError:
                     return Parsed(reasoning or None, text if content is None else content, [])
-                if not isinstance(args, dict):  # as hermes: a call we cannot read leaves the text as written
-                    return Parsed(reasoning or None, text, [])
+                if not isinstance(args, dict) or not self._sendable(args):  # as hermes: a call we cannot read
+                    return Parsed(reasoning or None, text, [])  # leaves the text as written
                 out.append({"name": c.name, "arguments": args})
             return Parsed(reasoning or None, (content or "").strip() if out else (content or ""), out)
         reasoning = None
@@ -144,4 +138,17 @@ class ReplyParser:
             reasoning, rest = rp.extract_reasoning(text, _request(tools))
             text = rest or ""
         content, calls = self._ours(text) if parse_tools else (text, [])
+        if not all(self._sendable(c["arguments"]) for c in calls):
+            return Parsed(reasoning or None, text, [])  # the reasoning kept, as streaming sent it
         return Parsed(reasoning or None, content, calls)
+
+    def _sendable(self, arguments) -> bool:
+        """Whether the agent can send this call back: its history's next request is held to the
+        body's bounds (a 120-digit number, NaN, nesting past MAX_JSON_DEPTH: a 400 at every later
+        turn of the episode). A call that is not is left as the text the model wrote (counted)."""
+        try:
+            loads(json.dumps(arguments), what="the tool call's arguments")
+            return True
+        except (RequestError, ValueError, TypeError):
+            self.failures += 1
+            return False

@@ -221,9 +221,9 @@ class TrainerSender:
                 if name != meta.names[i] or list(t.shape) != list(meta.shapes[i]):
                     raise RuntimeError(f"tensor #{i} is {name!r} {None if t is None else list(t.shape)}, the engines "
                                        f"expect {meta.names[i]!r} {meta.shapes[i]}; the transfer group is now unusable")
+                if torch.cuda.is_available():  # an offloaded (cpu_offload) parameter gathers on the host:
+                    t = t.to("cuda")  # to the GPU first, then cast there
                 t = t.to(getattr(torch, meta.dtype_names[i])).contiguous()  # NCCL reads numel from data_ptr
-                if torch.cuda.is_available():  # an offloaded (cpu_offload) parameter gathers on the host
-                    t = t.to("cuda", non_blocking=False)
                 parts.append(t.view(-1).view(torch.uint8) if packed else t)
             buf = torch.cat(parts) if packed else parts[0]
             self.group.broadcast(buf, src=0)

@@ -71,6 +71,7 @@ class RolloutRunner:
         # runner: out of the collector's walk. A full collection walked it all while every in-flight
         # request waited (60-117 ms each, a few per bench run: the loopback's occasional p99 of
         # 117-147 ms); frozen, the serving phase's full collections took 5-33 ms (bench/loopback.py)
+        gc.collect()  # what is garbage already is not frozen with the rest
         gc.freeze()
 
     def ready(self) -> dict:

@@ -442,7 +442,7 @@ class TrainerWorker:
         # each time, draining its queue), read once after the last update is queued
         zero = torch.zeros((), device=self.device, dtype=torch.float64)
         loss_sum, norms, corr_parts, replay, rows, kl_sum, shift_sum = zero, [], [], [], [], zero, zero
-        skipped, carried_total = 0, 0
+        skipped, carried_total = 0, torch.zeros_like(zero)
         per = -(-batch["input_ids"].shape[0] // updates)
         # fewer rows than updates: one update a row (an empty mini-batch would average a zero
         # gradient norm into the step's, and with micro_batch_tokens run a forward on no rows).
@@ -454,7 +454,7 @@ class TrainerWorker:
             counts = torch.stack([ub["loss_mask"].sum().double(), episode_units(ub["loss_mask"], ub.get("episode_tokens")).sum().double()])
             dist.all_reduce(counts)
             counts = counts.tolist()  # read once per update (micro-batches divide by these)
-            carried = torch.zeros((), device=self.device, dtype=torch.float64)  # tokens with a gradient
+            carried = torch.zeros((), device=self.device, dtype=torch.float64)  # kept tokens with an advantage
             for mb in self._micro(ub):
                 # the replay context spans backward: activation-checkpoint recompute must replay too
                 with replayed_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
@@ -476,8 +476,8 @@ class TrainerWorker:
                     w = aggregation_weights(mb["loss_mask"], self.cfg.aggregation, *counts,
                                             max_len=self.cfg.constant_len, episode_tokens=mb.get("episode_tokens"))
                     (tl * w).sum().mul(self.world_size).backward()
-                    keep = corr.token_keep & mb["loss_mask"].bool()
-                    carried = carried + (keep if self.ref_model is not None else keep & (mb["advantages"] != 0)).sum()
+                    # trainable tokens the correction kept that have an advantage: the no-signal warning's count
+                    carried = carried + (corr.token_keep & mb["loss_mask"].bool() & (mb["advantages"] != 0)).sum()
                 contribution = (tl * w).detach() / updates  # of the step's reported loss (mean over updates)
                 shift_sum = shift_sum + ((lp.detach() - old).abs() * mb["loss_mask"]).sum()
                 loss_sum = loss_sum + contribution.sum()
@@ -486,31 +486,34 @@ class TrainerWorker:
                 if report:
                     rows.append({"trainer_logprobs": old, "is_weight": corr.weights, "gate_keep": corr.token_keep,
                                  "loss_contribution": contribution})
-            # An update with no token carrying a gradient (the gate dropped every row, every advantage
-            # 0) is no update: the backward left zero gradients, not None, and AdamW would still move
-            # every weight along its momentum (0.67x a real step here) and decay it
-            dist.all_reduce(carried)
-            carried = int(carried.item())
-            carried_total += carried
-            if carried == 0:  # (no norm: the step's grad_norm is the mean over the updates taken)
+            carried_total = carried_total + carried
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # the global norm: every rank's
+            norms.append(norm)
+            # A zero gradient (the gate dropped every row, every advantage 0, no KL term) is no update:
+            # the backward left zero gradients, not None, and AdamW would still move every weight along
+            # its momentum (0.67x the previous real step, in its direction) and decay it. Decided on the
+            # norm, not a count, so that a custom surrogate's own gradient is never skipped
+            if float(norm) == 0.0:
                 skipped += 1
             else:
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-                norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         # (with cpu_offload the gradients, so their norms, are on the host)
-        sums = [loss_sum, kl_sum, shift_sum, *(n.double().to(self.device) for n in norms or [zero])]
-        loss_sum, kl_sum, shift_sum, *norms = torch.stack(sums).tolist()
-        out = {"loss": loss_sum, "grad_norm": sum(norms) / len(norms), "correction": merge_stats([c.stats for c in corr_parts]),
+        dist.all_reduce(carried_total)  # over the ranks, once a step
+        sums = [loss_sum, kl_sum, shift_sum, carried_total, *(n.double().to(self.device) for n in norms)]
+        loss_sum, kl_sum, shift_sum, carried_total, *norms = torch.stack(sums).tolist()
+        taken = [n for n in norms if n > 0]  # the step's grad_norm: the mean over the updates taken
+        out = {"loss": loss_sum, "grad_norm": sum(taken) / len(taken) if taken else 0.0, "correction": merge_stats([c.stats for c in corr_parts]),
                "replay": _sum_replay(replay), "kl_k3_live": live,
                "kl_ref": {"sum": kl_sum, "tokens": int(batch["loss_mask"].sum())} if self.ref_model else None,
                # mean |log pi - log pi_old| over the step's tokens: 0 with one update per step; how far
                # later updates' ratios move from 1 (where the surrogates' clipping acts) otherwise
                "policy_shift": {"sum": shift_sum, "tokens": int(batch["loss_mask"].sum())},
-               # over every rank (all-reduced): tokens that carried a gradient, summed over the updates, and
-               # the updates skipped for having none
-               "signal_tokens_trained": carried_total, "updates_skipped": skipped}
+               # over every rank (all-reduced): kept trainable tokens with an advantage, summed over the
+               # updates (the no-signal warning's count; a KL term alone is no learning signal), and
+               # the updates skipped for a zero gradient
+               "signal_tokens_trained": int(carried_total), "updates_skipped": skipped}
         if report:
             out["report"] = {k: batch[k].cpu() for k in ("input_ids", "loss_mask", "behaviour_logprobs", "versions", "advantages")}
             out["report"].update({k: torch.cat([r[k] for r in rows]).cpu() for k in rows[0]})

@@ -58,7 +58,7 @@ CHECKS = (
     ("replay_unreplayed", "routing not replayed", "recorded (token, layer) routings the trainer's forward did not use although "
      "replay applied: 0 unless the replay rule is broken"),
     ("kl_k3", "k3 with replay", "KL(behaviour || trainer) k3 estimate, routing replayed, on the tokens the trained version "
-     "sampled (a stale token's KL is its staleness, not the forward)"),
+     "sampled (a stale token's KL is its staleness, not the forward; not measured on a step with none)"),
     ("kl_k3_live", "k3 without replay", "the same KL with live routing (what replay removes)"),
     ("sync_max_abs_diff", "sync probe difference", "max |engine - trainer| probe log-prob after the step's weight sync"),
     ("sync_failed", "failed weight sync", "the step trained, then its weight sync raised (a probe mismatch, an engine lost): "
@@ -298,7 +298,8 @@ def main(argv=None) -> None:
 # ------------------------------------------------------------------ step revisit (wb.revisit)
 REVISITED = ("loss", "grad_norm", "gate_pass_ratio", "token_keep_ratio", "stale_dropped", "band_dropped", "veto_dropped", "kl_k1", "kl_k3",
              "kl_k3_current", "tokens_current", "kl_k3_stale", "max_abs_delta_p", "staleness_hist", "tokens_per_version", "is_weight_hist", "replay_disagree_rate",
-             "replay_disagree_per_layer", "replay_fallback", "kl_k3_live", "kl_ref")
+             "replay_disagree_per_layer", "replay_fallback", "kl_k3_live", "kl_ref", "replay_positions", "replay_unreplayed",
+             "max_staleness_kept", "signal_tokens_trained", "updates_skipped", "policy_shift")
 
 
 @dataclass
