@@ -119,7 +119,16 @@ def test_the_slurm_scripts_workbench_commands_exist():
         with pytest.raises(SystemExit) as e:
             main([sub, "--help"])
         assert e.value.code == 0
-    assert "python -m workbench.kernels --sys-prefix --ray-address" in SBATCH.read_text()
+    # the kernels go into the environment, or the user's directory in a container (a read-only image)
+    text = SBATCH.read_text()
+    assert 'python -m workbench.kernels "$KERNEL_WHERE" --ray-address' in text
+    assert "KERNEL_WHERE=--sys-prefix" in text and "KERNEL_WHERE=--user" in text
+    from workbench.kernels import main as kernels_main
+
+    for where in ("--sys-prefix", "--user"):
+        with pytest.raises(SystemExit) as e:
+            kernels_main([where, "--help"])
+        assert e.value.code == 0
 
 
 def test_ray_cluster_yaml_is_valid_for_rays_launcher_and_its_commands_parse():
