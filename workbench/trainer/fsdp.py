@@ -493,7 +493,8 @@ class TrainerWorker:
             # A zero gradient (the gate dropped every row, every advantage 0, no KL term) is no update:
             # the backward left zero gradients, not None, and AdamW would still move every weight along
             # its momentum (0.67x the previous real step, in its direction) and decay it. Decided on the
-            # norm, not a count, so that a custom surrogate's own gradient is never skipped
+            # norm, not a count, so that a custom surrogate's own gradient is never skipped (one wait
+            # for the device per update, before its optimizer step: the norm is every rank's already)
             if float(norm) == 0.0:
                 skipped += 1
             else:
