@@ -175,3 +175,17 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
     asyncio.run(env.reset(type("T", (), {"label": 7, "messages": []})()))
     for text, reward in (("7", 1.0), ("9" * 5000, 0.0), ("8", 0.45)):
         assert asyncio.run(env.step({"role": "assistant", "content": text}))[1] == pytest.approx(reward), text
+
+
+def test_groups_sampled_at_another_temperature_than_the_trainers_are_refused():
+    """Each segment carries the temperature its turns were sampled at (the loopback server stamps
+    it): groups from another Rollout (a greedy one, one at 0.7) reaching a trainer at 1.0 through
+    wb.trainer.step or the loop are refused by name; nothing checked them (the run's own check
+    reads only its own rollout's sampling)."""
+    groups = [[episode(1.0), episode(0.0)]]
+    for t in groups[0]:
+        t.segments[0].stats["temperatures"] = [0.7]
+    with pytest.raises(ValueError, match=r"sampled at temperature \[0.7\], but the trainer computes log-probs at 1.0"):
+        batch_from_groups(groups, "grpo", temperature=1.0)
+    batch_from_groups(groups, "grpo", temperature=0.7)
+    batch_from_groups([[episode(1.0), episode(0.0)]], "grpo", temperature=1.0)  # no stamp (older records): not checked

@@ -499,6 +499,7 @@ def test_a_tool_call_the_agent_could_not_send_back_is_left_as_text(tokenizer):
             assert r.choices[0].message.content == "2"
             seg, = srv.close_session(sid)
             assert seg.stats["turns"] == 2  # extended: one segment
+            assert seg.stats["temperatures"] == [1.0]  # what the engine sampled at (the policy's), stamped
 
 
 def test_replies_without_tools_aborts_defaults_and_anthropic_edges(tokenizer):

@@ -157,7 +157,7 @@ def zero_variance(group: list[Trajectory], on_failed: str = "drop", on_truncated
 
 def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: int = 0, on_failed: str = "drop",
                       on_truncated: str = "keep", overlong: tuple | None = None,
-                      teacher: dict | None = None) -> tuple[dict, dict]:
+                      teacher: dict | None = None, temperature: float | None = None) -> tuple[dict, dict]:
     """Training tensors (one row per trainable segment) with advantages computed over EPISODES:
     the registered estimator sees one reward per episode and its group, and every segment of
     an episode gets that episode's advantage (an episode sealed into five segments weighs once
@@ -167,7 +167,9 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     coef) shapes rewards (episode_reward). A per-token estimator (distill) instead gets each
     row's behaviour log-probs and `teacher` (teacher_logprobs: id(segment) -> the teacher's
     log-prob of each of its tokens), and info["distill_reverse_kl"] is the mean over sampled
-    tokens of log p_student - log p_teacher."""
+    tokens of log p_student - log p_teacher. `temperature`: the trainer's; a segment sampled at
+    another (its stats["temperatures"], stamped by the loopback server) is refused: every ratio
+    would be biased (groups from another Rollout, an eval one, an older session)."""
     segments, seg_episode, rewards, group_index = [], [], [], []
     info = {"episodes": 0, "segments": 0, "failed_episodes": 0, "truncated_episodes": 0, "dropped_episodes": 0,
             "sampling_overridden": 0,
@@ -198,6 +200,12 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
         info["overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
     if not segments:
         raise RuntimeError(f"no trainable segment in this batch: every episode was dropped or sampled nothing ({info})")
+    if temperature is not None:
+        other = sorted({t for s in segments for t in s.stats.get("temperatures", ()) if abs(t - temperature) > 1e-6})
+        if other:
+            raise ValueError(f"these groups were sampled at temperature {other}, but the trainer computes log-probs at "
+                             f"{temperature}: every importance ratio would be biased. Train on groups sampled by this "
+                             f"session's rollout (WorkbenchConfig.temperature sets both)")
     batch = training_tensors(segments, pad_id)
     index = torch.tensor(seg_episode)
     if advantage in PER_TOKEN_ADVANTAGES:  # per token, per row: the teacher's log-probs of the row's tokens
@@ -933,7 +941,8 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     rewards = [t.reward for t in ran]
     correct = [bool(t.info["correct"]) for t in ran if "correct" in t.info]
     batch, info = batch_from_groups(groups, cfg.advantage, on_failed=cfg.on_failed, on_truncated=cfg.on_truncated,
-                                    overlong=cfg.overlong(), teacher=teacher)
+                                    overlong=cfg.overlong(), teacher=teacher,
+                                    temperature=getattr(getattr(trainer, "cfg", None), "temperature", None))
     tb = time.time()
     stats = trainer.train_step(batch)
     t2 = time.time()

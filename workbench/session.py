@@ -787,7 +787,7 @@ class TrainerHandle:
             teacher = teacher_logprobs(self._wb._teacher_engines(loop.teacher),
                                        [s for g in groups for t in g for s in t.segments if any(s.loss_mask)])
         return batch_from_groups(groups, loop.advantage, on_failed=loop.on_failed, on_truncated=loop.on_truncated,
-                                 overlong=loop.overlong(), teacher=teacher)[0]
+                                 overlong=loop.overlong(), teacher=teacher, temperature=self._wb.cfg.temperature)[0]
 
     def step(self, groups: list[list] | None = None) -> dict:
         """One optimizer step on `groups` (default: the last groups wb.rollout ran)."""

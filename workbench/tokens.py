@@ -528,10 +528,11 @@ class Accumulator:
         return None
 
     def record(self, plan: TurnPlan, sample, assistant_message: dict, reply: Any = None,
-               sampling_overridden: bool = False) -> Segment:
+               sampling_overridden: bool = False, temperature: float | None = None) -> Segment:
         """Append one turn: the plan's delta (non-trainable) and the engine's sampled ids
         (trainable, with their log-probs and versions), then remember the conversation.
-        `sampling_overridden`: the request asked for other sampling than the policy's (counted)."""
+        `sampling_overridden`: the request asked for other sampling than the policy's (counted).
+        `temperature`: what the engine sampled at (stats["temperatures"]: the trainer's must match)."""
         if plan.cached is not None:
             return self.segments[-1]
         if plan.new_segment:
@@ -550,6 +551,8 @@ class Accumulator:
         seg.stats["sampled_tokens"] += len(sampled)
         seg.stats["turns"] += 1
         seg.stats["sampling_overridden"] = seg.stats.get("sampling_overridden", 0) + int(bool(sampling_overridden))
+        if temperature is not None and temperature not in seg.stats.setdefault("temperatures", []):
+            seg.stats["temperatures"].append(temperature)
         self._merge_experts(seg, sample, start)
         # Remember what the server returned. The template text owed after the sampled ids needs a
         # render of the conversation: done when the next request comes (_render_recorded), as an

@@ -677,7 +677,8 @@ class LoopbackServer:
                 raise
             if clamped and sample.finish_reason == "length":  # cut by the context, not by the agent's max_tokens
                 reply.truncated = acc.truncated = True
-            acc.record(plan, sample, reply.assistant_message(), reply=reply, sampling_overridden=bool(differing))
+            acc.record(plan, sample, reply.assistant_message(), reply=reply, sampling_overridden=bool(differing),
+                       temperature=req.sampling.temperature)
             return reply, engine_s
 
     async def _plan(self, acc: Accumulator, req: ChatRequest):
