@@ -88,7 +88,7 @@ class Episode:
             req = api.parse_request(body)
             plan = acc.plan(req.messages, req.tools)
             assert plan.prompt_ids == sample.prompt_ids
-            acc.record(plan, sample, reply)
+            acc.record(plan, sample, reply, temperature=self.server.policy_sampling.temperature)  # as the server stamps it
         return acc.close()
 
 
