@@ -354,6 +354,30 @@ def test_window_plans_and_records_what_the_whole_conversation_does(fmt):
     assert len(plans[1].prompt_text) < len(plans[0].prompt_text) / 4
 
 
+def test_a_window_move_renders_the_last_turns_prompt_only_when_needed(fmt, monkeypatch):
+    """A turn that extends by the first test costs two renders (the request, the recorded
+    conversation) and one more where the window moves: the last turn's prompt in the new window is
+    rendered only for the second extension test (it was rendered at every move, on the request path)."""
+    renders = []
+    render = fmt.render
+    monkeypatch.setattr(fmt, "render", lambda *a, **k: renders.append(1) or render(*a, **k))
+    acc, msgs = WindowAtEveryUserTurn(fmt), [SYS, USER]
+    for t in range(8):
+        plan = acc.plan(msgs)
+        assert plan.new_segment == (t == 0)
+        text = f"The answer is {t}."
+        acc.record(plan, reply(fmt, text), {"role": "assistant", "content": text})
+        msgs = msgs + [{"role": "assistant", "content": text}, {"role": "user", "content": f"And {t}?"}]
+    acc.plan(msgs)
+    # the first request's prompt; for each of the 8 later requests the recorded conversation and the
+    # request; and 7 window moves (none after the first turn: no user message past the system head)
+    assert len(renders) == 1 + 8 * 2 + 7, len(renders)
+    assert acc._window_start > 0 and acc._last_turn_moved is not None
+    turn_text = acc._turn_text()  # rendered now, in the new window: the text the recorded ids continue
+    assert turn_text is not None and acc._last_turn_moved is None and len(renders) == 1 + 8 * 2 + 7 + 1
+    assert acc._conversation_text.startswith(turn_text)
+
+
 @pytest.mark.parametrize("name", ["qwen3", "llama3.1", "mistral-v3", "gpt-oss", "deepseek-v3.1"])
 def test_window_gives_the_real_templates_verdicts(name):
     """workbench.lint's conversation shapes on each real template with the window moved at every

@@ -427,6 +427,13 @@ def _more_than_closing(rest: str, end_tokens) -> bool:
     return bool(rest.strip())
 
 
+def _ends_the_same(old: str, new: str) -> bool:
+    """Whether `new`, a render of a shorter window, is `old`'s end past the head both share (the
+    leading system messages): the messages the window keeps render as they did in the wider one."""
+    head = next((i for i, (a, b) in enumerate(zip(new, old)) if a != b), min(len(new), len(old)))
+    return old.endswith(new[head:])
+
+
 class Accumulator:
     """Exact per-token accumulation for one session (one agent episode).
 
@@ -460,6 +467,7 @@ class Accumulator:
         self._tools_key: str | None = None
         self._closing_text = ""  # template text owed after the last sampled token
         self._last_turn: tuple | None = None  # (prompt text, sampled ids) of the last turn, in the current window
+        self._last_turn_moved: tuple | None = None  # (conversation, start, tools): a window move _last_turn awaits
         self._unrendered: tuple | None = None  # (prompt text, tools, sampled ids, stopped) of a turn not yet rendered
         self._last_request: tuple | None = None
         self._last_reply: Any = None
@@ -502,6 +510,8 @@ class Accumulator:
     def _turn_text(self) -> str | None:
         """The last turn's prompt text followed by the text of its sampled ids (decoded only when
         the first extension test failed: most turns never need it)."""
+        if self._last_turn_moved is not None:  # the window moved since: its prompt, rendered in the new window
+            self._last_turn, self._last_turn_moved = self._last_turn_in(*self._last_turn_moved), None
         return None if self._last_turn is None else self._last_turn[0] + self.fmt.decode(self._last_turn[1])
 
     @staticmethod
@@ -575,7 +585,7 @@ class Accumulator:
             return
         prompt_text, tools, sampled, stopped = self._unrendered
         self._unrendered = None
-        self._last_turn = (prompt_text, sampled)
+        self._last_turn, self._last_turn_moved = (prompt_text, sampled), None
         try:
             self._conversation_text = self.fmt.render(self.window(self._conversation, self._window_start), tools,
                                                       add_generation_prompt=False)
@@ -635,12 +645,11 @@ class Accumulator:
         # turns stripped, while the whole conversation kept their reasoning until the next real
         # question (tests/test_tokens.py). Past the system head both renders share, the new render
         # must be the old one's end.
-        old = self._conversation_text
-        head = next((i for i, (a, b) in enumerate(zip(text, old)) if a != b), min(len(text), len(old)))
-        if not old.endswith(text[head:]):
+        if not _ends_the_same(self._conversation_text, text):
             return  # keep the wider window (it grows until a move keeps the render)
         self._window_start, self._conversation_text = last_user, text
-        self._last_turn = self._last_turn_in(conv, last_user, tools)
+        # the last turn's prompt in the new window is rendered only if the second extension test needs it
+        self._last_turn_moved = (conv, last_user, tools)
 
     def _last_turn_in(self, conv: list[dict], start: int, tools: list | None) -> tuple | None:
         """The last turn's (prompt text, sampled ids) in the window starting at `start`: its prompt
@@ -653,8 +662,7 @@ class Accumulator:
             new = self.fmt.render(self.window(conv[:-1], start), tools, add_generation_prompt=True)
         except Exception:
             return None
-        head = next((i for i, (a, b) in enumerate(zip(new, old)) if a != b), min(len(new), len(old)))
-        return (new, sampled) if old.endswith(new[head:]) else None
+        return (new, sampled) if _ends_the_same(old, new) else None
 
     def forget_last_request(self) -> None:
         """A request failed after planning (engine error): a retry of it must not be answered
