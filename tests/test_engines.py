@@ -421,6 +421,43 @@ def test_vllm_in_process_core_samples_as_the_core_process_does(vllm_moe, moe_pat
     assert not core[0].is_running() or core[0].status() == psutil.STATUS_ZOMBIE
 
 
+def test_an_unstreamed_request_gets_its_final_output_only(vllm_moe, moe_path):
+    """generate() asks vLLM for the final output only: one output handed from the engine's thread to
+    its event loop for a 12-token request, where a streamed one gets one per engine step (each was
+    built and consumed, per request and step, for nothing). The Sample is the streamed one's."""
+    from workbench.rollout.engine import Sample
+
+    def counting(actor):  # in the engine's process: count the outputs the thread hands to the loop
+        llm = actor.engine.llm
+        llm.delivered = 0
+        deliver = type(llm)._deliver
+
+        def counted(batch):
+            llm.delivered += len(batch)
+            deliver(llm, batch)
+        llm._deliver = counted
+
+    def delivered(actor):
+        llm = actor.engine.llm
+        n, llm.delivered = llm.delivered, 0
+        return n
+
+    ask = SamplingConfig(max_tokens=12, ignore_eos=True, seed=5)
+    ray.get(vllm_moe.__ray_call__.remote(counting))
+    try:
+        plain = ray.get(vllm_moe.generate.remote(prompts(moe_path)[0], ask))
+        assert len(plain.token_ids) == 12 and ray.get(vllm_moe.__ray_call__.remote(delivered)) == 1
+        streamed = [ray.get(r) for r in vllm_moe.generate_stream.options(num_returns="streaming").remote(prompts(moe_path)[0], ask)]
+        assert ray.get(vllm_moe.__ray_call__.remote(delivered)) == 12
+        final = streamed[-1]
+        ids = sum(streamed[:-1], [])  # (the last step's ids come with the Sample)
+        assert isinstance(final, Sample) and 0 < len(ids) < 12 and final.token_ids[:len(ids)] == ids
+        assert (final.token_ids, final.versions) == (plain.token_ids, plain.versions)
+        assert np.allclose(final.logprobs, plain.logprobs, atol=1e-6)
+    finally:
+        ray.get(vllm_moe.__ray_call__.remote(lambda actor: actor.engine.llm.__dict__.pop("_deliver", None) and None))
+
+
 def test_the_loop_checks_the_log_probs_each_engine_reports(vllm_moe):
     """The running vLLM engine says what its log-probs are of (its model config's logprobs_mode);
     the loop's sampling check reads it from every engine: an engine reporting raw log-probs (of the

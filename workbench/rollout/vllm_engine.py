@@ -313,16 +313,23 @@ class VLLMEngine(RolloutEngine):
         return out
 
     async def generate(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False) -> Sample:
-        async for item in self.generate_stream(prompt_ids, sampling, request_id, return_routed_experts):
+        async for item in self.generate_stream(prompt_ids, sampling, request_id, return_routed_experts, final_only=True):
             pass
         return item
 
-    async def generate_stream(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False):
+    async def generate_stream(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False,
+                              final_only: bool = False):
         """vLLM's incremental outputs (AsyncLLM.generate, cumulative: each output holds every id so
         far) as lists of new ids, then the Sample built from the final output: generate() is this,
-        consumed, so a streamed and an unstreamed request record the same thing."""
+        consumed, so a streamed and an unstreamed request record the same thing. `final_only`
+        (generate()): vLLM makes the final output only (RequestOutputKind.FINAL_ONLY), so nothing
+        comes before the Sample. The Sample is the same: vLLM keeps the ids, log-probs and version
+        spans per request whatever it hands out, and an output per request and engine step that
+        nobody read cost time: the quickstart's batch (128 requests, 8 tokens) 0.130 s vs 0.137 s
+        a batch, alternating in one process (0.95x, 2026-12-05)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         if return_routed_experts and not self.supports_routed_experts:
             raise NotImplementedError(
@@ -345,6 +352,7 @@ class VLLMEngine(RolloutEngine):
             # own detokenizing (of every output and every log-prob entry) is needed only to match
             # stop strings: without it its output processing takes ~25% less CPU
             detokenize=bool(s.stop),
+            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE,
         )
         final, n = None, 0
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=request_id):

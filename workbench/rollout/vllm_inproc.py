@@ -91,8 +91,9 @@ class InprocLLM:
                 self._stopped = True
                 break
             # each output with its id count now: the engine appends to the same lists next step
-            batch = [(o, len(o.outputs[0].token_ids) if o.outputs else 0) for o in outs]
-            self._loop.call_soon_threadsafe(self._deliver, batch)
+            if outs:  # (none in most steps when every request asked for its final output only)
+                batch = [(o, len(o.outputs[0].token_ids) if o.outputs else 0) for o in outs]
+                self._loop.call_soon_threadsafe(self._deliver, batch)
         self._refuse_queued(lambda fut, e: self._loop.call_soon_threadsafe(_settle, fut, None, e))
 
     def _refuse_queued(self, settle) -> None:
