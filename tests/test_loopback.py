@@ -556,6 +556,15 @@ def test_a_group_sending_one_seed_samples_independently(server):
         assert server.engine.sampling[-1].seed == session_seed(7, sid) != 7
     assert len(set(replies)) == 4  # old: one reply four times
     assert len({session_seed(7, s) for s in sids}) == 4 and session_seed(None, sids[0]) is None
+    # the session's next turns, with the same seed: each its own seed (one seed drew every turn's
+    # tokens from the same noise); a cached retry makes no engine call, so it takes no seed
+    client = oai(server, sids[0])
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    for turn in (1, 2):
+        r = client.chat.completions.create(model="policy", max_tokens=12, seed=7, messages=msgs)
+        assert server.engine.sampling[-1].seed == session_seed(7, sids[0], turn) != session_seed(7, sids[0], turn - 1)
+        msgs = msgs + [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again."}]
+    assert len({session_seed(7, sids[0], c) for c in range(3)}) == 3
     for sid in sids:
         server.close_session(sid)
 

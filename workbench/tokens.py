@@ -472,6 +472,7 @@ class Accumulator:
         self._last_request: tuple | None = None
         self._last_reply: Any = None
         self.truncated = False  # a turn was cut by the context (the server sets it; see LoopbackServer)
+        self.engine_calls = 0  # engine calls made for the session (the server mixes it into a seeded turn's seed)
 
     @property
     def open_segment(self) -> Segment | None:

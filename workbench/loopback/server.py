@@ -241,14 +241,19 @@ def retry_count(request: Request) -> int:
         return 0
 
 
-def session_seed(seed: int | None, session_id: str) -> int | None:
-    """A recorded turn's seed: the agent's (or the policy's) mixed with its session id. Why: a
-    group's G episodes send the same first request, and one seed would draw the same sample G
-    times: a group with no reward variance, so no signal, that no statistic names. Mixed, each
-    session still samples reproducibly from its seed, independently of the group's others."""
+def session_seed(seed: int | None, session_id: str, call: int = 0) -> int | None:
+    """A recorded turn's seed: the agent's (or the policy's) mixed with its session id and the
+    number of engine calls the session made before (`call`). Why the id: a group's G episodes send
+    the same first request, and one seed would draw the same sample G times: a group with no
+    reward variance, so no signal, that no statistic names. Why the call: vLLM draws a seeded
+    request's noise from a generator of that seed, so every turn of a session sent one seed
+    shared the noise of each step with every other turn (two turns on similar logits picked the
+    same token 83% of the time, vs 2% with independent seeds): the episode was no draw from the
+    policy the trainer's log-probs describe. Mixed, a session still samples reproducibly from
+    its seed, each turn and each session independently of the others."""
     if seed is None:
         return None
-    return int.from_bytes(hashlib.blake2b(f"{seed}:{session_id}".encode(), digest_size=8).digest(), "big") >> 1
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{session_id}:{call}".encode(), digest_size=8).digest(), "big") >> 1
 
 
 class LoopbackServer:
@@ -608,9 +613,10 @@ class LoopbackServer:
         sampling.max_tokens = min(wanted, room)
         return True, sampling.max_tokens < wanted
 
-    def _policy_sampling(self, req: ChatRequest, sid: str) -> tuple[SamplingConfig, list[str]]:
+    def _policy_sampling(self, req: ChatRequest, sid: str, call: int = 0) -> tuple[SamplingConfig, list[str]]:
         """The sampling of a recorded turn: the policy's distribution, the agent's max_tokens,
-        stop strings, seed (made the session's own: session_seed) and ignore_eos. Also the sent
+        stop strings, seed (made the session's and the turn's own: session_seed, with the
+        session's engine calls so far, `call`) and ignore_eos. Also the sent
         fields that differ from the policy's (override mode counts them; strict mode refuses
         the request here)."""
         p, a = self.policy_sampling, req.sampling
@@ -627,7 +633,7 @@ class LoopbackServer:
                               stop=list(dict.fromkeys(p.stop + a.stop)),
                               stop_token_ids=list(dict.fromkeys(p.stop_token_ids + a.stop_token_ids)),
                               ignore_eos=a.ignore_eos or p.ignore_eos,
-                              seed=session_seed(a.seed if a.seed is not None else p.seed, sid)), differing
+                              seed=session_seed(a.seed if a.seed is not None else p.seed, sid, call)), differing
 
     async def turn(self, session_id: str, messages: list[dict], tools: list | None, sampling) -> Reply:
         """One recorded turn without HTTP, for the framework-owned Env loop: the same
@@ -648,7 +654,8 @@ class LoopbackServer:
     async def _session_turn(self, sid: str, req: ChatRequest):
         acc = self.sessions[sid]
         async with acc.lock:
-            sampling, differing = self._policy_sampling(req, sid)  # strict mode refuses here: nothing recorded
+            # strict mode refuses here: nothing recorded
+            sampling, differing = self._policy_sampling(req, sid, acc.engine_calls)
             req.sampling = sampling  # stop strings are applied to the reply from here
             plan = await self._plan(acc, req)  # render + encode in a worker thread
             if plan.cached is not None:
@@ -660,6 +667,7 @@ class LoopbackServer:
                 acc.truncated = True
                 return Reply(finish="length", prompt_tokens=len(plan.prompt_ids), truncated=True), 0.0
             t = time.perf_counter()
+            acc.engine_calls += 1  # the next turn's seed differs (session_seed)
             try:
                 sample = finished(await call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts, req.feed))
             except BaseException as e:
