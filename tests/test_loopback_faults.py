@@ -529,10 +529,11 @@ def test_replies_without_tools_aborts_defaults_and_anthropic_edges(tokenizer):
         srv.reply_parser._parse = parse
         assert r.choices[0].message.content == call and srv.summary()["parser_failures"] == 1
         before = snapshot(srv)
-        engine.replies.append(("partial", "abort"))
-        with pytest.raises(openai.InternalServerError) as e:
-            client.chat.completions.create(model="p", messages=USER + [{"role": "user", "content": "more"}], max_tokens=8)
-        assert e.value.status_code == 503 and "EngineAborted" in e.value.body["message"] and snapshot(srv) == before
+        for reason in ("abort", "error", "repetition"):  # vLLM's unfinished ends: none is a turn to train on
+            engine.replies.append(("partial", reason))
+            with pytest.raises(openai.InternalServerError) as e:
+                client.chat.completions.create(model="p", messages=USER + [{"role": "user", "content": "more"}], max_tokens=8)
+            assert e.value.status_code == 503 and "EngineAborted" in e.value.body["message"] and snapshot(srv) == before
 
         a = srv.open_session()
         ac = anthropic.Anthropic(base_url=srv.base_url(a, "anthropic"), api_key=srv.api_key, max_retries=0)

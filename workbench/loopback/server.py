@@ -65,13 +65,17 @@ class ServerStats:
 
 
 class EngineAborted(RuntimeError):
-    """The engine ended the request unfinished (finish_reason "abort": its shutdown, an abort):
-    answered 503 and recorded nothing, where it was recorded and answered as a finished turn."""
+    """The engine ended the request unfinished: finish_reason "abort" (its shutdown, an abort),
+    or any other than "stop" and "length" (vLLM's "error": a failed KV load, a grammar error;
+    "repetition": its repetition detection cut the reply). Answered 503 and recorded nothing,
+    where it was recorded as a trainable, finished turn and answered "stop" (and the reply cache
+    then gave the SDK's retry that broken reply instead of a fresh sample)."""
 
 
 def finished(sample):
-    if sample.finish_reason == "abort":
-        raise EngineAborted(f"the engine aborted the request after {len(sample.token_ids)} tokens")
+    if sample.finish_reason not in ("stop", "length"):
+        raise EngineAborted(f"the engine ended the request with finish_reason {sample.finish_reason!r} "
+                            f"after {len(sample.token_ids)} tokens")
     return sample
 
 
