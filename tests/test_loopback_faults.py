@@ -156,6 +156,11 @@ OPENAI_CASES = [
     ("vLLM's guided_json", json.dumps({"messages": USER, "guided_json": {"type": "object"}}), "'guided_json' is", "guided_json"),
     ("vLLM's min_tokens", json.dumps({"messages": USER, "min_tokens": 5}), "'min_tokens' is 5", "min_tokens"),
     ("vLLM's stop_token_ids", json.dumps({"messages": USER, "stop_token_ids": [5]}), "'stop_token_ids' is [5]", "stop_token_ids"),
+    # vLLM's extras that were accepted and ignored (bad_words ["y"] got "y")
+    ("vLLM's bad_words", json.dumps({"messages": USER, "bad_words": ["y"]}), "'bad_words' is", "bad_words"),
+    ("vLLM's allowed_token_ids", json.dumps({"messages": USER, "allowed_token_ids": [5]}), "'allowed_token_ids' is", "allowed_token_ids"),
+    ("vLLM's use_beam_search", json.dumps({"messages": USER, "use_beam_search": True}), "'use_beam_search' is", "use_beam_search"),
+    ("vLLM's add_special_tokens", json.dumps({"messages": USER, "add_special_tokens": True}), "'add_special_tokens' is", "add_special_tokens"),
 ]
 ANTHROPIC_CASES = [
     ("array nested 100,000 deep", nest(100_000), f"deeper than {MAX_JSON_DEPTH}", None),
@@ -192,6 +197,7 @@ ANTHROPIC_CASES = [
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": {"a": 1}, "content": "5"}]}]}), "tool_use_id must be a string", None),
     ("chat_template_kwargs the profile does not set", json.dumps({"max_tokens": 4, "messages": USER, "chat_template_kwargs": {"thinking": True}}),
      "chat_template_kwargs.thinking is True", None),
+    ("vLLM's watermarking", json.dumps({"max_tokens": 4, "messages": USER, "watermarking": True}), "'watermarking' is", None),
 ]
 
 

@@ -310,7 +310,12 @@ DECODING_FIELDS = {"parallel_tool_calls": (None, True), "functions": (None, []),
                    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
                    "guided_choice": (None,), "guided_grammar": (None,), "min_tokens": (None, 0),
                    "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False),
-                   "skip_special_tokens": (None, True)}
+                   "skip_special_tokens": (None, True),
+                   # vLLM's sampling extras that constrain or reshape decoding (they were accepted and
+                   # ignored: `bad_words: ["y"]` got "y" back), and its prompt extras that change the ids
+                   "allowed_token_ids": (None, []), "bad_words": (None, []), "use_beam_search": (None, False),
+                   "length_penalty": (None, 1, 1.0), "thinking_token_budget": (None,), "watermarking": (None, False),
+                   "repetition_detection": (None,), "truncate_prompt_tokens": (None,), "add_special_tokens": (None, False)}
 
 
 def check_decoding_controls(body: dict) -> None:
