@@ -151,6 +151,26 @@ def test_a_step_whose_sync_failed_is_recorded_before_the_error():
     assert [m["step"] for m in history] == [m["step"] for m in seen] == [3] and evaluated == []
 
 
+def test_a_step_whose_evaluation_failed_is_recorded_before_the_error():
+    """The step trained and synced, then its evaluation raised (a greedy rollout that failed to
+    start, an agent's error): it is recorded, with the error, before the error is raised. It
+    left the function before the record, so wb.next_step stayed and the next wb.run() trained
+    the step again over weights that held its update."""
+    import threading
+
+    from workbench.loop import _after_step
+
+    def evaluate(step):
+        raise ValueError("the greedy rollout failed")
+
+    history, seen = [], []
+    with pytest.raises(ValueError, match="greedy rollout failed"):
+        _after_step(None, LoopConfig(eval_every=1), 3, {"step": 3, "data_next": 8}, history, evaluate, seen.append,
+                    None, 0, threading.Event())
+    assert [m["step"] for m in history] == [m["step"] for m in seen] == [3]
+    assert seen[0]["eval_error"] == "ValueError: the greedy rollout failed"
+
+
 def test_async_continues_a_callable_source_from_its_data_position():
     """A callable source (the agent's tasks(n, seed)) is drawn by the continuous async loop a
     chunk of prompts_per_step at a time, seeded per chunk. A run continued from a data position

@@ -634,9 +634,15 @@ def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpo
     """A trained step's evaluation, record, checkpoint and callback; True when `stop` is set.
     With `sync_error` (the step trained, then its weight sync failed) the step is recorded, so a
     run continued later starts after it (it trained the step again on the same tasks, over weights
-    that held its update, and overwrote its record), then the error is raised."""
+    that held its update, and overwrote its record), then the error is raised. An evaluation that
+    fails is the same: the step trained and synced, so it is recorded (`eval_error`), then raised."""
+    eval_error = None
     if sync_error is None and evaluate is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-        metrics.update(evaluate(step))  # on the weights just synced; never part of a batch
+        try:
+            metrics.update(evaluate(step))  # on the weights just synced; never part of a batch
+        except Exception as e:
+            eval_error = e
+            metrics["eval_error"] = f"{type(e).__name__}: {e}"
     history.append(metrics)
     warn_policy_outran_correction(history)
     warn_no_signal(history)
@@ -646,6 +652,8 @@ def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpo
         on_step(metrics)
     if sync_error is not None:
         raise sync_error
+    if eval_error is not None:
+        raise eval_error
     return stop.is_set()
 
 
