@@ -303,6 +303,7 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path)
 
     import workbench
     from workbench.examples.arithmetic_env import tasks as arithmetic_tasks
+    from workbench.loop import engines_version
     from workbench.rollout.engine import expected_probe_logprobs
     from workbench.tokens import read_trajectories
     from workbench.toy.models import load_hf_model
@@ -318,7 +319,9 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path)
         before = wb.eval(n=2)
         assert before["step"] == -1 and before["eval_tasks"] == 3 and before["eval_n"] == 2
         assert 0 <= before["eval_pass@1"] <= before["eval_pass@2"] <= 1 and "eval_greedy_pass@1" in before
-        again = wb.eval(n=2)  # the same weights: greedy episodes are the same (temperature 0)
+        wb._trainer.version += 1  # as after wb.trainer.step() without a wb.sync(): the engines serve an older version
+        again = wb.eval(n=2)  # synced first (the same weights here): greedy episodes are the same (temperature 0)
+        assert again["version"] == wb._trainer.version == engines_version(wb.engines, newest=False)
         assert again["eval_greedy_reward_mean"] == before["eval_greedy_reward_mean"]
         [m0] = wb.run(1, background=False, progress=False, checkpoint_every=1).history
         [m1] = wb.run(1, background=False, progress=False).history

@@ -448,6 +448,11 @@ class Workbench:
         if tasks is None:
             raise ConfigError("no tasks to evaluate: wb.eval(tasks) or connect(eval_tasks=...)")
         loop = self.cfg.loop
+        # the trainer's weights, under the version recorded: after wb.trainer.step() without a wb.sync(),
+        # or a sync that failed part-way, the engines served older (or unchecked) weights, which were
+        # scored and recorded as the trainer's version (wb.run() syncs here too)
+        if engines_version(self.engines, newest=False) < self._trainer.version:
+            self.sync()
         metrics = self._evaluate(tasks, n or loop.eval_n, loop.eval_greedy if greedy is None else greedy, ks, success_reward)
         record = {"step": self.next_step - 1, "version": self._trainer.version, **metrics}
         self.run_dir.mkdir(parents=True, exist_ok=True)
