@@ -111,3 +111,22 @@ def test_the_audit_flags_a_failed_sync_nan_and_unreplayed_routing():
     # async: the stale tokens' KL is the staleness; the check reads the trained version's own tokens
     assert flagged({**base, "kl_k3": 0.3}) == [] and flagged({**base, "kl_k3_current": 0.3}) == ["kl_k3"]
     assert step_values({**base, "replay_positions": 0}, [])[0]["replay_disagree_rate"] is None
+
+
+def test_the_audit_holds_each_step_to_the_staleness_its_loop_guarantees():
+    """A sync step trains on tokens of the version it trains (its rollout waits for the sync); an
+    async one at most async_lag versions older. Held to the trainer's max_staleness (4) alone, a
+    sync loop whose rollout stopped waiting for the sync (every token one version stale, and no
+    token of the trained version, so kl_k3_current None) read clean."""
+    from workbench.widgets.audit import _over, step_limits, step_values
+
+    limits = {"max_staleness": 4, "kl_k3": 0.05}
+    broken = {"step": 3, "version": 4, "mode": "sync", "max_staleness_kept": 1, "kl_k3": 0.4, "kl_k3_current": None}
+    flagged = lambda m, given=False: sorted(  # noqa: E731
+        k for k, v in step_values(m, [])[0].items() if _over(k, v, step_limits(m, limits, given).get(k)))
+    assert flagged(broken) == ["kl_k3", "max_staleness"]
+    assert flagged({**broken, "max_staleness_kept": 0, "kl_k3": 1e-5}) == []
+    lagged = {**broken, "mode": "async", "async_lag": 1, "kl_k3_current": 1e-5}
+    assert flagged(lagged) == [] and flagged({**lagged, "max_staleness_kept": 2}) == ["max_staleness"]
+    assert flagged({**broken, "mode": "async", "kl_k3_current": 1e-5, "max_staleness_kept": 3}) == []  # no lag logged: 4
+    assert flagged({**broken, "kl_k3": 1e-5}, given=True) == []  # a threshold the caller gave is the one

@@ -965,6 +965,8 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         reasons[line] = reasons.get(line, 0) + 1
     return {
         "step": step, "version": stats["version"], "mode": cfg.mode,
+        # the staleness the async loop admits (the audit holds the step to it; a sync step's is 0)
+        **({"async_lag": cfg.async_lag} if cfg.mode == "async" else {}),
         "reward_mean": sum(rewards) / max(len(rewards), 1),
         "correct_rate": sum(correct) / len(correct) if correct else None,
         **info, "failure_reasons": reasons, "engines": len(engines), "engines_lost": len(lost),

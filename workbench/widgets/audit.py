@@ -25,7 +25,8 @@ from . import spans_html, token_spans, trajectory_html
 @dataclass
 class Thresholds:
     """What each step's statistics are held to (None: shown, never flagged). max_staleness and
-    sync_max_abs_diff default to the run's own CorrectionConfig.max_staleness and loop.sync_tol."""
+    sync_max_abs_diff default to the run's own CorrectionConfig.max_staleness and loop.sync_tol,
+    and max_staleness then to each step's own loop bound (step_limits: 0 sync, async_lag async)."""
     identity_mismatch: float | None = 0  # trainable ids differing from the sampled ones: invariant 1 says 0
     retokenization_drift: float | None = None  # what a text pipeline would have changed: informative
     unexpected_seals: float | None = 0  # segments sealed for a reason other than episode_end
@@ -49,7 +50,8 @@ CHECKS = (
     ("identity_mismatch", "identity mismatch", "trainable token ids that differ from the ids the engine sampled"),
     ("retokenization_drift", "retokenization drift", "sampled ids that decoding and re-encoding the text would change"),
     ("unexpected_seals", "seals by reason", "segments sealed for a reason other than episode_end (per reason in the table)"),
-    ("max_staleness", "staleness", "versions between the trainer and the oldest token the step trained on (after the gate)"),
+    ("max_staleness", "staleness", "versions between the trainer and the oldest token the step trained on (after the gate); "
+                                   "a sync step is held to 0 and an async one to its async_lag where no threshold is given"),
     ("gate_pass_ratio", "gate pass ratio", "share of sequences the correction gate kept (staleness, band, veto)"),
     ("token_keep_ratio", "tokens kept", "share of trainable tokens the correction kept (a token-level mask drops tokens, not sequences)"),
     ("is_weight_outside", "IS-weight distribution", "share of trainable tokens whose IS weight is outside [0.8, 1.25)"),
@@ -117,10 +119,25 @@ def step_values(m: dict, trajs: list[Trajectory]) -> tuple[dict, dict]:
         v[k] = m.get(k)
     if m.get("replay_positions") == 0:  # nothing captured: the rate 0 measured nothing
         v["replay_disagree_rate"] = None
-    if "kl_k3_current" in m:  # on the trained version's own tokens (None: the step had none)
+    # on the trained version's own tokens (None: the step had none). A sync step has nothing else:
+    # None there means its tokens were stale, which the check on all of them then shows
+    if "kl_k3_current" in m and (m["kl_k3_current"] is not None or m.get("mode") != "sync"):
         v["kl_k3"] = m["kl_k3_current"]
     v["sync_failed"] = int(bool(m.get("sync_error")))
     return v, {k: {ep: e[k] for ep, e in eps.items()} for k in PER_EPISODE} | {"seals": {ep: e["seals"] for ep, e in eps.items()}}
+
+
+def step_limits(m: dict, limits: dict, staleness_given: bool = False) -> dict:
+    """A step's thresholds: `limits`, with the staleness its loop guarantees unless the caller gave
+    one (`staleness_given`): 0 for a sync step (its rollout waits for the last sync), the
+    async_lag for an async one (the admission bound), never above the trainer's max_staleness.
+    Held to max_staleness alone (4 by default), a sync loop whose rollout no longer waited for
+    the sync trained every token one version stale, and the page read clean."""
+    bound = 0 if m.get("mode") == "sync" else m.get("async_lag")
+    if staleness_given or bound is None:
+        return limits
+    cap = limits["max_staleness"]
+    return {**limits, "max_staleness": bound if cap is None else min(cap, bound)}
 
 
 def _over(key: str, value, limit) -> bool:
@@ -196,6 +213,7 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
     cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
     th = thresholds or Thresholds()
     limits = {f.name: getattr(th, f.name) for f in fields(th)}
+    staleness_given = limits["max_staleness"] is not None
     if limits["max_staleness"] is None:
         limits["max_staleness"] = cfg.get("trainer", {}).get("correction", {}).get("max_staleness")
     if limits["sync_max_abs_diff"] is None:
@@ -206,14 +224,15 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
         trajs[m["step"]] = read_trajectories(path) if path.is_file() else []
         steps.append(m["step"])
         rows.append((m, *step_values(m, trajs[m["step"]])))
-    # violations: (step, key, value, offending episode ids)
+    # violations: (step, key, value, offending episode ids, the step's limit)
     violations = []
     for (m, v, per_ep), s in zip(rows, steps):
+        lim = step_limits(m, limits, staleness_given)
         for key, _, _ in CHECKS:
-            if _over(key, v[key], limits[key]):
-                eps = [ep for ep, x in per_ep.get(key, {}).items() if (x > 0 if key.endswith("rate") else _over(key, x, limits[key]))]
-                violations.append((s, key, v[key], eps))
-    flagged = {(s, k) for s, k, _, _ in violations}
+            if _over(key, v[key], lim[key]):
+                eps = [ep for ep, x in per_ep.get(key, {}).items() if (x > 0 if key.endswith("rate") else _over(key, x, lim[key]))]
+                violations.append((s, key, v[key], eps, lim[key]))
+    flagged = {(s, k) for s, k, _, _, _ in violations}
     title = f"Audit of {run_dir.name}"
     out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title><style>{CSS}</style></head><body>",
            f"<h1>{escape(title)}</h1><p>{len(steps)} step(s), {steps[0]}..{steps[-1]}; model {escape(str(cfg.get('model', '?')))}, "
@@ -221,12 +240,12 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
            f"{sum(len(t) for t in trajs.values())} episode(s) in trajectories/. Read from {escape(str(run_dir))}.</p>",
            f"<section id='violations'><h2>Violations: {len(violations)}</h2><ul>"]
     by_step: dict[int, list] = {}
-    for s, key, value, eps in violations:
+    for s, key, value, eps, limit in violations:
         by_step.setdefault(s, []).extend(eps)
         links = (", ".join(f"<a href='#{_id('t', s, ep)}'>{escape(ep)}</a>" for ep in eps[:max_views_per_step]) if eps else
                  f"<a href='#{_id('step', s)}'>a sample of the step's trajectories</a> (per-token values: wb.revisit(run_dir, {s}))")
         out.append(f"<li class='v' id='{_id('v', s, key)}'>step {s}: <a href='#{_id('stat', key)}'>{escape(dict((k, t) for k, t, _ in CHECKS)[key])}</a> "
-                   f"= {_fmt(value)} ({'min' if key in MINIMA else 'max'} {_fmt(limits[key])}) &rarr; {links}</li>")
+                   f"= {_fmt(value)} ({'min' if key in MINIMA else 'max'} {_fmt(limit)}) &rarr; {links}</li>")
     out.append("</ul>" + ("" if violations else "<p>Every statistic of every step is within its threshold.</p>") + "</section>")
     # every step's statistics, flagged cells linked to their violation
     out.append("<section id='steps'><h2>Every step</h2><table><tr><th>step</th>"
