@@ -568,10 +568,13 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     # the data position: tasks drawn so far (the producer advances it, replacements included)
     position = first * cfg.prompts_per_step if start_position is None else start_position
     # one version counter for trainer and engines; it only ever increases
-    trainer.version = max(engines_version(engines), trainer.version)
-    if cfg.initial_sync:  # rollouts must come from the trainer's weights, not whatever the engines hold
-        trainer.version += 1
+    if cfg.initial_sync:  # rollouts must come from the trainer's weights, not whatever the engines hold:
+        # under the trainer's own version (a restored one: its checkpoint's weights), or past every
+        # engine's (Workbench.sync's rule; a restored run labelled its steps one past an uninterrupted run's)
+        trainer.version = max(trainer.version, engines_version(engines) + 1)
         sync_engines(trainer, engines, cfg.sync_tol)
+    else:
+        trainer.version = max(engines_version(engines), trainer.version)
 
     stop = stop or threading.Event()
     if cfg.mode == "async":
@@ -646,10 +649,10 @@ def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpo
     history.append(metrics)
     warn_policy_outran_correction(history)
     warn_no_signal(history)
+    if on_step is not None:  # the record first (a metrics line): a checkpoint past it would resume after a step never logged
+        on_step(metrics)
     if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
         save_checkpoint(trainer, checkpoint_dir, {"next_step": step + 1, "data_position": metrics["data_next"]})
-    if on_step is not None:
-        on_step(metrics)
     if sync_error is not None:
         raise sync_error
     if eval_error is not None:
