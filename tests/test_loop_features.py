@@ -192,9 +192,8 @@ def test_async_continues_a_callable_source_from_its_data_position():
     cfg = LoopConfig(steps=10, prompts_per_step=4, group_size=2, mode="async")
     stream = GroupStream(Full(), source, cfg, first=2, position=9, stop=stop)
     stream.thread.join()
-    assert [(t.id, at) for t, at in stream.tasks] == [("2-1", 9), ("2-2", 10), ("2-3", 11)]
-    assert stream._next_task()[0].id == "2-1" and [stream._next_task()[1] for _ in range(3)] == [10, 11, 12]
-    assert stream.tasks[0][0].id == "3-1"  # the next chunk, seeded 3
+    got = [stream._next_task() for _ in range(5)]  # the rest of chunk 2, then chunk 3 (seeded 3)
+    assert [(t.id, at) for t, at in got] == [("2-1", 9), ("2-2", 10), ("2-3", 11), ("3-0", 12), ("3-1", 13)]
     fresh = GroupStream(Full(), source, cfg, first=2, position=8, stop=stop)  # a new run from step 2
     fresh.thread.join()
     task, at = fresh._next_task()
@@ -206,16 +205,38 @@ def test_zero_variance_follows_the_episode_rules():
     assert not zero_variance(group, on_failed="zero") and zero_variance([episode(0.5), episode(0.5)])
 
 
-def test_plain_callable_sources_refill_with_their_own_seeds():
+def test_plain_callable_sources_are_one_stream_of_chunks():
+    """A plain source(n, seed) is one stream of prompts_per_step-task chunks (chunk k seeded k):
+    any window of positions draws the same tasks, however the draws cut it. Sync steps were seeded
+    by the step and refills by a range of their own, while the async loop drew by position: a
+    sync run after an async one (dynamic sampling put its positions ahead of its steps) drew
+    again tasks the async steps had trained."""
+    import threading
+
+    from workbench.loop import GroupStream, draw_tasks
+
     seen = []
 
     def source(n, seed):
         seen.append((n, seed))
-        return [Task([{"role": "user", "content": "x"}], label=[1.0, 1.0], id=f"s{seed}-{i}") for i in range(n)]
+        return [Task([{"role": "user", "content": "x"}], label=[1.0, 1.0], id=f"{seed}-{i}") for i in range(n)]
 
-    cfg = LoopConfig(prompts_per_step=2, group_size=2, dynamic_sampling=True, dynamic_sampling_rounds=1)
-    collect_groups(ConstructedRollout(), source, cfg, step=5, position=10)
-    assert seen == [(2, 5), (2, 2_000_000_000 + 5 * 1000 + 1)]  # the step's seed, then the refill range
+    whole = [t.id for t in draw_tasks(source, 12, 0, 4)]
+    assert whole == [f"{k}-{i}" for k in range(3) for i in range(4)]
+    for position, n in [(0, 4), (5, 3), (9, 2), (3, 6)]:
+        assert [t.id for t in draw_tasks(source, n, position, 4)] == whole[position:position + n]
+    # a sync step at position 10 (an async run's data_next, say: past step 5's chunk) and its refill
+    seen.clear()
+    cfg = LoopConfig(prompts_per_step=4, group_size=2, dynamic_sampling=True, dynamic_sampling_rounds=1)
+    groups, _, nxt = collect_groups(ConstructedRollout(), source, cfg, step=1, position=10)
+    assert [g[0].info["task_id"] for g in groups] == ["2-2", "2-3", "3-0", "3-1"]  # every group flat: the first draw
+    assert nxt == 18 and seen == [(4, 2), (4, 3), (4, 3), (4, 4)]  # the refill took positions 14-17: 3-2 .. 4-1
+    # the async loop goes on from there: 4-2 next
+    stop = threading.Event()
+    stop.set()
+    stream = GroupStream(None, source, LoopConfig(steps=10, prompts_per_step=4, group_size=2, mode="async"), 2, nxt, stop)
+    stream.thread.join()
+    assert stream._next_task()[0].id == "4-2"
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -235,18 +235,25 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     return batch, info
 
 
-# A plain task source `source(n, seed)` is called with seed = step for a step's tasks; the
-# replacement draws of dynamic sampling need other tasks, so they get seeds from this range
-# (REFILL_SEED + step * 1000 + round), apart from the steps' and from wb.rollout's (1e6 on).
-REFILL_SEED = 2_000_000_000
-
-
-def draw_tasks(source, n: int, step: int, position: int, round: int = 0) -> list[Task]:
-    """n tasks for `step`: from data position `position` when the source is positional (has
-    take(position, n), e.g. data.TaskDataset), else source(n, seed) as above."""
+def draw_tasks(source, n: int, position: int, chunk: int) -> list[Task]:
+    """n tasks from data position `position`. A positional source (take(position, n), e.g.
+    data.TaskDataset) gives them; a plain `source(n, seed)` is read as one stream of chunks of
+    `chunk` (prompts_per_step) tasks, chunk k being source(chunk, seed=k), the task at position p
+    item p % chunk of chunk p // chunk. So a step's draw, dynamic sampling's refills, the async
+    loop's draws and a continued run's all take the task of a position from the same place, and
+    none twice: sync steps were seeded by the step and refills by a range of their own, so a
+    sync run after an async one (whose positions ran ahead of its steps) drew again tasks the
+    async steps had trained."""
     if hasattr(source, "take"):
         return list(source.take(position, n))
-    return list(source(n, step if round == 0 else REFILL_SEED + step * 1000 + round))
+    out: list[Task] = []
+    while len(out) < n:
+        k, skip = divmod(position + len(out), chunk)
+        more = list(source(chunk, k))[skip: skip + n - len(out)]
+        if not more:  # a source that gives fewer than asked: what it gave
+            break
+        out += more
+    return out
 
 
 def collect_groups(rollout, source, cfg: "LoopConfig", step: int, position: int) -> tuple[list, dict, int]:
@@ -257,7 +264,7 @@ def collect_groups(rollout, source, cfg: "LoopConfig", step: int, position: int)
     (ds_short counts the missing ones), and one left with none trains on its first draw (every
     advantage 0: no signal, but the step and its statistics happen)."""
     n = cfg.prompts_per_step
-    groups = rollout.run_groups(draw_tasks(source, n, step, position), cfg.group_size, progress=False)
+    groups = rollout.run_groups(draw_tasks(source, n, position, n), cfg.group_size, progress=False)
     position += n
     if not cfg.dynamic_sampling:
         return groups, {}, position
@@ -266,8 +273,7 @@ def collect_groups(rollout, source, cfg: "LoopConfig", step: int, position: int)
     filtered, rounds, sampled = len(groups) - len(kept), 0, list(groups)
     while len(kept) < n and rounds < cfg.dynamic_sampling_rounds:
         rounds += 1
-        more = rollout.run_groups(draw_tasks(source, n - len(kept), step, position, rounds), cfg.group_size,
-                                  progress=False)
+        more = rollout.run_groups(draw_tasks(source, n - len(kept), position, n), cfg.group_size, progress=False)
         position += n - len(kept)
         sampled += more
         good = [g for g in more if not zero_variance(g, **rule)]
@@ -748,17 +754,9 @@ class GroupStream:
     def __init__(self, rollout, source, cfg: LoopConfig, first: int, position: int, stop: threading.Event,
                  teacher_engines: list | None = None):
         self.rollout, self.source, self.cfg, self.stop, self.teachers = rollout, source, cfg, stop, teacher_engines
-        self.chunk, self.position, self.tasks = first, position, []
-        if not hasattr(source, "take") and position % cfg.prompts_per_step:
-            # a callable source is seeded per chunk of prompts_per_step tasks, so a run continued
-            # from a data position (data_next, mid-chunk) goes on in that chunk; seeded by step, it
-            # drew again tasks an earlier run had trained (those that finished first)
-            self.chunk, skip = divmod(position, cfg.prompts_per_step)
-            self.position -= skip
-            self._draw()
-            del self.tasks[:skip]
-        elif not hasattr(source, "take"):
-            self.chunk = position // cfg.prompts_per_step
+        # a run continued from a data position (data_next, mid-chunk) goes on from it (draw_tasks): seeded by
+        # the step, it drew again tasks an earlier run had trained (those that finished first)
+        self.position, self.tasks = position, []
         self.allowed = cfg.prompts_per_step * (1 + cfg.async_lag)
         self.limit = cfg.prompts_per_step * (cfg.steps - first)  # groups the run needs (+ those not admitted)
         self.started = 0
@@ -777,9 +775,8 @@ class GroupStream:
 
     def _draw(self) -> None:
         """The next chunk of prompts_per_step tasks, with their data positions, into self.tasks."""
-        drawn = draw_tasks(self.source, self.cfg.prompts_per_step, self.chunk, self.position)
+        drawn = draw_tasks(self.source, self.cfg.prompts_per_step, self.position, self.cfg.prompts_per_step)
         self.tasks = [(t, self.position + i) for i, t in enumerate(drawn)]
-        self.chunk += 1
         self.position += len(drawn)
 
     def _next_task(self) -> tuple[Task, int]:
