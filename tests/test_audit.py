@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +91,36 @@ def test_revisit_recomputes_the_logged_step(short_run):
     assert "equal" in rv._repr_html_() and rv.journey(0).values["gate_keep"] in (True, False)
     with pytest.raises(FileNotFoundError, match="keep_policy_every"):
         short_run.revisit(None, 1)
+
+
+def test_a_run_keeps_the_policy_it_starts_from_unless_it_holds_that_version(tmp_path):
+    """A run's first step keeps the policy the previous run's last step wrote, but only where it
+    holds the trainer's version: weights changed between the runs (wb.trainer.step + wb.sync, a
+    wb.restore of another checkpoint) are written again. (A fake trainer: the branch is the
+    session's own; the export is the trainer's, tested with revisit above.)"""
+    import types
+
+    from workbench.session import POLICY_MARK, RunHandle
+
+    exports = []
+
+    class Trainer:
+        version = 7
+
+        def export_hf(self, path):
+            exports.append(self.version)
+            Path(path).mkdir(parents=True)
+
+    handle = types.SimpleNamespace(keep_policy_every=2, _wb=types.SimpleNamespace(run_dir=tmp_path, _trainer=Trainer()))
+    keep = lambda step, replace=True: RunHandle._keep_policy(handle, step, replace)  # noqa: E731
+    keep(4)
+    keep(4, replace=False)  # the next run's first step: the same version, kept
+    assert exports == [7] and json.loads((tmp_path / "policies" / "step_00004" / POLICY_MARK).read_text())["version"] == 7
+    handle._wb._trainer.version = 8  # the weights moved between the runs
+    keep(4, replace=False)
+    assert exports == [7, 8] and json.loads((tmp_path / "policies" / "step_00004" / POLICY_MARK).read_text())["version"] == 8
+    keep(3)  # not a kept step
+    assert exports == [7, 8]
 
 
 def test_the_audit_flags_a_failed_sync_nan_and_unreplayed_routing():

@@ -31,6 +31,7 @@ from .trainer.losses import PER_TOKEN_ADVANTAGES
 from .trainer.fsdp import TrainerConfig
 
 DEFAULT_AGENT = str(Path(__file__).parent / "examples" / "arithmetic_env.py")
+POLICY_MARK = "workbench_policy.json"  # in a kept policy's directory: the step and the trainer version it holds
 
 
 # WorkbenchConfig.model names; each is built or fetched on first use and cached
@@ -894,16 +895,27 @@ class RunHandle:
 
     def _keep_policy(self, step: int, replace: bool = True) -> None:
         """Every keep_policy_every-th step's starting weights, as a Hugging Face directory
-        (written beside and renamed: a killed run never leaves a partial one under the name).
-        One already there is replaced (it is from a branch wb.restore abandoned) unless
-        `replace` is False (a run's first step: the previous run's last step wrote it)."""
+        (written beside and renamed: a killed run never leaves a partial one under the name),
+        with the trainer's version (workbench_policy.json). One already there is replaced (it is
+        from a branch wb.restore abandoned) unless `replace` is False (a run's first step) and it
+        holds the trainer's version: the previous run's last step wrote it. (It was kept whatever
+        it held: after a wb.trainer.step() and wb.sync() between two runs, or a wb.restore() of
+        another checkpoint, wb.revisit recomputed the step on weights it never trained from.)"""
         import shutil
 
         path = self._wb.run_dir / "policies" / f"step_{step:05d}"
-        if not self.keep_policy_every or step % self.keep_policy_every or (path.exists() and not replace):
+        if not self.keep_policy_every or step % self.keep_policy_every:
             return
+        version = self._wb._trainer.version
+        if path.exists() and not replace:
+            try:
+                if json.loads((path / POLICY_MARK).read_text())["version"] == version:
+                    return
+            except (OSError, ValueError, KeyError, TypeError):  # none (an older run's): written again
+                pass
         new = path.with_name(path.name + ".new")
         self._wb._trainer.export_hf(str(new))
+        (new / POLICY_MARK).write_text(json.dumps({"step": step, "version": version}))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(new, path)
 
