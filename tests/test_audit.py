@@ -111,7 +111,11 @@ def test_a_run_keeps_the_policy_it_starts_from_unless_it_holds_that_version(tmp_
             exports.append(self.version)
             Path(path).mkdir(parents=True)
 
-    handle = types.SimpleNamespace(keep_policy_every=2, _wb=types.SimpleNamespace(run_dir=tmp_path, _trainer=Trainer()))
+    from workbench.loop import LoopConfig
+    from workbench.session import kept_loop_settings
+
+    handle = types.SimpleNamespace(keep_policy_every=2, cfg=LoopConfig(advantage="rloo", on_failed="zero"),
+                                   _wb=types.SimpleNamespace(run_dir=tmp_path, _trainer=Trainer()))
     keep = lambda step, replace=True: RunHandle._keep_policy(handle, step, replace)  # noqa: E731
     keep(4)
     keep(4, replace=False)  # the next run's first step: the same version, kept
@@ -121,6 +125,10 @@ def test_a_run_keeps_the_policy_it_starts_from_unless_it_holds_that_version(tmp_
     assert exports == [7, 8] and json.loads((tmp_path / "policies" / "step_00004" / POLICY_MARK).read_text())["version"] == 8
     keep(3)  # not a kept step
     assert exports == [7, 8]
+    # the run's loop settings (its overrides) are kept beside it: what wb.revisit rebuilds the batch with
+    kept = kept_loop_settings(tmp_path / "policies" / "step_00004", {"advantage": "grpo"})
+    assert (kept["advantage"], kept["on_failed"]) == ("rloo", "zero")
+    assert kept_loop_settings(tmp_path / "policies" / "step_00006", {"advantage": "grpo"}) == {"advantage": "grpo"}
 
 
 def test_the_audit_flags_a_failed_sync_nan_and_unreplayed_routing():

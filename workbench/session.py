@@ -415,6 +415,7 @@ class Workbench:
             raise FileNotFoundError(f"no kept policy for step {step} in {run / 'policies'} (kept: {kept or 'none'}); "
                                     f"wb.run(..., keep_policy_every=N) keeps the weights of every N-th step")
         d = json.loads((run / "config.json").read_text())
+        d["loop"] = kept_loop_settings(policy, d.get("loop"))
         cfg = WorkbenchConfig.from_dict({k: d[k] for k in ("trainer", "loop", "temperature", "trainer_ranks") if k in d})
         trajectories = read_trajectories(run / "trajectories" / f"step_{step:05d}.parquet")
         groups: dict[str, list] = {}  # written group after group: the step's groups, in order
@@ -915,7 +916,9 @@ class RunHandle:
                 pass
         new = path.with_name(path.name + ".new")
         self._wb._trainer.export_hf(str(new))
-        (new / POLICY_MARK).write_text(json.dumps({"step": step, "version": version}))
+        # and the run's loop settings (wb.run's overrides in): what wb.revisit builds the step's batch with
+        (new / POLICY_MARK).write_text(json.dumps({"step": step, "version": version,
+                                                   "loop": _jsonable(dataclasses.asdict(self.cfg))}))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(new, path)
 
@@ -1007,6 +1010,17 @@ def _check_loggers(loggers) -> None:
             raise ConfigError(f"loggers: {name!r} unknown; known: {LOGGERS}")
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f"loggers: {name!r} needs the {name} package: {EXTRA_HINT}")
+
+
+def kept_loop_settings(policy: Path, config_loop: dict | None) -> dict | None:
+    """The loop settings a kept policy's run trained with (its wb.run overrides in: advantage,
+    episode rules, overlong shaping), recorded beside it; else the run directory's config.json
+    ones (`config_loop`). wb.revisit rebuilt the step's batch from config.json alone: a run with
+    wb.run(advantage="rloo") was revisited with GRPO's advantages."""
+    try:
+        return json.loads((policy / POLICY_MARK).read_text())["loop"]
+    except (OSError, ValueError, KeyError, TypeError):  # kept before the settings were recorded
+        return config_loop
 
 
 def _jsonable(x):
