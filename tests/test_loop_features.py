@@ -110,8 +110,10 @@ def test_async_admission_judges_the_episodes_the_batch_trains_on():
         t.segments[0].versions = [-1, -1, *versions]
         return t
 
+    import threading
+
     class Stream:  # what _async_batch reads of a GroupStream
-        tasks, position = [], 9
+        unstarted, _lock = 9, threading.Lock()
 
         def __init__(self, groups):
             self.items, self.allowed = [(g, i, 0.0, 1.0, None) for i, g in enumerate(groups)], 0
@@ -194,6 +196,7 @@ def test_async_continues_a_callable_source_from_its_data_position():
     stream.thread.join()
     got = [stream._next_task() for _ in range(5)]  # the rest of chunk 2, then chunk 3 (seeded 3)
     assert [(t.id, at) for t, at in got] == [("2-1", 9), ("2-2", 10), ("2-3", 11), ("3-0", 12), ("3-1", 13)]
+    assert stream.unstarted == 9  # nothing started (every runner full): a continued run starts at 9 again
     fresh = GroupStream(Full(), source, cfg, first=2, position=8, stop=stop)  # a new run from step 2
     fresh.thread.join()
     task, at = fresh._next_task()

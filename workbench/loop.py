@@ -757,6 +757,10 @@ class GroupStream:
         # a run continued from a data position (data_next, mid-chunk) goes on from it (draw_tasks): seeded by
         # the step, it drew again tasks an earlier run had trained (those that finished first)
         self.position, self.tasks = position, []
+        # the data position of the first task not started (data_next), moved under the lock once a
+        # task has started: read from the queue, it could be taken while a task was out of it
+        # (popped, not yet started or put back) or before a draw had filled it
+        self.unstarted = position
         self.allowed = cfg.prompts_per_step * (1 + cfg.async_lag)
         self.limit = cfg.prompts_per_step * (cfg.steps - first)  # groups the run needs (+ those not admitted)
         self.started = 0
@@ -797,6 +801,8 @@ class GroupStream:
                         break
                     inflight[started[0]] = (started[1], task, at, time.time())
                     self.started += 1
+                    with self._lock:
+                        self.unstarted = at + 1  # tasks start in the order of their positions
                 if not inflight:
                     self.stop.wait(0.05)
                     continue
@@ -866,8 +872,9 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
         if v is not None:
             per_version[v] = per_version.get(v, 0) + 1
     # data_next: the next task not yet started (a run continued from it skips those in flight)
-    queued = list(stream.tasks)
-    extra = {"data_position": min(positions), "data_next": queued[0][1] if queued else stream.position,
+    with stream._lock:
+        data_next = stream.unstarted
+    extra = {"data_position": min(positions), "data_next": data_next,
              "groups_dropped_stale": stale, "groups_per_version": dict(sorted(per_version.items())),
              "episodes_spanning_versions": sum(len(_sampled_versions([t])) > 1 for g in trained for t in g),
              # a group whose episodes were sampled at several versions: its advantages compare rewards
