@@ -92,6 +92,9 @@ def test_continuous_async_trains_within_the_bound_and_keeps_per_token_versions(t
         assert step > 0 and versions[0] == first and len(set(versions)) >= 2, (step, versions)
         assert first < versions[-1] <= hist[step]["version"] - 1 and versions == sorted(versions), (step, versions)
     assert sum(h["episodes_spanning_versions"] for h in hist) >= 2
+    # data_next (where a continued run starts): past every task the step trained, never moving back
+    assert all(h["data_next"] >= 2 * (h["step"] + 1) for h in hist)
+    assert [h["data_next"] for h in hist] == sorted(h["data_next"] for h in hist)
     # a group holding an episode that spans versions mixes versions too (counted with every group's)
     assert all(h["groups_mixing_versions"] >= min(h["episodes_spanning_versions"], 1) for h in hist)
     episodes = [t for _, t in spanning]
