@@ -11,6 +11,7 @@ import json
 from math import comb
 
 import pytest
+import ray
 
 from workbench.agents import Task
 from workbench.data import TaskDataset
@@ -76,23 +77,23 @@ def test_dynamic_sampling_filters_and_replaces_up_to_the_limit():
     source = pool([ones, mixed, zeros, zeros, mixed, ones, mixed, zeros, zeros, zeros])
     cfg = LoopConfig(prompts_per_step=3, group_size=2, dynamic_sampling=True, dynamic_sampling_rounds=2)
     rollout = ConstructedRollout()
-    groups, stats, nxt = collect_groups(rollout, source, cfg, step=0, position=0)
+    groups, stats, nxt = collect_groups(rollout, source, cfg, position=0)
     # first draw t0 t1 t2 keeps t1; refill of 2 (t3 t4) keeps t4; refill of 1 (t5) keeps none: limit reached
     assert rollout.calls == [["t0", "t1", "t2"], ["t3", "t4"], ["t5"]]
     assert [g[0].info["task_id"] for g in groups] == ["t1", "t4"]
     assert stats == {"ds_filtered_groups": 4, "ds_rounds": 2, "ds_kept_groups": 2, "ds_short": 1,
                      "ds_reward_mean_sampled": pytest.approx(6 / 12)}
     assert nxt == 6  # every drawn task advances the data position: the next step starts at t6
-    groups, stats, nxt = collect_groups(ConstructedRollout(), source, cfg, step=1, position=nxt)
+    groups, stats, nxt = collect_groups(ConstructedRollout(), source, cfg, position=nxt)
     # t6 t7 t8 keeps t6; refill t9 t0 (into the next epoch) keeps none; refill t1 t2 keeps t1
     assert [g[0].info["task_id"] for g in groups] == ["t6", "t1"] and stats["ds_filtered_groups"] == 5 and nxt == 13
     # no group with signal within the limit: the step trains on its first draw (all advantages 0)
     cfg0 = LoopConfig(prompts_per_step=2, group_size=2, dynamic_sampling=True, dynamic_sampling_rounds=0)
-    groups, stats, _ = collect_groups(ConstructedRollout(), source, cfg0, step=0, position=8)
+    groups, stats, _ = collect_groups(ConstructedRollout(), source, cfg0, position=8)
     assert [g[0].info["task_id"] for g in groups] == ["t8", "t9"] and stats["ds_kept_groups"] == 0
     assert batch_from_groups(groups, "grpo")[0]["advantages"].abs().sum() == 0
     # switched off: the first draw, whatever its variance, and no ds_ statistics
-    groups, stats, nxt = collect_groups(ConstructedRollout(), source, LoopConfig(prompts_per_step=3, group_size=2), 0, 0)
+    groups, stats, nxt = collect_groups(ConstructedRollout(), source, LoopConfig(prompts_per_step=3, group_size=2), 0)
     assert len(groups) == 3 and stats == {} and nxt == 3
 
 
@@ -182,7 +183,7 @@ def test_async_continues_a_callable_source_from_its_data_position():
 
     from workbench.loop import GroupStream
 
-    class Full:  # every runner full: the stream draws its first chunk and starts nothing
+    class Full:  # every runner full (the stream is stopped before its producer starts any)
         def submit_group(self, task, n):
             return None
 
@@ -194,13 +195,49 @@ def test_async_continues_a_callable_source_from_its_data_position():
     cfg = LoopConfig(steps=10, prompts_per_step=4, group_size=2, mode="async")
     stream = GroupStream(Full(), source, cfg, first=2, position=9, stop=stop)
     stream.thread.join()
-    got = [stream._next_task() for _ in range(5)]  # the rest of chunk 2, then chunk 3 (seeded 3)
-    assert [(t.id, at) for t, at in got] == [("2-1", 9), ("2-2", 10), ("2-3", 11), ("3-0", 12), ("3-1", 13)]
-    assert stream.unstarted == 9  # nothing started (every runner full): a continued run starts at 9 again
+    got = [stream._next_task() for _ in range(5)]  # the rest of the chunk seeded 8, then the one seeded 12
+    assert [(t.id, at) for t, at in got] == [("8-1", 9), ("8-2", 10), ("8-3", 11), ("12-0", 12), ("12-1", 13)]
     fresh = GroupStream(Full(), source, cfg, first=2, position=8, stop=stop)  # a new run from step 2
     fresh.thread.join()
     task, at = fresh._next_task()
-    assert (task.id, at) == ("2-0", 8)
+    assert (task.id, at) == ("8-0", 8)
+
+
+def test_async_data_next_is_the_first_task_not_started(ray_local):
+    """data_next (where a continued run starts) moves past a task once it has started, under the
+    stream's lock: it was read from the queue, where a task taken but not yet started (or put
+    back: every runner full) was missing."""
+    import threading
+
+    from workbench.loop import GroupStream
+
+    class OneSlot:  # one group starts; then every runner is full
+        def __init__(self):
+            self.started = []
+
+        def submit_group(self, task, n):
+            if self.started:
+                return None
+            self.started.append(task.id)
+            return ray.put(1), "runner"
+
+        def finish_group(self, ref, runner, task, n):
+            return [task]
+
+    def source(n, seed):
+        return [Task([{"role": "user", "content": f"{seed}-{i}"}], id=f"{seed}-{i}") for i in range(n)]
+
+    stop, rollout = threading.Event(), OneSlot()
+    stream = GroupStream(rollout, source, LoopConfig(steps=10, prompts_per_step=4, group_size=2, mode="async"),
+                         2, 9, stop)
+    try:
+        group, at, *_ = stream.finished.get(timeout=30)
+        assert rollout.started == ["8-1"] and at == 9 and group[0].id == "8-1"
+        with stream._lock:
+            assert stream.unstarted == 10  # the next task, 8-2 at 10, never started (put back, taken again, ...)
+    finally:
+        stop.set()
+        stream.thread.join()
 
 def test_zero_variance_follows_the_episode_rules():
     group = [episode(1.0), episode(0.0, error="boom")]
@@ -224,22 +261,36 @@ def test_plain_callable_sources_are_one_stream_of_chunks():
         seen.append((n, seed))
         return [Task([{"role": "user", "content": "x"}], label=[1.0, 1.0], id=f"{seed}-{i}") for i in range(n)]
 
-    whole = [t.id for t in draw_tasks(source, 12, 0, 4)]
-    assert whole == [f"{k}-{i}" for k in range(3) for i in range(4)]
+    drawn, nxt = draw_tasks(source, 12, 0, 4)
+    whole = [t.id for _, t in drawn]
+    assert whole == [f"{s}-{i}" for s in (0, 4, 8) for i in range(4)] and [p for p, _ in drawn] == list(range(12))
     for position, n in [(0, 4), (5, 3), (9, 2), (3, 6)]:
-        assert [t.id for t in draw_tasks(source, n, position, 4)] == whole[position:position + n]
-    # a sync step at position 10 (an async run's data_next, say: past step 5's chunk) and its refill
+        drawn, nxt = draw_tasks(source, n, position, 4)
+        assert [t.id for _, t in drawn] == whole[position:position + n] and nxt == position + n
+    # a sync step at position 10 (an async run's data_next, say: past step 2's chunk) and its refill
     seen.clear()
     cfg = LoopConfig(prompts_per_step=4, group_size=2, dynamic_sampling=True, dynamic_sampling_rounds=1)
-    groups, _, nxt = collect_groups(ConstructedRollout(), source, cfg, step=1, position=10)
-    assert [g[0].info["task_id"] for g in groups] == ["2-2", "2-3", "3-0", "3-1"]  # every group flat: the first draw
-    assert nxt == 18 and seen == [(4, 2), (4, 3), (4, 3), (4, 4)]  # the refill took positions 14-17: 3-2 .. 4-1
-    # the async loop goes on from there: 4-2 next
+    groups, _, nxt = collect_groups(ConstructedRollout(), source, cfg, position=10)
+    assert [g[0].info["task_id"] for g in groups] == ["8-2", "8-3", "12-0", "12-1"]  # every group flat: the first draw
+    assert nxt == 18 and seen == [(4, 8), (4, 12), (4, 12), (4, 16)]  # the refill took positions 14-17
+    # the async loop goes on from there
     stop = threading.Event()
     stop.set()
     stream = GroupStream(None, source, LoopConfig(steps=10, prompts_per_step=4, group_size=2, mode="async"), 2, nxt, stop)
     stream.thread.join()
-    assert stream._next_task()[0].id == "4-2"
+    assert stream._next_task()[0].id == "16-2"
+    # another chunk size later (prompts_per_step 4 -> 8 from position 8): no seed drawn again
+    seen.clear()
+    draw_tasks(source, 8, 8, 8)
+    assert seen == [(8, 8)]
+    # a source that gives fewer than asked: the missing positions hold no task, the draw goes on
+    def short(n, seed):
+        return source(n - 1, seed)
+
+    drawn, nxt = draw_tasks(short, 5, 1, 4)
+    assert [(p, t.id) for p, t in drawn] == [(1, "0-1"), (2, "0-2"), (4, "4-0"), (5, "4-1"), (6, "4-2")] and nxt == 8
+    with pytest.raises(ValueError, match="gave no task"):
+        draw_tasks(lambda n, seed: [], 2, 0, 4)
 
 
 # ----------------------------------------------------------------------------- evaluation

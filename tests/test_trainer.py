@@ -350,7 +350,7 @@ def test_resumed_loop_neither_repeats_nor_skips_steps(ray_local, vllm_moe, moe_p
     finally:
         rollout.shutdown()
         sync_weights([vllm_moe], original)
-    assert seen == [0, 1, 2, 3]
+    assert seen == [0, 4, 8, 12]  # the chunks' seeds: their data positions (prompts_per_step 4)
 
 
 def test_kl_statistic_catches_a_missing_weight_sync(ray_local, vllm_moe, moe_path):

@@ -235,37 +235,45 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     return batch, info
 
 
-def draw_tasks(source, n: int, position: int, chunk: int) -> list[Task]:
-    """n tasks from data position `position`. A positional source (take(position, n), e.g.
-    data.TaskDataset) gives them; a plain `source(n, seed)` is read as one stream of chunks of
-    `chunk` (prompts_per_step) tasks, chunk k being source(chunk, seed=k), the task at position p
-    item p % chunk of chunk p // chunk. So a step's draw, dynamic sampling's refills, the async
-    loop's draws and a continued run's all take the task of a position from the same place, and
-    none twice: sync steps were seeded by the step and refills by a range of their own, so a
-    sync run after an async one (whose positions ran ahead of its steps) drew again tasks the
-    async steps had trained."""
+def draw_tasks(source, n: int, position: int, chunk: int) -> tuple[list[tuple[int, Task]], int]:
+    """n tasks from data position `position`, each with its position, and the next position. A positional source
+    (take(position, n), e.g. data.TaskDataset) gives them; a plain `source(n, seed)` is read as
+    one stream of chunks of `chunk` (prompts_per_step) tasks, the chunk starting at position s
+    being source(chunk, seed=s): the task at position p is item p - s of its chunk. So a step's
+    draw, dynamic sampling's refills, the async loop's draws and a continued run's take the task
+    of a position from the same place, and none twice (sync steps were seeded by the step and
+    refills by a range of their own, so a sync run after an async one, whose positions ran ahead
+    of its steps, drew again tasks the async steps had trained); seeded by its start, a chunk
+    draws no seed an earlier chunk size drew. Positions past what a source gives for its chunk
+    hold no task: the draw goes on at the next chunk."""
     if hasattr(source, "take"):
-        return list(source.take(position, n))
-    out: list[Task] = []
+        tasks = list(source.take(position, n))
+        return list(enumerate(tasks, position)), position + len(tasks)
+    out: list[tuple[int, Task]] = []
     while len(out) < n:
-        k, skip = divmod(position + len(out), chunk)
-        more = list(source(chunk, k))[skip: skip + n - len(out)]
-        if not more:  # a source that gives fewer than asked: what it gave
-            break
-        out += more
-    return out
+        start = position - position % chunk
+        drawn = list(source(chunk, start))[:chunk]
+        if not drawn:
+            raise ValueError(f"the task source gave no task for {chunk} asked (seed {start}): tasks(n, seed) must "
+                             f"return n tasks")
+        taken = drawn[position - start: position - start + n - len(out)]
+        out += enumerate(taken, position)
+        position += len(taken)
+        if position - start >= len(drawn):  # the chunk is used up (a short one's missing positions hold no task)
+            position = start + chunk
+    return out, position
 
 
-def collect_groups(rollout, source, cfg: "LoopConfig", step: int, position: int) -> tuple[list, dict, int]:
-    """The groups step `step` trains on, drawn from data position `position`: (groups, stats,
+def collect_groups(rollout, source, cfg: "LoopConfig", position: int) -> tuple[list, dict, int]:
+    """The groups a step trains on, drawn from data position `position`: (groups, stats,
     next position). With cfg.dynamic_sampling, groups of zero reward variance (zero_variance)
     are filtered and replaced by the groups of freshly drawn tasks, up to
     cfg.dynamic_sampling_rounds more rollouts; a step still short trains on the groups it kept
     (ds_short counts the missing ones), and one left with none trains on its first draw (every
     advantage 0: no signal, but the step and its statistics happen)."""
     n = cfg.prompts_per_step
-    groups = rollout.run_groups(draw_tasks(source, n, position, n), cfg.group_size, progress=False)
-    position += n
+    drawn, position = draw_tasks(source, n, position, n)
+    groups = rollout.run_groups([t for _, t in drawn], cfg.group_size, progress=False)
     if not cfg.dynamic_sampling:
         return groups, {}, position
     rule = {"on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated, "overlong": cfg.overlong()}
@@ -273,8 +281,8 @@ def collect_groups(rollout, source, cfg: "LoopConfig", step: int, position: int)
     filtered, rounds, sampled = len(groups) - len(kept), 0, list(groups)
     while len(kept) < n and rounds < cfg.dynamic_sampling_rounds:
         rounds += 1
-        more = rollout.run_groups(draw_tasks(source, n - len(kept), position, n), cfg.group_size, progress=False)
-        position += n - len(kept)
+        drawn, position = draw_tasks(source, n - len(kept), position, n)
+        more = rollout.run_groups([t for _, t in drawn], cfg.group_size, progress=False)
         sampled += more
         good = [g for g in more if not zero_variance(g, **rule)]
         filtered += len(more) - len(good)
@@ -533,8 +541,9 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
         stop: threading.Event | None = None, on_groups: Callable[[int, list], None] | None = None,
         start_step: int = 0, start_position: int | None = None,
         evaluate: Callable[[int], dict] | None = None, teacher_engines: list | None = None) -> list[dict]:
-    """Run the loop in `cfg.mode`. `task_source(n, step)` gives the prompts of each step (so the
-    data position is the step). With `checkpoint_dir`, a checkpoint found there is resumed from
+    """Run the loop in `cfg.mode`. `task_source`: a positional source (take(position, n)) or a
+    plain `source(n, seed)`, drawn in chunks of prompts_per_step seeded by their data position
+    (draw_tasks). With `checkpoint_dir`, a checkpoint found there is resumed from
     (the next step is the one after it: no step is repeated or skipped), and one is written
     every `checkpoint_every` steps. `stop` (an Event) ends the loop after the current step.
     `on_groups(step, groups)` sees each step's trajectories. `start_step`: the first step's
@@ -601,7 +610,7 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
                 return
             try:
                 t0, start = time.time(), position
-                groups, extra, position = collect_groups(rollout, task_source, cfg, step, position)
+                groups, extra, position = collect_groups(rollout, task_source, cfg, position)
                 if cfg.advantage in PER_TOKEN_ADVANTAGES:  # scored here: overlaps training in async mode
                     extra["_teacher"] = teacher_logprobs(teacher_engines, [s for g in groups for t in g
                                                                            for s in t.segments if any(s.loss_mask)])
@@ -779,9 +788,8 @@ class GroupStream:
 
     def _draw(self) -> None:
         """The next chunk of prompts_per_step tasks, with their data positions, into self.tasks."""
-        drawn = draw_tasks(self.source, self.cfg.prompts_per_step, self.position, self.cfg.prompts_per_step)
-        self.tasks = [(t, self.position + i) for i, t in enumerate(drawn)]
-        self.position += len(drawn)
+        drawn, self.position = draw_tasks(self.source, self.cfg.prompts_per_step, self.position, self.cfg.prompts_per_step)
+        self.tasks = [(t, at) for at, t in drawn]
 
     def _next_task(self) -> tuple[Task, int]:
         """The next task and its data position."""

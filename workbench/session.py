@@ -348,6 +348,13 @@ class Workbench:
         self._trainer.version = max(self._trainer.version, engines_version(self.engines) + 1)
         return sync_engines(self._trainer, self.engines, self.cfg.loop.sync_tol)
 
+    def _sync_if_behind(self) -> None:
+        """Sync where an engine serves older weights than the trainer's, or unchecked ones:
+        wb.trainer.step() ran without a wb.sync() after it, or a sync failed part-way (the oldest
+        verified engine decides)."""
+        if engines_version(self.engines, newest=False) < self._trainer.version:
+            self.sync()
+
     def run(self, steps: int, background: bool = True, monitors: list | None = None, progress: bool = True,
             checkpoint_every: int = 0, keep_policy_every: int = 0, **loop_overrides) -> "RunHandle":
         """Run `steps` more RL steps (the loop in `cfg.loop.mode`, or `mode=` here). In the
@@ -371,9 +378,7 @@ class Workbench:
         check_teacher(self._rollout, cfg, teachers)
         if cfg.eval_every and self.eval_tasks is None:
             raise ConfigError(f"loop.eval_every={cfg.eval_every} needs held-out tasks: connect(eval_tasks=...)")
-        # wb.trainer.step() ran without a wb.sync() after it, or a sync failed part-way (the oldest engine decides)
-        if engines_version(self.engines, newest=False) < self._trainer.version:
-            self.sync()
+        self._sync_if_behind()
         handle = RunHandle(self, cfg, list(monitors or []), progress, checkpoint_every, steps, keep_policy_every)
         self._run = handle
         handle.start() if background else handle.run()
@@ -450,11 +455,9 @@ class Workbench:
         if tasks is None:
             raise ConfigError("no tasks to evaluate: wb.eval(tasks) or connect(eval_tasks=...)")
         loop = self.cfg.loop
-        # the trainer's weights, under the version recorded: after wb.trainer.step() without a wb.sync(),
-        # or a sync that failed part-way, the engines served older (or unchecked) weights, which were
-        # scored and recorded as the trainer's version (wb.run() syncs here too)
-        if engines_version(self.engines, newest=False) < self._trainer.version:
-            self.sync()
+        # the trainer's weights, under the version recorded: the engines' older (or unchecked) ones were
+        # scored and recorded as the trainer's version
+        self._sync_if_behind()
         metrics = self._evaluate(tasks, n or loop.eval_n, loop.eval_greedy if greedy is None else greedy, ks, success_reward)
         record = {"step": self.next_step - 1, "version": self._trainer.version, **metrics}
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -724,7 +727,8 @@ class RolloutHandle:
         self._wb = wb
         self.trajectories: list = []
         self.last_groups: list[list] | None = None  # what wb.trainer.step() trains on by default
-        self._cursor = 1_000_000  # interactive tasks use seeds apart from the loop's (which are its steps)
+        # interactive tasks use seeds apart from the loop's (the data positions its chunks start at)
+        self._cursor = 1 << 48
 
     @property
     def driver(self):
@@ -908,17 +912,14 @@ class RunHandle:
         if not self.keep_policy_every or step % self.keep_policy_every:
             return
         version = self._wb._trainer.version
-        if path.exists() and not replace:
-            try:
-                if json.loads((path / POLICY_MARK).read_text())["version"] == version:
-                    return
-            except (OSError, ValueError, KeyError, TypeError):  # none (an older run's): written again
-                pass
+        # with the run's loop settings (wb.run's overrides in): what wb.revisit builds this step's batch with
+        mark = {"step": step, "version": version, "loop": _jsonable(dataclasses.asdict(self.cfg))}
+        if path.exists() and not replace and (policy_mark(path) or {}).get("version") == version:
+            (path / POLICY_MARK).write_text(json.dumps(mark))  # the weights are these; the settings this run's
+            return
         new = path.with_name(path.name + ".new")
         self._wb._trainer.export_hf(str(new))
-        # and the run's loop settings (wb.run's overrides in): what wb.revisit builds the step's batch with
-        (new / POLICY_MARK).write_text(json.dumps({"step": step, "version": version,
-                                                   "loop": _jsonable(dataclasses.asdict(self.cfg))}))
+        (new / POLICY_MARK).write_text(json.dumps(mark))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(new, path)
 
@@ -1012,15 +1013,22 @@ def _check_loggers(loggers) -> None:
             raise ConfigError(f"loggers: {name!r} needs the {name} package: {EXTRA_HINT}")
 
 
-def kept_loop_settings(policy: Path, config_loop: dict | None) -> dict | None:
-    """The loop settings a kept policy's run trained with (its wb.run overrides in: advantage,
-    episode rules, overlong shaping), recorded beside it; else the run directory's config.json
-    ones (`config_loop`). wb.revisit rebuilt the step's batch from config.json alone: a run with
-    wb.run(advantage="rloo") was revisited with GRPO's advantages."""
+def policy_mark(policy: Path) -> dict | None:
+    """What a kept policy's directory records of it (POLICY_MARK: step, trainer version, the loop
+    settings of the run that trains from it), or None (kept before it was recorded)."""
     try:
-        return json.loads((policy / POLICY_MARK).read_text())["loop"]
-    except (OSError, ValueError, KeyError, TypeError):  # kept before the settings were recorded
-        return config_loop
+        mark = json.loads((policy / POLICY_MARK).read_text())
+        return mark if isinstance(mark, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def kept_loop_settings(policy: Path, config_loop: dict | None) -> dict | None:
+    """The loop settings a kept policy's step trained with (its run's wb.run overrides in:
+    advantage, episode rules, overlong shaping); else the run directory's config.json ones
+    (`config_loop`). wb.revisit rebuilt the step's batch from config.json alone: a run with
+    wb.run(advantage="rloo") was revisited with GRPO's advantages."""
+    return (policy_mark(policy) or {}).get("loop") or config_loop
 
 
 def _jsonable(x):
