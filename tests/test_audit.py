@@ -128,6 +128,10 @@ def test_a_run_keeps_the_policy_it_starts_from_unless_it_holds_that_version(tmp_
     # the run's loop settings (its overrides) are kept beside it: what wb.revisit rebuilds the batch with
     kept = kept_loop_settings(tmp_path / "policies" / "step_00004", {"advantage": "grpo"})
     assert (kept["advantage"], kept["on_failed"]) == ("rloo", "zero")
+    # a next run's first step keeps the weights (same version) and records its own settings
+    handle.cfg = LoopConfig(advantage="grpo")
+    keep(4, replace=False)
+    assert exports == [7, 8] and kept_loop_settings(tmp_path / "policies" / "step_00004", None)["advantage"] == "grpo"
     assert kept_loop_settings(tmp_path / "policies" / "step_00006", {"advantage": "grpo"}) == {"advantage": "grpo"}
 
 

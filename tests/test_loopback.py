@@ -563,8 +563,15 @@ def test_a_group_sending_one_seed_samples_independently(server):
     for turn in (1, 2):
         r = client.chat.completions.create(model="policy", max_tokens=12, seed=7, messages=msgs)
         assert server.engine.sampling[-1].seed == session_seed(7, sids[0], turn) != session_seed(7, sids[0], turn - 1)
+        if turn == 2:  # the SDK's retry of it: the cached reply, no engine call, so the next turn's seed is call 3's
+            asked = len(server.engine.sampling)
+            client.chat.completions.create(model="policy", max_tokens=12, seed=7, messages=msgs,
+                                           extra_headers={"x-stainless-retry-count": "1"})
+            assert len(server.engine.sampling) == asked
         msgs = msgs + [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again."}]
-    assert len({session_seed(7, sids[0], c) for c in range(3)}) == 3
+    client.chat.completions.create(model="policy", max_tokens=12, seed=7, messages=msgs)
+    assert server.engine.sampling[-1].seed == session_seed(7, sids[0], 3)
+    assert len({session_seed(7, sids[0], c) for c in range(4)}) == 4
     for sid in sids:
         server.close_session(sid)
 

@@ -354,6 +354,20 @@ def test_window_plans_and_records_what_the_whole_conversation_does(fmt):
     assert len(plans[1].prompt_text) < len(plans[0].prompt_text) / 4
 
 
+def test_the_shared_head_of_two_renders_is_measured_exactly():
+    """_common_prefix_len (the window move's test; a character loop in Python took ~50 ms over a
+    long system prompt) agrees with os.path.commonprefix on every pair of short strings."""
+    import itertools
+    import os
+
+    from workbench.tokens import _common_prefix_len
+
+    words = ["".join(p) for n in range(5) for p in itertools.product("ab", repeat=n)]
+    for a, b in itertools.product(words, words):
+        assert _common_prefix_len(a, b) == len(os.path.commonprefix((a, b))), (a, b)
+    assert _common_prefix_len("x" * 60_000 + "a", "x" * 60_000 + "b") == 60_000
+
+
 def test_a_window_move_renders_the_last_turns_prompt_only_when_needed(fmt, monkeypatch):
     """A turn that extends by the first test costs two renders (the request, the recorded
     conversation) and one more where the window moves: the last turn's prompt in the new window is

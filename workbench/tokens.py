@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -431,8 +430,21 @@ def _more_than_closing(rest: str, end_tokens) -> bool:
 def _ends_the_same(old: str, new: str) -> bool:
     """Whether `new`, a render of a shorter window, is `old`'s end past the head both share (the
     leading system messages): the messages the window keeps render as they did in the wider one."""
-    head = len(os.path.commonprefix((new, old)))  # (C, not a Python loop over a long system prompt)
-    return old.endswith(new[head:])
+    return old.endswith(new[_common_prefix_len(old, new):])
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    """The length of the head a and b share, by halving with slice comparisons (C): a character
+    loop in Python (os.path.commonprefix's too) took 45-53 ms over a 60,000-character system
+    prompt, this 0.02 ms."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class Accumulator:

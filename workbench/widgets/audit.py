@@ -266,8 +266,9 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
     out.append("</table>" + (f"<p>IS-weight bins: edges {escape(str(edges))}</p>" if edges else "") + "</section>")
     for key, name, what in CHECKS:
         bad = {s for s, k in flagged if k == key}
+        per_step = " (the cap; per step: 0 sync, its async_lag async)" if key == "max_staleness" and not staleness_given else ""
         out.append(f"<section class='stat' id='{_id('stat', key)}'><h2>{escape(name)}</h2><p>{escape(what)}; "
-                   f"{'min' if key in MINIMA else 'max'} {_fmt(limits[key])}; {len(bad)} step(s) flagged.</p>"
+                   f"{'min' if key in MINIMA else 'max'} {_fmt(limits[key])}{per_step}; {len(bad)} step(s) flagged.</p>"
                    f"{_plot(key, steps, [v[key] for _, v, _ in rows], limits[key], bad)}</section>")
     # token views of the flagged steps' trajectories, offending ones first
     out.append("<section id='trajectories'><h2>Token views of flagged steps</h2>"
