@@ -295,6 +295,20 @@ def test_b_a_call_the_agent_could_not_send_back_keeps_its_reasoning(fams):
         assert (p.reasoning.strip(), p.calls) == ("R", []) and p.content.strip() == "OK.\n" + call, bad
     good = rp.parse('<think>\nR\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {"x": 1.5e3, "y": ["é", [1]]}}\n</tool_call>', [])
     assert good.calls == [{"name": "f", "arguments": {"x": 1500.0, "y": ["é", [1]]}}]
+    # vLLM's combined parsers (DeepSeek V3.1): a call that cannot go out (arguments no object, NaN, no
+    # JSON) is the text after the reasoning, call markup included, as with hermes. The whole decoded
+    # reply went out as content (the reasoning and </think> in it a second time), or, for arguments
+    # that were no JSON, the content without the call's text
+    ds = fams["deepseek-v3.1"]
+    prof = ds.profile()
+    rp = ReplyParser(ds.tokenizer, prof.tool_parser, prof.reasoning_parser, {"thinking": True})
+    f = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for args in ('{"x": 1}', "[1, 2]", '{"x": NaN}', "not json"):
+        call = f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{args}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+        text = "R</think>OK." + call
+        p = rp.parse(text, ds.tokenizer.encode(text, add_special_tokens=False), tools=f)
+        expected = ("OK.", [{"name": "f", "arguments": {"x": 1}}]) if args == '{"x": 1}' else ("OK." + call, [])
+        assert (p.reasoning, p.content, p.calls) == ("R", *expected), args
 
 
 def test_c_qwen3_no_thinking_drops_the_empty_think_block(fams):

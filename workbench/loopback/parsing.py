@@ -127,9 +127,9 @@ class ReplyParser:
                 try:
                     args = json.loads(c.arguments or "{}")
                 except json.JSONDecodeError:
-                    return Parsed(reasoning or None, text if content is None else content, [])
+                    args = None
                 if not isinstance(args, dict) or not self._sendable(args):  # as hermes: a call we cannot read
-                    return Parsed(reasoning or None, text, [])  # leaves the text as written
+                    return self._as_text(text, ids, tools)  # leaves the text as written
                 out.append({"name": c.name, "arguments": args})
             return Parsed(reasoning or None, (content or "").strip() if out else (content or ""), out)
         reasoning = None
@@ -141,6 +141,16 @@ class ReplyParser:
         if not all(self._sendable(c["arguments"]) for c in calls):
             return Parsed(reasoning or None, text, [])  # the reasoning kept, as streaming sent it
         return Parsed(reasoning or None, content, calls)
+
+    def _as_text(self, text: str, ids: list[int], tools: list | None) -> Parsed:
+        """A reply whose tool call cannot be handed out, as vLLM's parser reads it with tools off:
+        the reasoning apart, the rest as the model wrote it (call markup included). The whole
+        decoded reply went out as content, the reasoning and its end marker in it a second time
+        (`R</think>OK.<｜tool▁calls▁begin｜>...` with DeepSeek V3.1), or, for arguments that were no
+        JSON, the content without the call's text."""
+        reasoning, content, _ = self._new(tools).parse(text, _request(tools), enable_auto_tools=False,
+                                                         model_output_token_ids=list(ids))
+        return Parsed(reasoning or None, text if content is None else content, [])
 
     def _sendable(self, arguments) -> bool:
         """Whether the agent can send this call back: its history's next request is held to the
