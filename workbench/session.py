@@ -727,8 +727,9 @@ class RolloutHandle:
         self._wb = wb
         self.trajectories: list = []
         self.last_groups: list[list] | None = None  # what wb.trainer.step() trains on by default
-        # interactive tasks use seeds apart from the loop's (the data positions its chunks start at)
-        self._cursor = 1 << 48
+        # interactive tasks use seeds apart from the loop's (the data positions its chunks start at),
+        # below 2**32 (numpy's RandomState takes no larger seed)
+        self._cursor = 1 << 31
 
     @property
     def driver(self):
