@@ -236,15 +236,17 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
 
 
 def draw_tasks(source, n: int, position: int, chunk: int) -> tuple[list[tuple[int, Task]], int]:
-    """n tasks from data position `position`, each with its position, and the next position. A positional source
-    (take(position, n), e.g. data.TaskDataset) gives them; a plain `source(n, seed)` is read as
+    """n tasks from data position `position`, each with its position, and the next position. A
+    positional source (take(position, n), e.g. data.TaskDataset) gives them; a plain `source(n, seed)` is read as
     one stream of chunks of `chunk` (prompts_per_step) tasks, the chunk starting at position s
     being source(chunk, seed=s): the task at position p is item p - s of its chunk. So a step's
     draw, dynamic sampling's refills, the async loop's draws and a continued run's take the task
     of a position from the same place, and none twice (sync steps were seeded by the step and
     refills by a range of their own, so a sync run after an async one, whose positions ran ahead
-    of its steps, drew again tasks the async steps had trained); seeded by its start, a chunk
-    draws no seed an earlier chunk size drew. Positions past what a source gives for its chunk
+    of its steps, drew again tasks the async steps had trained). Seeded by its start, a chunk of
+    another size (prompts_per_step changed between runs) takes the seeds of positions not reached
+    yet (mid-chunk, the seed of the chunk it continues: from a source whose n tasks are the head
+    of its n + k, the very tasks not yet drawn). Positions past what a source gives for its chunk
     hold no task: the draw goes on at the next chunk."""
     if hasattr(source, "take"):
         tasks = list(source.take(position, n))
