@@ -554,3 +554,42 @@ def test_an_engine_failing_before_the_nccl_broadcast_is_raised_not_waited_on(ray
     assert time.monotonic() - t0 < 30
     ray.kill(rank0)
     ray.kill(engine)
+
+
+def test_a_restored_run_syncs_under_its_checkpoints_version(ray_local):
+    """loop.run's first sync labels the trainer's weights with the trainer's own version where the
+    engines are behind it (a restored checkpoint's weights on fresh engines), else one past the
+    newest engine's (Workbench.sync's rule): it always added one, so a restored run's steps were
+    labelled one past an uninterrupted run's. (A fake trainer and engine: the rule is the loop's.)"""
+    import threading
+
+    from workbench.loop import _run
+    from workbench.rollout.engine import WeightSyncReport
+
+    @ray.remote(num_cpus=0)
+    class Engine:
+        def __init__(self, version):
+            self.version = version
+
+        def info(self):
+            return {"version": self.version, "verified_version": self.version}
+
+        def update_weights(self, weights, version, expected, path, tol):
+            self.version = version
+            return WeightSyncReport(version, 0.0, 0, 0.0, True)
+
+    class Trainer:
+        vocab_size, nccl = 64, None
+
+        def __init__(self, version):
+            self.version = version
+
+        def weights_and_probe(self, ids):
+            return ray.put({}), ray.put([0.0] * len(ids)), []
+
+    for restored, engine_at, synced in ((5, 0, 5), (0, 0, 1), (5, 7, 8)):
+        trainer, engine = Trainer(restored), Engine.remote(engine_at)
+        assert _run(None, trainer, [engine], None, LoopConfig(steps=0), None, False, None, 0, threading.Event(),
+                    None, 0) == []
+        assert trainer.version == ray.get(engine.info.remote())["version"] == synced, (restored, engine_at)
+        ray.kill(engine)
