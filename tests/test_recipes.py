@@ -118,13 +118,15 @@ def test_judge_reward(execute, tmp_path):
 
 def test_distillation(execute, tmp_path):
     results, metrics = execute("distillation", tmp_path)
-    assert results["teacher_engine_apart"] and len(results["reverse_kl"]) == 4
+    assert results["teacher_engine_apart"] and len(results["reverse_kl"]) == 6
     assert [m["distill_reverse_kl"] for m in metrics] == results["reverse_kl"]
     # every step's reverse KL is a Monte Carlo estimate from its own samples (~64 tokens, noisier
     # than the fall): recorded per step, finite
     assert all(abs(kl) < 20 for kl in results["reverse_kl"])
     # the lesson: the exact reverse KL of the answer's first token, over the pool distilled on, falls
-    # (the student's trained export against the teacher checkpoint; 4 steps: ~0.40 -> ~0.27 offline)
+    # (the student's trained export against the teacher checkpoint). Sampling differs run to run (the
+    # sessions' seeds mix in random session ids): 4 steps fell to 0.82-0.86x (a CI run failed at 0.862),
+    # 6 steps to 0.73-0.78x (2026-12-05, 0.581 before)
     before, after = results["exact_kl_pool"]
     assert after < 0.85 * before, results["exact_kl_pool"]
 
