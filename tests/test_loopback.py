@@ -249,6 +249,28 @@ def test_compaction_and_edited_assistant_seal_new_segments(server):
     assert all(s.stats["identity_mismatch"] == 0 for s in segs)
 
 
+def test_a_summarizer_beside_the_main_conversation_extends_its_own_segment(server):
+    """An agent that calls a summarizer through the same client between its turns (main, summary,
+    main, summary, main) records two segments, one per conversation, each the engine's samples
+    of that conversation in order: before, every switch sealed the open segment (5 segments, each
+    re-prefilling its history)."""
+    sid = server.open_session()
+    client = oai(server, sid)
+    main = [SYS, {"role": "user", "content": "Compute 2*3."}]
+    summary = [{"role": "system", "content": "You summarize."}, {"role": "user", "content": "Summarize: 2*3."}]
+    n0, mine = len(server.engine.samples), {"main": [], "summary": []}
+    for name, msgs in [("main", main), ("summary", summary), ("main", main), ("summary", summary), ("main", main)]:
+        r = client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)
+        mine[name].append(server.engine.samples[-1].token_ids)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+    assert len(server.engine.samples) == n0 + 5
+    segs = server.close_session(sid)
+    assert [s.seal_reason for s in segs] == ["episode_end", "episode_end"]
+    assert [runs(s, True) for s in segs] == [mine["main"], mine["summary"]]
+    assert server.fmt.decode(segs[0].token_ids).startswith(server.fmt.render(main[:2], None, True))
+    assert all(s.stats["identity_mismatch"] == 0 and s.stats["turns"] == len(mine[n]) for s, n in zip(segs, mine))
+
+
 def test_template_that_rewrites_earlier_turns_seals(vllm_moe, moe_path):
     """A template that renders earlier assistant turns differently once a later turn exists
     (like templates that strip old reasoning) cannot be extended: it must seal."""

@@ -210,6 +210,40 @@ def test_drift_of_a_long_repetitive_reply_costs_linear_work(fmt):
     assert calls <= 2.1 * half  # doubling the reply doubles the work
 
 
+def test_interleaved_conversations_each_extend_their_own_segment(fmt):
+    """A session that talks to two conversations (a main one and a summarizer through the same
+    client: A, B, A, B, A) keeps a segment open for each: every request extends its own
+    conversation's ids, the prompt's text the fresh render's. With one open segment each
+    switch sealed it: 5 one-turn segments, each re-prefilling its history. A rewrite (compaction)
+    of a parked conversation still seals it; past open_conversations the least recent is evicted."""
+    acc = Accumulator(fmt)
+    main = [SYS, USER]
+    summ = [{"role": "system", "content": "Summarize."}, {"role": "user", "content": "6+6 was asked."}]
+    sampled = {"main": [], "summ": []}
+    for i, (name, conv) in enumerate([("main", main), ("summ", summ)] * 2 + [("main", main)]):
+        plan = acc.plan(conv)
+        assert plan.new_segment == (i < 2) and fmt.decode(plan.prompt_ids) == fmt.render(conv, None, True)
+        s = reply(fmt, str(10 + i))
+        acc.record(plan, s, {"role": "assistant", "content": str(10 + i)})
+        sampled[name] += s.token_ids
+        conv += [{"role": "assistant", "content": str(10 + i)}, {"role": "user", "content": f"and {i}?"}]
+    assert [s.seal_reason for s in acc.segments] == [None, None] and len(acc._parked) == 1
+    assert [[t for t, m in zip(seg.token_ids, seg.loss_mask) if m] for seg in acc.segments] == [sampled["main"], sampled["summ"]]
+    assert segment_stats(acc.segments)["identity_mismatch"] == 0
+
+    compacted = [summ[0], {"role": "user", "content": "Summary so far."}]  # the parked summarizer, rewritten
+    plan = acc.plan(compacted)
+    assert plan.new_segment and plan.seal_reason == "history_rewritten" and not plan.beside
+    acc.record(plan, reply(fmt, "1"), {"role": "assistant", "content": "1"})
+    assert [s.seal_reason for s in acc.segments] == [None, "history_rewritten", None]
+
+    acc.open_conversations = 2
+    plan = acc.plan([{"role": "user", "content": "A third one."}])  # opens otherwise: beside, evicting main
+    assert plan.new_segment and plan.beside and plan.seal_reason is None
+    acc.record(plan, reply(fmt, "2"), {"role": "assistant", "content": "2"})
+    assert [s.seal_reason for s in acc.close()] == ["evicted", "history_rewritten", "episode_end", "episode_end"]
+
+
 @pytest.mark.parametrize("edit,reason", [
     (lambda m: [m[0], {"role": "user", "content": "summary of earlier turns"}, m[-1]], "history_rewritten"),
     (lambda m: m[:2] + [{"role": "assistant", "content": "13"}] + m[3:], "assistant_changed"),

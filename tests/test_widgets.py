@@ -21,6 +21,7 @@ from workbench.widgets import (
     journey,
     spans_html,
     token_spans,
+    trajectory_html,
 )
 
 SYS = {"role": "system", "content": "You are a careful assistant."}
@@ -58,6 +59,11 @@ def test_stepper_keeps_and_shows_episodes_and_groups():
     assert "episode e2" in st.view.value and "TimeoutError: episode took 30 s" in st.view.value
     assert "episode e0" not in st.view.value  # the view shows the last step
     assert "1 failed" in st.status.value
+    # an episode that talked to a summarizer beside its own conversation shows both conversations
+    two = Trajectory([seg([1], [1], seal="episode_end", messages=[SYS, USER]),
+                      seg([2], [1], seal="episode_end", messages=[{"role": "user", "content": "Summarize it."}])])
+    html = trajectory_html(two)
+    assert html.index("conversation 1 of 2") < html.index("What is 6+6?") < html.index("conversation 2 of 2") < html.index("Summarize it.")
 
 
 def test_stepper_button_shows_a_failing_step():

@@ -8,8 +8,11 @@ session with messages M (DESIGN.md, "Token identity"):
    server returned): the engine prompt is `accumulated_ids + delta_ids`, where the delta is
    the template text the new messages add (ALL messages after the last assistant turn),
    preceded by the template's closing text after the sampled end-of-turn token (e.g. "\n").
-2. Otherwise the open segment is sealed with a reason and a new one starts from the full
-   render of M.
+2. Otherwise, where M rewrites the conversation (it opens as the conversation did: the same first
+   message or the same first non-system message), its segment is sealed with a reason and a new
+   one starts from the full render of M; where M opens otherwise (a summarizer or sub-agent called
+   through the same client), it starts a conversation of its own beside the open ones, and a
+   later request extends whichever open conversation it extends (`Accumulator.open_conversations`).
 3. A reply cut by max_tokens has no end-of-turn token: the template's closing tokens
    (end-of-turn included) enter the next delta as non-trainable tokens.
 4. A retry returns the cached reply and records nothing twice. A request is a retry when it
@@ -46,7 +49,14 @@ SEAL_REASONS = {
     "assistant_changed": "the assistant message sent back differs from the one the server returned",
     "template_rewrite": "the chat template renders earlier turns differently once new messages are added",
     "episode_end": "the session was closed (normal end of an episode)",
+    "evicted": "the session opened more conversations than the accumulator keeps open "
+               "(Accumulator.open_conversations): the least recently extended one was closed",
 }
+
+# What one open conversation of a session holds (Accumulator swaps these when a request extends
+# another open conversation than the last one)
+_CONVERSATION_STATE = ("_segment", "_conversation", "_conversation_text", "_window_start", "_closing_text",
+                       "_last_turn", "_last_turn_moved", "_unrendered")
 
 
 @dataclass
@@ -418,6 +428,7 @@ class TurnPlan:
     seal_reason: str | None
     cached: Any = None  # the previous reply, for a retried request
     window_start: int = 0  # the rendered window: leading system messages + messages[window_start:] (0: all)
+    beside: bool = False  # a new segment for a conversation of its own, beside the open ones (none sealed)
 
 
 def _more_than_closing(rest: str, end_tokens) -> bool:
@@ -466,22 +477,31 @@ class Accumulator:
     _move_window). A template that numbers turns or counts earlier messages needs `window_messages = None`.
     Small windows render less: 4 rather than 32 cut the server's CPU per request in the last 8
     turns of 64-turn episodes from 1.41-1.65 to 1.18-1.19 ms (bench/loopback.py's history cost;
-    a move's extra render is of a short window)."""
+    a move's extra render is of a short window).
+
+    A session may hold several conversations (a summarizer or sub-agent called through the same
+    client: A, B, A, B...). Each keeps its own open segment, up to `open_conversations` of them; a
+    request extends whichever it extends. With one open segment, each switch sealed it and the next
+    request re-rendered its whole history into a new segment (5 one-turn segments for A, B, A, B, A,
+    each re-prefilling and training its history again: quadratic in the turns)."""
 
     window_messages: int | None = 4
+    open_conversations: int = 4  # a new one past these closes (seals) the least recently extended
 
     def __init__(self, fmt: ChatFormat):
         self.fmt = fmt
         self.segments: list[Segment] = []
         self.lock = asyncio.Lock()  # turns of one session are serialised
+        # the current conversation (the last one planned): _CONVERSATION_STATE
+        self._segment: Segment | None = None  # its segment
         self._conversation: list[dict] | None = None  # request + returned assistant message
         self._conversation_text = ""  # render of _conversation's window (no generation prompt)
         self._window_start = 0  # the window of _conversation_text (see window)
-        self._tools_key: str | None = None
         self._closing_text = ""  # template text owed after the last sampled token
         self._last_turn: tuple | None = None  # (prompt text, sampled ids) of the last turn, in the current window
         self._last_turn_moved: tuple | None = None  # (conversation, start, tools): a window move _last_turn awaits
         self._unrendered: tuple | None = None  # (prompt text, tools, sampled ids, stopped) of a turn not yet rendered
+        self._parked: list[dict] = []  # the other open conversations' _CONVERSATION_STATE, least recent first
         self._last_request: tuple | None = None
         self._last_reply: Any = None
         self.truncated = False  # a turn was cut by the context (the server sets it; see LoopbackServer)
@@ -489,20 +509,24 @@ class Accumulator:
 
     @property
     def open_segment(self) -> Segment | None:
-        return self.segments[-1] if self.segments and self.segments[-1].seal_reason is None else None
+        """The current conversation's segment while it is open."""
+        seg = self._segment
+        return seg if seg is not None and seg.seal_reason is None else None
 
     def plan(self, messages: list[dict], tools: list | None = None, retry: bool = False) -> TurnPlan:
-        """Decide the engine prompt for a request. Changes nothing until `record`. `retry`: the
+        """Decide the engine prompt for a request. Records nothing until `record` (it may make another
+        open conversation the current one: the one the request extends or rewrites). `retry`: the
         client says this request is a retry of its previous one (rule 4); only then is a
         repeat of the last request served from the cache."""
         canonical = getattr(self.fmt, "canonical", canonical_message)  # a format without a profile: the defaults
         msgs = [canonical(m) for m in messages]
         if retry and self._last_reply is not None and request_key(msgs, tools) == request_key(*self._last_request):
             return TurnPlan([], msgs, tools, "", 0, False, None, cached=self._last_reply)  # nothing to render
+        beside = not self._make_current(msgs)
         seg, reason = self.open_segment, None
-        if seg is not None and self._conversation is not None:
+        if seg is not None and self._conversation is not None and not beside:
             self._render_recorded()
-            reason = self._why_not_extending(msgs)
+            reason = _why_not_extending(self._conversation, msgs)
             if reason is None:
                 start = self._window_start
                 text = self.fmt.render(self.window(msgs, start), tools, add_generation_prompt=True)
@@ -519,7 +543,27 @@ class Accumulator:
                     return TurnPlan(seg.token_ids + delta, msgs, tools, text, len(delta), False, None, window_start=start)
                 reason = "template_rewrite"
         full, ids = self.fmt.prompt(msgs, tools)
-        return TurnPlan(ids, msgs, tools, full, len(ids), True, reason)
+        return TurnPlan(ids, msgs, tools, full, len(ids), True, reason, beside=beside and seg is not None)
+
+    def _make_current(self, msgs: list[dict]) -> bool:
+        """Make current the open conversation that `msgs` extends, else the one it rewrites; False
+        when it belongs to none (it opens otherwise than every open conversation). Switching
+        records nothing: the states swap whole (_CONVERSATION_STATE)."""
+        if not self._parked:  # one conversation (most sessions): no swapping
+            return self._conversation is None or _same_conversation(self._conversation, msgs)
+        open_ = [None] + list(range(len(self._parked) - 1, -1, -1))  # current first, then most recent
+        convs = [self._conversation] + [st["_conversation"] for st in self._parked]
+        conv_of = lambda k: convs[0] if k is None else convs[1 + k]
+        for test in (lambda c: _why_not_extending(c, msgs) is None, lambda c: _same_conversation(c, msgs)):
+            k = next((k for k in open_ if conv_of(k) is not None and test(conv_of(k))), False)
+            if k is not False:
+                if k is not None:  # a parked conversation: swap it in, park the current one
+                    state = self._parked.pop(k)
+                    self._parked.append({a: getattr(self, a) for a in _CONVERSATION_STATE})
+                    for a, v in state.items():
+                        setattr(self, a, v)
+                return True
+        return False
 
     def _turn_text(self) -> str | None:
         """The last turn's prompt text followed by the text of its sampled ids (decoded only when
@@ -542,15 +586,6 @@ class Accumulator:
         segment is sealed: template_rewrite). Notebook 04's exercise overrides it."""
         return render.startswith(recorded_text)
 
-    def _why_not_extending(self, msgs: list[dict]) -> str | None:
-        conv = self._conversation
-        n = len(conv)
-        if len(msgs) <= n or msgs[: n - 1] != conv[: n - 1]:
-            return "history_rewritten"
-        if msgs[n - 1] != conv[n - 1]:
-            return "assistant_changed"
-        return None
-
     def record(self, plan: TurnPlan, sample, assistant_message: dict, reply: Any = None,
                sampling_overridden: bool = False, temperature: float | None = None) -> Segment:
         """Append one turn: the plan's delta (non-trainable) and the engine's sampled ids
@@ -558,12 +593,17 @@ class Accumulator:
         `sampling_overridden`: the request asked for other sampling than the policy's (counted).
         `temperature`: what the engine sampled at (stats["temperatures"]: the trainer's must match)."""
         if plan.cached is not None:
-            return self.segments[-1]
+            return self._segment
         if plan.new_segment:
-            if self.open_segment is not None:
+            if plan.beside and self.open_segment is not None:  # the current conversation stays open, parked
+                self._parked.append({a: getattr(self, a) for a in _CONVERSATION_STATE})
+                if len(self._parked) >= self.open_conversations:
+                    self._parked.pop(0)["_segment"].seal_reason = "evicted"
+            elif self.open_segment is not None:
                 self.seal(plan.seal_reason or "history_rewritten")
-            self.segments.append(Segment())
-        seg = self.segments[-1]
+            self._segment = Segment()
+            self.segments.append(self._segment)
+        seg = self._segment
         seg.append(plan.prompt_ids[len(seg):], trainable=False)
         start = len(seg)
         self._append_sampled(seg, sample)
@@ -723,6 +763,7 @@ class Accumulator:
             seg.routed_experts = merged
 
     def seal(self, reason: str) -> None:
+        """Seal the current conversation's segment."""
         if reason not in SEAL_REASONS:
             raise ValueError(f"unknown seal reason {reason!r}")
         seg = self.open_segment
@@ -730,9 +771,33 @@ class Accumulator:
             seg.seal_reason = reason
 
     def close(self) -> list[Segment]:
-        """End the episode: seal the open segment and return all segments (copies)."""
-        self.seal("episode_end")
+        """End the episode: seal every open segment and return all segments (copies), in the order
+        they were opened."""
+        for seg in self.segments:
+            if seg.seal_reason is None:
+                seg.seal_reason = "episode_end"
         return [s.copy() for s in self.segments]
+
+
+def _why_not_extending(conv: list[dict], msgs: list[dict]) -> str | None:
+    """Why a request's messages do not extend a recorded conversation (request + returned reply)."""
+    n = len(conv)
+    if len(msgs) <= n or msgs[: n - 1] != conv[: n - 1]:
+        return "history_rewritten"
+    if msgs[n - 1] != conv[n - 1]:
+        return "assistant_changed"
+    return None
+
+
+def _same_conversation(conv: list[dict], msgs: list[dict]) -> bool:
+    """Whether a request that does not extend a conversation rewrites it (compaction, an edit, a
+    changed system prompt, a new sample of the same request): it opens as the conversation did,
+    with the same first message or the same first non-system message. A request opening
+    otherwise is another conversation (a summarizer, a sub-agent)."""
+    if not msgs or not conv:
+        return False
+    first_turn = lambda ms: next((m for m in ms if m["role"] != "system"), None)
+    return msgs[0] == conv[0] or (first_turn(msgs) is not None and first_turn(msgs) == first_turn(conv))
 
 
 def request_key(messages: list[dict], tools: list | None) -> tuple[str, str]:

@@ -47,8 +47,10 @@ def _segments(obj) -> list[Segment]:
 
 # ------------------------------------------------------------------ rollout stepper
 def trajectory_html(t: Trajectory) -> str:
-    """One trajectory as HTML: header (ids, reward, seals, error) and its conversation. The last
-    segment's messages are the whole conversation (earlier segments were sealed off it)."""
+    """One trajectory as HTML: header (ids, reward, seals, error) and its conversations. The
+    messages of a conversation's last segment are the whole conversation (segments sealed by a
+    rewrite were cut off it); an episode that talked to several conversations (a summarizer beside
+    the agent: Accumulator.open_conversations) shows each."""
     seals = ", ".join(s.seal_reason or "open" for s in t.segments)
     sampled = sum(sum(s.loss_mask) for s in t.segments)
     out = [f"<div style='border-left:3px solid #ccc;padding-left:6px;margin:6px 0'><b>episode {escape(t.episode_id)}</b> "
@@ -56,12 +58,15 @@ def trajectory_html(t: Trajectory) -> str:
            f"· {sampled} sampled tokens"]
     if t.error:
         out.append(f"<pre style='color:#c00;white-space:pre-wrap'>error: {escape(t.error)}</pre>")
-    for m in (t.segments[-1].messages if t.segments else []):
-        m = canonical_message(m)
-        calls = "".join(f"<div>&rarr; tool call <code>{escape(tc['function']['name'])}"
-                        f"({escape(json.dumps(tc['function']['arguments']))})</code></div>" for tc in m.get("tool_calls", []))
-        out.append(f"<div style='margin:2px 0 2px 8px'><b style='color:{ROLE_COLOR.get(m['role'], '#000')}'>{escape(m['role'])}</b> "
-                   f"<span style='white-space:pre-wrap'>{escape(m['content'])}</span>{calls}</div>")
+    ends = [s for s in t.segments if s.seal_reason in (None, "episode_end", "evicted")]
+    for k, seg in enumerate(ends):
+        if len(ends) > 1:
+            out.append(f"<div style='margin:4px 0;color:#666'>conversation {k + 1} of {len(ends)}</div>")
+        for m in map(canonical_message, seg.messages):
+            calls = "".join(f"<div>&rarr; tool call <code>{escape(tc['function']['name'])}"
+                            f"({escape(json.dumps(tc['function']['arguments']))})</code></div>" for tc in m.get("tool_calls", []))
+            out.append(f"<div style='margin:2px 0 2px 8px'><b style='color:{ROLE_COLOR.get(m['role'], '#000')}'>{escape(m['role'])}</b> "
+                       f"<span style='white-space:pre-wrap'>{escape(m['content'])}</span>{calls}</div>")
     return "".join(out) + "</div>"
 
 
