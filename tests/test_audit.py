@@ -3,6 +3,7 @@ on one short real run (conftest.short_run)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -111,11 +112,18 @@ def test_a_run_keeps_the_policy_it_starts_from_unless_it_holds_that_version(tmp_
             exports.append(self.version)
             Path(path).mkdir(parents=True)
 
+    from workbench.correction import CorrectionConfig
     from workbench.loop import LoopConfig
-    from workbench.session import kept_loop_settings
+    from workbench.session import WorkbenchConfig, kept_settings
 
+    def kept_loop_settings(policy, loop):
+        return kept_settings(policy, {"loop": loop})["loop"]
+
+    # a resumed session's trainer settings: not config.json's (they went to config.resume-*.json)
+    resumed = WorkbenchConfig(temperature=0.7)
+    resumed.trainer.correction = CorrectionConfig.tis(cap=3.0)
     handle = types.SimpleNamespace(keep_policy_every=2, cfg=LoopConfig(advantage="rloo", on_failed="zero"),
-                                   _wb=types.SimpleNamespace(run_dir=tmp_path, _trainer=Trainer()))
+                                   _wb=types.SimpleNamespace(run_dir=tmp_path, _trainer=Trainer(), cfg=resumed))
     keep = lambda step, replace=True: RunHandle._keep_policy(handle, step, replace)  # noqa: E731
     keep(4)
     keep(4, replace=False)  # the next run's first step: the same version, kept
@@ -128,6 +136,10 @@ def test_a_run_keeps_the_policy_it_starts_from_unless_it_holds_that_version(tmp_
     # the run's loop settings (its overrides) are kept beside it: what wb.revisit rebuilds the batch with
     kept = kept_loop_settings(tmp_path / "policies" / "step_00004", {"advantage": "grpo"})
     assert (kept["advantage"], kept["on_failed"]) == ("rloo", "zero")
+    first_session = {"trainer": dataclasses.asdict(WorkbenchConfig().trainer), "temperature": 1.0, "model": "toy-moe"}
+    d = kept_settings(tmp_path / "policies" / "step_00004", first_session)
+    step_cfg = WorkbenchConfig.from_dict({k: d[k] for k in ("trainer", "loop", "temperature", "trainer_ranks")})
+    assert step_cfg.trainer.correction == resumed.trainer.correction and step_cfg.temperature == 0.7 and d["model"] == "toy-moe"
     # a next run's first step keeps the weights (same version) and records its own settings
     handle.cfg = LoopConfig(advantage="grpo")
     keep(4, replace=False)

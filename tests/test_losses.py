@@ -85,6 +85,49 @@ def test_gspo_uses_the_sequence_ratio():
     assert torch.allclose(new.grad, torch.tensor([[-2.0, -2.0]]))
 
 
+def test_gspo_weighs_each_sequence_once_unless_an_aggregation_is_set():
+    """GSPO's objective is a mean over sequences: under token_mean (the default for every other
+    surrogate) a 6-token sequence pulled 3x as hard as a 2-token one of the same advantage."""
+    from workbench.trainer.fsdp import TrainerConfig
+    from workbench.trainer.losses import aggregation_weights
+
+    cfg = TrainerConfig(surrogate="gspo")
+    assert cfg.loss_aggregation == "seq_mean_token_mean" and TrainerConfig().loss_aggregation == "token_mean"
+    assert TrainerConfig(surrogate="gspo", aggregation="token_mean").loss_aggregation == "token_mean"  # set: kept
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
+    lp = torch.full((2, 6), math.log(0.5), requires_grad=True)
+    loss = get_surrogate("gspo")(lp, lp.detach(), torch.ones(2, 6), torch.ones(2, 6), mask.float())
+    (loss * aggregation_weights(mask, cfg.loss_aggregation)).sum().backward()
+    per_sequence = lp.grad.sum(-1)  # each sequence's pull on its mean log-prob
+    assert torch.allclose(per_sequence, torch.tensor([-0.5, -0.5]))
+
+
+def test_kl_penalty_gradients_in_expectation():
+    """The penalty is the estimator on tokens sampled from pi, the samples held fixed: its expected
+    gradient, exactly over a 6-token vocabulary, is grad KL(pi || ref) for k2, grad KL(ref || pi)
+    for k3 (the forward KL: GRPO's penalty) and 0 for k1, which TrainerConfig refuses as a penalty."""
+    from workbench.trainer.fsdp import TrainerConfig
+    from workbench.trainer.losses import kl_to_reference
+
+    torch.manual_seed(0)
+    theta, ref = torch.randn(6, requires_grad=True), torch.log_softmax(torch.randn(6), 0)
+
+    def grad(f):
+        return torch.autograd.grad(f(), theta)[0]
+
+    logp = lambda: torch.log_softmax(theta, 0)  # noqa: E731
+    pi = logp().exp().detach()
+    expected = {est: grad(lambda: (pi * kl_to_reference(est, logp(), ref, torch.ones(6))).sum()) for est in ("k1", "k2", "k3")}
+    reverse = grad(lambda: (logp().exp() * (logp() - ref)).sum())
+    forward = grad(lambda: (ref.exp() * (ref - logp())).sum())
+    assert torch.allclose(expected["k2"], reverse, atol=1e-6) and not torch.allclose(expected["k2"], forward, atol=1e-3)
+    assert torch.allclose(expected["k3"], forward, atol=1e-6)
+    assert torch.allclose(expected["k1"], torch.zeros(6), atol=1e-6)
+    with pytest.raises(ValueError, match="'k1' as a penalty"):
+        TrainerConfig(kl_coef=0.1, kl_estimator="k1")
+    TrainerConfig(kl_coef=0.0, kl_estimator="k1")  # no penalty: fine
+
+
 def test_weights_from_correction_scale_and_drop_tokens():
     old = torch.zeros(1, 3)
     new = torch.zeros(1, 3, requires_grad=True)

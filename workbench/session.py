@@ -419,8 +419,7 @@ class Workbench:
             kept = sorted(p.name for p in (run / "policies").glob("step_*"))
             raise FileNotFoundError(f"no kept policy for step {step} in {run / 'policies'} (kept: {kept or 'none'}); "
                                     f"wb.run(..., keep_policy_every=N) keeps the weights of every N-th step")
-        d = json.loads((run / "config.json").read_text())
-        d["loop"] = kept_loop_settings(policy, d.get("loop"))
+        d = kept_settings(policy, json.loads((run / "config.json").read_text()))
         cfg = WorkbenchConfig.from_dict({k: d[k] for k in ("trainer", "loop", "temperature", "trainer_ranks") if k in d})
         trajectories = read_trajectories(run / "trajectories" / f"step_{step:05d}.parquet")
         groups: dict[str, list] = {}  # written group after group: the step's groups, in order
@@ -913,8 +912,12 @@ class RunHandle:
         if not self.keep_policy_every or step % self.keep_policy_every:
             return
         version = self._wb._trainer.version
-        # with the run's loop settings (wb.run's overrides in): what wb.revisit builds this step's batch with
-        mark = {"step": step, "version": version, "loop": _jsonable(dataclasses.asdict(self.cfg))}
+        # with the run's loop settings (wb.run's overrides in) and the session's trainer settings (a resumed
+        # session's may differ from config.json's: config.resume-*.json): what wb.revisit steps it with
+        wb_cfg = self._wb.cfg
+        mark = {"step": step, "version": version, "loop": _jsonable(dataclasses.asdict(self.cfg)),
+                **({} if wb_cfg is None else {"trainer": _jsonable(dataclasses.asdict(wb_cfg.trainer)),
+                                              "temperature": wb_cfg.temperature, "trainer_ranks": wb_cfg.trainer_ranks})}
         if path.exists() and not replace and (policy_mark(path) or {}).get("version") == version:
             (path / POLICY_MARK).write_text(json.dumps(mark))  # the weights are these; the settings this run's
             return
@@ -1024,12 +1027,19 @@ def policy_mark(policy: Path) -> dict | None:
         return None
 
 
-def kept_loop_settings(policy: Path, config_loop: dict | None) -> dict | None:
-    """The loop settings a kept policy's step trained with (its run's wb.run overrides in:
-    advantage, episode rules, overlong shaping); else the run directory's config.json ones
-    (`config_loop`). wb.revisit rebuilt the step's batch from config.json alone: a run with
-    wb.run(advantage="rloo") was revisited with GRPO's advantages."""
-    return (policy_mark(policy) or {}).get("loop") or config_loop
+KEPT_SETTINGS = ("loop", "trainer", "temperature", "trainer_ranks")
+
+
+def kept_settings(policy: Path, config: dict) -> dict:
+    """The settings a kept policy's step trained with: its run's loop settings (wb.run's overrides
+    in: advantage, episode rules, overlong shaping) and its session's trainer settings, sampling
+    temperature and ranks, where its POLICY_MARK records them; else the run directory's
+    config.json ones (`config`). wb.revisit took them from config.json alone: a run with
+    wb.run(advantage="rloo") was revisited with GRPO's advantages, and a step of a session
+    resumed with other correction settings (written to config.resume-*.json) with the first
+    session's."""
+    mark = policy_mark(policy) or {}
+    return {**config, **{k: mark[k] for k in KEPT_SETTINGS if mark.get(k) is not None}}
 
 
 def _jsonable(x):

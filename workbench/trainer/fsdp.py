@@ -29,7 +29,7 @@ from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_
 from ..replay import ReplayStats, routing_replay
 from .logprobs import forward_logprobs, logprob_head, sampled_logprobs
 from .packing import micro_batches_by_tokens, pack, packed_forward, unpack
-from .losses import KL_ESTIMATORS, aggregation_weights, episode_units, get_surrogate, kl_to_reference
+from .losses import KL_ESTIMATORS, SEQUENCE_SURROGATES, aggregation_weights, episode_units, get_surrogate, kl_to_reference
 
 # A CPU trainer step frees and re-allocates the same large buffers (activations, logits,
 # gradients). glibc serves an allocation over its mmap threshold (128 KB to 32 MB) with a fresh
@@ -64,7 +64,9 @@ class TrainerConfig:
     logprob_chunk_mb: float | None = 256.0
     surrogate: str = "ppo_clip"  # with updates_per_step=1 every surrogate sees ratio 1 (see updates_per_step)
     surrogate_kwargs: dict = field(default_factory=dict)
-    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | constant (losses.aggregation_weights)
+    # token_mean | seq_mean_token_mean | constant (losses.aggregation_weights); None: the surrogate's
+    # (loss_aggregation: token_mean, seq_mean_token_mean for a sequence-level one such as GSPO)
+    aggregation: str | None = None
     # "constant" (Dr.GRPO) divides each episode's token-loss sum by this fixed length (e.g. the
     # rollout's max tokens per episode), never by the batch's padded width, which changes per batch
     constant_len: int | None = None
@@ -123,6 +125,14 @@ class TrainerConfig:
     # slices it owns: no full copy anywhere; trainer/loading.py)
     load: str = "full"
 
+    @property
+    def loss_aggregation(self) -> str:
+        """The aggregation in force: `aggregation`, else the surrogate's own (seq_mean_token_mean for
+        a sequence-level one: GSPO under token_mean weighed each sequence by its length)."""
+        if self.aggregation is not None:
+            return self.aggregation
+        return "seq_mean_token_mean" if self.surrogate in SEQUENCE_SURROGATES else "token_mean"
+
     def __post_init__(self):
         for name in ("dtype", "mixed_precision", "ref_dtype"):
             v = getattr(self, name)
@@ -137,14 +147,19 @@ class TrainerConfig:
         if self.micro_batch_size < 1 or self.updates_per_step < 1:
             raise ValueError(f"TrainerConfig.micro_batch_size and updates_per_step must be >= 1, got "
                              f"{self.micro_batch_size}, {self.updates_per_step}")
-        if self.aggregation not in ("token_mean", "seq_mean_token_mean", "constant"):
-            raise ValueError(f"TrainerConfig.aggregation {self.aggregation!r} unknown: token_mean, seq_mean_token_mean or constant")
+        if self.aggregation not in (None, "token_mean", "seq_mean_token_mean", "constant"):
+            raise ValueError(f"TrainerConfig.aggregation {self.aggregation!r} unknown: token_mean, seq_mean_token_mean, "
+                             "constant or None (the surrogate's)")
         if self.aggregation == "constant" and not (isinstance(self.constant_len, int) and self.constant_len > 0):
             raise ValueError("TrainerConfig.aggregation='constant' needs constant_len, a fixed positive length (e.g. the "
                              f"rollout's max tokens per episode), got {self.constant_len!r}")
         get_surrogate(self.surrogate)  # unknown names fail here, not on the first step
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"TrainerConfig.kl_estimator {self.kl_estimator!r} unknown: {sorted(KL_ESTIMATORS)}")
+        if self.kl_coef > 0 and self.kl_estimator == "k1":
+            raise ValueError("TrainerConfig.kl_estimator 'k1' as a penalty (kl_coef > 0) pulls nowhere: its gradient on "
+                             "tokens sampled from the policy is 0 in expectation (E[grad log pi] = 0). Use 'k2' (gradient "
+                             "of KL(pi || pi_ref)) or 'k3' (gradient of KL(pi_ref || pi), GRPO's); losses.KL_ESTIMATORS")
         if self.shard_unit not in (None, "layer", "model"):
             raise ValueError(f"TrainerConfig.shard_unit {self.shard_unit!r} unknown: 'layer', 'model' or None (by device)")
         if self.load not in ("full", "rank0", "sharded"):
@@ -473,7 +488,7 @@ class TrainerWorker:
                         kl_sum = kl_sum + kl.detach().sum()  # the statistic: KL on every trainable token
                     # this rank's share of the mini-batch's loss; x world size because FSDP averages
                     # the ranks' gradients, where the loss is their sum
-                    w = aggregation_weights(mb["loss_mask"], self.cfg.aggregation, *counts,
+                    w = aggregation_weights(mb["loss_mask"], self.cfg.loss_aggregation, *counts,
                                             max_len=self.cfg.constant_len, episode_tokens=mb.get("episode_tokens"))
                     (tl * w).sum().mul(self.world_size).backward()
                     # trainable tokens the correction kept that have an advantage: the no-signal warning's count

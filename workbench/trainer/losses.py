@@ -26,9 +26,17 @@ import torch
 ADVANTAGES: dict[str, Callable] = {}
 PER_TOKEN_ADVANTAGES: set[str] = set()  # estimators that need per-token inputs (teacher log-probs)
 SURROGATES: dict[str, Callable] = {}
+# surrogates whose objective weighs each sequence once (GSPO): their default aggregation is
+# seq_mean_token_mean (TrainerConfig.loss_aggregation); under token_mean a sequence weighs its length
+SEQUENCE_SURROGATES: set[str] = set()
 # Per-token estimators of KL(pi || pi_ref) on tokens sampled from pi, as functions of
 # d = log pi - log pi_ref (differentiable in log pi): k1 = d; k2 = d^2 / 2; k3 = e^-d - 1 + d
-# (unbiased and never negative). Used for the optional KL-to-reference penalty.
+# (unbiased and never negative). Used for the optional KL-to-reference penalty, whose loss is the
+# estimate on the sampled tokens, the samples held fixed. Its expected gradient is not always the
+# estimated KL's (Tang & Munos 2025; tests/test_losses.py computes it exactly): k2's is
+# grad KL(pi || pi_ref); k3's (GRPO's penalty) is grad KL(pi_ref || pi), the forward KL, which
+# also pulls the policy to the reference; k1's is 0 (E_pi[grad log pi] = 0), so TrainerConfig
+# refuses k1 as a penalty.
 KL_ESTIMATORS: dict[str, Callable] = {
     "k1": lambda d: d,
     "k2": lambda d: 0.5 * d * d,
@@ -55,9 +63,12 @@ def register_advantage(name: str, per_token: bool = False):
     return deco
 
 
-def register_surrogate(name: str):
+def register_surrogate(name: str, sequence_level: bool = False):
+    """`sequence_level`: the objective weighs each sequence once (see SEQUENCE_SURROGATES)."""
     def deco(fn):
         SURROGATES[name] = fn
+        if sequence_level:
+            SEQUENCE_SURROGATES.add(name)
         return fn
 
     return deco
@@ -156,10 +167,11 @@ def cispo(logprobs, old_logprobs, advantages, weights, mask, eps_high: float = 0
     return -ratio * advantages * logprobs * weights * mask
 
 
-@register_surrogate("gspo")
+@register_surrogate("gspo", sequence_level=True)
 def gspo(logprobs, old_logprobs, advantages, weights, mask, eps_low: float = 3e-4, eps_high: float = 4e-4):
     """GSPO: PPO-style clipping on the sequence's geometric-mean ratio; each token carries the
-    sequence ratio in value and its own log-prob's gradient."""
+    sequence ratio in value and its own log-prob's gradient. Its objective averages over
+    sequences (each one's token mean), so its aggregation is seq_mean_token_mean unless set."""
     m = mask.float()
     seq_log = ((logprobs - old_logprobs) * m).sum(-1) / m.sum(-1).clamp(min=1)
     ratio = torch.exp(seq_log.detach()[:, None] + logprobs - logprobs.detach())
