@@ -11,20 +11,28 @@ Isolation (bubblewrap, Debian package `bubblewrap` >= 0.8, installed by scripts/
   sysctls under /proc/sys (both seen here); a uid shared by every sandbox (65534) shared its task
   limit too, so one sandbox's threads starved its siblings (a way to lower their rewards);
 - the filesystem is an empty read-only root with, read-only, only the interpreter, its stdlib
-  (its site-packages hidden) and the system library directory; a fresh /proc of the new PID
-  namespace, a minimal /dev, and a private size-limited tmpfs /tmp as the work directory; task
+  (its site-packages hidden) and the system library directory; no /proc (through /proc/1/mem
+  the code took over bwrap's PID 1 in its user-namespace mode, see _sandbox_pid1), a minimal
+  /dev, and a private size-limited tmpfs /tmp as the work directory; task
   `files` are read-only inside it and copied afresh for every call; no inherited descriptors;
 - a seccomp filter (libseccomp, via bwrap --seccomp) forbids new processes (fork, vfork, clone
   without CLONE_THREAD; threads are fine), new namespaces, memfds, kernel keyrings, SysV and
   POSIX IPC (a shared-memory segment outlives its detach, outside RLIMIT_AS: 1.5 GiB held under
-  a 64 MiB limit), and sockets other than unix, inet, inet6 and netlink (AF_VSOCK reaches the
+  a 64 MiB limit), extended attributes (kernel memory too), and sockets other than unix, inet, inet6 and netlink (AF_VSOCK reaches the
   hypervisor's port space, which no network namespace covers). One
   process makes the rlimits whole-sandbox limits: address space, CPU seconds, file size, open
   files, tasks (MAX_TASKS), set by the launcher with hard == soft (CPU: hard = soft + 1 s, so the
   soft limit's SIGXCPU is seen), which the unprivileged code cannot raise; the filter also
   refuses io_uring, bpf, userfaultfd, perf_event_open, ptrace, process_vm_*, personality, kexec;
-- a wall-clock timeout kills bwrap's process group; the sandbox's PID 1 dies with it and the
-  kernel then kills everything in the namespace; output is read incrementally and at most
+- where the caller can make a memory cgroup (root here; cgroup v1 or v2), each call runs in one of
+  its own, limited to memory_mb + disk_mb + CGROUP_HEADROOM_MB, kernel memory included: a tmpfs's
+  inodes and dentries, pipe and socket buffers, which no rlimit counts (~1 GiB in 4 s of empty
+  directories under memory_mb=64). PID 1 joins it before it starts anything (--block-fd);
+  joining costs ~10 ms a call on cgroup v1. Elsewhere (an unprivileged caller without a
+  delegated cgroup) only the rlimits bound memory, and that kernel memory is not bounded;
+- a wall-clock timeout kills bwrap's process group and the sandbox's PID 1 (by a pidfd from
+  bwrap's --info-fd, also at every normal end), and the kernel then kills everything in the
+  namespace; output is read incrementally and at most
   `max_output` characters per stream are kept;
 - the code is a read-only file (/run/main.py), not an argument: a single argument over 128 KiB
   (or one holding a NUL) failed the call itself (E2BIG, ValueError), and a failed call fails the
@@ -33,15 +41,19 @@ Isolation (bubblewrap, Debian package `bubblewrap` >= 0.8, installed by scripts/
 Where the sandbox cannot be had (no bwrap, no libseccomp, namespaces refused), run_python raises
 SandboxUnavailable. WORKBENCH_UNSAFE_NO_SANDBOX=1 (or unsafe_no_sandbox=True) runs the code
 anyway, UNSANDBOXED: only `python -I -S`, the rlimits and the timeout, as the caller's uid (root
-too); host files, network and processes are then reachable.
+too, whom RLIMIT_NPROC does not bind); host files, network, processes and the caller's own
+environment (/proc/<ppid>/environ) are then reachable, and the timeout kills the process group,
+not a process the code moved to a session of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import functools
+import json
 import os
 import secrets
 import selectors
@@ -100,6 +112,11 @@ MAX_TASKS = 64
 SANDBOX_UIDS = range(1_000_000, 2_000_000)
 
 
+# filtered where libseccomp knows them (it cannot name a call newer than itself; the kernel may
+# have it: the filter then lets it through, which is why the older calls doing the same are listed)
+NEWER_SYSCALLS = {"setxattrat"}
+
+
 @functools.lru_cache(maxsize=1)
 def _seccomp_program() -> bytes:
     """The compiled BPF filter (libseccomp: native arch only, other arches' syscalls are killed)."""
@@ -124,7 +141,10 @@ def _seccomp_program() -> bytes:
              ("fork", "vfork", "unshare", "setns", "memfd_create", "add_key", "keyctl", "request_key",
               "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf", "userfaultfd", "perf_event_open",
               "ptrace", "process_vm_readv", "process_vm_writev", "personality", "kexec_load", "kexec_file_load",
-              "shmget", "shmat", "msgget", "msgsnd", "semget", "mq_open")]
+              "shmget", "shmat", "msgget", "msgsnd", "semget", "mq_open",
+              # extended attributes live in kernel memory, outside RLIMIT_AS and the tmpfs size: 2 GiB of
+              # user.* attributes on /tmp in 0.8 s under a 64 MiB limit (host slab +4 GiB)
+              "setxattr", "lsetxattr", "fsetxattr", "setxattrat")]
     rules.append(("clone", deny(errno.EPERM), Cmp(0, 7, 0x10000, 0)))  # (flags & CLONE_THREAD) == 0
     # socket(family, ...): AF_UNIX 1, AF_INET 2, AF_INET6 10, AF_NETLINK 16 (glibc's getaddrinfo
     # reads interfaces through it; it sees only the sandbox's network namespace); others refused
@@ -137,6 +157,8 @@ def _seccomp_program() -> bytes:
     try:
         for name, action, cmp in rules:
             nr = lib.seccomp_syscall_resolve_name(name.encode())
+            if nr < 0 and name in NEWER_SYSCALLS:  # a libseccomp older than the call: nothing to filter by name
+                continue
             rc = lib.seccomp_rule_add_array(ctx, action, nr, int(cmp is not None), ctypes.byref(cmp) if cmp else None)
             if rc < 0:
                 raise SandboxUnavailable(f"libseccomp: cannot add a rule for {name} ({os.strerror(-rc)})")
@@ -201,14 +223,15 @@ def _parents(path: str) -> list[str]:
     return out
 
 
-def _bwrap_args(bwrap: str, disk_mb: int, seccomp_fd: int, file_fds: dict[str, int], code_fd: int) -> list[str]:
+def _bwrap_args(bwrap: str, disk_mb: int, seccomp_fd: int, file_fds: dict[str, int], code_fd: int,
+                info_fd: int, block_fd: int | None) -> list[str]:
     exe, view = _interpreter()
     if os.geteuid() == 0:  # privileged mode; the launcher drops to the sandbox's own uid (see the module doc)
         ns = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
               "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         ns = ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", str(NOBODY), "--gid", str(NOBODY)]
-    args = [bwrap, *ns, "--hostname", "sandbox", *view, "--proc", "/proc", "--dev", "/dev",
+    args = [bwrap, *ns, "--hostname", "sandbox", *view, "--dev", "/dev",
             "--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", WORKDIR,
             "--perms", "0755", "--dir", os.path.dirname(CODE_PATH), "--perms", "0444", "--ro-bind-data", str(code_fd), CODE_PATH]
     for name, fd in file_fds.items():
@@ -218,8 +241,10 @@ def _bwrap_args(bwrap: str, disk_mb: int, seccomp_fd: int, file_fds: dict[str, i
                 args += ["--perms", "0755", "--dir", p]
         args += ["--perms", "0444", "--ro-bind-data", str(fd), dest]
     # bwrap's own root and /dev are unlimited tmpfs: read-only, or they are a way round disk_mb
+    # --block-fd: PID 1 waits (before it starts the launcher) until it is in the sandbox's cgroup
+    block = [] if block_fd is None else ["--block-fd", str(block_fd)]
     return args + ["--remount-ro", "/", "--remount-ro", "/dev", "--chdir", WORKDIR, "--new-session",
-                   "--die-with-parent", "--seccomp", str(seccomp_fd), exe]
+                   "--die-with-parent", "--info-fd", str(info_fd), *block, "--seccomp", str(seccomp_fd), exe]
 
 
 _SANDBOX_OK: list[bool] = []  # set once the sandbox has run here
@@ -291,14 +316,23 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
     # executable by another uid, and without the sandbox nothing shows it elsewhere)
     uid = secrets.choice(SANDBOX_UIDS) if os.geteuid() == 0 and bwrap is not None else 0
     fds: list[int] = []
-    tmp = None
+    tmp = info_read = block_write = cgroup = None
     try:
         if bwrap is not None:
             fds.append(_data_fd(_seccomp_program()))
             fds.append(_data_fd(source))
             file_fds = {name: _data_fd(data) for name, data in files.items()}
             fds += file_fds.values()
-            cmd, cwd, path = _bwrap_args(bwrap, disk_mb, fds[0], file_fds, fds[1]), None, CODE_PATH
+            info_read, info_write = os.pipe()  # bwrap writes the sandbox's PID 1 there (its host pid)
+            fds.append(info_write)
+            # the whole sandbox's memory, the kernel's for it included (inodes, pipes, sockets), where
+            # the caller can make a memory cgroup: RLIMIT_AS bounds only each process's own mappings
+            cgroup = _new_memory_cgroup((memory_mb + disk_mb + CGROUP_HEADROOM_MB) << 20)
+            if cgroup is not None:
+                block_read, block_write = os.pipe()
+                fds.append(block_read)
+            cmd, cwd, path = (_bwrap_args(bwrap, disk_mb, fds[0], file_fds, fds[1], info_write,
+                                          None if cgroup is None else block_read), None, CODE_PATH)
         else:
             tmp = tempfile.TemporaryDirectory(prefix="workbench-unsafe-")
             cwd, env["HOME"] = os.path.join(tmp.name, "work"), os.path.join(tmp.name, "work")
@@ -320,10 +354,23 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
         for fd in fds:
             os.close(fd)
         fds = []
-        out, err, dropped, timed_out = _communicate(proc, stdin, time.monotonic() + timeout_s, 4 * max_output + 4)
+        deadline = time.monotonic() + timeout_s
+        pid1 = _sandbox_pid1(info_read, deadline) if info_read is not None else None
+        try:
+            if block_write is not None:
+                if pid1 is not None:  # PID 1 (and so all it starts) into the cgroup, then let it go on
+                    _join_cgroup(cgroup, pid1[0])
+                os.write(block_write, b"1")
+            out, err, dropped, timed_out = _communicate(proc, stdin, deadline, 4 * max_output + 4)
+        finally:
+            if pid1 is not None:  # whatever happened: the namespace's PID 1 goes, and the namespace with it
+                _kill_pidfd(pid1[1])
+                os.close(pid1[1])
     finally:
-        for fd in fds:
+        for fd in fds + [f for f in (info_read, block_write) if f is not None]:
             os.close(fd)
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
         if tmp is not None:
             tmp.cleanup()
     rc = proc.returncode
@@ -333,6 +380,126 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
     stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
     truncated = dropped or len(stdout) > max_output or len(stderr) > max_output
     return SandboxResult(stdout[:max_output], stderr[:max_output], rc, timed_out, truncated)
+
+
+def _sandbox_pid1(info_fd: int, deadline: float) -> tuple[int, int] | None:
+    """The host pid of the sandbox's PID 1 and a pidfd of it, from bwrap's --info-fd
+    ({"child-pid": N}), or None (bwrap failed first). Killing the process group reaches bwrap, and PID 1 dies with it by its
+    parent-death signal, which PID 1 itself could undo: where the code could write PID 1's memory
+    (bwrap's user-namespace mode runs PID 1 as the code's uid; /proc is no longer mounted), it
+    cleared that signal, left the group, and ran on, unlimited, after the call returned."""
+    data = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(info_fd, selectors.EVENT_READ)
+        while b"}" not in data and sel.select(max(0.0, deadline - time.monotonic())):
+            chunk = os.read(info_fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    try:
+        pid = int(json.loads(data)["child-pid"])
+        return pid, os.pidfd_open(pid)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+
+
+# A sandbox's memory cgroup holds memory_mb + disk_mb (its tmpfs pages are charged to it) + this
+# for bwrap's two processes and the kernel's structures
+CGROUP_HEADROOM_MB = 32
+
+
+@functools.lru_cache(maxsize=1)
+def _memory_cgroup_parent() -> str | None:
+    """The caller's own memory cgroup directory (cgroup v1's memory hierarchy, or v2's unified one),
+    under which each sandbox gets a child, or None where there is none to write (not root, no
+    delegation): then only the rlimits bound memory, and kernel memory is not bounded (see
+    _new_memory_cgroup)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            base = "/sys/fs/cgroup/memory" if os.path.isdir("/sys/fs/cgroup/memory") else "/sys/fs/cgroup"
+        elif controllers == "" and os.path.isfile("/sys/fs/cgroup/cgroup.controllers"):
+            base = "/sys/fs/cgroup"
+        else:
+            continue
+        parent = base + path.rstrip("/")
+        if os.access(parent, os.W_OK):
+            _remove_stale_cgroups(parent)
+            return parent
+    return None
+
+
+def _remove_stale_cgroups(parent: str) -> None:
+    """The empty cgroups of callers that were killed mid-run (nothing removed theirs)."""
+    for name in os.listdir(parent):
+        if name.startswith("workbench-sandbox-"):
+            try:
+                os.kill(int(name.split("-")[2]), 0)
+            except (ValueError, IndexError):
+                continue
+            except ProcessLookupError:
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(parent, name))
+            except PermissionError:  # alive, another user's
+                pass
+
+
+def _new_memory_cgroup(limit: int) -> str | None:
+    """A fresh memory cgroup limited to `limit` bytes (kernel memory included: a tmpfs's inodes and
+    dentries, pipes, socket buffers), or None where one cannot be made here. Without it, one
+    sandbox held ~1 GiB of kernel memory in 4 s under memory_mb=64, disk_mb=1 (773,000 empty
+    directories), outside every rlimit and the tmpfs size; four at once could take this host's RAM,
+    and the kernel's OOM killer then picks the largest process: the trainer or vLLM."""
+    parent = _memory_cgroup_parent()
+    if parent is None:
+        return None
+    path = os.path.join(parent, f"workbench-sandbox-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        os.mkdir(path)
+    except OSError:
+        return None
+    for name in ("memory.max", "memory.limit_in_bytes"):  # v2, v1
+        try:
+            with open(os.path.join(path, name), "w") as f:
+                f.write(str(limit))
+            if name == "memory.max":  # v2: no swap either, or the limit only moves pages out
+                with contextlib.suppress(OSError), open(os.path.join(path, "memory.swap.max"), "w") as f:
+                    f.write("0")
+            return path
+        except OSError:
+            continue
+    _remove_cgroup(path)  # no memory controller there
+    return None
+
+
+def _join_cgroup(path: str, pid: int) -> None:
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(pid))
+
+
+def _remove_cgroup(path: str) -> None:
+    """rmdir, once the killed sandbox's processes are gone from it (they are being reaped)."""
+    for _ in range(1000):  # usually free at once or after one wait
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.001)
+    warnings.warn(f"sandbox cgroup {path} still holds processes; left in place", RuntimeWarning, stacklevel=2)
+
+
+def _kill_pidfd(pidfd: int) -> None:
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except ProcessLookupError:  # gone already: a pidfd never names a reused pid
+        pass
 
 
 def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: int):
