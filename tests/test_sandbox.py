@@ -358,6 +358,48 @@ def test_extended_attributes_are_refused():
             except OSError as e:
                 print('refused', e.errno)""", memory_mb=64, disk_mb=1)
     assert r.stdout.split() == ["refused", str(errno.EPERM)] * 3, r.stdout + r.stderr
+    if os.uname().machine in ("x86_64", "aarch64"):  # setxattrat (Linux 6.13), by number: libseccomp 2.5 cannot name it
+        r = run("""
+            import ctypes, os
+            open('f', 'w').close()
+            libc = ctypes.CDLL(None, use_errno=True)
+            value = ctypes.create_string_buffer(b'x' * 65536)
+            args = (ctypes.c_void_p * 2)(ctypes.cast(value, ctypes.c_void_p), 65536)  # struct xattr_args {value, size, flags}
+            rc = libc.syscall(463, -100, b'f', 0, b'user.a', args, 16)  # AT_FDCWD
+            print(rc, ctypes.get_errno())""")
+        assert r.stdout.split() in (["-1", str(errno.EPERM)],), r.stdout + r.stderr
+
+
+def test_a_bwrap_that_fails_early_is_a_failed_run_not_an_exception(monkeypatch):
+    """bwrap exiting before it makes PID 1 (here: a bad option; under load: no namespace) closes the
+    pipes of the cgroup handshake: the call raised BrokenPipeError instead of returning bwrap's error."""
+    real = sandbox._bwrap_args
+    monkeypatch.setattr(sandbox, "_bwrap_args", lambda bwrap, *a: real(bwrap, *a)[:1] + ["--uid", "x"] + real(bwrap, *a)[1:])
+    r = sandbox._run(shutil.which("bwrap"), "print(1)", 5.0, 64, 1000, b"", {}, 16)
+    assert r.exit_code == 1 and "Invalid uid" in r.stderr and not r.timed_out, r
+
+
+def test_the_sandboxs_pid_1_is_killed_whatever_bwrap_does(monkeypatch):
+    """The namespace's PID 1 dies by its parent-death signal when bwrap dies, a signal PID 1 itself
+    can clear (in rootless mode the code could write PID 1's memory through /proc, now unmounted).
+    Every call also kills it by a pidfd: here bwrap's output is never waited for (a fake
+    _communicate returns at once) and no process group is killed, yet the sleeping code is gone."""
+    token = _token()
+    started = []
+
+    def communicate(proc, *a):  # returns once the code runs, without waiting for bwrap
+        deadline = time.monotonic() + 10
+        while not started and time.monotonic() < deadline:
+            started.append(_survivors(token)) if _survivors(token) else time.sleep(0.02)
+        return b"", b"", False, False
+
+    monkeypatch.setattr(sandbox, "_communicate", communicate)
+    sandbox._run(shutil.which("bwrap"), _named(token) + "\nimport time; time.sleep(30)", 30.0, 64, 100, b"", {}, 16)
+    assert started, "the code never ran"
+    deadline = time.monotonic() + 3
+    while _survivors(token) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _survivors(token) == ""
 
 
 def test_output_printed_before_a_timeout_is_kept():
@@ -561,9 +603,11 @@ def test_kernel_memory_is_bounded_by_the_sandboxs_memory_cgroup():
     tmpfs size counts: a reviewer's loop held ~1 GiB in 4 s under memory_mb=64, disk_mb=1. Each
     sandbox runs in a memory cgroup of its own (where the caller can make one: root here), which
     stops it near memory_mb + disk_mb + CGROUP_HEADROOM_MB, and is removed after the call."""
+    probe = sandbox._new_memory_cgroup(64 << 20)
+    if probe is None:
+        pytest.skip("no memory cgroup can be made here (not root, or not delegated): only the rlimits bound memory")
+    sandbox._remove_cgroup(probe)
     parent = sandbox._memory_cgroup_parent()
-    if parent is None:
-        pytest.skip("no writable memory cgroup here (not root, or not delegated): only the rlimits bound memory")
     mine = lambda: [d for d in os.listdir(parent) if d.startswith(f"workbench-sandbox-{os.getpid()}-")]  # noqa: E731
     seen = []
 

@@ -224,7 +224,7 @@ def test_interleaved_conversations_each_extend_their_own_segment(fmt):
         plan = acc.plan(conv)
         assert plan.new_segment == (i < 2) and fmt.decode(plan.prompt_ids) == fmt.render(conv, None, True)
         s = reply(fmt, str(10 + i))
-        acc.record(plan, s, {"role": "assistant", "content": str(10 + i)})
+        acc.record(plan, s, {"role": "assistant", "content": str(10 + i)}, reply=f"reply {i}")
         sampled[name] += s.token_ids
         conv += [{"role": "assistant", "content": str(10 + i)}, {"role": "user", "content": f"and {i}?"}]
     assert [s.seal_reason for s in acc.segments] == [None, None] and len(acc._parked) == 1
@@ -237,11 +237,26 @@ def test_interleaved_conversations_each_extend_their_own_segment(fmt):
     acc.record(plan, reply(fmt, "1"), {"role": "assistant", "content": "1"})
     assert [s.seal_reason for s in acc.segments] == [None, "history_rewritten", None]
 
+    # an SDK retry of main's last request, after the summarizer's: main's cached reply, nothing sampled
+    plan = acc.plan(main[:-2], retry=True)
+    assert plan.cached == "reply 4" and acc.record(plan, None, {}) is acc.segments[0]
+    turn(acc, main, reply(fmt, "3"), "3")  # main extended last: the summarizer is the least recently used
     acc.open_conversations = 2
-    plan = acc.plan([{"role": "user", "content": "A third one."}])  # opens otherwise: beside, evicting main
+    plan = acc.plan([{"role": "user", "content": "A third one."}])  # opens otherwise: beside, evicting it
     assert plan.new_segment and plan.beside and plan.seal_reason is None
     acc.record(plan, reply(fmt, "2"), {"role": "assistant", "content": "2"})
-    assert [s.seal_reason for s in acc.close()] == ["evicted", "history_rewritten", "episode_end", "episode_end"]
+    assert [s.seal_reason for s in acc.close()] == ["episode_end", "history_rewritten", "evicted", "episode_end"]
+
+
+def test_a_window_that_drops_the_oldest_turns_rewrites_its_conversation(fmt):
+    """An agent without a system prompt that keeps only its last turns opens each request with a
+    message of its conversation: a rewrite (sealed), not a conversation beside it."""
+    acc = Accumulator(fmt)
+    msgs = [USER]
+    for i in range(4):  # requests: [u], [u a0 u0], [u0 a1 u1], [u1 a2 u2]
+        turn(acc, msgs, reply(fmt, str(i)), str(i))
+        msgs = (msgs + [{"role": "assistant", "content": str(i)}, {"role": "user", "content": f"and {i}?"}])[-3:]
+    assert [s.seal_reason for s in acc.close()] == ["history_rewritten", "history_rewritten", "episode_end"]
 
 
 @pytest.mark.parametrize("edit,reason", [

@@ -112,9 +112,10 @@ MAX_TASKS = 64
 SANDBOX_UIDS = range(1_000_000, 2_000_000)
 
 
-# filtered where libseccomp knows them (it cannot name a call newer than itself; the kernel may
-# have it: the filter then lets it through, which is why the older calls doing the same are listed)
-NEWER_SYSCALLS = {"setxattrat"}
+# calls newer than some libseccomp releases (2.5.4 cannot name setxattrat, which kernel 6.13+ has:
+# skipped by name, the filter let it through), filtered by number where the name is unknown; since
+# Linux 5.1 (number 424) a new call has one number on every architecture
+NEWER_SYSCALLS = {"setxattrat": 463}
 
 
 @functools.lru_cache(maxsize=1)
@@ -157,8 +158,8 @@ def _seccomp_program() -> bytes:
     try:
         for name, action, cmp in rules:
             nr = lib.seccomp_syscall_resolve_name(name.encode())
-            if nr < 0 and name in NEWER_SYSCALLS:  # a libseccomp older than the call: nothing to filter by name
-                continue
+            if nr < 0 and name in NEWER_SYSCALLS:  # a libseccomp older than the call
+                nr = NEWER_SYSCALLS[name]
             rc = lib.seccomp_rule_add_array(ctx, action, nr, int(cmp is not None), ctypes.byref(cmp) if cmp else None)
             if rc < 0:
                 raise SandboxUnavailable(f"libseccomp: cannot add a rule for {name} ({os.strerror(-rc)})")
@@ -357,15 +358,22 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
         deadline = time.monotonic() + timeout_s
         pid1 = _sandbox_pid1(info_read, deadline) if info_read is not None else None
         try:
-            if block_write is not None:
-                if pid1 is not None:  # PID 1 (and so all it starts) into the cgroup, then let it go on
+            if block_write is not None and pid1 is not None:  # (None: bwrap failed first; _communicate reads why)
+                try:  # PID 1 (and so all it starts) into the cgroup, then let it go on
                     _join_cgroup(cgroup, pid1[0])
-                os.write(block_write, b"1")
+                except OSError as e:
+                    raise SandboxUnavailable(f"cannot put the sandbox into its memory cgroup {cgroup}: {e}") from e
+                with contextlib.suppress(BrokenPipeError):  # bwrap died meanwhile: _communicate reads why
+                    os.write(block_write, b"1")
             out, err, dropped, timed_out = _communicate(proc, stdin, deadline, 4 * max_output + 4)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
         finally:
             if pid1 is not None:  # whatever happened: the namespace's PID 1 goes, and the namespace with it
-                _kill_pidfd(pid1[1])
-                os.close(pid1[1])
+                _kill_pid1(*pid1)
     finally:
         for fd in fds + [f for f in (info_read, block_write) if f is not None]:
             os.close(fd)
@@ -382,9 +390,9 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
     return SandboxResult(stdout[:max_output], stderr[:max_output], rc, timed_out, truncated)
 
 
-def _sandbox_pid1(info_fd: int, deadline: float) -> tuple[int, int] | None:
-    """The host pid of the sandbox's PID 1 and a pidfd of it, from bwrap's --info-fd
-    ({"child-pid": N}), or None (bwrap failed first). Killing the process group reaches bwrap, and PID 1 dies with it by its
+def _sandbox_pid1(info_fd: int, deadline: float) -> tuple[int, int | None] | None:
+    """The host pid of the sandbox's PID 1 and a pidfd of it (None where one cannot be had), from
+    bwrap's --info-fd ({"child-pid": N}), or None (bwrap failed first). Killing the process group reaches bwrap, and PID 1 dies with it by its
     parent-death signal, which PID 1 itself could undo: where the code could write PID 1's memory
     (bwrap's user-namespace mode runs PID 1 as the code's uid; /proc is no longer mounted), it
     cleared that signal, left the group, and ran on, unlimited, after the call returned."""
@@ -398,9 +406,12 @@ def _sandbox_pid1(info_fd: int, deadline: float) -> tuple[int, int] | None:
             data += chunk
     try:
         pid = int(json.loads(data)["child-pid"])
-        return pid, os.pidfd_open(pid)
-    except (ValueError, KeyError, TypeError, OSError):
+    except (ValueError, KeyError, TypeError):
         return None
+    try:
+        return pid, os.pidfd_open(pid)
+    except OSError:  # no pidfds (EMFILE, an old kernel): by pid, still ours (bwrap has not reaped it)
+        return pid, None
 
 
 # A sandbox's memory cgroup holds memory_mb + disk_mb (its tmpfs pages are charged to it) + this
@@ -463,16 +474,22 @@ def _new_memory_cgroup(limit: int) -> str | None:
         os.mkdir(path)
     except OSError:
         return None
-    for name in ("memory.max", "memory.limit_in_bytes"):  # v2, v1
+    if not os.path.exists(os.path.join(path, "memory.max")) and os.path.isfile(os.path.join(parent, "cgroup.subtree_control")):
+        # v2: the children of a cgroup get the memory controller only where it enables it (refused where
+        # it holds processes itself, unless it is the root of a cgroup namespace: a container's)
+        with contextlib.suppress(OSError), open(os.path.join(parent, "cgroup.subtree_control"), "w") as f:
+            f.write("+memory")
+    # v2, v1; then swap: no more than that either, or the limit only moves pages out
+    for name, swap, swap_limit in (("memory.max", "memory.swap.max", "0"),
+                                   ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes", str(limit))):
         try:
             with open(os.path.join(path, name), "w") as f:
                 f.write(str(limit))
-            if name == "memory.max":  # v2: no swap either, or the limit only moves pages out
-                with contextlib.suppress(OSError), open(os.path.join(path, "memory.swap.max"), "w") as f:
-                    f.write("0")
-            return path
         except OSError:
             continue
+        with contextlib.suppress(OSError), open(os.path.join(path, swap), "w") as f:
+            f.write(swap_limit)
+        return path
     _remove_cgroup(path)  # no memory controller there
     return None
 
@@ -495,11 +512,17 @@ def _remove_cgroup(path: str) -> None:
     warnings.warn(f"sandbox cgroup {path} still holds processes; left in place", RuntimeWarning, stacklevel=2)
 
 
-def _kill_pidfd(pidfd: int) -> None:
+def _kill_pid1(pid: int, pidfd: int | None) -> None:
     try:
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    except ProcessLookupError:  # gone already: a pidfd never names a reused pid
+        if pidfd is None:
+            os.kill(pid, signal.SIGKILL)
+        else:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # a pidfd never names a reused pid
+    except ProcessLookupError:  # gone already
         pass
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
 
 
 def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: int):

@@ -56,7 +56,7 @@ SEAL_REASONS = {
 # What one open conversation of a session holds (Accumulator swaps these when a request extends
 # another open conversation than the last one)
 _CONVERSATION_STATE = ("_segment", "_conversation", "_conversation_text", "_window_start", "_closing_text",
-                       "_last_turn", "_last_turn_moved", "_unrendered")
+                       "_last_turn", "_last_turn_moved", "_unrendered", "_last_request", "_last_reply")
 
 
 @dataclass
@@ -520,7 +520,7 @@ class Accumulator:
         repeat of the last request served from the cache."""
         canonical = getattr(self.fmt, "canonical", canonical_message)  # a format without a profile: the defaults
         msgs = [canonical(m) for m in messages]
-        if retry and self._last_reply is not None and request_key(msgs, tools) == request_key(*self._last_request):
+        if retry and self._make_current_retried(msgs, tools):
             return TurnPlan([], msgs, tools, "", 0, False, None, cached=self._last_reply)  # nothing to render
         beside = not self._make_current(msgs)
         seg, reason = self.open_segment, None
@@ -545,6 +545,28 @@ class Accumulator:
         full, ids = self.fmt.prompt(msgs, tools)
         return TurnPlan(ids, msgs, tools, full, len(ids), True, reason, beside=beside and seg is not None)
 
+    def _make_current_retried(self, msgs: list[dict], tools: list | None) -> bool:
+        """Make current the open conversation whose last request this one repeats (a retry of it),
+        if any: with sub-agents in flight, A's retry can come after B's request."""
+        key = None
+        for k in [None] + list(range(len(self._parked) - 1, -1, -1)):
+            last, reply = ((self._last_request, self._last_reply) if k is None else
+                           (self._parked[k]["_last_request"], self._parked[k]["_last_reply"]))
+            if reply is not None:
+                key = key or request_key(msgs, tools)
+                if key == request_key(*last):
+                    if k is not None:
+                        self._swap_in(k)
+                    return True
+        return False
+
+    def _swap_in(self, k: int) -> None:
+        """Make parked conversation k the current one, parking the current one."""
+        state = self._parked.pop(k)
+        self._parked.append({a: getattr(self, a) for a in _CONVERSATION_STATE})
+        for a, v in state.items():
+            setattr(self, a, v)
+
     def _make_current(self, msgs: list[dict]) -> bool:
         """Make current the open conversation that `msgs` extends, else the one it rewrites; False
         when it belongs to none (it opens otherwise than every open conversation). Switching
@@ -557,11 +579,8 @@ class Accumulator:
         for test in (lambda c: _why_not_extending(c, msgs) is None, lambda c: _same_conversation(c, msgs)):
             k = next((k for k in open_ if conv_of(k) is not None and test(conv_of(k))), False)
             if k is not False:
-                if k is not None:  # a parked conversation: swap it in, park the current one
-                    state = self._parked.pop(k)
-                    self._parked.append({a: getattr(self, a) for a in _CONVERSATION_STATE})
-                    for a, v in state.items():
-                        setattr(self, a, v)
+                if k is not None:  # a parked conversation
+                    self._swap_in(k)
                 return True
         return False
 
@@ -791,13 +810,15 @@ def _why_not_extending(conv: list[dict], msgs: list[dict]) -> str | None:
 
 def _same_conversation(conv: list[dict], msgs: list[dict]) -> bool:
     """Whether a request that does not extend a conversation rewrites it (compaction, an edit, a
-    changed system prompt, a new sample of the same request): it opens as the conversation did,
-    with the same first message or the same first non-system message. A request opening
-    otherwise is another conversation (a summarizer, a sub-agent)."""
+    changed system prompt, a new sample of the same request, a window that dropped the oldest
+    turns): it opens as the conversation did (the same first message or the same first non-system
+    message), or with a message of the conversation. A request opening otherwise is another
+    conversation (a summarizer, a sub-agent): with a system prompt or a first message the main
+    conversation has too, a sub-agent reads as a rewrite of it, and is sealed at every switch."""
     if not msgs or not conv:
         return False
-    first_turn = lambda ms: next((m for m in ms if m["role"] != "system"), None)
-    return msgs[0] == conv[0] or (first_turn(msgs) is not None and first_turn(msgs) == first_turn(conv))
+    first_turn = next((m for m in msgs if m["role"] != "system"), None)
+    return msgs[0] == conv[0] or (first_turn is not None and first_turn in conv)
 
 
 def request_key(messages: list[dict], tools: list | None) -> tuple[str, str]:

@@ -19,6 +19,7 @@ nothing recorded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
 import logging
@@ -696,10 +697,19 @@ class LoopbackServer:
     async def _plan(self, acc: Accumulator, req: ChatRequest):
         """acc.plan (template render + encode); for a request over thread_plan_bytes in a worker
         thread, so that a huge request does not stall the event loop and every other session
-        (the session's lock, held by the caller, keeps its turns in order; plan changes nothing)."""
+        (the session's lock, held by the caller, keeps its turns in order; plan records nothing,
+        but may switch the session's current conversation: a request cancelled meanwhile, its
+        client gone, waits for its thread, so that the lock is not released while it runs)."""
         try:
             if req.size > self.thread_plan_bytes:
-                return await asyncio.to_thread(acc.plan, req.messages, req.tools, retry=req.retry)
+                planned = asyncio.ensure_future(asyncio.to_thread(acc.plan, req.messages, req.tools, retry=req.retry))
+                try:
+                    return await asyncio.shield(planned)
+                except asyncio.CancelledError:
+                    while not planned.done():
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await asyncio.shield(planned)
+                    raise
             return acc.plan(req.messages, req.tools, retry=req.retry)
         except Exception as e:  # template errors (e.g. a role it refuses) are the request's fault
             raise RequestError(400, f"the chat template cannot render these messages: {scrub(e)}", param="messages")
