@@ -6,6 +6,8 @@ over every caller. (The vLLM path of async mode: tests/test_trainer.py.)"""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from workbench.agents import Task
@@ -69,7 +71,9 @@ def test_continuous_async_trains_within_the_bound_and_keeps_per_token_versions(t
                       sampling=SamplingConfig(max_tokens=8))
     try:
         hist = run(rollout, trainer, reference_engines, held_first_task(gate, held),
-                   LoopConfig(steps=3, prompts_per_step=2, group_size=2, mode="async", async_lag=2), progress=False,
+                   # "finish": step 0 trains the groups that overtook the held one (in start order it waits for it)
+                   LoopConfig(steps=3, prompts_per_step=2, group_size=2, mode="async", async_lag=2, async_order="finish"),
+                   progress=False,
                    on_step=lambda m: m["step"] == 0 and gate.touch(),
                    on_groups=lambda step, groups: trained.extend((step, t) for g in groups for t in g))
         per_runner = [s["server"]["sampled_tokens"] for s in rollout.stats()]
@@ -113,7 +117,8 @@ def test_a_group_older_than_the_bound_is_never_trained(trainer, reference_engine
                       sampling=SamplingConfig(max_tokens=8))
     try:
         hist = run(rollout, trainer, reference_engines, held_first_task(gate, held),
-                   LoopConfig(steps=4, prompts_per_step=2, group_size=2, mode="async", async_lag=1), progress=False,
+                   LoopConfig(steps=4, prompts_per_step=2, group_size=2, mode="async", async_lag=1, async_order="finish"),
+                   progress=False,
                    on_step=lambda m: m["step"] == 1 and gate.touch(),
                    on_groups=lambda step, groups: trained_tasks.extend(g[0].info["task_id"] for g in groups))
     finally:
@@ -123,6 +128,30 @@ def test_a_group_older_than_the_bound_is_never_trained(trainer, reference_engine
     for h in hist:
         assert max(h["staleness_hist"]) <= 1 and h["stale_dropped"] == 0
         assert min(h["groups_per_version"]) >= h["version"] - 2
+
+
+def test_in_start_order_a_slow_group_holds_its_step_and_is_trained(trainer, reference_engines, moe_path, tmp_path):
+    """async_order "start" (the default): the first group is held 3 s between its turns while the
+    others finish at once. It is not overtaken: step 0 waits for it and trains it, no group is
+    dropped, and every token is within async_lag. In finish order the groups that overtook it
+    train first and a held group is dropped once past the bound (the test above): the long
+    episodes drop out of training, a bias toward short replies."""
+    gate, held, trained_tasks = tmp_path / "release", [], []
+    release = threading.Timer(3.0, gate.touch)
+    rollout = Rollout("tests/agents/waiting_env.py", reference_engines, str(moe_path), num_runners=2,
+                      sampling=SamplingConfig(max_tokens=8))
+    try:
+        release.start()
+        hist = run(rollout, trainer, reference_engines, held_first_task(gate, held),
+                   LoopConfig(steps=3, prompts_per_step=2, group_size=2, mode="async", async_lag=1), progress=False,
+                   on_groups=lambda step, groups: trained_tasks.append([g[0].info["task_id"] for g in groups]))
+    finally:
+        release.cancel()
+        rollout.shutdown()
+    assert trained_tasks[0][0] == held[0]  # step 0 trains the first group started, the held one, first
+    assert sum(h["groups_dropped_stale"] for h in hist) == 0 and sum(map(len, trained_tasks)) == 6
+    for h in hist:
+        assert max(h["staleness_hist"]) <= 1
 
 
 def test_groups_go_to_the_runner_with_the_fewest_outstanding_episodes(reference_engines, moe_path):

@@ -231,7 +231,7 @@ def test_async_data_next_is_the_first_task_not_started(ray_local):
     stream = GroupStream(rollout, source, LoopConfig(steps=10, prompts_per_step=4, group_size=2, mode="async"),
                          2, 9, stop)
     try:
-        group, at, *_ = stream.finished.get(timeout=30)
+        group, at, *_ = stream.take()
         assert rollout.started == ["8-1"] and at == 9 and group[0].id == "8-1"
         with stream._lock:
             assert stream.unstarted == 10  # the next task, 8-2 at 10, never started (put back, taken again, ...)

@@ -7,7 +7,8 @@ Two modes (LoopConfig.mode):
   sampled by the weights it is trained against (staleness 0).
 - "async" (continuous): a rollout thread keeps groups in flight on every runner while the
   trainer trains (GroupStream), group by group, with no per-step barrier: a step trains on the
-  first prompts_per_step groups to finish. Weight syncs land mid-episode (engines pause in keep
+  next prompts_per_step groups in the order they started (async_order "start"; "finish": the
+  first to finish, where long episodes are overtaken and drop out). Weight syncs land mid-episode (engines pause in keep
   mode), so an episode's tokens can span versions; each token keeps the version it was sampled
   by, and correction.py weights and gates them per token. A group whose oldest token is more
   than `async_lag` versions behind the trainer is not admitted to a batch (groups_dropped_stale);
@@ -53,6 +54,12 @@ class LoopConfig:
     # (older groups are not admitted); the rollout starts at most (1 + async_lag) steps of groups
     # ahead of the steps trained
     async_lag: int = 1
+    # async: which finished groups a step trains. "start": the next prompts_per_step in the order they
+    # started, so a slow group holds its step back but is never overtaken (within async_lag by
+    # construction). "finish": the first to finish (no waiting; a group overtaken past async_lag is
+    # not admitted, and the slow groups are the long episodes: one 15x slower than the rest trained
+    # at 1.2% where drawn at 25%; training then leans to short replies and easy prompts)
+    async_order: str = "start"
     # failed episodes carry no reward the agent computed (a crash or a timeout), so by default
     # they leave the batch; truncated ones ran and were scored, so they stay with their reward
     on_failed: str = "drop"
@@ -104,6 +111,9 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.dynamic_sampling filters groups by reward variance, but advantage "
                              f"{self.advantage!r} learns from the teacher's per-token log-probs, not rewards: "
                              f"turn dynamic_sampling off")
+        if self.async_order not in ("start", "finish"):
+            raise ValueError(f"LoopConfig.async_order {self.async_order!r} unknown: 'start' (groups train in the order "
+                             f"they started) or 'finish' (the first to finish; slow groups drop out)")
         for name in ("on_failed", "on_truncated"):
             if getattr(self, name) not in EPISODE_RULES:
                 raise ValueError(f"LoopConfig.{name} {getattr(self, name)!r} unknown; choose one of {EPISODE_RULES}")
@@ -758,8 +768,9 @@ class GroupStream:
     finishes, so the rollout waits neither for a step's slowest group nor for training. It
     starts at most prompts_per_step x (1 + async_lag) groups beyond the steps trained (allow():
     each trained step, and each group not admitted, lets more start), so a group started after
-    step t's sync is at most async_lag versions old when taken in order; one that is overtaken
-    can be older, and the loop does not admit it. Tasks are drawn a step's worth at a time
+    step t's sync is at most async_lag versions old when taken in order (take(), async_order
+    "start", the default); in finish order one that is overtaken can be older, and the loop does
+    not admit it. Tasks are drawn a step's worth at a time
     (draw_tasks, as in sync mode)."""
 
     def __init__(self, rollout, source, cfg: LoopConfig, first: int, position: int, stop: threading.Event,
@@ -775,8 +786,11 @@ class GroupStream:
         self.allowed = cfg.prompts_per_step * (1 + cfg.async_lag)
         self.limit = cfg.prompts_per_step * (cfg.steps - first)  # groups the run needs (+ those not admitted)
         self.started = 0
-        # (group, its task's data position, start time, end time, teacher log-probs) or an error
+        # (the group's start number, group, its task's data position, start time, end time, teacher
+        # log-probs) or an error
         self.finished: queue.Queue = queue.Queue()
+        self._held: dict[int, tuple] = {}  # finished ahead of their turn (async_order "start")
+        self._next = 0  # the start number take() hands out next (async_order "start")
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._produce, name="workbench-rollout", daemon=True)
         self.thread.start()
@@ -809,7 +823,7 @@ class GroupStream:
                     if started is None:  # every runner is full: put the task back
                         self.tasks.insert(0, (task, at))
                         break
-                    inflight[started[0]] = (started[1], task, at, time.time())
+                    inflight[started[0]] = (started[1], task, at, time.time(), self.started)
                     self.started += 1
                     with self._lock:
                         self.unstarted = at + 1  # tasks start in the order of their positions
@@ -818,12 +832,12 @@ class GroupStream:
                     continue
                 done, _ = ray.wait(list(inflight), num_returns=1, timeout=0.1)
                 for ref in done:
-                    runner, task, at, t0 = inflight.pop(ref)
+                    runner, task, at, t0, number = inflight.pop(ref)
                     group = self.rollout.finish_group(ref, runner, task, self.cfg.group_size)
                     teacher = None
                     if self.cfg.advantage in PER_TOKEN_ADVANTAGES:  # scored here, while the trainer trains
                         teacher = teacher_logprobs(self.teachers, [s for t in group for s in t.segments if any(s.loss_mask)])
-                    self.finished.put((group, at, t0, time.time(), teacher))
+                    self.finished.put((number, group, at, t0, time.time(), teacher))
         except BaseException as e:  # surfaced in the training thread
             self.finished.put(e)
         finally:  # groups in flight finish (episodes have timeouts), so the runners' counts stay right
@@ -834,14 +848,24 @@ class GroupStream:
                     pass
 
     def take(self):
-        """The next finished group (see _produce), or None once stopped."""
-        return _poll(self.finished, self.stop, self.thread)
+        """The next finished group (group, data position, start and end time, teacher log-probs):
+        with async_order "start" the next in the order groups started (those that finish ahead of
+        their turn wait), else the next to finish; an error, or None once stopped."""
+        while self.cfg.async_order == "finish" or self._next not in self._held:
+            item = _poll(self.finished, self.stop, self.thread)
+            if item is None or isinstance(item, BaseException):
+                return item
+            if self.cfg.async_order == "finish":
+                return item[1:]
+            self._held[item[0]] = item[1:]
+        self._next += 1
+        return self._held.pop(self._next - 1)
 
 
 def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
-    """The groups of one async step, trained from `version`: the first prompts_per_step finished
-    groups whose oldest token is at most cfg.async_lag versions behind (older ones are not
-    admitted: groups_dropped_stale); with dynamic sampling, zero-variance groups are filtered too,
+    """The groups of one async step, trained from `version`: the next prompts_per_step groups
+    (GroupStream.take: in start order, or the first to finish) whose oldest token is at most
+    cfg.async_lag versions behind (older ones are not admitted: groups_dropped_stale); with dynamic sampling, zero-variance groups are filtered too,
     up to dynamic_sampling_rounds x prompts_per_step of them per step. (groups, r0, r1, extra,
     teacher log-probs), or None once stopped."""
     n, groups, teacher, starts, ends, positions = cfg.prompts_per_step, [], {}, [], [], []
