@@ -2,7 +2,8 @@
 what the staleness bound lets through, at async_lag (the bound) 1 and 2.
 
 One session on the embedded default (reference engine, one trainer rank, the toy arithmetic
-Env unless --agent), a warm-up step, then rounds of [sync, async lag 1, async lag 2], each
+Env unless --agent), a warm-up step, then rounds of [sync, async lag 1, async lag 2, async lag 1
+in finish order (LoopConfig.async_order)], each
 `--steps` steps, interleaved so that a load change on the machine reaches every mode alike.
 The trainer's gate (max_staleness) is 2, so both lags run under the same trainer. Printed per
 mode: wall s/step (the run's wall time over its steps) and its ratio to sync; the trainer's
@@ -22,7 +23,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-MODES = (("sync", "sync", 1), ("async lag 1", "async", 1), ("async lag 2", "async", 2))
+# (label, mode, async_lag, async_order): start order is the default (no group overtaken: a slow one
+# holds its step); finish order trains the first groups to finish (long episodes drop out)
+MODES = (("sync", "sync", 1, "start"), ("async lag 1", "async", 1, "start"), ("async lag 2", "async", 2, "start"),
+         ("lag 1 finish", "async", 1, "finish"))
 
 
 def main() -> None:
@@ -46,12 +50,12 @@ def main() -> None:
     wb = workbench.connect(config=session)
     try:
         wb.run(1, progress=False).wait()  # warm-up, apart
-        wall: dict = {label: [] for label, _, _ in MODES}
-        steps: dict = {label: [] for label, _, _ in MODES}
+        wall: dict = {label: [] for label, *_ in MODES}
+        steps: dict = {label: [] for label, *_ in MODES}
         for _ in range(args.rounds):
-            for label, mode, lag in MODES:
+            for label, mode, lag, order in MODES:
                 t0 = time.time()
-                hs = wb.run(args.steps, mode=mode, async_lag=lag, progress=False).wait()
+                hs = wb.run(args.steps, mode=mode, async_lag=lag, async_order=order, progress=False).wait()
                 wall[label].append((time.time() - t0) / len(hs))
                 steps[label] += hs
     finally:
@@ -59,7 +63,7 @@ def main() -> None:
 
     sync_s = statistics.median(wall["sync"])
     table = {}
-    for label, _, _ in MODES:
+    for label, *_ in MODES:
         hs = steps[label]
         trained = len(hs) * args.prompts  # groups
         dropped = sum(h.get("groups_dropped_stale", 0) for h in hs)
