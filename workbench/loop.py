@@ -61,7 +61,9 @@ class LoopConfig:
     # at 1.2% where drawn at 25%; training then leans to short replies and easy prompts)
     async_order: str = "start"
     # failed episodes carry no reward the agent computed (a crash or a timeout), so by default
-    # they leave the batch; truncated ones ran and were scored, so they stay with their reward
+    # they leave the batch (the group's baseline is then over those that finished: where timeouts
+    # are runaway wrong replies, "zero" scores them instead); truncated ones ran and were scored,
+    # so they stay with their reward
     on_failed: str = "drop"
     on_truncated: str = "keep"
     # dynamic sampling (DAPO): a group whose rewards (as the batch sees them: episode rules and
