@@ -56,6 +56,22 @@ def load_tokenizer(path: str | Path):
     return MistralTokenizer.from_pretrained(str(path))
 
 
+def _renderable(m: dict) -> dict:
+    """An assistant message as mistral-common will encode it. Its validator refuses content beside
+    tool calls, and a message with neither, yet the policy samples both (text before [TOOL_CALLS],
+    the `mistral` parser hands out both; a bare </s>): sent back, every later request of the
+    episode was refused (400) and the episode failed, the loop dropping it. The call goes without
+    the text, the empty reply as a space: neither renders as sampled, so the next turn seals
+    (template_rewrite) and goes on."""
+    if m["role"] != "assistant":
+        return m
+    if m.get("tool_calls") and m.get("content"):
+        return {**m, "content": ""}
+    if not m.get("tool_calls") and not m.get("content"):
+        return {**m, "content": " "}
+    return m
+
+
 class TekkenFormat(ChatFormat):
     """ChatFormat over mistral-common's request encoding (see the module docstring)."""
 
@@ -99,7 +115,7 @@ class TekkenFormat(ChatFormat):
         """mistral-common's Tokenized for OpenAI-style messages (ids in .tokens, text in .text)."""
         from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
-        msgs = [canonical_message(m, **self.message_form) for m in messages]
+        msgs = [_renderable(canonical_message(m, **self.message_form)) for m in messages]
         final_reply = bool(msgs) and msgs[-1]["role"] == "assistant" and not add_generation_prompt
         req = ChatCompletionRequest.from_openai(msgs, tools or None)
         return (self._history if final_reply else self.mistral).encode_chat_completion(req)
