@@ -309,6 +309,18 @@ def test_b_a_call_the_agent_could_not_send_back_keeps_its_reasoning(fams):
         p = rp.parse(text, ds.tokenizer.encode(text, add_special_tokens=False), tools=f)
         expected = ("OK.", [{"name": "f", "arguments": {"x": 1}}]) if args == '{"x": 1}' else ("OK." + call, [])
         assert (p.reasoning, p.content, p.calls) == ("R", *expected), args
+    # gpt-oss (harmony, parsed from the ids): a call cut mid-arguments or malformed went out as the
+    # reply decoded without special tokens, its channel headers glued to the analysis
+    from workbench.loopback.parsing import reply_text
+
+    go = fams["gpt-oss"]
+    prof = go.profile()
+    rp, fmt = ReplyParser(go.tokenizer, prof.tool_parser, prof.reasoning_parser, prof.chat_template_kwargs), go.chat_format()
+    head = "<|channel|>analysis<|message|>Need calc.<|end|><|start|>assistant<|channel|>commentary to=functions.calc <|constrain|>json<|message|>"
+    for tail, finish in (('{"expr": "2+', "length"), ("{expr: 2+2}<|call|>", "stop")):
+        text, ids = reply_text(fmt, fmt.encode(head + tail), finish, rp.skip_special_tokens, prof.stop_token_ids(go.tokenizer))
+        p = rp.parse(text, ids, tools=[{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}])
+        assert (p.reasoning, p.content, p.calls) == ("Need calc.", "", []), (tail, p)
 
 
 def test_c_qwen3_no_thinking_drops_the_empty_think_block(fams):

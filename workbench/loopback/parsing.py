@@ -75,6 +75,7 @@ class ReplyParser:
         self.failures = 0  # replies a parser raised on (returned as content)
         self._ours = get_tool_parser(tool_parser)  # a clear error for an unknown name
         self._reasoning_cls = self._combined_cls = None
+        self._harmony = False
         if self._ours is not None:  # ours (hermes), with vLLM's reasoning parser before it
             if reasoning_parser is not None:
                 from vllm.reasoning import ReasoningParserManager
@@ -90,7 +91,7 @@ class ReplyParser:
         else:  # vLLM's composition of its tool and reasoning parsers, as its OpenAI server runs them
             from vllm.parser.parser_manager import ParserManager
 
-            harmony = tool_parser in HARMONY_PARSERS or reasoning_parser in HARMONY_PARSERS
+            harmony = self._harmony = tool_parser in HARMONY_PARSERS or reasoning_parser in HARMONY_PARSERS
             self._combined_cls = ParserManager.get_parser(tool_parser_name=tool_parser, reasoning_parser_name=reasoning_parser,
                                                           enable_auto_tools=True, is_harmony=harmony)
             self.skip_special_tokens = self._skip_special(self._new(None))
@@ -147,10 +148,13 @@ class ReplyParser:
         the reasoning apart, the rest as the model wrote it (call markup included). The whole
         decoded reply went out as content, the reasoning and its end marker in it a second time
         (`R</think>OK.<｜tool▁calls▁begin｜>...` with DeepSeek V3.1), or, for arguments that were no
-        JSON, the content without the call's text."""
+        JSON, the content without the call's text. Harmony (gpt-oss) has no such text: its reply,
+        decoded without special tokens, is its channel headers glued to the analysis and the call
+        ('analysisNeed calc.assistantcommentary to=functions.calc json{...'), so the reply is the
+        final channel's text, none where the call was all."""
         reasoning, content, _ = self._new(tools).parse(text, _request(tools), enable_auto_tools=False,
                                                          model_output_token_ids=list(ids))
-        return Parsed(reasoning or None, text if content is None else content, [])
+        return Parsed(reasoning or None, ("" if self._harmony else text) if content is None else content, [])
 
     def _sendable(self, arguments) -> bool:
         """Whether the agent can send this call back: its history's next request is held to the
