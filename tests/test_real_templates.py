@@ -453,3 +453,15 @@ def test_the_prompt_memo_keeps_two_requests_that_differ_in_key_order_apart(fams)
     assert got[0][1] != got[1][1] and memo.hits == 0
     assert [g[1] for g in got] == [fmt.prompt(msgs, t)[1] for t in tools]
     assert memo.get(fmt, msgs, tools[1]) == got[1] and memo.hits == 1
+
+
+def test_a_template_that_prints_todays_date_renders_a_fixed_one(fams):
+    """gpt-oss's system message says "Current date: " + strftime_now(...): with the clock's date an
+    episode running past midnight sealed at its next turn (the first line of its history changed)
+    and a prompt was another on another day. ChatFormat renders tokens.TEMPLATE_DATE instead."""
+    import datetime
+
+    from workbench.tokens import TEMPLATE_DATE
+
+    text = fams["gpt-oss"].chat_format().render([{"role": "user", "content": "Hi"}], None, True)
+    assert f"Current date: {TEMPLATE_DATE:%Y-%m-%d}\n" in text and TEMPLATE_DATE.date() != datetime.date.today()

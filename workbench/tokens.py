@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import datetime
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -309,6 +310,17 @@ def new_tool_call_id(style: str | None = None) -> str:
     return f"call_{secrets.token_hex(8)}"
 
 
+# The date a template that prints today's date renders (transformers gives templates strftime_now,
+# the clock's): a prompt is then the same on any day, and an episode that ran past midnight sealed
+# its segment (template_rewrite: the first line of gpt-oss's system message changed), as did a
+# group's sampled prompts against the server's memo of them. Llama's profile pins its date_string too.
+TEMPLATE_DATE = datetime.datetime(2026, 1, 1)
+
+
+def _template_strftime(fmt: str) -> str:
+    return TEMPLATE_DATE.strftime(fmt)
+
+
 class ChatFormat:
     """The tokenizer and chat template as the accumulator uses them."""
 
@@ -345,9 +357,10 @@ class ChatFormat:
         return canonical_message(m, **self.message_form)
 
     def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
+        # strftime_now: templates that print today's date (gpt-oss's "Current date:") get TEMPLATE_DATE
         return self.tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
-            **self.template_kwargs,
+            strftime_now=_template_strftime, **self.template_kwargs,
         )
 
     def prompt(self, messages: list[dict], tools: list | None) -> tuple[str, list[int]]:
