@@ -184,6 +184,18 @@ def test_an_engine_whose_core_died_is_taken_as_dead(reference_engines, run):
     finally:
         ray.kill(dead)
 
+def test_each_env_episode_gets_its_own_info(rollout_for):
+    """An Env whose reset returns task.info itself: the group's episodes (one Task) updated one
+    dict, each sibling's step info ending in the others' trajectories, and in the task."""
+    task = Task([{"role": "user", "content": "Count."}], info={"level": 1})
+    rollout = rollout_for(AGENTS / "shared_info_env.py", sampling=SamplingConfig(max_tokens=4))
+    group = rollout.run_groups([task], group_size=3, progress=False)[0]
+    assert all(t.error is None for t in group), [t.error for t in group]
+    seen = [sorted(k for k in t.info if k.startswith("seen_")) for t in group]
+    assert all(len(s) == 1 for s in seen) and len({s[0] for s in seen}) == 3, seen
+    assert all(t.info["level"] == 1 for t in group) and task.info == {"level": 1}
+
+
 def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     from concurrent.futures import ThreadPoolExecutor
 

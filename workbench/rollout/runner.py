@@ -148,6 +148,9 @@ class RolloutRunner:
         cut by the context (it trained on a partial reward as if finished)."""
         env = self.spec.make()
         observation, info = await env.reset(task)
+        # its own copy: an Env whose reset returns task.info itself had every episode of the group
+        # (one Task, run concurrently) update one dict, each sibling's step info in the others'
+        info = dict(info or {})
         messages = [dict(m) for m in observation]
         tools = env.tools or task.tools
         total, turns, cut = 0.0, 0, False
