@@ -1,12 +1,13 @@
 """The continuous async loop (LoopConfig(mode="async"), loop.GroupStream) on real Ray, real
 reference engines (2) and a real trainer rank: the rollout keeps groups in flight while the
-trainer trains, each step takes the first groups to finish, a group older than async_lag
-versions is never trained, and groups go to the runner with the fewest outstanding episodes
+trainer trains, each step takes the next groups in the order they started (or, in finish order,
+the first to finish), a group older than async_lag versions is never trained, and groups go to the runner with the fewest outstanding episodes
 over every caller. (The vLLM path of async mode: tests/test_trainer.py.)"""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -131,22 +132,36 @@ def test_a_group_older_than_the_bound_is_never_trained(trainer, reference_engine
 
 
 def test_in_start_order_a_slow_group_holds_its_step_and_is_trained(trainer, reference_engines, moe_path, tmp_path):
-    """async_order "start" (the default): the first group is held 3 s between its turns while the
-    others finish at once. It is not overtaken: step 0 waits for it and trains it, no group is
-    dropped, and every token is within async_lag. In finish order the groups that overtook it
-    train first and a held group is dropped once past the bound (the test above): the long
-    episodes drop out of training, a bias toward short replies."""
-    gate, held, trained_tasks = tmp_path / "release", [], []
-    release = threading.Timer(3.0, gate.touch)
+    """async_order "start" (the default): the first group is held between its turns until the three
+    groups started after it have finished (overtaking it). It still trains first: step 0 waits
+    for it, no group is dropped, and every token is within async_lag. In finish order the groups
+    that overtook it train first and a held group is dropped once past the bound (the test above):
+    the long episodes drop out of training, a bias toward short replies."""
+    gate, held, trained_tasks, done = tmp_path / "release", [], [], tmp_path / "done"
+    done.mkdir()
+
+    def release():  # once the 3 other groups' 6 episodes have ended (at most 60 s)
+        deadline = time.monotonic() + 60
+        while len(list(done.iterdir())) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gate.touch()
+
+    def source(n, seed):
+        drawn = held_first_task(gate, held)(n, seed)
+        for t in drawn:
+            t.info["done_dir"] = str(done)
+        return drawn
+
+    releaser = threading.Thread(target=release, daemon=True)
     rollout = Rollout("tests/agents/waiting_env.py", reference_engines, str(moe_path), num_runners=2,
                       sampling=SamplingConfig(max_tokens=8))
     try:
-        release.start()
-        hist = run(rollout, trainer, reference_engines, held_first_task(gate, held),
+        releaser.start()
+        hist = run(rollout, trainer, reference_engines, source,
                    LoopConfig(steps=3, prompts_per_step=2, group_size=2, mode="async", async_lag=1), progress=False,
                    on_groups=lambda step, groups: trained_tasks.append([g[0].info["task_id"] for g in groups]))
     finally:
-        release.cancel()
+        gate.touch()
         rollout.shutdown()
     assert trained_tasks[0][0] == held[0]  # step 0 trains the first group started, the held one, first
     assert sum(h["groups_dropped_stale"] for h in hist) == 0 and sum(map(len, trained_tasks)) == 6

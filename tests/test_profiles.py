@@ -207,7 +207,7 @@ def test_a_qwen3_checkpoints_template_decides_reasoning_and_tool_syntax(tmp_path
 
 @pytest.mark.parametrize("template,parsers", [
     ("yujiepan-deepseek-v3-tiny-random", ("deepseek_v3", None)),  # V3 / V3-0324: ```json calls, no thinking
-    ("trl-internal-testing-tiny-DeepseekV3ForCausalLM-0528", ("deepseek_v3", "deepseek_r1")),  # R1-0528
+    ("trl-internal-testing-tiny-DeepseekV3ForCausalLM-0528", ("deepseek_v3", None)),  # R1-0528 (reasoning: by override)
     ("deepseek-ai-DeepSeek-V3.1", ("deepseek_v31", "deepseek_v3")),
 ])
 def test_a_deepseek_checkpoints_template_decides_its_tool_syntax(tmp_path, template, parsers):

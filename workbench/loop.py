@@ -56,7 +56,7 @@ class LoopConfig:
     async_lag: int = 1
     # async: which finished groups a step trains. "start": the next prompts_per_step in the order they
     # started, so a slow group holds its step back but is never overtaken (within async_lag by
-    # construction). "finish": the first to finish (no waiting; a group overtaken past async_lag is
+    # construction; an episode that hangs stalls training until its episode timeout). "finish": the first to finish (no waiting; a group overtaken past async_lag is
     # not admitted, and the slow groups are the long episodes: one 15x slower than the rest trained
     # at 1.2% where drawn at 25%; training then leans to short replies and easy prompts)
     async_order: str = "start"
@@ -1009,7 +1009,7 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     return {
         "step": step, "version": stats["version"], "mode": cfg.mode,
         # the staleness the async loop admits (the audit holds the step to it; a sync step's is 0)
-        **({"async_lag": cfg.async_lag} if cfg.mode == "async" else {}),
+        **({"async_lag": cfg.async_lag, "async_order": cfg.async_order} if cfg.mode == "async" else {}),
         "reward_mean": sum(rewards) / max(len(rewards), 1),
         "correct_rate": sum(correct) / len(correct) if correct else None,
         **info, "failure_reasons": reasons, "engines": len(engines), "engines_lost": len(lost),

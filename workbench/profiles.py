@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -283,16 +284,15 @@ def _deepseek(ck: Checkpoint):
         return None
     # V3.1's template ignores tools= and concatenates tool-call arguments as a string (canonical
     # messages keep them as JSON text); no replay rule for its router yet (replay refused).
-    # V3 / V3-0324 / R1-0528 (the same model_type) write a call as function<｜tool▁sep｜>NAME then a
+    # V3 / V3-0324 / R1 (the same model_type) write a call as function<｜tool▁sep｜>NAME then a
     # ```json block: V3.1's parser read 11 of 12 recorded V3-0324 calls as empty content, the call
     # lost. Their templates render calls that way (V3.1's puts the arguments after the separator),
-    # which tells them apart; of those, R1-0528's splits replies at </think>: vLLM's deepseek_r1
-    template = ck.chat_template or ""
-    v3_calls = "```json" in template
+    # which tells them apart. No reasoning parser for them: vLLM's deepseek_r1 takes a reply
+    # without </think> as all reasoning (content ''), so an R1 profile sets it by override
+    v3_calls = re.search(r"tool▁sep｜>.{0,160}```json", ck.chat_template or "", re.S) is not None
     return ModelProfile("deepseek-v3", end_of_turn="<｜end▁of▁sentence｜>",
                         tool_parser="deepseek_v3" if v3_calls else "deepseek_v31",
-                        reasoning_parser=("deepseek_r1" if "</think>" in template else None) if v3_calls else "deepseek_v3",
-                        tool_arguments="json",
+                        reasoning_parser=None if v3_calls else "deepseek_v3", tool_arguments="json",
                         max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=True)
 
 

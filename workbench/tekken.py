@@ -57,12 +57,14 @@ def load_tokenizer(path: str | Path):
 
 
 def _renderable(m: dict) -> dict:
-    """An assistant message as mistral-common will encode it. Its validator refuses content beside
-    tool calls, and a message with neither, yet the policy samples both (text before [TOOL_CALLS],
-    the `mistral` parser hands out both; a bare </s>): sent back, every later request of the
-    episode was refused (400) and the episode failed, the loop dropping it. The call goes without
-    the text, the empty reply as a space: neither renders as sampled, so the next turn seals
-    (template_rewrite) and goes on."""
+    """An assistant message as a v3 tokenizer's mistral-common will encode it (TekkenFormat applies
+    it where the validator refuses these; v7 and later take both). Its validator refuses content
+    beside tool calls, and a message with neither, yet the policy samples both (text before
+    [TOOL_CALLS], which the `mistral` parser hands out beside the call; a bare </s>): sent back,
+    every later request of the episode was refused (400) and the episode failed, the loop dropping
+    it. The call renders without the text, the empty reply as a space (which renders as nothing).
+    The next turn still extends the sampled ids, text included (the accumulator's renders, before
+    and after, are both of this form); a new segment's prompt renders the call without it."""
     if m["role"] != "assistant":
         return m
     if m.get("tool_calls") and m.get("content"):
@@ -94,6 +96,9 @@ class TekkenFormat(ChatFormat):
         self._history = copy.copy(self.mistral)
         self._history._chat_completion_request_validator = type(self.mistral._chat_completion_request_validator)(
             mode=ValidationMode.finetuning)
+        # v7+ validators take content beside tool calls (and an empty reply); v3's refuse them (_renderable)
+        self._both_or_neither = bool(getattr(self.mistral._chat_completion_request_validator,
+                                             "_allow_tool_call_and_content", False))
         self._keep = SpecialTokenPolicy.KEEP
         self._ignore = SpecialTokenPolicy.IGNORE
         n = self.tekken.num_special_tokens
@@ -115,7 +120,9 @@ class TekkenFormat(ChatFormat):
         """mistral-common's Tokenized for OpenAI-style messages (ids in .tokens, text in .text)."""
         from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
-        msgs = [_renderable(canonical_message(m, **self.message_form)) for m in messages]
+        msgs = [canonical_message(m, **self.message_form) for m in messages]
+        if not self._both_or_neither:
+            msgs = [_renderable(m) for m in msgs]
         final_reply = bool(msgs) and msgs[-1]["role"] == "assistant" and not add_generation_prompt
         req = ChatCompletionRequest.from_openai(msgs, tools or None)
         return (self._history if final_reply else self.mistral).encode_chat_completion(req)
