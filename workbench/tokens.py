@@ -586,11 +586,11 @@ class Accumulator:
         records nothing: the states swap whole (_CONVERSATION_STATE)."""
         if not self._parked:  # one conversation (most sessions): no swapping
             return self._conversation is None or _same_conversation(self._conversation, msgs)
-        open_ = [None] + list(range(len(self._parked) - 1, -1, -1))  # current first, then most recent
-        convs = [self._conversation] + [st["_conversation"] for st in self._parked]
-        conv_of = lambda k: convs[0] if k is None else convs[1 + k]
+        # (parked index or None for the current one, its conversation): current first, then most recent
+        candidates = [(None, self._conversation)] + [(k, self._parked[k]["_conversation"])
+                                                     for k in range(len(self._parked) - 1, -1, -1)]
         for test in (lambda c: _why_not_extending(c, msgs) is None, lambda c: _same_conversation(c, msgs)):
-            k = next((k for k in open_ if conv_of(k) is not None and test(conv_of(k))), False)
+            k = next((k for k, conv in candidates if conv is not None and test(conv)), False)
             if k is not False:
                 if k is not None:  # a parked conversation
                     self._swap_in(k)
