@@ -18,8 +18,9 @@ Isolation (bubblewrap, Debian package `bubblewrap` >= 0.8, installed by scripts/
 - a seccomp filter (libseccomp, via bwrap --seccomp) forbids new processes (fork, vfork, clone
   without CLONE_THREAD; threads are fine), new namespaces, memfds, kernel keyrings, SysV and
   POSIX IPC (a shared-memory segment outlives its detach, outside RLIMIT_AS: 1.5 GiB held under
-  a 64 MiB limit), extended attributes (kernel memory too), and sockets other than unix, inet, inet6 and netlink (AF_VSOCK reaches the
-  hypervisor's port space, which no network namespace covers). One
+  a 64 MiB limit), extended attributes (kernel memory too), and sockets other than unix, inet,
+  inet6 and netlink (AF_VSOCK reaches the hypervisor's port space, which no network namespace
+  covers). One
   process makes the rlimits whole-sandbox limits: address space, CPU seconds, file size, open
   files, tasks (MAX_TASKS), set by the launcher with hard == soft (CPU: hard = soft + 1 s, so the
   soft limit's SIGXCPU is seen), which the unprivileged code cannot raise; the filter also
