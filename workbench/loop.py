@@ -8,9 +8,9 @@ Two modes (LoopConfig.mode):
 - "async" (continuous): a rollout thread keeps groups in flight on every runner while the
   trainer trains (GroupStream), group by group, with no per-step barrier: a step trains on the
   next prompts_per_step groups in the order they started (async_order "start"; "finish": the
-  first to finish, where long episodes are overtaken and drop out). Weight syncs land mid-episode (engines pause in keep
-  mode), so an episode's tokens can span versions; each token keeps the version it was sampled
-  by, and correction.py weights and gates them per token. A group whose oldest token is more
+  first to finish, where long episodes are overtaken and drop out). Weight syncs land
+  mid-episode (engines pause in keep mode), so an episode's tokens can span versions; each
+  token keeps the version it was sampled by, and correction.py weights and gates them per token. A group whose oldest token is more
   than `async_lag` versions behind the trainer is not admitted to a batch (groups_dropped_stale);
   the trainer's max_staleness must allow async_lag (checked up front).
 """
@@ -56,9 +56,10 @@ class LoopConfig:
     async_lag: int = 1
     # async: which finished groups a step trains. "start": the next prompts_per_step in the order they
     # started, so a slow group holds its step back but is never overtaken (within async_lag by
-    # construction; an episode that hangs stalls training until its episode timeout). "finish": the first to finish (no waiting; a group overtaken past async_lag is
-    # not admitted, and the slow groups are the long episodes: one 15x slower than the rest trained
-    # at 1.2% where drawn at 25%; training then leans to short replies and easy prompts)
+    # construction; an episode that hangs stalls training until its episode timeout). "finish":
+    # the first to finish (no waiting; a group overtaken past async_lag is not admitted, and the
+    # slow groups are the long episodes: a quarter of prompts 15x slower than the rest trained at
+    # 1.2% of groups; training then leans to short replies and easy prompts)
     async_order: str = "start"
     # failed episodes carry no reward the agent computed (a crash or a timeout), so by default
     # they leave the batch (the group's baseline is then over those that finished: where timeouts
@@ -867,7 +868,8 @@ class GroupStream:
 def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
     """The groups of one async step, trained from `version`: the next prompts_per_step groups
     (GroupStream.take: in start order, or the first to finish) whose oldest token is at most
-    cfg.async_lag versions behind (older ones are not admitted: groups_dropped_stale); with dynamic sampling, zero-variance groups are filtered too,
+    cfg.async_lag versions behind (older ones are not admitted: groups_dropped_stale); with
+    dynamic sampling, zero-variance groups are filtered too,
     up to dynamic_sampling_rounds x prompts_per_step of them per step. (groups, r0, r1, extra,
     teacher log-probs), or None once stopped."""
     n, groups, teacher, starts, ends, positions = cfg.prompts_per_step, [], {}, [], [], []
