@@ -58,7 +58,8 @@ def trajectory_html(t: Trajectory) -> str:
            f"· {sampled} sampled tokens"]
     if t.error:
         out.append(f"<pre style='color:#c00;white-space:pre-wrap'>error: {escape(t.error)}</pre>")
-    ends = [s for s in t.segments if s.seal_reason in (None, "episode_end", "evicted")]
+    # each conversation's last segment (a record that never closed shows its last segment)
+    ends = [s for s in t.segments if s.seal_reason in (None, "episode_end", "evicted")] or t.segments[-1:]
     for k, seg in enumerate(ends):
         if len(ends) > 1:
             out.append(f"<div style='margin:4px 0;color:#666'>conversation {k + 1} of {len(ends)}</div>")
