@@ -561,22 +561,27 @@ class Accumulator:
     def _make_current_retried(self, msgs: list[dict], tools: list | None) -> bool:
         """Make current the open conversation whose last request this one repeats (a retry of it),
         if any: with sub-agents in flight, A's retry can come after B's request."""
-        key = None
-        for k in [None] + list(range(len(self._parked) - 1, -1, -1)):
-            last, reply = ((self._last_request, self._last_reply) if k is None else
-                           (self._parked[k]["_last_request"], self._parked[k]["_last_reply"]))
-            if reply is not None:
-                key = key or request_key(msgs, tools)
-                if key == request_key(*last):
-                    if k is not None:
-                        self._swap_in(k)
-                    return True
+        key = request_key(msgs, tools)
+        for k, state in self._conversations():
+            if state["_last_reply"] is not None and key == request_key(*state["_last_request"]):
+                if k is not None:
+                    self._swap_in(k)
+                return True
         return False
+
+    def _state(self) -> dict:
+        """The current conversation's state (_CONVERSATION_STATE)."""
+        return {a: getattr(self, a) for a in _CONVERSATION_STATE}
+
+    def _conversations(self) -> list[tuple[int | None, dict]]:
+        """(parked index, None for the current one; its state): the current first, then the most
+        recently parked."""
+        return [(None, self._state())] + [(k, self._parked[k]) for k in range(len(self._parked) - 1, -1, -1)]
 
     def _swap_in(self, k: int) -> None:
         """Make parked conversation k the current one, parking the current one."""
         state = self._parked.pop(k)
-        self._parked.append({a: getattr(self, a) for a in _CONVERSATION_STATE})
+        self._parked.append(self._state())
         for a, v in state.items():
             setattr(self, a, v)
 
@@ -586,9 +591,7 @@ class Accumulator:
         records nothing: the states swap whole (_CONVERSATION_STATE)."""
         if not self._parked:  # one conversation (most sessions): no swapping
             return self._conversation is None or _same_conversation(self._conversation, msgs)
-        # (parked index or None for the current one, its conversation): current first, then most recent
-        candidates = [(None, self._conversation)] + [(k, self._parked[k]["_conversation"])
-                                                     for k in range(len(self._parked) - 1, -1, -1)]
+        candidates = [(k, state["_conversation"]) for k, state in self._conversations()]
         for test in (lambda c: _why_not_extending(c, msgs) is None, lambda c: _same_conversation(c, msgs)):
             k = next((k for k, conv in candidates if conv is not None and test(conv)), False)
             if k is not False:
@@ -628,7 +631,7 @@ class Accumulator:
             return self._segment
         if plan.new_segment:
             if plan.beside and self.open_segment is not None:  # the current conversation stays open, parked
-                self._parked.append({a: getattr(self, a) for a in _CONVERSATION_STATE})
+                self._parked.append(self._state())
                 if len(self._parked) >= self.open_conversations:
                     self._parked.pop(0)["_segment"].seal_reason = "evicted"
             elif self.open_segment is not None:
