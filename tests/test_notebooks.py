@@ -5,6 +5,7 @@ The assertions read what the notebook recorded in its run directory."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import nbformat
 
@@ -33,8 +34,15 @@ def test_quickstart_trains_and_leaves_a_run_directory(tmp_path, capsys, ray_addr
               f"({sum(m['step_s'] for m in metrics):.0f} s of RL steps)")
     assert out.is_file() and nbformat.read(out, as_version=4).cells[-1].cell_type == "code"
     assert results["steps"] == 24 and [m["step"] for m in metrics] == list(range(24))
-    # the RL run clearly raises the toy reward (last quarter vs first quarter of the steps)
-    assert results["reward_last"] > results["reward_first"] + 0.05, [round(m["reward_mean"], 3) for m in metrics]
+    # the RL run clearly raises the toy reward: the last quarter of the steps above the untrained
+    # policy's first step and above the first quarter. Medians, not the notebook's means: the toy
+    # policy, sampled without seeds, now and then spends one step on long wrong replies (reward
+    # 0.03 at step 11 of a run whose neighbours were 0.34 and 0.43, with the engine's and the
+    # trainer's log-probs equal: k3 4e-13) and is back the next step; one such step moved a
+    # quarter's mean by 0.05 and failed a CI run whose curve rose from 0.19 to ~0.38
+    rewards = [m["reward_mean"] for m in metrics]
+    first, last = statistics.median(rewards[:6]), statistics.median(rewards[-6:])
+    assert last > rewards[0] + 0.1 and last > first + 0.03, [round(r, 3) for r in rewards]
     # every step trained on the weights it sampled with, and every sync passed its probe check
     assert all(m["failed_episodes"] == 0 and m["sync_max_abs_diff"] <= 1e-3 for m in metrics)
     assert results["first_step_kl_k3"] < 1e-6 and all(m["gate_pass_ratio"] == 1.0 for m in metrics)
