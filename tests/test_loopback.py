@@ -666,7 +666,8 @@ def test_strict_sampling_refuses_other_sampling_with_a_400(vllm_moe, tokenizer):
 def test_context_clamps_max_tokens_and_a_full_context_ends_the_turn(vllm_moe, tokenizer):
     """max_tokens beyond the room the context leaves is clamped; a turn cut there, and a turn
     with no room at all (empty reply, finish "length" in both protocols, no engine call,
-    nothing recorded) mark the session truncated. The agent's own max_tokens cut is not."""
+    nothing recorded) mark the session truncated, as does a reply cut by the policy's max_tokens
+    (the loop's generation budget). The agent's own smaller max_tokens cut is not."""
     with LoopbackServer(Tap(vllm_moe), tokenizer, max_model_len=64) as srv:
         sid = srv.open_session()
         client = oai(srv, sid)
@@ -693,6 +694,14 @@ def test_context_clamps_max_tokens_and_a_full_context_ends_the_turn(vllm_moe, to
         assert r.choices[0].finish_reason == "length"
         _, state = srv.close_session(sid, details=True)
         assert not state["truncated"] and srv.summary()["truncated_sessions"] == 1
+    # the policy's budget: the agent sends none (or one at least the policy's) and the reply runs out of it
+    with LoopbackServer(Tap(vllm_moe), tokenizer, max_model_len=64, policy_sampling=SamplingConfig(max_tokens=3)) as srv:
+        for sent in ({}, {"max_tokens": 3}, {"max_tokens": 2}):
+            sid = srv.open_session()
+            r = oai(srv, sid).chat.completions.create(model="policy", messages=msgs[:1], extra_body={"ignore_eos": True}, **sent)
+            assert r.choices[0].finish_reason == "length" and len(srv.engine.samples[-1].token_ids) == sent.get("max_tokens", 3)
+            _, state = srv.close_session(sid, details=True)
+            assert state["truncated"] == (sent != {"max_tokens": 2}), sent
 
 
 def test_text_parts_are_joined_as_vllm_joins_them():

@@ -423,7 +423,9 @@ def test_an_episode_that_outgrows_the_context_is_truncated_not_failed(rollout_fo
     for agent, turns in (("truncating_env.py", 1), ("long_env.py", 4)):
         ended = rollout_for(AGENTS / agent, sampling=SamplingConfig(max_tokens=8)).run_groups([task], group_size=1, progress=False)[0]
         assert [(t.error, t.truncated, t.info["turns"]) for t in ended] == [(None, True, turns)], agent
-    short = rollout_for(AGENTS / "waiting_env.py", sampling=SamplingConfig(max_tokens=8))  # terminated at turn 2
+    # terminated at turn 2 (a budget its replies do not run out of: a reply cut by the policy's
+    # max_tokens marks its episode truncated, test_loopback's test_context_clamps_...)
+    short = rollout_for(AGENTS / "waiting_env.py", sampling=SamplingConfig(max_tokens=64))
     normal = short.run_groups([task], group_size=2, progress=False)[0]
     assert not any(t.truncated or t.error for t in normal)
     # in the batch, by the loop's setting (LoopConfig.on_truncated): kept with their recorded

@@ -28,7 +28,8 @@ Measured per segment: `identity_mismatch` (trainable ids that differ from the en
 ids; 0 whenever this mechanism works), `retokenization_drift` (sampled ids that a
 retokenization of their decoded text would change: the damage a text-based pipeline would do)
 and `sampling_overridden` (recorded turns whose request asked for other sampling than the
-policy's; the server replaced it). A session whose turn was cut by the context is `truncated`.
+policy's; the server replaced it). A session whose turn was cut by the context or by the
+policy's max_tokens is `truncated`.
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ class Segment:
 @dataclass
 class Trajectory:
     """One agent episode: its segments plus reward, ids, info and error (None when it ran).
-    `truncated`: a turn was cut by the context (the conversation outgrew max_model_len), or an
-    Env's episode was truncated (its step said so, or max_turns ran out); what was recorded is
-    exact, the episode just could not go on (LoopConfig.on_truncated decides its reward)."""
+    `truncated`: a turn was cut by the context (the conversation outgrew max_model_len) or by the
+    policy's max_tokens (a reply that ran out of the loop's generation budget: an agent's own
+    smaller max_tokens is its choice), or an Env's episode was truncated (its step said so, or
+    max_turns ran out); what was recorded is exact, the episode was just cut short
+    (LoopConfig.on_truncated decides its reward: "drop" is DAPO's overlong filtering)."""
 
     segments: list[Segment] = field(default_factory=list)
     reward: float = 0.0
@@ -517,7 +520,7 @@ class Accumulator:
         self._parked: list[dict] = []  # the other open conversations' _CONVERSATION_STATE, least recent first
         self._last_request: tuple | None = None
         self._last_reply: Any = None
-        self.truncated = False  # a turn was cut by the context (the server sets it; see LoopbackServer)
+        self.truncated = False  # a turn was cut by the context or the policy's max_tokens (the server sets it)
         self.engine_calls = 0  # engine calls made for the session (the server mixes it into a seeded turn's seed)
 
     @property

@@ -181,7 +181,7 @@ class Reply:
     token_strs: list[str] = field(default_factory=list)
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
-    truncated: bool = False  # cut by the context: max_tokens clamped to the room left and hit, or no room at all
+    truncated: bool = False  # cut by the context (max_tokens clamped to the room left and hit, or no room) or the policy's max_tokens
     reasoning: str | None = None  # the reasoning the profile's reasoning parser split off (None: none)
 
     def assistant_message(self) -> dict:

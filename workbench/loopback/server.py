@@ -56,7 +56,7 @@ class ServerStats:
     retries_served_from_cache: int = 0
     seals: Counter = field(default_factory=Counter)  # by reason, over closed sessions
     segment_totals: Counter = field(default_factory=Counter)  # tokens.SEGMENT_TOTALS over closed sessions
-    truncated_sessions: int = 0  # closed sessions cut by the context
+    truncated_sessions: int = 0  # closed sessions cut by the context or the policy's max_tokens
     sampling_refused: Counter = field(default_factory=Counter)  # strict mode: 400s by field
     overhead_s: list = field(default_factory=list)  # per request: server time minus engine time
     engine_s: list = field(default_factory=list)  # per request: time waiting for the engine
@@ -390,7 +390,7 @@ class LoopbackServer:
     def close_session(self, session_id: str, wait: bool = True, details: bool = False):
         """End a session and return its segments. wait=True waits for a turn in flight;
         wait=False (a timed-out episode) returns what is recorded now, and a late reply is dropped.
-        details=True returns (segments, {"truncated": bool}): whether a turn was cut by the context."""
+        details=True returns (segments, {"truncated": bool}): whether a turn was cut by the context or the policy's max_tokens."""
         if session_id not in self.sessions:
             raise KeyError(f"unknown session {session_id!r}")
         if self.loop is not None and self.loop.is_running():
@@ -688,7 +688,10 @@ class LoopbackServer:
             except BaseException:
                 acc.forget_last_request()  # nothing recorded for it either: as for a failed engine call
                 raise
-            if clamped and sample.finish_reason == "length":  # cut by the context, not by the agent's max_tokens
+            # cut by the context, or by a budget at least the policy's (SamplingConfig.max_tokens, the
+            # generation budget the loop sets: TRL's max_completion_length, what DAPO's overlong
+            # filtering drops); an agent's own smaller max_tokens is its choice (it sees "length")
+            if sample.finish_reason == "length" and (clamped or sampling.max_tokens >= self.policy_sampling.max_tokens):
                 reply.truncated = acc.truncated = True
             acc.record(plan, sample, reply.assistant_message(), reply=reply, sampling_overridden=bool(differing),
                        temperature=req.sampling.temperature)

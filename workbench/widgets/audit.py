@@ -66,7 +66,7 @@ CHECKS = (
     ("sync_failed", "failed weight sync", "the step trained, then its weight sync raised (a probe mismatch, an engine lost): "
      "the engines may not serve the trained weights"),
     ("failed_rate", "failed episodes", "share of the step's episodes that failed (agent error, timeout, dead engine)"),
-    ("truncated_rate", "truncated episodes", "share of the step's episodes cut by the context or by an Env's truncation (its step, max_turns)"),
+    ("truncated_rate", "truncated episodes", "share of the step's episodes cut by the context, the policy's max_tokens or an Env's truncation (its step, max_turns)"),
 )
 PER_EPISODE = {"identity_mismatch", "retokenization_drift", "unexpected_seals", "max_staleness", "failed_rate",
                "truncated_rate"}
