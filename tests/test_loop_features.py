@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import types
 from math import comb
 
 import pytest
@@ -18,6 +19,7 @@ from workbench.data import TaskDataset
 from workbench.evaluation import default_ks, pass_at_k, summarize
 from workbench.loop import (LoopConfig, batch_from_groups, collect_groups, overlong_penalty, sampled_tokens,
                             zero_variance)
+from workbench.rollout.engine import SamplingConfig
 from workbench.tokens import Segment, Trajectory
 
 
@@ -482,6 +484,21 @@ def test_distillation_advantage_and_reverse_kl_hand_computed():
         batch_from_groups([[a, b]], "distill", teacher={id(a.segments[0]): teacher[id(a.segments[0])]})
     with pytest.raises(ValueError, match="needs a teacher engine"):
         check_teacher(None, cfg, None)
+    # the student's log-probs must be of its whole unscaled distribution, as the teacher's are: a
+    # batch built outside a run (wb.trainer.step / batch) is refused too, by the trainer's
+    # temperature or the one a segment was sampled at (the loopback server stamps it)
+    with pytest.raises(ValueError, match="at temperature 1; the policy samples at temperature 0.7"):
+        batch_from_groups([[a, b]], "distill", teacher=teacher, temperature=0.7)
+    a.segments[0].stats["temperatures"] = [0.7]
+    with pytest.raises(ValueError, match="samples at temperature 0.7"):
+        batch_from_groups([[a, b]], "distill", teacher=teacher)
+    a.segments[0].stats["temperatures"] = [1.0]
+    assert batch_from_groups([[a, b]], "distill", teacher=teacher, temperature=1.0)[1]["episodes"] == 2
+    # top_p < 1: renormalized over the kept tokens, whether or not the importance correction is on
+    rollout = types.SimpleNamespace(sampling=SamplingConfig(top_p=0.9))
+    with pytest.raises(ValueError, match="top_p=0.9"):
+        check_teacher(rollout, cfg, ["a teacher engine"])
+    check_teacher(types.SimpleNamespace(sampling=SamplingConfig()), cfg, ["a teacher engine"])
 
 
 def test_engines_are_judged_by_the_oldest_version_and_a_dropped_engine_stops_serving(ray_local):

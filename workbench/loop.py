@@ -222,6 +222,9 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     batch = training_tensors(segments, pad_id)
     index = torch.tensor(seg_episode)
     if advantage in PER_TOKEN_ADVANTAGES:  # per token, per row: the teacher's log-probs of the row's tokens
+        # here, not only where a run starts: wb.trainer.step() / batch() build their batches here too
+        for t in sorted({t for s in segments for t in s.stats.get("temperatures", ())} | {temperature or 1.0}):
+            check_distill_sampling(t)
         missing = [i for i, s in enumerate(segments) if teacher is None or id(s) not in teacher]
         if missing:
             raise ValueError(f"advantage {advantage!r} needs the teacher's log-probs of every trainable segment "
@@ -328,9 +331,23 @@ def check_teacher(rollout, cfg: "LoopConfig", teacher_engines: list | None) -> N
         raise ValueError(f"advantage {cfg.advantage!r} needs a teacher engine (loop.run(teacher_engines=...); a session "
                          f"starts one for LoopConfig.teacher)")
     sampling = getattr(rollout, "sampling", None)
-    if sampling is not None and sampling.temperature != 1.0:
+    if sampling is not None:
+        check_distill_sampling(sampling.temperature, sampling.top_p)
+
+
+def check_distill_sampling(temperature: float, top_p: float = 1.0) -> None:
+    """On-policy distillation's advantage is log p_teacher - log p_student of each sampled token:
+    the teacher's log-probs are of its whole, unscaled distribution, so the student's must be too
+    (at temperature 0.7 a teacher equal to the student read as a reverse KL of 0.066 and pulled the
+    student toward a flattened teacher; at top_p 0.9 every advantage was offset by log(kept mass)).
+    Whether or not the importance correction is on (its own top_p check is skipped when off)."""
+    if abs(temperature - 1.0) > 1e-6:
         raise ValueError(f"on-policy distillation compares the student's sampled log-probs with the teacher's at "
-                         f"temperature 1; the policy samples at temperature {sampling.temperature:g} (set temperature=1.0)")
+                         f"temperature 1; the policy samples at temperature {temperature:g} (set temperature=1.0)")
+    if top_p < 1.0:
+        raise ValueError(f"on-policy distillation needs the student's log-probs over the whole vocabulary, as the "
+                         f"teacher's are; the policy samples with top_p={top_p} (the engine reports them "
+                         f"renormalized over the kept tokens): sample with top_p=1.0")
 
 
 class EnginesLost(RuntimeError):
