@@ -316,6 +316,9 @@ def test_pass_at_k_is_the_unbiased_estimator():
     assert m["eval_pass@4"] == 1.0 and m["eval_tasks"] == 2 and m["eval_n"] == 4
     with pytest.raises(ValueError, match="pass@8 needs at least 8 samples per task, got 4"):
         summarize(groups, ks=[8])
+    # a reward nobody earned is no measured 0: every episode failed, the mean is None
+    failed = [[episode(0.0, error="boom"), episode(0.0, error="boom")]]
+    assert summarize(failed)["eval_reward_mean"] is None and summarize(failed)["eval_failed"] == 2
 
 
 def test_evaluation_episodes_never_enter_a_training_batch():
@@ -369,6 +372,33 @@ def test_config_refuses_unknown_loggers():
 
 
 # ----------------------------------------------------------------------------- on a live session
+def test_greedy_evaluation_of_a_strict_session_runs_greedy(ray_local, tmp_path):
+    """sampling="strict" refuses a recorded turn whose sent temperature is not the policy's. An
+    agent that sends the training temperature is legal in training; the greedy evaluation's
+    runners (policy temperature 0) refused every one of its turns, and every greedy episode failed
+    and read as wrong (eval_greedy_pass@1 0, the failures in no metric). They override instead."""
+    import workbench
+    from workbench.examples.arithmetic_env import tasks as arithmetic_tasks
+
+    agent = tmp_path / "sends_temperature.py"
+    agent.write_text(
+        "from workbench.agents import ChatAgent\n"
+        "from workbench.examples.arithmetic_env import tasks  # noqa: F401\n\n\n"
+        "class AgentRunner(ChatAgent):\n"
+        "    async def run(self, ctx):\n"
+        "        r = await ctx.openai().chat.completions.create(model=ctx.model, messages=list(ctx.messages),\n"
+        "                                                       max_tokens=8, temperature=1.0)\n"
+        "        return float((r.choices[0].message.content or '').strip() == str(ctx.label))\n")
+    wb = workbench.connect(backend="reference", trainer_ranks=1, run_dir=str(tmp_path / "run"), agent=str(agent),
+                           sampling="strict", eval_tasks=arithmetic_tasks(2, seed=99))
+    try:
+        m = wb.eval(n=1)
+        assert m["eval_failed"] == 0 and m["eval_greedy_failed"] == 0, m
+        assert m["eval_greedy_reward_mean"] is not None and m["eval_reward_mean"] is not None
+    finally:
+        wb.shutdown()
+
+
 def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path):
     """The toy model on the reference backend: wb.eval (sampled and greedy), eval_every in the
     run, dynamic sampling and overlong shaping switched on, the data position recorded per step

@@ -71,7 +71,8 @@ def summarize(groups: list[list], ks: list[int] | None = None, success_reward: f
     correct = [sum(is_correct(t, success_reward) for t in g[:n]) for g in groups]
     out = {f"{prefix}pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(groups) for k in ks}
     rewards = [t.reward for g in groups for t in g if t.error is None]
-    out.update({f"{prefix}reward_mean": sum(rewards) / max(len(rewards), 1), f"{prefix}tasks": len(groups),
+    # None, not 0, when no episode finished: a reward nobody earned is not a measured 0
+    out.update({f"{prefix}reward_mean": sum(rewards) / len(rewards) if rewards else None, f"{prefix}tasks": len(groups),
                 f"{prefix}n": n, f"{prefix}failed": sum(t.error is not None for g in groups for t in g)})
     return out
 
@@ -79,8 +80,9 @@ def summarize(groups: list[list], ks: list[int] | None = None, success_reward: f
 def evaluate(rollout, tasks: list[Task], n: int = 4, greedy_rollout=None, ks: list[int] | None = None,
              success_reward: float = 1.0) -> tuple[dict, list[list]]:
     """Run the evaluation: (metrics, the evaluation groups, greedy ones appended after the
-    sampled ones). Metrics: eval_pass@k and eval_reward_mean (sampled), eval_greedy_pass@1 and
-    eval_greedy_reward_mean (with greedy_rollout), eval_s."""
+    sampled ones). Metrics: eval_pass@k, eval_reward_mean and eval_failed (sampled),
+    eval_greedy_pass@1, eval_greedy_reward_mean and eval_greedy_failed (with greedy_rollout),
+    eval_s. A reward mean is None where no episode finished."""
     tasks = list(tasks)
     if not tasks:
         raise ValueError("nothing to evaluate: no tasks")
@@ -91,7 +93,9 @@ def evaluate(rollout, tasks: list[Task], n: int = 4, greedy_rollout=None, ks: li
     if greedy_rollout is not None:  # greedy samples are all alike: one per task
         greedy = _mark(greedy_rollout.run_groups(tasks, 1, progress=False))
         g = summarize(greedy, [1], success_reward, prefix="eval_greedy_")
-        metrics.update({k: v for k, v in g.items() if k in ("eval_greedy_pass@1", "eval_greedy_reward_mean")})
+        # with its failures: failed episodes count as wrong, so pass@1 alone hid a greedy run that failed
+        metrics.update({k: v for k, v in g.items() if k in ("eval_greedy_pass@1", "eval_greedy_reward_mean",
+                                                            "eval_greedy_failed")})
         groups += greedy
     metrics["eval_s"] = time.time() - t0
     return metrics, groups

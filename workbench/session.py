@@ -515,7 +515,10 @@ class Workbench:
                              **{"max_model_len": self.profile.max_model_len, "dtype": self.profile.dtype, **kwargs})
 
     def _greedy(self):
-        """Runners like the training ones but whose policy sampling is greedy (temperature 0)."""
+        """Runners like the training ones but whose policy sampling is greedy (temperature 0). Always
+        in override mode, whatever WorkbenchConfig.sampling says: they record nothing that trains,
+        and under "strict" an agent that sends the training temperature (legal in training) got a
+        400 at every greedy turn, so every greedy episode failed and read as wrong."""
         if self._greedy_rollout is None:
             from .rollout.engine import SamplingConfig
             from .rollout.runner import Rollout
@@ -523,7 +526,7 @@ class Workbench:
             cfg = self.cfg
             self._greedy_rollout = Rollout(cfg.agent, self.engines, self.model_path, num_runners=1,
                                            sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=0.0),
-                                           sampling_mode=cfg.sampling, profile=self.profile,
+                                           sampling_mode="override", profile=self.profile,
                                            max_request_bytes=cfg.max_request_bytes, side_engine=self.judge_engine)
         return self._greedy_rollout
 
