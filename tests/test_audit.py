@@ -92,6 +92,15 @@ def test_revisit_recomputes_the_logged_step(short_run):
     assert "equal" in rv._repr_html_() and rv.journey(0).values["gate_keep"] in (True, False)
     with pytest.raises(FileNotFoundError, match="keep_policy_every"):
         short_run.revisit(None, 1)
+    # a kept policy that does not hold the version the step trained from is refused, not paired with it
+    mark = short_run.run_dir / "policies" / "step_00002" / "workbench_policy.json"
+    original = mark.read_text()
+    try:
+        mark.write_text(json.dumps({**json.loads(original), "version": logged["version"] + 3}))
+        with pytest.raises(ValueError, match=f"holds version {logged['version'] + 3}, but the step trained from version"):
+            short_run.revisit(None, 2)
+    finally:
+        mark.write_text(original)
 
 
 def test_a_run_keeps_the_policy_it_starts_from_unless_it_holds_that_version(tmp_path):
@@ -145,6 +154,44 @@ def test_a_run_keeps_the_policy_it_starts_from_unless_it_holds_that_version(tmp_
     keep(4, replace=False)
     assert exports == [7, 8] and kept_loop_settings(tmp_path / "policies" / "step_00004", None)["advantage"] == "grpo"
     assert kept_loop_settings(tmp_path / "policies" / "step_00006", {"advantage": "grpo"}) == {"advantage": "grpo"}
+    # ... whatever the next run's keep_policy_every: a second wb.run without it trains the step too
+    # (run 1's advantage and episode rules stayed in the mark, and wb.revisit used them)
+    handle.keep_policy_every, handle.cfg = 0, LoopConfig(advantage="rloo", on_failed="zero")
+    keep(4, replace=False)
+    assert exports == [7, 8] and kept_loop_settings(tmp_path / "policies" / "step_00004", None)["on_failed"] == "zero"
+    handle._wb._trainer.version = 9  # not the kept weights: left as they are (wb.revisit refuses them)
+    handle.cfg = LoopConfig(advantage="grpo")
+    keep(4, replace=False)
+    assert exports == [7, 8] and kept_loop_settings(tmp_path / "policies" / "step_00004", None)["advantage"] == "rloo"
+
+
+def test_a_restore_sets_aside_the_abandoned_branchs_policies_and_evaluations(tmp_path, capsys):
+    """wb.restore / a resume to next_step 2 sets aside what the steps after the checkpoint left:
+    their metrics and trajectories (as before), the policies kept for steps > 2 (they start from
+    the abandoned branch's weights: wb.revisit of a re-run step 3 paired them with its new
+    trajectories) and the evaluations of the weights after steps >= 2 (a re-run step's
+    evaluation was a second record beside them). policies/step_00002 holds the checkpoint's own
+    weights: it stays."""
+    import types
+
+    from workbench.session import Workbench
+
+    run = tmp_path
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i}) + "\n" for i in range(4)) + '{"step": 4, "ver')
+    (run / "eval.jsonl").write_text("".join(json.dumps({"step": i, "eval_pass@1": i / 10}) + "\n" for i in (-1, 1, 2, 3)))
+    for i in range(4):
+        (run / "trajectories").mkdir(exist_ok=True)
+        (run / "trajectories" / f"step_{i:05d}.parquet").write_text("x")
+        (run / "policies" / f"step_{i:05d}").mkdir(parents=True)
+    kept = Workbench._set_aside(types.SimpleNamespace(run_dir=run), 2)
+    assert [m["step"] for m in kept] == [0, 1]
+    [aside] = list((run / "abandoned").iterdir())
+    assert sorted(p.name for p in (run / "policies").iterdir()) == ["step_00000", "step_00001", "step_00002"]
+    assert sorted(p.name for p in (aside / "policies").iterdir()) == ["step_00003"]
+    assert [json.loads(x)["step"] for x in (run / "eval.jsonl").read_text().splitlines()] == [-1, 1]
+    assert [json.loads(x)["step"] for x in (aside / "eval.jsonl").read_text().splitlines()] == [2, 3]
+    assert sorted(p.name for p in (aside / "trajectories").iterdir()) == ["step_00002.parquet", "step_00003.parquet"]
+    assert "were not in the checkpoint" in capsys.readouterr().out
 
 
 def test_the_audit_flags_a_failed_sync_nan_and_unreplayed_routing():

@@ -603,7 +603,7 @@ def test_an_engine_failing_before_the_nccl_broadcast_is_raised_not_waited_on(ray
     ray.kill(engine)
 
 
-def test_a_restored_run_syncs_under_its_checkpoints_version(ray_local):
+def test_a_restored_run_syncs_under_its_checkpoints_version(ray_local, monkeypatch):
     """loop.run's first sync labels the trainer's weights with the trainer's own version where the
     engines are behind it (a restored checkpoint's weights on fresh engines), else one past the
     newest engine's (Workbench.sync's rule): it always added one, so a restored run's steps were
@@ -640,3 +640,13 @@ def test_a_restored_run_syncs_under_its_checkpoints_version(ray_local):
                     None, 0) == []
         assert trainer.version == ray.get(engine.info.remote())["version"] == synced, (restored, engine_at)
         ray.kill(engine)
+    # a checkpoint restored by the loop itself replaced the trainer's weights: synced even where the
+    # caller turned the initial sync off (the engines served the weights from before the restore;
+    # the first resumed step sampled the base model, every token V versions stale)
+    trainer, engine = Trainer(0), Engine.remote(0)
+    trainer.restore = lambda path: (setattr(trainer, "version", 5) or {"next_step": 3, "data_position": 12})
+    monkeypatch.setattr("workbench.loop.recover_checkpoint", lambda path: True)
+    _run(None, trainer, [engine], None, LoopConfig(steps=3, initial_sync=False), None, False, "ckpt", 0,
+         threading.Event(), None, 0)
+    assert trainer.version == ray.get(engine.info.remote())["version"] == 5
+    ray.kill(engine)

@@ -608,14 +608,16 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
          start_step, start_position=None, evaluate=None, teacher_engines=None) -> list[dict]:
     from tqdm.auto import tqdm
 
-    first = start_step
+    first, restored = start_step, False
     if checkpoint_dir and recover_checkpoint(checkpoint_dir):
         state = trainer.restore(checkpoint_dir)
-        first, start_position = state["next_step"], state.get("data_position")
+        first, start_position, restored = state["next_step"], state.get("data_position"), True
     # the data position: tasks drawn so far (the producer advances it, replacements included)
     position = first * cfg.prompts_per_step if start_position is None else start_position
     # one version counter for trainer and engines; it only ever increases
-    if cfg.initial_sync:  # rollouts must come from the trainer's weights, not whatever the engines hold:
+    # (a restore replaced the trainer's weights: the engines serve others whatever initial_sync says;
+    # unsynced, the first resumed step sampled the base model, its tokens V versions stale)
+    if cfg.initial_sync or restored:  # rollouts must come from the trainer's weights, not whatever the engines hold:
         # under the trainer's own version (a restored one: its checkpoint's weights), or past every
         # engine's (Workbench.sync's rule; a restored run labelled its steps one past an uninterrupted run's)
         trainer.version = max(trainer.version, engines_version(engines) + 1)

@@ -419,6 +419,11 @@ class Workbench:
             kept = sorted(p.name for p in (run / "policies").glob("step_*"))
             raise FileNotFoundError(f"no kept policy for step {step} in {run / 'policies'} (kept: {kept or 'none'}); "
                                     f"wb.run(..., keep_policy_every=N) keeps the weights of every N-th step")
+        held = (policy_mark(policy) or {}).get("version")
+        if held is not None and held != logged["version"] - 1:
+            raise ValueError(f"the policy kept for step {step} ({policy}) holds version {held}, but the step trained "
+                             f"from version {logged['version'] - 1} (metrics.jsonl): those are not the weights it "
+                             f"trained from (kept before a wb.trainer.step() outside a run, or by another branch)")
         d = kept_settings(policy, json.loads((run / "config.json").read_text()))
         cfg = WorkbenchConfig.from_dict({k: d[k] for k in ("trainer", "loop", "temperature", "trainer_ranks") if k in d})
         trajectories = read_trajectories(run / "trajectories" / f"step_{step:05d}.parquet")
@@ -584,10 +589,21 @@ class Workbench:
 
     def _set_aside(self, next_step: int) -> list[dict]:
         """Move the record of steps >= next_step (metrics.jsonl lines, a torn last line included,
-        and trajectories/step_*.parquet) into abandoned/<time>/; nothing is deleted. Returns the
-        metrics that stay."""
+        trajectories/step_*.parquet, eval.jsonl lines of the weights after such a step) and the
+        policies kept for steps > next_step (the weights they start from are the abandoned
+        branch's: wb.revisit paired a re-run step's trajectories with them) into
+        abandoned/<time>/; nothing is deleted. Returns the metrics that stay."""
         metrics, traj = self.run_dir / "metrics.jsonl", self.run_dir / "trajectories"
         kept, keep_lines, drop_lines = [], [], []
+        evals = self.run_dir / "eval.jsonl"
+        eval_keep, eval_drop = [], []
+        for line in (evals.read_text().splitlines() if evals.exists() else []):
+            try:  # wb.eval() records the last trained step: >= next_step was evaluated on the abandoned weights
+                (eval_keep if int(json.loads(line)["step"]) < next_step else eval_drop).append(line)
+            except (ValueError, KeyError, TypeError):
+                eval_drop.append(line)
+        policies = sorted(p for p in (self.run_dir / "policies").glob("step_*")
+                          if p.name[5:].isdigit() and int(p.name[5:]) > next_step)
         for line in (metrics.read_text().splitlines() if metrics.exists() else []):
             if not line.strip():
                 continue
@@ -603,7 +619,7 @@ class Workbench:
             else:
                 drop_lines.append(line)
         files = sorted(p for p in traj.glob("step_*.parquet") if p.stem[5:].isdigit() and int(p.stem[5:]) >= next_step)
-        if not drop_lines and not files:
+        if not drop_lines and not files and not eval_drop and not policies:
             return kept
         stamp = time.strftime("%Y%m%d-%H%M%S")
         dest = self.run_dir / "abandoned" / stamp
@@ -616,6 +632,15 @@ class Workbench:
             (dest / "metrics.jsonl").write_text("\n".join(drop_lines) + "\n")
         for p in files:
             os.replace(p, dest / "trajectories" / p.name)
+        if policies:
+            (dest / "policies").mkdir()
+            for p in policies:
+                os.replace(p, dest / "policies" / p.name)
+        if eval_drop:
+            (dest / "eval.jsonl").write_text("\n".join(eval_drop) + "\n")
+            tmp = evals.with_name("eval.jsonl.tmp")
+            tmp.write_text("".join(x + "\n" for x in eval_keep))
+            os.replace(tmp, evals)
         tmp = metrics.with_name("metrics.jsonl.tmp")
         tmp.write_text("".join(x + "\n" for x in keep_lines))
         os.replace(tmp, metrics)
@@ -912,16 +937,20 @@ class RunHandle:
         import shutil
 
         path = self._wb.run_dir / "policies" / f"step_{step:05d}"
-        if not self.keep_policy_every or step % self.keep_policy_every:
-            return
         version = self._wb._trainer.version
+        # the previous run kept the weights this run's first step trains from: this run trains the
+        # step, so the mark takes its settings whatever this run's keep_policy_every (a second run
+        # without it left run 1's advantage and episode rules there, and wb.revisit used them)
+        settle = not replace and path.exists() and (policy_mark(path) or {}).get("version") == version
+        if not settle and (not self.keep_policy_every or step % self.keep_policy_every):
+            return
         # with the run's loop settings (wb.run's overrides in) and the session's trainer settings (a resumed
         # session's may differ from config.json's: config.resume-*.json): what wb.revisit steps it with
         wb_cfg = self._wb.cfg
         mark = {"step": step, "version": version, "loop": _jsonable(dataclasses.asdict(self.cfg)),
                 **({} if wb_cfg is None else {"trainer": _jsonable(dataclasses.asdict(wb_cfg.trainer)),
                                               "temperature": wb_cfg.temperature, "trainer_ranks": wb_cfg.trainer_ranks})}
-        if path.exists() and not replace and (policy_mark(path) or {}).get("version") == version:
+        if settle:
             (path / POLICY_MARK).write_text(json.dumps(mark))  # the weights are these; the settings this run's
             return
         new = path.with_name(path.name + ".new")
