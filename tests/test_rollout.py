@@ -14,6 +14,7 @@ import torch
 
 from workbench.agents import AgentLoadError, Task, load_agent
 from workbench.data import load_tasks, tasks_from_list
+from workbench.loop import episode_reward
 from workbench.rollout.actor import sync_weights
 from workbench.rollout.engine import SamplingConfig, expected_probe_logprobs, probe_ids
 from workbench.rollout.runner import Rollout
@@ -201,10 +202,10 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
 
     task = Task([{"role": "user", "content": "Say something about tools."}])
     # the four rollouts' runners start together (each a process importing transformers, seconds each)
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(5) as pool:
         made = list(pool.map(lambda a: rollout_for(AGENTS / a[0], **a[1]),
                              [("sync_agent.py", {}), ("crashing.py", {}), ("nan_reward.py", {}),
-                              ("hanging.py", {"episode_timeout_s": 5})]))
+                              ("hanging.py", {"episode_timeout_s": 5}), ("failing_env.py", {})]))
     # first, so the engine has served a request: a fresh vLLM engine's first one takes seconds (warm-up),
     # and the hanging agent's 5 s must cover its one recorded turn
     ok = made[0].run_groups([task], group_size=2, progress=False)[0]
@@ -220,6 +221,11 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     assert time.time() - t0 < 60
     assert all("timed out after 5 s" in t.error for t in hang)
     assert all(t.segments and t.segments[0].stats["turns"] == 1 for t in hang)  # kept what it recorded
+    # an Env that raises part-way keeps the reward and info its steps earned before (what
+    # on_failed="keep" trains on; it read 0, as a crash with no reward, and "keep" was "zero")
+    broke = made[4].run_groups([task], group_size=2, progress=False)[0]
+    assert all("env broke on purpose" in t.error and t.reward == 0.25 and t.info["first"] == "done" for t in broke)
+    assert [r for _, r, _ in (episode_reward(t, on_failed="keep") for t in broke)] == [0.25, 0.25]
 
 
 def test_an_interrupted_rollout_gives_its_slots_back_when_its_groups_finish(rollout_for, monkeypatch):

@@ -94,14 +94,20 @@ class RolloutRunner:
             episode_id = uuid.uuid4().hex[:16]
             sid = self.server.open_session(episode_id)
             reward, info, error, timed_out, cut = 0.0, {}, None, False, False
+            # what an Env episode earned so far: a failed one keeps it (LoopConfig.on_failed="keep" means
+            # the reward it got; a chat agent's crash returned none, so its reward is 0)
+            partial = {"reward": 0.0, "info": {}}
             try:
-                episode = self._env_episode(task, sid) if self.spec.kind == "env" else self._chat_episode(task, sid, group_id)
+                episode = (self._env_episode(task, sid, partial) if self.spec.kind == "env" else
+                           self._chat_episode(task, sid, group_id))
                 reward, info, cut = await asyncio.wait_for(episode, self.episode_timeout_s)
             except asyncio.TimeoutError:
                 timed_out = True
                 error = f"episode timed out after {self.episode_timeout_s:g} s"
             except Exception as e:
                 error = f"{type(e).__name__}: {e}\n{''.join(traceback.format_exc(limit=-3))}"
+            if error is not None:
+                reward, info = partial["reward"], dict(partial["info"])
             segments, state = await self.server.close_session_async(sid, wait=not timed_out, details=True)
             return Trajectory(segments, reward, group_id, episode_id, {"task_id": task.id, **info}, error,
                               truncated=state["truncated"] or cut)
@@ -141,16 +147,19 @@ class RolloutRunner:
             result = await asyncio.to_thread(agent.run, ctx)
         return (*as_reward(result), False)
 
-    async def _env_episode(self, task: Task, sid: str):
+    async def _env_episode(self, task: Task, sid: str, partial: dict | None = None):
         """The framework-owned loop: render -> sample -> env.step, through the server's accumulator.
         (reward, info, truncated): truncated when the Env's step said so (and not terminated) or
         max_turns ran out first, so that LoopConfig.on_truncated applies to it as to an episode
-        cut by the context (it trained on a partial reward as if finished)."""
+        cut by the context (it trained on a partial reward as if finished). `partial` follows the
+        reward and info so far, for an episode that fails part-way."""
         env = self.spec.make()
         observation, info = await env.reset(task)
         # its own copy: an Env whose reset returns task.info itself had every episode of the group
         # (one Task, run concurrently) update one dict, each sibling's step info in the others'
         info = dict(info or {})
+        partial = {} if partial is None else partial
+        partial["info"] = info
         messages = [dict(m) for m in observation]
         tools = env.tools or task.tools
         total, turns, cut = 0.0, 0, False
@@ -162,6 +171,7 @@ class RolloutRunner:
             messages.append(message)
             observation, reward, terminated, truncated, step_info = await env.step(message)
             total += reward_value(reward, f"the reward {type(env).__name__}.step returned at turn {turns}")
+            partial["reward"] = total
             info.update(step_info or {})
             if terminated or truncated:
                 cut = bool(truncated) and not terminated
