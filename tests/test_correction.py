@@ -90,6 +90,21 @@ def test_kl_estimators_and_delta_p():
     assert sum(c.stats["is_weight_hist"]["counts"]) == 2  # seq1 dropped by the band: its tokens not counted
 
 
+def test_statistics_of_a_broken_engine_stay_finite_and_count_what_the_gate_kept():
+    """An engine far off the trainer (a broken sync): k1 came from log(exp(log r)) in float32,
+    inf past ~88 nats where the exact mean is 60; and a TIS weight min(r, 2) that underflowed to 0
+    counted as a dropped token in token_keep_ratio and the IS-weight histogram, while the gate
+    kept it (its KL term applies, it counts in signal_tokens_trained)."""
+    behav = torch.tensor([[0.0, -120.0, -1.0, -1.0]])
+    trainer = torch.tensor([[0.0, -0.01, -1.0, -1.0]])
+    for a, b, k1 in ((trainer, behav, 119.99 / 3), (behav, trainer, -119.99 / 3)):
+        c = correction_weights(a, b, torch.tensor([[0, 1, 1, 1]]), torch.zeros(1, 4, dtype=torch.long), 0,
+                               CorrectionConfig.tis())
+        assert c.stats["kl_k1"] == pytest.approx(-k1, rel=1e-6), c.stats["kl_k1"]
+        assert bool(c.token_keep[0, 1:].all()) and c.stats["token_keep_ratio"] == 1.0
+        assert sum(c.stats["is_weight_hist"]["counts"]) == 3
+
+
 def test_on_policy_batch_is_untouched():
     old, _, mask, versions = batch()
     c = correction_weights(old, old.clone(), mask, versions, 6, CorrectionConfig(max_staleness=None))

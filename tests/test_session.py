@@ -37,6 +37,12 @@ def test_config_errors_name_the_field():
     cfg = WorkbenchConfig.from_dict({"trainer": {"lr": 0.5, "correction": {"max_staleness": 2}}})
     assert cfg.trainer.lr == 0.5 and cfg.trainer.correction.max_staleness == 2
     assert cfg.trainer.correction.mode == "trunc"  # the rest of the default (TIS) is kept
+    # another level or mode without a band gets that mode's band, not the TIS cap's [0, 2] (a geo
+    # mask then trained sequences with a ratio of 0.6 that the documented band drops)
+    corr = lambda d: WorkbenchConfig.from_dict({"trainer": {"correction": d}}).trainer.correction  # noqa: E731
+    assert (corr({"level": "geo", "mode": "mask"}).low, corr({"level": "geo", "mode": "mask"}).high) == (0.99, 1.01)
+    assert (corr({"mode": "clip"}).level, corr({"mode": "clip"}).low) == ("token", 0.99)
+    assert (corr({"level": "seq", "mode": "trunc"}).high, corr({"mode": "mask", "high": 1.2}).low) == (2.0, 0.0)
 
 
 def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):

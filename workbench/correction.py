@@ -204,7 +204,8 @@ def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
         if cfg.enabled and cfg.mode == "mask" and cfg.level == "token":
             token_keep &= in_band
 
-        inputs = tuple(t.detach() for t in (trainer_logprobs, behaviour_logprobs, m, r, weights, keep, fresh, stale, versions, vetoed))
+        inputs = tuple(t.detach() for t in (trainer_logprobs, behaviour_logprobs, m, token_keep, weights, keep, fresh, stale,
+                                            versions, vetoed))
     return Correction(weights, keep, token_keep, inputs)
 
 
@@ -217,18 +218,20 @@ def kl_k3_sum(trainer_lp: torch.Tensor, behaviour_lp: torch.Tensor, loss_mask: t
     return float((lr.exp() - 1 - lr).sum()), int(m.sum())
 
 
-def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions, vetoed) -> dict:
+def _stats(trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, versions, vetoed) -> dict:
     # on CPU: small tensors, and torch.histogram has no CUDA kernel
-    trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions, vetoed = (
-        t.cpu() for t in (trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions, vetoed))
+    trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, versions, vetoed = (
+        t.cpu() for t in (trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, versions, vetoed))
     n = int(m.sum())
     current = m & (stale == 0)  # sampled by the weights the trainer holds now
     n_current = int(current.sum())
     older = m & (stale > 0)  # (a token newer than the trainer, after a restore to older weights, is neither)
     n_older = int(older.sum())
     rows = m.any(-1)  # sequences with trainable tokens (padding rows are neither kept nor dropped)
-    lr = torch.log(r[m]) if n else torch.zeros(0)
-    kept = m & keep[:, None] & (weights > 0)  # a token-level mask's rejections are not kept tokens (token_keep_ratio)
+    # the tokens the correction kept (a token-level mask's rejections are not: token_keep_ratio). From
+    # the decision, not weights > 0: a TIS weight min(r, cap) that underflowed to 0 is a kept token
+    # (its KL term applies, it counts in signal_tokens_trained), and it read as a dropped one
+    kept = token_keep
     w = weights[kept]
     hist = torch.histogram(w.clamp(max=1e6), bins=torch.tensor(WEIGHT_BINS[:-1] + (1e6,))).hist if w.numel() else torch.zeros(len(WEIGHT_BINS) - 1)
     return {
@@ -239,9 +242,11 @@ def _stats(trainer_lp, behav_lp, m, r, weights, keep, fresh, stale, versions, ve
         "veto_dropped": int((fresh & vetoed & rows).sum()),
         # share of trainable tokens the correction kept: a token-level mask drops tokens, not
         # sequences, so its rejections show here and not in gate_pass_ratio
-        "token_keep_ratio": float((weights[m] > 0).float().mean()) if n else 1.0,
+        "token_keep_ratio": float(kept[m].float().mean()) if n else 1.0,
         # KL(behaviour || trainer) estimators on the behaviour samples, with r = pi_old / pi_behav
-        "kl_k1": float((-lr).mean()) if n else 0.0,
+        # (from the log-probs in float64: log(exp(log r)) in float32 overflowed to +-inf past ~88 nats,
+        # on the broken engine this statistic is read for)
+        "kl_k1": float((behav_lp.double() - trainer_lp.double())[m].mean()) if n else 0.0,
         "kl_k3": kl_k3_sum(trainer_lp, behav_lp, m)[0] / n if n else 0.0,
         # the same on the tokens of the trainer's own version: staleness excluded, what is left is
         # the engine's forward against the trainer's (0 up to rounding when they agree; a K/V kept

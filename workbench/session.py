@@ -129,8 +129,14 @@ class WorkbenchConfig:
             if isinstance(d.get(key), dict):  # over the defaults
                 sub = dict(d[key])
                 if key == "trainer" and isinstance(sub.get("correction"), dict):
-                    sub["correction"] = _build(CorrectionConfig, {**_fields(default.correction), **sub["correction"]},
-                                               "trainer.correction")
+                    given = sub["correction"]
+                    corr = {**_fields(default.correction), **given}
+                    if {"level", "mode"} & set(given) and not {"low", "high"} & set(given):
+                        # the band of the mode asked for, not the session default's TIS cap: {"level": "geo",
+                        # "mode": "mask"} got [0, 2] and trained sequences far outside the documented [0.99, 1.01]
+                        corr["low"], corr["high"] = (0.0, 2.0) if corr["mode"] == "trunc" else \
+                            (CorrectionConfig.low, CorrectionConfig.high)
+                    sub["correction"] = _build(CorrectionConfig, corr, "trainer.correction")
                 d[key] = _build(type(default), {**_fields(default), **sub}, key)
         return _build(cls, d, "config")
 
