@@ -231,7 +231,8 @@ def test_interleaved_conversations_each_extend_their_own_segment(fmt):
     assert [[t for t, m in zip(seg.token_ids, seg.loss_mask) if m] for seg in acc.segments] == [sampled["main"], sampled["summ"]]
     assert segment_stats(acc.segments)["identity_mismatch"] == 0
 
-    compacted = [summ[0], {"role": "user", "content": "Summary so far."}]  # the parked summarizer, rewritten
+    # the parked summarizer, rewritten (its task kept, what followed replaced by a summary)
+    compacted = [summ[0], summ[1], {"role": "user", "content": "Summary so far."}]
     plan = acc.plan(compacted)
     assert plan.new_segment and plan.seal_reason == "history_rewritten" and not plan.beside
     acc.record(plan, reply(fmt, "1"), {"role": "assistant", "content": "1"})
@@ -248,6 +249,27 @@ def test_interleaved_conversations_each_extend_their_own_segment(fmt):
     assert [s.seal_reason for s in acc.close()] == ["episode_end", "history_rewritten", "evicted", "episode_end"]
 
 
+def test_a_sub_agent_under_the_agents_own_system_prompt_opens_beside_it(fmt):
+    """A side question or sub-agent sent with the main conversation's system prompt (main, side,
+    main, side, main) keeps its own segment: the system prompt alone does not make it the same
+    conversation (it read as a rewrite of main and sealed it at every switch: five one-turn
+    segments). A compaction that replaces every non-system message opens beside the
+    conversation it replaced too; that one stays open, unsealed, until the episode ends."""
+    acc = Accumulator(fmt)
+    main, side = [SYS, USER], [SYS, {"role": "user", "content": "Is 12 even? Answer yes or no."}]
+    for i, conv in enumerate([main, side] * 2 + [main]):
+        plan = acc.plan(conv)
+        assert plan.new_segment == (i < 2) and plan.seal_reason is None and plan.beside == (i == 1)
+        acc.record(plan, reply(fmt, str(i)), {"role": "assistant", "content": str(i)})
+        conv += [{"role": "assistant", "content": str(i)}, {"role": "user", "content": f"and {i}?"}]
+    plan = acc.plan([SYS, {"role": "user", "content": "So far: 6+6 is 12. What is 7+7?"}])
+    assert plan.new_segment and plan.beside and plan.seal_reason is None
+    acc.record(plan, reply(fmt, "14"), {"role": "assistant", "content": "14"})
+    segs = acc.close()
+    assert [s.seal_reason for s in segs] == ["episode_end"] * 3 and [s.stats["turns"] for s in segs] == [3, 2, 1]
+    assert segment_stats(segs)["identity_mismatch"] == 0
+
+
 def test_a_window_that_drops_the_oldest_turns_rewrites_its_conversation(fmt):
     """An agent without a system prompt that keeps only its last turns opens each request with a
     message of its conversation: a rewrite (sealed), not a conversation beside it."""
@@ -260,7 +282,7 @@ def test_a_window_that_drops_the_oldest_turns_rewrites_its_conversation(fmt):
 
 
 @pytest.mark.parametrize("edit,reason", [
-    (lambda m: [m[0], {"role": "user", "content": "summary of earlier turns"}, m[-1]], "history_rewritten"),
+    (lambda m: [{"role": "system", "content": "Be brief."}] + m[1:], "history_rewritten"),  # another system prompt
     (lambda m: m[:2] + [{"role": "assistant", "content": "13"}] + m[3:], "assistant_changed"),
 ])
 def test_non_extending_request_seals_with_reason(fmt, edit, reason):

@@ -8,10 +8,10 @@ session with messages M (DESIGN.md, "Token identity"):
    server returned): the engine prompt is `accumulated_ids + delta_ids`, where the delta is
    the template text the new messages add (ALL messages after the last assistant turn),
    preceded by the template's closing text after the sampled end-of-turn token (e.g. "\n").
-2. Otherwise, where M rewrites the conversation (it opens as the conversation did: the same first
-   message or the same first non-system message), its segment is sealed with a reason and a new
-   one starts from the full render of M; where M opens otherwise (a summarizer or sub-agent called
-   through the same client), it starts a conversation of its own beside the open ones, and a
+2. Otherwise, where M rewrites the conversation (its first non-system message is one of the
+   conversation's), its segment is sealed with a reason and a new one starts from the full
+   render of M; where M opens otherwise (a summarizer or sub-agent called through the same
+   client, under its own system prompt or the agent's), it starts a conversation of its own beside the open ones, and a
    later request extends whichever open conversation it extends (`Accumulator.open_conversations`).
 3. A reply cut by max_tokens has no end-of-turn token: the template's closing tokens
    (end-of-turn included) enter the next delta as non-trainable tokens.
@@ -828,16 +828,19 @@ def _why_not_extending(conv: list[dict], msgs: list[dict]) -> str | None:
 
 
 def _same_conversation(conv: list[dict], msgs: list[dict]) -> bool:
-    """Whether a request that does not extend a conversation rewrites it (compaction, an edit, a
-    changed system prompt, a new sample of the same request, a window that dropped the oldest
-    turns): it opens as the conversation did (the same first message or the same first non-system
-    message), or with a message of the conversation. A request opening otherwise is another
-    conversation (a summarizer, a sub-agent): with a system prompt or a first message the main
-    conversation has too, a sub-agent reads as a rewrite of it, and is sealed at every switch."""
+    """Whether a request that does not extend a conversation rewrites it (a compaction that keeps
+    the task, an edit, a changed system prompt, a new sample of the same request, a window that
+    dropped the oldest turns): its first non-system message is one of the conversation's (a
+    request of system messages only: the same first message). A request opening otherwise is
+    another conversation (a summarizer, a sub-agent). The system prompt alone does not decide:
+    a sub-agent or a side question under the agent's own system prompt read as a rewrite of the
+    main conversation, sealed at every switch; a compaction that replaces every non-system
+    message now opens beside the conversation it replaced, which stays open (its tokens train
+    once either way) until the episode ends or it is evicted."""
     if not msgs or not conv:
         return False
     first_turn = next((m for m in msgs if m["role"] != "system"), None)
-    return msgs[0] == conv[0] or (first_turn is not None and first_turn in conv)
+    return first_turn in conv if first_turn is not None else msgs[0] == conv[0]
 
 
 def request_key(messages: list[dict], tools: list | None) -> tuple[str, str]:
