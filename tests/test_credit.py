@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from workbench.loop import LoopConfig, batch_from_groups
+from workbench.loop import LoopConfig, batch_from_groups, zero_variance
 from workbench.tokens import Segment, Trajectory
 from workbench.trainer.losses import aggregate, aggregation_weights
 
@@ -131,6 +131,16 @@ def test_failed_and_truncated_episodes_follow_the_setting():
     assert info["episodes"] == 4 and a == pytest.approx([0.75, -0.25, -0.25, -0.25])
     a, info = rewards_seen(on_failed="keep")
     assert info["episodes"] == 4 and len(a) == 4
+    # "mask" (DAPO's overlong filtering, TRL's mask_truncated_completions): the truncated episode's
+    # reward counts in its group's baseline, none of its tokens trains (two rows, not three)
+    a, info = rewards_seen(on_truncated="mask")
+    assert info["masked_episodes"] == 1 and info["episodes"] == 3 and a == pytest.approx([1 - 1.6 / 3, -1.6 / 3])
+    # one success among truncated run-ons: "drop" read it as zero variance (one reward left), "mask"
+    # keeps its signal against the run-ons' rewards
+    runons = [[episode(1.0)] + [episode(0.0, truncated=True) for _ in range(3)]]
+    assert zero_variance(runons[0], on_truncated="drop") and not zero_variance(runons[0], on_truncated="mask")
+    b, info = batch_from_groups(runons, "dr_grpo", on_truncated="mask")
+    assert per_episode_advantage(b, info) == pytest.approx([0.75]) and b["input_ids"].shape[0] == 1
     with pytest.raises(ValueError, match="on_truncated"):
         LoopConfig(on_truncated="clip")
 

@@ -35,10 +35,13 @@ from .trainer.losses import ADVANTAGES, EQUAL_REWARDS_TOL, PER_TOKEN_ADVANTAGES,
 
 MODES = ("sync", "async")
 # What a step does with an episode that failed (the agent raised or timed out, an engine died)
-# or was truncated (its conversation outgrew the context, or its Env truncated it): leave it out of the batch, keep it
-# with the reward it got, or keep it with reward 0. Kept episodes count in their group's
-# statistics and train on what they recorded.
-EPISODE_RULES = ("drop", "keep", "zero")
+# or was truncated (its conversation outgrew the context, a reply ran out of the policy's
+# max_tokens, or its Env truncated it): leave it out of the batch ("drop": out of its group's
+# statistics too), keep it with the reward it got ("keep") or with reward 0 ("zero"), or count
+# its reward in its group's statistics but train on none of its tokens ("mask": DAPO's overlong
+# filtering, TRL's mask_truncated_completions; "drop" instead lifted the baseline of a group whose
+# truncated run-ons were its failures, and read a group of one success among them as zero variance).
+EPISODE_RULES = ("drop", "keep", "zero", "mask")
 
 
 @dataclass
@@ -185,7 +188,7 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     would be biased (groups from another Rollout, an eval one, an older session)."""
     segments, seg_episode, rewards, group_index = [], [], [], []
     info = {"episodes": 0, "segments": 0, "failed_episodes": 0, "truncated_episodes": 0, "dropped_episodes": 0,
-            "sampling_overridden": 0,
+            "masked_episodes": 0, "sampling_overridden": 0,
             # groups whose rewards are all equal: advantage 0, they teach nothing (with every group
             # so, the step's gradient is 0: a policy that earns every group the same reward, e.g.
             # 0, stays as it is)
@@ -201,7 +204,8 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
             if rule == "drop":
                 info["dropped_episodes"] += 1
                 continue
-            for s in t.segments:
+            info["masked_episodes"] += rule == "mask"  # its reward in its group's statistics, no row of its own
+            for s in t.segments if rule != "mask" else ():
                 if any(s.loss_mask):
                     segments.append(s)
                     seg_episode.append(len(rewards))

@@ -112,7 +112,7 @@ class Trajectory:
     policy's max_tokens (a reply that ran out of the loop's generation budget: an agent's own
     smaller max_tokens is its choice), or an Env's episode was truncated (its step said so, or
     max_turns ran out); what was recorded is exact, the episode was just cut short
-    (LoopConfig.on_truncated decides its reward: "drop" is DAPO's overlong filtering)."""
+    (LoopConfig.on_truncated decides its reward: "mask" is DAPO's overlong filtering)."""
 
     segments: list[Segment] = field(default_factory=list)
     reward: float = 0.0
