@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import types
 from math import comb
 
@@ -100,6 +101,40 @@ def test_dynamic_sampling_filters_and_replaces_up_to_the_limit():
 
 
 
+class FakeStream:
+    """What _async_batch reads of a GroupStream: finished groups in order, replacements asked."""
+    unstarted, _lock = 9, threading.Lock()
+
+    def __init__(self, groups):
+        self.items, self.allowed = [(g, i, 0.0, 1.0, None) for i, g in enumerate(groups)], 0
+
+    def take(self):
+        return self.items.pop(0) if self.items else None
+
+    def allow(self, replace=0):
+        self.allowed += replace
+
+
+def test_async_dynamic_sampling_past_its_budget_trains_what_a_sync_step_trains():
+    """Past the filter's budget a sync step trains only the groups it kept (ds_short counts the
+    rest); an async step admitted the zero-variance groups to fill its count, and under
+    token_mean their tokens diluted the signal 4x against the same groups in sync mode. Now both
+    train the kept ones, and a step with none kept trains what it took (every advantage 0)."""
+    from workbench.loop import _async_batch
+
+    mixed = lambda: [episode(0.0), episode(1.0)]  # noqa: E731
+    flat = lambda: [episode(1.0), episode(1.0)]  # noqa: E731
+    cfg = LoopConfig(prompts_per_step=3, group_size=2, dynamic_sampling=True, dynamic_sampling_rounds=0)
+    signal = mixed()
+    groups, _, _, extra, _ = _async_batch(FakeStream([signal, flat(), flat()]), cfg, version=0)
+    assert groups == [signal] and (extra["ds_kept_groups"], extra["ds_short"]) == (1, 2)
+    sync_groups, stats, _ = collect_groups(ConstructedRollout(), pool([[0.0, 1.0], [1.0, 1.0], [1.0, 1.0]]), cfg, 0)
+    assert len(sync_groups) == 1 and (stats["ds_kept_groups"], stats["ds_short"]) == (1, 2)
+    none = [flat(), flat(), flat()]
+    groups, _, _, extra, _ = _async_batch(FakeStream(none), cfg, version=0)
+    assert groups == none and extra["ds_kept_groups"] == 0
+
+
 def test_async_admission_judges_the_episodes_the_batch_trains_on():
     """A group of episodes sampled at version 5 and one timed-out episode holding tokens of
     versions 3-5 (a failed episode keeps its segments; on_failed='drop' removes it from the
@@ -113,20 +148,7 @@ def test_async_admission_judges_the_episodes_the_batch_trains_on():
         t.segments[0].versions = [-1, -1, *versions]
         return t
 
-    import threading
-
-    class Stream:  # what _async_batch reads of a GroupStream
-        unstarted, _lock = 9, threading.Lock()
-
-        def __init__(self, groups):
-            self.items, self.allowed = [(g, i, 0.0, 1.0, None) for i, g in enumerate(groups)], 0
-
-        def take(self):
-            return self.items.pop(0) if self.items else None
-
-        def allow(self, replace=0):
-            self.allowed += replace
-
+    Stream = FakeStream
     group = [at(5, 5), at(5, 5), at(3, 4, 5, error="episode timed out")]
     taken = _async_batch(Stream([group]), LoopConfig(prompts_per_step=1, group_size=3, async_lag=1), version=5)
     groups, _, _, extra, _ = taken
@@ -142,7 +164,6 @@ def test_a_step_whose_sync_failed_is_recorded_before_the_error():
     callback that advances wb.next_step) before the error is raised, and not evaluated on engines
     that did not take its weights. It was not recorded, so the next wb.run() trained the same
     step again on the same tasks, over weights that already held its update."""
-    import threading
 
     from workbench.loop import _after_step
     from workbench.rollout.engine import WeightSyncError
@@ -161,7 +182,6 @@ def test_a_step_whose_evaluation_failed_is_recorded_before_the_error():
     start, an agent's error): it is recorded, with the error, before the error is raised. It
     left the function before the record, so wb.next_step stayed and the next wb.run() trained
     the step again over weights that held its update."""
-    import threading
 
     from workbench.loop import _after_step
 
@@ -181,7 +201,6 @@ def test_async_continues_a_callable_source_from_its_data_position():
     chunk of prompts_per_step at a time, seeded per chunk. A run continued from a data position
     (data_next: the next task not started, mid-chunk) goes on in that chunk; seeded by the step,
     it drew again tasks an earlier run had trained."""
-    import threading
 
     from workbench.loop import GroupStream
 
@@ -209,7 +228,6 @@ def test_async_data_next_is_the_first_task_not_started(ray_local):
     """data_next (where a continued run starts) moves past a task once it has started, under the
     stream's lock: it was read from the queue, where a task taken but not yet started (or put
     back: every runner full) was missing."""
-    import threading
 
     from workbench.loop import GroupStream
 
@@ -253,7 +271,6 @@ def test_plain_callable_sources_are_one_stream_of_chunks():
     by the step and refills by a range of their own, while the async loop drew by position: a
     sync run after an async one (dynamic sampling put its positions ahead of its steps) drew
     again tasks the async steps had trained."""
-    import threading
 
     from workbench.loop import GroupStream, draw_tasks
 
@@ -608,7 +625,6 @@ def test_a_restored_run_syncs_under_its_checkpoints_version(ray_local, monkeypat
     engines are behind it (a restored checkpoint's weights on fresh engines), else one past the
     newest engine's (Workbench.sync's rule): it always added one, so a restored run's steps were
     labelled one past an uninterrupted run's. (A fake trainer and engine: the rule is the loop's.)"""
-    import threading
 
     from workbench.loop import _run
     from workbench.rollout.engine import WeightSyncReport

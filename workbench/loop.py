@@ -73,7 +73,9 @@ class LoopConfig:
     # dynamic sampling (DAPO): a group whose rewards (as the batch sees them: episode rules and
     # overlong shaping applied) are all equal has zero advantage and teaches nothing; it is
     # filtered and replaced by the groups of freshly drawn tasks, in up to `dynamic_sampling_rounds`
-    # more rollouts per step (metrics: ds_filtered_groups, ds_rounds, ds_groups, ds_short)
+    # more rollouts per step (metrics: ds_filtered_groups, ds_rounds, ds_kept_groups, ds_short;
+    # ds_reward_mean_sampled: the agents' rewards of every finished episode rolled out, filtered
+    # ones included, counted as reward_mean counts them)
     dynamic_sampling: bool = False
     dynamic_sampling_rounds: int = 2
     # overlong reward shaping (DAPO): an episode of L sampled tokens gets a penalty rising linearly
@@ -896,10 +898,14 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
     up to dynamic_sampling_rounds x prompts_per_step of them per step. (groups, r0, r1, extra,
     teacher log-probs), or None once stopped."""
     n, groups, teacher, starts, ends, positions = cfg.prompts_per_step, [], {}, [], [], []
-    stale = filtered = zero = 0
+    stale = filtered = 0
     rule = {"on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated, "overlong": cfg.overlong()}
     sampled: list = []
-    while len(groups) < n:
+    # zero-variance groups past the filter's budget: they fill the step's count but do not train,
+    # as a sync step trains only the groups it kept (admitted, their tokens diluted a token_mean
+    # step's signal 4x where a sync step of the same groups did not: the two modes differed)
+    flat: list = []
+    while len(groups) + len(flat) < n:
         item = stream.take()
         if item is None:
             return None
@@ -915,17 +921,22 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
             stream.allow(replace=1)
             continue
         sampled.append(group)
-        if cfg.dynamic_sampling and zero_variance(group, **rule):
-            if filtered < cfg.dynamic_sampling_rounds * n:
-                filtered += 1
-                stream.allow(replace=1)
-                continue
-            zero += 1
-        groups.append(group)
-        teacher.update(lp or {})
+        no_signal = cfg.dynamic_sampling and zero_variance(group, **rule)
+        if no_signal and filtered < cfg.dynamic_sampling_rounds * n:
+            filtered += 1
+            stream.allow(replace=1)
+            continue
         starts.append(t0)
         ends.append(t1)
         positions.append(at)
+        if no_signal:
+            flat.append(group)
+            continue
+        groups.append(group)
+        teacher.update(lp or {})
+    zero = len(flat)
+    if not groups:  # none kept: the step trains on them (every advantage 0), as a sync step on its first draw
+        groups = flat
     trained = [trained_episodes(g, rule) for g in groups]  # (what the version counts describe)
     per_version: dict[int, int] = {}
     for g in trained:
