@@ -505,26 +505,36 @@ def test_more_updates_than_rows_runs_one_update_a_row(ray_local, dense_path):
 
 def test_several_updates_per_step_move_the_ratios_off_one(ray_local, dense_path):
     """updates_per_step=2: two AdamW steps against one pi_old, so the second update's ratios
-    differ from 1 (where PPO clipping acts); the loss is still the objective's mean."""
+    differ from 1 (where PPO clipping acts); the loss is still the objective's mean. Each update
+    trains the same rows on 2 ranks as on 1 (the batch's first 3 rows, then the last 2): each
+    rank cut its own contiguous rows into the updates, so 2 ranks trained rows {0, 1, 3, 4} then
+    {2}, another SGD path than one rank's (a resume onto other ranks changed the training)."""
     g = torch.Generator().manual_seed(1)
     segs = [Segment(torch.randint(3, 500, (30,), generator=g).tolist(), [0] * 10 + [1] * 20, [0.0] * 30, [-1] * 10 + [0] * 20)
-            for _ in range(5)]  # 5 rows on 2 ranks: one padding row
+            for _ in range(5)]  # 5 rows on 2 ranks: padding rows
     b = training_tensors(segs)
     b["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])[:, None] * b["loss_mask"]
-    t = Trainer(str(dense_path), world_size=2, cfg=TrainerConfig(lr=1e-2, micro_batch_size=2, updates_per_step=2,
-                                                                 aggregation="seq_mean_token_mean",
-                                                                 correction=CorrectionConfig(enabled=False, max_staleness=None)))
-    try:
-        before = t.logprobs(b)
-        b["behaviour_logprobs"] = before * b["loss_mask"]
-        stats = t.train_step(b, report=True)
-        assert stats["policy_shift"] > 1e-3
-        assert abs(float(stats["report"]["loss_contribution"].sum()) - stats["loss"]) < 1e-6
-        assert torch.equal(stats["report"]["trainer_logprobs"], before)  # pi_old: the weights at the step's start
-        m = b["loss_mask"].bool()
-        assert float(((t.logprobs(b) - before) * b["advantages"])[m].sum()) > 0
-    finally:
-        t.shutdown()
+    after = {}
+    for ranks in (2, 1):
+        t = Trainer(str(dense_path), world_size=ranks, cfg=TrainerConfig(lr=1e-3, micro_batch_size=2, updates_per_step=2,
+                                                                         aggregation="seq_mean_token_mean",
+                                                                         correction=CorrectionConfig(enabled=False,
+                                                                                                     max_staleness=None)))
+        try:
+            before = t.logprobs(b)
+            b["behaviour_logprobs"] = before * b["loss_mask"]
+            stats = t.train_step(b, report=True)
+            assert stats["policy_shift"] > 1e-3
+            assert abs(float(stats["report"]["loss_contribution"].sum()) - stats["loss"]) < 1e-6
+            assert torch.equal(stats["report"]["trainer_logprobs"], before)  # pi_old: the weights at the step's start
+            m = b["loss_mask"].bool()
+            after[ranks] = (t.logprobs(b), stats["loss"], stats["grad_norm"])
+            assert float(((after[ranks][0] - before) * b["advantages"])[m].sum()) > 0, ranks
+        finally:
+            t.shutdown()
+    (lp2, loss2, norm2), (lp1, loss1, norm1) = after[2], after[1]
+    assert (lp2 - lp1).abs().max() < 1e-4 and abs(loss2 - loss1) < 1e-5 and abs(norm2 - norm1) < 1e-4 * norm1, \
+        ((lp2 - lp1).abs().max(), loss2, loss1, norm2, norm1)
 
 
 def test_the_live_routing_forward_runs_on_its_cadence(trainer, samples):

@@ -458,7 +458,9 @@ class TrainerWorker:
         zero = torch.zeros((), device=self.device, dtype=torch.float64)
         loss_sum, norms, corr_parts, replay, rows, kl_sum, shift_sum = zero, [], [], [], [], zero, zero
         skipped, carried_total = 0, torch.zeros_like(zero)
-        per = -(-batch["input_ids"].shape[0] // updates)
+        # an update's rows on this rank: Trainer._split's share (the same batch rows in each update
+        # whatever the rank count), or this rank's rows cut into `updates` runs
+        per = batch.get("rows_per_update") or -(-batch["input_ids"].shape[0] // updates)
         # fewer rows than updates: one update a row (an empty mini-batch would average a zero
         # gradient norm into the step's, and with micro_batch_tokens run a forward on no rows).
         # Every rank has as many rows (Trainer._split), so every rank runs as many updates.
@@ -762,36 +764,65 @@ class Trainer:
         """Per rank: its Ray node id, IP and process-group backend."""
         return ray.get([w.node.remote() for w in self.workers])
 
-    def _split(self, batch: dict) -> list[dict]:
-        """Rows split evenly over ranks; short ranks get all-masked padding rows, so every rank
-        runs the same number of forwards (FSDP collectives would hang otherwise)."""
+    def _split(self, batch: dict, updates: int = 1) -> tuple[list[dict], torch.Tensor]:
+        """Rows split evenly over ranks, and where each went (`order`: the batch row of each row
+        of the ranks' parts in turn, -1 for padding). Short ranks get all-masked padding rows, so
+        every rank runs the same number of forwards (FSDP collectives would hang otherwise).
+        With `updates` > 1, optimizer update u takes the batch's u-th run of ceil(n / updates)
+        rows, spread over the ranks whatever their number: each rank's part is its share of each
+        update's rows in turn (a rank's contiguous rows cut into updates made each update's rows
+        depend on the rank count, so a resume onto other ranks followed another SGD path)."""
         n, w = batch["input_ids"].shape[0], len(self.workers)
-        per = -(-n // w)
-        padded = {}
+        if updates <= 1:
+            per = -(-n // w)
+            shares = [list(range(r * per, min((r + 1) * per, n))) for r in range(w)]
+        else:
+            size = -(-n // updates)  # an update's rows, as one rank would take them
+            runs = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+            per_rank = -(-size // w)
+            shares = [[i for run in runs for i in (run[r * per_rank:(r + 1) * per_rank] + [-1] * per_rank)[:per_rank]]
+                      for r in range(w)]
+        rows = max(len(x) for x in shares)
+        order = torch.tensor([i for x in shares for i in x + [-1] * (rows - len(x))], dtype=torch.long)
+        take = torch.where(order < 0, n, order)  # row n: the padding row
+        parts = [{} for _ in range(w)]
         for k, v in batch.items():
             if not isinstance(v, torch.Tensor):
                 continue
-            pad = torch.zeros((per * w - n, *v.shape[1:]), dtype=v.dtype)
+            pad = torch.zeros((1, *v.shape[1:]), dtype=v.dtype)
             if k == "routed_experts":
                 pad -= 1
             if k == "attention_mask":  # a fully masked row makes attention NaN, and NaN * 0 is NaN
                 pad += 1
-            padded[k] = torch.cat([v, pad])
-        return [{k: v[r * per: (r + 1) * per] for k, v in padded.items()} for r in range(w)]
+            rows_of = torch.cat([v, pad])[take]
+            for r in range(w):
+                parts[r][k] = rows_of[r * rows:(r + 1) * rows]
+        if updates > 1:  # the update's share of this rank's rows (runs of it, padded alike)
+            for part in parts:
+                part["rows_per_update"] = per_rank
+        return parts, order
+
+    @staticmethod
+    def _unsplit(parts: list[torch.Tensor], order: torch.Tensor) -> torch.Tensor:
+        """The ranks' row outputs back in the batch's row order (padding rows dropped)."""
+        rows = torch.cat(parts)
+        out = torch.empty((int((order >= 0).sum()), *rows.shape[1:]), dtype=rows.dtype)
+        out[order[order >= 0]] = rows[order >= 0]
+        return out
 
     def logprobs(self, batch: dict, replay: bool | None = None, with_stats: bool = False):
         """Trainer log-probs of every row ([B, T]). `replay`: None follows the config; False routes
         live. `with_stats`: also return the replay statistics (per MoE layer; see replay_summary)."""
-        n = batch["input_ids"].shape[0]
-        outs = ray.get([wk.logprobs.remote(part, replay) for wk, part in zip(self.workers, self._split(batch))])
-        lp = torch.cat([o[0] for o in outs])[:n]
+        parts, order = self._split(batch)
+        outs = ray.get([wk.logprobs.remote(part, replay) for wk, part in zip(self.workers, parts)])
+        lp = self._unsplit([o[0] for o in outs], order)
         return (lp, replay_summary([o[1] for o in outs])) if with_stats else lp
 
     def train_step(self, batch: dict, report: bool = False) -> dict:
         """One optimizer step on `batch` (see tokens.training_tensors, plus "advantages").
         Returns the step's statistics; with `report`, also per-token tensors of every row
         (trainer log-prob, IS weight, gate decision, advantage, loss contribution, ...)."""
-        parts = self._split(batch)
+        parts, order = self._split(batch, self.cfg.updates_per_step)
         every = int(self.cfg.measure_live_routing)
         live = bool(every) and self.steps_done % every == 0  # decided here once, for every rank
         self.steps_done += 1
@@ -805,8 +836,7 @@ class Trainer:
             vals = [s[key] for s in stats if s[key] is not None]
             out[key] = sum(x["sum"] for x in vals) / max(sum(x["tokens"] for x in vals), 1) if vals else None
         if report:
-            n = batch["input_ids"].shape[0]
-            out["report"] = {k: torch.cat([s["report"][k] for s in stats])[:n] for k in stats[0]["report"]}
+            out["report"] = {k: self._unsplit([s["report"][k] for s in stats], order) for k in stats[0]["report"]}
         return out
 
     def probe(self, ids: list[int]) -> list[float]:
