@@ -49,6 +49,10 @@ class AgentContext:
     episode_id: str
     group_id: str
     clients: Any = field(default=None, repr=False)  # the runner's shared SDK clients (see openai())
+    # the policy's budget per reply (the loop's SamplingConfig.max_tokens): what a recorded request
+    # without max_tokens gets. An agent that sends its own decides its budget itself (a recipe's
+    # max_tokens parameter did nothing for agents that hard-coded one); Anthropic's SDK needs one
+    max_tokens: int | None = None
 
     def openai(self, side: bool = False):
         """A stock `openai.AsyncOpenAI` for this episode (side=True: the non-recording route).

@@ -46,7 +46,7 @@ class JudgedAgent(ChatAgent):
 
     async def run(self, ctx):
         policy, judge = ctx.openai(), ctx.openai(side=True)  # recorded session; non-recording route
-        r = await policy.chat.completions.create(model=ctx.model, messages=ctx.messages, max_tokens=16)
+        r = await policy.chat.completions.create(model=ctx.model, messages=ctx.messages)  # the policy's max_tokens
         answer = r.choices[0].message.content or ""
         question = ctx.messages[-1]["content"]
         verdict = await judge.chat.completions.create(

@@ -139,7 +139,7 @@ class RolloutRunner:
         ctx = AgentContext(base_url=s.base_url(sid), anthropic_base_url=s.base_url(sid, "anthropic"),
                            side_base_url=s.base_url(None), side_anthropic_base_url=s.base_url(None, "anthropic"),
                            api_key=s.api_key, model=s.model_name, task=task, episode_id=sid, group_id=group_id,
-                           clients=self._shared_clients())
+                           clients=self._shared_clients(), max_tokens=self.sampling.max_tokens)
         agent = self.spec.make()
         if inspect.iscoroutinefunction(agent.run):
             result = await agent.run(ctx)

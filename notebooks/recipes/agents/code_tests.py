@@ -79,7 +79,8 @@ def score(code: str, label: dict, timeout_s: float = 5.0) -> tuple[float, dict]:
 
 class CodeWithTests(ChatAgent):
     async def run(self, ctx):
-        r = await ctx.openai().chat.completions.create(model=ctx.model, messages=ctx.messages, max_tokens=64)
+        # no max_tokens: the policy's (the recipe's max_tokens parameter) applies
+        r = await ctx.openai().chat.completions.create(model=ctx.model, messages=ctx.messages)
         code = r.choices[0].message.content or ""
         share, info = await asyncio.to_thread(score, code, ctx.label)
         return share, {**info, "code": code}

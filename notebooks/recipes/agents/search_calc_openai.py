@@ -47,7 +47,8 @@ class SearchCalcAgent(ChatAgent):
             messages.append({"role": "tool", "tool_call_id": "search0", "content": search(query)})
             calls["agent_search"] += 1
         for _ in range(MAX_TURNS):
-            r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools, max_tokens=48)
+            # no max_tokens: the policy's (the recipe's max_tokens parameter) applies
+            r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
             msg = r.choices[0].message
             messages.append(msg.model_dump(exclude_none=True))
             if not msg.tool_calls:
