@@ -141,6 +141,11 @@ def test_failed_and_truncated_episodes_follow_the_setting():
     assert zero_variance(runons[0], on_truncated="drop") and not zero_variance(runons[0], on_truncated="mask")
     b, info = batch_from_groups(runons, "dr_grpo", on_truncated="mask")
     assert per_episode_advantage(b, info) == pytest.approx([0.75]) and b["input_ids"].shape[0] == 1
+    # but a group whose trained episodes all sit at its mean teaches nothing, whatever the masked
+    # rewards' spread: only masked run-ons (no row), or the one trained episode at the mean
+    for group in ([episode(r, truncated=True) for r in (0.0, 0.5, 1.0, 0.0)],
+                  [episode(1.0, truncated=True), episode(0.0, truncated=True), episode(0.5)]):
+        assert zero_variance(group, on_truncated="mask") and not zero_variance(group, on_truncated="keep")
     with pytest.raises(ValueError, match="on_truncated"):
         LoopConfig(on_truncated="clip")
 

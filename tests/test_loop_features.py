@@ -157,6 +157,10 @@ def test_async_admission_judges_the_episodes_the_batch_trains_on():
     stream = Stream([group])
     cfg = LoopConfig(prompts_per_step=1, group_size=3, async_lag=1, on_failed="zero")
     assert _async_batch(stream, cfg, version=5) is None and stream.allowed == 1  # refused, one replacement asked
+    # masked: its reward in the group's statistics, none of its (old) tokens trained: admitted
+    masked = _async_batch(Stream([group]), LoopConfig(prompts_per_step=1, group_size=3, async_lag=1, on_failed="mask"),
+                          version=5)
+    assert masked[0] == [group] and masked[3]["groups_per_version"] == {5: 1}
 
 
 def test_a_step_whose_sync_failed_is_recorded_before_the_error():

@@ -703,6 +703,16 @@ def test_context_clamps_max_tokens_and_a_full_context_ends_the_turn(vllm_moe, to
             assert r.choices[0].finish_reason == "length" and len(srv.engine.samples[-1].token_ids) == sent.get("max_tokens", 3)
             _, state = srv.close_session(sid, details=True)
             assert state["truncated"] == (sent != {"max_tokens": 2}), sent
+        # the episode's end decides: a cut reply it went on from (the next one not cut by the
+        # policy's budget) leaves the session untruncated, as an Env that terminates later does
+        sid = srv.open_session()
+        client = oai(srv, sid)
+        r = client.chat.completions.create(model="policy", messages=msgs[:1], extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and srv.sessions[sid].truncated
+        again = msgs[:1] + [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+        client.chat.completions.create(model="policy", messages=again, max_tokens=2, extra_body={"ignore_eos": True})
+        _, state = srv.close_session(sid, details=True)
+        assert not state["truncated"]
 
 
 def test_text_parts_are_joined_as_vllm_joins_them():

@@ -42,7 +42,7 @@ def test_config_errors_name_the_field():
     corr = lambda d: WorkbenchConfig.from_dict({"trainer": {"correction": d}}).trainer.correction  # noqa: E731
     assert (corr({"level": "geo", "mode": "mask"}).low, corr({"level": "geo", "mode": "mask"}).high) == (0.99, 1.01)
     assert (corr({"mode": "clip"}).level, corr({"mode": "clip"}).low) == ("token", 0.99)
-    assert (corr({"level": "seq", "mode": "trunc"}).high, corr({"mode": "mask", "high": 1.2}).low) == (2.0, 0.0)
+    assert (corr({"level": "seq", "mode": "trunc"}).high, corr({"mode": "mask", "high": 1.2}).low) == (2.0, 0.99)
 
 
 def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):

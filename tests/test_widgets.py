@@ -104,7 +104,7 @@ def test_seal_markers_with_reasons_between_segments():
         ("token", None), ("token", None), ("seal", "history_rewritten"), ("token", None), ("seal", "episode_end")]
     html = spans_html(spans)
     assert html.index("sealed: history_rewritten") < html.index(">3 <") < html.index("sealed: episode_end")
-    assert "context compaction" in html  # the reason's explanation is the marker's hover
+    assert "a compaction that kept the task" in html  # the reason's explanation is the marker's hover
 
 
 @pytest.fixture(scope="module")

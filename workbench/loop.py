@@ -167,10 +167,17 @@ def episode_reward(t: Trajectory, on_failed: str = "drop", on_truncated: str = "
 
 def zero_variance(group: list[Trajectory], on_failed: str = "drop", on_truncated: str = "keep",
                   overlong: tuple | None = None, tol: float = EQUAL_REWARDS_TOL) -> bool:
-    """True when the rewards the batch would train this group on (episode_reward) are all equal
-    (or fewer than two are kept): every advantage of the group is then 0, so it teaches nothing."""
-    rewards = [r for _, r, _ in (episode_reward(t, on_failed, on_truncated, overlong) for t in group) if r is not None]
-    return len(rewards) < 2 or max(rewards) - min(rewards) <= tol
+    """True when the group teaches nothing: the rewards the batch would train it on (episode_reward)
+    are all equal (or fewer than two are kept), so every advantage is 0; or no episode it trains on
+    (not masked) has a reward off the group's mean, so every trained advantage is 0 (a group of
+    masked run-ons with rewards 0, 0.5, 1 has variance but no row to train)."""
+    kept = [(rule, r) for rule, r, _ in (episode_reward(t, on_failed, on_truncated, overlong) for t in group)
+            if r is not None]
+    rewards = [r for _, r in kept]
+    if len(rewards) < 2 or max(rewards) - min(rewards) <= tol:
+        return True
+    mean = sum(rewards) / len(rewards)
+    return all(abs(r - mean) <= tol for rule, r in kept if rule != "mask")
 
 
 def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: int = 0, on_failed: str = "drop",
@@ -218,7 +225,8 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
         info["overlong_penalized"] = sum(p > 0 for p in penalties)
         info["overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
     if not segments:
-        raise RuntimeError(f"no trainable segment in this batch: every episode was dropped or sampled nothing ({info})")
+        raise RuntimeError(f"no trainable segment in this batch: every episode was dropped, masked or sampled nothing "
+                           f"({info})")
     if temperature is not None:
         other = sorted({t for s in segments for t in s.stats.get("temperatures", ()) if abs(t - temperature) > 1e-6})
         if other:
@@ -229,7 +237,8 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     index = torch.tensor(seg_episode)
     if advantage in PER_TOKEN_ADVANTAGES:  # per token, per row: the teacher's log-probs of the row's tokens
         # here, not only where a run starts: wb.trainer.step() / batch() build their batches here too
-        for t in sorted({t for s in segments for t in s.stats.get("temperatures", ())} | {temperature or 1.0}):
+        for t in sorted({t for s in segments for t in s.stats.get("temperatures", ())} |
+                        {1.0 if temperature is None else temperature}):
             check_distill_sampling(t)
         missing = [i for i, s in enumerate(segments) if teacher is None or id(s) not in teacher]
         if missing:
@@ -780,9 +789,10 @@ def _sampled_versions(trajectories: list[Trajectory]) -> set[int]:
 
 
 def trained_episodes(group: list[Trajectory], rule: dict) -> list[Trajectory]:
-    """The group's episodes a batch would train on: those the episode rules (`rule`: on_failed,
-    on_truncated, overlong; episode_reward) do not drop."""
-    return [t for t in group if episode_reward(t, **rule)[0] != "drop"]
+    """The group's episodes whose tokens a batch would train on: those the episode rules (`rule`:
+    on_failed, on_truncated, overlong; episode_reward) neither drop nor mask (a masked episode's
+    old tokens refused its group as stale, though none of them trains)."""
+    return [t for t in group if episode_reward(t, **rule)[0] not in ("drop", "mask")]
 
 
 def oldest_version(group: list[Trajectory]) -> int | None:

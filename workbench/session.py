@@ -131,11 +131,12 @@ class WorkbenchConfig:
                 if key == "trainer" and isinstance(sub.get("correction"), dict):
                     given = sub["correction"]
                     corr = {**_fields(default.correction), **given}
-                    if {"level", "mode"} & set(given) and not {"low", "high"} & set(given):
-                        # the band of the mode asked for, not the session default's TIS cap: {"level": "geo",
-                        # "mode": "mask"} got [0, 2] and trained sequences far outside the documented [0.99, 1.01]
-                        corr["low"], corr["high"] = (0.0, 2.0) if corr["mode"] == "trunc" else \
-                            (CorrectionConfig.low, CorrectionConfig.high)
+                    if {"level", "mode"} & set(given):
+                        # the band of the mode asked for where not given, not the session default's TIS cap:
+                        # {"level": "geo", "mode": "mask"} got [0, 2] and trained sequences far outside the
+                        # documented [0.99, 1.01]
+                        low, high = (0.0, 2.0) if corr["mode"] == "trunc" else (CorrectionConfig.low, CorrectionConfig.high)
+                        corr["low"], corr["high"] = given.get("low", low), given.get("high", high)
                     sub["correction"] = _build(CorrectionConfig, corr, "trainer.correction")
                 d[key] = _build(type(default), {**_fields(default), **sub}, key)
         return _build(cls, d, "config")
@@ -425,11 +426,6 @@ class Workbench:
             kept = sorted(p.name for p in (run / "policies").glob("step_*"))
             raise FileNotFoundError(f"no kept policy for step {step} in {run / 'policies'} (kept: {kept or 'none'}); "
                                     f"wb.run(..., keep_policy_every=N) keeps the weights of every N-th step")
-        held = (policy_mark(policy) or {}).get("version")
-        if held is not None and held != logged["version"] - 1:
-            raise ValueError(f"the policy kept for step {step} ({policy}) holds version {held}, but the step trained "
-                             f"from version {logged['version'] - 1} (metrics.jsonl): those are not the weights it "
-                             f"trained from (kept before a wb.trainer.step() outside a run, or by another branch)")
         d = kept_settings(policy, json.loads((run / "config.json").read_text()))
         cfg = WorkbenchConfig.from_dict({k: d[k] for k in ("trainer", "loop", "temperature", "trainer_ranks") if k in d})
         trajectories = read_trajectories(run / "trajectories" / f"step_{step:05d}.parquet")

@@ -28,8 +28,8 @@ Measured per segment: `identity_mismatch` (trainable ids that differ from the en
 ids; 0 whenever this mechanism works), `retokenization_drift` (sampled ids that a
 retokenization of their decoded text would change: the damage a text-based pipeline would do)
 and `sampling_overridden` (recorded turns whose request asked for other sampling than the
-policy's; the server replaced it). A session whose turn was cut by the context or by the
-policy's max_tokens is `truncated`.
+policy's; the server replaced it). A session whose turn was cut by the context, or whose last
+reply was cut by the policy's max_tokens, is `truncated`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import numpy as np
 
 # Why a segment was sealed. Keys are what Segment.seal_reason holds.
 SEAL_REASONS = {
-    "history_rewritten": "earlier messages were changed or removed (e.g. context compaction)",
+    "history_rewritten": "earlier messages were changed or removed (a changed system prompt, a compaction that kept the task)",
     "assistant_changed": "the assistant message sent back differs from the one the server returned",
     "template_rewrite": "the chat template renders earlier turns differently once new messages are added",
     "episode_end": "the session was closed (normal end of an episode)",
@@ -108,11 +108,12 @@ class Segment:
 @dataclass
 class Trajectory:
     """One agent episode: its segments plus reward, ids, info and error (None when it ran).
-    `truncated`: a turn was cut by the context (the conversation outgrew max_model_len) or by the
-    policy's max_tokens (a reply that ran out of the loop's generation budget: an agent's own
-    smaller max_tokens is its choice), or an Env's episode was truncated (its step said so, or
-    max_turns ran out); what was recorded is exact, the episode was just cut short
-    (LoopConfig.on_truncated decides its reward: "mask" is DAPO's overlong filtering)."""
+    `truncated`: a turn was cut by the context (the conversation outgrew max_model_len), or the
+    episode's last reply ran out of the policy's max_tokens (the loop's generation budget: an
+    agent's own smaller max_tokens is its choice; a cut reply the episode went on from is not its
+    end), or an Env's episode was truncated (its step said so, or max_turns ran out); what was
+    recorded is exact, the episode was just cut short (LoopConfig.on_truncated decides its reward:
+    "mask" is DAPO's overlong filtering)."""
 
     segments: list[Segment] = field(default_factory=list)
     reward: float = 0.0
@@ -520,7 +521,11 @@ class Accumulator:
         self._parked: list[dict] = []  # the other open conversations' _CONVERSATION_STATE, least recent first
         self._last_request: tuple | None = None
         self._last_reply: Any = None
-        self.truncated = False  # a turn was cut by the context or the policy's max_tokens (the server sets it)
+        # set by the server: a turn was cut by the context (the conversation outgrew max_model_len), and
+        # whether the last recorded reply ran out of the policy's max_tokens (a later reply that did
+        # not clears it: the episode went on past the cut, as a multi-turn Env or agent may)
+        self.context_cut = False
+        self.last_reply_cut = False
         self.engine_calls = 0  # engine calls made for the session (the server mixes it into a seeded turn's seed)
 
     @property
@@ -587,6 +592,11 @@ class Accumulator:
         self._parked.append(self._state())
         for a, v in state.items():
             setattr(self, a, v)
+
+    @property
+    def truncated(self) -> bool:
+        """The session was cut short: by the context, or its last reply by the policy's max_tokens."""
+        return self.context_cut or self.last_reply_cut
 
     def _make_current(self, msgs: list[dict]) -> bool:
         """Make current the open conversation that `msgs` extends, else the one it rewrites; False
@@ -834,9 +844,9 @@ def _same_conversation(conv: list[dict], msgs: list[dict]) -> bool:
     request of system messages only: the same first message). A request opening otherwise is
     another conversation (a summarizer, a sub-agent). The system prompt alone does not decide:
     a sub-agent or a side question under the agent's own system prompt read as a rewrite of the
-    main conversation, sealed at every switch; a compaction that replaces every non-system
-    message now opens beside the conversation it replaced, which stays open (its tokens train
-    once either way) until the episode ends or it is evicted."""
+    main conversation, sealed at every switch; a compaction whose first non-system message is new
+    (a summary first) now opens beside the conversation it replaced, which stays open (its tokens
+    train once either way) until the episode ends or it is evicted."""
     if not msgs or not conv:
         return False
     first_turn = next((m for m in msgs if m["role"] != "system"), None)

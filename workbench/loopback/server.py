@@ -669,7 +669,7 @@ class LoopbackServer:
             # an agent that sends no max_tokens gets the policy's (the loop's SamplingConfig)
             room, clamped = self._fit(req, sampling, len(plan.prompt_ids), self.policy_sampling.max_tokens)
             if not room:  # the conversation has outgrown the context: end the turn, record nothing
-                acc.truncated = True
+                acc.context_cut = True
                 return Reply(finish="length", prompt_tokens=len(plan.prompt_ids), truncated=True), 0.0
             t = time.perf_counter()
             acc.engine_calls += 1  # the next turn's seed differs (session_seed)
@@ -688,11 +688,15 @@ class LoopbackServer:
             except BaseException:
                 acc.forget_last_request()  # nothing recorded for it either: as for a failed engine call
                 raise
-            # cut by the context, or by a budget at least the policy's (SamplingConfig.max_tokens, the
+            # cut by the context; or by a budget at least the policy's (SamplingConfig.max_tokens, the
             # generation budget the loop sets: TRL's max_completion_length, what DAPO's overlong
-            # filtering drops); an agent's own smaller max_tokens is its choice (it sees "length")
-            if sample.finish_reason == "length" and (clamped or sampling.max_tokens >= self.policy_sampling.max_tokens):
-                reply.truncated = acc.truncated = True
+            # filtering masks), which counts where the episode ends on it (a later reply clears it);
+            # an agent's own smaller max_tokens is its choice (it sees "length")
+            cut = sample.finish_reason == "length"
+            if cut and clamped:
+                acc.context_cut = True
+            acc.last_reply_cut = cut and not clamped and sampling.max_tokens >= self.policy_sampling.max_tokens
+            reply.truncated = cut and (clamped or acc.last_reply_cut)
             acc.record(plan, sample, reply.assistant_message(), reply=reply, sampling_overridden=bool(differing),
                        temperature=req.sampling.temperature)
             return reply, engine_s

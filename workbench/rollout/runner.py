@@ -6,8 +6,9 @@ concurrently; `Rollout` is the driver-side handle over them.
 
 An agent that raises, hangs or outlives `episode_timeout_s` fails only its own episode: the
 trajectory keeps what was recorded and carries the error. An episode whose conversation outgrew
-the context (`max_model_len`) is not an error: it keeps what was recorded and is marked
-`Trajectory.truncated` (the framework-owned Env loop ends at a turn with no room left).
+the context (`max_model_len`), or that ended on a reply cut by the policy's `max_tokens`, is not
+an error: it keeps what was recorded and is marked `Trajectory.truncated` (the framework-owned
+Env loop ends at a turn with no room left).
 A dead engine's requests go to a live engine; when none is left, episodes fail with a clear
 error and the run goes on. `sampling` is the policy's: the loopback server samples every
 recorded turn with its temperature/top_p, whatever an agent sends (`sampling_mode`, see

@@ -771,7 +771,10 @@ class Trainer:
         With `updates` > 1, optimizer update u takes the batch's u-th run of ceil(n / updates)
         rows, spread over the ranks whatever their number: each rank's part is its share of each
         update's rows in turn (a rank's contiguous rows cut into updates made each update's rows
-        depend on the rank count, so a resume onto other ranks followed another SGD path)."""
+        depend on the rank count, so a resume onto other ranks followed another SGD path). The
+        price: each update's share is padded to as many rows on every rank, up to 2x the rows
+        (16 rows, 8 ranks, 4 updates: 32), each a full forward and backward (a padding row must
+        carry a gradient graph: one attended position left a rank's loss without one)."""
         n, w = batch["input_ids"].shape[0], len(self.workers)
         if updates <= 1:
             per = -(-n // w)
