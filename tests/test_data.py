@@ -53,6 +53,11 @@ def test_gsm8k_fields_from_jsonl_parquet_and_datasets_dir(tmp_path):
     for other in (load_tasks(tmp_path / "gsm.parquet", fields="gsm8k"),
                   load_tasks(tmp_path / "gsm_ds", fields="gsm8k", split="test")):
         assert [(t.messages, t.label, t.info) for t in other] == [(t.messages, t.label, t.info) for t in from_jsonl]
+    # CSV: every field the text the file holds (datasets' reader made labels "007" and "3.50" 7 and 3.5)
+    csv_path = tmp_path / "labels.csv"
+    csv_path.write_text('question,answer\n"What is 3.5 + 0?","3.50"\nZero-padded?,007\nEmpty?,\n')
+    assert load_records(csv_path) == [{"question": "What is 3.5 + 0?", "answer": "3.50"},
+                                      {"question": "Zero-padded?", "answer": "007"}, {"question": "Empty?", "answer": ""}]
     # a dict mapping with a prompt template and a system message; unmapped columns go to info
     custom = load_tasks(jsonl, fields={"label": "answer", "final_answer": "####"}, template="Q: {question}\nA:", limit=2)
     assert len(custom) == 2 and custom[0].messages[0]["content"] == f"Q: {rows[0]['question']}\nA:"

@@ -66,8 +66,9 @@ def final_answer(solution: str, marker: str = "####") -> str:
 
 def load_records(path: str | Path, split: str = "train") -> list[dict]:
     """The rows of a local data file as dicts: .jsonl / .json (one object per line), .parquet
-    (pyarrow), .csv and .arrow (through `datasets`), or a directory written by
-    `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk` (`split` picks the split)."""
+    (pyarrow), .csv (every field the text the file holds), .arrow (through `datasets`), or a
+    directory written by `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk` (`split`
+    picks the split)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such data file: {path}")
@@ -93,12 +94,17 @@ def load_records(path: str | Path, split: str = "train") -> list[dict]:
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    if path.suffix in (".csv", ".arrow"):
+    if path.suffix == ".csv":
+        # the stdlib's reader, not datasets' (pandas infers column types: labels "3" and "007" became
+        # 3 and 7, "3.50" 3.5, an empty cell None, and a task's label is compared as text)
+        import csv
+
+        with open(path, newline="", encoding="utf-8") as f:
+            return [dict(r) for r in csv.DictReader(f)]
+    if path.suffix == ".arrow":
         import datasets
 
-        if path.suffix == ".arrow":
-            return [dict(r) for r in datasets.Dataset.from_file(str(path))]
-        return [dict(r) for r in datasets.load_dataset("csv", data_files=str(path), split="train")]
+        return [dict(r) for r in datasets.Dataset.from_file(str(path))]
     raise ValueError(f"unsupported data file {str(path)!r}: use .jsonl, .json, .parquet, .csv, .arrow or a "
                      f"datasets.save_to_disk directory")
 
