@@ -550,6 +550,14 @@ def test_distillation_advantage_and_reverse_kl_hand_computed():
     with pytest.raises(ValueError, match="top_p=0.9"):
         check_teacher(rollout, cfg, ["a teacher engine"])
     check_teacher(types.SimpleNamespace(sampling=SamplingConfig()), cfg, ["a teacher engine"])
+    # the teacher scores the segments the batch trains on: not a dropped or masked episode's
+    from workbench.loop import teacher_segments
+
+    cut, failed = episode(0.0, 3), episode(0.0, 3, error="boom")
+    cut.truncated = True
+    masking = LoopConfig(advantage="distill", teacher="dense", on_truncated="mask")
+    assert teacher_segments([[a, b, cut, failed]], masking) == [a.segments[0], b.segments[0]]
+    assert teacher_segments([[a, cut]], cfg) == [a.segments[0], cut.segments[0]]  # on_truncated="keep": it trains
 
 
 def test_engines_are_judged_by_the_oldest_version_and_a_dropped_engine_stops_serving(ray_local):

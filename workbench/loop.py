@@ -100,6 +100,10 @@ class LoopConfig:
     # negative per-token reverse KL (metrics: distill_reverse_kl)
     teacher: str | None = None
 
+    def episode_rules(self) -> dict:
+        """The keyword arguments of episode_reward / zero_variance / trained_episodes this config sets."""
+        return {"on_failed": self.on_failed, "on_truncated": self.on_truncated, "overlong": self.overlong()}
+
     def overlong(self) -> tuple | None:
         """(max_tokens, band, coef) for batch_from_groups when overlong shaping is on, else None."""
         return (self.overlong_max_tokens, self.overlong_band, self.overlong_coef) if self.overlong_shaping else None
@@ -309,7 +313,7 @@ def collect_groups(rollout, source, cfg: "LoopConfig", position: int) -> tuple[l
     groups = rollout.run_groups([t for _, t in drawn], cfg.group_size, progress=False)
     if not cfg.dynamic_sampling:
         return groups, {}, position
-    rule = {"on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated, "overlong": cfg.overlong()}
+    rule = cfg.episode_rules()
     kept = [g for g in groups if not zero_variance(g, **rule)]
     filtered, rounds, sampled = len(groups) - len(kept), 0, list(groups)
     while len(kept) < n and rounds < cfg.dynamic_sampling_rounds:
@@ -326,6 +330,13 @@ def collect_groups(rollout, source, cfg: "LoopConfig", position: int) -> tuple[l
              # (reward_mean, over the trained groups, leans toward mixed groups)
              "ds_reward_mean_sampled": sum(rewards) / max(len(rewards), 1)}
     return kept or groups, stats, position
+
+
+def teacher_segments(groups: list[list[Trajectory]], cfg: "LoopConfig") -> list:
+    """The segments a batch trains on, which the teacher scores: those with sampled tokens of the
+    episodes the episode rules neither drop nor mask (scoring those too cost teacher forwards
+    over the longest episodes, the truncated ones, for rows that never train)."""
+    return [s for g in groups for t in trained_episodes(g, cfg.episode_rules()) for s in t.segments if any(s.loss_mask)]
 
 
 def teacher_logprobs(teachers: list, segments: list) -> dict[int, list[float]]:
@@ -661,8 +672,7 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
                 t0, start = time.time(), position
                 groups, extra, position = collect_groups(rollout, task_source, cfg, position)
                 if cfg.advantage in PER_TOKEN_ADVANTAGES:  # scored here: overlaps training in async mode
-                    extra["_teacher"] = teacher_logprobs(teacher_engines, [s for g in groups for t in g
-                                                                           for s in t.segments if any(s.loss_mask)])
+                    extra["_teacher"] = teacher_logprobs(teacher_engines, teacher_segments(groups, cfg))
                 batches.put((step, groups, t0, time.time(), {"data_position": start, "data_next": position, **extra}))
             except BaseException as e:  # surfaced in the training thread
                 batches.put((step, e, 0.0, 0.0, {}))
@@ -874,7 +884,7 @@ class GroupStream:
                     group = self.rollout.finish_group(ref, runner, task, self.cfg.group_size)
                     teacher = None
                     if self.cfg.advantage in PER_TOKEN_ADVANTAGES:  # scored here, while the trainer trains
-                        teacher = teacher_logprobs(self.teachers, [s for t in group for s in t.segments if any(s.loss_mask)])
+                        teacher = teacher_logprobs(self.teachers, teacher_segments([group], self.cfg))
                     self.finished.put((number, group, at, t0, time.time(), teacher))
         except BaseException as e:  # surfaced in the training thread
             self.finished.put(e)
@@ -909,7 +919,7 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
     teacher log-probs), or None once stopped."""
     n, groups, teacher, starts, ends, positions = cfg.prompts_per_step, [], {}, [], [], []
     stale = filtered = 0
-    rule = {"on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated, "overlong": cfg.overlong()}
+    rule = cfg.episode_rules()
     sampled: list = []
     # zero-variance groups past the filter's budget: they fill the step's count but do not train,
     # as a sync step trains only the groups it kept (admitted, their tokens diluted a token_mean

@@ -823,10 +823,9 @@ class TrainerHandle:
         loop = self._wb.cfg.loop
         teacher = None
         if loop.advantage in PER_TOKEN_ADVANTAGES:  # distillation: the teacher scores the sampled tokens
-            from .loop import teacher_logprobs
+            from .loop import teacher_logprobs, teacher_segments
 
-            teacher = teacher_logprobs(self._wb._teacher_engines(loop.teacher),
-                                       [s for g in groups for t in g for s in t.segments if any(s.loss_mask)])
+            teacher = teacher_logprobs(self._wb._teacher_engines(loop.teacher), teacher_segments(groups, loop))
         return batch_from_groups(groups, loop.advantage, on_failed=loop.on_failed, on_truncated=loop.on_truncated,
                                  overlong=loop.overlong(), teacher=teacher, temperature=self._wb.cfg.temperature)[0]
 
