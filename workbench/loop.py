@@ -1047,8 +1047,7 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     ran = [t for g in groups for t in g if t.error is None]
     rewards = [t.reward for t in ran]
     correct = [bool(t.info["correct"]) for t in ran if "correct" in t.info]
-    batch, info = batch_from_groups(groups, cfg.advantage, on_failed=cfg.on_failed, on_truncated=cfg.on_truncated,
-                                    overlong=cfg.overlong(), teacher=teacher,
+    batch, info = batch_from_groups(groups, cfg.advantage, **cfg.episode_rules(), teacher=teacher,
                                     temperature=getattr(getattr(trainer, "cfg", None), "temperature", None))
     tb = time.time()
     stats = trainer.train_step(batch)

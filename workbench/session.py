@@ -433,8 +433,7 @@ class Workbench:
         for t in trajectories:
             groups.setdefault(t.group_id, []).append(t)
         loop = cfg.loop
-        batch, _ = batch_from_groups(list(groups.values()), loop.advantage, on_failed=loop.on_failed,
-                                     on_truncated=loop.on_truncated, overlong=loop.overlong())
+        batch, _ = batch_from_groups(list(groups.values()), loop.advantage, **loop.episode_rules())
         trainer = Trainer(str(policy), world_size=world_size or cfg.trainer_ranks,
                           cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature,
                                                   ref_model_path=cfg.trainer.ref_model_path or self.model_path))
@@ -826,8 +825,8 @@ class TrainerHandle:
             from .loop import teacher_logprobs, teacher_segments
 
             teacher = teacher_logprobs(self._wb._teacher_engines(loop.teacher), teacher_segments(groups, loop))
-        return batch_from_groups(groups, loop.advantage, on_failed=loop.on_failed, on_truncated=loop.on_truncated,
-                                 overlong=loop.overlong(), teacher=teacher, temperature=self._wb.cfg.temperature)[0]
+        return batch_from_groups(groups, loop.advantage, **loop.episode_rules(), teacher=teacher,
+                                 temperature=self._wb.cfg.temperature)[0]
 
     def step(self, groups: list[list] | None = None) -> dict:
         """One optimizer step on `groups` (default: the last groups wb.rollout ran)."""
