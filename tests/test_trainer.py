@@ -537,6 +537,21 @@ def test_several_updates_per_step_move_the_ratios_off_one(ray_local, dense_path)
         ((lp2 - lp1).abs().max(), loss2, loss1, norm2, norm1)
 
 
+def test_a_non_finite_gradient_is_no_update(trainer, samples):
+    """A NaN advantage makes every gradient NaN (so do an inf log-prob, a diverged loss): the update
+    was applied, every weight NaN after it, while grad_norm read 0.0 (NaN > 0 is False) and
+    updates_skipped 0. It is skipped: grad_norm reads NaN and the weights stay as they were."""
+    import math
+
+    b = batch_of(samples)
+    b["advantages"][0] = float("nan") * b["loss_mask"][0]
+    probe_ids = list(range(3, 19))
+    before = trainer.probe(probe_ids)
+    stats = trainer.train_step(b)
+    assert math.isnan(stats["grad_norm"]) and stats["updates_skipped"] == 1, stats
+    assert trainer.probe(probe_ids) == before
+
+
 def test_the_live_routing_forward_runs_on_its_cadence(trainer, samples):
     """TrainerConfig.measure_live_routing: the extra no-grad forward with live routing (kl_k3_live)
     runs on a trainer's first train_step and every N-th after it (default N = 10; it cost 1.35x the

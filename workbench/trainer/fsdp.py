@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -512,7 +513,11 @@ class TrainerWorker:
             # its momentum (0.67x the previous real step, in its direction) and decay it. Decided on the
             # norm, not a count, so that a custom surrogate's own gradient is never skipped (one wait
             # for the device per update, before its optimizer step: the norm is every rank's already)
-            if float(norm) == 0.0:
+            # A non-finite norm (a NaN or inf gradient: an inf log-prob, a NaN advantage) is no update
+            # either: applied, it made every weight NaN while grad_norm read 0.0 (NaN > 0 is False)
+            # and updates_skipped 0; skipped, grad_norm reads NaN and the weights stay as they were
+            value = float(norm)
+            if value == 0.0 or not math.isfinite(value):
                 skipped += 1
             else:
                 self.optimizer.step()
@@ -521,7 +526,8 @@ class TrainerWorker:
         dist.all_reduce(carried_total)  # over the ranks, once a step
         sums = [loss_sum, kl_sum, shift_sum, carried_total, *(n.double().to(self.device) for n in norms)]
         loss_sum, kl_sum, shift_sum, carried_total, *norms = torch.stack(sums).tolist()
-        taken = [n for n in norms if n > 0]  # the step's grad_norm: the mean over the updates taken
+        # the step's grad_norm: the mean over the updates with a gradient (NaN if any was not finite)
+        taken = [n for n in norms if n != 0]
         out = {"loss": loss_sum, "grad_norm": sum(taken) / len(taken) if taken else 0.0, "correction": merge_stats([c.stats for c in corr_parts]),
                "replay": _sum_replay(replay), "kl_k3_live": live,
                "kl_ref": {"sum": kl_sum, "tokens": int(batch["loss_mask"].sum())} if self.ref_model else None,
@@ -530,7 +536,7 @@ class TrainerWorker:
                "policy_shift": {"sum": shift_sum, "tokens": int(batch["loss_mask"].sum())},
                # over every rank (all-reduced): kept trainable tokens with an advantage, summed over the
                # updates (the no-signal warning's count; a KL term alone is no learning signal), and
-               # the updates skipped for a zero gradient
+               # the updates skipped for a zero or non-finite gradient
                "signal_tokens_trained": int(carried_total), "updates_skipped": skipped}
         if report:
             out["report"] = {k: batch[k].cpu() for k in ("input_ids", "loss_mask", "behaviour_logprobs", "versions", "advantages")}
