@@ -342,6 +342,18 @@ def test_pass_at_k_is_the_unbiased_estimator():
     assert summarize(failed)["eval_reward_mean"] is None and summarize(failed)["eval_failed"] == 2
 
 
+def test_a_failed_episode_counts_as_a_wrong_answer_in_the_steps_correct_rate():
+    """1 right answer and 3 timed-out episodes: correct_rate read 1.0 (a run timing out more and
+    more looked like one answering better); evaluation already counted failures as wrong."""
+    from workbench.loop import reward_statistics
+
+    right = episode(1.0)
+    right.info["correct"] = True
+    stats = reward_statistics([[right] + [episode(0.0, error="episode timed out") for _ in range(3)]])
+    assert stats == {"reward_mean": 1.0, "correct_rate": 0.25}
+    assert reward_statistics([[episode(0.5)]]) == {"reward_mean": 0.5, "correct_rate": None}  # no agent reports it
+
+
 def test_evaluation_episodes_never_enter_a_training_batch():
     groups = [[episode(1.0), episode(0.0, eval=True)]]
     with pytest.raises(ValueError, match="is an evaluation episode .* never enter a training batch"):

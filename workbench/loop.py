@@ -1040,13 +1040,24 @@ def step_statistics(stats: dict) -> dict:
     }
 
 
+def reward_statistics(groups: list[list[Trajectory]]) -> dict:
+    """The step's reward_mean: the agents' rewards over the episodes that finished; correct_rate:
+    the share of exact answers (info["correct"], where the agent reports it) with a failed episode
+    counted wrong, as evaluation counts it (a run timing out more and more read as one answering
+    better: 1 right and 3 timed out was 1.0)."""
+    episodes = [t for g in groups for t in g]
+    rewards = [t.reward for t in episodes if t.error is None]
+    correct = [bool(t.info["correct"]) for t in episodes if t.error is None and "correct" in t.info]
+    if correct:
+        correct += [False] * sum(t.error is not None for t in episodes)
+    return {"reward_mean": sum(rewards) / max(len(rewards), 1),
+            "correct_rate": sum(correct) / len(correct) if correct else None}
+
+
 def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r1: float, teacher=None):
     """Train on the groups and sync the engines: (the step's metrics, the sync's error or None).
     A failed sync is returned, not raised: the step trained, and _after_step records it first."""
     t1 = time.time()
-    ran = [t for g in groups for t in g if t.error is None]
-    rewards = [t.reward for t in ran]
-    correct = [bool(t.info["correct"]) for t in ran if "correct" in t.info]
     batch, info = batch_from_groups(groups, cfg.advantage, **cfg.episode_rules(), teacher=teacher,
                                     temperature=getattr(getattr(trainer, "cfg", None), "temperature", None))
     tb = time.time()
@@ -1065,8 +1076,7 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         "step": step, "version": stats["version"], "mode": cfg.mode,
         # the staleness the async loop admits (the audit holds the step to it; a sync step's is 0)
         **({"async_lag": cfg.async_lag, "async_order": cfg.async_order} if cfg.mode == "async" else {}),
-        "reward_mean": sum(rewards) / max(len(rewards), 1),
-        "correct_rate": sum(correct) / len(correct) if correct else None,
+        **reward_statistics(groups),
         **info, "failure_reasons": reasons, "engines": len(engines), "engines_lost": len(lost),
         **step_statistics(stats),
         "sync_max_abs_diff": max((r.probe_max_abs_diff for r in reports), default=None),
