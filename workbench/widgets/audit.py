@@ -54,7 +54,9 @@ CHECKS = (
                                    "a sync step is held to 0 and an async one to its async_lag where no threshold is given"),
     ("gate_pass_ratio", "gate pass ratio", "share of sequences the correction gate kept (staleness, band, veto)"),
     ("token_keep_ratio", "tokens kept", "share of trainable tokens the correction kept (a token-level mask drops tokens, not sequences)"),
-    ("is_weight_outside", "IS-weight distribution", "share of trainable tokens whose IS weight is outside [0.8, 1.25)"),
+    ("is_weight_outside", "IS-weight distribution", "share of the tokens the correction kept whose IS weight is outside "
+     "[0.8, 1.25) (under a mask every kept weight is inside its band: the gate pass ratio and tokens kept show "
+     "what it dropped)"),
     ("replay_disagree_rate", "replay disagreement", "share of routed-expert choices where live routing differs from the recorded "
      "(not measured: no routing was captured)"),
     ("replay_unreplayed", "routing not replayed", "recorded (token, layer) routings the trainer's forward did not use although "
