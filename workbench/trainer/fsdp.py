@@ -458,6 +458,7 @@ class TrainerWorker:
         # each time, draining its queue), read once after the last update is queued
         zero = torch.zeros((), device=self.device, dtype=torch.float64)
         loss_sum, norms, corr_parts, replay, rows, kl_sum, shift_sum = zero, [], [], [], [], zero, zero
+        shift_tokens = zero  # the tokens of the updates after the first (whose ratios are all 1: it diluted the mean)
         skipped, carried_total = 0, torch.zeros_like(zero)
         # an update's rows on this rank: Trainer._split's share (the same batch rows in each update
         # whatever the rank count), or this rank's rows cut into `updates` runs
@@ -498,6 +499,8 @@ class TrainerWorker:
                     carried = carried + (corr.token_keep & mb["loss_mask"].bool() & (mb["advantages"] != 0)).sum()
                 contribution = (tl * w).detach() / updates  # of the step's reported loss (mean over updates)
                 shift_sum = shift_sum + ((lp.detach() - old).abs() * mb["loss_mask"]).sum()
+                if u > 0 or updates == 1:  # (a device tensor: read with the step's other sums, once)
+                    shift_tokens = shift_tokens + mb["loss_mask"].sum()
                 loss_sum = loss_sum + contribution.sum()
                 corr_parts.append(corr)
                 replay.append(rstats)
@@ -524,16 +527,17 @@ class TrainerWorker:
             self.optimizer.zero_grad(set_to_none=True)
         # (with cpu_offload the gradients, so their norms, are on the host)
         dist.all_reduce(carried_total)  # over the ranks, once a step
-        sums = [loss_sum, kl_sum, shift_sum, carried_total, *(n.double().to(self.device) for n in norms)]
-        loss_sum, kl_sum, shift_sum, carried_total, *norms = torch.stack(sums).tolist()
+        sums = [loss_sum, kl_sum, shift_sum, shift_tokens, carried_total, *(n.double().to(self.device) for n in norms)]
+        loss_sum, kl_sum, shift_sum, shift_tokens, carried_total, *norms = torch.stack(sums).tolist()
         # the step's grad_norm: the mean over the updates with a gradient (NaN if any was not finite)
         taken = [n for n in norms if n != 0]
         out = {"loss": loss_sum, "grad_norm": sum(taken) / len(taken) if taken else 0.0, "correction": merge_stats([c.stats for c in corr_parts]),
                "replay": _sum_replay(replay), "kl_k3_live": live,
                "kl_ref": {"sum": kl_sum, "tokens": int(batch["loss_mask"].sum())} if self.ref_model else None,
-               # mean |log pi - log pi_old| over the step's tokens: 0 with one update per step; how far
-               # later updates' ratios move from 1 (where the surrogates' clipping acts) otherwise
-               "policy_shift": {"sum": shift_sum, "tokens": int(batch["loss_mask"].sum())},
+               # mean |log pi - log pi_old| over the tokens of the updates after the first: 0 with one
+               # update per step; how far later updates' ratios move from 1 (where the surrogates'
+               # clipping acts) otherwise
+               "policy_shift": {"sum": shift_sum, "tokens": int(shift_tokens)},
                # over every rank (all-reduced): kept trainable tokens with an advantage, summed over the
                # updates (the no-signal warning's count; a KL term alone is no learning signal), and
                # the updates skipped for a zero or non-finite gradient
