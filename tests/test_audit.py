@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.tokens import read_trajectories, write_trajectories
+from workbench.tokens import Segment, Trajectory, read_trajectories, write_trajectories
 from workbench.widgets.audit import CHECKS, read_metrics
 
 
@@ -223,3 +223,13 @@ def test_the_audit_holds_each_step_to_the_staleness_its_loop_guarantees():
     assert flagged(lagged) == [] and flagged({**lagged, "max_staleness_kept": 2}) == ["max_staleness"]
     assert flagged({**broken, "mode": "async", "kl_k3_current": 1e-5, "max_staleness_kept": 3}) == []  # no lag logged: 4
     assert flagged({**broken, "kl_k3": 1e-5}, given=True) == []  # a threshold the caller gave is the one
+    # the episodes blamed are those the batch trained on: not a failed one the step dropped (or masked)
+    def at(episode_id, version, error=None):
+        return Trajectory([Segment([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], [-1, version, version])], 1.0, "g",
+                          episode_id, {}, error)
+
+    trajs = [at("fresh", 3), at("stale", 1), at("timed-out", 0, error="episode timed out")]
+    for rules, blamed in (({"on_failed": "drop"}, {"stale"}), ({"on_failed": "mask"}, {"stale"}),
+                          ({"on_failed": "zero"}, {"stale", "timed-out"})):
+        per_episode = step_values(broken, trajs, rules)[1]["max_staleness"]
+        assert {ep for ep, v in per_episode.items() if v > 0} == blamed, rules

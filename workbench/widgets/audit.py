@@ -92,9 +92,21 @@ def _hist_outside(h: dict | None) -> float | None:
     return out / sum(h["counts"])
 
 
-def _episode(t: Trajectory, trainer_version: int) -> dict:
-    """Per episode: the statistics the per-episode checks count."""
+def _trains(t: Trajectory, rules: dict) -> bool:
+    """Whether the batch trained on the episode's tokens: the episode rules (the run's on_failed /
+    on_truncated, loop.EPISODE_RULES) neither dropped nor masked it."""
+    failed = t.error is not None
+    rule = rules.get("on_failed", "drop") if failed else rules.get("on_truncated", "keep") if t.truncated else "keep"
+    return rule not in ("drop", "mask")
+
+
+def _episode(t: Trajectory, trainer_version: int, rules: dict | None = None) -> dict:
+    """Per episode: the statistics the per-episode checks count. Staleness is blamed on the
+    episodes the batch trained on (`rules`: the run's episode rules): a failed episode the step
+    dropped was listed beside the stale tokens that trained."""
     sampled = [v for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m and v >= 0]
+    if not _trains(t, rules or {}):
+        sampled = []
     return {"identity_mismatch": sum(s.stats.get("identity_mismatch", 0) for s in t.segments),
             "retokenization_drift": sum(s.stats.get("retokenization_drift", 0) for s in t.segments),
             "unexpected_seals": sum(s.seal_reason not in (None, "episode_end") for s in t.segments),
@@ -103,9 +115,10 @@ def _episode(t: Trajectory, trainer_version: int) -> dict:
             "failed_rate": t.error is not None, "truncated_rate": bool(t.truncated) and t.error is None}
 
 
-def step_values(m: dict, trajs: list[Trajectory]) -> tuple[dict, dict]:
-    """One step's statistics (CHECKS keys) and, per key, each episode's value (per-episode checks)."""
-    eps = {t.episode_id: _episode(t, m.get("version", 1) - 1) for t in trajs}  # the step trains version - 1
+def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None) -> tuple[dict, dict]:
+    """One step's statistics (CHECKS keys) and, per key, each episode's value (per-episode checks;
+    `rules`: the run's on_failed / on_truncated, for which episodes trained)."""
+    eps = {t.episode_id: _episode(t, m.get("version", 1) - 1, rules) for t in trajs}  # the step trains version - 1
     n = max(m.get("episodes", 0) + m.get("dropped_episodes", 0), len(trajs), 1)  # every episode, dropped ones too
     v = {"identity_mismatch": sum(e["identity_mismatch"] for e in eps.values()),
          "retokenization_drift": sum(e["retokenization_drift"] for e in eps.values()),
@@ -225,7 +238,7 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
         path = run_dir / "trajectories" / f"step_{m['step']:05d}.parquet"
         trajs[m["step"]] = read_trajectories(path) if path.is_file() else []
         steps.append(m["step"])
-        rows.append((m, *step_values(m, trajs[m["step"]])))
+        rows.append((m, *step_values(m, trajs[m["step"]], cfg.get("loop", {}))))
     # violations: (step, key, value, offending episode ids, the step's limit)
     violations = []
     for (m, v, per_ep), s in zip(rows, steps):
