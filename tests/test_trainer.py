@@ -528,13 +528,28 @@ def test_several_updates_per_step_move_the_ratios_off_one(ray_local, dense_path)
             assert abs(float(stats["report"]["loss_contribution"].sum()) - stats["loss"]) < 1e-6
             assert torch.equal(stats["report"]["trainer_logprobs"], before)  # pi_old: the weights at the step's start
             m = b["loss_mask"].bool()
-            after[ranks] = (t.logprobs(b), stats["loss"], stats["grad_norm"])
+            after[ranks] = (t.logprobs(b), stats["loss"], stats["grad_norm"], stats["policy_shift"])
             assert float(((after[ranks][0] - before) * b["advantages"])[m].sum()) > 0, ranks
         finally:
             t.shutdown()
-    (lp2, loss2, norm2), (lp1, loss1, norm1) = after[2], after[1]
+    (lp2, loss2, norm2, shift2), (lp1, loss1, norm1, shift1) = after[2], after[1]
     assert (lp2 - lp1).abs().max() < 1e-4 and abs(loss2 - loss1) < 1e-5 and abs(norm2 - norm1) < 1e-4 * norm1, \
         ((lp2 - lp1).abs().max(), loss2, loss1, norm2, norm1)
+    # policy_shift: the mean |log pi - log pi_old| over the second update's tokens (rows 3-4), under
+    # the weights the first update (rows 0-2) left; the first update's ratios are all 1, and counting
+    # its tokens read 2/5 of the shift
+    t = Trainer(str(dense_path), world_size=1, cfg=TrainerConfig(lr=1e-3, micro_batch_size=2, aggregation="seq_mean_token_mean",
+                                                                 correction=CorrectionConfig(enabled=False, max_staleness=None)))
+    try:
+        first = {k: (v[:3] if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+        t.train_step(first)
+        second = {k: (v[3:] if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+        m2 = second["loss_mask"].bool()
+        expected = float((t.logprobs(second) - before[3:]).abs()[m2].mean())
+    finally:
+        t.shutdown()
+    assert expected > 1e-3 and abs(shift1 - expected) < 1e-3 * expected + 1e-6 and abs(shift2 - expected) < 1e-3 * expected + 1e-6, \
+        (shift1, shift2, expected)
 
 
 def test_a_non_finite_gradient_is_no_update(trainer, samples):
