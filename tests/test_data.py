@@ -98,3 +98,31 @@ def test_seeded_shuffle_per_epoch_and_positions():
     assert [t.id for t in ds(4, 3)] == ids[12:16]  # the plain source(n, step) contract: position step * n
     plain = TaskDataset(ds.tasks, shuffle=False)
     assert [t.id for t in plain.take(n - 1, 2)] == [ds.tasks[-1].id, ds.tasks[0].id]
+
+
+def test_task_records_keep_what_they_say():
+    """TRL's conversational format (a list `prompt`) is the chat messages: str() of it trained on
+    its Python repr in the user turn. A label beside an answer leaves the answer in info (the
+    default of pop("label", pop("answer")) ran first and dropped it); a null id is no id (it was
+    the id 'None' for every such task); a prompt of another type is an error naming it."""
+    from workbench.agents import AgentContext
+    from workbench.data import task_from_record
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    t = task_from_record({"prompt": chat, "label": 5, "answer": "five", "id": None})
+    assert t.messages == chat and t.label == 5 and t.info == {"answer": "five"} and t.id != "None"
+    t = task_from_record({"prompt": [{"role": "user", "content": "Hi"}], "system": "S"})
+    assert t.messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    assert task_from_record({"prompt": 7, "answer": 3}).messages == [{"role": "user", "content": "7"}]
+    with pytest.raises(ValueError, match="'prompt' must be a string or a list of chat messages, got dict"):
+        task_from_record({"prompt": {"text": "hi"}})
+    with pytest.raises(ValueError, match="a list 'prompt' must be chat messages"):
+        task_from_record({"prompt": ["hi"]})
+    # each episode's ctx.tools is its own: the group's episodes share one Task
+    task = task_from_record({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]})
+    a, b = (AgentContext(base_url="", anthropic_base_url="", side_base_url="", side_anthropic_base_url="", api_key="",
+                         model="m", task=task, episode_id=str(i), group_id="g") for i in range(2))
+    a.tools.append({"type": "function", "function": {"name": "g"}})
+    tools = a.tools
+    tools[0]["function"]["name"] = "changed"
+    assert b.tools == [{"type": "function", "function": {"name": "f"}}] == task.tools

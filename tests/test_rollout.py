@@ -202,10 +202,11 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
 
     task = Task([{"role": "user", "content": "Say something about tools."}])
     # the four rollouts' runners start together (each a process importing transformers, seconds each)
-    with ThreadPoolExecutor(5) as pool:
+    with ThreadPoolExecutor(8) as pool:
         made = list(pool.map(lambda a: rollout_for(AGENTS / a[0], **a[1]),
                              [("sync_agent.py", {}), ("crashing.py", {}), ("nan_reward.py", {}),
-                              ("hanging.py", {"episode_timeout_s": 5}), ("failing_env.py", {})]))
+                              ("hanging.py", {"episode_timeout_s": 5}), ("failing_env.py", {}), ("cancelling.py", {}),
+                              ("slow_sync_own_types.py", {"episode_timeout_s": 3.5}), ("overflowing_env.py", {})]))
     # first, so the engine has served a request: a fresh vLLM engine's first one takes seconds (warm-up),
     # and the hanging agent's 5 s must cover its one recorded turn
     ok = made[0].run_groups([task], group_size=2, progress=False)[0]
@@ -226,6 +227,21 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     broke = made[4].run_groups([task], group_size=2, progress=False)[0]
     assert all("env broke on purpose" in t.error and t.reward == 0.25 and t.info["first"] == "done" for t in broke)
     assert [r for _, r, _ in (episode_reward(t, on_failed="keep") for t in broke)] == [0.25, 0.25]
+    # an agent's own CancelledError fails its episode; it escaped run_episode and the whole group
+    # (its siblings' finished episodes with it) was lost, the sessions left open
+    cancelled = made[5].run_groups([task], group_size=2, progress=False)[0]
+    assert all(t.error.startswith("CancelledError") and t.reward == 0.0 for t in cancelled)
+    assert made[5].stats()[0]["server"]["open_sessions"] == 0
+    # 16 synchronous agents of 1.5 s at once, each in a thread of its own: on the loop's default
+    # executor (cpu + 4 threads) the later ones waited for a thread and timed out (3.5 s). The
+    # value of a class defined in the agent file reaches the driver (the module's name is the
+    # same in every process; hash() of the path was salted per process).
+    slow = made[6].run_groups([task], group_size=16, progress=False)[0]
+    assert all(t.error is None for t in slow), [t.error for t in slow if t.error]
+    assert all(t.info["verdict"].value == "pass" and type(t.info["verdict"]).__name__ == "Verdict" for t in slow)
+    # a failed Env keeps the last total that passed the reward check, not the refused one
+    over = made[7].run_groups([task], group_size=1, progress=False)[0][0]
+    assert "total reward at turn 2 is 1.8e+06" in over.error and over.reward == 9e5, (over.error, over.reward)
 
 
 def test_an_interrupted_rollout_gives_its_slots_back_when_its_groups_finish(rollout_for, monkeypatch):

@@ -13,6 +13,8 @@ Everything else, the reward included, is ordinary code. The file may also define
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import importlib.util
 import inspect
 import math
@@ -80,7 +82,9 @@ class AgentContext:
 
     @property
     def tools(self) -> list[dict] | None:
-        return self.task.tools
+        # a copy: a group's episodes share one Task, and one agent appending to the list gave its
+        # siblings other tools (another prompt under one baseline)
+        return copy.deepcopy(self.task.tools)
 
     @property
     def label(self) -> Any:
@@ -135,7 +139,10 @@ def load_agent(path: str | Path) -> AgentSpec:
         raise AgentLoadError(f"agent file {str(path)!r} does not exist")
     if path.suffix != ".py":
         raise AgentLoadError(f"agent file {str(path)!r} is not a .py file")
-    name = f"workbench_agent_{path.stem}_{abs(hash(str(path)))}"
+    # named by the path's digest, the same in every process: cloudpickle pickles the file's classes
+    # by module name, and hash(str) is salted per process, so an object of the agent's own class
+    # (an Enum in info) pickled on a runner could not be unpickled on the driver
+    name = f"workbench_agent_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:16]}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling need the module registered

@@ -28,14 +28,28 @@ def task_from_record(record: dict, where: str = "record") -> Task:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError(f"{where}: 'messages' must be a list of chat messages with a 'role'")
     elif "prompt" in r:
-        messages = [{"role": "user", "content": str(r.pop("prompt"))}]
-        if "system" in r:
-            messages.insert(0, {"role": "system", "content": str(r.pop("system"))})
+        prompt = r.pop("prompt")
+        if isinstance(prompt, list):
+            # TRL's conversational format: the prompt is the chat messages (str() of it trained on its
+            # Python repr, the list printed into the user turn)
+            if not all(isinstance(m, dict) and "role" in m for m in prompt):
+                raise ValueError(f"{where}: a list 'prompt' must be chat messages with a 'role'")
+            messages = [dict(m) for m in prompt]
+            if "system" in r and not any(m["role"] == "system" for m in messages):
+                messages.insert(0, {"role": "system", "content": str(r.pop("system"))})
+        elif isinstance(prompt, (str, int, float)) and not isinstance(prompt, bool):
+            messages = [{"role": "user", "content": str(prompt)}]
+            if "system" in r:
+                messages.insert(0, {"role": "system", "content": str(r.pop("system"))})
+        else:
+            raise ValueError(f"{where}: 'prompt' must be a string or a list of chat messages, got {type(prompt).__name__}")
     else:
         raise ValueError(f"{where}: a task needs 'messages' or 'prompt' (got keys {sorted(r)})")
-    label = r.pop("label", r.pop("answer", None))
+    # (the default of pop("label", ...) is evaluated first: it dropped "answer" even beside a label)
+    label = r.pop("label") if "label" in r else r.pop("answer", None)
     tools = r.pop("tools", None)
-    task_id = str(r.pop("id", "")) or None
+    task_id = r.pop("id", None)
+    task_id = None if task_id is None else (str(task_id) or None)  # (a null id read as the id 'None' for every such task)
     t = Task(messages=messages, tools=tools, label=label, info=r)
     if task_id:
         t.id = task_id

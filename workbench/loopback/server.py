@@ -782,4 +782,5 @@ class LoopbackServer:
             # tool call in them never reached it): counted, where only the log said so
             "parser_failures": self.reply_parser.failures,
             "overhead_p50_s": pct(0.5), "overhead_p99_s": pct(0.99),
+            "open_sessions": len(open_accs),  # episodes in flight (a leaked one stays counted)
         }

@@ -68,6 +68,7 @@ class RolloutRunner:
         self._slots = max_concurrent_episodes
         self._sem = None
         self._clients = None
+        self._sync_pool = None
         # What is alive now (torch, Ray, the SDKs, the tokenizer: ~300,000 objects) lives as long as the
         # runner: out of the collector's walk. A full collection walked it all while every in-flight
         # request waited (60-117 ms each, a few per bench run: the loopback's occasional p99 of
@@ -105,13 +106,30 @@ class RolloutRunner:
             except asyncio.TimeoutError:
                 timed_out = True
                 error = f"episode timed out after {self.episode_timeout_s:g} s"
-            except Exception as e:
+            except asyncio.CancelledError as e:
+                # the agent's own cancellation (it cancelled a sub-task and awaited it): its episode
+                # fails, not the group with its siblings' finished episodes; this task being
+                # cancelled (the runner shutting down) goes on up
+                task_ = asyncio.current_task()
+                if task_ is not None and task_.cancelling():
+                    await self.server.close_session_async(sid, wait=False)
+                    raise
+                error = f"CancelledError: the agent's episode was cancelled ({e})"
+            except (Exception, SystemExit) as e:  # (sys.exit() in an agent is its episode failing)
                 error = f"{type(e).__name__}: {e}\n{''.join(traceback.format_exc(limit=-3))}"
             if error is not None:
                 reward, info = partial["reward"], dict(partial["info"])
             segments, state = await self.server.close_session_async(sid, wait=not timed_out, details=True)
             return Trajectory(segments, reward, group_id, episode_id, {"task_id": task.id, **info}, error,
                               truncated=state["truncated"] or cut)
+
+    def _sync_agents(self):
+        """The thread pool synchronous agents run in: max_concurrent_episodes threads (made on first use)."""
+        if self._sync_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._sync_pool = ThreadPoolExecutor(self._slots, thread_name_prefix="sync-agent")
+        return self._sync_pool
 
     def _shared_clients(self):
         """One OpenAI and one Anthropic SDK client per runner (made on its event loop); agents get
@@ -145,7 +163,10 @@ class RolloutRunner:
         if inspect.iscoroutinefunction(agent.run):
             result = await agent.run(ctx)
         else:  # a synchronous agent (stock sync SDK client) runs in a thread, not on this loop
-            result = await asyncio.to_thread(agent.run, ctx)
+            # its own pool, one thread per episode slot: the loop's default executor has cpu + 4
+            # threads, so on 2 cores the 7th concurrent sync episode waited for a thread (its timeout
+            # running) and a few stuck agents starved every later episode
+            result = await asyncio.get_running_loop().run_in_executor(self._sync_agents(), agent.run, ctx)
         return (*as_reward(result), False)
 
     async def _env_episode(self, task: Task, sid: str, partial: dict | None = None):
@@ -172,7 +193,9 @@ class RolloutRunner:
             messages.append(message)
             observation, reward, terminated, truncated, step_info = await env.step(message)
             total += reward_value(reward, f"the reward {type(env).__name__}.step returned at turn {turns}")
-            partial["reward"] = total
+            # the running total is checked before a failed episode may keep it (on_failed="keep" kept a
+            # total the final check refused as too large)
+            partial["reward"] = reward_value(total, f"{type(env).__name__}'s total reward at turn {turns}")
             info.update(step_info or {})
             if terminated or truncated:
                 cut = bool(truncated) and not terminated
@@ -187,6 +210,8 @@ class RolloutRunner:
             await self._clients.openai.close()
             await self._clients.anthropic.close()
             self._clients = None
+        if self._sync_pool is not None:  # (a stuck sync agent's thread is left to die with the process)
+            self._sync_pool.shutdown(wait=False, cancel_futures=True)
         self.server.stop()
 
 
