@@ -29,7 +29,7 @@ import torch
 from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_stats
 from ..replay import ReplayStats, routing_replay
 from .logprobs import forward_logprobs, logprob_head, sampled_logprobs
-from .packing import micro_batches_by_tokens, pack, packed_forward, unpack
+from .packing import PACKING_LEAK_TOL, micro_batches_by_tokens, pack, packed_forward, packing_leak, unpack
 from .losses import KL_ESTIMATORS, SEQUENCE_SURROGATES, aggregation_weights, episode_units, get_surrogate, kl_to_reference
 
 # A CPU trainer step frees and re-allocates the same large buffers (activations, logits,
@@ -49,7 +49,8 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8
     # pack each micro-batch's rows into one padding-free row (trainer/packing.py): no compute is
-    # spent on padding, and each row's log-probs equal its padded forward's to fp32 rounding
+    # spent on padding, and each row's log-probs equal its padded forward's to fp32 rounding. Checked
+    # at setup: off (padded) for a model whose forward mixes packed sequences (packing_leak)
     pack_sequences: bool = True
     # with pack_sequences: micro-batches of about this many real tokens (a longer row alone), the
     # count agreed across ranks; None: micro_batch_size rows each
@@ -301,11 +302,35 @@ class TrainerWorker:
             self.ref_model = self._sharded_model(cfg.ref_model_path or model_path, shard_kwargs, False,
                                                  cfg.ref_dtype or cfg.mixed_precision or cfg.dtype)
             self.ref_model.requires_grad_(False)
+        self.packing = None  # the packing check's result (pack_sequences=True)
+        if cfg.pack_sequences:
+            self._check_packing()
         # foreach: torch picks it by default only for CUDA tensors; on CPU each DTensor parameter was
         # updated one op at a time through DTensor's dispatch (toy MoE, 25 parameters: 10.5 ms a
         # step vs 2.6 ms foreach). On GPUs foreach is already the default.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
         return rank
+
+    def _check_packing(self) -> None:
+        """Packing is exact only where the model keeps packed sequences apart (packing_leak); where
+        it does not, this rank's forwards pad instead, and `packing` says why. Every rank decides
+        alike (the leak is all-reduced: the ranks' micro-batches run the same collectives)."""
+        import dataclasses
+
+        import torch.distributed as dist
+
+        leak = torch.tensor([packing_leak(self.model, self.model.config.vocab_size, self.device)], device=self.device)
+        dist.all_reduce(leak, op=dist.ReduceOp.MAX)
+        self._reshard()
+        self.packing = {"leak": float(leak), "packed": float(leak) <= PACKING_LEAK_TOL}
+        if not self.packing["packed"]:
+            self.cfg = dataclasses.replace(self.cfg, pack_sequences=False, micro_batch_tokens=None)
+            if self.rank == 0:
+                import sys
+
+                print(f"workbench: sequence packing is off for this model ({self.model.config.model_type}): a packed "
+                      f"sequence's log-probs moved {float(leak):.3g} nats with the sequence before it (its forward does "
+                      f"not keep packed sequences apart); rows are padded instead", file=sys.stderr)
 
     def _sharded_model(self, path: str, shard_kwargs: dict, checkpointing: bool, dtype: str):
         """The checkpoint's model in `dtype`, sharded with fully_shard in the units cfg.shard_unit
@@ -370,7 +395,7 @@ class TrainerWorker:
                 "reference_dtypes": sorted({str(p.dtype) for p in ref}),
                 "compute_dtype": str(group.mp_policy.param_dtype), "offload": type(group.offload_policy).__name__,
                 "fsdp_units": sum(isinstance(m, FSDPModule) for m in self.model.modules()),
-                "checkpoint_bytes_read": self.checkpoint_bytes_read}
+                "checkpoint_bytes_read": self.checkpoint_bytes_read, "packing": self.packing}
 
     def _to(self, batch: dict) -> dict:
         """The batch on this rank's device, and its attention mask also on the host

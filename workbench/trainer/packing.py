@@ -90,6 +90,31 @@ def packed_forward(model, packed: Packed):
     return model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
 
 
+# How far a sequence's log-probs may move when the sequence packed before it changes: exactly 0 where
+# the model builds the block-diagonal mask from the position ids (masked scores add exactly 0), tenths
+# of a nat where it does not
+PACKING_LEAK_TOL = 1e-4
+
+
+def packing_leak(model, vocab_size: int, device) -> float:
+    """The largest change (nats) of a sequence's log-probs when the sequence packed before it in
+    the same row is replaced by another. 0 where packing is exact. Not every model builds the
+    block-diagonal mask from position ids: gpt-oss passes none to its mask builder (its packed
+    sequences attended to the ones before them: 0.15 nats), and linear-attention layers (Qwen3-Next,
+    Qwen3.5) carry their recurrent state across sequences unless told the boundaries. Run on every
+    rank at once (a forward of the sharded model: collectives)."""
+    g = torch.Generator().manual_seed(0)
+    first, other, second = (torch.randint(0, vocab_size, (n,), generator=g) for n in (7, 7, 5))
+    positions = torch.cat([torch.arange(7), torch.arange(5)])[None].to(device)
+    out = []
+    with torch.no_grad():
+        for before in (first, other):
+            ids = torch.cat([before, second])[None].to(device)
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+            out.append(torch.log_softmax(logits[0, 7:].float(), dim=-1))
+    return float((out[0] - out[1]).abs().max())
+
+
 def micro_batches_by_tokens(lengths: list[int], budget: int, count: int | None = None) -> list[range]:
     """Row ranges (in order) of at most `budget` tokens each (a longer row alone), or, with
     `count`, exactly `count` ranges balanced by tokens (count <= len(lengths))."""
