@@ -695,6 +695,17 @@ def test_context_clamps_max_tokens_and_a_full_context_ends_the_turn(vllm_moe, to
         assert r.choices[0].finish_reason == "length"
         _, state = srv.close_session(sid, details=True)
         assert not state["truncated"] and srv.summary()["truncated_sessions"] == 1
+        # a context cut the agent went on from (it compacted and finished): not the episode's end,
+        # as for a reply cut by the budget; it stayed truncated, and on_truncated masked or dropped
+        # an episode that finished with a real reward
+        sid = srv.open_session()
+        client = oai(srv, sid)
+        r = client.chat.completions.create(model="policy", messages=msgs[:1], max_tokens=500, extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and srv.sessions[sid].truncated
+        compacted = [{"role": "user", "content": "In short: books. Go on."}]
+        client.chat.completions.create(model="policy", messages=compacted, max_tokens=2)
+        segs, state = srv.close_session(sid, details=True)
+        assert not state["truncated"] and len(segs) == 2 and srv.summary()["truncated_sessions"] == 1
     # the policy's budget: the agent sends none (or one at least the policy's) and the reply runs out of it
     with LoopbackServer(Tap(vllm_moe), tokenizer, max_model_len=64, policy_sampling=SamplingConfig(max_tokens=3)) as srv:
         for sent in ({}, {"max_tokens": 3}, {"max_tokens": 2}):

@@ -521,9 +521,10 @@ class Accumulator:
         self._parked: list[dict] = []  # the other open conversations' _CONVERSATION_STATE, least recent first
         self._last_request: tuple | None = None
         self._last_reply: Any = None
-        # set by the server: a turn was cut by the context (the conversation outgrew max_model_len), and
-        # whether the last recorded reply ran out of the policy's max_tokens (a later reply that did
-        # not clears it: the episode went on past the cut, as a multi-turn Env or agent may)
+        # set by the server: the last turn was cut by the context (the conversation outgrew
+        # max_model_len), or the last recorded reply ran out of the policy's max_tokens (a later
+        # reply not cut clears either: the episode went on past the cut, as a multi-turn Env or an
+        # agent that compacts may)
         self.context_cut = False
         self.last_reply_cut = False
         self.engine_calls = 0  # engine calls made for the session (the server mixes it into a seeded turn's seed)

@@ -693,8 +693,9 @@ class LoopbackServer:
             # filtering masks), which counts where the episode ends on it (a later reply clears it);
             # an agent's own smaller max_tokens is its choice (it sees "length")
             cut = sample.finish_reason == "length"
-            if cut and clamped:
-                acc.context_cut = True
+            # (a recorded reply the context did not cut clears an earlier context cut: the agent went
+            # on, compacted, and this reply, not that one, is where its episode stands)
+            acc.context_cut = cut and clamped
             acc.last_reply_cut = cut and not clamped and sampling.max_tokens >= self.policy_sampling.max_tokens
             reply.truncated = cut and (clamped or acc.last_reply_cut)
             acc.record(plan, sample, reply.assistant_message(), reply=reply, sampling_overridden=bool(differing),
