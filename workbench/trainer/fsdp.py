@@ -523,8 +523,10 @@ class TrainerWorker:
                     # trainable tokens the correction kept that have an advantage: the no-signal warning's count
                     carried = carried + (corr.token_keep & mb["loss_mask"].bool() & (mb["advantages"] != 0)).sum()
                 contribution = (tl * w).detach() / updates  # of the step's reported loss (mean over updates)
-                shift_sum = shift_sum + ((lp.detach() - old).abs() * mb["loss_mask"]).sum()
-                if u > 0 or updates == 1:  # (a device tensor: read with the step's other sums, once)
+                if u > 0 or updates == 1:  # (device tensors: read with the step's other sums, once)
+                    # (the first of several updates left out of both: its pi_old is another forward's,
+                    # whose bf16 rounding alone read as a shift)
+                    shift_sum = shift_sum + ((lp.detach() - old).abs() * mb["loss_mask"]).sum()
                     shift_tokens = shift_tokens + mb["loss_mask"].sum()
                 loss_sum = loss_sum + contribution.sum()
                 corr_parts.append(corr)
