@@ -139,6 +139,11 @@ def test_b_loopback_hermes_parser_on_qwen3(fams):
         ok += [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == \
               [{"name": c["name"], "arguments": c["arguments"]} for c in d["expected"]["tool_calls"]]
     assert (ok, n) == (42, 43)
+    # arguments under another key are not a call with none (it ran the tool with {}); a call of
+    # a tool without parameters may leave them out
+    text = '<tool_call>{"name": "get_weather", "parameters": {"city": "Paris"}}</tool_call>'
+    assert parse_hermes(text) == (text, [])
+    assert parse_hermes('<tool_call>{"name": "now"}</tool_call>') == ("", [{"name": "now", "arguments": {}}])
 
 
 # ------------------------------------------------------------------ (c) accumulation

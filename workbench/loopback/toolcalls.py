@@ -45,6 +45,10 @@ def parse_hermes(text: str) -> tuple[str, list[dict]]:
             return text, []
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return text, []
+        if "arguments" not in obj and set(obj) != {"name"}:
+            # arguments under another key ("parameters"): calling with {} ran a call the model did
+            # not write; the text stays content, as vLLM's hermes parser leaves it
+            return text, []
         args = obj.get("arguments", {})
         if isinstance(args, str):
             try:
