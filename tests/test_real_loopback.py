@@ -178,6 +178,29 @@ def test_b_qwen3_thinking_off_is_all_content():
             assert (r, c, calls) == _expected(d), d["id"]
 
 
+def test_b_a_side_reply_ends_on_the_familys_stop_tokens_as_a_recorded_one_does():
+    """A real Qwen3 checkpoint also ends a turn on <|endoftext|> (generation_config.json), and its
+    reasoning parser keeps special tokens: the side route (a judge's calls) knew only the agent's
+    stop ids, so the judge's "10<|endoftext|>" reached the judge agent, whose score then parsed as
+    none (reward 0). The side route stops on the family's tokens, as a recorded turn does."""
+    from workbench.rollout.engine import SamplingConfig
+
+    fam = rm.load_family("qwen3")
+    tok, prof = fam.tokenizer, fam.profile()
+    engine = Replay()
+    ids = tok.encode("<think>\nok\n</think>\n\n10", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|endoftext|>")]
+    with LoopbackServer(engine, tok, profile=prof, max_model_len=4096,
+                        policy_sampling=SamplingConfig(max_tokens=64, stop_token_ids=prof.stop_token_ids(tok))) as server:
+        client = openai.OpenAI(base_url=server.base_url(None), api_key=server.api_key, max_retries=0)
+        for _ in range(2):
+            engine.push(ids)
+        side = client.chat.completions.create(model="judge", messages=[{"role": "user", "content": "Grade."}], max_tokens=64)
+        sid = server.open_session()
+        recorded = openai.OpenAI(base_url=server.base_url(sid), api_key=server.api_key, max_retries=0).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "Grade."}], max_tokens=64)
+    assert side.choices[0].message.content.strip() == recorded.choices[0].message.content.strip() == "10"
+
+
 @pytest.mark.parametrize("name", ["qwen3", "gpt-oss", "mistral-v3"])
 def test_b_anthropic_sdk_reads_recorded_replies(name):
     """The same through the Anthropic SDK: reasoning as a thinking block (thinking deltas when

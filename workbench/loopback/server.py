@@ -726,6 +726,11 @@ class LoopbackServer:
         for n, v in req.sent.items():  # the agent's temperature/top_p are honoured; others cannot be
             if n not in ("temperature", "top_p") and differs(n, v, self.policy_sampling):
                 raise RequestError(400, f"'{n}' is not supported: the engine samples with temperature and top_p only", param=n)
+        if not req.sampling.ignore_eos:
+            # the family's turn-ending tokens, as for a recorded turn (the runner adds them to the
+            # policy's sampling): a Qwen3 judge's reply ending on <|endoftext|> kept the literal token
+            # in its text ("10<|endoftext|>": the judge agent's score parsed as none, the reward 0)
+            req.sampling.stop_token_ids = list(dict.fromkeys(self.policy_sampling.stop_token_ids + req.sampling.stop_token_ids))
         fmt = threaded_format(self.fmt, self.thread_plan_bytes, self.prompts)
         try:
             if req.size > self.thread_plan_bytes:
