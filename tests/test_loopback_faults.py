@@ -508,6 +508,27 @@ def test_a_tool_call_the_agent_could_not_send_back_is_left_as_text(tokenizer):
             assert seg.stats["temperatures"] == [1.0]  # what the engine sampled at (the policy's), stamped
 
 
+def test_a_failure_planning_a_turn_is_a_400_and_only_a_templates_refusal_goes_uncounted(tokenizer):
+    """A role the template refuses is the request's 400. Any other exception while planning (a bug
+    of the recording code, Accumulator.plan) is a 400 too, but counted in unexpected_errors["plan"]
+    and logged: it answered as a template refusal, nothing in the statistics saw it."""
+    engine = Scripted(tokenizer)
+    with LoopbackServer(engine, tokenizer) as srv:
+        sid = srv.open_session()
+        client = openai.OpenAI(base_url=srv.base_url(sid), api_key=srv.api_key, max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="unknown role"):
+            client.chat.completions.create(model="p", messages=[{"role": "critic", "content": "x"}], max_tokens=4)
+        assert srv.summary()["unexpected_errors"] == {}
+
+        def broken(*a, **k):
+            raise IndexError("list index out of range")
+
+        srv.sessions[sid].plan = broken
+        with pytest.raises(openai.BadRequestError, match="list index out of range"):
+            client.chat.completions.create(model="p", messages=USER, max_tokens=4)
+        assert srv.summary()["unexpected_errors"] == {"plan": 1} and not engine.sampling
+
+
 def test_replies_without_tools_aborts_defaults_and_anthropic_edges(tokenizer):
     """What real agents send and got wrong answers to. A request without tools gets tool-call
     syntax back as text (it was parsed into calls the agent never declared); an agent sending no

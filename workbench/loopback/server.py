@@ -720,6 +720,14 @@ class LoopbackServer:
                     raise
             return acc.plan(req.messages, req.tools, retry=req.retry)
         except Exception as e:  # template errors (e.g. a role it refuses) are the request's fault
+            import jinja2
+
+            if not isinstance(e, jinja2.TemplateError):
+                # not the template's refusal: maybe the messages' shape, maybe a bug of the recording
+                # code (Accumulator.plan); still the request's 400, but counted and logged, where a
+                # regression there showed only as agents' BadRequestErrors
+                self.stats.unexpected_errors["plan"] += 1
+                log.warning("loopback: planning a turn raised %s (answered 400)", type(e).__name__, exc_info=True)
             raise RequestError(400, f"the chat template cannot render these messages: {scrub(e)}", param="messages")
 
     async def _side_turn(self, req: ChatRequest):
