@@ -202,11 +202,12 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
 
     task = Task([{"role": "user", "content": "Say something about tools."}])
     # the four rollouts' runners start together (each a process importing transformers, seconds each)
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(9) as pool:
         made = list(pool.map(lambda a: rollout_for(AGENTS / a[0], **a[1]),
                              [("sync_agent.py", {}), ("crashing.py", {}), ("nan_reward.py", {}),
                               ("hanging.py", {"episode_timeout_s": 5}), ("failing_env.py", {}), ("cancelling.py", {}),
-                              ("slow_sync_own_types.py", {"episode_timeout_s": 3.5}), ("overflowing_env.py", {})]))
+                              ("slow_sync_own_types.py", {"episode_timeout_s": 3.5}), ("overflowing_env.py", {}),
+                              ("dict_content_env.py", {})]))
     # first, so the engine has served a request: a fresh vLLM engine's first one takes seconds (warm-up),
     # and the hanging agent's 5 s must cover its one recorded turn
     ok = made[0].run_groups([task], group_size=2, progress=False)[0]
@@ -242,6 +243,10 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     # a failed Env keeps the last total that passed the reward check, not the refused one
     over = made[7].run_groups([task], group_size=1, progress=False)[0][0]
     assert "total reward at turn 2 is 1.8e+06" in over.error and over.reward == 9e5, (over.error, over.reward)
+    # an Env's message whose content is not text fails the episode naming it (it was rendered as "")
+    structured = made[8].run_groups([task], group_size=1, progress=False)[0][0]
+    assert "AgentRunner.step at turn 1: message 0 (user) has content {'temp': 21" in structured.error, structured.error
+    assert structured.reward == 0.5 and structured.segments  # what it earned and recorded before, kept
 
 
 def test_an_interrupted_rollout_gives_its_slots_back_when_its_groups_finish(rollout_for, monkeypatch):

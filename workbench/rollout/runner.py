@@ -177,6 +177,7 @@ class RolloutRunner:
         reward and info so far, for an episode that fails part-way."""
         env = self.spec.make()
         observation, info = await env.reset(task)
+        _check_env_messages(observation, f"{type(env).__name__}.reset")
         # its own copy: an Env whose reset returns task.info itself had every episode of the group
         # (one Task, run concurrently) update one dict, each sibling's step info in the others'
         info = dict(info or {})
@@ -200,6 +201,7 @@ class RolloutRunner:
             if terminated or truncated:
                 cut = bool(truncated) and not terminated
                 break
+            _check_env_messages(observation, f"{type(env).__name__}.step at turn {turns}")
             messages += [dict(m) for m in observation]
         else:  # max_turns ran out before the Env ended the episode
             cut = True
@@ -213,6 +215,23 @@ class RolloutRunner:
         if self._sync_pool is not None:  # (a stuck sync agent's thread is left to die with the process)
             self._sync_pool.shutdown(wait=False, cancel_futures=True)
         self.server.stop()
+
+
+def _check_env_messages(messages, where: str) -> None:
+    """An Env's observation: chat messages whose content is text (a string, or OpenAI text parts),
+    as the loopback's routes require of an agent's. Anything else (a dict a template might
+    tojson, image parts) rendered as "" for the template, so the policy was prompted and
+    trained on an empty tool result, silently: the episode fails naming it instead."""
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(f"{where} must return a list of chat messages, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TypeError(f"{where}: message {i} must be a dict with a 'role', got {m!r:.80}")
+        c = m.get("content")
+        if not (c is None or isinstance(c, str) or (isinstance(c, list) and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c))):
+            raise TypeError(f"{where}: message {i} ({m['role']}) has content {c!r:.80} ({type(c).__name__}): content "
+                            f"must be a string or a list of text parts (json.dumps a structured result)")
 
 
 class RunnersLost(RuntimeError):
