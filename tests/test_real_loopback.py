@@ -276,6 +276,50 @@ def test_b_mistral_ids_and_echoed_reasoning_render_back():
             assert [t for t, m in zip(seg.token_ids, seg.loss_mask) if m] == ids + done  # exactly what was sampled
 
 
+def test_b_mistral_tool_results_name_the_call_ids_the_model_wrote():
+    """NeMo writes an id in each call of its [TOOL_CALLS] list; vLLM's parser ignores it and the
+    server handed out fresh ids, so the recorded call kept the written id and every tool result
+    named another: the policy trained on results pointing at no call. The server hands out the
+    written ids where the template would take them (9 alphanumerics, unique), fresh ones elsewhere."""
+    from workbench.loopback.parsing import sampled_call_ids
+
+    fam = rm.load_family("mistral-v3")
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "w", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    written = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "Ab3dE6gH9"}, '
+               '{"name": "get_weather", "arguments": {"city": "Rome"}, "id": "Zz9yX8wV7"}]')
+    prompts = []
+
+    class Seen(Replay):
+        async def generate(self, prompt_ids, sampling):
+            prompts.append(list(prompt_ids))
+            return await super().generate(prompt_ids, sampling)
+
+    engine = Seen()
+    with _server(fam, engine) as server:
+        sid = server.open_session()
+        engine.push(fam.tokenizer.encode(written, add_special_tokens=False) + [fam.tokenizer.eos_token_id])
+        engine.push(fam.tokenizer.encode("Done.", add_special_tokens=False) + [fam.tokenizer.eos_token_id])
+        client = openai.OpenAI(base_url=server.base_url(sid), api_key=server.api_key, max_retries=0)
+        msgs = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+        m = client.chat.completions.create(model="p", messages=msgs, tools=tools, max_tokens=512).choices[0].message
+        assert [c.id for c in m.tool_calls] == ["Ab3dE6gH9", "Zz9yX8wV7"]
+        msgs += [m.model_dump(exclude_none=True)] + [{"role": "tool", "tool_call_id": c.id, "content": t}
+                                                     for c, t in zip(m.tool_calls, ("sunny", "rain"))]
+        client.chat.completions.create(model="p", messages=msgs, tools=tools, max_tokens=512)
+        seg, = server.close_session(sid)
+    context = fam.tokenizer.decode(prompts[1])
+    assert context.count("Ab3dE6gH9") == 2 and context.count("Zz9yX8wV7") == 2, context  # each call and its result
+    assert seg.stats["turns"] == 2
+    calls = [{"name": "get_weather"}, {"name": "get_weather"}]
+    # a repeated id, one of another shape, none, another name: fresh ids for those
+    assert sampled_call_ids('[TOOL_CALLS] [{"name": "get_weather", "id": "Ab3dE6gH9"}, {"name": "get_weather", "id": "Ab3dE6gH9"}]',
+                            calls) == ["Ab3dE6gH9", None]
+    assert sampled_call_ids('[TOOL_CALLS] [{"name": "get_weather", "id": "Ab3dE6gH90"}, {"name": "get_weather"}]', calls) == [None, None]
+    assert sampled_call_ids('[TOOL_CALLS] [{"name": "other", "id": "Ab3dE6gH9"}, {"name": "get_weather", "id": "Zz9yX8wV7"}]',
+                            calls) == [None, "Zz9yX8wV7"]
+
+
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
 def test_b_qwen3_echoed_reasoning_renders_the_think_block_back(protocol):
     fam = rm.load_family("qwen3")

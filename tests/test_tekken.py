@@ -188,7 +188,9 @@ def _step(acc, fmt, msgs, tools, sample_ids, message):
 # The sampled call with the id NeMo writes, and without one. vLLM's `mistral` parser hands out a
 # fresh id either way (it ignores the sampled one), and mistral-common renders the call back with
 # that id: the tool result extends the exact sampled ids but a fresh render differs at the id
-# ("extends*", token identity holds; the sampled bytes stay in the prompt).
+# ("extends*", token identity holds; the sampled bytes stay in the prompt). The loopback server
+# hands out the written id instead (parsing.sampled_call_ids; the round-trip test below, and
+# test_real_loopback's), so only a call written without an id stays "extends*" there.
 @pytest.mark.parametrize("sampled,first_diff", [
     ('[{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "Ab3dE6gH9"}]', "recorded 'Ab3'"),
     ('[{"name": "get_weather", "arguments": {"city": "Paris"}}]', "recorded '\"}}]' vs render '\"}, \"'"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 
 from .protocol import RequestError, loads
@@ -60,6 +61,34 @@ def reply_text(fmt, ids: list[int], finish: str, skip_special_tokens: bool, stop
         ends.add(getattr(fmt.tokenizer, "eos_token_id", None))
         ids = ids[:-1] if ids[-1] in ends else ids
     return fmt.decode(ids, skip_special_tokens=skip_special_tokens), ids
+
+
+_ALNUM9 = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def sampled_call_ids(text: str, calls: list[dict]) -> list[str | None]:
+    """The ids a Mistral model wrote in its `[TOOL_CALLS]` JSON list (NeMo writes
+    `{"name", "arguments", "id"}`), one per parsed call: None where it wrote none, or one its
+    template would refuse (not 9 alphanumerics), or one already used in the reply. vLLM's parser
+    ignores them and hands out fresh ids; the template renders the call with the sampled id (it
+    stays in the recorded ids) and each tool result with the id handed out, so every result
+    pointed at a call id that was nowhere in the context the policy trained on."""
+    at = text.rfind("[TOOL_CALLS]")
+    if at < 0 or not calls:
+        return [None] * len(calls)
+    try:
+        written, _ = json.JSONDecoder().raw_decode(text[at + len("[TOOL_CALLS]"):].lstrip())
+    except ValueError:
+        return [None] * len(calls)
+    if not isinstance(written, list) or len(written) != len(calls):
+        return [None] * len(calls)
+    out, seen = [], set()
+    for w, c in zip(written, calls):
+        cid = w.get("id") if isinstance(w, dict) and w.get("name") == c["name"] else None
+        ok = isinstance(cid, str) and _ALNUM9.fullmatch(cid) is not None and cid not in seen
+        out.append(cid if ok else None)
+        seen.add(cid)
+    return out
 
 
 class ReplyParser:

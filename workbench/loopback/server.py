@@ -41,7 +41,7 @@ from ..rollout.actor import stream_generate
 from ..rollout.engine import Sample, SamplingConfig
 from ..tokens import Accumulator, ChatFormat, Segment, SEGMENT_TOTALS, new_tool_call_id, request_key, segment_stats
 from . import anthropic_api, openai_api
-from .parsing import ReplyParser, reply_text
+from .parsing import ReplyParser, reply_text, sampled_call_ids
 from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, check_template_controls, differs, loads, policy_value
 from .streaming import ReplyStream, TokenFeed
 
@@ -768,9 +768,12 @@ class LoopbackServer:
             cut, stop_seq = min(hits)
             text, finish = text[:cut], "stop_sequence"
         parsed = parser.parse(text, ids, parse_tools=req.parse_tools, tools=req.tools)
+        # Mistral's templates render the ids: the ones the model wrote where it wrote valid ones,
+        # so that each tool result names a call id that is in the context
+        written = sampled_call_ids(text, parsed.calls) if self.tool_call_ids == "alnum9" else [None] * len(parsed.calls)
         return Reply(
             content=parsed.content, reasoning=parsed.reasoning,
-            tool_calls=[{"id": new_tool_call_id(self.tool_call_ids), **c} for c in parsed.calls],
+            tool_calls=[{"id": cid or new_tool_call_id(self.tool_call_ids), **c} for cid, c in zip(written, parsed.calls)],
             finish=finish, stop_sequence=stop_seq, prompt_tokens=prompt_len, completion_tokens=len(sample.token_ids),
             token_ids=list(sample.token_ids), logprobs=list(sample.logprobs),
             token_strs=[self.fmt.decode([i]) for i in sample.token_ids] if req.logprobs else [],
