@@ -508,6 +508,66 @@ def test_a_tool_call_the_agent_could_not_send_back_is_left_as_text(tokenizer):
             assert seg.stats["temperatures"] == [1.0]  # what the engine sampled at (the policy's), stamped
 
 
+class Slow(Scripted):
+    """Scripted, each id after `delay_s` (streamed one at a time): a reply a client may give up on."""
+
+    def __init__(self, tokenizer, delay_s: float):
+        super().__init__(tokenizer)
+        self.delay_s, self.calls = delay_s, 0
+
+    async def generate(self, prompt_ids, sampling):
+        self.calls += 1
+        sample = await super().generate(prompt_ids, sampling)
+        await asyncio.sleep(self.delay_s * len(sample.token_ids))
+        return sample
+
+    async def generate_stream(self, prompt_ids, sampling):
+        self.calls += 1
+        sample = await super().generate(prompt_ids, sampling)
+        for i in sample.token_ids:
+            await asyncio.sleep(self.delay_s)
+            yield [i]
+        yield sample
+
+
+def test_a_reply_the_client_gave_up_on_is_not_recorded(tokenizer):
+    """An agent's call that times out on its side (or is cancelled): the server finished the
+    engine call and recorded the reply the agent never received; the agent's own re-ask was a new
+    sample recorded after it, and the episode's reward trained both. It is held now: the SDK's
+    own retry of the request takes it (tests/test_loopback.py, the retry cache); anything else
+    drops it (counted in `undelivered`), streamed or not, and the re-ask is the turn."""
+    import httpx
+
+    engine = Slow(tokenizer, 0.05)
+    with LoopbackServer(engine, tokenizer) as srv:
+        sid = srv.open_session()
+        engine.replies += [("Slow and long reply<|im_end|>", "stop"), ("Quick<|im_end|>", "stop")]
+        impatient = openai.OpenAI(base_url=srv.base_url(sid), api_key=srv.api_key, max_retries=0, timeout=0.2)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model="p", messages=USER, max_tokens=32)
+        deadline = time.time() + 10
+        while sid not in srv._undelivered and time.time() < deadline:
+            time.sleep(0.05)
+        assert sid in srv._undelivered and engine.calls == 1
+        client = openai.OpenAI(base_url=srv.base_url(sid), api_key=srv.api_key, max_retries=0)
+        assert client.chat.completions.create(model="p", messages=USER, max_tokens=32).choices[0].message.content == "Quick"
+        assert srv.summary()["undelivered"] == 1
+        seg, = srv.close_session(sid)
+        recorded = tokenizer.decode([t for t, m in zip(seg.token_ids, seg.loss_mask) if m])
+        assert recorded == "Quick<|im_end|>" and seg.stats["turns"] == 1, recorded
+        # streamed: the client reads the first ids and leaves; the rest is sampled, not recorded
+        sid = srv.open_session()
+        engine.replies += [("One two three four five six seven eight<|im_end|>", "stop")]
+        with httpx.stream("POST", srv.base_url(sid) + "/chat/completions", headers={"Authorization": f"Bearer {srv.api_key}"},
+                          json={"model": "p", "messages": USER, "max_tokens": 32, "stream": True}) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+        deadline = time.time() + 10
+        while sid not in srv._undelivered and time.time() < deadline:
+            time.sleep(0.05)
+        assert srv.close_session(sid) == [] and srv.summary()["undelivered"] == 2
+
+
 def test_a_failure_planning_a_turn_is_a_400_and_only_a_templates_refusal_goes_uncounted(tokenizer):
     """A role the template refuses is the request's 400. Any other exception while planning (a bug
     of the recording code, Accumulator.plan) is a 400 too, but counted in unexpected_errors["plan"]

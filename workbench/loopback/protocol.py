@@ -164,6 +164,9 @@ class ChatRequest:
     retry: bool = False  # the client says this is a retry of its previous request (x-stainless-retry-count >= 1)
     size: int = 0  # bytes of the request body (or characters of its messages): large ones are planned in a thread
     feed: object = None  # a streamed request's streaming.TokenFeed: the engine call reports sampled ids to it
+    # () -> bool, or an awaitable of one: whether the client has gone (the server asks before it
+    # records the reply: one the agent never received must not train); None: never asked
+    client_gone: object = None
 
 
 @dataclass

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import copy
 import hashlib
+import inspect
 import logging
 import re
 import secrets
@@ -39,7 +40,8 @@ from starlette.routing import Route
 
 from ..rollout.actor import stream_generate
 from ..rollout.engine import Sample, SamplingConfig
-from ..tokens import Accumulator, ChatFormat, Segment, SEGMENT_TOTALS, new_tool_call_id, request_key, segment_stats
+from ..tokens import (Accumulator, ChatFormat, Segment, SEGMENT_TOTALS, canonical_message, new_tool_call_id, request_key,
+                      segment_stats)
 from . import anthropic_api, openai_api
 from .parsing import ReplyParser, reply_text, sampled_call_ids
 from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, check_template_controls, differs, loads, policy_value
@@ -63,6 +65,9 @@ class ServerStats:
     # failures no check foresaw, by where: "parse" (answered 400), "internal" (answered 500).
     # Logged with their traceback; 0 is the expectation (tests/test_loopback_faults.py).
     unexpected_errors: Counter = field(default_factory=Counter)
+    # replies sampled for a client that had gone before they were done (its own timeout, a
+    # cancelled call): not recorded (the agent never saw them)
+    undelivered: int = 0
 
 
 class EngineAborted(RuntimeError):
@@ -307,6 +312,9 @@ class LoopbackServer:
         self.accumulator_cls = accumulator_cls
         self.return_routed_experts = return_routed_experts  # MoE: record routing for replay
         self.sessions: dict[str, Accumulator] = {}
+        # session -> (request key, reply, record) of a reply sampled for a client that had gone:
+        # recorded only if that request's retry takes it (_session_turn)
+        self._undelivered: dict[str, tuple] = {}
         self.stats = ServerStats()
         self.created = int(time.time())
         self._thread = self._server = self.loop = None
@@ -416,6 +424,8 @@ class LoopbackServer:
         if hasattr(self.engine, "release"):
             self.engine.release(session_id)
         acc = self.sessions.pop(session_id)
+        if self._undelivered.pop(session_id, None) is not None:  # a reply its client never took
+            self.stats.undelivered += 1
         segments = acc.close()
         s = segment_stats(segments)
         self.stats.seals.update(s["seals"])
@@ -518,6 +528,7 @@ class LoopbackServer:
                 raise RequestError(404, f"unknown session {sid!r}: the framework opens sessions before handing out base URLs")
             req = self._parse_request(api, body, protocol)
             req.retry, req.size = retry_count(request) >= 1, len(raw)
+            req.client_gone = request.is_disconnected  # (a streamed request's is its response's: _stream)
             if req.stream:
                 return await self._stream(api, req, sid, t0)
             reply, engine_s = await (self._side_turn(req) if sid is None else self._session_turn(sid, req))
@@ -550,6 +561,9 @@ class LoopbackServer:
         reports the sampled ids to req.feed. The response starts with the first sampled ids (or the
         turn's end), so that a request that fails before any token gets its status as unstreamed."""
         feed = req.feed = TokenFeed()
+        # the response's own task reads the client's disconnect (Starlette's StreamingResponse), so
+        # the turn asks the stream: _stream_parts marks the feed when the response is cancelled
+        req.client_gone = lambda: feed.gone
         turn = asyncio.ensure_future(self._side_turn(req) if sid is None else self._session_turn(sid, req))
         turn.add_done_callback(lambda t: t.cancelled() or t.exception())  # a client gone mid-stream: no warning
         while not (turn.done() or feed.ids):
@@ -572,13 +586,17 @@ class LoopbackServer:
         feed = req.feed
         text = ReplyStream(self.fmt, self.reply_parser, req, feed.prompt_tail)
         k = 0
-        while k < len(feed.ids) or not turn.done():
-            if k < len(feed.ids):
-                new, k = feed.ids[k:], len(feed.ids)
-                for part in text.feed(new):
-                    yield part
-            else:
-                await self._changed(feed, turn)
+        try:
+            while k < len(feed.ids) or not turn.done():
+                if k < len(feed.ids):
+                    new, k = feed.ids[k:], len(feed.ids)
+                    for part in text.feed(new):
+                        yield part
+                else:
+                    await self._changed(feed, turn)
+        except (GeneratorExit, asyncio.CancelledError):
+            feed.gone = True  # the client left mid-stream: the turn, still sampling, records nothing
+            raise
         try:
             reply, engine_s = turn.result()
         except Exception as e:
@@ -662,6 +680,15 @@ class LoopbackServer:
             # strict mode refuses here: nothing recorded
             sampling, differing = self._policy_sampling(req, sid, acc.engine_calls)
             req.sampling = sampling  # stop strings are applied to the reply from here
+            held = self._undelivered.pop(sid, None)
+            if held is not None:  # a reply sampled for a client that had gone (below)
+                key, reply, record = held
+                if req.retry and key == request_key([getattr(acc.fmt, "canonical", canonical_message)(m) for m in req.messages],
+                                                    req.tools):
+                    record()  # its SDK's retry (rule 4): delivered now, so recorded now
+                    self.stats.retries_served_from_cache += 1
+                    return reply, 0.0
+                self.stats.undelivered += 1  # never delivered: not recorded
             plan = await self._plan(acc, req)  # render + encode in a worker thread
             if plan.cached is not None:
                 self.stats.retries_served_from_cache += 1
@@ -688,19 +715,40 @@ class LoopbackServer:
             except BaseException:
                 acc.forget_last_request()  # nothing recorded for it either: as for a failed engine call
                 raise
-            # cut by the context; or by a budget at least the policy's (SamplingConfig.max_tokens, the
-            # generation budget the loop sets: TRL's max_completion_length, what DAPO's overlong
-            # filtering masks), which counts where the episode ends on it (a later reply clears it);
-            # an agent's own smaller max_tokens is its choice (it sees "length")
-            cut = sample.finish_reason == "length"
-            # (a recorded reply the context did not cut clears an earlier context cut: the agent went
-            # on, compacted, and this reply, not that one, is where its episode stands)
-            acc.context_cut = cut and clamped
-            acc.last_reply_cut = cut and not clamped and sampling.max_tokens >= self.policy_sampling.max_tokens
-            reply.truncated = cut and (clamped or acc.last_reply_cut)
-            acc.record(plan, sample, reply.assistant_message(), reply=reply, sampling_overridden=bool(differing),
-                       temperature=req.sampling.temperature)
+
+            def record():
+                # cut by the context; or by a budget at least the policy's (SamplingConfig.max_tokens,
+                # the generation budget the loop sets: TRL's max_completion_length, what DAPO's
+                # overlong filtering masks), which counts where the episode ends on it (a later reply
+                # clears it); an agent's own smaller max_tokens is its choice (it sees "length"). A
+                # recorded reply the context did not cut clears an earlier context cut: the agent
+                # went on, compacted, and this reply, not that one, is where its episode stands.
+                cut = sample.finish_reason == "length"
+                acc.context_cut = cut and clamped
+                acc.last_reply_cut = cut and not clamped and sampling.max_tokens >= self.policy_sampling.max_tokens
+                reply.truncated = cut and (clamped or acc.last_reply_cut)
+                acc.record(plan, sample, reply.assistant_message(), reply=reply, sampling_overridden=bool(differing),
+                           temperature=sampling.temperature)
+
+            if await self._client_gone(req):
+                # The client left before the reply was done (its own timeout, a cancelled call). It
+                # is held, not recorded: its SDK's retry of the request takes it (and records it);
+                # any other next request (the agent's own re-ask: a new sample) or the session's end
+                # drops it. Recorded at once, a reply the agent never received stayed in the
+                # trajectory beside its re-ask's, under the episode's reward (and the replies slow
+                # enough to time out are the long, run-on ones).
+                acc.forget_last_request()
+                self._undelivered[sid] = (request_key(plan.messages, plan.tools), reply, record)
+                raise RequestError(499, "the client disconnected before the reply was done: held for its retry")
+            record()
             return reply, engine_s
+
+    @staticmethod
+    async def _client_gone(req: ChatRequest) -> bool:
+        if req.client_gone is None:
+            return False
+        gone = req.client_gone()
+        return bool(await gone) if inspect.isawaitable(gone) else bool(gone)
 
     async def _plan(self, acc: Accumulator, req: ChatRequest):
         """acc.plan (template render + encode); for a request over thread_plan_bytes in a worker
@@ -800,4 +848,5 @@ class LoopbackServer:
             "parser_failures": self.reply_parser.failures,
             "overhead_p50_s": pct(0.5), "overhead_p99_s": pct(0.99),
             "open_sessions": len(open_accs),  # episodes in flight (a leaked one stays counted)
+            "undelivered": self.stats.undelivered,  # replies whose client had gone: not recorded
         }

@@ -28,6 +28,7 @@ class TokenFeed:
         self.prompt_tail: list[int] = []  # the prompt's last ids: does the generation prompt open a reasoning block?
         self.ids: list[int] = []
         self.changed = asyncio.Event()
+        self.gone = False  # the client left before the stream's end (its response was cancelled)
 
     def prompt(self, ids: list[int]) -> None:
         self.prompt_tokens, self.prompt_tail = len(ids), list(ids[-8:])
