@@ -89,6 +89,14 @@ def test_cli_prints_the_plan_and_fails_clearly(capsys, tmp_path):
     assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot place 8 trainer rank(s)") and "2 GPU(s) short" in err
+    # a judge and a teacher (frozen engines, outside the plan) need GPUs the plan leaves free
+    config.write_text("trainer_ranks: 8\nnum_engines: 7\njudge: /m/judge\nloop: {teacher: /m/teacher}\n"
+                      "frozen_engine_kwargs: {tensor_parallel_size: 2}\n")
+    assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--config", str(config)]) == 2
+    assert capsys.readouterr().err.startswith("error: judge (2 GPUs), loop.teacher (2 GPUs) need 4 GPU(s) outside the "
+                                              "placement plan, which leaves 1 of 16 free")
+    assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--config", str(config), "--engines", "4"]) == 0
+    assert "loop.teacher: its frozen engine takes 2 of the GPUs the plan leaves free" in capsys.readouterr().out
     # the command line form the docs give, as a subprocess
     r = subprocess.run([sys.executable, "-m", "workbench.cluster", "plan", "--nodes", "2", "--gpus-per-node", "8",
                         "--trainer-ranks", "8", "--engines", "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)

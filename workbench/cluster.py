@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from .placement import ClusterSpec, PlacementError, plan_inputs, plan_placement
+    from .placement import ClusterSpec, PlacementError, check_frozen_room, frozen_engines, plan_inputs, plan_placement
 
     parser = argparse.ArgumentParser(prog="python -m workbench.cluster")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -331,10 +331,13 @@ def main(argv: list[str] | None = None) -> int:
             print("placement 'none': Ray schedules each actor where it fits; there is no plan to print")
             return 0
         plan = plan_placement(ClusterSpec.uniform(args.nodes, args.gpus_per_node), **inputs)
+        check_frozen_room(plan, config)
     except (PlacementError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(plan.render())
+    for name, gpus in frozen_engines(config):
+        print(f"{name}: its frozen engine takes {gpus} of the GPUs the plan leaves free")
     return 0
 
 

@@ -262,6 +262,42 @@ def plan_inputs(config: dict | None) -> dict:
             "mode": config.get("placement", defaults["placement"])}
 
 
+def frozen_engine_kwargs(config) -> dict:
+    """The engine kwargs of the judge's and the teacher's engines: the session's engine_kwargs
+    (never synced: no weight_transfer) under its frozen_engine_kwargs."""
+    config = _as_dict(config)
+    ek = {k: v for k, v in (config.get("engine_kwargs") or {}).items() if k != "weight_transfer"}
+    return {**ek, **(config.get("frozen_engine_kwargs") or {})}
+
+
+def frozen_engines(config) -> list[tuple[str, int]]:
+    """(field, GPUs) of each frozen engine the session config asks for: the judge, the
+    distillation teacher (loop.teacher). They start outside the placement plan."""
+    config = _as_dict(config)
+    loop = config.get("loop") or {}
+    loop = loop if isinstance(loop, dict) else {f.name: getattr(loop, f.name) for f in dataclasses.fields(loop)}
+    tp = frozen_engine_kwargs(config).get("tensor_parallel_size", 1)
+    return [(name, tp) for name, value in (("judge", config.get("judge")), ("loop.teacher", loop.get("teacher"))) if value]
+
+
+def check_frozen_room(plan: PlacementPlan, config) -> None:
+    """PlacementError unless the GPUs the plan leaves free hold the frozen engines (judge, teacher):
+    a plan that takes every GPU left the judge's engine without one (connect() failed after
+    reserving everything) and the teacher's (the first distillation step failed)."""
+    frozen = frozen_engines(config)
+    need, free = sum(g for _, g in frozen), plan.cluster.total_gpus - sum(s.gpus for s in plan.slots)
+    if need > free:
+        names = ", ".join(f"{n} ({g} GPU{'s' if g > 1 else ''})" for n, g in frozen)
+        raise PlacementError(f"{names} need{'s' if len(frozen) == 1 else ''} {need:g} GPU(s) outside the placement plan, "
+                             f"which leaves {free:g} of {plan.cluster.total_gpus:g} free: lower num_engines or trainer_ranks")
+
+
+def _as_dict(config) -> dict:
+    if config is not None and dataclasses.is_dataclass(config):
+        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return dict(config or {})
+
+
 @dataclass
 class Placement:
     """A plan reserved on the connected Ray cluster: its placement groups, and the options that

@@ -118,6 +118,10 @@ class WorkbenchConfig:
     # to each engine's backend: for vLLM its own engine args, kv_cache_tokens, weight_transfer,
     # engine_core_in_process (False: vLLM's core as a process of its own on CPU too)
     engine_kwargs: dict = field(default_factory=dict)
+    # the judge's and the distillation teacher's engines (frozen, never synced): engine kwargs
+    # over engine_kwargs, e.g. {"tensor_parallel_size": 2} for a teacher larger than the policy.
+    # On a GPU cluster they run outside the placement plan: it must leave them their GPUs
+    frozen_engine_kwargs: dict = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=_default_trainer)
     loop: LoopConfig = field(default_factory=LoopConfig)
 
@@ -253,9 +257,11 @@ class Workbench:
         try:
             bar.set_postfix_str("ray"); init_ray(address); bar.update()
             if cfg.placement != "none" and cluster_gpus():  # before any actor takes a GPU
-                from .placement import ClusterSpec, Placement, plan_inputs, plan_placement
+                from .placement import ClusterSpec, Placement, check_frozen_room, plan_inputs, plan_placement
 
-                self.placement = Placement.create(plan_placement(ClusterSpec.from_ray(), **plan_inputs(cfg)))
+                plan = plan_placement(ClusterSpec.from_ray(), **plan_inputs(cfg))
+                check_frozen_room(plan, cfg)  # the judge's / teacher's GPUs: refused now, not once the run starts
+                self.placement = Placement.create(plan)
                 # ranks write checkpoint shards on their own nodes, the driver reads them back
                 from .cluster import check_shared_path
 
@@ -503,12 +509,18 @@ class Workbench:
         if load_tokenizer(path).get_vocab() != self.tokenizer.get_vocab():
             raise ConfigError(f"{field} {name!r} tokenizes differently from the policy: it would read other tokens than "
                               f"the policy's")
-        kwargs = {k: v for k, v in self.cfg.engine_kwargs.items() if k != "weight_transfer"}  # never synced
+        from .placement import frozen_engine_kwargs
+
+        kwargs = frozen_engine_kwargs(self.cfg)
         import ray
 
         from .cluster import cluster_gpus
 
         need = kwargs.get("tensor_parallel_size", 1)
+        if cluster_gpus() and self.cfg.backend == "vllm" and need > 1:
+            # its actor holds all its GPUs: its workers are processes (in a Ray actor vLLM would
+            # default to its Ray executor and wait for GPUs the actor already holds)
+            kwargs.setdefault("distributed_executor_backend", "mp")
         deadline = time.time() + 10  # Ray's free-resource view lags a killed actor's release
         while cluster_gpus() and ray.available_resources().get("GPU", 0) < need and time.time() < deadline:
             time.sleep(1)
