@@ -145,6 +145,17 @@ def test_training_uses_replayed_routing_and_checkpoint_recompute_replays_too(moe
     after_off, after_on = off.logprobs(b), on.logprobs(b)
     assert float((after_off - after_on)[m].abs().max()) < 1e-5, "checkpoint recompute trained on other routing"
     assert float((after_off - replayed)[m].abs().max()) > 1e-4  # the step did move the policy
+    # kl_k3_live is read beside kl_k3_current (the audit's "k3 without / with replay", the replay
+    # monitor): on the trained version's own tokens only. Over the stale rows too, it added their
+    # policy movement (which replay does not remove) and credited replay with it.
+    b2 = dict(b, versions=b["versions"].clone())
+    b2["versions"][:4][m[:4]] = off.version  # rows 0-3 current, rows 4-7 one version stale
+    live_now = off.logprobs(b2, replay=False)
+    current = m.clone()
+    current[4:] = False
+    d = (live_now.double() - b2["behaviour_logprobs"].double())[current]
+    s2 = off.train_step(dict(b2))
+    assert s2["kl_k3_live"] == pytest.approx(float((d.exp() - 1 - d).mean()), rel=1e-4)
 
 
 def test_a_reply_whose_version_changes_midway_keeps_each_tokens_version(moe_path):

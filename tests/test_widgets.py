@@ -153,10 +153,11 @@ def test_inspector_without_tokenizer_shows_recorded_drift_and_switches_colour():
 
 # ------------------------------------------------------------------ monitors
 HISTORY = [
-    {"step": 0, "gate_pass_ratio": 1.0, "kl_k1": 0.01, "kl_k3": 0.02, "max_abs_delta_p": 0.1,
+    {"step": 0, "gate_pass_ratio": 1.0, "kl_k1": 0.01, "kl_k3": 0.02, "kl_k3_current": 0.02, "max_abs_delta_p": 0.1,
      "replay_disagree_rate": 0.0, "kl_k3_live": 0.05},
-    {"step": 1, "gate_pass_ratio": 0.75, "kl_k3": 0.03, "max_abs_delta_p": 0.2, "replay_disagree_rate": 0.125},
-    {"step": 2, "gate_pass_ratio": 0.5, "kl_k1": 0.02, "kl_k3": 0.04, "max_abs_delta_p": 0.3, "replay_disagree_rate": 0.25,
+    {"step": 1, "gate_pass_ratio": 0.75, "kl_k3": 0.03, "kl_k3_current": 0.03, "max_abs_delta_p": 0.2, "replay_disagree_rate": 0.125},
+    {"step": 2, "gate_pass_ratio": 0.5, "kl_k1": 0.02, "kl_k3": 0.04, "kl_k3_current": 0.035, "max_abs_delta_p": 0.3,
+     "replay_disagree_rate": 0.25,
      "kl_k3_live": 0.5, "staleness_hist": {"1": 10, "0": 30}, "tokens_per_version": {3: 10, 4: 30},
      "replay_disagree_per_layer": [0.5, 0.0, 0.25], "is_weight_hist": {"edges": [0.0, 1.0, 2.0], "counts": [3, 4]}},
 ]
@@ -182,7 +183,8 @@ def test_replay_monitor_tolerates_missing_keys_and_writes_html(tmp_path):
     assert list(mon.trace("replay_disagree_rate").y) == [0.0, 0.125]
     assert list(mon.trace("kl_k3_live").y) == [0.05, None] and list(mon.trace("replay_disagree_per_layer").y) == []
     mon.on_step(HISTORY[2])
-    assert mon.history == HISTORY and list(mon.trace("kl_k3").y) == [0.02, 0.03, 0.04]
+    # replayed vs live k3, both on the trained version's own tokens (kl_k3 adds the stale ones' drift)
+    assert mon.history == HISTORY and list(mon.trace("kl_k3_current").y) == [0.02, 0.03, 0.035]
     assert list(mon.trace("replay_disagree_per_layer").x) == [0, 1, 2]
     assert list(mon.trace("replay_disagree_per_layer").y) == [0.5, 0.0, 0.25]
     page = mon.write_html(tmp_path / "out" / "replay.html").read_text()
@@ -218,7 +220,7 @@ def test_static_rendering_and_titled_pages(tmp_path):
     svg = bundle["image/svg+xml"]
     # an SVG with every subplot title and one marker per recorded point of each line series
     assert svg.startswith("<svg") and all(t.replace("|", "|") in svg for t in ("gate pass ratio", "IS weights (last step)"))
-    assert svg.count("<circle") == 3 + 2 + 3 + 3  # gate_pass_ratio, kl_k1 (one gap), kl_k3, max_abs_delta_p
+    assert svg.count("<circle") == 3 + 2 + 3 + 3 + 3  # gate_pass_ratio, kl_k1 (one gap), kl_k3, kl_k3_current, max_abs_delta_p
     assert "step 2: 0.5" in svg and "tokens per version" in svg and bundle["text/plain"] == "GateMonitor: 3 step(s)"
     assert "<circle" not in GateMonitor().static().svg and "no data" in GateMonitor().static().svg
     page = gate.write_html(tmp_path / "plots" / "gate.html", include_plotlyjs="directory", title="IS gate <per step>")

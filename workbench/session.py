@@ -122,6 +122,10 @@ class WorkbenchConfig:
     # over engine_kwargs, e.g. {"tensor_parallel_size": 2} for a teacher larger than the policy.
     # On a GPU cluster they run outside the placement plan: it must leave them their GPUs
     frozen_engine_kwargs: dict = field(default_factory=dict)
+    # the session's defaults: lr 1e-3, micro_batch_size 64, token TIS (CorrectionConfig.tis()).
+    # A dict (connect(trainer={"lr": 3e-4})) changes fields over them; a TrainerConfig object is
+    # taken as it is, with TrainerConfig's own defaults (lr 1e-4, micro_batch_size 8, a geo mask
+    # [0.99, 1.01]: with stale or bf16 tokens it drops far more sequences than TIS)
     trainer: TrainerConfig = field(default_factory=_default_trainer)
     loop: LoopConfig = field(default_factory=LoopConfig)
 

@@ -472,8 +472,12 @@ class TrainerWorker:
         batch = self._to(batch)
         live = None
         if live_routing and self.cfg.routing_replay and batch.get("routed_experts") is not None:
+            # on the trained version's own tokens, as kl_k3_current (what it is read beside): over
+            # stale tokens too, it added the policy's movement between versions, which replay does
+            # not remove, and credited replay with it
+            current = batch["loss_mask"] * (batch["versions"] == trainer_version)
             live = dict(zip(("sum", "tokens"), kl_k3_sum(self.logprobs(batch, replay=False)[0].to(self.device),
-                                                         batch["behaviour_logprobs"], batch["loss_mask"])))
+                                                         batch["behaviour_logprobs"], current)))
         updates = self.cfg.updates_per_step
         if updates > 1:
             batch["old_logprobs"] = self.logprobs(batch)[0].to(self.device)

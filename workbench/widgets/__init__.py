@@ -477,12 +477,14 @@ class GateMonitor(_Monitor):
 class ReplayMonitor(_Monitor):
     GRID, HEIGHT = (1, 3), 380
     TITLES = ("routing disagreement", "per layer (last step)", "k3: replayed vs live")
-    LINES = (("replay_disagree_rate", 1, 1), ("kl_k3", 1, 3), ("kl_k3_live", 1, 3))
+    # both k3 on the trained version's own tokens (kl_k3 would add a stale token's policy movement,
+    # which replay does not remove)
+    LINES = (("replay_disagree_rate", 1, 1), ("kl_k3_current", 1, 3), ("kl_k3_live", 1, 3))
     BARS = (("replay_disagree_per_layer", 1, 2),)
     LABELS = {"replay_disagree_rate": "routing disagreement (from 0): share of (token, layer) routings where the "
                                       "trainer's own top-k differs from the sampler's",
               "replay_disagree_per_layer": "disagreement per MoE layer (last step)",
-              "kl_k3": "k3 with the sampler's routing replayed", "kl_k3_live": "k3 with the trainer's own routing"}
+              "kl_k3_current": "k3 with the sampler's routing replayed", "kl_k3_live": "k3 with the trainer's own routing"}
     AXES = {(1, 1): ("step", "share disagreeing", None), (1, 2): ("MoE layer", "share disagreeing", None),
             (1, 3): ("step", "KL k3 (nats)", None)}
 
