@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import threading
 import types
 from math import comb
@@ -352,6 +353,10 @@ def test_a_failed_episode_counts_as_a_wrong_answer_in_the_steps_correct_rate():
     stats = reward_statistics([[right] + [episode(0.0, error="episode timed out") for _ in range(3)]])
     assert stats == {"reward_mean": 1.0, "correct_rate": 0.25}
     assert reward_statistics([[episode(0.5)]]) == {"reward_mean": 0.5, "correct_rate": None}  # no agent reports it
+    # nothing finished: nothing measured (reward_mean read 0.0, correct_rate None and the notebooks' sums raised)
+    nothing = reward_statistics([[episode(0.0, error="episode timed out") for _ in range(4)]])
+    assert math.isnan(nothing["reward_mean"]) and math.isnan(nothing["correct_rate"])
+    assert math.isnan(sum([0.5, nothing["correct_rate"]]))  # a sum over the history does not raise
 
 
 def test_evaluation_episodes_never_enter_a_training_batch():

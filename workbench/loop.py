@@ -17,6 +17,7 @@ Two modes (LoopConfig.mode):
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -1044,9 +1045,13 @@ def reward_statistics(groups: list[list[Trajectory]]) -> dict:
     """The step's reward_mean: the agents' rewards over the episodes that finished; correct_rate:
     the share of exact answers (info["correct"], where the agent reports it) with a failed episode
     counted wrong, as evaluation counts it (a run timing out more and more read as one answering
-    better: 1 right and 3 timed out was 1.0)."""
+    better: 1 right and 3 timed out was 1.0). A step where no episode finished measured neither:
+    both NaN (reward_mean read 0.0, a reward nobody earned; correct_rate None, on which the
+    notebooks' sums over the history raised); plots leave a gap, `failed_episodes` says why."""
     episodes = [t for g in groups for t in g]
     rewards = [t.reward for t in episodes if t.error is None]
+    if episodes and not rewards:
+        return {"reward_mean": math.nan, "correct_rate": math.nan}
     correct = [bool(t.info["correct"]) for t in episodes if t.error is None and "correct" in t.info]
     if correct:
         correct += [False] * sum(t.error is not None for t in episodes)
