@@ -113,7 +113,8 @@ class WorkbenchConfig:
     seed: int = 0
     run_dir: str | None = None  # None: runs/<date-time> under the current directory
     # a run_dir that already holds a run (metrics.jsonl) is refused unless resume=True, which
-    # restores its checkpoint (if any) and appends to its record
+    # restores its checkpoint and appends to its record (a run_dir without checkpoint/ is refused:
+    # a run killed before its first checkpoint starts again in another run_dir)
     resume: bool = False
     # to each engine's backend: for vLLM its own engine args, kv_cache_tokens, weight_transfer,
     # engine_core_in_process (False: vLLM's core as a process of its own on CPU too)
