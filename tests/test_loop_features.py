@@ -494,8 +494,12 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path)
         assert len((run_dir / "eval.jsonl").read_text().splitlines()) == 2
         # on-policy distillation on the same session: teacher = the tiny dense model (same tokenizer)
         [d] = wb.run(1, background=False, progress=False, advantage="distill", teacher="dense", eval_every=0,
-                     dynamic_sampling=False, overlong_shaping=False).history
+                     dynamic_sampling=False, overlong_shaping=False, keep_policy_every=1).history
         assert wb._teacher[0] == "dense" and len(wb.engines) == 1  # its own engine, not a rollout engine
+        # step time travel on a distillation step: the teacher scores the recorded tokens again (it
+        # raised: revisit built the batch without the teacher's log-probs)
+        rv = wb.revisit(step=d["step"])
+        assert rv.differences() == {}, rv.differences()
     finally:
         wb.shutdown()
     # the step's reverse KL, recomputed from the recorded student tokens and the teacher checkpoint's own forward

@@ -444,7 +444,13 @@ class Workbench:
         for t in trajectories:
             groups.setdefault(t.group_id, []).append(t)
         loop = cfg.loop
-        batch, _ = batch_from_groups(list(groups.values()), loop.advantage, **loop.episode_rules())
+        teacher = None
+        if loop.advantage in PER_TOKEN_ADVANTAGES:  # distillation: the run's teacher (frozen) scores the tokens again
+            from .loop import teacher_logprobs, teacher_segments
+
+            teacher = teacher_logprobs(self._teacher_engines(loop.teacher), teacher_segments(list(groups.values()), loop))
+        batch, _ = batch_from_groups(list(groups.values()), loop.advantage, **loop.episode_rules(), teacher=teacher,
+                                     temperature=cfg.temperature)
         trainer = Trainer(str(policy), world_size=world_size or cfg.trainer_ranks,
                           cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature,
                                                   ref_model_path=cfg.trainer.ref_model_path or self.model_path))
