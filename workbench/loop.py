@@ -758,7 +758,8 @@ def warn_no_signal(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> bool:
     last = history[-1]
     print(f"workbench: the last {steps} steps (to step {last.get('step')}) had no learning signal: every advantage was 0 "
           f"(with a group estimator: every group's rewards were equal; reward_mean {last.get('reward_mean', float('nan')):.3f}), so the "
-          f"rewards gave no gradient and the policy does not change. Look at the rewards and kl_k3 of the steps "
+          f"rewards gave no gradient and the policy does not learn from them (with kl_coef > 0 it only moves toward "
+          f"the reference). Look at the rewards and kl_k3 of the steps "
           f"before; a lower lr or a sequence-level gate (trainer.correction) keeps an off-policy run from this.",
           file=sys.stderr)
     return True
