@@ -79,6 +79,26 @@ def test_unknown_load_mode_is_refused():
         TrainerConfig(load="lazy")
 
 
+def test_a_meta_built_model_keeps_what_the_checkpoint_load_keeps_in_fp32(tmp_path):
+    """load="rank0"/"sharded" build the model from its config on the meta device: DeepSeek V3's
+    router bias (e_score_correction_bias, which picks the top-k experts) came out bf16 where
+    load="full" (from_pretrained) keeps it fp32, so routing differed between load modes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from workbench.trainer.loading import meta_model
+
+    cfg = AutoConfig.for_model("deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                               num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
+                               kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    full = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    meta = meta_model(str(tmp_path), torch.bfloat16)
+    dtypes = lambda m: {n: t.dtype for n, t in [*m.named_parameters(), *m.named_buffers()]}  # noqa: E731
+    assert dtypes(meta) == dtypes(full)
+    assert dtypes(meta)["model.layers.1.mlp.gate.e_score_correction_bias"] == torch.float32
+
+
 def checkpoint_bytes(directory) -> int:
     from pathlib import Path
 

@@ -17,7 +17,19 @@ def meta_model(path: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    # what from_pretrained keeps in fp32 at a half dtype (load="full"), from_config does not: the
+    # model's _keep_in_fp32_modules_strict (DeepSeek V3's router bias e_score_correction_bias, which
+    # picks the top-k experts: rounded to bf16, routing differed between load modes and from the engine)
+    keep = list(model._get_dtype_plan(dtype)) if hasattr(model, "_get_dtype_plan") else []
+    for prefix, module in model.named_modules() if keep else ():
+        for store in (module._parameters, module._buffers):
+            for n, t in list(store.items()):
+                if t is not None and t.is_floating_point() and t.dtype != torch.float32 \
+                        and any(k in f"{prefix}.{n}" for k in keep):
+                    store[n] = torch.nn.Parameter(t.float(), requires_grad=t.requires_grad) \
+                        if isinstance(t, torch.nn.Parameter) else t.float()
+    return model
 
 
 def load_from_rank0(model, path: str, dtype: torch.dtype, rank: int) -> None:
