@@ -133,6 +133,11 @@ def test_reference_stop_length_abort_pause(dense_path):
         greedy = await e.generate(p, SamplingConfig(max_tokens=3, temperature=0, ignore_eos=True))
         stopped = await e.generate(p, SamplingConfig(max_tokens=3, temperature=0, stop_token_ids=[greedy.token_ids[0]]))
         assert stopped.finish_reason == "stop" and stopped.token_ids == greedy.token_ids[:1]
+        # a stop string longer than 16 tokens stops it too (only the last 16 tokens' text was searched)
+        run_on = await e.generate(p, SamplingConfig(max_tokens=40, temperature=0, ignore_eos=True))
+        long_stop = e.tokenizer.decode(run_on.token_ids[2:30])
+        by_text = await e.generate(p, SamplingConfig(max_tokens=40, temperature=0, ignore_eos=True, stop=[long_stop]))
+        assert by_text.finish_reason == "stop" and len(by_text.token_ids) <= 30, (len(by_text.token_ids), long_stop)
         # abort mid-flight
         task = asyncio.create_task(e.generate(p, SamplingConfig(max_tokens=900, ignore_eos=True), request_id="long"))
         await asyncio.sleep(0.3)

@@ -675,7 +675,9 @@ class LoopbackServer:
         return reply
 
     async def _session_turn(self, sid: str, req: ChatRequest):
-        acc = self.sessions[sid]
+        acc = self.sessions.get(sid)
+        if acc is None:  # closed between the request's check and this turn (a streamed turn is a task): not a 500
+            raise RequestError(404, f"unknown session {sid!r}: it was closed")
         async with acc.lock:
             # strict mode refuses here: nothing recorded
             sampling, differing = self._policy_sampling(req, sid, acc.engine_calls)

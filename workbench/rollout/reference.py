@@ -286,7 +286,10 @@ class ReferenceEngine(RolloutEngine):
         if (tok in self.eos_ids and not s.ignore_eos) or tok in s.stop_token_ids:
             return "stop"
         if s.stop:
-            tail = self.tokenizer.decode(r.token_ids[-16:])
+            # the last tokens, enough to hold the longest stop string (a character may take up to 4
+            # byte-level tokens; a fixed 16 never stopped on a longer one, which the server then cut
+            # from the text while the record ran on past it)
+            tail = self.tokenizer.decode(r.token_ids[-(16 + 4 * max(len(x) for x in s.stop)):])
             if any(stop in tail for stop in s.stop):
                 return "stop"
         if len(r.token_ids) >= s.max_tokens:
