@@ -29,8 +29,9 @@ bystander = subprocess.Popen(["sleep", "30"])
 r = sb.run_python(f"""
 import os, signal, socket
 for addr in [('127.0.0.1', {srv.getsockname()[1]}), '{shared}/s.sock']:
-    s = socket.socket(socket.AF_INET if isinstance(addr, tuple) else socket.AF_UNIX)
-    try: s.connect(addr); print('CONNECTED', addr)
+    try:  # (an inet socket is refused at socket(): the filter)
+        s = socket.socket(socket.AF_INET if isinstance(addr, tuple) else socket.AF_UNIX)
+        s.connect(addr); print('CONNECTED', addr)
     except OSError as e: print('refused')
 for p in ['{shared}/escaped', '/proc/sys/vm/overcommit_ratio']:
     try: open(p, 'w').write('50'); print('WROTE', p)
