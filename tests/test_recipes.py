@@ -169,6 +169,20 @@ def test_the_code_grader_pays_only_right_return_values():
     for what, code in hacks.items():
         assert score(code, label, timeout_s=2)[0] == 0.0, what
     assert score(label["solution"], label)[0] == 1.0
+    # a test expecting None: code that raises, or defines nothing, read as returning None and passed it
+    find = {"name": "find", "tests": [[3, 0], [4, 2], [7, None], [9, None]]}
+    assert score("", find)[0] == score("def find(x):\n    raise ValueError", find)[0] == 0.0
+    assert score("def find(x):\n    return {3: 0, 4: 2}.get(x)", find)[0] == 1.0
+    # right answers it scored 0: a tuple reference, a long list (its line cut at 2,000 characters),
+    # prose around a fenced block, a ```py fence, output without a newline before the results
+    pairs = {"name": "dm", "tests": [[x, divmod(x, 7)] for x in (3, 10, 15)]}
+    assert score("def dm(x):\n    return divmod(x, 7)", pairs)[0] == 1.0
+    assert score("def dm(x):\n    return [x // 7, x % 7 == x % 7]", pairs)[0] == 0.0  # [0, True] is not [0, 3]
+    long = {"name": "rng", "tests": [[x, list(range(x))] for x in range(200, 204)]}
+    assert score("def rng(x):\n    return list(range(x))", long)[0] == 1.0
+    for reply in (f"Here is the function:\n```python\n{label['solution']}\n```\nIt adds.", f"```py\n{label['solution']}\n```",
+                  f"import sys\nsys.stdout.write('ok')\n{label['solution']}"):
+        assert score(reply, label)[0] == 1.0, reply
 
 
 def test_judge_reward(execute, tmp_path):

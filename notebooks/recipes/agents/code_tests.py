@@ -39,28 +39,51 @@ def tasks(n: int, seed: int = 0) -> list[Task]:
 # "PASSED n" was beaten by `print("PASSED 4")` (and "PASSED 400": reward 100), by a return value
 # whose __eq__ is always True, and by an __eq__ returning 10**400 (score() raised, and a failed
 # episode is dropped, not scored 0). Returned values are compared as JSON, so an object can only
-# pass by being the right value.
+# pass by being the right value. Each test reports ["ok", value] or ["error", its type]: when an
+# exception read as None, code that raised (or defined nothing) passed every test expecting None.
 HARNESS = """
 import json
 out = []
 for x in json.loads({inputs!r}):
     try:
-        out.append(json.loads(json.dumps({name}(x))))
-    except BaseException:
-        out.append(None)
-print({marker!r} + json.dumps(out))
+        out.append(["ok", json.loads(json.dumps({name}(x)))])
+    except BaseException as e:
+        out.append(["error", type(e).__name__])
+print("\\n" + {marker!r} + json.dumps(out))
 """
 MARKER = "RESULTS "
+_FENCED = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.S)
+
+
+def code_of(reply: str) -> str:
+    """The code in a reply: its last fenced block (```python, ```py or a bare fence, prose around
+    it as real models write it), else the whole reply."""
+    blocks = _FENCED.findall(reply)
+    return blocks[-1] if blocks else reply.strip()
+
+
+def same(got, want) -> bool:
+    """Equal as JSON values of the same types, all the way down ([True] is not [1])."""
+    if type(got) is not type(want):
+        return False
+    if isinstance(want, list):
+        return len(got) == len(want) and all(same(g, w) for g, w in zip(got, want))
+    if isinstance(want, dict):
+        return got.keys() == want.keys() and all(same(got[k], want[k]) for k in want)
+    return got == want
 
 
 def score(code: str, label: dict, timeout_s: float = 5.0) -> tuple[float, dict]:
     """Run `code` and the label's test inputs in the sandbox, compare what it returned with the
     expected values here: (share passed, in [0, 1], details). A run that did not exit cleanly
     (a crash, a timeout, output cut) passes nothing."""
-    code = re.sub(r"^```(?:python)?\s*|```\s*$", "", code.strip(), flags=re.M)  # a fenced reply
-    inputs, wanted = [x for x, _ in label["tests"]], [w for _, w in label["tests"]]
+    code = code_of(code)
+    # the expected values as JSON gives them back (a tuple is a list, a dict's keys strings): a right
+    # function returning a tuple never matched a tuple reference
+    inputs, wanted = [x for x, _ in label["tests"]], json.loads(json.dumps([w for _, w in label["tests"]]))
     program = code + "\n" + HARNESS.format(inputs=json.dumps(inputs), name=label["name"], marker=MARKER)
-    res = run_python(program, timeout_s, 256, 2000)
+    # room for the right answers' JSON (a 2,000-character cap scored a right list-returning function 0)
+    res = run_python(program, timeout_s, 256, 4000 + 2 * len(json.dumps(wanted)))
     got = None
     lines = (res.stdout or "").splitlines()
     # the harness's line is the last one: a line the code printed itself comes earlier
@@ -70,11 +93,11 @@ def score(code: str, label: dict, timeout_s: float = 5.0) -> tuple[float, dict]:
         except Exception:  # not only ValueError: "[" * 1500 raised RecursionError, failing (dropping) the episode
             got = None
     if not isinstance(got, list) or len(got) != len(wanted):
-        got = [None] * len(wanted)  # code that does not even define the function passes nothing
-    passed = sum(type(g) is type(w) and g == w for g, w in zip(got, wanted))
+        got = [["error", "no results"]] * len(wanted)  # code that does not even define the function passes nothing
+    passed = sum(isinstance(g, list) and len(g) == 2 and g[0] == "ok" and same(g[1], w) for g, w in zip(got, wanted))
     total = len(wanted)
     return passed / total, {"passed": passed, "tests": total, "exit_code": res.exit_code, "timed_out": res.timed_out,
-                            "ran": lines[-1:] != [] and lines[-1].startswith(MARKER)}
+                            "truncated": res.truncated, "ran": lines[-1:] != [] and lines[-1].startswith(MARKER)}
 
 
 class CodeWithTests(ChatAgent):
