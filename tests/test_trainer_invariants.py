@@ -156,6 +156,10 @@ def test_training_uses_replayed_routing_and_checkpoint_recompute_replays_too(moe
     d = (live_now.double() - b2["behaviour_logprobs"].double())[current]
     s2 = off.train_step(dict(b2))
     assert s2["kl_k3_live"] == pytest.approx(float((d.exp() - 1 - d).mean()), rel=1e-4)
+    # a step with no token of the trained version (async, all one version stale) measured nothing:
+    # None, as kl_k3_current (it read 0.0)
+    s3 = off.train_step(dict(b))
+    assert s3["kl_k3_live"] is None and s3["correction"]["kl_k3_current"] is None
 
 
 def test_a_reply_whose_version_changes_midway_keeps_each_tokens_version(moe_path):

@@ -869,6 +869,11 @@ class Trainer:
         parts, order = self._split(batch, self.cfg.updates_per_step)
         every = int(self.cfg.measure_live_routing)
         live = bool(every) and self.steps_done % every == 0  # decided here once, for every rank
+        # it is measured on the trained version's tokens: a step with none (async, every token one
+        # version stale) has nothing to measure, and it read 0.0 beside kl_k3_current None
+        versions, mask = batch.get("versions"), batch.get("loss_mask")
+        if live and versions is not None and mask is not None:
+            live = bool(((versions == self.version) & mask.bool()).any())
         self.steps_done += 1
         stats = ray.get([wk.train_step.remote(p, self.version, report, live) for wk, p in zip(self.workers, parts)])
         self.version += 1
@@ -878,7 +883,8 @@ class Trainer:
                "signal_tokens_trained": stats[0]["signal_tokens_trained"], "updates_skipped": stats[0]["updates_skipped"]}
         for key in ("kl_k3_live", "kl_ref", "policy_shift"):  # token-weighted over ranks
             vals = [s[key] for s in stats if s[key] is not None]
-            out[key] = sum(x["sum"] for x in vals) / max(sum(x["tokens"] for x in vals), 1) if vals else None
+            tokens = sum(x["tokens"] for x in vals)
+            out[key] = sum(x["sum"] for x in vals) / tokens if tokens else None  # (no tokens: nothing measured, not 0)
         if report:
             out["report"] = {k: self._unsplit([s["report"][k] for s in stats], order) for k in stats[0]["report"]}
         return out
