@@ -93,10 +93,21 @@ def test_cli_prints_the_plan_and_fails_clearly(capsys, tmp_path):
     config.write_text("trainer_ranks: 8\nnum_engines: 7\njudge: /m/judge\nloop: {teacher: /m/teacher}\n"
                       "frozen_engine_kwargs: {tensor_parallel_size: 2}\n")
     assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--config", str(config)]) == 2
-    assert capsys.readouterr().err.startswith("error: judge (2 GPUs), loop.teacher (2 GPUs) need 4 GPU(s) outside the "
-                                              "placement plan, which leaves 1 of 16 free")
+    assert capsys.readouterr().err.startswith("error: judge's engine needs 2 GPU(s) on one node outside the placement "
+                                              "plan, which leaves node0: 0, node1: 1 free")
     assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--config", str(config), "--engines", "4"]) == 0
     assert "loop.teacher: its frozen engine takes 2 of the GPUs the plan leaves free" in capsys.readouterr().out
+    # each on one node (a tensor-parallel engine is one actor): 1 + 1 free GPUs do not hold a 2-GPU teacher;
+    # colocated slots ask for half a GPU, but their bundles hold whole ones
+    from workbench.placement import ClusterSpec, PlacementError, check_frozen_room, plan_placement
+
+    split = plan_placement(ClusterSpec.uniform(2, 2), trainer_ranks=1, num_engines=1)
+    with pytest.raises(PlacementError, match="needs 2 GPU"):
+        check_frozen_room(split, {"loop": {"teacher": "t"}, "frozen_engine_kwargs": {"tensor_parallel_size": 2}})
+    check_frozen_room(split, {"judge": "j", "loop": {"teacher": "t"}})
+    colocated = plan_placement(ClusterSpec.uniform(1, 4), trainer_ranks=4, num_engines=2, mode="colocated")
+    with pytest.raises(PlacementError, match="leaves node0: 0 free"):
+        check_frozen_room(colocated, {"judge": "j"})
     # the command line form the docs give, as a subprocess
     r = subprocess.run([sys.executable, "-m", "workbench.cluster", "plan", "--nodes", "2", "--gpus-per-node", "8",
                         "--trainer-ranks", "8", "--engines", "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -281,15 +281,22 @@ def frozen_engines(config) -> list[tuple[str, int]]:
 
 
 def check_frozen_room(plan: PlacementPlan, config) -> None:
-    """PlacementError unless the GPUs the plan leaves free hold the frozen engines (judge, teacher):
-    a plan that takes every GPU left the judge's engine without one (connect() failed after
-    reserving everything) and the teacher's (the first distillation step failed)."""
-    frozen = frozen_engines(config)
-    need, free = sum(g for _, g in frozen), plan.cluster.total_gpus - sum(s.gpus for s in plan.slots)
-    if need > free:
-        names = ", ".join(f"{n} ({g} GPU{'s' if g > 1 else ''})" for n, g in frozen)
-        raise PlacementError(f"{names} need{'s' if len(frozen) == 1 else ''} {need:g} GPU(s) outside the placement plan, "
-                             f"which leaves {free:g} of {plan.cluster.total_gpus:g} free: lower num_engines or trainer_ranks")
+    """PlacementError unless the GPUs the plan leaves free hold the frozen engines (judge, teacher),
+    each on one node (a tensor-parallel engine is one actor). A plan that takes every GPU left the
+    judge's engine without one (connect() failed after reserving everything) and the teacher's (the
+    first distillation step failed). Free is what the plan's bundles do not reserve: colocated
+    slots ask for half a GPU each, but their bundle holds the whole one."""
+    free = {n.name: n.gpus for n in plan.cluster.nodes}
+    for g in plan.groups:
+        for bundle, node in zip(g.bundles, g.nodes):
+            free[node] -= bundle.get("GPU", 0)
+    for name, gpus in frozen_engines(config):
+        node = next((n for n in free if free[n] >= gpus), None)
+        if node is None:
+            left = ", ".join(f"{n}: {free[n]:g}" for n in free)
+            raise PlacementError(f"{name}'s engine needs {gpus:g} GPU(s) on one node outside the placement plan, which "
+                                 f"leaves {left} free: lower num_engines or trainer_ranks")
+        free[node] -= gpus
 
 
 def _as_dict(config) -> dict:
