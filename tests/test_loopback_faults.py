@@ -513,7 +513,7 @@ class Slow(Scripted):
 
     def __init__(self, tokenizer, delay_s: float):
         super().__init__(tokenizer)
-        self.delay_s, self.calls = delay_s, 0
+        self.delay_s, self.calls, self.first_s = delay_s, 0, 0.0  # first_s: a wait before the first id (a prefill)
 
     async def generate(self, prompt_ids, sampling):
         self.calls += 1
@@ -524,6 +524,7 @@ class Slow(Scripted):
     async def generate_stream(self, prompt_ids, sampling):
         self.calls += 1
         sample = await super().generate(prompt_ids, sampling)
+        await asyncio.sleep(self.first_s)
         for i in sample.token_ids:
             await asyncio.sleep(self.delay_s)
             yield [i]
@@ -566,6 +567,20 @@ def test_a_reply_the_client_gave_up_on_is_not_recorded(tokenizer):
         while sid not in srv._undelivered and time.time() < deadline:
             time.sleep(0.05)
         assert srv.close_session(sid) == [] and srv.summary()["undelivered"] == 2
+        # streamed, the client gone before the first ids (a read timeout during a long prefill):
+        # its response never starts, so the stream's own marker never ran
+        engine.delay_s, engine.first_s = 0.0, 0.5  # every id at once after the wait: the turn ends before any response
+        sid = srv.open_session()
+        engine.replies += [("Late<|im_end|>", "stop")]
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.stream("POST", srv.base_url(sid) + "/chat/completions", timeout=0.2,
+                              headers={"Authorization": f"Bearer {srv.api_key}"},
+                              json={"model": "p", "messages": USER, "max_tokens": 32, "stream": True}) as r:
+                r.read()
+        deadline = time.time() + 10
+        while sid not in srv._undelivered and time.time() < deadline:
+            time.sleep(0.05)
+        assert srv.close_session(sid) == [] and srv.summary()["undelivered"] == 3
 
 
 def test_a_failure_planning_a_turn_is_a_400_and_only_a_templates_refusal_goes_uncounted(tokenizer):

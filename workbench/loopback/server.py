@@ -561,9 +561,15 @@ class LoopbackServer:
         reports the sampled ids to req.feed. The response starts with the first sampled ids (or the
         turn's end), so that a request that fails before any token gets its status as unstreamed."""
         feed = req.feed = TokenFeed()
-        # the response's own task reads the client's disconnect (Starlette's StreamingResponse), so
-        # the turn asks the stream: _stream_parts marks the feed when the response is cancelled
-        req.client_gone = lambda: feed.gone
+        # Once the response streams, its own task reads the client's disconnect (Starlette's
+        # StreamingResponse) and _stream_parts marks the feed when it is cancelled; a client that
+        # left before the first ids never gets a response (its body never starts): the request asks
+        http_gone = req.client_gone
+
+        async def gone() -> bool:
+            return feed.gone or (http_gone is not None and bool(await http_gone()))
+
+        req.client_gone = gone
         turn = asyncio.ensure_future(self._side_turn(req) if sid is None else self._session_turn(sid, req))
         turn.add_done_callback(lambda t: t.cancelled() or t.exception())  # a client gone mid-stream: no warning
         while not (turn.done() or feed.ids):
@@ -687,6 +693,9 @@ class LoopbackServer:
                 key, reply, record = held
                 if req.retry and key == request_key([getattr(acc.fmt, "canonical", canonical_message)(m) for m in req.messages],
                                                     req.tools):
+                    if await self._client_gone(req):  # this retry's client is gone too: still held
+                        self._undelivered[sid] = held
+                        raise RequestError(499, "the client disconnected before the reply: held for its retry")
                     record()  # its SDK's retry (rule 4): delivered now, so recorded now
                     self.stats.retries_served_from_cache += 1
                     return reply, 0.0
