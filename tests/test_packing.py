@@ -5,6 +5,7 @@ across FSDP ranks."""
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
 
 from workbench.replay import RouterCapture
@@ -115,14 +116,21 @@ def test_the_packing_check_finds_the_models_whose_forward_mixes_packed_sequences
     passes none to its mask builder, and Qwen3-Next's linear attention carries its state across
     sequences: a packed sequence's log-probs changed with the sequence before it (0.01-0.15 nats:
     trained on another episode's context). packing_leak measures it; 0 exactly where packing is exact."""
-    from workbench.trainer.packing import PACKING_LEAK_TOL, packing_leak
+    from workbench.trainer.packing import PACKING_LEAK_TOL, packing_leak, packing_mixes
 
-    assert packing_leak(_tiny("qwen3"), 256, "cpu") == 0.0
-    assert packing_leak(_tiny("gpt_oss", **GPT_OSS), 256, "cpu") > 100 * PACKING_LEAK_TOL
+    assert packing_leak(_tiny("qwen3"), 256, "cpu") == (0.0, 0.0)
+    # an MoE moves a little with the other sequence's routing (its experts' matmul shapes), packed
+    # before or after it: noise, measured with the probe packed first, where nothing can reach it
+    moe = packing_leak(_tiny("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), 256, "cpu")
+    assert not packing_mixes(*moe), moe
+    leak, noise = packing_leak(_tiny("gpt_oss", **GPT_OSS), 256, "cpu")
+    assert leak > 100 * PACKING_LEAK_TOL and packing_mixes(leak, noise), (leak, noise)
     linear = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
               "linear_num_value_heads": 2, "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
               "layer_types": ["linear_attention", "full_attention"]}
-    assert packing_leak(_tiny("qwen3_next", **linear), 256, "cpu") > 100 * PACKING_LEAK_TOL
+    leak, noise = packing_leak(_tiny("qwen3_next", **linear), 256, "cpu")
+    assert leak > 10 * PACKING_LEAK_TOL and packing_mixes(leak, noise), (leak, noise)
+    assert packing_mixes(0.2, 1e-3) and not packing_mixes(5e-3, 1e-3) and not packing_mixes(5e-5, 0.0)
 
 
 def test_a_trainer_pads_where_the_model_mixes_packed_sequences(ray_local, tmp_path):
@@ -139,10 +147,15 @@ def test_a_trainer_pads_where_the_model_mixes_packed_sequences(ray_local, tmp_pa
             logits = model(input_ids=ids[i:i + 1, :n]).logits
             alone[i, 1:n] = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[i, 1:n, None])[:, 0]
     batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": scored.long()}
-    t = Trainer(str(tmp_path), world_size=2, cfg=TrainerConfig(micro_batch_size=8))
+    # a token budget, with padded rows, is that many tokens of the batch's width (2 rows of 23 here),
+    # not micro_batch_size rows (it was dropped: 64 padded long rows a forward)
+    t = Trainer(str(tmp_path), world_size=2, cfg=TrainerConfig(micro_batch_size=8, micro_batch_tokens=50))
     try:
         assert all(r["packing"]["packed"] is False and r["packing"]["leak"] > 1e-2 for r in t.footprint())
         lp = t.logprobs(batch)
         assert float((lp - alone)[scored].abs().max()) < 1e-4
+        micro = ray.get(t.workers[0].__ray_call__.remote(lambda w, b: [len(r["input_ids"]) for r in w._micro(w._to(b))],
+                                                         {k: v[:3] for k, v in batch.items()}))
+        assert micro == [2, 1], micro
     finally:
         t.shutdown()

@@ -29,7 +29,7 @@ import torch
 from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_stats
 from ..replay import ReplayStats, routing_replay
 from .logprobs import forward_logprobs, logprob_head, sampled_logprobs
-from .packing import PACKING_LEAK_TOL, micro_batches_by_tokens, pack, packed_forward, packing_leak, unpack
+from .packing import micro_batches_by_tokens, pack, packed_forward, packing_leak, packing_mixes, unpack
 from .losses import KL_ESTIMATORS, SEQUENCE_SURROGATES, aggregation_weights, episode_units, get_surrogate, kl_to_reference
 
 # A CPU trainer step frees and re-allocates the same large buffers (activations, logits,
@@ -303,6 +303,7 @@ class TrainerWorker:
                                                  cfg.ref_dtype or cfg.mixed_precision or cfg.dtype)
             self.ref_model.requires_grad_(False)
         self.packing = None  # the packing check's result (pack_sequences=True)
+        self.pack = cfg.pack_sequences  # what this rank's forwards do (off where the model mixes packed sequences)
         if cfg.pack_sequences:
             self._check_packing()
         # foreach: torch picks it by default only for CUDA tensors; on CPU each DTensor parameter was
@@ -313,24 +314,25 @@ class TrainerWorker:
 
     def _check_packing(self) -> None:
         """Packing is exact only where the model keeps packed sequences apart (packing_leak); where
-        it does not, this rank's forwards pad instead, and `packing` says why. Every rank decides
-        alike (the leak is all-reduced: the ranks' micro-batches run the same collectives)."""
-        import dataclasses
-
+        it does not, this rank's forwards pad instead (self.pack False; micro_batch_tokens then cuts
+        rows by the batch's width: _micro), and `packing` says why. Every rank decides alike (the
+        measures are all-reduced: the ranks' micro-batches run the same collectives)."""
         import torch.distributed as dist
 
-        leak = torch.tensor([packing_leak(self.model, self.model.config.vocab_size, self.device)], device=self.device)
-        dist.all_reduce(leak, op=dist.ReduceOp.MAX)
+        measured = torch.tensor(packing_leak(self.model, self.model.config.vocab_size, self.device), device=self.device)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         self._reshard()
-        self.packing = {"leak": float(leak), "packed": float(leak) <= PACKING_LEAK_TOL}
-        if not self.packing["packed"]:
-            self.cfg = dataclasses.replace(self.cfg, pack_sequences=False, micro_batch_tokens=None)
-            if self.rank == 0:
-                import sys
+        leak, noise = measured.tolist()
+        self.pack = not packing_mixes(leak, noise)
+        self.packing = {"leak": leak, "noise": noise, "packed": self.pack}
+        if not self.pack and self.rank == 0:
+            import sys
 
-                print(f"workbench: sequence packing is off for this model ({self.model.config.model_type}): a packed "
-                      f"sequence's log-probs moved {float(leak):.3g} nats with the sequence before it (its forward does "
-                      f"not keep packed sequences apart); rows are padded instead", file=sys.stderr)
+            print(f"workbench: sequence packing is off for this model ({self.model.config.model_type}): a packed "
+                  f"sequence's log-probs moved {leak:.3g} nats with the sequence before it (noise {noise:.3g}: its "
+                  f"forward does not keep packed sequences apart); rows are padded instead"
+                  + (f", micro_batch_tokens {self.cfg.micro_batch_tokens} cut as that many tokens of the batch's width"
+                     if self.cfg.micro_batch_tokens else ""), file=sys.stderr)
 
     def _sharded_model(self, path: str, shard_kwargs: dict, checkpointing: bool, dtype: str):
         """The checkpoint's model in `dtype`, sharded with fully_shard in the units cfg.shard_unit
@@ -409,8 +411,11 @@ class TrainerWorker:
         """The micro-batches of this rank's rows: micro_batch_size rows each, or (with
         micro_batch_tokens) about that many real tokens each, as many on every rank."""
         n, budget = batch["input_ids"].shape[0], self.cfg.micro_batch_tokens
-        if budget is None:
-            cuts = [range(s, min(s + self.cfg.micro_batch_size, n)) for s in range(0, n, self.cfg.micro_batch_size)]
+        if budget is None or not self.pack:
+            # padded rows cost the batch's width each: a token budget is that many rows (every rank
+            # has the same width and rows, so as many micro-batches)
+            rows = self.cfg.micro_batch_size if budget is None else max(1, budget // batch["input_ids"].shape[1])
+            cuts = [range(s, min(s + rows, n)) for s in range(0, n, rows)]
         else:
             import torch.distributed as dist
 
@@ -438,7 +443,7 @@ class TrainerWorker:
             for mb in self._micro(batch):
                 lp, st = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
                                         mb.get("routed_experts"), apply_replay=replay, positions=self._counted(mb),
-                                        chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences,
+                                        chunk_mb=self.cfg.logprob_chunk_mb, packed=self.pack,
                                         host_mask=mb["attention_mask_host"])
                 out.append(lp.cpu())
                 stats.append(st)
@@ -508,7 +513,7 @@ class TrainerWorker:
                 with replayed_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
                                        mb.get("routed_experts"), apply_replay=self.cfg.routing_replay,
                                        positions=self._counted(mb), chunk_mb=self.cfg.logprob_chunk_mb,
-                                       packed=self.cfg.pack_sequences, host_mask=mb["attention_mask_host"]) as (lp, rstats):
+                                       packed=self.pack, host_mask=mb["attention_mask_host"]) as (lp, rstats):
                     old = lp.detach() if updates == 1 else mb["old_logprobs"]
                     corr = correction_weights(old, mb["behaviour_logprobs"], mb["loss_mask"], mb["versions"],
                                               trainer_version, self.cfg.correction)
@@ -587,7 +592,7 @@ class TrainerWorker:
         with torch.no_grad():
             ref, _ = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
                                     mb.get("routed_experts"), apply_replay=self.cfg.routing_replay,
-                                    chunk_mb=self.cfg.logprob_chunk_mb, packed=self.cfg.pack_sequences,
+                                    chunk_mb=self.cfg.logprob_chunk_mb, packed=self.pack,
                                     host_mask=mb["attention_mask_host"])
         self._reshard(self.ref_model)
         return kl_to_reference(self.cfg.kl_estimator, lp, ref, mb["loss_mask"])

@@ -90,29 +90,42 @@ def packed_forward(model, packed: Packed):
     return model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
 
 
-# How far a sequence's log-probs may move when the sequence packed before it changes: exactly 0 where
-# the model builds the block-diagonal mask from the position ids (masked scores add exactly 0), tenths
-# of a nat where it does not
+# How far a sequence's log-probs may move when the sequence packed before it changes (beyond the
+# noise floor below): exactly 0 where a dense model builds the block-diagonal mask from the position
+# ids (masked scores add exactly 0), tenths of a nat where it does not
 PACKING_LEAK_TOL = 1e-4
 
 
-def packing_leak(model, vocab_size: int, device) -> float:
-    """The largest change (nats) of a sequence's log-probs when the sequence packed before it in
-    the same row is replaced by another. 0 where packing is exact. Not every model builds the
-    block-diagonal mask from position ids: gpt-oss passes none to its mask builder (its packed
-    sequences attended to the ones before them: 0.15 nats), and linear-attention layers (Qwen3-Next,
-    Qwen3.5) carry their recurrent state across sequences unless told the boundaries. Run on every
-    rank at once (a forward of the sharded model: collectives)."""
+def packing_leak(model, vocab_size: int, device) -> tuple[float, float]:
+    """(leak, noise): the largest change (nats) of a sequence's log-probs when the sequence packed
+    before it in the same row is replaced by another, and the same change with the sequence packed
+    first (which nothing before it can reach: what an MoE's batch-dependent kernels alone move, its
+    experts' matmul shapes following the other sequence's routing). Packing is exact where the leak
+    is within PACKING_LEAK_TOL or the noise. Not every model builds the block-diagonal mask from
+    position ids: gpt-oss passes none to its mask builder (its packed sequences attended to the
+    ones before them: 0.15-0.35 nats), and linear-attention layers (Qwen3-Next, Qwen3.5) carry
+    their recurrent state across sequences unless told the boundaries. Run on every rank at once
+    (a forward of the sharded model: collectives)."""
     g = torch.Generator().manual_seed(0)
-    first, other, second = (torch.randint(0, vocab_size, (n,), generator=g) for n in (7, 7, 5))
-    positions = torch.cat([torch.arange(7), torch.arange(5)])[None].to(device)
-    out = []
+    first, other, probe = (torch.randint(0, vocab_size, (n,), generator=g) for n in (7, 7, 5))
+
+    def probe_logprobs(before: torch.Tensor, probe_first: bool) -> torch.Tensor:
+        parts = (probe, before) if probe_first else (before, probe)
+        ids = torch.cat(parts)[None].to(device)
+        positions = torch.cat([torch.arange(len(p)) for p in parts])[None].to(device)
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+        at = slice(0, len(probe)) if probe_first else slice(len(before), None)
+        return torch.log_softmax(logits[at].float(), dim=-1)
+
     with torch.no_grad():
-        for before in (first, other):
-            ids = torch.cat([before, second])[None].to(device)
-            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-            out.append(torch.log_softmax(logits[0, 7:].float(), dim=-1))
-    return float((out[0] - out[1]).abs().max())
+        leak = (probe_logprobs(first, False) - probe_logprobs(other, False)).abs().max()
+        noise = (probe_logprobs(first, True) - probe_logprobs(other, True)).abs().max()
+    return float(leak), float(noise)
+
+
+def packing_mixes(leak: float, noise: float) -> bool:
+    """Whether packing_leak's result says the model mixes packed sequences."""
+    return leak > max(PACKING_LEAK_TOL, 10 * noise)
 
 
 def micro_batches_by_tokens(lengths: list[int], budget: int, count: int | None = None) -> list[range]:
