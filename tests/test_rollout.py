@@ -202,12 +202,12 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
 
     task = Task([{"role": "user", "content": "Say something about tools."}])
     # the four rollouts' runners start together (each a process importing transformers, seconds each)
-    with ThreadPoolExecutor(9) as pool:
+    with ThreadPoolExecutor(10) as pool:
         made = list(pool.map(lambda a: rollout_for(AGENTS / a[0], **a[1]),
                              [("sync_agent.py", {}), ("crashing.py", {}), ("nan_reward.py", {}),
                               ("hanging.py", {"episode_timeout_s": 5}), ("failing_env.py", {}), ("cancelling.py", {}),
                               ("slow_sync_own_types.py", {"episode_timeout_s": 3.5}), ("overflowing_env.py", {}),
-                              ("dict_content_env.py", {})]))
+                              ("dict_content_env.py", {}), ("exiting.py", {})]))
     # first, so the engine has served a request: a fresh vLLM engine's first one takes seconds (warm-up),
     # and the hanging agent's 5 s must cover its one recorded turn
     ok = made[0].run_groups([task], group_size=2, progress=False)[0]
@@ -247,6 +247,10 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     structured = made[8].run_groups([task], group_size=1, progress=False)[0][0]
     assert "AgentRunner.step at turn 1: message 0 (user) has content {'temp': 21" in structured.error, structured.error
     assert structured.reward == 0.5 and structured.segments  # what it earned and recorded before, kept
+    # sys.exit() in an async agent fails its episode (it stopped the runner's event loop); the runner lives on
+    exited = made[9].run_groups([task], group_size=2, progress=False)[0]
+    assert all("the agent called sys.exit(3)" in t.error for t in exited), [t.error for t in exited]
+    assert made[9].run_groups([task], group_size=1, progress=False)[0][0].error is not None and made[9].stats()
 
 
 def test_an_interrupted_rollout_gives_its_slots_back_when_its_groups_finish(rollout_for, monkeypatch):

@@ -102,7 +102,7 @@ class RolloutRunner:
             try:
                 episode = (self._env_episode(task, sid, partial) if self.spec.kind == "env" else
                            self._chat_episode(task, sid, group_id))
-                reward, info, cut = await asyncio.wait_for(episode, self.episode_timeout_s)
+                reward, info, cut = await asyncio.wait_for(_exit_is_failure(episode), self.episode_timeout_s)
             except asyncio.TimeoutError:
                 timed_out = True
                 error = f"episode timed out after {self.episode_timeout_s:g} s"
@@ -115,7 +115,7 @@ class RolloutRunner:
                     await self.server.close_session_async(sid, wait=False)
                     raise
                 error = f"CancelledError: the agent's episode was cancelled ({e})"
-            except (Exception, SystemExit) as e:  # (sys.exit() in an agent is its episode failing)
+            except (Exception, SystemExit) as e:  # (sys.exit() in an agent is its episode failing: _exit_is_failure)
                 error = f"{type(e).__name__}: {e}\n{''.join(traceback.format_exc(limit=-3))}"
             if error is not None:
                 reward, info = partial["reward"], dict(partial["info"])
@@ -215,6 +215,16 @@ class RolloutRunner:
         if self._sync_pool is not None:  # (a stuck sync agent's thread is left to die with the process)
             self._sync_pool.shutdown(wait=False, cancel_futures=True)
         self.server.stop()
+
+
+async def _exit_is_failure(episode):
+    """The episode, with a SystemExit its agent raised (sys.exit()) turned into an ordinary error
+    inside its own task: out of wait_for's task it stopped the runner's event loop, and with it
+    every episode in flight (Python 3.11)."""
+    try:
+        return await episode
+    except SystemExit as e:
+        raise RuntimeError(f"the agent called sys.exit({e.code!r})") from None
 
 
 def _check_env_messages(messages, where: str) -> None:
