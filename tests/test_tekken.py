@@ -329,3 +329,25 @@ def test_c_v7_tekken_renders_text_beside_a_call_as_mistral_common_does(tmp_path)
         {"id": "Ab3dE6gH9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
     msgs = [{"role": "user", "content": "Paris?"}, call, {"role": "tool", "tool_call_id": "Ab3dE6gH9", "content": "sunny"}]
     assert fmt._both_or_neither and "Let me check.[TOOL_CALLS]" in fmt.render(msgs, TOOLS, True)
+
+
+def test_messages_mistral_common_refuses_are_the_requests_400_not_an_unexpected_error(ckpt):
+    """The Tekken format refuses through mistral-common's validation and a ValueError (an unknown
+    role), not a template error: every such bad request was counted in unexpected_errors["plan"]
+    (whose expectation is 0) and logged with a traceback."""
+    import openai
+
+    from workbench.loopback.server import LoopbackServer
+    from workbench.tekken import load_tokenizer
+
+    class NoEngine:
+        async def generate(self, prompt_ids, sampling):
+            raise AssertionError("a refused request must not reach the engine")
+
+    with LoopbackServer(NoEngine(), load_tokenizer(ckpt), profile=profile_for(ckpt), max_model_len=4096) as srv:
+        client = openai.OpenAI(base_url=srv.base_url(srv.open_session()), api_key=srv.api_key, max_retries=0)
+        for msgs in ([{"role": "critic", "content": "x"}],
+                     [{"role": "user", "content": "a"}, {"role": "tool", "tool_call_id": "abcDEF123", "content": "r"}]):
+            with pytest.raises(openai.BadRequestError):
+                client.chat.completions.create(model="p", messages=msgs, max_tokens=4)
+        assert srv.summary()["unexpected_errors"] == {} and srv.summary()["errors"] == {400: 2}

@@ -77,6 +77,15 @@ def _renderable(m: dict) -> dict:
 class TekkenFormat(ChatFormat):
     """ChatFormat over mistral-common's request encoding (see the module docstring)."""
 
+    @property
+    def refusal_errors(self) -> tuple:
+        """What this format raises for messages it will not encode (the loopback answers them 400
+        as a template's refusal, uncounted): mistral-common's validation, and its ValueError for an
+        unknown role."""
+        from mistral_common.exceptions import MistralCommonException
+
+        return (MistralCommonException, ValueError)
+
     def __init__(self, tokenizer, end_of_turn: str | None = "</s>", template_kwargs: dict | None = None,
                  turn_ends: tuple[str, ...] = (), message_form: dict | None = None):
         from mistral_common.protocol.instruct.validator import ValidationMode
