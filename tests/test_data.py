@@ -126,3 +126,4 @@ def test_task_records_keep_what_they_say():
     tools = a.tools
     tools[0]["function"]["name"] = "changed"
     assert b.tools == [{"type": "function", "function": {"name": "f"}}] == task.tools
+    assert a.tools is tools and len(a.tools) == 2  # within its episode, the agent's changes stay

@@ -82,9 +82,11 @@ class AgentContext:
 
     @property
     def tools(self) -> list[dict] | None:
-        # a copy: a group's episodes share one Task, and one agent appending to the list gave its
-        # siblings other tools (another prompt under one baseline)
-        return copy.deepcopy(self.task.tools)
+        # this episode's own copy, made once: a group's episodes share one Task, and one agent
+        # appending to the list gave its siblings other tools (another prompt under one baseline)
+        if "_tools" not in self.__dict__:
+            self.__dict__["_tools"] = copy.deepcopy(self.task.tools)
+        return self.__dict__["_tools"]
 
     @property
     def label(self) -> Any:

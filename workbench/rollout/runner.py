@@ -18,6 +18,8 @@ loopback/server.py).
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import gc
 import inspect
 import threading
@@ -124,11 +126,13 @@ class RolloutRunner:
                               truncated=state["truncated"] or cut)
 
     def _sync_agents(self):
-        """The thread pool synchronous agents run in: max_concurrent_episodes threads (made on first use)."""
+        """The thread pool synchronous agents run in (made on first use): a thread per episode slot,
+        and SYNC_AGENT_SPARE_THREADS more, since an agent stuck past its episode's timeout keeps its
+        thread while its slot goes to the next episode (Python cannot stop a thread)."""
         if self._sync_pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._sync_pool = ThreadPoolExecutor(self._slots, thread_name_prefix="sync-agent")
+            self._sync_pool = ThreadPoolExecutor(self._slots + SYNC_AGENT_SPARE_THREADS, thread_name_prefix="sync-agent")
         return self._sync_pool
 
     def _shared_clients(self):
@@ -165,8 +169,10 @@ class RolloutRunner:
         else:  # a synchronous agent (stock sync SDK client) runs in a thread, not on this loop
             # its own pool, one thread per episode slot: the loop's default executor has cpu + 4
             # threads, so on 2 cores the 7th concurrent sync episode waited for a thread (its timeout
-            # running) and a few stuck agents starved every later episode
-            result = await asyncio.get_running_loop().run_in_executor(self._sync_agents(), agent.run, ctx)
+            # running) and a few stuck agents starved every later episode. In the caller's context
+            # (contextvars: tracing, logging), as asyncio.to_thread runs it
+            call = functools.partial(contextvars.copy_context().run, agent.run, ctx)
+            result = await asyncio.get_running_loop().run_in_executor(self._sync_agents(), call)
         return (*as_reward(result), False)
 
     async def _env_episode(self, task: Task, sid: str, partial: dict | None = None):
@@ -242,6 +248,9 @@ def _check_env_messages(messages, where: str) -> None:
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c))):
             raise TypeError(f"{where}: message {i} ({m['role']}) has content {c!r:.80} ({type(c).__name__}): content "
                             f"must be a string or a list of text parts (json.dumps a structured result)")
+
+
+SYNC_AGENT_SPARE_THREADS = 64  # threads for synchronous agents stuck past their episode (RolloutRunner._sync_agents)
 
 
 class RunnersLost(RuntimeError):
