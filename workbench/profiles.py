@@ -222,14 +222,15 @@ def _qwen3(ck: Checkpoint):
 def _qwen25(ck: Checkpoint):
     if ck.model_type not in ("qwen2", "qwen2_moe"):
         return None
-    # Reasoning models on the qwen2 architecture (QwQ-32B, DeepSeek-R1-Distill-Qwen) have templates
-    # whose generation prompt opens <think>: without a reasoning parser the reasoning reached the
-    # agent as its answer, and a tool call the model only thought about was run. The reasoning
-    # renders back only where the template reads it (QwQ's keeps the text after </think>: seals).
-    # vLLM's parser for them is deepseek_r1 (its qwen3 parser ends the reasoning at a <tool_call>
-    # inside it, and the call the model thought about was parsed as made).
+    # A reasoning model on the qwen2 architecture (QwQ-32B) has a template whose generation prompt
+    # opens <think>: without a reasoning parser the reasoning reached the agent as its answer, and
+    # a tool call the model only thought about was run. The reasoning renders back only where the
+    # template reads it (QwQ's keeps the text after </think>: seals). vLLM's parser for QwQ is
+    # deepseek_r1 (its qwen3 parser ends the reasoning at a <tool_call> inside it, and the call the
+    # model thought about was parsed as made). Only the generation prompt decides: a template that
+    # mentions <think> for its history alone does not make every reply reasoning.
     tpl = ck.chat_template or ""
-    thinks = "<think>" in tpl
+    thinks = "add_generation_prompt" in tpl and "<think>" in tpl[tpl.rfind("add_generation_prompt"):]
     return ModelProfile("qwen2.5", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=min(ck.context, 32768),
                         reasoning_parser="deepseek_r1" if thinks else None,
                         reasoning_field="reasoning_content" if thinks and "reasoning_content" in tpl else None,
