@@ -34,6 +34,7 @@ FAKE = [
 
 def _write(lab, name: str, nb) -> str:
     nb.metadata["kernelspec"] = {"name": "workbench-local", "display_name": "workbench (local)", "language": "python"}
+    (lab.root / name).parent.mkdir(parents=True, exist_ok=True)  # (a recipe: recipes/<name>.ipynb)
     nbformat.write(nb, lab.root / name)
     return name
 
