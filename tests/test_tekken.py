@@ -351,3 +351,6 @@ def test_messages_mistral_common_refuses_are_the_requests_400_not_an_unexpected_
             with pytest.raises(openai.BadRequestError):
                 client.chat.completions.create(model="p", messages=msgs, max_tokens=4)
         assert srv.summary()["unexpected_errors"] == {} and srv.summary()["errors"] == {400: 2}
+    from workbench.tekken import TekkenFormat
+
+    assert not TekkenFormat.is_refusal(ValueError("a ValueError of our own code is no refusal: counted"))

@@ -77,14 +77,19 @@ def _renderable(m: dict) -> dict:
 class TekkenFormat(ChatFormat):
     """ChatFormat over mistral-common's request encoding (see the module docstring)."""
 
-    @property
-    def refusal_errors(self) -> tuple:
-        """What this format raises for messages it will not encode (the loopback answers them 400
-        as a template's refusal, uncounted): mistral-common's validation, and its ValueError for an
-        unknown role."""
+    @staticmethod
+    def is_refusal(error: BaseException) -> bool:
+        """Whether `error` is mistral-common refusing the messages (the loopback answers it 400 as a
+        template's refusal, uncounted): its validation's exceptions, and a ValueError raised in its
+        own code (an unknown role). Any other ValueError is not: unexpected_errors counts it."""
         from mistral_common.exceptions import MistralCommonException
 
-        return (MistralCommonException, ValueError)
+        if isinstance(error, MistralCommonException):
+            return True
+        tb = error.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        return isinstance(error, ValueError) and tb is not None and "/mistral_common/" in tb.tb_frame.f_code.co_filename
 
     def __init__(self, tokenizer, end_of_turn: str | None = "</s>", template_kwargs: dict | None = None,
                  turn_ends: tuple[str, ...] = (), message_form: dict | None = None):

@@ -781,7 +781,7 @@ class LoopbackServer:
         except Exception as e:  # template errors (e.g. a role it refuses) are the request's fault
             import jinja2
 
-            if not isinstance(e, (jinja2.TemplateError, *getattr(acc.fmt, "refusal_errors", ()))):
+            if not (isinstance(e, jinja2.TemplateError) or getattr(acc.fmt, "is_refusal", lambda _: False)(e)):
                 # not the template's refusal: maybe the messages' shape, maybe a bug of the recording
                 # code (Accumulator.plan); still the request's 400, but counted and logged, where a
                 # regression there showed only as agents' BadRequestErrors
