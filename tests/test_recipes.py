@@ -181,7 +181,9 @@ def test_the_code_grader_pays_only_right_return_values():
     long = {"name": "rng", "tests": [[x, list(range(x))] for x in range(200, 204)]}
     assert score("def rng(x):\n    return list(range(x))", long)[0] == 1.0
     for reply in (f"Here is the function:\n```python\n{label['solution']}\n```\nIt adds.", f"```py\n{label['solution']}\n```",
-                  f"import sys\nsys.stdout.write('ok')\n{label['solution']}"):
+                  f"import sys\nsys.stdout.write('ok')\n{label['solution']}", f"```Python\n{label['solution']}\n```",
+                  f"```python3.11\n{label['solution']}\n```",
+                  f"```python\n{label['solution']}\n```\nUsage:\n```python\nprint({name}(2))\n```\n```\n5\n```"):
         assert score(reply, label)[0] == 1.0, reply
 
 

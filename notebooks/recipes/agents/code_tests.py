@@ -52,14 +52,16 @@ for x in json.loads({inputs!r}):
 print("\\n" + {marker!r} + json.dumps(out))
 """
 MARKER = "RESULTS "
-_FENCED = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.S)
+_FENCED = re.compile(r"```[^\n`]*\n(.*?)```", re.S)  # any info string: python, Python, py, python3.11, none
 
 
-def code_of(reply: str) -> str:
-    """The code in a reply: its last fenced block (```python, ```py or a bare fence, prose around
-    it as real models write it), else the whole reply."""
+def code_of(reply: str, name: str | None = None) -> str:
+    """The code in a reply: its last fenced block that defines `name` (prose, a usage example or
+    an output block around it, as real models write them), else its last fenced block, else the
+    whole reply."""
     blocks = _FENCED.findall(reply)
-    return blocks[-1] if blocks else reply.strip()
+    defining = [b for b in blocks if name and re.search(rf"^\s*def\s+{re.escape(name)}\s*\(", b, re.M)]
+    return (defining or blocks or [reply.strip()])[-1]
 
 
 def same(got, want) -> bool:
@@ -77,7 +79,7 @@ def score(code: str, label: dict, timeout_s: float = 5.0) -> tuple[float, dict]:
     """Run `code` and the label's test inputs in the sandbox, compare what it returned with the
     expected values here: (share passed, in [0, 1], details). A run that did not exit cleanly
     (a crash, a timeout, output cut) passes nothing."""
-    code = code_of(code)
+    code = code_of(code, label["name"])
     # the expected values as JSON gives them back (a tuple is a list, a dict's keys strings): a right
     # function returning a tuple never matched a tuple reference
     inputs, wanted = [x for x, _ in label["tests"]], json.loads(json.dumps([w for _, w in label["tests"]]))
