@@ -246,9 +246,7 @@ def _colocated(cluster: ClusterSpec, trainer_ranks: int, num_engines: int, tp: i
 def plan_inputs(config: dict | None) -> dict:
     """trainer_ranks, num_engines, tensor_parallel_size and mode from a session config (a dict,
     as a config file holds it, or a WorkbenchConfig)."""
-    if config is not None and dataclasses.is_dataclass(config):
-        config = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    config = dict(config or {})
+    config = _as_dict(config)
     from .session import WorkbenchConfig
 
     defaults = {f.name: f.default for f in dataclasses.fields(WorkbenchConfig) if f.name in
@@ -274,8 +272,7 @@ def frozen_engines(config) -> list[tuple[str, int]]:
     """(field, GPUs) of each frozen engine the session config asks for: the judge, the
     distillation teacher (loop.teacher). They start outside the placement plan."""
     config = _as_dict(config)
-    loop = config.get("loop") or {}
-    loop = loop if isinstance(loop, dict) else {f.name: getattr(loop, f.name) for f in dataclasses.fields(loop)}
+    loop = _as_dict(config.get("loop"))
     tp = frozen_engine_kwargs(config).get("tensor_parallel_size", 1)
     return [(name, tp) for name, value in (("judge", config.get("judge")), ("loop.teacher", loop.get("teacher"))) if value]
 
@@ -300,6 +297,7 @@ def check_frozen_room(plan: PlacementPlan, config) -> None:
 
 
 def _as_dict(config) -> dict:
+    """A config as a dict: a dataclass (WorkbenchConfig, LoopConfig) field by field, a dict as it is."""
     if config is not None and dataclasses.is_dataclass(config):
         return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     return dict(config or {})
