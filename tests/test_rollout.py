@@ -237,7 +237,7 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     # executor (cpu + 4 threads) the later ones waited for a thread and timed out (3.5 s). The
     # value of a class defined in the agent file reaches the driver (the module's name is the
     # same in every process; hash() of the path was salted per process).
-    made[6].run_groups([task], group_size=1, progress=False)  # warm: a runner's first chat episode imports the SDKs
+    # (the runner's first episodes: it imports the SDKs when it starts, not inside their timeout)
     slow = made[6].run_groups([task], group_size=16, progress=False)[0]
     assert all(t.error is None for t in slow), [t.error for t in slow if t.error]
     assert all(t.info["verdict"].value == "pass" and type(t.info["verdict"]).__name__ == "Verdict" for t in slow)

@@ -54,6 +54,11 @@ class RolloutRunner:
         from .router import EngineRouter
 
         self.spec = load_agent(agent_path)
+        if self.spec.kind == "chat":  # the SDKs its episodes' clients come from (_shared_clients), imported
+            # here: imported on the first episode (~1.5 s, more on a loaded machine) it ran inside the
+            # episodes' timeout, and on CI 16 sync agents under a 3.5 s timeout all timed out
+            import anthropic  # noqa: F401
+            import openai  # noqa: F401
         self.profile = profile or profile_for(model_path)
         tokenizer = load_tokenizer(model_path)
         sampling = sampling or SamplingConfig(max_tokens=128)
