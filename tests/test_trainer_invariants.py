@@ -91,6 +91,36 @@ def test_a_gated_sequence_gets_no_gradient_from_the_kl_term(dense_trainer):
     assert stats["updates_skipped"] == 0 and stats["grad_norm"] > 0 and stats["signal_tokens_trained"] == 0
 
 
+def test_distillation_advantage_is_taken_on_the_trainers_policy_not_the_sampler(dense_trainer):
+    """(f) On-policy distillation's per-token advantage log p_teacher - log pi is taken on the
+    policy the step trains from (pi_old), not the behaviour log-probs: on a stale token the
+    behaviour's advantage added grad KL(pi || behaviour) to the update (pushing the policy away
+    from whichever version sampled it). Row 1's tokens were sampled 0.4 nats under the trainer's
+    policy, one version ago (IS weight e^0.4, under TIS's cap): the trained advantage is the same
+    as row 0's, whose behaviour equals the trainer's."""
+    from workbench.loop import batch_from_groups
+    from workbench.tokens import Trajectory
+
+    t = dense_trainer
+    b = random_batch(1, seed=4)
+    m = b["loss_mask"][0].bool()
+    ids, mask = b["input_ids"][0].tolist(), b["loss_mask"][0].tolist()
+    lp = t.logprobs(b)[0] * b["loss_mask"][0]
+    teacher = (lp - 0.3 * torch.arange(lp.shape[0]) / lp.shape[0]) * b["loss_mask"][0]  # any other per-token values
+    segs = [Segment(ids, mask, (lp - off * b["loss_mask"][0]).tolist(), [t.version - v if x else -1 for x in mask])
+            for off, v in ((0.0, 0), (0.4, 1))]
+    groups = [[Trajectory([s], 0.0, "g", f"e{i}", {}) for i, s in enumerate(segs)]]
+    batch, info = batch_from_groups(groups, "distill", teacher={id(s): teacher.tolist() for s in segs}, temperature=1.0)
+    assert batch["per_token_advantage"] == "distill"
+    stats = t.train_step(batch, report=True)
+    adv = stats["report"]["advantages"]
+    want = (teacher - stats["report"]["trainer_logprobs"][0])[m]
+    assert torch.allclose(adv[0][m], want, atol=1e-5) and torch.allclose(adv[1][m], want, atol=1e-5), \
+        "the stale row's advantage was taken on its behaviour log-probs"
+    assert float((batch["advantages"][1][m] - adv[1][m]).abs().max()) == pytest.approx(0.4, abs=1e-4)  # what it was
+    assert stats["correction"]["stale_dropped"] == 0 and stats["signal_tokens_trained"] == 2 * int(m.sum())
+
+
 @pytest.fixture(scope="module")
 def bf16_batch(moe_path):
     """Completions of the MoE from a bf16 sampler (as vLLM serves on GPU) with their routed

@@ -256,6 +256,10 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
         x = AdvantageInput(torch.tensor(rewards, dtype=torch.float64)[index], index, m,
                            logprobs=batch["behaviour_logprobs"], teacher_logprobs=lp_teacher)
         batch["advantages"] = get_advantage(advantage)(x).float() * m
+        # the trainer applies the estimator again on its own pi_old (TrainerWorker.train_step): on a
+        # stale token (async) the behaviour log-prob's advantage added grad KL(pi || behaviour) to
+        # the update, pushing the policy away from whichever version sampled it
+        batch["teacher_logprobs"], batch["per_token_advantage"] = lp_teacher * m, advantage
         info["distill_reverse_kl"] = float(((batch["behaviour_logprobs"] - lp_teacher) * m).sum() / m.sum().clamp(min=1))
     else:
         # one row per episode (an episode without trainable tokens still counts in its group's baseline)

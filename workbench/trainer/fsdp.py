@@ -30,7 +30,8 @@ from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_
 from ..replay import ReplayStats, routing_replay
 from .logprobs import forward_logprobs, logprob_head, sampled_logprobs
 from .packing import micro_batches_by_tokens, pack, packed_forward, packing_leak, packing_mixes, unpack
-from .losses import KL_ESTIMATORS, SEQUENCE_SURROGATES, aggregation_weights, episode_units, get_surrogate, kl_to_reference
+from .losses import (KL_ESTIMATORS, SEQUENCE_SURROGATES, AdvantageInput, aggregation_weights, episode_units, get_advantage,
+                     get_surrogate, kl_to_reference)
 
 # A CPU trainer step frees and re-allocates the same large buffers (activations, logits,
 # gradients). glibc serves an allocation over its mmap threshold (128 KB to 32 MB) with a fresh
@@ -517,7 +518,16 @@ class TrainerWorker:
                     old = lp.detach() if updates == 1 else mb["old_logprobs"]
                     corr = correction_weights(old, mb["behaviour_logprobs"], mb["loss_mask"], mb["versions"],
                                               trainer_version, self.cfg.correction)
-                    tl = surrogate(lp, old, mb["advantages"], corr.weights, mb["loss_mask"].float(), **self.cfg.surrogate_kwargs)
+                    adv = mb["advantages"]
+                    if mb.get("teacher_logprobs") is not None:
+                        # a per-token estimator (distillation) on pi_old, the policy this step trains from:
+                        # its gradient is then the reverse KL's own, E_pi[(log t - log pi) grad log pi], the
+                        # IS weight correcting the sampling; on the behaviour log-probs it added
+                        # grad KL(pi || behaviour), pushing the policy off every stale token's sampler
+                        adv = get_advantage(mb["per_token_advantage"])(AdvantageInput(
+                            None, None, mb["loss_mask"], logprobs=old, teacher_logprobs=mb["teacher_logprobs"])).float()
+                        adv = adv * mb["loss_mask"]
+                    tl = surrogate(lp, old, adv, corr.weights, mb["loss_mask"].float(), **self.cfg.surrogate_kwargs)
                     if self.ref_model is not None:
                         kl = self._kl_to_reference(mb, lp)
                         # gated like the surrogate (a dropped sequence gets no KL gradient either), not
@@ -530,7 +540,7 @@ class TrainerWorker:
                                             max_len=self.cfg.constant_len, episode_tokens=mb.get("episode_tokens"))
                     (tl * w).sum().mul(self.world_size).backward()
                     # trainable tokens the correction kept that have an advantage: the no-signal warning's count
-                    carried = carried + (corr.token_keep & mb["loss_mask"].bool() & (mb["advantages"] != 0)).sum()
+                    carried = carried + (corr.token_keep & mb["loss_mask"].bool() & (adv != 0)).sum()
                 contribution = (tl * w).detach() / updates  # of the step's reported loss (mean over updates)
                 if u > 0 or updates == 1:  # (device tensors: read with the step's other sums, once)
                     # (the first of several updates left out of both: its pi_old is another forward's,
@@ -542,7 +552,7 @@ class TrainerWorker:
                 replay.append(rstats)
                 if report:
                     rows.append({"trainer_logprobs": old, "is_weight": corr.weights, "gate_keep": corr.token_keep,
-                                 "loss_contribution": contribution})
+                                 "loss_contribution": contribution, "advantages": adv})
             carried_total = carried_total + carried
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # the global norm: every rank's
@@ -837,6 +847,9 @@ class Trainer:
         parts = [{} for _ in range(w)]
         for k, v in batch.items():
             if not isinstance(v, torch.Tensor):
+                if isinstance(v, str):  # a setting of the whole batch (per_token_advantage): every rank's
+                    for part in parts:
+                        part[k] = v
                 continue
             pad = torch.zeros((1, *v.shape[1:]), dtype=v.dtype)
             if k == "routed_experts":

@@ -79,7 +79,7 @@ class AdvantageInput:
     rewards: torch.Tensor  # [N] one per row: an episode (loop.batch_from_groups) or a sequence
     groups: torch.Tensor  # [N] int group index (episodes of one prompt share it)
     loss_mask: torch.Tensor  # [N, T]
-    logprobs: torch.Tensor | None = None  # [N, T] the student's (old) log-probs, for distillation
+    logprobs: torch.Tensor | None = None  # [N, T] the student's log-probs (the trainer's pi_old: TrainerWorker.train_step)
     teacher_logprobs: torch.Tensor | None = None  # [N, T] a teacher's log-probs of the same tokens
 
 
