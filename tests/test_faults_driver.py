@@ -13,6 +13,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from workbench.loop import recover_checkpoint
 from workbench.tokens import read_trajectories
 
@@ -132,3 +134,51 @@ def test_driver_killed_then_resumed(tmp_path):
     print(f"killed after {len(recorded)} recorded steps; resumed at {resume_at}; set aside: steps {set_aside}, "
           f"trajectories {orphans}; Ray processes left by the dead driver: {leftovers}; "
           f"times {[(k, round(v - t['start'], 1)) for k, v in t.items()]}")
+
+
+class _StubTrainer:
+    """Trainer.save's layout (dcp/ with its index, then run_state.json last), nothing else."""
+
+    def save(self, path, run_state):
+        os.makedirs(os.path.join(path, "dcp"), exist_ok=True)
+        open(os.path.join(path, "dcp", ".metadata"), "w").close()
+        with open(os.path.join(path, "run_state.json"), "w") as f:
+            json.dump(run_state, f)
+
+
+def test_a_checkpoint_never_replaces_what_is_not_one(tmp_path):
+    """save_checkpoint swaps the new checkpoint in by renaming the old one away and deleting it:
+    given a run directory (wb.save(wb.run_dir)) it deleted metrics.jsonl and trajectories/.
+    It refuses now, and so does recover_checkpoint beside a leftover; an empty or new directory
+    and a checkpoint's own are fine."""
+    from workbench.loop import save_checkpoint
+
+    run = tmp_path / "run"
+    (run / "trajectories").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="other than a checkpoint"):
+        save_checkpoint(_StubTrainer(), str(run), {"next_step": 1})
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "trajectories"]
+    _StubTrainer().save(str(run) + ".new", {"next_step": 2})  # a leftover complete .new beside it
+    with pytest.raises(ValueError, match="other than a checkpoint"):
+        recover_checkpoint(str(run))
+    assert (run / "metrics.jsonl").exists()
+    ck = tmp_path / "checkpoint"
+    assert save_checkpoint(_StubTrainer(), str(ck), {"next_step": 1}) == str(ck)
+    save_checkpoint(_StubTrainer(), str(ck), {"next_step": 2})  # over its own earlier one
+    assert json.loads((ck / "run_state.json").read_text())["next_step"] == 2 and recover_checkpoint(str(ck))
+
+
+def test_a_torn_leftover_is_not_taken_for_a_checkpoint(tmp_path):
+    """A leftover `.new` whose removal was killed part-way (its weights gone, its run_state.json
+    still there) read as complete: recover_checkpoint took it and deleted the good checkpoint.
+    Complete needs the weights' index too; save_checkpoint removes a leftover's run_state.json first."""
+    from workbench.loop import save_checkpoint
+
+    ck = tmp_path / "checkpoint"
+    save_checkpoint(_StubTrainer(), str(ck), {"next_step": 10})
+    torn = tmp_path / "checkpoint.new"
+    _StubTrainer().save(str(torn), {"next_step": 12})
+    os.unlink(torn / "dcp" / ".metadata")  # the rmtree got that far
+    assert recover_checkpoint(str(ck))
+    assert json.loads((ck / "run_state.json").read_text())["next_step"] == 10 and not torn.exists()

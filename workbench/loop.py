@@ -17,6 +17,7 @@ Two modes (LoopConfig.mode):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import queue
@@ -457,7 +458,16 @@ def save_checkpoint(trainer, path: str, run_state: dict) -> str:
     import shutil
 
     path = os.path.abspath(path)
+    if os.path.isdir(path) and os.listdir(path) and not _complete(path):
+        # the swap below deletes what `path` held: a run directory given as the checkpoint's
+        # (wb.save(wb.run_dir)) lost its metrics, trajectories and policies
+        raise ValueError(f"{path!r} holds something other than a checkpoint ({sorted(os.listdir(path))[:5]}): "
+                         f"saving there would delete it; give an empty or new directory, or a checkpoint's")
     new, old = path + ".new", path + ".old"
+    if os.path.isdir(new):  # its run_state.json first: a removal killed part-way must not leave a torn
+        # directory that still reads as complete (recover_checkpoint would prefer it to `path`)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(new, "run_state.json"))
     shutil.rmtree(new, ignore_errors=True)
     trainer.save(new, run_state)
     if os.path.isdir(path):
@@ -469,11 +479,13 @@ def save_checkpoint(trainer, path: str, run_state: dict) -> str:
 
 
 def _complete(path: str) -> bool:
+    """A checkpoint Trainer.save finished: its run_state.json (written last) and the weights'
+    checkpoint index beside it."""
     import json
 
     try:
         with open(os.path.join(path, "run_state.json")) as f:
-            return "next_step" in json.load(f)
+            return "next_step" in json.load(f) and os.path.isfile(os.path.join(path, "dcp", ".metadata"))
     except (OSError, ValueError):
         return False
 
@@ -486,6 +498,12 @@ def recover_checkpoint(path: str) -> bool:
 
     path = os.path.abspath(path)
     new, old = path + ".new", path + ".old"
+    if not (os.path.isdir(new) or os.path.isdir(old)):
+        return _complete(path)  # nothing half done (and nothing to remove: `path` may be no checkpoint)
+    if os.path.isdir(path) and os.listdir(path) and not _complete(path) and not os.path.isfile(
+            os.path.join(path, "run_state.json")):
+        raise ValueError(f"{path!r} holds something other than a checkpoint ({sorted(os.listdir(path))[:5]}) beside "
+                         f"{os.path.basename(new)!r} / {os.path.basename(old)!r}: not replacing it")
     for candidate in (new, path, old):
         if _complete(candidate):
             if candidate != path:
