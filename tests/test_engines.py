@@ -494,6 +494,19 @@ def test_vllm_cpu_kv_cache_holds_what_the_engine_needs(vllm_moe, moe_path):
     assert "kv_cache_memory_bytes" not in VLLMEngine(str(moe_path), gpu_memory_utilization=0.1).engine_args
 
 
+def test_vllm_scores_a_sequence_that_fills_the_context(vllm_moe, moe_path):
+    """A distillation teacher scores whole segments (probe_logprobs), and a reply the loopback
+    cut at the context's end fills it exactly: as a prompt of max_model_len tokens vLLM refused it
+    (it must leave room for a token), the rollout failed and its groups were lost. The last
+    token's log-prob comes from the one sampled position instead, equal to the HF model's."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 500, (1024,), generator=g).tolist()  # the session engine's max_model_len
+    got = ray.get(vllm_moe.probe_logprobs.remote(ids))
+    want = expected_probe_logprobs(load_hf_model(moe_path), ids)
+    assert len(got) == len(want) == 1023
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3
+
+
 def test_vllm_cpu_engine_compiles_nothing_for_log_probs(vllm_moe, moe_path):
     """vLLM's sampler torch.compiles its log-prob gather: on CPU ~2 s of Dynamo and Inductor on
     the first request, which was the whole of connect()'s first weight sync. The in-process core

@@ -449,6 +449,7 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path)
     import workbench
     from workbench.examples.arithmetic_env import tasks as arithmetic_tasks
     from workbench.loop import engines_version
+    from workbench.session import ConfigError
     from workbench.rollout.engine import expected_probe_logprobs
     from workbench.tokens import read_trajectories
     from workbench.toy.models import load_hf_model
@@ -500,6 +501,12 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path)
         # raised: revisit built the batch without the teacher's log-probs)
         rv = wb.revisit(step=d["step"])
         assert rv.differences() == {}, rv.differences()
+        # a teacher whose context is shorter than the policy's is refused before it starts (it scores
+        # whole segments, up to the policy's context: a longer one failed the rollout)
+        wb.cfg.frozen_engine_kwargs = {"max_model_len": 512}
+        with pytest.raises(ConfigError, match="shorter than the policy's context"):
+            wb._frozen_engine("dense", "loop.teacher", 0)
+        wb.cfg.frozen_engine_kwargs = {}
     finally:
         wb.shutdown()
     # the step's reverse KL, recomputed from the recorded student tokens and the teacher checkpoint's own forward
@@ -546,6 +553,8 @@ def test_distillation_advantage_and_reverse_kl_hand_computed():
         LoopConfig(advantage="distill")
     with pytest.raises(ValueError, match="turn dynamic_sampling off"):  # it filters by rewards, distill ignores them
         LoopConfig(advantage="distill", teacher="dense", dynamic_sampling=True)
+    with pytest.raises(ValueError, match="turn overlong_shaping off"):  # it shapes rewards, distill ignores them
+        LoopConfig(advantage="distill", teacher="dense", overlong_shaping=True)
     cfg = LoopConfig(advantage="distill", teacher="dense")
     batch, info = batch_from_groups([[a, b]], cfg.advantage, teacher=teacher)
     # advantage = log p_teacher - log p_student on sampled tokens only (prompt tokens: 0, whatever the teacher says)

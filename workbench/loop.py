@@ -125,6 +125,11 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.dynamic_sampling filters groups by reward variance, but advantage "
                              f"{self.advantage!r} learns from the teacher's per-token log-probs, not rewards: "
                              f"turn dynamic_sampling off")
+        if self.advantage in PER_TOKEN_ADVANTAGES and self.overlong_shaping:
+            # it shapes the reward, which a per-token estimator never reads: the metrics reported a
+            # penalty that changed no advantage
+            raise ValueError(f"LoopConfig.overlong_shaping penalises the reward, but advantage {self.advantage!r} learns "
+                             f"from the teacher's per-token log-probs, not rewards: turn overlong_shaping off")
         if self.async_order not in ("start", "finish"):
             raise ValueError(f"LoopConfig.async_order {self.async_order!r} unknown: 'start' (groups train in the order "
                              f"they started) or 'finish' (the first to finish; slow groups drop out)")

@@ -523,6 +523,11 @@ class Workbench:
         from .placement import frozen_engine_kwargs
 
         kwargs = frozen_engine_kwargs(self.cfg)
+        if field == "loop.teacher" and kwargs.get("max_model_len", self.profile.max_model_len) < self.profile.max_model_len:
+            # it scores whole segments, up to the policy's context: a longer one failed the rollout
+            raise ConfigError(f"frozen_engine_kwargs max_model_len={kwargs['max_model_len']} is shorter than the "
+                              f"policy's context ({self.profile.max_model_len}): the teacher scores every segment "
+                              f"the policy can write, up to that length")
         import ray
 
         from .cluster import cluster_gpus

@@ -456,14 +456,20 @@ class VLLMEngine(RolloutEngine):
         return await self._update(load, nbytes, version, expected_probe, probe, tol)
 
     async def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """log p(ids[i] | ids[:i]) for i >= 1, at temperature 1. The prompt is ids[:-1] and the
+        last token's log-prob is the one position's (logprob_token_ids): vLLM refuses a prompt
+        that fills the context (it must leave room for one token), and a distillation teacher
+        scores whole segments, which a reply cut at the context's end fills exactly."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        ids = list(ids)
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, logprob_token_ids=[ids[-1]])
         final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(ids)), params, request_id=f"probe-{uuid.uuid4().hex}"):
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids[:-1]), params, request_id=f"probe-{uuid.uuid4().hex}"):
             final = out
-        return [d[t].logprob for t, d in zip(ids[1:], final.prompt_logprobs[1:])]
+        last = final.outputs[0].logprobs[0][ids[-1]].logprob
+        return [d[t].logprob for t, d in zip(ids[1:-1], final.prompt_logprobs[1:])] + [last]
 
     async def shutdown(self) -> None:
         if self._rx is not None:
