@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -77,7 +78,11 @@ def test_revisit_recomputes_the_logged_step(short_run):
     assert rv.differences() == {}
     rv.logged = {**logged, "kl_k3_live": logged["kl_k3_live"] + 1.0}
     assert set(rv.differences()) == {"kl_k3_live"}
-    rv.logged = logged
+    # NaN logged and NaN recomputed (a step skipped for a non-finite gradient: grad_norm NaN) agree
+    rv.logged, saved = {**logged, "grad_norm": math.nan}, rv.recomputed
+    rv.recomputed = {**saved, "grad_norm": math.nan}
+    assert rv.differences() == {}
+    rv.logged, rv.recomputed = logged, saved
     counts = rv.recomputed["is_weight_hist"]["counts"]
     assert sum(counts) > 0 and counts == logged["is_weight_hist"]["counts"]
     # a zero loss is right only when no group had an advantage (the engine's batching, hence the
@@ -233,3 +238,14 @@ def test_the_audit_holds_each_step_to_the_staleness_its_loop_guarantees():
                           ({"on_failed": "zero"}, {"stale", "timed-out"})):
         per_episode = step_values(broken, trajs, rules)[1]["max_staleness"]
         assert {ep for ep, v in per_episode.items() if v > 0} == blamed, rules
+
+
+def test_an_audit_plot_of_a_non_finite_value_keeps_the_rest_drawn():
+    """A NaN step (flagged) cut the audit's polyline at it, its red linked dot had cy='nan' (not
+    drawn) and, first, made the range [0, 1], flattening a KL of 1e-5 under a 1e-3 limit."""
+    from workbench.widgets.audit import _plot
+
+    html = _plot("kl_k3", [0, 1, 2, 3], [math.nan, 1e-5, 2e-5, 1e-5], 1e-3, {0})
+    points = re.findall(r"points='([^']*)'", html)
+    assert points and "nan" not in " ".join(points) and "cy='nan'" not in html
+    assert "href='#v-0-kl_k3'" in html and "step 0: nan" in html and ">0.001</text>" in html

@@ -99,6 +99,13 @@ def test_dynamic_sampling_filters_and_replaces_up_to_the_limit():
     # switched off: the first draw, whatever its variance, and no ds_ statistics
     groups, stats, nxt = collect_groups(ConstructedRollout(), source, LoopConfig(prompts_per_step=3, group_size=2), 0)
     assert len(groups) == 3 and stats == {} and nxt == 3
+    # no episode finished (every one failed): the sampled mean measured nothing, NaN as reward_mean
+    # (it read 0.0, a reward nobody earned, plotted beside reward_mean's gap)
+    failing = types.SimpleNamespace(run_groups=lambda tasks, group_size, progress=False: [
+        [episode(0.0, error="timed out", task=t.id) for _ in range(group_size)] for t in tasks])
+    _, stats, _ = collect_groups(failing, source, LoopConfig(prompts_per_step=2, group_size=2, dynamic_sampling=True,
+                                                             dynamic_sampling_rounds=0, on_failed="zero"), 0)
+    assert math.isnan(stats["ds_reward_mean_sampled"])
 
 
 

@@ -4,6 +4,7 @@ browser, Ray or an engine. Segments and trajectories are built by hand."""
 
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from workbench.tokens import ChatFormat, Segment, Trajectory
 from workbench.widgets import (
     GateMonitor,
     ReplayMonitor,
+    RewardMonitor,
     RolloutStepper,
     SegmentInspector,
     TokenJourney,
@@ -223,6 +225,17 @@ def test_static_rendering_and_titled_pages(tmp_path):
     assert svg.count("<circle") == 3 + 2 + 3 + 3 + 3  # gate_pass_ratio, kl_k1 (one gap), kl_k3, kl_k3_current, max_abs_delta_p
     assert "step 2: 0.5" in svg and "tokens per version" in svg and bundle["text/plain"] == "GateMonitor: 3 step(s)"
     assert "<circle" not in GateMonitor().static().svg and "no data" in GateMonitor().static().svg
+    # a step where no episode finished (reward_mean NaN) is a gap: the range and every point stay numbers
+    # (NaN in a points list cut the line there in a browser, or hid it whole when first)
+    reward = RewardMonitor([{"step": 0, "reward_mean": math.nan}, {"step": 1, "reward_mean": 0.4},
+                            {"step": 2, "reward_mean": math.nan}, {"step": 3, "reward_mean": 0.6},
+                            {"step": 4, "reward_mean": 0.7}])
+    svg = reward.static().svg
+    lines = re.findall(r"<polyline [^>]*points='([^']*)'", svg)
+    assert len(lines) == 2 and all("nan" not in p for p in lines) and [len(p.split()) for p in lines] == [1, 2]
+    assert svg.count("<circle") == 3 and "step 2: nan" in svg
+    fig = reward.view.outputs[0]["data"]["application/vnd.plotly.v1+json"]
+    assert {t["meta"]: t.get("connectgaps") for t in fig["data"]}["reward_mean"] is not True
     page = gate.write_html(tmp_path / "plots" / "gate.html", include_plotlyjs="directory", title="IS gate <per step>")
     text = page.read_text()
     assert "<title>IS gate &lt;per step&gt;</title>" in text and (tmp_path / "plots" / "plotly.min.js").is_file()

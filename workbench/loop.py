@@ -339,7 +339,7 @@ def collect_groups(rollout, source, cfg: "LoopConfig", position: int) -> tuple[l
     stats = {"ds_filtered_groups": filtered, "ds_rounds": rounds, "ds_kept_groups": len(kept), "ds_short": n - len(kept),
              # the mean reward of every episode rolled out this step, filtered ones included
              # (reward_mean, over the trained groups, leans toward mixed groups)
-             "ds_reward_mean_sampled": sum(rewards) / max(len(rewards), 1)}
+             "ds_reward_mean_sampled": (sum(rewards) / len(rewards) if rewards else math.nan)}
     return kept or groups, stats, position
 
 
@@ -1004,7 +1004,7 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
     if cfg.dynamic_sampling:
         rewards = [t.reward for g in sampled for t in g if t.error is None]
         extra.update(ds_filtered_groups=filtered, ds_rounds=-(-filtered // n), ds_kept_groups=n - zero, ds_short=zero,
-                     ds_reward_mean_sampled=sum(rewards) / max(len(rewards), 1))
+                     ds_reward_mean_sampled=(sum(rewards) / len(rewards) if rewards else math.nan))
     return groups, min(starts), max(ends), extra, teacher or None
 
 

@@ -507,7 +507,9 @@ class RewardMonitor(_Monitor):
     AXES = {(1, 1): ("step", "reward", None), (1, 2): ("step", "held-out score", None)}
 
     def _style(self, fig):
-        fig.update_traces(connectgaps=True)  # evaluation runs every eval_every steps only
+        for key, _, col in self.LINES:  # evaluation runs every eval_every steps only; a training step
+            if col == 2:  # where no episode finished (reward NaN) stays a gap
+                fig.update_traces(connectgaps=True, selector={"meta": key})
 
 
 class StaticFigure:
@@ -522,6 +524,21 @@ class StaticFigure:
 
 def _tick(v: float) -> str:
     return f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.1e}"
+
+
+def _finite(v) -> bool:
+    return v is not None and math.isfinite(float(v))
+
+
+def finite_runs(points: list[tuple]) -> list[list[tuple]]:
+    """(x, y) points cut into the runs of finite y between non-finite ones (each run a polyline)."""
+    runs: list[list[tuple]] = [[]]
+    for p in points:
+        if _finite(p[1]):
+            runs[-1].append(p)
+        elif runs[-1]:
+            runs.append([])
+    return [r for r in runs if r]
 
 
 def svg(monitor: _Monitor, width: int = 900) -> str:
@@ -547,7 +564,9 @@ def svg(monitor: _Monitor, width: int = 900) -> str:
         out.append(f"<text x='{x0 + w / 2:.0f}' y='{y0 - 8:.0f}' text-anchor='middle' font-size='12'>{escape(title)}</text>")
         out.append(f"<rect x='{x0:.0f}' y='{y0:.0f}' width='{w:.0f}' height='{h:.0f}' fill='#f7f7f7' stroke='#ccc'/>")
         items = series.get((r, c), [])
-        ys = [float(v) for _, _, _, yy, _ in items for v in yy if v is not None]
+        # finite values set the range (a NaN step, e.g. reward_mean where no episode finished, made
+        # the range NaN and cut the polyline: browsers stop a points list at its first bad number)
+        ys = [float(v) for _, _, _, yy, _ in items for v in yy if _finite(v)]
         if not ys:
             out.append(f"<text x='{x0 + w / 2:.0f}' y='{y0 + h / 2:.0f}' text-anchor='middle' fill='#999'>no data</text>")
             continue
@@ -561,7 +580,7 @@ def svg(monitor: _Monitor, width: int = 900) -> str:
             if kind == "bar":
                 bw = w / max(n, 1)
                 for k, (xv, yv) in enumerate(zip(xs, yy)):
-                    if yv is not None:
+                    if _finite(yv):
                         out.append(f"<rect x='{x0 + k * bw + 1:.1f}' y='{Y(yv):.1f}' width='{max(bw - 2, 1):.1f}' "
                                    f"height='{Y(lo) - Y(yv):.1f}' fill='{colour}'><title>{escape(str(xv))}: {yv}</title></rect>")
                 if n:
@@ -572,11 +591,12 @@ def svg(monitor: _Monitor, width: int = 900) -> str:
             sx = [float(v) for v in xs] or [0.0]
             xlo, xhi = min(sx), max(sx) if max(sx) > min(sx) else min(sx) + 1
             X = lambda v: x0 + (float(v) - xlo) / (xhi - xlo) * w  # noqa: E731
-            if pts:
+            for run in finite_runs(pts):  # a gap at each non-finite value
                 out.append(f"<polyline fill='none' stroke='{colour}' stroke-width='1.5' points='"
-                           + " ".join(f"{X(a):.1f},{Y(b):.1f}" for a, b in pts) + "'/>")
-                out += [f"<circle cx='{X(a):.1f}' cy='{Y(b):.1f}' r='2.2' fill='{colour}'><title>step {a}: {b}</title></circle>"
-                        for a, b in pts]
+                           + " ".join(f"{X(a):.1f},{Y(b):.1f}" for a, b in run) + "'/>")
+            out += [f"<circle cx='{X(a):.1f}' cy='{Y(b):.1f}' r='2.2' fill='{colour}'><title>step {a}: {b}</title></circle>"
+                    if _finite(b) else f"<text x='{X(a):.1f}' y='{y0 + h - 3:.1f}' text-anchor='middle' fill='{colour}' "
+                    f"font-size='9'>{b}<title>step {a}: {b}</title></text>" for a, b in pts]
             out.append(f"<text x='{x0 + 4:.0f}' y='{y0 + 12 + 12 * j:.0f}' fill='{colour}'>{escape(key)}</text>")
             out.append(f"<text x='{x0:.0f}' y='{y0 + h + 14:.0f}'>step {_tick(xlo)}</text>"
                        f"<text x='{x0 + w:.0f}' y='{y0 + h + 14:.0f}' text-anchor='end'>{_tick(max(sx))}</text>")

@@ -19,7 +19,7 @@ from html import escape
 from pathlib import Path
 
 from ..tokens import Trajectory, read_trajectories
-from . import spans_html, token_spans, trajectory_html
+from . import finite_runs, spans_html, token_spans, trajectory_html
 
 
 @dataclass
@@ -183,7 +183,8 @@ def _plot(key: str, steps: list[int], values: list, limit, bad: set[int], width=
         return "<p class='na'>not recorded in this run</p>"
     l, r, t, b = 60, 10, 10, 24
     w, h = width - l - r, height - t - b
-    ys = [y for _, y in pts] + ([float(limit)] if limit is not None else [])
+    ys = [y for _, y in pts if math.isfinite(y)] + ([float(limit)] if limit is not None else [])
+    ys = ys or [0.0]
     lo, hi = min(0.0, min(ys)), max(ys)
     hi = hi if hi > lo else lo + 1.0
     x0, x1 = steps[0], steps[-1] if steps[-1] > steps[0] else steps[0] + 1
@@ -198,10 +199,13 @@ def _plot(key: str, steps: list[int], values: list, limit, bad: set[int], width=
         out.append(f"<line x1='{l}' x2='{l + w}' y1='{Y(limit):.1f}' y2='{Y(limit):.1f}' stroke='#d00' stroke-dasharray='4 3'/>"
                    f"<text x='{l + w - 2}' y='{Y(limit) - 3:.0f}' text-anchor='end' fill='#d00'>"
                    f"{'min' if key in MINIMA else 'max'} {_fmt(limit)}</text>")
-    out.append("<polyline fill='none' stroke='#1f77b4' stroke-width='1.5' points='"
-               + " ".join(f"{X(s):.1f},{Y(y):.1f}" for s, y in pts) + "'/>")
+    for run in finite_runs(pts):  # a gap at each NaN/inf (browsers stop a points list at its first bad number)
+        out.append("<polyline fill='none' stroke='#1f77b4' stroke-width='1.5' points='"
+                   + " ".join(f"{X(s):.1f},{Y(y):.1f}" for s, y in run) + "'/>")
     for s, y in pts:
-        dot = f"<circle cx='{X(s):.1f}' cy='{Y(y):.1f}' r='{4 if s in bad else 2.5}' fill='{'#d00' if s in bad else '#1f77b4'}'>" \
+        # a non-finite value is drawn at the top edge (it is flagged: the red, linked dot)
+        cy = Y(y) if math.isfinite(y) else t
+        dot = f"<circle cx='{X(s):.1f}' cy='{cy:.1f}' r='{4 if s in bad else 2.5}' fill='{'#d00' if s in bad else '#1f77b4'}'>" \
               f"<title>step {s}: {_fmt(y)}</title></circle>"
         out.append(f"<a href='#{_id('v', s, key)}'>{dot}</a>" if s in bad else dot)
     return "".join(out) + "</svg>"
