@@ -59,6 +59,16 @@ def test_overlong_shaping_changes_the_advantages():
     assert zero_variance(groups[0]) and not zero_variance(groups[0], overlong=on.overlong())
 
 
+def test_window_mean_skips_steps_that_measured_nothing():
+    """The notebooks' summaries: a step where no episode finished (reward_mean NaN) made the mean
+    NaN, written into results.json as a bare NaN (not JSON); it is left out, None when all are."""
+    from workbench.loop import window_mean
+
+    history = [{"reward_mean": math.nan}, {"reward_mean": 0.25, "correct_rate": None}, {"reward_mean": 0.75}]
+    assert window_mean(history, "reward_mean") == 0.5
+    assert window_mean(history[:1], "reward_mean") is None and window_mean(history, "correct_rate") is None
+
+
 # ----------------------------------------------------------------------------- dynamic sampling
 class ConstructedRollout:
     """Stands in for Rollout.run_groups: each task's label is the list of rewards its group gets."""

@@ -1087,6 +1087,14 @@ def reward_statistics(groups: list[list[Trajectory]]) -> dict:
             "correct_rate": sum(correct) / len(correct) if correct else None}
 
 
+def window_mean(history: list[dict], key: str) -> float | None:
+    """The mean of `key` over the steps of `history` that measured it (a step where no episode
+    finished has reward_mean NaN, and one NaN made a notebook's summary NaN, written to its
+    results.json as a bare NaN); None when none did."""
+    values = [float(h[key]) for h in history if h.get(key) is not None and math.isfinite(float(h[key]))]
+    return sum(values) / len(values) if values else None
+
+
 def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r1: float, teacher=None):
     """Train on the groups and sync the engines: (the step's metrics, the sync's error or None).
     A failed sync is returned, not raised: the step trained, and _after_step records it first."""
