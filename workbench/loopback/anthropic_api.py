@@ -161,9 +161,11 @@ def parse_request(body: dict) -> ChatRequest:
 
 
 def _stop_reason(r: Reply) -> str:
+    if r.finish == "length":  # cut, whatever it parsed (the API's own rule): the agent must know
+        return "max_tokens"
     if r.tool_calls:
         return "tool_use"
-    return {"length": "max_tokens", "stop_sequence": "stop_sequence"}.get(r.finish, "end_turn")
+    return {"stop_sequence": "stop_sequence"}.get(r.finish, "end_turn")
 
 
 def _stop_sequence(r: Reply) -> str | None:  # only where it is the stop reason (a tool call wins), as the API's

@@ -126,9 +126,9 @@ def parse_request(body: dict) -> ChatRequest:
 
 
 def _finish(r: Reply) -> str:
-    if r.tool_calls:
-        return "tool_calls"
-    return "length" if r.finish == "length" else "stop"
+    if r.finish == "length":  # cut, whatever it parsed (as the API and vLLM report it)
+        return "length"
+    return "tool_calls" if r.tool_calls else "stop"
 
 
 def _tool_calls(r: Reply) -> list[dict]:

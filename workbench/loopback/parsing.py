@@ -5,7 +5,7 @@ format (whole or streamed in pieces). The recorded trajectory is the ids, never 
 
 Which parser does what (docs/ARCHITECTURE.md, "Model profiles"):
 - tool parser `hermes` (the toy's, Qwen's `<tool_call>{json}</tool_call>`) is ours
-  (workbench.loopback.toolcalls): on Qwen3's recorded outputs it reads 42/43 tool calls, vLLM's 41.
+  (workbench.loopback.toolcalls): on Qwen3's recorded outputs it reads 41/43 tool calls, as vLLM's.
   With a reasoning parser, vLLM's registered reasoning parser of that name
   (`vllm.reasoning.ReasoningParserManager`, e.g. `qwen3`) splits the reasoning off first, and ours
   reads the tool calls in the rest.

@@ -3,8 +3,9 @@ A parser turns sampled text into (content, calls); calls are {"name", "arguments
 Register new ones with `@register_tool_parser(name)`.
 
 Only `hermes` is our own (the toy's and Qwen's `<tool_call>{json}</tool_call>` syntax): on
-Qwen3's recorded real outputs it parses the tool calls of 42 of 43, vLLM's hermes parser 41
-(docs/ARCHITECTURE.md, real templates). Every other name (a model profile's `tool_parser`:
+Qwen3's recorded real outputs it parses the tool calls of 41 of 43, as vLLM's hermes parser
+(docs/ARCHITECTURE.md, real templates): the recording cut in its second call stays content, as
+vLLM leaves it (the agent is told the reply was cut, and the next turn extends it). Every other name (a model profile's `tool_parser`:
 `llama3_json`, `mistral`, `deepseek_v31`, `qwen3_coder`, ...) is vLLM's registered parser of that
 name, run standalone on the reply's text with the policy's tokenizer."""
 
@@ -35,7 +36,11 @@ def parse_hermes(text: str) -> tuple[str, list[dict]]:
     Qwen's syntax). If any block is not a JSON object with a string "name", nothing is parsed:
     the whole text stays content, as the model wrote it."""
     blocks = _HERMES.findall(text)
-    if not blocks:
+    if not blocks or "<tool_call>" in _HERMES.sub("", text):
+        # (an unclosed block after the complete ones: a reply cut by max_tokens mid-call. Parsed,
+        # the agent ran the first calls and got the cut one's markup as text, and the next turn
+        # rendered the calls before that text, an order the policy never sampled; vLLM's hermes
+        # also leaves such a reply content)
         return text, []
     calls = []
     for b in blocks:
