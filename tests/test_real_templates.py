@@ -483,3 +483,22 @@ def test_a_template_that_prints_todays_date_renders_a_fixed_one(fams):
 
     text = fams["gpt-oss"].chat_format().render([{"role": "user", "content": "Hi"}], None, True)
     assert f"Current date: {TEMPLATE_DATE:%Y-%m-%d}\n" in text and TEMPLATE_DATE.date() != datetime.date.today()
+
+
+def test_a_system_message_the_template_would_drop_is_refused(fams):
+    """gpt-oss's template renders only a leading system message: a developer message after the
+    system prompt (OpenAI's `developer` role maps to system), or a reminder mid-conversation,
+    was silently left out, and the policy was prompted, trained and rewarded without it. It is
+    a template error now (the loopback's 400); the families that render it keep it."""
+    import jinja2
+
+    from workbench.loopback import openai_api
+
+    body = {"messages": [{"role": "system", "content": "You are Codex."},
+                         {"role": "developer", "content": "NEVER delete files."},
+                         {"role": "user", "content": "Clean the repo."}]}
+    msgs = openai_api.parse_request(body).messages
+    with pytest.raises(jinja2.TemplateError, match=r"message 1: 'NEVER delete files.'"):
+        Accumulator(fams["gpt-oss"].chat_format()).plan(msgs, None)
+    for name in ("qwen3", "llama3.1", "deepseek-v3.1"):
+        assert "NEVER delete files." in Accumulator(fams[name].chat_format()).plan(msgs, None).prompt_text

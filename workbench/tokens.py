@@ -362,10 +362,22 @@ class ChatFormat:
 
     def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
         # strftime_now: templates that print today's date (gpt-oss's "Current date:") get TEMPLATE_DATE
-        return self.tokenizer.apply_chat_template(
+        text = self.tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
             strftime_now=_template_strftime, **self.template_kwargs,
         )
+        for i, m in enumerate(messages):
+            # a template may render only a leading system message and skip any later one (gpt-oss's:
+            # a developer message after the system prompt, a mid-conversation reminder): the policy
+            # was prompted, trained and rewarded without the agent's instructions, silently
+            content = m.get("content")
+            if i and m.get("role") == "system" and isinstance(content, str) and content.strip() and content.strip() not in text:
+                import jinja2
+
+                raise jinja2.TemplateError(f"this chat template does not render a system message after the first "
+                                           f"(message {i}: {content.strip()[:60]!r}); put those instructions in the "
+                                           f"first system message")
+        return text
 
     def prompt(self, messages: list[dict], tools: list | None) -> tuple[str, list[int]]:
         """A new segment's prompt: the whole conversation rendered with the generation prompt,
