@@ -371,3 +371,28 @@ def test_b_reasoning_not_kept_seals():
         client.chat.completions.create(model="p", messages=msgs, tools=d["tools"], max_tokens=512)
         segs = server.close_session(sid)
     assert [s.seal_reason for s in segs] == ["template_rewrite", "episode_end"]
+
+
+def test_b_gpt_oss_hides_the_stop_string_from_the_agent():
+    """A stop string ends the reply's text; gpt-oss's harmony parser reads the ids, and was given
+    all of them: the agent got "The answer is 4.\\nEND" back (the Anthropic reply said
+    stop_sequence "END" beside it). The parser now gets the ids up to the stop string; the
+    recorded ids keep it all."""
+    fam = rm.load_family("gpt-oss")
+    tok = fam.tokenizer
+    ids = tok.encode("<|channel|>final<|message|>The answer is 4.\nEND", add_special_tokens=False)
+    engine = Replay()
+    with _server(fam, engine) as server:
+        sid = server.open_session()
+        o = openai.OpenAI(base_url=server.base_url(sid), api_key=server.api_key, max_retries=0)
+        engine.push(ids + tok.convert_tokens_to_ids(["<|return|>"]), "stop")
+        r = o.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+2?"}], stop=["END"],
+                                      max_tokens=64)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("The answer is 4.\n", "stop")
+        a = anthropic.Anthropic(base_url=server.base_url(sid, "anthropic"), api_key=server.api_key, max_retries=0)
+        engine.push(ids + tok.convert_tokens_to_ids(["<|return|>"]), "stop")
+        m = a.messages.create(model="policy", messages=[{"role": "user", "content": "2+2?"}], stop_sequences=["END"],
+                              max_tokens=64)
+        assert (m.stop_reason, m.stop_sequence, m.content[0].text) == ("stop_sequence", "END", "The answer is 4.\n")
+        segments = server.close_session(sid)
+    assert all(set(ids) <= set(s.token_ids) for s in segments)  # recorded whole

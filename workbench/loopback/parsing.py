@@ -63,6 +63,20 @@ def reply_text(fmt, ids: list[int], finish: str, skip_special_tokens: bool, stop
     return fmt.decode(ids, skip_special_tokens=skip_special_tokens), ids
 
 
+def ids_before(fmt, ids: list[int], chars: int, skip_special_tokens: bool) -> list[int]:
+    """The shortest prefix of `ids` whose text (decoded as reply_text decodes) reaches `chars`
+    characters: the ids of a reply cut at a stop string, for a parser that reads ids (gpt-oss's
+    harmony parser read the whole reply, and the agent got the stop string's text back)."""
+    lo, hi = 0, len(ids)
+    while lo < hi:  # decoded prefixes only grow: a binary search over their lengths
+        mid = (lo + hi) // 2
+        if len(fmt.decode(ids[:mid], skip_special_tokens=skip_special_tokens)) >= chars:
+            hi = mid
+        else:
+            lo = mid + 1
+    return ids[:lo]
+
+
 _ALNUM9 = re.compile(r"[A-Za-z0-9]{9}")
 
 

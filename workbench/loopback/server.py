@@ -43,7 +43,7 @@ from ..rollout.engine import Sample, SamplingConfig
 from ..tokens import (Accumulator, ChatFormat, Segment, SEGMENT_TOTALS, canonical_message, new_tool_call_id, request_key,
                       segment_stats)
 from . import anthropic_api, openai_api
-from .parsing import ReplyParser, reply_text, sampled_call_ids
+from .parsing import ReplyParser, ids_before, reply_text, sampled_call_ids
 from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, check_template_controls, differs, loads, policy_value
 from .streaming import ReplyStream, TokenFeed
 
@@ -826,6 +826,7 @@ class LoopbackServer:
         if hits:  # a stop string ends the text (the ids that produced it stay recorded)
             cut, stop_seq = min(hits)
             text, finish = text[:cut], "stop_sequence"
+            ids = ids_before(self.fmt, ids, cut, parser.skip_special_tokens)  # (a parser that reads the ids)
         parsed = parser.parse(text, ids, parse_tools=req.parse_tools, tools=req.tools)
         # Mistral's templates render the ids: the ones the model wrote where it wrote valid ones,
         # so that each tool result names a call id that is in the context
