@@ -125,3 +125,16 @@ def test_replay_holds_in_activation_checkpoint_recompute():
     except CheckpointError:
         return
     assert any(not torch.allclose(broken[n], plain[n], rtol=1e-4, atol=1e-6) for n in plain)
+
+
+def test_replay_disagreement_is_none_where_nothing_was_replayed():
+    """Every position fell back (no routing captured: vLLM on CPU, an MoE run without capture):
+    the disagreement rate read 0.0, a perfect agreement nobody measured, in the replay monitor,
+    the loggers and the audit's fallback. None now, and per layer where that layer replayed nothing."""
+    from workbench.trainer.fsdp import replay_summary
+
+    none = replay_summary([{"replayed": [0, 0], "fallback": [40, 40], "disagree": [0, 0], "unreplayed": [0, 0]}])
+    assert none["disagree_rate"] is None and none["disagree_rate_per_layer"] == [None, None]
+    some = replay_summary([{"replayed": [10, 0], "fallback": [0, 8], "disagree": [1, 0], "unreplayed": [0, 0]},
+                           {"replayed": [10, 0], "fallback": [0, 8], "disagree": [3, 0], "unreplayed": [0, 0]}])
+    assert some["disagree_rate"] == 0.2 and some["disagree_rate_per_layer"] == [0.2, None]

@@ -223,10 +223,12 @@ def _sum_replay(parts: list) -> dict:
 
 def replay_summary(parts: list[dict]) -> dict:
     """Replay statistics summed over ranks: per-layer replayed / fallback / disagree counts,
-    the overall disagreement rate (live top-k differs from the recorded one) and per layer."""
+    the overall disagreement rate (live top-k differs from the recorded one) and per layer: None
+    where nothing was replayed (no routing captured: every position fell back, or no MoE layer),
+    which read 0.0, a perfect agreement nobody measured, in the monitors and loggers."""
     acc = _sum_replay(parts)
-    acc["disagree_rate"] = sum(acc["disagree"]) / max(sum(acc["replayed"]), 1)
-    acc["disagree_rate_per_layer"] = [d / max(r, 1) for d, r in zip(acc["disagree"], acc["replayed"])]
+    acc["disagree_rate"] = sum(acc["disagree"]) / sum(acc["replayed"]) if sum(acc["replayed"]) else None
+    acc["disagree_rate_per_layer"] = [d / r if r else None for d, r in zip(acc["disagree"], acc["replayed"])]
     return acc
 
 
