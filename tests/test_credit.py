@@ -4,6 +4,8 @@ follow the loop's setting. Constructed trajectories, hand-computed values."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -75,6 +77,33 @@ def test_steps_without_learning_signal_are_reported_once_a_streak(capsys):
     # the trainer's count decides where there is one: a batch with advantages that the gate dropped whole
     gated = {"signal_tokens": 40, "signal_tokens_trained": 0, "reward_mean": 0.5}
     assert warn_no_signal([{**gated, "step": s} for s in range(NO_SIGNAL_STEPS)])
+
+
+def test_a_streak_without_signal_spans_runs(capsys, monkeypatch):
+    """A notebook calling wb.run(2) again and again: each run's own history never held 5 steps,
+    so the warning never fired. run() reads the steps before it (`earlier`) with its own, and
+    returns its own only. (The loop's collaborators are stood in for: the window is the point.)"""
+    import contextlib
+
+    from workbench import loop
+
+    silent = {"signal_tokens_trained": 0, "reward_mean": 0.0}
+    for name in ("check_staleness", "check_sampling", "check_teacher"):
+        monkeypatch.setattr(loop, name, lambda *a: None)
+    monkeypatch.setattr(loop, "TrainerWatch", lambda trainer: contextlib.nullcontext())
+
+    def one_silent_step(*args):
+        history = args[-1]
+        loop._after_step(None, loop.LoopConfig(), 9, {**silent, "step": 9}, history, None, None, None, 0,
+                         threading.Event())
+        return history
+
+    monkeypatch.setattr(loop, "_run", one_silent_step)
+    earlier = [{**silent, "step": s} for s in range(5, 9)]  # four silent steps in earlier runs
+    assert loop.run(None, None, [], None, loop.LoopConfig(), earlier=earlier) == [{**silent, "step": 9}]
+    assert "the last 5 steps (to step 9) had no learning signal" in capsys.readouterr().err
+    assert loop.run(None, None, [], None, loop.LoopConfig()) == [{**silent, "step": 9}]  # alone: no streak yet
+    assert "no learning signal" not in capsys.readouterr().err
 
 
 def test_a_policy_moving_too_far_for_its_stale_tokens_is_reported_once_a_streak(capsys):

@@ -626,7 +626,8 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
         checkpoint_dir: str | None = None, checkpoint_every: int = 0,
         stop: threading.Event | None = None, on_groups: Callable[[int, list], None] | None = None,
         start_step: int = 0, start_position: int | None = None,
-        evaluate: Callable[[int], dict] | None = None, teacher_engines: list | None = None) -> list[dict]:
+        evaluate: Callable[[int], dict] | None = None, teacher_engines: list | None = None,
+        earlier: list[dict] | None = None) -> list[dict]:
     """Run the loop in `cfg.mode`. `task_source`: a positional source (take(position, n)) or a
     plain `source(n, seed)`, drawn in chunks of prompts_per_step seeded by their data position
     (draw_tasks). With `checkpoint_dir`, a checkpoint found there is resumed from
@@ -636,8 +637,10 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
     index (a session continuing earlier steps); `start_position`: its data position (default
     start_step * prompts_per_step; a checkpoint's `data_position` wins). `evaluate(step)` runs
     every cfg.eval_every steps after the step's sync; its dict joins the step's metrics.
-    `teacher_engines`: the frozen teacher for advantage="distill" (never synced).
-    Returns one metrics dict per step.
+    `teacher_engines`: the frozen teacher for advantage="distill" (never synced). `earlier`: the
+    metrics of the steps before this run (a session's earlier runs, a resumed run's record), read
+    only by the warnings (warn_no_signal's streak went unseen across runs of fewer than 5 steps).
+    Returns one metrics dict per step of this run.
 
     Faults: an engine that dies is dropped from `engines` (in place) and the run goes on with the
     others (its in-flight requests were retried on them by the runners' routers); a rollout runner
@@ -649,8 +652,11 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
     check_teacher(rollout, cfg, teacher_engines)
     with TrainerWatch(trainer) as watch:
         try:
+            # the warnings' window: the last steps before this run, which they read with this run's
+            history = list(earlier or [])[-(NO_SIGNAL_STEPS + 1):]
+            before = len(history)
             return _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every,
-                        stop, on_groups, start_step, start_position, evaluate, teacher_engines)
+                        stop, on_groups, start_step, start_position, evaluate, teacher_engines, history)[before:]
         except Exception as e:
             err = watch.explain(e)
             if err is e:
@@ -659,7 +665,7 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
 
 
 def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every, stop, on_groups,
-         start_step, start_position=None, evaluate=None, teacher_engines=None) -> list[dict]:
+         start_step, start_position=None, evaluate=None, teacher_engines=None, history=None) -> list[dict]:
     from tqdm.auto import tqdm
 
     first, restored = start_step, False
@@ -682,7 +688,7 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     stop = stop or threading.Event()
     if cfg.mode == "async":
         return _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir,
-                          checkpoint_every, stop, on_groups, first, position, evaluate, teacher_engines)
+                          checkpoint_every, stop, on_groups, first, position, evaluate, teacher_engines, history)
     # sync: the rollout of step k starts once step k-1 is trained and synced
     trained = threading.Semaphore(0)
     batches: queue.Queue = queue.Queue()
@@ -708,7 +714,7 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
 
     producer = threading.Thread(target=produce, name="workbench-rollout", daemon=True)
     producer.start()
-    history = []
+    history = [] if history is None else history  # (the steps before this run first: the warnings read them)
     try:
         for step in tqdm(range(first, cfg.steps), desc=f"RL steps ({cfg.mode})", initial=first, total=cfg.steps,
                          disable=not progress):
@@ -1009,11 +1015,11 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
 
 
 def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every, stop,
-               on_groups, first, position, evaluate, teacher_engines) -> list[dict]:
+               on_groups, first, position, evaluate, teacher_engines, history=None) -> list[dict]:
     from tqdm.auto import tqdm
 
     stream = GroupStream(rollout, task_source, cfg, first, position, stop, teacher_engines)
-    history = []
+    history = [] if history is None else history  # (the steps before this run first: the warnings read them)
     try:
         for step in tqdm(range(first, cfg.steps), desc="RL steps (async)", initial=first, total=cfg.steps,
                          disable=not progress):

@@ -931,7 +931,7 @@ class RunHandle:
             self._keep_policy(wb.next_step, replace=False)
             # progress=False: this run's bar is one of self.views (a bar that fails cannot end the run)
             run_loop(wb._rollout, wb._trainer, wb.engines, wb.task_source, self.cfg, on_step=on_step, progress=False,
-                     stop=self._stop, start_step=wb.next_step, start_position=wb.next_position,
+                     stop=self._stop, start_step=wb.next_step, start_position=wb.next_position, earlier=list(wb.history),
                      evaluate=(lambda step: wb._evaluate(wb.eval_tasks, self.cfg.eval_n, self.cfg.eval_greedy))
                      if self.cfg.eval_every else None,
                      teacher_engines=wb._teacher[1] if wb._teacher and self.cfg.advantage in PER_TOKEN_ADVANTAGES else None,
