@@ -618,3 +618,35 @@ def test_the_sharded_update_is_the_plain_policy_gradient_update(ray_local, moe_p
     moved = max(float((plain[k] - start[k]).abs().max()) for k in plain)
     worst = max(float((sharded[k].float() - plain[k]).abs().max()) for k in plain)
     assert moved > 2e-3 and worst < 0.1 * moved / 3, (moved, worst)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_with_parameters_the_optimizer_never_stepped_loads(tmp_path):
+    """AdamW keeps no state for a parameter whose gradient stayed None (a module the forward never
+    uses): saved so, a fresh optimizer's state dict (every parameter) could not be loaded from it
+    ("Missing key in checkpoint state_dict"), after the crash a resume was for. TrainerWorker.save
+    gives those parameters a fresh AdamW's zero state first."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from workbench.trainer.fsdp import complete_optimizer_state
+
+    def made():
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "unused": torch.nn.Linear(4, 4)})
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = made()
+    model["used"](torch.ones(2, 4)).sum().backward()
+    opt.step()
+    assert len(opt.state) == 2  # of 4 parameters
+    complete_optimizer_state(opt)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"))
+    model2, opt2 = made()
+    msd2, osd2 = get_state_dict(model2, opt2)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))  # raised "Missing key" without the completion
+    steps = sorted(float(st["step"]) for st in state["optim"]["state"].values())
+    assert steps == [0.0, 0.0, 1.0, 1.0]  # the unused ones fresh (step 0, zero moments)
+    assert all(float(st["exp_avg"].abs().sum()) == 0 for st in state["optim"]["state"].values() if float(st["step"]) == 0)

@@ -214,6 +214,22 @@ def free_port() -> int:
 RENDEZVOUS_TIMEOUT_S = 600  # how long ranks wait for each other (loading a large model on every rank comes first)
 
 
+def complete_optimizer_state(optimizer) -> None:
+    """Zero state (moments 0, step 0: a fresh AdamW's) for every parameter that has none while
+    others have some: AdamW makes none for a parameter whose gradient stayed None (a forward that
+    never uses it, e.g. a multimodal checkpoint's vision tower). Saved without it, the checkpoint
+    could not be loaded: a fresh optimizer's state dict names every parameter, and
+    torch.distributed.checkpoint refused the missing keys, after the crash a resume was for."""
+    template = next((st for st in optimizer.state.values() if st), None)
+    if template is None:  # nothing yet: TrainerWorker.save's fresh path
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state.get(p):
+                optimizer.state[p] = {k: (torch.zeros_like(v) if v.dim() == 0 else torch.zeros_like(p, dtype=v.dtype))
+                                      if torch.is_tensor(v) else v for k, v in template.items()}
+
+
 def _sum_replay(parts: list) -> dict:
     """Per-layer replayed / fallback / disagree / unreplayed counts (ReplayStats or their dicts), summed."""
     keys = ("replayed", "fallback", "disagree", "unreplayed")
@@ -660,6 +676,7 @@ class TrainerWorker:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         fresh = not self.optimizer.state
+        complete_optimizer_state(self.optimizer)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         if fresh:  # get_state_dict made the optimizer's state with a zero-gradient step: AdamW's step
             # counter then read 1, and the first real update was 0.74x (bias-corrected at step 2),
