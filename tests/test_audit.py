@@ -111,11 +111,15 @@ def test_a_run_keeps_the_policy_it_starts_from_unless_it_holds_that_version(tmp_
     exports = []
 
     class Trainer:
-        version = 7
+        version, vocab_size = 7, 100
+        weights = "w7"  # what the probe reads: the weights, not their version
 
         def export_hf(self, path):
             exports.append(self.version)
             Path(path).mkdir(parents=True)
+
+        def probe(self, ids):
+            return [float(len(self.weights))] + [float(ord(c)) for c in self.weights]
 
     from workbench.correction import CorrectionConfig
     from workbench.loop import LoopConfig
@@ -133,7 +137,7 @@ def test_a_run_keeps_the_policy_it_starts_from_unless_it_holds_that_version(tmp_
     keep(4)
     keep(4, replace=False)  # the next run's first step: the same version, kept
     assert exports == [7] and json.loads((tmp_path / "policies" / "step_00004" / POLICY_MARK).read_text())["version"] == 7
-    handle._wb._trainer.version = 8  # the weights moved between the runs
+    handle._wb._trainer.version, handle._wb._trainer.weights = 8, "w8"  # the weights moved between the runs
     keep(4, replace=False)
     assert exports == [7, 8] and json.loads((tmp_path / "policies" / "step_00004" / POLICY_MARK).read_text())["version"] == 8
     keep(3)  # not a kept step
@@ -155,10 +159,16 @@ def test_a_run_keeps_the_policy_it_starts_from_unless_it_holds_that_version(tmp_
     handle.keep_policy_every, handle.cfg = 0, LoopConfig(advantage="rloo", on_failed="zero")
     keep(4, replace=False)
     assert exports == [7, 8] and kept_loop_settings(tmp_path / "policies" / "step_00004", None)["on_failed"] == "zero"
-    handle._wb._trainer.version = 9  # another version (other weights, or the same renumbered by a sync): left as it is
+    handle._wb._trainer.version = 9  # the same weights renumbered (a sync: wb.restore() syncs past the engines)
     handle.cfg = LoopConfig(advantage="grpo")
-    keep(4, replace=False)
-    assert exports == [7, 8] and kept_loop_settings(tmp_path / "policies" / "step_00004", None)["advantage"] == "rloo"
+    keep(4, replace=False)  # kept: the same probe log-probs; the mark takes the version and this run's settings
+    mark = json.loads((tmp_path / "policies" / "step_00004" / POLICY_MARK).read_text())
+    assert exports == [7, 8] and (mark["version"], mark["loop"]["advantage"]) == (9, "grpo")
+    handle._wb._trainer.version, handle._wb._trainer.weights = 10, "w10"  # other weights (a wb.trainer.step() + sync)
+    keep(4, replace=False)  # this run does not keep step 4: the old one is moved aside (revisit used its weights)
+    assert exports == [7, 8] and not (tmp_path / "policies" / "step_00004").exists()
+    [aside] = (tmp_path / "abandoned").glob("*/policies/step_00004-v9")
+    assert json.loads((aside / POLICY_MARK).read_text())["version"] == 9
 
 
 def test_a_restore_sets_aside_the_abandoned_branchs_policies_and_evaluations(tmp_path, capsys):

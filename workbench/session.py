@@ -959,9 +959,11 @@ class RunHandle:
         (written beside and renamed: a killed run never leaves a partial one under the name),
         with the trainer's version (workbench_policy.json). One already there is replaced (it is
         from a branch wb.restore abandoned) unless `replace` is False (a run's first step) and it
-        holds the trainer's version: the previous run's last step wrote it. (It was kept whatever
-        it held: after a wb.trainer.step() and wb.sync() between two runs, or a wb.restore() of
-        another checkpoint, wb.revisit recomputed the step on weights it never trained from.)"""
+        holds the trainer's version: the previous run's last step wrote it. One of another version
+        at a run's first step that this run does not keep goes to abandoned/<time>/policies/. (It
+        was kept whatever it held: after a wb.trainer.step() and wb.sync() between two runs, or a
+        wb.restore() of another checkpoint, wb.revisit recomputed the step on weights it never
+        trained from.)"""
         import shutil
 
         path = self._wb.run_dir / "policies" / f"step_{step:05d}"
@@ -969,13 +971,20 @@ class RunHandle:
         # the previous run kept the weights this run's first step trains from: this run trains the
         # step, so the mark takes its settings whatever this run's keep_policy_every (a second run
         # without it left run 1's advantage and episode rules there, and wb.revisit used them)
-        settle = not replace and path.exists() and (policy_mark(path) or {}).get("version") == version
+        settle = not replace and path.exists() and holds_weights(path, self._wb._trainer)
         if not settle and (not self.keep_policy_every or step % self.keep_policy_every):
+            if not replace and path.exists():
+                # it holds other weights than this step trains from (a wb.trainer.step() + wb.sync()
+                # between two runs): left there, wb.revisit recomputed the step on weights it never
+                # trained from. Moved aside, nothing deleted (this run does not keep the step)
+                dest = self._wb.run_dir / "abandoned" / time.strftime("%Y%m%d-%H%M%S") / "policies"
+                dest.mkdir(parents=True, exist_ok=True)
+                os.replace(path, dest / f"{path.name}-v{(policy_mark(path) or {}).get('version')}")
             return
         # with the run's loop settings (wb.run's overrides in) and the session's trainer settings (a resumed
         # session's may differ from config.json's: config.resume-*.json): what wb.revisit steps it with
         wb_cfg = self._wb.cfg
-        mark = {"step": step, "version": version, "loop": _jsonable(dataclasses.asdict(self.cfg)),
+        mark = {"step": step, "version": version, "probe": weights_probe(self._wb._trainer), "loop": _jsonable(dataclasses.asdict(self.cfg)),
                 **({} if wb_cfg is None else {"trainer": _jsonable(dataclasses.asdict(wb_cfg.trainer)),
                                               "temperature": wb_cfg.temperature, "trainer_ranks": wb_cfg.trainer_ranks})}
         if settle:
@@ -1075,6 +1084,21 @@ def _check_loggers(loggers) -> None:
             raise ConfigError(f"loggers: {name!r} unknown; known: {LOGGERS}")
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f"loggers: {name!r} needs the {name} package: {EXTRA_HINT}")
+
+
+def weights_probe(trainer) -> list[float]:
+    """The trainer's log-probs of the sync probe: a kept policy's fingerprint (its mark's "probe")."""
+    from .rollout.engine import probe_ids
+
+    return trainer.probe(probe_ids(trainer.vocab_size))
+
+
+def holds_weights(policy: Path, trainer) -> bool:
+    """The policy kept at `policy` holds the trainer's weights now: the same version, or (a sync
+    renumbers the same weights: wb.restore() syncs past the engines' version) the same probe
+    log-probs, exactly."""
+    mark = policy_mark(policy) or {}
+    return mark.get("version") == trainer.version or (mark.get("probe") is not None and mark["probe"] == weights_probe(trainer))
 
 
 def policy_mark(policy: Path) -> dict | None:
