@@ -409,12 +409,16 @@ def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
 
     monkeypatch.setenv("WANDB_API_KEY", "")  # no account: offline needs none
     w = WandbLogger(tmp_path, {"lr": 1e-3}, name="t")
+    w.log({"step": -1, "eval_pass@1": 0.125}, -1)  # wb.eval() before the first step
     w.on_step({"step": 0, "reward_mean": 0.25})
     w.on_step({"step": 1, "reward_mean": 0.5})
+    w.on_step({"step": 1, "reward_mean": 0.75})  # step 1 again, after a wb.restore()
     w.close()
     [run] = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     data = run.read_bytes()
     assert b"reward_mean" in data and b"0.5" in data  # the history records, as `wandb sync` would upload them
+    # W&B keeps only increasing steps of its own: the evaluation at step -1 and the re-run step were dropped
+    assert b"eval_pass@1" in data and b"0.125" in data and b"0.75" in data and b"rl_step" in data
 
 
 def test_config_refuses_unknown_loggers():

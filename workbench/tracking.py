@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 LOGGERS = ("tensorboard", "wandb")
+WANDB_STEP = "rl_step"  # W&B's x axis: the RL step (see WandbLogger)
 EXTRA_HINT = "pip install -e '.[tracking]' (the dev extra includes it)"
 
 
@@ -71,10 +72,15 @@ class WandbLogger:
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(mode="offline", dir=str(directory), project=project, name=name, config=config or {},
                               settings=wandb.Settings(silent=True, x_disable_stats=True, console="off"), reinit="create_new")
+        # the RL step is a logged field every metric is plotted against, not W&B's own step, which
+        # only increases: wb.eval() before training (step -1) and a step re-run after wb.restore()
+        # were dropped ("less than the current step ... ignored")
+        self.run.define_metric(WANDB_STEP)
+        self.run.define_metric("*", step_metric=WANDB_STEP)
         self.directory = str(directory)
 
     def log(self, metrics: dict, step: int) -> None:
-        self.run.log(scalars(metrics), step=step)
+        self.run.log({**scalars(metrics), WANDB_STEP: step})
 
     def on_step(self, metrics: dict) -> None:
         self.log(metrics, int(metrics["step"]))
