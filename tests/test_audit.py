@@ -64,6 +64,25 @@ def test_a_breach_is_flagged_and_linked_to_its_token_view(short_run, tmp_path):
     assert not re.search(r"https?://", html)
 
 
+def test_a_run_copied_without_its_trajectories_is_not_audited_clean(short_run, tmp_path):
+    """The token-identity checks were computed from trajectories/ only: a run directory copied
+    without them (a cluster run's large files left behind) read 0 mismatches, clean. Each step
+    logs them now (batch_from_groups' totals); a step with neither is not recorded (–), and the
+    page says which steps had no trajectories."""
+    from workbench.widgets.audit import audit_html
+
+    run = tmp_path / "copy"
+    shutil.copytree(short_run.run_dir, run, ignore=shutil.ignore_patterns("policies", "checkpoint", "trajectories"))
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["identity_mismatch"] == 0 and m["unexpected_seals"] == 0 for m in lines)  # logged by the run
+    lines[1]["identity_mismatch"] = 2  # what a retokenizing accumulator's step logs
+    del lines[2]["identity_mismatch"]  # a run from before the totals were logged
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    html = audit_html(run)
+    assert "Violations: 1" in html and re.search(r"id='v-1-identity_mismatch'>step 1: .*= 2 ", html)
+    assert f"No trajectories/step_*.parquet for {len(lines)} step(s) (0..{len(lines) - 1})" in html
+
+
 def test_revisit_recomputes_the_logged_step(short_run):
     """Step 2 again on the policy it trained from (kept: keep_policy_every=2) and its saved
     trajectories: loss, gradient norm, gate, IS weights, KL with and without replay and replay

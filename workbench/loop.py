@@ -213,6 +213,11 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
             # so, the step's gradient is 0: a policy that earns every group the same reward, e.g.
             # 0, stays as it is)
             "zero_variance_groups": sum(zero_variance(g, on_failed, on_truncated, overlong) for g in groups)}
+    # invariant 1's measurements, over every episode of the step (the audit's, which read them only
+    # from trajectories/: a run directory copied without those files audited clean)
+    info.update(identity_mismatch=sum(s.stats.get("identity_mismatch", 0) for g in groups for t in g for s in t.segments),
+                retokenization_drift=sum(s.stats.get("retokenization_drift", 0) for g in groups for t in g for s in t.segments),
+                unexpected_seals=sum(s.seal_reason not in (None, "episode_end") for g in groups for t in g for s in t.segments))
     penalties = []
     for gi, group in enumerate(groups):
         for t in group:

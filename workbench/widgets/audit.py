@@ -120,9 +120,12 @@ def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None) -> 
     `rules`: the run's on_failed / on_truncated, for which episodes trained)."""
     eps = {t.episode_id: _episode(t, m.get("version", 1) - 1, rules) for t in trajs}  # the step trains version - 1
     n = max(m.get("episodes", 0) + m.get("dropped_episodes", 0), len(trajs), 1)  # every episode, dropped ones too
-    v = {"identity_mismatch": sum(e["identity_mismatch"] for e in eps.values()),
-         "retokenization_drift": sum(e["retokenization_drift"] for e in eps.values()),
-         "unexpected_seals": sum(e["unexpected_seals"] for e in eps.values()),
+    # invariant 1 from the trajectories (each episode's share), else from the step's line (logged
+    # since batch_from_groups counts them), else not recorded (None): a run directory copied without
+    # its trajectories/ audited 0, clean
+    identity = {k: (sum(e[k] for e in eps.values()) if trajs else m.get(k))
+                for k in ("identity_mismatch", "retokenization_drift", "unexpected_seals")}
+    v = {**identity,
          # the oldest token trained on (the gate's bound); runs before it logged only the histogram (before the gate)
          "max_staleness": (m["max_staleness_kept"] if "max_staleness_kept" in m else
                            max((int(k) for k, c in (m.get("staleness_hist") or {}).items() if c), default=None)),
@@ -153,6 +156,18 @@ def step_limits(m: dict, limits: dict, staleness_given: bool = False) -> dict:
         return limits
     cap = limits["max_staleness"]
     return {**limits, "max_staleness": bound if cap is None else min(cap, bound)}
+
+
+def _ranges(steps: list[int]) -> str:
+    """1, 2, 3, 7 -> '1..3, 7'."""
+    out, start = [], None
+    for i, st in enumerate(steps):
+        if start is None:
+            start = st
+        if i + 1 == len(steps) or steps[i + 1] != st + 1:
+            out.append(f"{start}..{st}" if st != start else str(st))
+            start = None
+    return ", ".join(out)
 
 
 def _over(key: str, value, limit) -> bool:
@@ -265,7 +280,11 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
                  f"<a href='#{_id('step', s)}'>a sample of the step's trajectories</a> (per-token values: wb.revisit(run_dir, {s}))")
         out.append(f"<li class='v' id='{_id('v', s, key)}'>step {s}: <a href='#{_id('stat', key)}'>{escape(dict((k, t) for k, t, _ in CHECKS)[key])}</a> "
                    f"= {_fmt(value)} ({'min' if key in MINIMA else 'max'} {_fmt(limit)}) &rarr; {links}</li>")
-    out.append("</ul>" + ("" if violations else "<p>Every statistic of every step is within its threshold.</p>") + "</section>")
+    missing = [st for st in steps if not trajs[st]]
+    out.append("</ul>" + ("" if violations else "<p>Every statistic of every step is within its threshold.</p>")
+               + (f"<p class='na'>No trajectories/step_*.parquet for {len(missing)} step(s) ({_ranges(missing)}): their "
+                  f"token-identity checks read the step's logged totals, or are not recorded (–) where it has none.</p>"
+                  if missing else "") + "</section>")
     # every step's statistics, flagged cells linked to their violation
     out.append("<section id='steps'><h2>Every step</h2><table><tr><th>step</th>"
                + "".join(f"<th><a href='#{_id('stat', k)}'>{escape(t)}</a></th>" for k, t, _ in CHECKS)
@@ -363,8 +382,8 @@ class Revisit:
                 return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
             if isinstance(a, list) and isinstance(b, list):
                 return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-            if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-                return a == b or abs(a - b) <= atol + rtol * abs(a)
+            if isinstance(a, (int, float)) and isinstance(b, (int, float)):  # (a NaN logged and recomputed: the same)
+                return a == b or abs(a - b) <= atol + rtol * abs(a) or (math.isnan(a) and math.isnan(b))
             return a == b
         rec = json.loads(json.dumps(self.recomputed, default=str))  # keys as the JSON log has them
         # a statistic the logged run predates (its metrics.jsonl has no such key), or kl_k3_live on a
