@@ -421,6 +421,24 @@ def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
     assert b"eval_pass@1" in data and b"0.125" in data and b"0.75" in data and b"rl_step" in data
 
 
+def test_a_config_files_numbers_are_numbers():
+    """PyYAML reads 3e-4 (no dot) as the string '3e-4': a config file's lr was accepted as text, and
+    kl_coef failed with "'>' not supported between 'str' and 'int'". Number fields read such strings
+    as numbers, and refuse any other string naming the field."""
+    import yaml
+
+    from workbench.session import ConfigError, WorkbenchConfig
+
+    d = yaml.safe_load("trainer: {lr: 3e-4, kl_coef: 1e-3}\nloop: {sync_tol: 1e-2, steps: 1e2}")
+    assert isinstance(d["trainer"]["lr"], str)  # (what YAML gives)
+    c = WorkbenchConfig.from_dict(d)
+    assert (c.trainer.lr, c.trainer.kl_coef, c.loop.sync_tol, c.loop.steps) == (3e-4, 1e-3, 1e-2, 100)
+    with pytest.raises(ConfigError, match="trainer.lr must be a number, got 'fast'"):
+        WorkbenchConfig.from_dict({"trainer": {"lr": "fast"}})
+    with pytest.raises(ConfigError, match="loop.steps must be an integer, got '1.5'"):
+        WorkbenchConfig.from_dict({"loop": {"steps": "1.5"}})
+
+
 def test_config_refuses_unknown_loggers():
     from workbench.session import ConfigError, WorkbenchConfig
 

@@ -196,12 +196,31 @@ def _build(kind, values: dict, where: str):
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown {where} field(s) {unknown}; known: {sorted(known)}")
+    values = {k: _number(v, kind.__dataclass_fields__[k].type, f"{where}.{k}") for k, v in values.items()}
     try:
         return kind(**values)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from e
+
+
+def _number(value, annotation, where: str):
+    """A number field given as a string read as the number: YAML 1.1 (PyYAML) reads 3e-4 (no dot)
+    as the string '3e-4', which a config file's lr or kl_coef then was (accepted, failing later or
+    comparing as text)."""
+    kinds = {t.strip() for t in str(annotation).split("|")}
+    if not isinstance(value, str) or "str" in kinds or not kinds & {"float", "int"}:
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{where} must be a number, got {value!r}") from None
+    if "float" not in kinds:
+        if not number.is_integer():
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return int(number)
+    return number
 
 
 def connect(address: str | None = None, config: WorkbenchConfig | dict | None = None, **overrides) -> "Workbench":
