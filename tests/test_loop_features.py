@@ -437,6 +437,10 @@ def test_a_config_files_numbers_are_numbers():
         WorkbenchConfig.from_dict({"trainer": {"lr": "fast"}})
     with pytest.raises(ConfigError, match="loop.steps must be an integer, got '1.5'"):
         WorkbenchConfig.from_dict({"loop": {"steps": "1.5"}})
+    # the trainer computes log-probs at the session's temperature: one of its own was replaced silently
+    with pytest.raises(ConfigError, match="trainer.temperature=0.7 differs from temperature=1.0"):
+        WorkbenchConfig.from_dict({"trainer": {"temperature": 0.7}})
+    assert WorkbenchConfig.from_dict({"temperature": 0.7, "trainer": {"temperature": 0.7}}).temperature == 0.7
 
 
 def test_config_refuses_unknown_loggers():
