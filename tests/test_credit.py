@@ -215,6 +215,9 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
 
     assert calc("2+3*4") == "14" and calc("-" * 6000 + "1").startswith("error") and calc("~" * 6000 + "1").startswith("error")
     assert last_number("so 41 or 42") == 42 and last_number("9" * 5000) is None and last_number("no number") is None
+    # as a model writes numbers: right answers read wrong ("9,801" was 801, "12.0" was 0)
+    assert (last_number("The answer is 9,801."), last_number("12.0"), last_number("12.5"), last_number("1,2,3")) == \
+        (9801, 12, None, 3)
     env = ArithmeticEnv()
     asyncio.run(env.reset(type("T", (), {"label": 7, "messages": []})()))
     for text, reward in (("7", 1.0), ("9" * 5000, 0.0), ("8", 0.45)):

@@ -39,10 +39,21 @@ MAX_EXPRESSION_CHARS = 256
 MAX_ANSWER_DIGITS = 30  # int() refuses over 4300 digits (a ValueError failed, so dropped, the episode)
 
 
+# a number as a model writes one: thousands separated by commas (9,801), a decimal part (12.0)
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
+
+
 def last_number(text: str | None) -> int | None:
-    """The text's last integer; None when there is none or it has more than MAX_ANSWER_DIGITS digits."""
-    found = re.findall(r"-?\d+", text or "")
-    return int(found[-1]) if found and len(found[-1].lstrip("-")) <= MAX_ANSWER_DIGITS else None
+    """The text's last number, as an integer: "9,801" is 9801 and "12.0" is 12 (both read 801 and
+    0: right answers scored wrong); None when there is none, it is not a whole number, or it has
+    more than MAX_ANSWER_DIGITS digits."""
+    found = _NUMBER.findall(text or "")
+    if not found:
+        return None
+    whole, _, fraction = found[-1].replace(",", "").partition(".")
+    if len(whole.lstrip("-")) > MAX_ANSWER_DIGITS or fraction.strip("0"):
+        return None
+    return int(whole)
 
 
 def tool_tasks(n: int, seed: int = 0) -> list[Task]:
