@@ -233,6 +233,11 @@ def test_notebooks_list_shows_every_notebook_with_parameters_and_time(capsys):
         minutes = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4).metadata["workbench"]["cpu_minutes"]
         assert f"{name}  (~{minutes:g} min on 2 CPU cores)" in out
     assert "recipes/math_grpo" in out and "eval_n=4" in out and "teacher='dense'" in out
+    # a parameter the notebook does not have is refused before anything runs (papermill only
+    # warned, and the notebook ran on its defaults)
+    with pytest.raises(SystemExit):
+        main(["00_quickstart", "-p", "lr", "3e-4"])
+    assert "00_quickstart has no parameter(s) ['lr']" in capsys.readouterr().err
 
 
 def test_real_model_grpo(execute, tmp_path):

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workbench.notebooks", description=__doc__.split("\n\n")[0])
     p.add_argument("name", nargs="?", help="notebook name without .ipynb, e.g. 00_quickstart or recipes/math_grpo")
     p.add_argument("--list", action="store_true", help="every notebook with its parameters and expected run time")
-    p.add_argument("--run-dir", default=None, help="default: runs/<name>")
+    p.add_argument("--run-dir", default=None, help="default: runs/<name>/<date-time> (a new one each run)")
     p.add_argument("--kernel", default="workbench-local")
     p.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                    help="a notebook parameter (VALUE is parsed as a Python literal when it is one)")
@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.name is None:
         p.error("a notebook name, or --list")
     import ast
+    import time
 
     params = {}
     for k, v in a.param:
@@ -110,7 +111,15 @@ def main(argv: list[str] | None = None) -> int:
             params[k] = ast.literal_eval(v)
         except (ValueError, SyntaxError):
             params[k] = v
-    out = run_notebook(a.name, a.run_dir or Path("runs") / a.name, a.kernel, **params)
+    if (NOTEBOOK_DIR / f"{a.name}.ipynb").is_file():
+        known = describe(a.name)["parameters"]
+        unknown = sorted(set(params) - set(known))
+        if unknown:  # papermill only warns, and the notebook ran on its defaults
+            p.error(f"{a.name} has no parameter(s) {unknown}; its parameters: {sorted(k for k in known if k != 'run_dir')}")
+    # a new directory each run (a session refuses one that holds a run: a second run of the same
+    # notebook failed at connect(), after its kernel had started)
+    run_dir = a.run_dir or Path("runs") / a.name / time.strftime("%Y%m%d-%H%M%S")
+    out = run_notebook(a.name, run_dir, a.kernel, **params)
     print(f"executed notebook: {out}\nrun directory:     {out.parent}")
     for f in sorted(out.parent.iterdir()):
         print(f"  {f.name}{'/' if f.is_dir() else ''}")
