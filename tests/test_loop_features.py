@@ -421,7 +421,7 @@ def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
     assert b"eval_pass@1" in data and b"0.125" in data and b"0.75" in data and b"rl_step" in data
 
 
-def test_a_config_files_numbers_are_numbers():
+def test_a_config_files_numbers_are_numbers(monkeypatch):
     """PyYAML reads 3e-4 (no dot) as the string '3e-4': a config file's lr was accepted as text, and
     kl_coef failed with "'>' not supported between 'str' and 'int'". Number fields read such strings
     as numbers, and refuse any other string naming the field."""
@@ -437,6 +437,16 @@ def test_a_config_files_numbers_are_numbers():
         WorkbenchConfig.from_dict({"trainer": {"lr": "fast"}})
     with pytest.raises(ConfigError, match="loop.steps must be an integer, got '1.5'"):
         WorkbenchConfig.from_dict({"loop": {"steps": "1.5"}})
+    # connect(config=<a WorkbenchConfig>, loop={...}): the dict changes the config's own fields (it was
+    # refused with an error saying a dict was fine)
+    import workbench.session as session
+
+    monkeypatch.setattr(session, "Workbench", lambda cfg, address=None: cfg)
+    from workbench.trainer.fsdp import TrainerConfig
+
+    got = session.connect(config=WorkbenchConfig(trainer=TrainerConfig(lr=3e-4)), loop={"on_truncated": "zero"},
+                          trainer={"kl_coef": 0.1})
+    assert (got.loop.on_truncated, got.trainer.lr, got.trainer.kl_coef, got.trainer.micro_batch_size) == ("zero", 3e-4, 0.1, 8)
     # the trainer computes log-probs at the session's temperature: one of its own was replaced silently
     with pytest.raises(ConfigError, match="trainer.temperature=0.7 differs from temperature=1.0"):
         WorkbenchConfig.from_dict({"trainer": {"temperature": 0.7}})

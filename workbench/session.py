@@ -234,7 +234,19 @@ def connect(address: str | None = None, config: WorkbenchConfig | dict | None = 
     or a Ray cluster address ("ray://head:10001", "auto"). `config`: a WorkbenchConfig or a dict;
     keyword overrides win (e.g. `connect(backend="reference", model="dense")`)."""
     if isinstance(config, WorkbenchConfig):
-        config = dataclasses.replace(config, **overrides) if overrides else config
+        if any(isinstance(overrides.get(k), dict) for k in ("trainer", "loop")):
+            # a dict of trainer / loop fields changes those of the config's own (dataclasses.replace
+            # refused the dict with an error saying a dict was fine)
+            base = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+            for k in ("trainer", "loop"):
+                if isinstance(overrides.get(k), dict):
+                    given, base[k] = dict(overrides[k]), dataclasses.asdict(base[k])
+                    if k == "trainer":
+                        base[k]["correction"] = {**base[k]["correction"], **given.pop("correction", {})}
+                    overrides[k] = {**base[k], **given}
+            config = WorkbenchConfig.from_dict({**base, **overrides})
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
     else:
         config = WorkbenchConfig.from_dict({**(config or {}), **overrides})
     return Workbench(config, address)
