@@ -83,6 +83,25 @@ def test_a_run_copied_without_its_trajectories_is_not_audited_clean(short_run, t
     assert f"No trajectories/step_*.parquet for {len(lines)} step(s) (0..{len(lines) - 1})" in html
 
 
+def test_the_audit_holds_a_step_to_the_settings_its_run_used(short_run, tmp_path):
+    """wb.run(n, sync_tol=0.1) (a bf16 run's tolerance): the audit read config.json's 1e-3 and
+    flagged every sync. Each step logs the sync_tol and episode rules its loop ran with."""
+    from workbench.widgets.audit import audit_html
+
+    run = tmp_path / "copy"
+    shutil.copytree(short_run.run_dir, run, ignore=shutil.ignore_patterns("policies", "checkpoint"))
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["sync_tol"] == 1e-3 and m["on_failed"] and m["on_truncated"] for m in lines)  # logged by the run
+    for m in lines:
+        m["sync_max_abs_diff"], m["sync_tol"] = 0.02, 0.1
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    assert "Violations: 0" in audit_html(run)
+    for m in lines:
+        del m["sync_tol"]  # a run from before: config.json's tolerance
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    assert f"Violations: {len(lines)}" in audit_html(run)
+
+
 def test_revisit_recomputes_the_logged_step(short_run):
     """Step 2 again on the policy it trained from (kept: keep_policy_every=2) and its saved
     trajectories: loss, gradient norm, gate, IS weights, KL with and without replay and replay

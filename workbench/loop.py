@@ -1126,6 +1126,8 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         reasons[line] = reasons.get(line, 0) + 1
     return {
         "step": step, "version": stats["version"], "mode": cfg.mode,
+        # the settings the audit holds the step to (wb.run's overrides; config.json has the session's)
+        "sync_tol": cfg.sync_tol, "on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated,
         # the staleness the async loop admits (the audit holds the step to it; a sync step's is 0)
         **({"async_lag": cfg.async_lag, "async_order": cfg.async_order} if cfg.mode == "async" else {}),
         **reward_statistics(groups),

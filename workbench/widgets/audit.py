@@ -248,6 +248,7 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
     th = thresholds or Thresholds()
     limits = {f.name: getattr(th, f.name) for f in fields(th)}
     staleness_given = limits["max_staleness"] is not None
+    tol_given = limits["sync_max_abs_diff"] is not None
     if limits["max_staleness"] is None:
         limits["max_staleness"] = cfg.get("trainer", {}).get("correction", {}).get("max_staleness")
     if limits["sync_max_abs_diff"] is None:
@@ -257,11 +258,15 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
         path = run_dir / "trajectories" / f"step_{m['step']:05d}.parquet"
         trajs[m["step"]] = read_trajectories(path) if path.is_file() else []
         steps.append(m["step"])
-        rows.append((m, *step_values(m, trajs[m["step"]], cfg.get("loop", {}))))
+        # the step's own loop settings where it logged them (wb.run's overrides), else config.json's
+        rules = {**cfg.get("loop", {}), **{k: m[k] for k in ("on_failed", "on_truncated") if k in m}}
+        rows.append((m, *step_values(m, trajs[m["step"]], rules)))
     # violations: (step, key, value, offending episode ids, the step's limit)
     violations = []
     for (m, v, per_ep), s in zip(rows, steps):
         lim = step_limits(m, limits, staleness_given)
+        if not tol_given and m.get("sync_tol") is not None:  # the tolerance the step's own sync was held to
+            lim = {**lim, "sync_max_abs_diff": m["sync_tol"]}
         for key, _, _ in CHECKS:
             if _over(key, v[key], lim[key]):
                 eps = [ep for ep, x in per_ep.get(key, {}).items() if (x > 0 if key.endswith("rate") else _over(key, x, lim[key]))]
