@@ -396,3 +396,34 @@ def test_b_gpt_oss_hides_the_stop_string_from_the_agent():
         assert (m.stop_reason, m.stop_sequence, m.content[0].text) == ("stop_sequence", "END", "The answer is 4.\n")
         segments = server.close_session(sid)
     assert all(set(ids) <= set(s.token_ids) for s in segments)  # recorded whole
+    # a stop string whose first token also holds the character before it (" STOP" is one token)
+    ids = tok.encode("<|channel|>final<|message|>Answer: 42 STOP here", add_special_tokens=False)
+    with _server(fam, engine) as server:
+        o = openai.OpenAI(base_url=server.base_url(server.open_session()), api_key=server.api_key, max_retries=0)
+        engine.push(ids + tok.convert_tokens_to_ids(["<|return|>"]), "stop")
+        r = o.chat.completions.create(model="policy", messages=[{"role": "user", "content": "?"}], stop=["STOP"],
+                                      max_tokens=64)
+        assert r.choices[0].message.content.rstrip() == "Answer: 42", r.choices[0].message.content
+
+
+def test_b_a_reply_cut_by_max_tokens_runs_no_tool_call():
+    """A reply cut in its second call: vLLM's qwen3_coder parser returned the cut call with {}
+    arguments (an Env then ran it, a chat agent was told tool_calls). A cut reply is not read for
+    calls: its markup stays content, and the reply says it was cut."""
+    fam = rm.load_family("qwen3-nothink")
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>\n"
+            "<tool_call>\n<function=get_weather>\n<parameter=ci")
+    ids = fam.tokenizer.encode(text, add_special_tokens=False)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    engine = Replay()
+    with _server(fam, engine, tool_parser="qwen3_coder") as server:
+        o = openai.OpenAI(base_url=server.base_url(server.open_session()), api_key=server.api_key, max_retries=0)
+        engine.push(ids, "length")
+        r = o.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Weather?"}], tools=tools,
+                                      max_tokens=len(ids))
+        m = r.choices[0]
+        assert (m.finish_reason, m.message.tool_calls, m.message.content) == ("length", None, text)
+        engine.push(ids, "stop")  # the same ids, not cut (stopped there)
+        r = o.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Weather?"}], tools=tools)
+        assert r.choices[0].finish_reason == "tool_calls"  # (what the parser makes of it uncut: calls)

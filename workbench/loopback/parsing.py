@@ -64,16 +64,18 @@ def reply_text(fmt, ids: list[int], finish: str, skip_special_tokens: bool, stop
 
 
 def ids_before(fmt, ids: list[int], chars: int, skip_special_tokens: bool) -> list[int]:
-    """The shortest prefix of `ids` whose text (decoded as reply_text decodes) reaches `chars`
+    """The longest prefix of `ids` whose text (decoded as reply_text decodes) stays within `chars`
     characters: the ids of a reply cut at a stop string, for a parser that reads ids (gpt-oss's
-    harmony parser read the whole reply, and the agent got the stop string's text back)."""
+    harmony parser read the whole reply, and the agent got the stop string's text back). A token
+    that holds both the text's last characters and the stop string's first (" STOP") is left
+    out with it: the stop string never reaches the agent, a space before it may not either."""
     lo, hi = 0, len(ids)
     while lo < hi:  # decoded prefixes only grow: a binary search over their lengths
-        mid = (lo + hi) // 2
-        if len(fmt.decode(ids[:mid], skip_special_tokens=skip_special_tokens)) >= chars:
-            hi = mid
+        mid = (lo + hi + 1) // 2
+        if len(fmt.decode(ids[:mid], skip_special_tokens=skip_special_tokens)) <= chars:
+            lo = mid
         else:
-            lo = mid + 1
+            hi = mid - 1
     return ids[:lo]
 
 

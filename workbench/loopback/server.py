@@ -827,7 +827,10 @@ class LoopbackServer:
             cut, stop_seq = min(hits)
             text, finish = text[:cut], "stop_sequence"
             ids = ids_before(self.fmt, ids, cut, parser.skip_special_tokens)  # (a parser that reads the ids)
-        parsed = parser.parse(text, ids, parse_tools=req.parse_tools, tools=req.tools)
+        # a reply cut by max_tokens is not read for tool calls (its last may be half written: vLLM's
+        # qwen3_coder parser returned a cut call with {} arguments, which an Env then ran): its markup
+        # stays content, and both protocols say it was cut
+        parsed = parser.parse(text, ids, parse_tools=req.parse_tools and finish != "length", tools=req.tools)
         # Mistral's templates render the ids: the ones the model wrote where it wrote valid ones,
         # so that each tool result names a call id that is in the context
         written = sampled_call_ids(text, parsed.calls) if self.tool_call_ids == "alnum9" else [None] * len(parsed.calls)
