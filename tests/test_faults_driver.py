@@ -182,3 +182,8 @@ def test_a_torn_leftover_is_not_taken_for_a_checkpoint(tmp_path):
     os.unlink(torn / "dcp" / ".metadata")  # the rmtree got that far
     assert recover_checkpoint(str(ck))
     assert json.loads((ck / "run_state.json").read_text())["next_step"] == 10 and not torn.exists()
+    # a recovery killed while it removed `path` (its run_state.json gone, its weights not yet) beside a
+    # complete .new: a torn checkpoint, not something else to keep; the next recovery takes the .new
+    _StubTrainer().save(str(torn), {"next_step": 12})
+    os.unlink(ck / "run_state.json")
+    assert recover_checkpoint(str(ck)) and json.loads((ck / "run_state.json").read_text())["next_step"] == 12

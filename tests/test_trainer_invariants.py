@@ -111,7 +111,9 @@ def test_distillation_advantage_is_taken_on_the_trainers_policy_not_the_sampler(
             for off, v in ((0.0, 0), (0.4, 1))]
     groups = [[Trajectory([s], 0.0, "g", f"e{i}", {}) for i, s in enumerate(segs)]]
     batch, info = batch_from_groups(groups, "distill", teacher={id(s): teacher.tolist() for s in segs}, temperature=1.0)
-    assert batch["per_token_advantage"] == "distill"
+    from workbench.trainer.losses import on_policy_distillation
+
+    assert batch["per_token_advantage"] is on_policy_distillation  # the function: a notebook's own reaches the ranks
     stats = t.train_step(batch, report=True)
     adv = stats["report"]["advantages"]
     want = (teacher - stats["report"]["trainer_logprobs"][0])[m]

@@ -270,7 +270,9 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
         # the trainer applies the estimator again on its own pi_old (TrainerWorker.train_step): on a
         # stale token (async) the behaviour log-prob's advantage added grad KL(pi || behaviour) to
         # the update, pushing the policy away from whichever version sampled it
-        batch["teacher_logprobs"], batch["per_token_advantage"] = lp_teacher * m, advantage
+        # (the estimator itself, not its name: one registered in a notebook is in the driver's
+        # registry only, and Ray sends a function to the trainer's processes by value)
+        batch["teacher_logprobs"], batch["per_token_advantage"] = lp_teacher * m, get_advantage(advantage)
         info["distill_reverse_kl"] = float(((batch["behaviour_logprobs"] - lp_teacher) * m).sum() / m.sum().clamp(min=1))
     else:
         # one row per episode (an episode without trainable tokens still counts in its group's baseline)
@@ -468,7 +470,7 @@ def save_checkpoint(trainer, path: str, run_state: dict) -> str:
     import shutil
 
     path = os.path.abspath(path)
-    if os.path.isdir(path) and os.listdir(path) and not _complete(path):
+    if not _checkpoint_like(path):
         # the swap below deletes what `path` held: a run directory given as the checkpoint's
         # (wb.save(wb.run_dir)) lost its metrics, trajectories and policies
         raise ValueError(f"{path!r} holds something other than a checkpoint ({sorted(os.listdir(path))[:5]}): "
@@ -486,6 +488,14 @@ def save_checkpoint(trainer, path: str, run_state: dict) -> str:
     os.rename(new, path)
     shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _checkpoint_like(path: str) -> bool:
+    """Nothing at `path`, or only what Trainer.save writes there (a checkpoint, complete or torn by
+    a kill mid-save or mid-removal): what save_checkpoint / recover_checkpoint may replace."""
+    if not os.path.isdir(path):
+        return not os.path.exists(path)
+    return all(n in ("dcp", "run_state.json") or (n.startswith("rng_rank") and n.endswith(".pt")) for n in os.listdir(path))
 
 
 def _complete(path: str) -> bool:
@@ -510,13 +520,14 @@ def recover_checkpoint(path: str) -> bool:
     new, old = path + ".new", path + ".old"
     if not (os.path.isdir(new) or os.path.isdir(old)):
         return _complete(path)  # nothing half done (and nothing to remove: `path` may be no checkpoint)
-    if os.path.isdir(path) and os.listdir(path) and not _complete(path) and not os.path.isfile(
-            os.path.join(path, "run_state.json")):
+    if not _checkpoint_like(path):
         raise ValueError(f"{path!r} holds something other than a checkpoint ({sorted(os.listdir(path))[:5]}) beside "
                          f"{os.path.basename(new)!r} / {os.path.basename(old)!r}: not replacing it")
     for candidate in (new, path, old):
         if _complete(candidate):
             if candidate != path:
+                with contextlib.suppress(FileNotFoundError):  # first: a removal killed part-way leaves no
+                    os.unlink(os.path.join(path, "run_state.json"))  # torn `path` that reads as complete
                 shutil.rmtree(path, ignore_errors=True)
                 os.rename(candidate, path)
             break

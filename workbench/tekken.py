@@ -141,7 +141,7 @@ class TekkenFormat(ChatFormat):
         req = ChatCompletionRequest.from_openai(msgs, tools or None)
         return (self._history if final_reply else self.mistral).encode_chat_completion(req)
 
-    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool, refuse_dropped: bool = True) -> str:
         """mistral-common's ids as text: control tokens by name, each text piece between them
         decoded and escaped where it spells a control token (mistral-common's own .text does not
         tell the two apart)."""

@@ -360,13 +360,14 @@ class ChatFormat:
         """canonical_message with this format's message form."""
         return canonical_message(m, **self.message_form)
 
-    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool,
+               refuse_dropped: bool = True) -> str:
         # strftime_now: templates that print today's date (gpt-oss's "Current date:") get TEMPLATE_DATE
         text = self.tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
             strftime_now=_template_strftime, **self.template_kwargs,
         )
-        for i, m in enumerate(messages):
+        for i, m in enumerate(messages if refuse_dropped else ()):  # (a display re-rendering a record may not)
             # a template may render only a leading system message and skip any later one (gpt-oss's:
             # a developer message after the system prompt, a mid-conversation reminder): the policy
             # was prompted, trained and rewarded without the agent's instructions, silently

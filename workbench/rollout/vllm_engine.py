@@ -464,6 +464,8 @@ class VLLMEngine(RolloutEngine):
         from vllm.inputs import TokensPrompt
 
         ids = list(ids)
+        if len(ids) < 2:  # no token with a context: nothing to score (and vLLM refuses an empty prompt)
+            return []
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, logprob_token_ids=[ids[-1]])
         final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids[:-1]), params, request_id=f"probe-{uuid.uuid4().hex}"):

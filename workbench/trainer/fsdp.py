@@ -30,7 +30,7 @@ from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_
 from ..replay import ReplayStats, routing_replay
 from .logprobs import forward_logprobs, logprob_head, sampled_logprobs
 from .packing import micro_batches_by_tokens, pack, packed_forward, packing_leak, packing_mixes, unpack
-from .losses import (KL_ESTIMATORS, SEQUENCE_SURROGATES, AdvantageInput, aggregation_weights, episode_units, get_advantage,
+from .losses import (KL_ESTIMATORS, SEQUENCE_SURROGATES, AdvantageInput, aggregation_weights, episode_units,
                      get_surrogate, kl_to_reference)
 
 # A CPU trainer step frees and re-allocates the same large buffers (activations, logits,
@@ -542,7 +542,7 @@ class TrainerWorker:
                         # its gradient is then the reverse KL's own, E_pi[(log t - log pi) grad log pi], the
                         # IS weight correcting the sampling; on the behaviour log-probs it added
                         # grad KL(pi || behaviour), pushing the policy off every stale token's sampler
-                        adv = get_advantage(mb["per_token_advantage"])(AdvantageInput(
+                        adv = mb["per_token_advantage"](AdvantageInput(
                             None, None, mb["loss_mask"], logprobs=old, teacher_logprobs=mb["teacher_logprobs"])).float()
                         adv = adv * mb["loss_mask"]
                     tl = surrogate(lp, old, adv, corr.weights, mb["loss_mask"].float(), **self.cfg.surrogate_kwargs)
@@ -866,7 +866,7 @@ class Trainer:
         parts = [{} for _ in range(w)]
         for k, v in batch.items():
             if not isinstance(v, torch.Tensor):
-                if isinstance(v, str):  # a setting of the whole batch (per_token_advantage): every rank's
+                if isinstance(v, str) or callable(v):  # of the whole batch (per_token_advantage): every rank's
                     for part in parts:
                         part[k] = v
                 continue

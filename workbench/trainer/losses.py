@@ -6,7 +6,9 @@ estimators broadcast their scalar over the sequence's tokens). The unit of credi
 (its reward, its group) and hands each of the episode's segments the episode's advantage, so
 an episode that sealed into five segments weighs once in its group's mean and std, not five
 times. Estimators registered with `per_token=True` (distillation) take the teacher's per-token
-log-probs; LoopConfig refuses them without a teacher. Surrogates take per-token
+log-probs; LoopConfig refuses them without a teacher. The trainer applies them again on its own
+pi_old (TrainerWorker.train_step), with rewards and groups None: a per-token estimator reads
+loss_mask, logprobs and teacher_logprobs only. Surrogates take per-token
 log-probs under the current weights (with gradient), the old log-probs (the weights the batch
 is trained from, no gradient), advantages, and the correction weights from
 workbench.correction (0 where a token or sequence is dropped), and return per-token losses.

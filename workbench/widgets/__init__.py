@@ -121,7 +121,9 @@ def drift_positions(segment: Segment, tokenizer, tools: list | None = None) -> l
     if not segment.messages:
         return []
     fmt = _fmt(tokenizer)
-    again = fmt.encode(fmt.render(segment.messages, tools if tools is not None else segment.tools, add_generation_prompt=False))
+    # (a run recorded before render refused a system message its template drops still displays)
+    again = fmt.encode(fmt.render(segment.messages, tools if tools is not None else segment.tools, add_generation_prompt=False,
+                                  refuse_dropped=False))
     same = set()
     for a, _, n in difflib.SequenceMatcher(None, segment.token_ids, again, autojunk=False).get_matching_blocks():
         same.update(range(a, a + n))
