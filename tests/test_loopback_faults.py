@@ -583,6 +583,35 @@ def test_a_reply_the_client_gave_up_on_is_not_recorded(tokenizer):
         assert srv.close_session(sid) == [] and srv.summary()["undelivered"] == 3
 
 
+def test_a_sub_agents_failed_request_keeps_the_main_agents_retry_cache(tokenizer):
+    """The main agent's reply is lost on the wire; a sub-agent's first request (another system
+    prompt: a conversation beside the main one) fails at the engine; then the main agent's SDK
+    retries. The failure cleared the cache of the *current* conversation, the main agent's, which
+    its request never became: the retry was sampled again and sealed the segment, the reply the
+    agent never received trained. The retry is served from the cache now."""
+    class FailsOnce(Scripted):
+        async def generate(self, prompt_ids, sampling):
+            if self.replies and self.replies[0] is None:
+                self.replies.pop(0)
+                raise TimeoutError("engine busy")
+            return await super().generate(prompt_ids, sampling)
+
+    engine = FailsOnce(tokenizer)
+    main = [{"role": "system", "content": "You solve."}, {"role": "user", "content": "2+2?"}]
+    sub = [{"role": "system", "content": "You summarise."}, {"role": "user", "content": "Summarise it."}]
+    with LoopbackServer(engine, tokenizer) as srv:
+        sid = srv.open_session()
+        url, auth = srv.base_url(sid) + "/chat/completions", {"Authorization": f"Bearer {srv.api_key}"}
+        engine.replies += [("4<|im_end|>", "stop"), None]
+        assert httpx.post(url, headers=auth, json={"model": "p", "messages": main}).status_code == 200  # (lost)
+        assert httpx.post(url, headers=auth, json={"model": "p", "messages": sub}).status_code >= 500
+        r = httpx.post(url, headers={**auth, "x-stainless-retry-count": "1"}, json={"model": "p", "messages": main})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "4"
+        assert srv.stats.retries_served_from_cache == 1 and not engine.replies
+        seg, = srv.close_session(sid)
+        assert seg.seal_reason == "episode_end" and seg.stats["turns"] == 1
+
+
 def test_a_failure_planning_a_turn_is_a_400_and_only_a_templates_refusal_goes_uncounted(tokenizer):
     """A role the template refuses is the request's 400. Any other exception while planning (a bug
     of the recording code, Accumulator.plan) is a 400 too, but counted in unexpected_errors["plan"]

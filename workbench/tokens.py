@@ -780,9 +780,14 @@ class Accumulator:
             return None
         return (new, sampled) if _ends_the_same(old, new) else None
 
-    def forget_last_request(self) -> None:
+    def forget_last_request(self, plan: "TurnPlan | None" = None) -> None:
         """A request failed after planning (engine error): a retry of it must not be answered
-        with the reply of an older, identical request."""
+        with the reply of an older, identical request. Not for a plan beside the open
+        conversations (a sub-agent's first request): it never became the current one, whose
+        cached reply is another conversation's (the main agent's, whose SDK retry then sampled
+        again and sealed, the reply it never received trained)."""
+        if plan is not None and plan.beside:
+            return
         self._last_request = self._last_reply = None
 
     def _append_sampled(self, seg: Segment, sample) -> list[int]:

@@ -714,7 +714,7 @@ class LoopbackServer:
             try:
                 sample = finished(await call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts, req.feed))
             except BaseException as e:
-                acc.forget_last_request()  # its retry must not get an older identical request's reply
+                acc.forget_last_request(plan)  # its retry must not get an older identical request's reply
                 if isinstance(e, Exception):
                     raise EngineCallFailed(e) from e
                 raise
@@ -724,7 +724,7 @@ class LoopbackServer:
             try:
                 reply = self._reply(sample, req, len(plan.prompt_ids))
             except BaseException:
-                acc.forget_last_request()  # nothing recorded for it either: as for a failed engine call
+                acc.forget_last_request(plan)  # nothing recorded for it either: as for a failed engine call
                 raise
 
             def record():
@@ -748,7 +748,7 @@ class LoopbackServer:
                 # drops it. Recorded at once, a reply the agent never received stayed in the
                 # trajectory beside its re-ask's, under the episode's reward (and the replies slow
                 # enough to time out are the long, run-on ones).
-                acc.forget_last_request()
+                acc.forget_last_request(plan)
                 self._undelivered[sid] = (request_key(plan.messages, plan.tools), reply, record)
                 raise RequestError(499, "the client disconnected before the reply was done: held for its retry")
             record()
