@@ -18,6 +18,17 @@ def tasks(n: int, seed: int = 0) -> list[Task]:
     return [Task(p.messages, label=p.answer) for p in (arithmetic_problem(rng) for _ in range(n))]
 
 
+def reward(text: str | None, answer: int) -> tuple[float, bool]:
+    """(reward, correct) of a reply: 1 for the right number; partial credit for a number close to
+    it, so that a group of samples almost always carries some signal even while exact answers are
+    rare. (Which a constant answer near the middle of the sums also collects: notebook 00 shows
+    what the toy does with it.)"""
+    m = re.fullmatch(r"\s*(-?\d{1,30})\s*", text or "")  # (int() refuses 4300+ digits)
+    correct = m is not None and int(m.group(1)) == answer
+    close = 0.0 if m is None else max(0.0, 1.0 - abs(int(m.group(1)) - answer) / 10)
+    return (1.0 if correct else 0.5 * close), correct
+
+
 class ArithmeticEnv(Env):
     max_turns = 1
 
@@ -26,12 +37,8 @@ class ArithmeticEnv(Env):
         return [dict(m) for m in task.messages], {}
 
     async def step(self, message: dict):
-        m = re.fullmatch(r"\s*(-?\d{1,30})\s*", message.get("content") or "")  # (int() refuses 4300+ digits)
-        correct = m is not None and int(m.group(1)) == self.answer
-        # 1 for the right number; partial credit for a number close to it, so that a group of
-        # samples almost always carries some signal even while exact answers are rare
-        close = 0.0 if m is None else max(0.0, 1.0 - abs(int(m.group(1)) - self.answer) / 10)
-        return [], 1.0 if correct else 0.5 * close, True, False, {"correct": correct}
+        r, correct = reward(message.get("content"), self.answer)
+        return [], r, True, False, {"correct": correct}
 
 
 AgentRunner = ArithmeticEnv
