@@ -21,6 +21,10 @@ cores it kept busy: wall time drifts with a shared machine's neighbours, the CPU
 it tells work from waiting. Targets (issue 13): first step done under 20 s after connect(); s/step
 at most 1.0x TRL's; time to a reward level at most 1.5x TRL's with start-up, 1.0x without.
 
+The reward levels are what both sides reach on this task by the same route: the toy cannot add,
+and the policy collapses onto one answer near the middle of the sums, which the partial credit
+pays (notebook 00 shows it); this compares the same algorithm's speed, not learning.
+
 A side whose rewards were all 0 for 5 steps or more is reported as collapsed (every group flat,
 no gradient) and left out of the time-to-reward comparison: its curve says nothing about speed,
 and it would pull the levels the others are compared at down to its own. The async side does
