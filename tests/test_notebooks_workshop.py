@@ -83,7 +83,7 @@ def test_02_policy_versions_partial_rollout_and_the_staleness_gate(kernel, tmp_p
     assert plots(tmp_path) >= {"gate_partial.html", "gate_vs_no_gate.html", "segment_versions.html"}
     # the exercise: the committed gate (freshest token) keeps the stale sequences, the solution is the trainer's gate
     yours, solution = r["exercise"]["yours"], r["exercise"]["solution"]
-    assert not yours["holds"] and yours["oldest_kept"] > r["max_staleness"] and yours["stale_dropped"] == 0
+    assert yours["holds"] is False and yours["oldest_kept"] > r["max_staleness"] and yours["stale_dropped"] == 0
     assert yours["kl_k3_trained"] > 100 * max(solution["kl_k3_trained"], 1e-6) and "FAILS" in yours["line"]
     assert solution["holds"] and solution["stale_dropped"] == solution["too_old"] == r["stale_dropped_gate"]
     assert solution["kl_k3_trained"] == pytest.approx(r["kl_k3_gate"], rel=1e-6, abs=1e-12)
@@ -111,7 +111,7 @@ def test_03_routing_replay_lowers_train_vs_rollout_kl(kernel, tmp_path, capsys):
     # the exercise: the trainer's forward (in the kernel, on the trainer's starting weights) with the
     # committed rule routes live, with the solution it replays: each matches the trainer's own number
     yours, solution = r["exercise"]["yours"], r["exercise"]["solution"]
-    assert not yours["holds"] and yours["changed"] > 0 and "FAILS" in yours["line"]
+    assert yours["holds"] is False and yours["changed"] > 0 and "FAILS" in yours["line"]
     assert yours["kl_k3"] == pytest.approx(r["kl_k3_live"], rel=0.05)
     assert solution["holds"] and solution["changed"] == 0 and solution["recorded"] == yours["recorded"] > 0
     assert solution["kl_k3"] == pytest.approx(r["kl_k3_replay"], rel=0.05)
