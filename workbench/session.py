@@ -96,7 +96,10 @@ class WorkbenchConfig:
     # by a placement group: workbench.placement), "colocated" (rank i and engine i share GPU i) or
     # "none" (Ray schedules each actor where it fits). On CPU (no GPUs) nothing is placed.
     placement: str = "split"
-    max_tokens: int = 8  # per turn
+    # per turn: the generation budget of a turn whose agent sends no max_tokens (an agent's own
+    # wins, up to the room left in the context) and the one a cut reply is truncated against
+    # (LoopConfig.on_truncated)
+    max_tokens: int = 8
     # the policy's sampling: the engine samples every recorded turn at this temperature (top_p 1)
     # and the trainer computes log-probs at it; an agent's own temperature/top_p on the wire is
     # overridden and counted (sampling="override", metrics: sampling_overridden) or refused with
