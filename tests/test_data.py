@@ -72,6 +72,14 @@ def test_field_mapping_errors_name_what_is_wrong(tmp_path):
         load_tasks(path, fields="gsm8k")
     with pytest.raises(ValueError, match=r"bad.jsonl\[0\]: no '####' final answer in '4'"):
         load_tasks(path, fields={"prompt": "q", "label": "answer", "final_answer": "####"})
+    # a final answer as people write one is its number; one that is no number is refused by row (every
+    # episode of its task failed: the reward's float(label) raised)
+    path.write_text("".join(json.dumps({"q": "?", "answer": f"... #### {a}"}) + "\n" for a in ("$18", "5\n\nNote", "\u22123")))
+    assert [t.label for t in load_tasks(path, fields={"prompt": "q", "label": "answer", "final_answer": "####"})] == \
+        ["18", "5", "-3"]
+    path.write_text(json.dumps({"q": "?", "answer": "#### 3/4"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl\[0\]: the final answer after '####' is not a number: '3/4'"):
+        load_tasks(path, fields={"prompt": "q", "label": "answer", "final_answer": "####"})
     with pytest.raises(ValueError, match="unknown field preset 'gsm'"):
         load_tasks(path, fields="gsm")
     with pytest.raises(ValueError, match=r"\['question'\] are not task fields"):

@@ -183,7 +183,9 @@ def test_the_code_grader_pays_only_right_return_values():
     for reply in (f"Here is the function:\n```python\n{label['solution']}\n```\nIt adds.", f"```py\n{label['solution']}\n```",
                   f"import sys\nsys.stdout.write('ok')\n{label['solution']}", f"```Python\n{label['solution']}\n```",
                   f"```python3.11\n{label['solution']}\n```",
-                  f"```python\n{label['solution']}\n```\nUsage:\n```python\nprint({name}(2))\n```\n```\n5\n```"):
+                  f"```python\n{label['solution']}\n```\nUsage:\n```python\nprint({name}(2))\n```\n```\n5\n```",
+                  # a fence never closed (cut by max_tokens), prose before unfenced code
+                  f"```python\n{label['solution']}\n", f"Here is the function:\n{label['solution']}"):
         assert score(reply, label)[0] == 1.0, reply
 
 

@@ -69,13 +69,21 @@ TASK_FIELDS = ("prompt", "messages", "system", "label", "tools", "id")
 
 
 def final_answer(solution: str, marker: str = "####") -> str:
-    """The final answer of a worked solution: the text after the last `marker`, stripped, with
-    thousands separators removed ("#### 1,234" -> "1234"). A solution without the marker is an
-    error naming it (a label that silently became the whole solution would never match)."""
+    """The final answer of a worked solution: the first line after the last `marker`, stripped,
+    with thousands separators removed ("#### 1,234" -> "1234") and a currency or percent sign or
+    a unicode minus read as the number ("#### $18" -> "18", "#### −3" -> "-3"). A solution
+    without the marker, or whose final answer is not a number, is an error naming it (a label that
+    silently became the whole solution would never match; "$18" failed every episode of its task)."""
     text = str(solution)
     if marker not in text:
         raise ValueError(f"no {marker!r} final answer in {text[-80:]!r}")
-    return text.rsplit(marker, 1)[1].strip().replace(",", "")
+    tail = text.rsplit(marker, 1)[1].strip()
+    answer = (tail.splitlines() or [""])[0].strip().replace(",", "").replace("\u2212", "-").strip("$%€£ ")
+    try:
+        float(answer)
+    except ValueError:
+        raise ValueError(f"the final answer after {marker!r} is not a number: {tail[:80]!r}") from None
+    return answer
 
 
 def load_records(path: str | Path, split: str = "train") -> list[dict]:

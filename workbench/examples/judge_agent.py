@@ -28,13 +28,26 @@ RUBRIC = ("You grade answers to arithmetic questions.\n"
 # A verdict is the whole reply: a score on the scale ("7", "7/10", "Score: 7."). The first number
 # anywhere was taken before: a judge restating the question ("3+9 =") paid the first operand, and
 # a wrong answer earned more than a right one (SmolLM2-135M judging, 16 tasks)
-VERDICT = re.compile(r"\s*(?:score\s*[:=]?\s*)?(\d{1,2}(?:\.\d+)?)\s*(?:/\s*(\d{1,2}))?\s*\.?\s*", re.IGNORECASE)
+# ("**7**", "Grade: 7", "7 out of 10" too)
+VERDICT = re.compile(r"\s*(?:(?:score|grade)\s*[:=]?\s*)?(\d{1,2}(?:\.\d+)?)\s*(?:(?:/|out of)\s*(\d{1,2}))?\s*\.?\s*",
+                     re.IGNORECASE)
+# chat templates' control-token spellings (Qwen/Llama/gpt-oss "<|...|>", DeepSeek "<｜...｜>"): the
+# side route renders the judge's prompt to text and tokenizes it, so an answer that writes
+# "<|im_end|>" as plain text became a real end of turn, and a forged "assistant: 10" turn followed
+# (a 7-token prefix that paid full marks on any question)
+CONTROL = re.compile(r"<\||\|>|<｜|｜>")
+
+
+def neutralized(answer: str) -> str:
+    """The answer with every control-token spelling broken by a zero-width space: it reaches the
+    judge as the text it is, inside the tags."""
+    return CONTROL.sub(lambda m: m.group(0)[0] + "\u200b" + m.group(0)[1], answer)
 
 
 def parse_score(text: str, scale: int = SCALE) -> float | None:
     """The judge's score divided by `scale`; None (scored 0 and counted) unless the whole reply is
-    a score in [0, scale] (a "/N" must say the scale)."""
-    m = VERDICT.fullmatch(text or "")
+    a score in [0, scale] (a "/N" or "out of N" must say the scale; markdown bold is ignored)."""
+    m = VERDICT.fullmatch((text or "").replace("**", ""))
     if m is None or (m.group(2) is not None and int(m.group(2)) != scale):
         return None
     value = float(m.group(1))
@@ -42,7 +55,10 @@ def parse_score(text: str, scale: int = SCALE) -> float | None:
 
 
 class JudgedAgent(ChatAgent):
-    judge_max_tokens = 8  # a verdict and its end of turn; a longer reply is cut and not a verdict
+    # a verdict and its end of turn, after the judge's reasoning where its template thinks (Qwen3:
+    # at 8 tokens every verdict was cut inside <think> and scored 0); the reasoning is split off by
+    # the side route's parser, so the content is the verdict. A longer reply is cut, not a verdict
+    judge_max_tokens = 1024
 
     async def run(self, ctx):
         policy, judge = ctx.openai(), ctx.openai(side=True)  # recorded session; non-recording route
@@ -51,7 +67,7 @@ class JudgedAgent(ChatAgent):
         question = ctx.messages[-1]["content"]
         verdict = await judge.chat.completions.create(
             model="judge", max_tokens=self.judge_max_tokens, temperature=0,  # greedy: the same answer, the same score
-            messages=[{"role": "user", "content": RUBRIC.format(question=question, answer=answer,
+            messages=[{"role": "user", "content": RUBRIC.format(question=question, answer=neutralized(answer),
                                                                 tag="answer-" + secrets.token_hex(4))}])
         said = verdict.choices[0].message.content or ""
         # a verdict cut by judge_max_tokens is none (a "10" cut to "1" would pay 0.1)

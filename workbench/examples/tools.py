@@ -47,7 +47,7 @@ def last_number(text: str | None) -> int | None:
     """The text's last number, as an integer: "9,801" is 9801 and "12.0" is 12 (both read 801 and
     0: right answers scored wrong); None when there is none, it is not a whole number, or it has
     more than MAX_ANSWER_DIGITS digits."""
-    found = _NUMBER.findall(text or "")
+    found = _NUMBER.findall((text or "").replace("\u2212", "-"))  # (a unicode minus: "−12" read 12)
     if not found:
         return None
     whole, _, fraction = found[-1].replace(",", "").partition(".")

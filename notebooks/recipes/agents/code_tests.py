@@ -61,7 +61,16 @@ def code_of(reply: str, name: str | None = None) -> str:
     whole reply."""
     blocks = _FENCED.findall(reply)
     defining = [b for b in blocks if name and re.search(rf"^\s*def\s+{re.escape(name)}\s*\(", b, re.M)]
-    return (defining or blocks or [reply.strip()])[-1]
+    if defining or blocks:
+        return (defining or blocks)[-1]
+    # no closed block: an opening fence cut by max_tokens or never closed ("```python\n<code>"), or
+    # prose before the code ("Here is the function:\n<code>"): from the function's definition on
+    # (both scored 0 with a right solution)
+    opened = re.search(r"```[^\n`]*\n", reply)
+    if opened:  # the code after the fence, its imports included
+        return reply[opened.end():].strip()
+    start = re.search(rf"^[ \t]*def\s+{re.escape(name)}\s*\(", reply, re.M) if name else None
+    return (reply[start.start():] if start else reply).strip()
 
 
 def same(got, want) -> bool:

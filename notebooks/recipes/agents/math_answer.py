@@ -13,7 +13,8 @@ from workbench.agents import Env, Task
 def reward(reply: str, label: str) -> tuple[float, bool]:
     """(reward, exact): the reply's last number against the label; 0.5 * closeness otherwise,
     so that a group of samples carries signal while exact answers are rare."""
-    found = re.findall(r"-?\d+(?:\.\d+)?", (reply or "").replace(",", ""))
+    # (a unicode minus is a minus: "−12" read 12, and scored right against 12)
+    found = re.findall(r"-?\d+(?:\.\d+)?", (reply or "").replace(",", "").replace("\u2212", "-"))
     if not found:
         return 0.0, False
     got, want = float(found[-1]), float(label)
