@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import threading
+import time
 import types
 from math import comb
 
@@ -277,6 +278,29 @@ def test_async_data_next_is_the_first_task_not_started(ray_local):
         assert rollout.started == ["8-1"] and at == 9 and group[0].id == "8-1"
         with stream._lock:
             assert stream.unstarted == 10  # the next task, 8-2 at 10, never started (put back, taken again, ...)
+    finally:
+        stop.set()
+        stream.thread.join()
+    # two started, one taken: a run continued now starts at the second (in flight, not trained): the
+    # first task not started skipped it (up to prompts_per_step x async_lag tasks at every stop)
+    class TwoSlots(OneSlot):
+        def submit_group(self, task, n):
+            if len(self.started) == 2:
+                return None
+            self.started.append(task.id)
+            return ray.put(len(self.started)), "runner"
+
+    stop, rollout = threading.Event(), TwoSlots()
+    stream = GroupStream(rollout, source, LoopConfig(steps=10, prompts_per_step=4, group_size=2, mode="async"),
+                         2, 9, stop)
+    try:
+        group, at, *_ = stream.take()
+        deadline = time.time() + 10
+        while len(rollout.started) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        assert rollout.started == ["8-1", "8-2"] and at == 9 and stream.data_next() == 10 and stream.unstarted == 11
+        stream.take()
+        assert stream.data_next() == 11
     finally:
         stop.set()
         stream.thread.join()

@@ -890,6 +890,7 @@ class GroupStream:
         self.finished: queue.Queue = queue.Queue()
         self._held: dict[int, tuple] = {}  # finished ahead of their turn (async_order "start")
         self._next = 0  # the start number take() hands out next (async_order "start")
+        self._started_at: dict[int, int] = {}  # start number -> its task's data position (not yet taken)
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._produce, name="workbench-rollout", daemon=True)
         self.thread.start()
@@ -923,9 +924,10 @@ class GroupStream:
                         self.tasks.insert(0, (task, at))
                         break
                     inflight[started[0]] = (started[1], task, at, time.time(), self.started)
-                    self.started += 1
                     with self._lock:
+                        self._started_at[self.started] = at
                         self.unstarted = at + 1  # tasks start in the order of their positions
+                    self.started += 1
                 if not inflight:
                     self.stop.wait(0.05)
                     continue
@@ -957,8 +959,21 @@ class GroupStream:
             if self.cfg.async_order == "finish":
                 return item[1:]
             self._held[item[0]] = item[1:]
-        self._next += 1
+        with self._lock:
+            self._started_at.pop(self._next, None)
+            self._next += 1
         return self._held.pop(self._next - 1)
+
+    def data_next(self) -> int:
+        """Where a run continued after the groups taken so far starts: in start order the data
+        position of the next group to take (started or not: the groups taken are the ones started
+        before it, so nothing before it is left and nothing after it was trained; the first task
+        not started skipped up to prompts_per_step x async_lag started tasks at every stop or
+        resume); in finish order the first task not started (those in flight are skipped)."""
+        with self._lock:
+            if self.cfg.async_order == "start":
+                return self._started_at.get(self._next, self.unstarted)
+            return self.unstarted
 
 
 def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
@@ -1014,10 +1029,7 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
         v = oldest_version(g)
         if v is not None:
             per_version[v] = per_version.get(v, 0) + 1
-    # data_next: the next task not yet started (a run continued from it skips those in flight)
-    with stream._lock:
-        data_next = stream.unstarted
-    extra = {"data_position": min(positions), "data_next": data_next,
+    extra = {"data_position": min(positions), "data_next": stream.data_next(),
              "groups_dropped_stale": stale, "groups_per_version": dict(sorted(per_version.items())),
              "episodes_spanning_versions": sum(len(_sampled_versions([t])) > 1 for g in trained for t in g),
              # a group whose episodes were sampled at several versions: its advantages compare rewards
