@@ -432,6 +432,27 @@ def test_an_engine_that_kept_its_previous_weights_fails_a_wide_tolerance():
     tiny = before + rng.normal(scale=0.005, size=48)  # a step below the precision gap: nothing to tell, passes
     assert check_probe(engine_before + gap(), tiny, 1.0, 2, engine_before, before) < 1.0
 
+
+
+def test_a_probe_position_alone_off_is_a_router_flip_not_a_failed_sync(capsys):
+    """fp32 engine and trainer: one of the 47 probe positions 0.0085 off (an MoE router near-tie
+    flipped by rounding), every other within 1e-5: the quickstart's run stopped at step 17 with a
+    WeightSyncError. One position alone is said and left out of the measure; two, or an engine
+    that does not serve the new weights (every position moved), still fail."""
+    from workbench.rollout.engine import WeightSyncError, check_probe
+
+    rng = np.random.default_rng(1)
+    expected = list(-5 + rng.normal(size=47))
+    got = [x + 1e-6 for x in expected]
+    got[15] += 0.0085
+    assert check_probe(got, expected, 1e-3, 19) < 1e-5
+    assert "probe position 15 of 47 differs from the trainer's by 0.0085" in capsys.readouterr().err
+    got[30] += 0.0085
+    with pytest.raises(WeightSyncError, match="at 2 of 47 probe positions"):
+        check_probe(got, expected, 1e-3, 19)
+    with pytest.raises(WeightSyncError, match="at 47 of 47"):
+        check_probe([x + 0.01 for x in expected], expected, 1e-3, 19)
+
 # ----------------------------------------------------------------------------- context and sampling
 def test_an_episode_that_outgrows_the_context_is_truncated_not_failed(rollout_for, vllm_moe):
     """The runner's context (max_model_len=160) comes from configuration: long_env's turns of
