@@ -60,6 +60,26 @@ def test_overlong_shaping_changes_the_advantages():
     assert zero_variance(groups[0]) and not zero_variance(groups[0], overlong=on.overlong())
 
 
+def test_a_step_where_every_episode_failed_is_recorded_without_an_update(capsys):
+    """Every episode of a step timed out and was dropped (on_failed="drop"): batch_from_groups
+    found nothing to train and the whole run stopped (a dead runner's groups too, which run() says
+    fail only their episodes). The step is recorded without an update or a sync."""
+    from workbench.loop import _train_on
+
+    class Trainer:
+        version = 5
+
+        def train_step(self, batch):
+            raise AssertionError("nothing to train on: no update")
+
+    groups = [[episode(0.0, error="episode timed out after 300 s") for _ in range(2)]]
+    m, sync_error = _train_on(Trainer(), [], groups, LoopConfig(), 7, 0.0, 1.0)
+    assert sync_error is None and m["step"] == 7 and m["version"] == 5 and m["updates_skipped"] == 1
+    assert m["failed_episodes"] == 2 and m["dropped_episodes"] == 2 and math.isnan(m["reward_mean"])
+    assert m["failure_reasons"] == {"episode timed out after 300 s": 2} and m["signal_tokens_trained"] == 0
+    assert "step 7 had no trainable episode" in capsys.readouterr().err
+
+
 def test_window_mean_skips_steps_that_measured_nothing():
     """The notebooks' summaries: a step where no episode finished (reward_mean NaN) made the mean
     NaN, written into results.json as a bare NaN (not JSON); it is left out, None when all are."""

@@ -21,6 +21,7 @@ import contextlib
 import math
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -191,6 +192,15 @@ def zero_variance(group: list[Trajectory], on_failed: str = "drop", on_truncated
     return all(abs(r - mean) <= tol for rule, r in kept if rule != "mask")
 
 
+class NothingToTrain(RuntimeError):
+    """A batch without one trainable segment (every episode failed and was dropped, say): `info`
+    holds batch_from_groups' counts. The loop records such a step without an update."""
+
+    def __init__(self, message: str, info: dict):
+        super().__init__(message)
+        self.info = info
+
+
 def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: int = 0, on_failed: str = "drop",
                       on_truncated: str = "keep", overlong: tuple | None = None,
                       teacher: dict | None = None, temperature: float | None = None) -> tuple[dict, dict]:
@@ -241,8 +251,8 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
         info["overlong_penalized"] = sum(p > 0 for p in penalties)
         info["overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
     if not segments:
-        raise RuntimeError(f"no trainable segment in this batch: every episode was dropped, masked or sampled nothing "
-                           f"({info})")
+        raise NothingToTrain(f"no trainable segment in this batch: every episode was dropped, masked or sampled nothing "
+                             f"({info})", info)
     if temperature is not None:
         other = sorted({t for s in segments for t in s.stats.get("temperatures", ()) if abs(t - temperature) > 1e-6})
         if other:
@@ -660,7 +670,8 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
 
     Faults: an engine that dies is dropped from `engines` (in place) and the run goes on with the
     others (its in-flight requests were retried on them by the runners' routers); a rollout runner
-    that dies fails the episodes it was running (Rollout.run_groups) and the run goes on; a trainer
+    that dies fails the episodes it was running (Rollout.run_groups) and the run goes on (a step
+    none of whose episodes trains is recorded without an update: NothingToTrain); a trainer
     rank that dies stops the run with TrainerRankDied (TrainerWatch), with the trainer group killed
     so that nothing waits in a collective."""
     check_staleness(trainer, cfg)
@@ -1133,8 +1144,26 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     """Train on the groups and sync the engines: (the step's metrics, the sync's error or None).
     A failed sync is returned, not raised: the step trained, and _after_step records it first."""
     t1 = time.time()
-    batch, info = batch_from_groups(groups, cfg.advantage, **cfg.episode_rules(), teacher=teacher,
-                                    temperature=getattr(getattr(trainer, "cfg", None), "temperature", None))
+    reasons: dict[str, int] = {}  # why episodes failed: the first line of each error, counted
+    for t in (t for g in groups for t in g if t.error is not None):
+        line = (t.error.strip().splitlines() or ["?"])[0][:200]
+        reasons[line] = reasons.get(line, 0) + 1
+    try:
+        batch, info = batch_from_groups(groups, cfg.advantage, **cfg.episode_rules(), teacher=teacher,
+                                        temperature=getattr(getattr(trainer, "cfg", None), "temperature", None))
+    except NothingToTrain as e:
+        # every episode failed (timed out, say) and was dropped: the step is recorded without an
+        # update or a sync (the weights did not change); it stopped the whole run, a dead runner's
+        # groups too, which run() says fail only their episodes
+        print(f"workbench: step {step} had no trainable episode ({sum(reasons.values())} failed: "
+              f"{next(iter(reasons), 'none')}): recorded without an update", file=sys.stderr)
+        now = time.time()
+        return {"step": step, "version": trainer.version, "mode": cfg.mode, "sync_tol": cfg.sync_tol,
+                "on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated, **reward_statistics(groups), **e.info,
+                "failure_reasons": reasons, "engines": len(engines), "engines_lost": 0, "signal_tokens": 0,
+                "signal_tokens_trained": 0, "updates_skipped": 1, "rollout_s": r1 - r0, "batch_s": now - t1,
+                "train_s": now - t1, "sync_s": 0.0, "step_s": now - min(r0, t1), "rollout_start": r0,
+                "rollout_end": r1, "train_start": t1, "train_end": now}, None
     tb = time.time()
     stats = trainer.train_step(batch)
     t2 = time.time()
@@ -1143,10 +1172,6 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         reports, sync_error = sync_engines(trainer, engines, cfg.sync_tol, lost), None
     except Exception as e:
         reports, sync_error = [], e
-    reasons: dict[str, int] = {}  # why episodes failed: the first line of each error, counted
-    for t in (t for g in groups for t in g if t.error is not None):
-        line = (t.error.strip().splitlines() or ["?"])[0][:200]
-        reasons[line] = reasons.get(line, 0) + 1
     return {
         "step": step, "version": stats["version"], "mode": cfg.mode,
         # the settings the audit holds the step to (wb.run's overrides; config.json has the session's)
