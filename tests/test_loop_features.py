@@ -153,6 +153,9 @@ class FakeStream:
     def allow(self, replace=0):
         self.allowed += replace
 
+    def data_next(self):
+        return self.unstarted
+
 
 def test_async_dynamic_sampling_past_its_budget_trains_what_a_sync_step_trains():
     """Past the filter's budget a sync step trains only the groups it kept (ds_short counts the
