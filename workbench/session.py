@@ -174,7 +174,7 @@ class WorkbenchConfig:
             # and refuses t > 2 on every request (the run would train on nothing)
             raise ConfigError(f"temperature must be in [0.01, 2] (vLLM's range for sampling; the trainer computes "
                               f"log-probs at it), got {self.temperature!r}")
-        if self.trainer.temperature not in (1.0, self.temperature):
+        if getattr(self.trainer, "temperature", 1.0) not in (1.0, self.temperature):
             # the session's temperature is the trainer's (its log-probs are computed at the temperature
             # the engines sample at): a trainer temperature of its own was replaced, silently
             raise ConfigError(f"trainer.temperature={self.trainer.temperature} differs from temperature="
