@@ -33,7 +33,7 @@ import torch
 from .agents import Task
 from .rollout.actor import sync_weights
 from .rollout.engine import probe_ids
-from .tokens import Trajectory, training_tensors
+from .tokens import Trajectory, segment_stats, training_tensors
 from .trainer.losses import ADVANTAGES, EQUAL_REWARDS_TOL, PER_TOKEN_ADVANTAGES, AdvantageInput, get_advantage
 
 MODES = ("sync", "async")
@@ -225,9 +225,9 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
             "zero_variance_groups": sum(zero_variance(g, on_failed, on_truncated, overlong) for g in groups)}
     # invariant 1's measurements, over every episode of the step (the audit's, which read them only
     # from trajectories/: a run directory copied without those files audited clean)
-    info.update(identity_mismatch=sum(s.stats.get("identity_mismatch", 0) for g in groups for t in g for s in t.segments),
-                retokenization_drift=sum(s.stats.get("retokenization_drift", 0) for g in groups for t in g for s in t.segments),
-                unexpected_seals=sum(s.seal_reason not in (None, "episode_end") for g in groups for t in g for s in t.segments))
+    totals = segment_stats([s for g in groups for t in g for s in t.segments])
+    info.update(identity_mismatch=totals["identity_mismatch"], retokenization_drift=totals["retokenization_drift"],
+                unexpected_seals=sum(n for reason, n in totals["seals"].items() if reason != "episode_end"))
     penalties = []
     for gi, group in enumerate(groups):
         for t in group:
@@ -1148,6 +1148,20 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     for t in (t for g in groups for t in g if t.error is not None):
         line = (t.error.strip().splitlines() or ["?"])[0][:200]
         reasons[line] = reasons.get(line, 0) + 1
+    record = {
+        "step": step, "mode": cfg.mode,
+        # the settings the audit holds the step to (wb.run's overrides; config.json has the session's)
+        "sync_tol": cfg.sync_tol, "on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated,
+        # the staleness the async loop admits (the audit holds the step to it; a sync step's is 0)
+        **({"async_lag": cfg.async_lag, "async_order": cfg.async_order} if cfg.mode == "async" else {}),
+        **reward_statistics(groups), "failure_reasons": reasons, "engines": len(engines)}
+
+    def timed(tb: float, t2: float) -> dict:
+        # train_s holds batch_s (the batch built on the driver); step_s - the rest: the driver's own records
+        return {"rollout_s": r1 - r0, "batch_s": tb - t1, "train_s": t2 - t1, "sync_s": time.time() - t2,
+                "step_s": time.time() - min(r0, t1), "rollout_start": r0, "rollout_end": r1, "train_start": t1,
+                "train_end": t2}
+
     try:
         batch, info = batch_from_groups(groups, cfg.advantage, **cfg.episode_rules(), teacher=teacher,
                                         temperature=getattr(getattr(trainer, "cfg", None), "temperature", None))
@@ -1158,12 +1172,8 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         print(f"workbench: step {step} had no trainable episode ({sum(reasons.values())} failed: "
               f"{next(iter(reasons), 'none')}): recorded without an update", file=sys.stderr)
         now = time.time()
-        return {"step": step, "version": trainer.version, "mode": cfg.mode, "sync_tol": cfg.sync_tol,
-                "on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated, **reward_statistics(groups), **e.info,
-                "failure_reasons": reasons, "engines": len(engines), "engines_lost": 0, "signal_tokens": 0,
-                "signal_tokens_trained": 0, "updates_skipped": 1, "rollout_s": r1 - r0, "batch_s": now - t1,
-                "train_s": now - t1, "sync_s": 0.0, "step_s": now - min(r0, t1), "rollout_start": r0,
-                "rollout_end": r1, "train_start": t1, "train_end": now}, None
+        return {**record, "version": trainer.version, **e.info, "engines_lost": 0, "signal_tokens": 0,
+                "signal_tokens_trained": 0, "updates_skipped": 1, **timed(now, now)}, None
     tb = time.time()
     stats = trainer.train_step(batch)
     t2 = time.time()
@@ -1173,18 +1183,8 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     except Exception as e:
         reports, sync_error = [], e
     return {
-        "step": step, "version": stats["version"], "mode": cfg.mode,
-        # the settings the audit holds the step to (wb.run's overrides; config.json has the session's)
-        "sync_tol": cfg.sync_tol, "on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated,
-        # the staleness the async loop admits (the audit holds the step to it; a sync step's is 0)
-        **({"async_lag": cfg.async_lag, "async_order": cfg.async_order} if cfg.mode == "async" else {}),
-        **reward_statistics(groups),
-        **info, "failure_reasons": reasons, "engines": len(engines), "engines_lost": len(lost),
-        **step_statistics(stats),
+        **record, "version": stats["version"], **info, "engines_lost": len(lost), **step_statistics(stats),
         "sync_max_abs_diff": max((r.probe_max_abs_diff for r in reports), default=None),
         **({"sync_error": f"{type(sync_error).__name__}: {sync_error}"} if sync_error is not None else {}),
-        # train_s holds batch_s (the batch built on the driver); step_s - the rest: the driver's own records
-        "rollout_s": r1 - r0, "batch_s": tb - t1, "train_s": t2 - t1, "sync_s": time.time() - t2,
-        "step_s": time.time() - min(r0, t1),
-        "rollout_start": r0, "rollout_end": r1, "train_start": t1, "train_end": t2,
+        **timed(tb, t2),
     }, sync_error
