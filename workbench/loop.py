@@ -1154,7 +1154,7 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         "sync_tol": cfg.sync_tol, "on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated,
         # the staleness the async loop admits (the audit holds the step to it; a sync step's is 0)
         **({"async_lag": cfg.async_lag, "async_order": cfg.async_order} if cfg.mode == "async" else {}),
-        **reward_statistics(groups), "failure_reasons": reasons, "engines": len(engines)}
+        **reward_statistics(groups), "failure_reasons": reasons}
 
     def timed(tb: float, t2: float) -> dict:
         # train_s holds batch_s (the batch built on the driver); step_s - the rest: the driver's own records
@@ -1172,7 +1172,7 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         print(f"workbench: step {step} had no trainable episode ({sum(reasons.values())} failed: "
               f"{next(iter(reasons), 'none')}): recorded without an update", file=sys.stderr)
         now = time.time()
-        return {**record, "version": trainer.version, **e.info, "engines_lost": 0, "signal_tokens": 0,
+        return {**record, "version": trainer.version, **e.info, "engines": len(engines), "engines_lost": 0, "signal_tokens": 0,
                 "signal_tokens_trained": 0, "updates_skipped": 1, **timed(now, now)}, None
     tb = time.time()
     stats = trainer.train_step(batch)
@@ -1183,7 +1183,9 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     except Exception as e:
         reports, sync_error = [], e
     return {
-        **record, "version": stats["version"], **info, "engines_lost": len(lost), **step_statistics(stats),
+        # (the engines left after the sync, which drops a dead one from `engines`)
+        **record, "version": stats["version"], **info, "engines": len(engines), "engines_lost": len(lost),
+        **step_statistics(stats),
         "sync_max_abs_diff": max((r.probe_max_abs_diff for r in reports), default=None),
         **({"sync_error": f"{type(sync_error).__name__}: {sync_error}"} if sync_error is not None else {}),
         **timed(tb, t2),
