@@ -116,7 +116,8 @@ SANDBOX_UIDS = range(1_000_000, 2_000_000)
 # calls newer than some libseccomp releases (2.5.4 cannot name setxattrat, which kernel 6.13+ has:
 # skipped by name, the filter let it through), filtered by number where the name is unknown; since
 # Linux 5.1 (number 424) a new call has one number on every architecture
-NEWER_SYSCALLS = {"setxattrat": 463}
+NEWER_SYSCALLS = {"setxattrat": 463, "memfd_secret": 447, "process_madvise": 440, "pidfd_getfd": 438,
+                  "pidfd_open": 434, "pidfd_send_signal": 424}
 
 
 @functools.lru_cache(maxsize=1)
@@ -146,7 +147,17 @@ def _seccomp_program() -> bytes:
               "shmget", "shmat", "msgget", "msgsnd", "semget", "mq_open",
               # extended attributes live in kernel memory, outside RLIMIT_AS and the tmpfs size: 2 GiB of
               # user.* attributes on /tmp in 0.8 s under a 64 MiB limit (host slab +4 GiB)
-              "setxattr", "lsetxattr", "fsetxattr", "setxattrat")]
+              "setxattr", "lsetxattr", "fsetxattr", "setxattrat",
+              # memfd_secret's pages stay with its file after munmap, outside RLIMIT_AS (1 GiB held under a
+              # 64 MiB limit where no memory cgroup bounds it), as memfd_create's would
+              "memfd_secret",
+              # another process's descriptors and memory: rootless, the sandbox's pid 1 (bwrap) runs as the
+              # code's own uid, and pidfd_getfd took its descriptors (its exit-status eventfd among them)
+              "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "kcmp", "process_madvise",
+              # inotify instances count against the caller's uid (rootless: the runner's own, 128 of them:
+              # its next inotify_init failed while the sandbox lived), and a watch on the read-only binds
+              # saw the host's file activity
+              "inotify_init", "inotify_init1")]
     rules.append(("clone", deny(errno.EPERM), Cmp(0, 7, 0x10000, 0)))  # (flags & CLONE_THREAD) == 0
     # socket(family, ...): AF_UNIX 1 and AF_NETLINK 16 (glibc's getaddrinfo reads interfaces through
     # it; it sees only the sandbox's network namespace); others refused. AF_INET 2 and AF_INET6 10
@@ -156,6 +167,10 @@ def _seccomp_program() -> bytes:
     eq, ge = 4, 5  # SCMP_CMP_EQ, SCMP_CMP_GE
     rules += [("socket", deny(errno.EAFNOSUPPORT), Cmp(0, eq, f, 0)) for f in (0, *range(2, 16))]
     rules.append(("socket", deny(errno.EAFNOSUPPORT), Cmp(0, ge, 17, 0)))
+    # of netlink, NETLINK_ROUTE (protocol 0) only: as root the sandbox's network namespace belongs to
+    # the initial user namespace, and NETLINK_KOBJECT_UEVENT (15) then delivered the host's device events
+    ne = 1  # SCMP_CMP_NE
+    rules.append(("socket", deny(errno.EPROTONOSUPPORT), (Cmp(0, eq, 16, 0), Cmp(2, ne, 0, 0))))
     rules.append(("clone3", deny(errno.ENOSYS), None))  # its flags are behind a pointer; glibc falls back to clone
     ctx = lib.seccomp_init(allow)
     fd = os.memfd_create("seccomp")
@@ -164,7 +179,8 @@ def _seccomp_program() -> bytes:
             nr = lib.seccomp_syscall_resolve_name(name.encode())
             if nr < 0 and name in NEWER_SYSCALLS:  # a libseccomp older than the call
                 nr = NEWER_SYSCALLS[name]
-            rc = lib.seccomp_rule_add_array(ctx, action, nr, int(cmp is not None), ctypes.byref(cmp) if cmp else None)
+            cmps = () if cmp is None else cmp if isinstance(cmp, tuple) else (cmp,)  # (several: all must hold)
+            rc = lib.seccomp_rule_add_array(ctx, action, nr, len(cmps), (Cmp * len(cmps))(*cmps) if cmps else None)
             if rc < 0:
                 raise SandboxUnavailable(f"libseccomp: cannot add a rule for {name} ({os.strerror(-rc)})")
         if lib.seccomp_export_bpf(ctx, fd) < 0:
