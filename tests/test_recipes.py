@@ -185,8 +185,16 @@ def test_the_code_grader_pays_only_right_return_values():
                   f"```python3.11\n{label['solution']}\n```",
                   f"```python\n{label['solution']}\n```\nUsage:\n```python\nprint({name}(2))\n```\n```\n5\n```",
                   # a fence never closed (cut by max_tokens), prose before unfenced code
-                  f"```python\n{label['solution']}\n", f"Here is the function:\n{label['solution']}"):
+                  f"```python\n{label['solution']}\n", f"Here is the function:\n{label['solution']}",
+                  # unfenced code with an explanation after it (a SyntaxError: scored 0)
+                  f"{label['solution']}\n\nThis function does what was asked.",
+                  f"Here it is:\n{label['solution']}\nIt runs in O(1)."):
         assert score(reply, label)[0] == 1.0, reply
+    # a reply of newlines: the block search was quadratic (\s* from every line start; 3 s at 40,000
+    # newlines, in the runner's thread); now linear, and it finds nothing to pass
+    from code_tests import code_of
+
+    assert code_of("```python\n" + "\n" * 200_000 + "```", name).strip() == ""
 
 
 def test_judge_reward(execute, tmp_path):

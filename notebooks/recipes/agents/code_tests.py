@@ -6,6 +6,7 @@ For your own task: tasks() (the prompt, the function's name, the tests) and noth
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import random
@@ -60,7 +61,9 @@ def code_of(reply: str, name: str | None = None) -> str:
     an output block around it, as real models write them), else its last fenced block, else the
     whole reply."""
     blocks = _FENCED.findall(reply)
-    defining = [b for b in blocks if name and re.search(rf"^\s*def\s+{re.escape(name)}\s*\(", b, re.M)]
+    # ([ \t]*, not \s*: from every line start \s* ran on over the newlines after it, quadratic, in the
+    # runner's thread: 40,000 newlines took 3 s, every episode of the runner stalled behind it)
+    defining = [b for b in blocks if name and re.search(rf"^[ \t]*def\s+{re.escape(name)}\s*\(", b, re.M)]
     if defining or blocks:
         return (defining or blocks)[-1]
     # no closed block: an opening fence cut by max_tokens or never closed ("```python\n<code>"), or
@@ -70,7 +73,34 @@ def code_of(reply: str, name: str | None = None) -> str:
     if opened:  # the code after the fence, its imports included
         return reply[opened.end():].strip()
     start = re.search(rf"^[ \t]*def\s+{re.escape(name)}\s*\(", reply, re.M) if name else None
-    return (reply[start.start():] if start else reply).strip()
+    return _parsable_head((reply[start.start():] if start else reply).strip())
+
+
+def _parsable_head(code: str, tries: int = 50) -> str:
+    """`code`, or where it does not parse, its longest head ending before a line at the top level
+    that does: unfenced code with an explanation after it ("def f(x): ...\n\nThis function
+    returns ...") was a SyntaxError, a right solution scored 0."""
+    def parses(text: str) -> bool:
+        try:
+            ast.parse(text)
+            return True
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return False
+
+    try:
+        ast.parse(code)
+        return code
+    except SyntaxError as e:
+        if "null bytes" in str(e) or "surrogate" in str(e):
+            return code  # no head of it is the reply's code: the sandbox's interpreter refuses it whole
+    except (ValueError, RecursionError, MemoryError):  # (a NUL byte, a lone surrogate, nesting)
+        return code
+    lines = code.splitlines(keepends=True)
+    cuts = [i for i in range(len(lines) - 1, 0, -1) if lines[i][:1] not in ("", " ", "\t", "\n", "\r")]
+    for i in cuts[:tries]:
+        if parses("".join(lines[:i])):
+            return "".join(lines[:i])
+    return code
 
 
 def same(got, want) -> bool:
