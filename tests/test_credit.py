@@ -5,6 +5,7 @@ follow the loop's setting. Constructed trajectories, hand-computed values."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -211,13 +212,27 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
     import asyncio
 
     from workbench.examples.arithmetic_env import ArithmeticEnv
-    from workbench.examples.tools import calc, last_number
+    from workbench.examples.tools import calc, answer_number
 
     assert calc("2+3*4") == "14" and calc("-" * 6000 + "1").startswith("error") and calc("~" * 6000 + "1").startswith("error")
-    assert last_number("so 41 or 42") == 42 and last_number("9" * 5000) is None and last_number("no number") is None
+    assert answer_number("so 41 or 42") == 42 and answer_number("9" * 5000) is None and answer_number("no number") is None
     # as a model writes numbers: right answers read wrong ("9,801" was 801, "12.0" was 0)
-    assert (last_number("The answer is 9,801."), last_number("12.0"), last_number("12.5"), last_number("1,2,3")) == \
+    assert (answer_number("The answer is 9,801."), answer_number("12.0"), answer_number("12.5"), answer_number("1,2,3")) == \
         (9801, 12, None, 3)
+    # the marked answer first, then the last number (each of these read a wrong number before)
+    for text, want in (("The answer is 18. Check: 20 - 2 = 18 and 18 / 2 = 9", 18), ("Answer: 18 (9 x 2)", 18),
+                       ("The area is 18 m^2.", 18), ("\\boxed{1{,}234}", 1234), ("1\\,234 apples", 1234),
+                       ("It takes 2-3 days", 3), ("x = -3", -3), ("#### 72", 72), ("so the answer is \u221212", -12)):
+        assert answer_number(text) == want, text
+    # the math recipe's reward reads the same way; a list of numbers is no one number ("3,4,5" read 345)
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks" / "recipes" / "agents"))
+    from math_answer import reward
+
+    assert reward("The sides are 3,4,5.", "345")[1] is False
+    assert reward("The answer is 18. Check: 18 / 2 = 9", "18") == (1.0, True)
+    assert reward("\\boxed{1{,}234}", "1234") == (1.0, True) and reward("no number", "3") == (0.0, False)
     env = ArithmeticEnv()
     asyncio.run(env.reset(type("T", (), {"label": 7, "messages": []})()))
     for text, reward in (("7", 1.0), ("9" * 5000, 0.0), ("8", 0.45)):

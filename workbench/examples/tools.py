@@ -39,18 +39,38 @@ MAX_EXPRESSION_CHARS = 256
 MAX_ANSWER_DIGITS = 30  # int() refuses over 4300 digits (a ValueError failed, so dropped, the episode)
 
 
-# a number as a model writes one: thousands separated by commas (9,801), a decimal part (12.0)
-_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
+# a number as a model writes one: thousands separated by commas (9,801), a decimal part (12.0); a
+# minus only where no word or digit comes before it ("2-3 days" is 2 and 3, not 2 and -3)
+_NUMBER = re.compile(r"(?:(?<![\w.-])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+# where a reply says which number is its answer: the last of these, its first number
+_MARKED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}|####[ \t]*([^\n]*)|\banswer\b[ \t]*(?:is|:|=)[ \t]*([^\n]*)",
+                     re.I)
 
 
-def last_number(text: str | None) -> int | None:
-    """The text's last number, as an integer: "9,801" is 9801 and "12.0" is 12 (both read 801 and
-    0: right answers scored wrong); None when there is none, it is not a whole number, or it has
-    more than MAX_ANSWER_DIGITS digits."""
-    found = _NUMBER.findall((text or "").replace("\u2212", "-"))  # (a unicode minus: "−12" read 12)
-    if not found:
+def answer_text(text: str | None) -> str | None:
+    """The number a reply gives as its answer, as written without thousands separators: the first
+    number of its last marked answer (\\boxed{...}, "#### ...", "answer is ..." / "Answer: ..."),
+    else its last number; None when it has none. Read by the marker first: "The answer is 18.
+    Check: 20 - 2 = 18 and 18 / 2 = 9" and "Answer: 18 (9 x 2)" read 9 and 2 by their last number.
+    LaTeX separators ("1{,}234", "1\\,234") and thin spaces are thousands separators; an exponent
+    after a unit ("18 m^2") is no number; a unicode minus is a minus ("-12" read 12)."""
+    text = (text or "").replace("\u2212", "-").replace("{,}", ",")
+    text = re.sub(r"(?<=\d)(?:\\,|[\u2009\u202f])(?=\d{3}(?!\d))", ",", text)
+    text = re.sub(r"(?<=[A-Za-z])(?:\^\{?\d+\}?|[\u00b2\u00b3])", "", text)
+    marked = [next(g for g in m.groups() if g is not None) for m in _MARKED.finditer(text)]
+    found = _NUMBER.findall(marked[-1]) if marked else []
+    found = found[:1] or _NUMBER.findall(text)[-1:]
+    return found[0].replace(",", "") if found else None
+
+
+def answer_number(text: str | None) -> int | None:
+    """The reply's answer (answer_text) as an integer: "9,801" is 9801 and "12.0" is 12 (both read
+    801 and 0: right answers scored wrong); None when there is none, it is not a whole number, or
+    it has more than MAX_ANSWER_DIGITS digits."""
+    found = answer_text(text)
+    if found is None:
         return None
-    whole, _, fraction = found[-1].replace(",", "").partition(".")
+    whole, _, fraction = found.partition(".")
     if len(whole.lstrip("-")) > MAX_ANSWER_DIGITS or fraction.strip("0"):
         return None
     return int(whole)

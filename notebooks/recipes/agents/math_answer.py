@@ -5,19 +5,19 @@ the reward here and the file's field mapping in the recipe (workbench.data.load_
 
 from __future__ import annotations
 
-import re
-
 from workbench.agents import Env, Task
+from workbench.examples.tools import answer_text
 
 
 def reward(reply: str, label: str) -> tuple[float, bool]:
-    """(reward, exact): the reply's last number against the label; 0.5 * closeness otherwise,
-    so that a group of samples carries signal while exact answers are rare."""
-    # (a unicode minus is a minus: "−12" read 12, and scored right against 12)
-    found = re.findall(r"-?\d+(?:\.\d+)?", (reply or "").replace(",", "").replace("\u2212", "-"))
-    if not found:
+    """(reward, exact): the reply's answer (its marked answer's number, else its last number:
+    workbench.examples.tools.answer_text) against the label; 0.5 * closeness otherwise, so that a
+    group of samples carries signal while exact answers are rare."""
+    # (every comma was dropped: "3,4,5" read 345, paid as one number)
+    found = answer_text(reply)
+    if found is None:
         return 0.0, False
-    got, want = float(found[-1]), float(label)
+    got, want = float(found), float(label)
     if got == want:
         return 1.0, True
     return 0.5 * max(0.0, 1.0 - abs(got - want) / max(10.0, abs(want))), False
