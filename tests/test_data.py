@@ -135,3 +135,56 @@ def test_task_records_keep_what_they_say():
     tools[0]["function"]["name"] = "changed"
     assert b.tools == [{"type": "function", "function": {"name": "f"}}] == task.tools
     assert a.tools is tools and len(a.tools) == 2  # within its episode, the agent's changes stay
+
+
+def test_held_out_tasks_and_prompt_columns(tmp_path):
+    """A `datasets` directory of train and test splits given as eval_tasks was read as its "train"
+    split: the held-out pass@k ran on the training problems. A column named `messages` beside a
+    field mapping (an SFT mirror of GSM8K: the worked answer in its assistant turn) took over
+    the prompt from fields="gsm8k" and its template: the solution was in the prompt."""
+    import datasets
+
+    from workbench.session import ConfigError, _eval_tasks
+
+    def rows(kind: str, n: int) -> list[dict]:
+        return [{"question": f"{kind} q{i}", "answer": f"#### {i}"} for i in range(n)]
+
+    two = tmp_path / "two"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows("train", 4)),
+                          "test": datasets.Dataset.from_list(rows("test", 2))}).save_to_disk(str(two))
+    assert [t.messages[0]["content"] for t in _eval_tasks({"path": str(two), "fields": "gsm8k"})] == ["test q0", "test q1"]
+    assert [t.messages[0]["content"] for t in _eval_tasks({"path": str(two), "fields": "gsm8k", "split": "train"})][0] == "train q0"
+    three = tmp_path / "three"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows("train", 2)),
+                          "validation": datasets.Dataset.from_list(rows("val", 2)),
+                          "other": datasets.Dataset.from_list(rows("other", 2))}).save_to_disk(str(three))
+    with pytest.raises(ConfigError, match="name the held-out one"):
+        _eval_tasks({"path": str(three), "fields": "gsm8k"})
+    # training reads "train" as before
+    assert [t.messages[0]["content"] for t in TaskDataset.from_file(two, fields="gsm8k", shuffle=False).tasks][0] == "train q0"
+
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text(json.dumps({"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7",
+                               "messages": [{"role": "user", "content": "Tom?"},
+                                            {"role": "assistant", "content": "3 + 4 = 7\n#### 7"}]}) + "\n")
+    for kwargs in ({"fields": "gsm8k"}, {"fields": {"label": "answer", "final_answer": "####"}, "template": "Q: {question}"}):
+        t = load_tasks(sft, **kwargs)[0]
+        assert [m["role"] for m in t.messages] == ["user"] and "7" not in t.messages[0]["content"], kwargs
+        assert t.label == "7" and t.info["messages"][1]["role"] == "assistant"
+    assert [m["role"] for m in load_tasks(sft)[0].messages] == ["user", "assistant"]  # no mapping: the columns are the fields
+
+
+def test_the_sessions_seed_picks_the_agent_files_tasks():
+    """The agent file's tasks(n, seed) got the data position as its seed whatever the session's
+    seed: every seed of a sweep drew the same tasks (a data file's shuffle did follow it). Mixed
+    in now, positional still, and seed 0 draws what it always drew."""
+    from workbench.agents import load_agent
+    from workbench.examples.arithmetic_env import tasks
+    from workbench.session import DEFAULT_AGENT, _task_source
+
+    spec = load_agent(DEFAULT_AGENT)
+    prompts = {seed: [t.messages[-1]["content"] for t in _task_source(None, spec, seed)(16, 32)] for seed in (0, 1, 2)}
+    assert prompts[0] == [t.messages[-1]["content"] for t in tasks(16, 32)]
+    assert prompts[0] != prompts[1] != prompts[2] != prompts[0]
+    again = _task_source(None, spec, 1)
+    assert [t.messages[-1]["content"] for t in again(16, 32)] == prompts[1]  # a function of (seed, position)

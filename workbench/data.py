@@ -131,6 +131,23 @@ def load_records(path: str | Path, split: str = "train") -> list[dict]:
                      f"datasets.save_to_disk directory")
 
 
+def held_out_split(path: str | Path) -> str:
+    """The split held-out tasks are read from when none is named: a `datasets` directory of several
+    splits gives its "test" split (its "train" split was read: the held-out evaluation ran on the
+    training problems), one of a single split that split; a file has no splits ("train", unread)."""
+    path = Path(path)
+    meta = path / "dataset_dict.json"
+    if not (path.is_dir() and meta.is_file()):
+        return "train"
+    splits = json.loads(meta.read_text()).get("splits") or []
+    if "test" in splits:
+        return "test"
+    if len(splits) == 1:
+        return splits[0]
+    raise ValueError(f"{path} holds the splits {splits}: name the held-out one, e.g. "
+                     f"{{'path': {str(path)!r}, 'split': {splits[-1]!r}}}")
+
+
 def load_tasks(path: str | Path, fields: str | dict | None = None, template: str | None = None,
                split: str = "train", limit: int | None = None) -> list[Task]:
     """Tasks from a local data file (see load_records) with a field mapping.
@@ -164,6 +181,11 @@ def load_tasks(path: str | Path, fields: str | dict | None = None, template: str
         if missing:
             raise ValueError(f"{where}: no column(s) {missing} for fields={fields!r}; the row has {sorted(row)}")
         record = {k: v for k, v in row.items() if k not in mapping.values() and v is not None}
+        # where the mapping or the template makes the prompt, a column named like a prompt field is
+        # data (info), not a second prompt: an SFT mirror's `messages` column (the worked answer in
+        # its assistant turn) took over from fields="gsm8k" and its template, the solution in the prompt
+        aside = {k: record.pop(k) for k in ("messages", "prompt") if k in record and k not in mapping and (
+            template is not None or {"messages", "prompt"} & set(mapping))}
         record.update({field: row[col] for field, col in mapping.items()})
         if template is not None:
             try:
@@ -177,7 +199,9 @@ def load_tasks(path: str | Path, fields: str | dict | None = None, template: str
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
         record.setdefault("id", f"{path.stem}:{i}")
-        tasks.append(task_from_record(record, where))
+        task = task_from_record(record, where)
+        task.info.update(aside)
+        tasks.append(task)
     return tasks
 
 

@@ -1075,7 +1075,17 @@ def _task_source(tasks, spec, seed: int = 0) -> Callable[[int, int], list[Task]]
     if tasks is None:
         if spec.tasks is None:
             raise ConfigError(f"agent file {spec.path!r} has no tasks(n, seed) function: pass tasks= (a list or a callable)")
-        return spec.tasks
+        if not seed:
+            return spec.tasks
+        # the session's seed picks the agent's tasks as it does a data file's shuffle (every seed drew
+        # the same tasks: a seed sweep varied the sampling only); still positional, the same at seed 0,
+        # below 2**32 (numpy's RandomState takes no larger seed)
+        agent_tasks = spec.tasks
+
+        def seeded_tasks(n: int, position: int) -> list[Task]:
+            return agent_tasks(n, (position + seed * 0x9E3779B1) % (1 << 32))
+
+        return seeded_tasks
     from .data import TaskDataset
 
     if isinstance(tasks, (str, Path, dict)):  # a data file: a seeded shuffle per epoch, positional
@@ -1095,15 +1105,16 @@ def _task_source(tasks, spec, seed: int = 0) -> Callable[[int, int], list[Task]]
 def _eval_tasks(tasks) -> list[Task]:
     """Held-out tasks: a list of Task / dicts, a TaskDataset, a data file's path, or a dict of
     workbench.data.load_tasks arguments."""
-    from .data import TaskDataset, load_tasks, tasks_from_list
+    from .data import TaskDataset, held_out_split, load_tasks, tasks_from_list
 
     try:
         if isinstance(tasks, TaskDataset):
             return list(tasks.tasks)
         if isinstance(tasks, (str, Path)):
-            return load_tasks(tasks)
+            return load_tasks(tasks, split=held_out_split(tasks))
         if isinstance(tasks, dict):
-            return load_tasks(**tasks)
+            split = tasks["split"] if "split" in tasks or "path" not in tasks else held_out_split(tasks["path"])
+            return load_tasks(**tasks, **({} if "split" in tasks or split is None else {"split": split}))
         out = tasks_from_list(tasks)
     except (TypeError, ValueError, FileNotFoundError) as e:
         raise ConfigError(f"eval_tasks: {e}") from e
