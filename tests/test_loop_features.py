@@ -20,7 +20,7 @@ import ray
 from workbench.agents import Task
 from workbench.data import TaskDataset
 from workbench.evaluation import default_ks, pass_at_k, summarize
-from workbench.loop import (LoopConfig, batch_from_groups, collect_groups, overlong_penalty, sampled_tokens,
+from workbench.loop import (LoopConfig, batch_from_groups, collect_groups, overlong_penalty, reward_statistics, sampled_tokens,
                             zero_variance)
 from workbench.rollout.engine import SamplingConfig
 from workbench.tokens import Segment, Trajectory
@@ -99,7 +99,10 @@ class ConstructedRollout:
 
     def run_groups(self, tasks, group_size, progress=False):
         self.calls.append([t.id for t in tasks])
-        return [[episode(r, task=t.id) for r in t.label[:group_size]] for t in tasks]
+        out = [[episode(r, task=t.id) for r in t.label[:group_size]] for t in tasks]
+        for t in (t for g in out for t in g):  # an exact answer earns 1 (as the agents report it)
+            t.info["correct"] = t.reward == 1.0
+        return out
 
 
 def pool(rewards: list[list[float]]) -> TaskDataset:
@@ -116,8 +119,13 @@ def test_dynamic_sampling_filters_and_replaces_up_to_the_limit():
     # first draw t0 t1 t2 keeps t1; refill of 2 (t3 t4) keeps t4; refill of 1 (t5) keeps none: limit reached
     assert rollout.calls == [["t0", "t1", "t2"], ["t3", "t4"], ["t5"]]
     assert [g[0].info["task_id"] for g in groups] == ["t1", "t4"]
+    # the sampled statistics are over every group rolled out (6 right of 12); correct_rate is over the
+    # kept groups, from which the filter drops every all-right one (it fell as the policy got better)
     assert stats == {"ds_filtered_groups": 4, "ds_rounds": 2, "ds_kept_groups": 2, "ds_short": 1,
-                     "ds_reward_mean_sampled": pytest.approx(6 / 12)}
+                     "ds_reward_mean_sampled": pytest.approx(6 / 12), "ds_correct_rate_sampled": pytest.approx(6 / 12)}
+    assert reward_statistics(groups)["correct_rate"] == 0.5
+    _, stats, _ = collect_groups(ConstructedRollout(), pool([ones, ones, ones, mixed]), cfg, position=0)
+    assert stats["ds_correct_rate_sampled"] == pytest.approx(7 / 8)  # where the kept groups' rate is 1 of 2
     assert nxt == 6  # every drawn task advances the data position: the next step starts at t6
     groups, stats, nxt = collect_groups(ConstructedRollout(), source, cfg, position=nxt)
     # t6 t7 t8 keeps t6; refill t9 t0 (into the next epoch) keeps none; refill t1 t2 keeps t1

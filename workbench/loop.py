@@ -352,12 +352,19 @@ def collect_groups(rollout, source, cfg: "LoopConfig", position: int) -> tuple[l
         good = [g for g in more if not zero_variance(g, **rule)]
         filtered += len(more) - len(good)
         kept += good
-    rewards = [t.reward for g in sampled for t in g if t.error is None]
     stats = {"ds_filtered_groups": filtered, "ds_rounds": rounds, "ds_kept_groups": len(kept), "ds_short": n - len(kept),
-             # the mean reward of every episode rolled out this step, filtered ones included
-             # (reward_mean, over the trained groups, leans toward mixed groups)
-             "ds_reward_mean_sampled": (sum(rewards) / len(rewards) if rewards else math.nan)}
+             **sampled_statistics(sampled)}
     return kept or groups, stats, position
+
+
+def sampled_statistics(sampled: list[list[Trajectory]]) -> dict:
+    """Under dynamic sampling, reward_statistics over every group rolled out, the filtered ones
+    too: reward_mean and correct_rate are over the trained groups, and the filter drops every
+    group all right (no variance), so correct_rate fell as the policy got better (0.50 logged
+    where 0.88 were right)."""
+    stats = reward_statistics(sampled)
+    return {"ds_reward_mean_sampled": stats["reward_mean"] if sampled else math.nan,
+            "ds_correct_rate_sampled": stats["correct_rate"]}
 
 
 def teacher_segments(groups: list[list[Trajectory]], cfg: "LoopConfig") -> list:
@@ -1047,9 +1054,8 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
              # of different policies (a sibling queued across a sync), which no other count shows
              "groups_mixing_versions": sum(len(_sampled_versions(g)) > 1 for g in trained)}
     if cfg.dynamic_sampling:
-        rewards = [t.reward for g in sampled for t in g if t.error is None]
         extra.update(ds_filtered_groups=filtered, ds_rounds=-(-filtered // n), ds_kept_groups=n - zero, ds_short=zero,
-                     ds_reward_mean_sampled=(sum(rewards) / len(rewards) if rewards else math.nan))
+                     **sampled_statistics(sampled))
     return groups, min(starts), max(ends), extra, teacher or None
 
 

@@ -501,10 +501,11 @@ class RewardMonitor(_Monitor):
 
     GRID, HEIGHT = (1, 2), 380
     TITLES = ("training reward", "held-out evaluation")
-    LINES = (("reward_mean", 1, 1), ("correct_rate", 1, 1), ("ds_reward_mean_sampled", 1, 1),
+    LINES = (("reward_mean", 1, 1), ("correct_rate", 1, 1), ("ds_reward_mean_sampled", 1, 1), ("ds_correct_rate_sampled", 1, 1),
              ("eval_pass@1", 1, 2), ("eval_greedy_pass@1", 1, 2), ("eval_reward_mean", 1, 2))
     LABELS = {"reward_mean": "mean reward", "correct_rate": "share correct",
               "ds_reward_mean_sampled": "mean reward of the sampled groups (dynamic sampling)",
+              "ds_correct_rate_sampled": "share correct of the sampled groups (dynamic sampling)",
               "eval_pass@1": "pass@1 (sampled)", "eval_greedy_pass@1": "pass@1 (greedy)", "eval_reward_mean": "mean reward"}
     AXES = {(1, 1): ("step", "reward", None), (1, 2): ("step", "held-out score", None)}
 
