@@ -431,6 +431,16 @@ def test_an_engine_that_kept_its_previous_weights_fails_a_wide_tolerance():
         check_probe(engine_before + gap(), after, 1.0, 2, engine_before, before)  # it kept the old ones
     tiny = before + rng.normal(scale=0.005, size=48)  # a step below the precision gap: nothing to tell, passes
     assert check_probe(engine_before + gap(), tiny, 1.0, 2, engine_before, before) < 1.0
+    # ... unless the engine repeats its previous probe to the bit, as a stale engine does: caught however small the step
+    with pytest.raises(WeightSyncError, match="to the bit"):
+        check_probe(list(engine_before), tiny, 1.0, 2, engine_before, before)
+    assert check_probe(list(engine_before), list(before), 1.0, 2, engine_before, before) < 1.0  # nothing moved: no test
+    # stale since the last sync: its gap there held its own drift, and as the noise switched the test off (in
+    # review 40 of 40 stale syncs passed at tol 1.0); the engine's smallest gap at a checked sync is the noise
+    stale = before - rng.normal(scale=0.3, size=48) + gap()  # the weights of the sync before, served since
+    assert check_probe(stale + gap(), after, 1.0, 3, stale, before) < 1.0  # the last gap as the noise: passed
+    with pytest.raises(WeightSyncError, match="nearer the previous sync's weights"):
+        check_probe(stale + gap(), after, 1.0, 3, stale, before, noise=0.016)
 
 
 
