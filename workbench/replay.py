@@ -43,7 +43,10 @@ def latest_version_routing(experts, versions: list[int], loss_mask: list[int]):
         return experts
     latest = max(sampled)
     first = next(i for i, (v, m) in enumerate(zip(versions, loss_mask)) if m and v == latest)
-    if not loss_mask[first - 1]:  # the latest version's tokens begin a turn: its request's prefill recorded all
+    # a turn begins at the latest version (its first token's position holds no sampled token): its
+    # request's prefill recorded every earlier position under that version, and _merge_experts kept
+    # that recording there (an earlier turn straddling the sync included)
+    if any(m and v == latest and not loss_mask[i - 1] for i, (v, m) in enumerate(zip(versions, loss_mask)) if i >= first):
         return experts
     out = np.array(experts, copy=True)
     out[: max(first - 1, 0)] = -1  # position first - 1 produced the first latest-version token: recorded then

@@ -806,6 +806,11 @@ class Accumulator:
         start = len(seg) - len(sample.token_ids) if start is None else start
         earlier = [v for v, m in zip(seg.versions[:start], seg.loss_mask[:start]) if m]
         newer = bool(earlier) and min(sample.versions, default=-1) > max(earlier)  # sampled wholly after a sync
+        # ... or wholly at the segment's newest version while older tokens precede it (an earlier turn
+        # straddled the sync): its request's prefill routed the whole context under that version too.
+        # Merged, the earlier turn's recording was kept and then masked to live routing up to its first
+        # new-version token (replay.latest_version_routing), the routing this turn saw thrown away
+        supersedes = newer or (bool(earlier) and min(sample.versions, default=-1) >= max(earlier) > min(earlier))
         if ex is None:
             if seg.routed_experts is not None:  # keep the column aligned: unknown routing is -1 (and the
                 # earlier turns' routing is not what a turn sampled after a sync saw)
@@ -816,7 +821,7 @@ class Accumulator:
         ex = np.asarray(ex, dtype=np.int16)[: len(seg)]
         if ex.shape[0] < len(seg):
             ex = np.concatenate([ex, np.full((len(seg) - ex.shape[0], *ex.shape[1:]), -1, np.int16)])
-        if seg.routed_experts is None or newer:
+        if seg.routed_experts is None or supersedes:
             # a turn sampled wholly after a sync: its request prefilled the whole context under the
             # new weights (the sync dropped every cached K/V), so its routing is what its tokens saw
             # at every earlier position. Keeping the earlier turns' recording there left the trainer
