@@ -87,6 +87,21 @@ def test_unknown_router_is_refused_clearly():
         with routing_replay(m, torch.zeros(1, 1, 1, dtype=torch.long)):
             pass
 
+    # transformers' DeepSeek-V3 / GLM-4.5 MoE spelling ("TopkRouter") was no router at all: replay did
+    # nothing and its statistics were empty; now found (and refused without a rule)
+    class DeepseekV3TopkRouter(FakeTopKRouter):
+        pass
+
+    with pytest.raises(NotImplementedError, match="DeepseekV3TopkRouter"):
+        with routing_replay(torch.nn.Sequential(DeepseekV3TopkRouter()), torch.zeros(1, 1, 1, dtype=torch.long)):
+            pass
+    # recorded experts and no router found: refused, not silently live
+    with pytest.raises(ValueError, match="no router module"):
+        with routing_replay(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.zeros(1, 1, 1, dtype=torch.long)):
+            pass
+    with routing_replay(torch.nn.Sequential(torch.nn.Linear(2, 2)), -torch.ones(1, 1, 1, dtype=torch.long)) as stats:
+        pass  # nothing captured (all -1): nothing to replay, a dense model's empty column
+
 
 def _grads_with_replay(model, ids, experts, close_before_backward: bool):
     model.zero_grad(set_to_none=True)

@@ -55,7 +55,8 @@ def latest_version_routing(experts, versions: list[int], loss_mask: list[int]):
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's top-k router modules, in layer order."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    # (any case: transformers spells DeepSeek-V3's, GLM-4.5 MoE's and others' "TopkRouter")
+    return [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
 
 
 # How each router class turns logits into gate weights for its chosen ids, mirrored exactly so
@@ -204,6 +205,12 @@ def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: 
     """
     routers = moe_routers(model)
     stats = ReplayStats(len(routers))
+    if experts is not None and not routers and (torch.as_tensor(experts) >= 0).any():
+        # recorded routing and no router found to replay it into: replay did nothing, and its
+        # statistics were empty ("not measured"), for a model whose routers have another class name
+        raise ValueError(f"the batch carries recorded experts but {type(model).__name__} has no router module "
+                         f"routing replay knows (a class named *TopKRouter); name its router class in "
+                         f"workbench.replay.moe_routers and register a rule (register_replay_rule)")
     if experts is None or not routers:
         yield stats
         return
