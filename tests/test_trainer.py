@@ -496,11 +496,23 @@ def test_more_updates_than_rows_runs_one_update_a_row(ray_local, dense_path):
         try:
             b["behaviour_logprobs"] = t.logprobs(b) * b["loss_mask"]
             stats = t.train_step(b)
+            assert stats["updates"] == 3  # one a row
             results.append((stats["loss"], stats["grad_norm"], t.logprobs(b)))
         finally:
             t.shutdown()
     (loss4, norm4, lp4), (loss3, norm3, lp3) = results
     assert norm3 > 0 and abs(norm4 - norm3) < 1e-6 * norm3 and abs(loss4 - loss3) < 1e-7 and torch.equal(lp4, lp3)
+
+
+def test_updates_per_step_takes_as_many_updates_as_asked():
+    """Runs of ceil(n / updates) rows took fewer updates than asked (6 rows in 4 updates: 3 of 2
+    rows; 10 in 8: 5): the policy moved less per step than configured, and nothing said so."""
+    from workbench.trainer.fsdp import update_runs
+
+    for n, updates, sizes in ((6, 4, [2, 2, 1, 1]), (10, 8, [2, 2, 1, 1, 1, 1, 1, 1]), (9, 4, [3, 2, 2, 2]),
+                              (5, 2, [3, 2]), (3, 5, [1, 1, 1]), (16, 4, [4] * 4), (7, 1, [7])):
+        runs = update_runs(n, updates)
+        assert [len(r) for r in runs] == sizes and [i for r in runs for i in r] == list(range(n)), (n, updates)
 
 
 def test_several_updates_per_step_move_the_ratios_off_one(ray_local, dense_path):

@@ -1103,8 +1103,8 @@ def step_statistics(stats: dict) -> dict:
     corr, replay = stats["correction"], stats["replay"]
     return {
         "loss": stats["loss"], "grad_norm": stats["grad_norm"],
-        "signal_tokens_trained": stats.get("signal_tokens_trained"), "updates_skipped": stats.get("updates_skipped", 0),
-        "gate_pass_ratio": corr["gate_pass_ratio"], "stale_dropped": corr["stale_dropped"], "band_dropped": corr["band_dropped"],
+        "signal_tokens_trained": stats.get("signal_tokens_trained"), "updates": stats.get("updates"),
+        "updates_skipped": stats.get("updates_skipped", 0), "gate_pass_ratio": corr["gate_pass_ratio"], "stale_dropped": corr["stale_dropped"], "band_dropped": corr["band_dropped"],
         "veto_dropped": corr.get("veto_dropped", 0), "token_keep_ratio": corr["token_keep_ratio"],
         "kl_k1": corr["kl_k1"], "kl_k3": corr["kl_k3"], "kl_k3_current": corr["kl_k3_current"], "tokens_current": corr["tokens_current"],
         "kl_k3_stale": corr["kl_k3_stale"],

@@ -248,6 +248,18 @@ def replay_summary(parts: list[dict]) -> dict:
     return acc
 
 
+def update_runs(n: int, updates: int) -> list[range]:
+    """The rows of each of `updates` optimizer updates over n rows: contiguous runs of near-equal
+    size (the longer ones first, one row longer), one a row with fewer rows than updates (an
+    empty mini-batch would average a zero gradient norm into the step's). Runs of
+    ceil(n / updates) rows took fewer updates than asked: 6 rows in 4 updates were 3 runs of 2,
+    10 in 8 were 5."""
+    k = min(updates, n) or 1
+    sizes = [n // k + (u < n % k) for u in range(k)]
+    starts = [sum(sizes[:u]) for u in range(k)]
+    return [range(a, a + size) for a, size in zip(starts, sizes)]
+
+
 class TrainerWorker:
     """One rank (Ray actor body). Built in two calls: the constructor only records its place;
     rank 0's `rendezvous()` opens the process group's store on its own node; then every rank's
@@ -513,15 +525,14 @@ class TrainerWorker:
         loss_sum, norms, corr_parts, replay, rows, kl_sum, shift_sum = zero, [], [], [], [], zero, zero
         shift_tokens = zero  # the tokens of the updates after the first (whose ratios are all 1: it diluted the mean)
         skipped, carried_total = 0, torch.zeros_like(zero)
-        # an update's rows on this rank: Trainer._split's share (the same batch rows in each update
-        # whatever the rank count), or this rank's rows cut into `updates` runs
-        per = batch.get("rows_per_update") or -(-batch["input_ids"].shape[0] // updates)
-        # fewer rows than updates: one update a row (an empty mini-batch would average a zero
-        # gradient norm into the step's, and with micro_batch_tokens run a forward on no rows).
-        # Every rank has as many rows (Trainer._split), so every rank runs as many updates.
-        updates = -(-batch["input_ids"].shape[0] // per) if per else updates
-        for u in range(updates):
-            ub = {k: (v[u * per: (u + 1) * per] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        # an update's rows on this rank: Trainer._split's share of each run (the same batch rows in
+        # each update whatever the rank count; every rank has as many rows, so runs as many updates),
+        # or this rank's rows cut into `updates` runs (update_runs: one a row with fewer rows)
+        n_rows, per = batch["input_ids"].shape[0], batch.get("rows_per_update")
+        runs = [range(i, min(i + per, n_rows)) for i in range(0, n_rows, per)] if per else update_runs(n_rows, updates)
+        updates = len(runs)
+        for u, run in enumerate(runs):
+            ub = {k: (v[run.start: run.stop] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
             # the mini-batch's trainable tokens and episodes over all ranks: what its means divide by
             counts = torch.stack([ub["loss_mask"].sum().double(), episode_units(ub["loss_mask"], ub.get("episode_tokens")).sum().double()])
             dist.all_reduce(counts)
@@ -605,7 +616,7 @@ class TrainerWorker:
                # over every rank (all-reduced): kept trainable tokens with an advantage, summed over the
                # updates (the no-signal warning's count; a KL term alone is no learning signal), and
                # the updates skipped for a zero or non-finite gradient
-               "signal_tokens_trained": int(carried_total), "updates_skipped": skipped}
+               "signal_tokens_trained": int(carried_total), "updates": updates, "updates_skipped": skipped}
         if report:
             out["report"] = {k: batch[k].cpu() for k in ("input_ids", "loss_mask", "behaviour_logprobs", "versions", "advantages")}
             out["report"].update({k: torch.cat([r[k] for r in rows]).cpu() for k in rows[0]})
@@ -843,8 +854,8 @@ class Trainer:
         """Rows split evenly over ranks, and where each went (`order`: the batch row of each row
         of the ranks' parts in turn, -1 for padding). Short ranks get all-masked padding rows, so
         every rank runs the same number of forwards (FSDP collectives would hang otherwise).
-        With `updates` > 1, optimizer update u takes the batch's u-th run of ceil(n / updates)
-        rows, spread over the ranks whatever their number: each rank's part is its share of each
+        With `updates` > 1, optimizer update u takes the batch's u-th run of rows (update_runs),
+        spread over the ranks whatever their number: each rank's part is its share of each
         update's rows in turn (a rank's contiguous rows cut into updates made each update's rows
         depend on the rank count, so a resume onto other ranks followed another SGD path). The
         price: each update's share is padded to as many rows on every rank, up to 2x the rows
@@ -855,9 +866,8 @@ class Trainer:
             per = -(-n // w)
             shares = [list(range(r * per, min((r + 1) * per, n))) for r in range(w)]
         else:
-            size = -(-n // updates)  # an update's rows, as one rank would take them
-            runs = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-            per_rank = -(-size // w)
+            runs = [list(r) for r in update_runs(n, updates)]
+            per_rank = -(-max(len(r) for r in runs) // w)
             shares = [[i for run in runs for i in (run[r * per_rank:(r + 1) * per_rank] + [-1] * per_rank)[:per_rank]]
                       for r in range(w)]
         rows = max(len(x) for x in shares)
@@ -917,7 +927,7 @@ class Trainer:
         out = {"version": self.version, "loss": sum(s["loss"] for s in stats), "grad_norm": stats[0]["grad_norm"],
                "correction": merge_stats([s["correction"] for s in stats]),
                "replay": replay_summary([s["replay"] for s in stats]),
-               "signal_tokens_trained": stats[0]["signal_tokens_trained"], "updates_skipped": stats[0]["updates_skipped"]}
+               "signal_tokens_trained": stats[0]["signal_tokens_trained"], "updates": stats[0]["updates"], "updates_skipped": stats[0]["updates_skipped"]}
         for key in ("kl_k3_live", "kl_ref", "policy_shift"):  # token-weighted over ranks
             vals = [s[key] for s in stats if s[key] is not None]
             tokens = sum(x["tokens"] for x in vals)
