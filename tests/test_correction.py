@@ -131,6 +131,14 @@ def test_correction_refuses_renormalized_behaviour_logprobs():
         cfg.check_sampling(logprobs_mode="raw_logprobs")
     cfg.check_sampling(top_p=1.0)
     CorrectionConfig(enabled=False).check_sampling(top_p=0.9)  # no correction, nothing to refuse
+    # ... unless a veto reads the ratios: it applies with correction off, and raw log-probs at temperature
+    # 0.6 put 45% of on-policy tokens outside [0.5, 2] (every sequence vetoed)
+    veto = CorrectionConfig(enabled=False, veto_low=0.5, veto_high=2.0)
+    with pytest.raises(CorrectionConfigError, match="the token veto"):
+        veto.check_sampling(top_p=0.5)
+    with pytest.raises(CorrectionConfigError, match="the token veto"):
+        veto.check_sampling(logprobs_mode="raw_logprobs")
+    veto.check_sampling()
     assert CorrectionConfig.tis().mode == "trunc" and CorrectionConfig.tis().high == 2.0
 
 

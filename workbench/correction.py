@@ -108,16 +108,19 @@ class CorrectionConfig:
                     f"the rollout samples at temperature {temperature} but the trainer computes log-probs at "
                     f"{trainer_temperature}: every ratio would be biased. Set one temperature for both "
                     "(WorkbenchConfig.temperature sets both)")
-        if not self.enabled:
+        # the veto reads the ratios whether correction is enabled or not: it needs them unbiased too (raw
+        # log-probs at temperature 0.6 put 45% of on-policy tokens outside [0.5, 2]: every sequence vetoed)
+        if not self.enabled and self.veto_low is None and self.veto_high is None:
             return
+        what = "importance correction" if self.enabled else "the token veto (veto_low / veto_high)"
         if top_p < 1.0 or (top_k not in (-1, 0, None)):
             raise CorrectionConfigError(
-                f"importance correction with top_p={top_p}, top_k={top_k}: the engine reports log-probs "
+                f"{what} with top_p={top_p}, top_k={top_k}: the engine reports log-probs "
                 "renormalized over the kept tokens, which a full-vocabulary trainer log-prob cannot match "
-                "(every ratio would be biased). Sample with top_p=1 and top_k=-1, or disable correction.")
+                "(every ratio would be biased). Sample with top_p=1 and top_k=-1, or disable correction and the veto.")
         if logprobs_mode != "processed_logprobs":
             raise CorrectionConfigError(
-                f"importance correction needs the engine's processed log-probs (got {logprobs_mode!r}): "
+                f"{what} needs the engine's processed log-probs (got {logprobs_mode!r}): "
                 "raw log-probs ignore the temperature the tokens were sampled at")
 
 
