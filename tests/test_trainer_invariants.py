@@ -91,6 +91,31 @@ def test_a_gated_sequence_gets_no_gradient_from_the_kl_term(dense_trainer):
     assert stats["updates_skipped"] == 0 and stats["grad_norm"] > 0 and stats["signal_tokens_trained"] == 0
 
 
+def test_the_kl_term_is_importance_weighted_as_the_surrogate(dense_trainer):
+    """(g) The KL-to-reference term on tokens sampled by another policy: k3's gradient is
+    grad KL(ref || pi) only in expectation under pi, so its tokens carry pi / mu as the surrogate's
+    do. Two identical rows off the reference, no advantage, one sampled ln 1.5 below the trainer's
+    policy: its KL share of the trained loss is 1.5x the other's (it was the same)."""
+    t = dense_trainer
+    b = random_batch(2, seed=3)
+    m = b["loss_mask"].bool()
+    b["behaviour_logprobs"] = t.logprobs(b) * b["loss_mask"]
+    b["versions"] = torch.where(m, t.version, -1)
+    b["advantages"] = torch.tensor([1.0, -1.0])[:, None] * b["loss_mask"]
+    t.train_step(b)  # off the reference: KL > 0
+    one = {k: (torch.cat([v[:1], v[:1]]) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+    m = one["loss_mask"].bool()
+    one["behaviour_logprobs"] = t.logprobs(one) * one["loss_mask"]
+    one["behaviour_logprobs"][1] -= math.log(1.5) * one["loss_mask"][1]
+    one["versions"] = torch.where(m, t.version, -1)
+    one["advantages"] = torch.zeros_like(one["loss_mask"], dtype=torch.float32)
+    stats = t.train_step(one, report=True)
+    assert stats["kl_ref"] > 1e-6
+    c = stats["report"]["loss_contribution"]
+    assert float(c[0][m[0]].abs().sum()) > 0
+    assert torch.allclose(c[1][m[1]], 1.5 * c[0][m[0]], rtol=1e-4), "the KL term was not importance-weighted"
+
+
 def test_distillation_advantage_is_taken_on_the_trainers_policy_not_the_sampler(dense_trainer):
     """(f) On-policy distillation's per-token advantage log p_teacher - log pi is taken on the
     policy the step trains from (pi_old), not the behaviour log-probs: on a stale token the

@@ -38,7 +38,8 @@ SEQUENCE_SURROGATES: set[str] = set()
 # estimated KL's (Tang & Munos 2025; tests/test_losses.py computes it exactly): k2's is
 # grad KL(pi || pi_ref); k3's (GRPO's penalty) is grad KL(pi_ref || pi), the forward KL, which
 # also pulls the policy to the reference; k1's is 0 (E_pi[grad log pi] = 0), so TrainerConfig
-# refuses k1 as a penalty.
+# refuses k1 as a penalty. "Sampled from pi": the trainer weights each token's penalty by
+# pi / mu, mu the policy that sampled it (trainer/fsdp.py, as the surrogate's importance weight).
 KL_ESTIMATORS: dict[str, Callable] = {
     "k1": lambda d: d,
     "k2": lambda d: 0.5 * d * d,
