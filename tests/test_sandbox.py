@@ -295,6 +295,21 @@ def test_one_sandboxs_threads_do_not_starve_another_running_at_once():
         assert int(r.stdout.split("uid ")[-1]) in sandbox.SANDBOX_UIDS
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the host uids are drawn as root only")
+def test_concurrent_sandboxes_never_share_a_uid(monkeypatch):
+    """Drawn at random, two concurrent sandboxes could draw one uid and share its task limit (one
+    could starve the other of threads). Drawn from those not in use: with two uids to draw from,
+    two at once get both, every time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(sandbox, "SANDBOX_UIDS", range(1_500_000, 1_500_002))
+    for _ in range(3):
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda _: run("import os, time\nprint(os.getuid())\ntime.sleep(0.5)"), range(2)))
+        assert all(r.ok for r in outs) and sorted(int(r.stdout) for r in outs) == [1_500_000, 1_500_001]
+    assert not sandbox._uids_in_use  # given back
+
+
 def test_sysv_and_posix_ipc_and_other_socket_families_are_refused():
     """A SysV shared-memory segment outlives its detach outside RLIMIT_AS (1.5 GiB held under
     a 64 MiB limit in review); AF_VSOCK reaches the hypervisor's port space, which no network

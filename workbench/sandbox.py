@@ -64,6 +64,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -335,7 +336,7 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
     source = code.encode("utf-8", "surrogatepass")
     # (0: the launcher keeps its uid. Unsandboxed it must: an interpreter under /root is not
     # executable by another uid, and without the sandbox nothing shows it elsewhere)
-    uid = secrets.choice(SANDBOX_UIDS) if os.geteuid() == 0 and bwrap is not None else 0
+    uid = _take_uid() if os.geteuid() == 0 and bwrap is not None else 0
     fds: list[int] = []
     tmp = info_read = block_write = cgroup = None
     try:
@@ -349,6 +350,8 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
             # the whole sandbox's memory, the kernel's for it included (inodes, pipes, sockets), where
             # the caller can make a memory cgroup: RLIMIT_AS bounds only each process's own mappings
             cgroup = _new_memory_cgroup((memory_mb + disk_mb + CGROUP_HEADROOM_MB) << 20)
+            if cgroup is None and uid:
+                _warn_no_cgroup()
             if cgroup is not None:
                 block_read, block_write = os.pipe()
                 fds.append(block_read)
@@ -401,6 +404,7 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
             _remove_cgroup(cgroup)
         if tmp is not None:
             tmp.cleanup()
+        _uids_in_use.discard(uid)
     rc = proc.returncode
     if bwrap is not None and rc is not None and 128 < rc < 128 + signal.NSIG:
         rc = 128 - rc  # bwrap reports a signal death as 128 + signal
@@ -408,6 +412,31 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
     stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
     truncated = dropped or len(stdout) > max_output or len(stderr) > max_output
     return SandboxResult(stdout[:max_output], stderr[:max_output], rc, timed_out, truncated)
+
+
+_uids_in_use: set[int] = set()
+_uids_lock = threading.Lock()
+
+
+def _take_uid() -> int:
+    """A host uid for one sandbox, none of this process's running ones: two that drew the same
+    shared one RLIMIT_NPROC (MAX_TASKS), and one could starve the other of threads."""
+    with _uids_lock:
+        while True:
+            uid = secrets.choice(SANDBOX_UIDS)
+            if uid not in _uids_in_use:
+                _uids_in_use.add(uid)
+                return uid
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_cgroup() -> None:
+    """Once a process: as root without a memory cgroup (no controller, or cgroup v2 refusing to
+    enable it under a cgroup that holds processes) the kernel's memory for the sandbox (inodes,
+    pipes, sockets, memfd-like holds) is bounded by nothing but the syscall filter."""
+    warnings.warn("workbench.sandbox: no memory cgroup could be made here, so the kernel memory a sandbox takes is "
+                  "unbounded (only RLIMIT_AS bounds its own mappings); give this process a cgroup it can make "
+                  "children in (cgroup v2: a leaf cgroup with the memory controller enabled)", RuntimeWarning, stacklevel=3)
 
 
 def _sandbox_pid1(info_fd: int, deadline: float) -> tuple[int, int | None] | None:
