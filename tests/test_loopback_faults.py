@@ -294,11 +294,11 @@ def test_a_reply_that_fails_after_sampling_is_not_answered_by_an_older_identical
     class FailingOnce(LoopbackServer):
         fail = False
 
-        def _reply(self, sample, req, prompt_len):
+        def _reply(self, sample, req, prompt_ids):
             if self.fail:
                 self.fail = False
                 raise RuntimeError("reply parser bug")
-            return super()._reply(sample, req, prompt_len)
+            return super()._reply(sample, req, prompt_ids)
 
     body = {"model": "p", "messages": USER, "max_tokens": 4}
     with FailingOnce(SessionTap(vllm_moe), tokenizer) as srv, httpx.Client(timeout=60) as http:

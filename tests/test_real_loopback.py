@@ -427,3 +427,35 @@ def test_b_a_reply_cut_by_max_tokens_runs_no_tool_call():
         engine.push(ids, "stop")  # the same ids, not cut (stopped there)
         r = o.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Weather?"}], tools=tools)
         assert r.choices[0].finish_reason == "tool_calls"  # (what the parser makes of it uncut: calls)
+
+
+def test_b_parallel_calls_the_template_cannot_render_back_are_text():
+    """Llama 3.1: vLLM's llama3_json parser splits '{...}; {...}' into two calls, and its template
+    refuses any history holding them ("only supports single tool-calls at once"): the agent got
+    both, every later request was a 400, and the failed episode was dropped (parallel calls never
+    trained). Such a reply goes out as text, counted as a parser failure, and the next turn works;
+    Qwen3, whose template renders two calls, keeps them."""
+    tools = [{"type": "function", "function": {"name": "calc", "description": "calc",
+                                               "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}]
+    for name, text, calls in (
+            ("llama3.1", '{"name": "calc", "parameters": {"expr": "1+1"}}; {"name": "calc", "parameters": {"expr": "2+2"}}', 0),
+            ("qwen3", '<tool_call>\n{"name": "calc", "arguments": {"expr": "1+1"}}\n</tool_call>\n'
+                      '<tool_call>\n{"name": "calc", "arguments": {"expr": "2+2"}}\n</tool_call>', 2)):
+        fam = rm.load_family(name)
+        engine = Replay()
+        with _server(fam, engine) as server:
+            o = openai.OpenAI(base_url=server.base_url(server.open_session()), api_key=server.api_key, max_retries=0)
+            end = [server.fmt.end_of_turn_id]
+            engine.push(fam.tokenizer.encode(text, add_special_tokens=False) + end, "stop")
+            msgs = [{"role": "user", "content": "compute 1+1 and 2+2"}]
+            r = o.chat.completions.create(model="policy", messages=msgs, tools=tools)
+            got = r.choices[0].message
+            assert len(got.tool_calls or []) == calls, name
+            msgs.append(got.model_dump(exclude_none=True))
+            msgs += [{"role": "tool", "tool_call_id": c.id, "content": "2"} for c in got.tool_calls or []]
+            if not calls:
+                assert "calc" in got.content and server.summary()["parser_failures"] == 1
+                msgs.append({"role": "user", "content": "Go on."})
+            engine.push(fam.tokenizer.encode("Done.", add_special_tokens=False) + end, "stop")
+            r = o.chat.completions.create(model="policy", messages=msgs, tools=tools)  # a 400 before
+            assert r.choices[0].message.content == "Done.", name

@@ -297,6 +297,28 @@ def test_c_qwen3_answers_without_thinking_extend_after_the_window_moves(fams):
     assert verdicts == ["seal", "ext", "ext", "ext", "ext"] and len(acc.segments) == 1 and acc._window_start > 0
 
 
+def test_c_qwen3_answer_without_think_reaches_the_agent_as_content(fams):
+    """Thinking on, the generation prompt does not open <think>, and the model may answer without
+    one: vLLM's qwen3 parser read all of it as reasoning, and the agent got content '' for a right
+    answer (scored 0, counted nowhere). No marker in the reply and none opened by the prompt: content.
+    A prompt that opens the block (Qwen3-Thinking-2507) still reads the reply as reasoning first."""
+    from workbench.loopback.parsing import ReplyParser
+
+    fam = fams["qwen3"]
+    prof, fmt = fam.profile(), fam.chat_format()
+    rp = ReplyParser(fam.tokenizer, prof.tool_parser, prof.reasoning_parser, prof.chat_template_kwargs)
+    prompt = fmt.encode(fmt.render([{"role": "user", "content": "2+3?"}], None, add_generation_prompt=True))
+    opened = rp.prompt_opens_reasoning(fmt, prompt[-8:])
+    assert opened is False
+    p = rp.parse("The answer is 5.", [], opened=opened)
+    assert (p.content, p.reasoning) == ("The answer is 5.", None)
+    p = rp.parse("<think>\nadd\n</think>\n\nThe answer is 5.", [], opened=opened)
+    assert (p.reasoning.strip(), p.content.strip()) == ("add", "The answer is 5.")
+    assert rp.parse("add</think>\n\n5", [], opened=opened).content.strip() == "5"  # closed without opening
+    assert rp.prompt_opens_reasoning(fmt, fmt.encode("<|im_start|>assistant\n<think>\n")) is True
+    assert rp.parse("still thinking", [], opened=True).content in ("", None)  # inside the opened block
+
+
 def test_b_a_call_the_agent_could_not_send_back_keeps_its_reasoning(fams):
     """A tool call with NaN or a number past the body's bound is left as the model's text (the
     agent could not send it back), with the reasoning split off as for any reply: it went down

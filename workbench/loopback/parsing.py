@@ -22,6 +22,7 @@ Mistral's [TOOL_CALLS], Qwen3's parser engine), as vLLM's server decodes for it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -153,18 +154,47 @@ class ReplyParser:
         except Exception:  # a parser that cannot adjust a plain request: vLLM's default
             return True
 
-    def parse(self, text: str, ids: list[int], parse_tools: bool = True, tools: list | None = None) -> Parsed:
-        """Never raises: a parser that fails on a reply (a random model's bytes) leaves the text as
-        the model wrote it, as content (logged; `failures` counts them)."""
+    @functools.cached_property
+    def reasoning_markers(self) -> tuple[str, str] | None:
+        """(start, end) marker text of the reasoning parser: vLLM's thinking parsers name them
+        (start_token / end_token); the parser-engine adapters (qwen3) keep their ids."""
+        if self._reasoning_cls is None:
+            return None
         try:
-            return self._parse(text, ids, parse_tools, tools)
+            p = self._reasoning_cls(self.tokenizer, chat_template_kwargs=dict(self.template_kwargs))
+        except Exception:
+            return None
+        start, end = getattr(p, "start_token", None), getattr(p, "end_token", None)
+        engine = getattr(p, "_parser_engine", None)
+        if not (isinstance(start, str) and isinstance(end, str)) and engine is not None:
+            ids = getattr(engine, "_reasoning_start_token_id", None), getattr(engine, "_reasoning_end_token_id", None)
+            if all(isinstance(i, int) for i in ids):
+                start, end = (self.tokenizer.convert_ids_to_tokens(i) for i in ids)
+        return (start, end) if isinstance(start, str) and isinstance(end, str) and start and end else None
+
+    def prompt_opens_reasoning(self, fmt, prompt_tail) -> bool:
+        """Whether the generation prompt (its last ids) opens the reasoning block, so that the reply
+        starts inside it (Qwen3-Thinking-2507, DeepSeek R1)."""
+        markers = self.reasoning_markers
+        return markers is not None and fmt.decode(list(prompt_tail)).rstrip().endswith(markers[0])
+
+    def parse(self, text: str, ids: list[int], parse_tools: bool = True, tools: list | None = None,
+              opened: bool = True) -> Parsed:
+        """Never raises: a parser that fails on a reply (a random model's bytes) leaves the text as
+        the model wrote it, as content (logged; `failures` counts them). `opened`: whether the
+        reply may start inside a reasoning block (prompt_opens_reasoning; True: as vLLM reads it).
+        A reply that neither opens nor closes one, after a prompt that did not open one, has no
+        reasoning: vLLM's qwen3 parser read all of it as reasoning (Qwen3 with thinking on may
+        answer without <think>), and the agent got content '' for a right answer."""
+        try:
+            return self._parse(text, ids, parse_tools, tools, opened)
         except Exception:
             self.failures += 1
             log.warning("reply parser (%s, %s) failed; the reply is returned as content", self.tool_parser,
                         self.reasoning_parser, exc_info=True)
             return Parsed(None, text, [])
 
-    def _parse(self, text: str, ids: list[int], parse_tools: bool, tools: list | None) -> Parsed:
+    def _parse(self, text: str, ids: list[int], parse_tools: bool, tools: list | None, opened: bool = True) -> Parsed:
         if self._combined_cls is not None:
             reasoning, content, calls = self._new(tools).parse(text, _request(tools), enable_auto_tools=parse_tools,
                                                                model_output_token_ids=list(ids))
@@ -175,11 +205,11 @@ class ReplyParser:
                 except json.JSONDecodeError:
                     args = None
                 if not isinstance(args, dict) or not self._sendable(args):  # as hermes: a call we cannot read
-                    return self._as_text(text, ids, tools)  # leaves the text as written
+                    return self.as_text(text, ids, tools)  # leaves the text as written
                 out.append({"name": c.name, "arguments": args})
             return Parsed(reasoning or None, (content or "").strip() if out else (content or ""), out)
-        reasoning = None
-        if self._reasoning_cls is not None:
+        reasoning, markers = None, self.reasoning_markers if self._reasoning_cls is not None else None
+        if self._reasoning_cls is not None and (opened or markers is None or any(m in text for m in markers)):
             rp = self._reasoning_cls(self.tokenizer, chat_template_kwargs=dict(self.template_kwargs))
             reasoning, rest = rp.extract_reasoning(text, _request(tools))
             text = rest or ""
@@ -188,7 +218,7 @@ class ReplyParser:
             return Parsed(reasoning or None, text, [])  # the reasoning kept, as streaming sent it
         return Parsed(reasoning or None, content, calls)
 
-    def _as_text(self, text: str, ids: list[int], tools: list | None) -> Parsed:
+    def as_text(self, text: str, ids: list[int], tools: list | None) -> Parsed:
         """A reply whose tool call cannot be handed out, as vLLM's parser reads it with tools off:
         the reasoning apart, the rest as the model wrote it (call markup included). The whole
         decoded reply went out as content, the reasoning and its end marker in it a second time

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import inspect
 import logging
@@ -722,7 +723,7 @@ class LoopbackServer:
             if self.sessions.get(sid) is not acc:  # closed meanwhile (episode timed out): drop
                 raise RequestError(404, f"session {sid!r} was closed while this request was in flight")
             try:
-                reply = self._reply(sample, req, len(plan.prompt_ids))
+                reply = self._reply(sample, req, plan.prompt_ids)
             except BaseException:
                 acc.forget_last_request(plan)  # nothing recorded for it either: as for a failed engine call
                 raise
@@ -815,9 +816,9 @@ class LoopbackServer:
             sample = finished(await call_engine(self.side_engine, ids, req.sampling, feed=req.feed))
         except Exception as e:
             raise EngineCallFailed(e) from e
-        return self._reply(sample, req, len(ids)), time.perf_counter() - t
+        return self._reply(sample, req, ids), time.perf_counter() - t
 
-    def _reply(self, sample, req: ChatRequest, prompt_len: int) -> Reply:
+    def _reply(self, sample, req: ChatRequest, prompt_ids: list[int]) -> Reply:
         parser = self.reply_parser  # special tokens kept where vLLM's parser asks for them (not the turn's end)
         text, ids = reply_text(self.fmt, sample.token_ids, sample.finish_reason, parser.skip_special_tokens,
                                req.sampling.stop_token_ids)
@@ -830,17 +831,35 @@ class LoopbackServer:
         # a reply cut by max_tokens is not read for tool calls (its last may be half written: vLLM's
         # qwen3_coder parser returned a cut call with {} arguments, which an Env then ran): its markup
         # stays content, and both protocols say it was cut
-        parsed = parser.parse(text, ids, parse_tools=req.parse_tools and finish != "length", tools=req.tools)
+        parsed = parser.parse(text, ids, parse_tools=req.parse_tools and finish != "length", tools=req.tools,
+                              opened=parser.prompt_opens_reasoning(self.fmt, prompt_ids[-8:]))
         # Mistral's templates render the ids: the ones the model wrote where it wrote valid ones,
         # so that each tool result names a call id that is in the context
         written = sampled_call_ids(text, parsed.calls) if self.tool_call_ids == "alnum9" else [None] * len(parsed.calls)
-        return Reply(
+        reply = Reply(
             content=parsed.content, reasoning=parsed.reasoning,
             tool_calls=[{"id": cid or new_tool_call_id(self.tool_call_ids), **c} for cid, c in zip(written, parsed.calls)],
-            finish=finish, stop_sequence=stop_seq, prompt_tokens=prompt_len, completion_tokens=len(sample.token_ids),
+            finish=finish, stop_sequence=stop_seq, prompt_tokens=len(prompt_ids), completion_tokens=len(sample.token_ids),
             token_ids=list(sample.token_ids), logprobs=list(sample.logprobs),
             token_strs=[self.fmt.decode([i]) for i in sample.token_ids] if req.logprobs else [],
         )
+        if len(reply.tool_calls) > 1 and not self._renders_back(req, reply):
+            # parallel calls the template cannot render as history (Llama 3.1: "only supports single
+            # tool-calls at once"): handed out, every later request of the episode was a 400, the
+            # episode failed and was dropped, so replies with parallel calls never trained. As text,
+            # as a call the agent could not send back is (counted)
+            parser.failures += 1
+            plain = parser.as_text(text, ids, req.tools)
+            reply = dataclasses.replace(reply, content=plain.content, reasoning=plain.reasoning, tool_calls=[])
+        return reply
+
+    def _renders_back(self, req: ChatRequest, reply: Reply) -> bool:
+        """Whether the template renders the conversation with this reply in it (the agent's next request)."""
+        try:
+            self.fmt.render(list(req.messages) + [reply.assistant_message()], req.tools, add_generation_prompt=False)
+            return True
+        except Exception:
+            return False
 
     def summary(self) -> dict:
         """Server-wide measurements, open sessions included. Callable from any thread: the

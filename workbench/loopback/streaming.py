@@ -39,25 +39,6 @@ class TokenFeed:
         self.changed.set()
 
 
-def reasoning_markers(parser) -> tuple[str, str] | None:
-    """(start, end) marker text of the reply parser's reasoning parser: vLLM's thinking parsers
-    name them (start_token / end_token); the parser-engine adapters (qwen3) keep their ids."""
-    cls = getattr(parser, "_reasoning_cls", None)
-    if cls is None:
-        return None
-    try:
-        p = cls(parser.tokenizer, chat_template_kwargs=dict(parser.template_kwargs))
-    except Exception:
-        return None
-    start, end = getattr(p, "start_token", None), getattr(p, "end_token", None)
-    engine = getattr(p, "_parser_engine", None)
-    if not (isinstance(start, str) and isinstance(end, str)) and engine is not None:
-        ids = getattr(engine, "_reasoning_start_token_id", None), getattr(engine, "_reasoning_end_token_id", None)
-        if all(isinstance(i, int) for i in ids):
-            start, end = (parser.tokenizer.convert_ids_to_tokens(i) for i in ids)
-    return (start, end) if isinstance(start, str) and isinstance(end, str) and start and end else None
-
-
 def _partial(text: str, markers) -> int:
     """Length of the longest tail of `text` that is a proper prefix of one of `markers`."""
     best = 0
@@ -78,11 +59,11 @@ class ReplyStream:
         backend = getattr(fmt, "_backend", None)
         self.live = backend is not None and parser.tool_parser in TOOL_PARSERS
         self.markers = TOOL_MARKERS.get(parser.tool_parser, ()) if req.parse_tools else ()
-        self.reasoning = reasoning_markers(parser) if self.live else None
+        self.reasoning = parser.reasoning_markers if self.live else None
         if self.live and getattr(parser, "_reasoning_cls", None) is not None and self.reasoning is None:
             self.live = False  # a reasoning parser whose markers we cannot name: everything at the finish
         # a generation prompt that opens the reasoning block (Qwen3 thinking): the reply starts inside it
-        self.opened = self.reasoning is not None and fmt.decode(list(prompt_tail)).rstrip().endswith(self.reasoning[0])
+        self.opened = self.reasoning is not None and parser.prompt_opens_reasoning(fmt, prompt_tail)
         self.lag = not parser.skip_special_tokens
         self.text, self.pending, self.closed = "", [], False
         self.sent = {"reasoning": "", "content": ""}
