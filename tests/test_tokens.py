@@ -297,6 +297,19 @@ def test_non_extending_request_seals_with_reason(fmt, edit, reason):
     assert acc.close()[-1].seal_reason == "episode_end"
 
 
+def test_arguments_sent_back_reserialized_are_an_assistant_change(fmt):
+    """An agent that sends a call's arguments back re-serialized (1.0 as 1, as JavaScript clients
+    do) changed the assistant message; Python's == holds 1 == 1.0, so it passed that test and was
+    sealed at the render check as a template rewrite."""
+    call = lambda x: {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": {"x": x}}}]}
+    acc = Accumulator(fmt)
+    plan = acc.plan([SYS, USER])
+    acc.record(plan, reply(fmt, "12"), call(1.0))
+    plan = acc.plan([SYS, USER, call(1), {"role": "tool", "tool_call_id": "c1", "content": "2"}])
+    assert plan.new_segment and plan.seal_reason == "assistant_changed"
+
+
 def test_routed_experts_keep_the_routing_of_sampling_time(fmt):
     acc = Accumulator(fmt)
     p = acc.plan([SYS, USER])

@@ -856,7 +856,9 @@ def _why_not_extending(conv: list[dict], msgs: list[dict]) -> str | None:
     n = len(conv)
     if len(msgs) <= n or msgs[: n - 1] != conv[: n - 1]:
         return "history_rewritten"
-    if msgs[n - 1] != conv[n - 1]:
+    # (as JSON text too: Python's == holds 1 == 1.0 == True, so arguments an agent re-serialized, 1.0 as 1,
+    # passed here and sealed at the render check as a template rewrite)
+    if msgs[n - 1] != conv[n - 1] or json.dumps(msgs[n - 1], default=str) != json.dumps(conv[n - 1], default=str):
         return "assistant_changed"
     return None
 
