@@ -459,3 +459,38 @@ def test_b_parallel_calls_the_template_cannot_render_back_are_text():
             engine.push(fam.tokenizer.encode("Done.", add_special_tokens=False) + end, "stop")
             r = o.chat.completions.create(model="policy", messages=msgs, tools=tools)  # a 400 before
             assert r.choices[0].message.content == "Done.", name
+
+
+def test_b_qwen3_streams_only_what_the_finished_reply_holds():
+    """vLLM's qwen3 reasoning parser ends the reasoning at a tool call's marker without </think>,
+    and drops a second <think> / an extra </think>; the stream read "<think> to </think>" and
+    had sent text the finished reply does not hold (an Anthropic agent sending its thinking back
+    then sealed the session). Streamed deltas now always add up to the finished reply."""
+    from workbench.loopback.protocol import ChatRequest
+    from workbench.loopback.streaming import ReplyStream
+    from workbench.rollout.engine import SamplingConfig
+
+    fam = rm.load_family("qwen3")
+    prof = fam.profile()
+    server = LoopbackServer(Replay(), fam.tokenizer, profile=prof, max_model_len=1 << 20)
+    tok, end = fam.tokenizer, [server.fmt.end_of_turn_id]
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    for opened in (False, True):  # the hybrid's prompt, and Qwen3-Thinking-2507's that opens <think>
+        prompt = server.fmt.prompt([{"role": "user", "content": "hi"}], None)[1] + (tok.encode("<think>\n") if opened else [])
+        for text in ('<think>\nI need calc.\n<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>',
+                     "<think>\nx\n</think>Close it with </think> then stop.", "<think>\nThe tag <think> opens it.</think>\n\nok",
+                     "<think><tool_call>", "<think>\nplain\n</think>\n\nanswer", "I need calc.\n<tool_call>\n"
+                     '{"name": "calc", "arguments": {"x": 1}}\n</tool_call>'):
+            for with_tools in (True, False):
+                ids = tok.encode(text, add_special_tokens=False) + end
+                req = ChatRequest(messages=[{"role": "user", "content": "hi"}], tools=tools if with_tools else None,
+                                  sampling=SamplingConfig(max_tokens=4096, stop_token_ids=end), max_tokens=4096,
+                                  parse_tools=with_tools)
+                stream, sent = ReplyStream(server.fmt, server.reply_parser, req, prompt[-8:]), {"reasoning": "", "content": ""}
+                for i in ids:
+                    for kind, piece in stream.feed([i]):
+                        sent[kind] += piece
+                reply = server._reply(Sample(prompt, ids, [0.0] * len(ids), [0] * len(ids), "stop"), req, prompt)
+                for kind, piece in stream.finish(reply):
+                    sent[kind] += piece
+                assert sent == {"reasoning": reply.reasoning or "", "content": reply.content or ""}, (opened, text, with_tools)

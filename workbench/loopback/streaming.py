@@ -97,17 +97,28 @@ class ReplyStream:
                     self.closed = True  # no explicit reasoning block: the parse decides at the finish
                 return []
             r_end = text.find(end, len(start))
-            body = text[len(start): r_end if r_end >= 0 else len(text) - max(hold, _partial(text, [end]))]
-            out += self._send("reasoning", body)
+            inner = text[len(start): r_end if r_end >= 0 else len(text)]
+            # where vLLM's reasoning parser reads otherwise than "start to end" (qwen3: a tool call's
+            # marker ends the reasoning without the end marker, tools or not; a second start marker
+            # is dropped from it), the finish decides: streamed on, the agent got text the finished
+            # reply does not hold, and an Anthropic agent sending its thinking back sealed the session
+            risky = [*TOOL_MARKERS.get(self.parser.tool_parser, ()), start]
+            odd = min([p for p in (inner.find(m) for m in risky) if p >= 0], default=-1)
+            if odd >= 0:
+                self.closed = True
+                return out + self._send("reasoning", inner[:odd])
             if r_end < 0:
-                return out
+                return out + self._send("reasoning", inner[: len(inner) - max(hold, _partial(inner, [end, *risky]))])
+            out += self._send("reasoning", inner)
             c0 = r_end + len(end)
         body = text[c0:]
-        cut = min([p for p in (body.find(m) for m in self.markers) if p >= 0], default=-1)
+        # (in the content, a reasoning marker is dropped by the parser: the finish decides there too)
+        marks = [*self.markers, *(self.reasoning or ())]
+        cut = min([p for p in (body.find(m) for m in marks) if p >= 0], default=-1)
         if cut >= 0:
             body, self.closed = body[:cut], True
         else:
-            body = body[: len(body) - _partial(body, [*self.markers, *self.stops])]
+            body = body[: len(body) - _partial(body, [*marks, *self.stops])]
         if self.markers:
             body = body.rstrip()  # a call after it would strip trailing whitespace
         if body[:1].isspace() and self.sent["content"] == "":
