@@ -202,12 +202,13 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
 
     task = Task([{"role": "user", "content": "Say something about tools."}])
     # the four rollouts' runners start together (each a process importing transformers, seconds each)
-    with ThreadPoolExecutor(10) as pool:
+    with ThreadPoolExecutor(12) as pool:
         made = list(pool.map(lambda a: rollout_for(AGENTS / a[0], **a[1]),
                              [("sync_agent.py", {}), ("crashing.py", {}), ("nan_reward.py", {}),
                               ("hanging.py", {"episode_timeout_s": 5}), ("failing_env.py", {}), ("cancelling.py", {}),
                               ("slow_sync_own_types.py", {"episode_timeout_s": 3.5}), ("overflowing_env.py", {}),
-                              ("dict_content_env.py", {}), ("exiting.py", {})]))
+                              ("dict_content_env.py", {}), ("exiting.py", {}), ("misbehaving.py", {"episode_timeout_s": 1.5}),
+                              ("sync_env.py", {})]))
     # first, so the engine has served a request: a fresh vLLM engine's first one takes seconds (warm-up),
     # and the hanging agent's 5 s must cover its one recorded turn
     ok = made[0].run_groups([task], group_size=2, progress=False)[0]
@@ -252,6 +253,24 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     exited = made[9].run_groups([task], group_size=2, progress=False)[0]
     assert all("the agent called sys.exit(3)" in t.error for t in exited), [t.error for t in exited]
     assert made[9].run_groups([task], group_size=1, progress=False)[0][0].error is not None and made[9].stats()
+    # each of these failed the whole group (a BaseException, an exception whose str() raises, an info
+    # that could not be pickled or written), stopped the runner's loop (KeyboardInterrupt), ran 4 s
+    # past a 1.5 s timeout and trained as a success (an agent swallowing its cancellation), or read the
+    # agent's own TimeoutError as the episode's; each fails its own episode now, a sibling unharmed
+    hows = ["interrupt", "base", "unprintable", "own_timeout", "stubborn", "tuple_key", "lock", "eval", "fine"]
+    t0 = time.time()
+    got = made[10].run_groups([Task([{"role": "user", "content": "?"}], info={"how": h}) for h in hows], 1, progress=False)
+    assert time.time() - t0 < 3.5
+    errors = {h: (g[0].error or "").splitlines()[0] if g[0].error else None for h, g in zip(hows, got)}
+    assert errors["interrupt"] == "RuntimeError: the agent raised KeyboardInterrupt", errors
+    assert "custom BaseException" in errors["base"] and "Unprintable" in errors["unprintable"], errors
+    assert errors["own_timeout"] == "TimeoutError: the tool's socket timed out", errors
+    assert errors["stubborn"] == "episode timed out after 1.5 s", errors
+    assert "cannot be recorded" in errors["tuple_key"] and "cannot be recorded" in errors["lock"], errors
+    assert "reserved key 'eval'" in errors["eval"] and errors["fine"] is None and got[-1][0].reward == 1.0
+    assert made[10].stats()[0]["server"]["open_sessions"] == 0
+    plain = made[11].run_groups([task], group_size=1, progress=False)[0][0]  # a synchronous Env's reset and step
+    assert (plain.error, plain.reward, plain.info["sync"]) == (None, 0.5, True)
 
 
 def test_an_interrupted_rollout_gives_its_slots_back_when_its_groups_finish(rollout_for, monkeypatch):

@@ -101,8 +101,9 @@ class ChatAgent:
 
 
 class Env:
-    """Subclass and implement `reset` and `step`. `max_turns` bounds the framework's loop
-    (the episode is truncated there); `tools` (OpenAI function specs) are shown to the model."""
+    """Subclass and implement `reset` and `step`, async or plain (a plain one runs on the
+    runner's event loop: keep it quick). `max_turns` bounds the framework's loop (the episode is
+    truncated there); `tools` (OpenAI function specs) are shown to the model."""
 
     max_turns: int = 8
     tools: list[dict] | None = None

@@ -22,6 +22,7 @@ import contextvars
 import functools
 import gc
 import inspect
+import json
 import threading
 import time
 import traceback
@@ -76,6 +77,7 @@ class RolloutRunner:
         self._sem = None
         self._clients = None
         self._sync_pool = None
+        self._orphans: set = set()  # timed-out episodes still running (cancelled; held: the loop keeps weak references)
         # What is alive now (torch, Ray, the SDKs, the tokenizer: ~300,000 objects) lives as long as the
         # runner: out of the collector's walk. A full collection walked it all while every in-flight
         # request waited (60-117 ms each, a few per bench run: the loopback's occasional p99 of
@@ -106,29 +108,53 @@ class RolloutRunner:
             # what an Env episode earned so far: a failed one keeps it (LoopConfig.on_failed="keep" means
             # the reward it got; a chat agent's crash returned none, so its reward is 0)
             partial = {"reward": 0.0, "info": {}}
+            episode = asyncio.ensure_future(_exit_is_failure(
+                self._env_episode(task, sid, partial) if self.spec.kind == "env" else self._chat_episode(task, sid, group_id)))
             try:
-                episode = (self._env_episode(task, sid, partial) if self.spec.kind == "env" else
-                           self._chat_episode(task, sid, group_id))
-                reward, info, cut = await asyncio.wait_for(_exit_is_failure(episode), self.episode_timeout_s)
-            except asyncio.TimeoutError:
-                timed_out = True
-                error = f"episode timed out after {self.episode_timeout_s:g} s"
+                # asyncio.wait, not wait_for: wait_for waits out an agent that swallows its cancellation
+                # (its retry loop: recorded as a success 5 s past a 0.5 s timeout), and read the agent's
+                # own TimeoutError (a tool's, a socket's) as the episode's
+                done, _ = await asyncio.wait({episode}, timeout=self.episode_timeout_s)
+                if episode in done:
+                    reward, info, cut = episode.result()
+                    info = _agent_info(info)
+                else:
+                    timed_out = True
+                    error = f"episode timed out after {self.episode_timeout_s:g} s"
+                    episode.cancel()  # not awaited: an agent that ignores it runs on, its session closed below
+                    self._orphans.add(episode)
+                    episode.add_done_callback(self._forget)
             except asyncio.CancelledError as e:
                 # the agent's own cancellation (it cancelled a sub-task and awaited it): its episode
                 # fails, not the group with its siblings' finished episodes; this task being
                 # cancelled (the runner shutting down) goes on up
                 task_ = asyncio.current_task()
                 if task_ is not None and task_.cancelling():
+                    episode.cancel()
                     await self.server.close_session_async(sid, wait=False)
                     raise
                 error = f"CancelledError: the agent's episode was cancelled ({e})"
-            except (Exception, SystemExit) as e:  # (sys.exit() in an agent is its episode failing: _exit_is_failure)
-                error = f"{type(e).__name__}: {e}\n{''.join(traceback.format_exc(limit=-3))}"
+            except Exception as e:  # (_exit_is_failure made every other BaseException of the agent's one)
+                # (format_exception_only: an exception whose __str__ raises escaped the f-string here,
+                # losing the whole group)
+                error = f"{''.join(traceback.format_exception_only(type(e), e)).strip()}\n{''.join(traceback.format_exc(limit=-3))}"
             if error is not None:
                 reward, info = partial["reward"], dict(partial["info"])
-            segments, state = await self.server.close_session_async(sid, wait=not timed_out, details=True)
-            return Trajectory(segments, reward, group_id, episode_id, {"task_id": task.id, **info}, error,
+                try:
+                    info = _agent_info(info)
+                except (TypeError, ValueError):
+                    info = {}  # (its error says why)
+            # a failed episode's in-flight request is not waited for (it waited up to the request
+            # timeout, 600 s, past the episode's): only a finished episode's turns all count
+            segments, state = await self.server.close_session_async(sid, wait=error is None, details=True)
+            return Trajectory(segments, reward, group_id, episode_id, {**info, "task_id": task.id}, error,
                               truncated=state["truncated"] or cut)
+
+    def _forget(self, episode: asyncio.Task) -> None:
+        """A timed-out episode that ended at last: let go of it (its error, if any, read: unread, asyncio logs it)."""
+        self._orphans.discard(episode)
+        if not episode.cancelled():
+            episode.exception()
 
     def _sync_agents(self):
         """The thread pool synchronous agents run in (made on first use): a thread per episode slot,
@@ -177,7 +203,7 @@ class RolloutRunner:
             # running) and a few stuck agents starved every later episode. In the caller's context
             # (contextvars: tracing, logging), as asyncio.to_thread runs it
             call = functools.partial(contextvars.copy_context().run, agent.run, ctx)
-            result = await asyncio.get_running_loop().run_in_executor(self._sync_agents(), call)
+            result = await _resolved(await asyncio.get_running_loop().run_in_executor(self._sync_agents(), call))
         return (*as_reward(result), False)
 
     async def _env_episode(self, task: Task, sid: str, partial: dict | None = None):
@@ -187,7 +213,7 @@ class RolloutRunner:
         cut by the context (it trained on a partial reward as if finished). `partial` follows the
         reward and info so far, for an episode that fails part-way."""
         env = self.spec.make()
-        observation, info = await env.reset(task)
+        observation, info = await _resolved(env.reset(task))
         _check_env_messages(observation, f"{type(env).__name__}.reset")
         # its own copy: an Env whose reset returns task.info itself had every episode of the group
         # (one Task, run concurrently) update one dict, each sibling's step info in the others'
@@ -203,7 +229,7 @@ class RolloutRunner:
                 break
             message = reply.assistant_message()
             messages.append(message)
-            observation, reward, terminated, truncated, step_info = await env.step(message)
+            observation, reward, terminated, truncated, step_info = await _resolved(env.step(message))
             total += reward_value(reward, f"the reward {type(env).__name__}.step returned at turn {turns}")
             # the running total is checked before a failed episode may keep it (on_failed="keep" kept a
             # total the final check refused as too large)
@@ -228,14 +254,49 @@ class RolloutRunner:
         self.server.stop()
 
 
+async def _resolved(value):
+    """`value`, awaited where it is awaitable: a Gymnasium-style Env's synchronous reset / step (it
+    failed every episode: "object tuple can't be used in 'await' expression"), or a coroutine a
+    wrapped run() returned from its thread (it was the reward)."""
+    return await value if inspect.isawaitable(value) else value
+
+
 async def _exit_is_failure(episode):
-    """The episode, with a SystemExit its agent raised (sys.exit()) turned into an ordinary error
-    inside its own task: out of wait_for's task it stopped the runner's event loop, and with it
-    every episode in flight (Python 3.11)."""
+    """The episode, with a SystemExit its agent raised (sys.exit()) or any other BaseException
+    but a cancellation (KeyboardInterrupt, GeneratorExit, pytest.fail's) turned into an ordinary
+    error inside its own task: out of its task one stopped the runner's event loop (Python 3.11),
+    and with it every episode in flight, or failed the whole group, its siblings' episodes lost."""
     try:
         return await episode
     except SystemExit as e:
         raise RuntimeError(f"the agent called sys.exit({e.code!r})") from None
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as e:
+        raise RuntimeError(f"the agent raised {''.join(traceback.format_exception_only(type(e), e)).strip()}") from None
+
+
+# keys of an episode's info the framework writes: an agent's "eval" made its training episode an
+# evaluation one, which batch_from_groups refuses (the whole step failed); its "task_id" replaced the task's
+RESERVED_INFO = ("eval",)
+
+
+def _agent_info(info: dict) -> dict:
+    """The agent's info, checked where the episode can still fail alone: it is written to the
+    step's parquet file (json, str() for what JSON cannot hold) and sent from the runner by Ray
+    (pickled). A tuple key or a lock in it failed the step's record or the whole group."""
+    import pickle
+
+    for key in RESERVED_INFO:
+        if key in info:
+            raise ValueError(f"the agent's info uses the reserved key {key!r} (set by workbench); name it otherwise")
+    try:
+        json.dumps(info, default=str)
+        pickle.dumps(info)
+    except Exception as e:
+        raise TypeError(f"the agent's info cannot be recorded ({type(e).__name__}: {e}); keep it to JSON values "
+                        f"with string keys") from None
+    return info
 
 
 def _check_env_messages(messages, where: str) -> None:
@@ -340,6 +401,10 @@ class Rollout:
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
             with self._lock:
                 return _failed_group(task, group_size, self._lose(runner, e))
+        except ray.exceptions.RayTaskError as e:  # the group failed in a live runner (its return not sendable, a
+            # bug): its episodes fail, not the run
+            first = (str(e).strip().splitlines() or ["?"])[-1][:300]
+            return _failed_group(task, group_size, f"the group failed in its runner: {first}", runner_lost=False)
         finally:
             with self._lock:
                 self.outstanding[id(runner)] -= group_size
@@ -402,7 +467,7 @@ class Rollout:
         self.runners = []
 
 
-def _failed_group(task: Task, n: int, reason: str) -> list[Trajectory]:
+def _failed_group(task: Task, n: int, reason: str, runner_lost: bool = True) -> list[Trajectory]:
     group_id = uuid.uuid4().hex[:12]
-    return [Trajectory([], 0.0, group_id, uuid.uuid4().hex[:16], {"task_id": task.id, "runner_lost": True}, reason)
+    return [Trajectory([], 0.0, group_id, uuid.uuid4().hex[:16], {"task_id": task.id, "runner_lost": runner_lost}, reason)
             for _ in range(n)]
