@@ -38,10 +38,10 @@ test-long: setup
 	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) bench/engines.py
+	$(PY) bench/engines.py $(BENCH_ARGS)
 
 bench-loopback: setup
-	$(PY) bench/loopback.py
+	$(PY) bench/loopback.py $(BENCH_ARGS)
 
 # The largest number of concurrent sessions one runner's loopback server sustains with p99 added
 # latency <= 50 ms (ramps 16..512 sessions; BENCH_ARGS="--bound-ms 20 --agents subprocess ...").
@@ -49,7 +49,7 @@ bench-loopback-capacity: setup
 	$(PY) bench/loopback_capacity.py $(BENCH_ARGS)
 
 bench-rollout: setup
-	$(PY) bench/rollout.py
+	$(PY) bench/rollout.py $(BENCH_ARGS)
 
 # The quickstart's rollout batch four ways, each in a fresh process: transformers' generate (TRL's
 # path), vLLM's own LLM.generate, workbench's engine in-process, and as the Ray actor a loop uses
@@ -57,7 +57,7 @@ bench-rollout-floor: setup
 	$(PY) bench/rollout_floor.py $(BENCH_ARGS)
 
 bench-trainer: setup
-	$(PY) bench/trainer.py
+	$(PY) bench/trainer.py $(BENCH_ARGS)
 
 # workbench vs TRL's GRPOTrainer on the quickstart task, same wall-clock budget incl. start-up;
 # TRL goes into bench/.venv-trl on first use (BENCH_ARGS="--budget 180 --backend reference")

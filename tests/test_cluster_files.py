@@ -122,6 +122,9 @@ def test_the_slurm_scripts_workbench_commands_exist():
     # the kernels go into the environment, or the user's directory in a container (a read-only image)
     text = SBATCH.read_text()
     assert 'python -m workbench.kernels "$KERNEL_WHERE" --ray-address' in text
+    # MODE=job too: papermill needs the notebooks' workbench-local kernel ("No such kernel" on a fresh env)
+    job = text[text.index("\njob)"):]
+    assert job.index('python -m workbench.kernels "$KERNEL_WHERE"') < job.index("python -m papermill")
     assert "KERNEL_WHERE=--sys-prefix" in text and "KERNEL_WHERE=--user" in text
     from workbench.kernels import main as kernels_main
 

@@ -1,4 +1,4 @@
-"""Command-line demo of the engine stack on the embedded default (`make demo`):
+"""Command-line demo of the engine stack on the embedded default (`make demo-script`):
 local Ray, the tiny MoE in vLLM inside a Ray actor, a few sampled episodes of the toy
 arithmetic task printed with their token ids, behaviour log-probs and policy versions, then a
 weight sync mid-generation (a partial rollout spanning two versions) with its post-sync check,
