@@ -233,3 +233,25 @@ def test_the_engine_actor_merges_streamed_ids_after_the_first(reference_engines,
     # the default window: after the first item, at most one per STREAM_WINDOW_S, then the last ids
     assert counts[2] <= 2 + elapsed / STREAM_WINDOW_S, (counts, elapsed)
     assert stream_window(1) == STREAM_WINDOW_S and stream_window(8 * STREAM_ITEMS_PER_S) == 8.0
+
+
+def test_an_unforeseen_engine_failure_mid_stream_is_counted(tokenizer):
+    """An engine error no check foresaw, after the stream started: the unstreamed path counts it
+    (unexpected_errors["internal"], 0 is the expectation) and names an error id in the log and the
+    message; the streamed path answered 500 uncounted, logged as a warning."""
+
+    class Boom:
+        async def generate(self, prompt_ids, sampling):
+            raise RuntimeError("kaboom")
+
+        async def generate_stream(self, prompt_ids, sampling):
+            yield [100]
+            await asyncio.sleep(0.01)
+            raise RuntimeError("kaboom")
+
+    with LoopbackServer(Boom(), tokenizer) as srv:
+        client = openai.OpenAI(base_url=srv.base_url(srv.open_session()), api_key=srv.api_key, max_retries=0)
+        with pytest.raises(openai.APIError, match="error id"):
+            for _ in client.chat.completions.create(model="p", messages=BOOKS, max_tokens=4, stream=True):
+                pass
+        assert srv.summary()["unexpected_errors"] == {"internal": 1}

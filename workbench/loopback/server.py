@@ -624,13 +624,19 @@ class LoopbackServer:
             return e.status, e.message
         if isinstance(e, EngineCallFailed):
             known = engine_error(e.error, self.retry_after_s)
-            log.log(logging.WARNING, "loopback streamed request: engine call failed (session %s)", sid, exc_info=e.error)
             if known is not None:
+                log.log(logging.WARNING, "loopback streamed request: engine call failed (session %s)", sid, exc_info=e.error)
                 return known.status, known.message
-            return 500, f"generation failed: internal engine error {type(unwrap(e.error)).__name__}"
+            # one no check foresaw: counted and logged as the unstreamed path does (it went uncounted)
+            error_id = uuid.uuid4().hex[:12]
+            self.stats.unexpected_errors["internal"] += 1
+            log.error("loopback streamed request: engine call failed (error %s, session %s)", error_id, sid, exc_info=e.error)
+            return 500, (f"generation failed: internal engine error {type(unwrap(e.error)).__name__} (error id {error_id}); "
+                         f"the detail is in the server's log")
+        error_id = uuid.uuid4().hex[:12]
         self.stats.unexpected_errors["internal"] += 1
-        log.error("loopback streamed request failed (session %s)", sid, exc_info=e)
-        return 500, "internal server error; the detail is in the server's log"
+        log.error("loopback streamed request failed (error %s, session %s)", error_id, sid, exc_info=e)
+        return 500, f"internal server error (error id {error_id}); the detail is in the server's log"
 
     # ------------------------------------------------------------------ turns
     def _fit(self, req: ChatRequest, sampling: SamplingConfig, prompt_len: int, default: int) -> tuple[bool, bool]:
