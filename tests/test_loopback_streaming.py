@@ -255,3 +255,36 @@ def test_an_unforeseen_engine_failure_mid_stream_is_counted(tokenizer):
             for _ in client.chat.completions.create(model="p", messages=BOOKS, max_tokens=4, stream=True):
                 pass
         assert srv.summary()["unexpected_errors"] == {"internal": 1}
+
+
+def test_a_client_leaving_mid_stream_frees_its_session(tokenizer):
+    """A client that closes a stream after its first deltas (no SDK retries a started stream):
+    the turn sampled on to max_tokens holding the session's lock, and the agent's next request
+    waited for it (3 s in review). The turn is cancelled now: the next request is answered at
+    once, and only it is recorded."""
+
+    class Slow:
+        async def generate(self, prompt_ids, sampling):
+            return Sample(list(prompt_ids), [72, 105], [-0.5, -0.5], [0, 0], "stop")
+
+        async def generate_stream(self, prompt_ids, sampling):
+            ids = []
+            for _ in range(60):  # 3 s of sampling
+                ids.append(72)
+                yield [72]
+                await asyncio.sleep(0.05)
+            yield Sample(list(prompt_ids), ids, [-0.5] * len(ids), [0] * len(ids), "length")
+
+    with LoopbackServer(Slow(), tokenizer) as srv:
+        sid = srv.open_session()
+        client = openai.OpenAI(base_url=srv.base_url(sid), api_key=srv.api_key, max_retries=0)
+        stream = client.chat.completions.create(model="p", messages=BOOKS, max_tokens=60, stream=True)
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
+        stream.close()
+        t0 = time.monotonic()
+        r = client.chat.completions.create(model="p", messages=BOOKS + [{"role": "user", "content": "Again."}], max_tokens=4)
+        assert time.monotonic() - t0 < 1.5 and r.choices[0].finish_reason == "stop"
+        segments = srv.close_session(sid)
+        assert sum(sum(s.loss_mask) for s in segments) == 2  # the answered request's two ids only

@@ -602,7 +602,11 @@ class LoopbackServer:
                 else:
                     await self._changed(feed, turn)
         except (GeneratorExit, asyncio.CancelledError):
-            feed.gone = True  # the client left mid-stream: the turn, still sampling, records nothing
+            # the client left mid-stream: no SDK retries a stream that started, so nothing of the turn
+            # is kept for one; it is cancelled (it sampled on to max_tokens holding the session's lock,
+            # and the agent's next request waited for the reply nobody would read)
+            feed.gone = True
+            turn.cancel()
             raise
         try:
             reply, engine_s = turn.result()
@@ -861,8 +865,10 @@ class LoopbackServer:
 
     def _renders_back(self, req: ChatRequest, reply: Reply) -> bool:
         """Whether the template renders the conversation with this reply in it (the agent's next request)."""
+        canonical = getattr(self.fmt, "canonical", canonical_message)  # (as Accumulator.plan renders them)
         try:
-            self.fmt.render(list(req.messages) + [reply.assistant_message()], req.tools, add_generation_prompt=False)
+            self.fmt.render([canonical(m) for m in [*req.messages, reply.assistant_message()]], req.tools,
+                            add_generation_prompt=False)
             return True
         except Exception:
             return False
