@@ -3,8 +3,10 @@ reference engines, runner actors hosting loopback servers, the example agents en
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ from workbench.agents import AgentLoadError, Task, load_agent
 from workbench.data import load_tasks, tasks_from_list
 from workbench.loop import episode_reward
 from workbench.rollout.actor import sync_weights
-from workbench.rollout.engine import SamplingConfig, expected_probe_logprobs, probe_ids
+from workbench.rollout.engine import Sample, SamplingConfig, expected_probe_logprobs, probe_ids
 from workbench.rollout.runner import Rollout
 from workbench.toy.models import load_hf_model
 
@@ -184,6 +186,43 @@ def test_an_engine_whose_core_died_is_taken_as_dead(reference_engines, run):
         assert run(router.generate([5, 6, 7], s, session_id="b")).token_ids and router.state()["requests"] == {1: 2}
     finally:
         ray.kill(dead)
+
+def test_an_engine_ray_calls_unavailable_is_tried_again_later(monkeypatch):
+    """Ray's ActorUnavailableError is temporary (a network blip): the router marked the engine
+    dead for good, so a healthy engine the driver went on syncing was never asked again by that
+    runner (with one engine every later episode failed). It is left out for a while, then asked."""
+    import concurrent.futures
+
+    from workbench.rollout import router as router_mod
+
+    class Flaky:  # as an engine actor handle: generate.remote(...) -> a ref with .future()
+        def __init__(self):
+            self.fail_next, self.calls = 1, 0
+            self.generate = types.SimpleNamespace(remote=self._generate)
+
+        def _generate(self, prompt_ids, sampling, request_id, experts):
+            self.calls += 1
+            f = concurrent.futures.Future()
+            if self.fail_next:
+                self.fail_next -= 1
+                f.set_exception(ray.exceptions.ActorUnavailableError("a network blip", b"\0" * 16))
+            else:
+                f.set_result(Sample(list(prompt_ids), [7], [-0.1], [0], "stop"))
+            return types.SimpleNamespace(future=lambda: f)
+
+    monkeypatch.setattr(router_mod, "UNAVAILABLE_RETRY_S", 0.2)
+    engine = Flaky()
+    router = router_mod.EngineRouter([engine])
+
+    async def ask(sid):
+        return await router.generate([5, 6], SamplingConfig(max_tokens=2), session_id=sid)
+
+    with pytest.raises(router_mod.EngineUnavailable, match="unavailable for now"):
+        asyncio.run(ask("a"))
+    assert router.state()["dead"] == [] and router.state()["unavailable"] == [0]
+    time.sleep(0.25)
+    assert asyncio.run(ask("b")).token_ids == [7] and engine.calls == 2 and router.state()["unavailable"] == []
+
 
 def test_each_env_episode_gets_its_own_info(rollout_for):
     """An Env whose reset returns task.info itself: the group's episodes (one Task) updated one

@@ -6,6 +6,7 @@ clear error instead of hanging."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 
@@ -28,6 +29,9 @@ def _core_dead(e: BaseException) -> bool:
     return False
 
 
+UNAVAILABLE_RETRY_S = 10.0  # an engine Ray called unavailable is tried again after this long
+
+
 class EngineRouter:
     routes_sessions = True  # the loopback server passes session ids to generate()
 
@@ -37,6 +41,10 @@ class EngineRouter:
         self.engines = list(engines)
         self.outstanding = [0] * len(engines)
         self.dead: set[int] = set()
+        # engines that answered ActorUnavailableError (Ray: temporary, e.g. a network blip between
+        # nodes) -> when to try them again. Marked dead for good, a healthy engine the driver still
+        # synced was never asked again by this runner (with one engine: every later episode failed)
+        self.unavailable_until: dict[int, float] = {}
         self.sticky: dict[str, int] = {}
         self.requests = Counter()  # per engine index: requests served
         self.failovers = 0  # requests whose engine died under them and that were retried on another
@@ -47,11 +55,12 @@ class EngineRouter:
         self._deliveries: set = set()  # the tasks awaiting those calls (held: the loop keeps weak references)
 
     def pick(self, session_id: str | None) -> int:
-        alive = [i for i in range(len(self.engines)) if i not in self.dead]
+        now = time.monotonic()
+        alive = [i for i in range(len(self.engines)) if i not in self.dead and self.unavailable_until.get(i, 0) <= now]
         if not alive:
-            raise EngineUnavailable(f"all {len(self.engines)} rollout engines are dead")
+            raise EngineUnavailable(f"all {len(self.engines)} rollout engines are {self._gone()}")
         i = self.sticky.get(session_id) if session_id is not None else None
-        if i is None or i in self.dead:
+        if i is None or i not in alive:
             i = min(alive, key=lambda j: (self.outstanding[j], j))
             if session_id is not None:
                 self.sticky[session_id] = i
@@ -98,7 +107,10 @@ class EngineRouter:
                 self.requests[i] += 1
                 return
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                self.dead.add(i)
+                if isinstance(e, ray.exceptions.ActorUnavailableError):
+                    self.unavailable_until[i] = time.monotonic() + UNAVAILABLE_RETRY_S
+                else:
+                    self.dead.add(i)
                 if started:
                     raise
                 self.failovers += 1
@@ -115,7 +127,10 @@ class EngineRouter:
                 last_error = e
             finally:
                 self.outstanding[i] -= 1
-        raise EngineUnavailable(f"all {len(self.engines)} rollout engines are dead (last error: {last_error})")
+        raise EngineUnavailable(f"all {len(self.engines)} rollout engines are {self._gone()} (last error: {last_error})")
+
+    def _gone(self) -> str:
+        return "dead or unavailable for now" if any(t > time.monotonic() for t in self.unavailable_until.values()) else "dead"
 
     def _call(self, engine, prompt_ids, sampling, return_routed_experts) -> asyncio.Future:
         """One request's Sample (a future), from engine.generate. Why requests are coalesced: a
@@ -164,5 +179,6 @@ class EngineRouter:
 
     def state(self) -> dict:
         return {"engines": len(self.engines), "dead": sorted(self.dead), "outstanding": list(self.outstanding),
+                "unavailable": sorted(i for i, t in self.unavailable_until.items() if t > time.monotonic()),
                 "requests": dict(self.requests), "sessions": len(self.sticky), "failovers": self.failovers,
                 "coalesced": self.coalesced}
