@@ -662,3 +662,30 @@ def test_a_checkpoint_with_parameters_the_optimizer_never_stepped_loads(tmp_path
     steps = sorted(float(st["step"]) for st in state["optim"]["state"].values())
     assert steps == [0.0, 0.0, 1.0, 1.0]  # the unused ones fresh (step 0, zero moments)
     assert all(float(st["exp_avg"].abs().sum()) == 0 for st in state["optim"]["state"].values() if float(st["step"]) == 0)
+
+
+def test_a_checkpoint_with_dropout_trains_without_it(ray_local, dense_path, tmp_path):
+    """The trainer runs in training mode (gradient checkpointing needs it); the engine never drops
+    out. With attention_dropout 0.5 in the checkpoint's config, pi_old (the gradient forward's own
+    log-probs) was a dropped-out forward: every ratio and gate decision was noise. Switched off."""
+    import json
+    import shutil
+
+    path = tmp_path / "dropout"
+    shutil.copytree(dense_path, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    g = torch.Generator().manual_seed(4)
+    segs = [Segment(torch.randint(3, 500, (24,), generator=g).tolist(), [0] * 8 + [1] * 16, [0.0] * 24, [-1] * 8 + [0] * 16)
+            for _ in range(2)]
+    b = training_tensors(segs)
+    b["advantages"] = torch.tensor([1.0, -1.0])[:, None] * b["loss_mask"]
+    t = Trainer(str(path), world_size=1, cfg=TrainerConfig(lr=1e-3, correction=CorrectionConfig(enabled=False, max_staleness=None)))
+    try:
+        before = t.logprobs(b)
+        b["behaviour_logprobs"] = before * b["loss_mask"]
+        report = t.train_step(b, report=True)["report"]
+        m = b["loss_mask"].bool()
+        assert (report["trainer_logprobs"][m] - before[m]).abs().max() < 1e-5
+    finally:
+        t.shutdown()

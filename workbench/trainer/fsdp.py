@@ -20,6 +20,7 @@ import functools
 import math
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,6 +249,30 @@ def replay_summary(parts: list[dict]) -> dict:
     return acc
 
 
+def no_dropout(model) -> list[str]:
+    """Switch off what a model does only in training mode besides keeping activations: dropout
+    (nn.Dropout modules, attention modules' attention_dropout) and router jitter noise. The
+    trainer runs in training mode (gradient checkpointing needs it) while the behaviour
+    log-probs come from an engine that never drops out: pi_old, the gradient forward's own
+    log-probs, and so every importance ratio and gate decision were noise on such a checkpoint
+    (attention_dropout > 0, GPT-2's 0.1s, Mixtral's router_jitter_noise). Returns what it changed."""
+    changed = set()
+    for name in [k for k, v in vars(model.config).items() if isinstance(v, float) and v > 0
+                 and ("dropout" in k or k.endswith("pdrop") or "jitter" in k)]:
+        setattr(model.config, name, 0.0)
+        changed.add(name)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            module.p = 0.0
+            changed.add("nn.Dropout")
+        for attr in ("attention_dropout", "jitter_noise", "router_jitter_noise"):
+            value = getattr(module, attr, None)
+            if isinstance(value, float) and value > 0:
+                setattr(module, attr, 0.0)
+                changed.add(attr)
+    return sorted(changed)
+
+
 def update_runs(n: int, updates: int) -> list[range]:
     """The rows of each of `updates` optimizer updates over n rows: contiguous runs of near-equal
     size (the longer ones first, one row longer), one a row with fewer rows than updates (an
@@ -378,6 +403,10 @@ class TrainerWorker:
             model = load_hf_model(path, dtype=dtype).to(self.device)
         else:  # no weights anywhere yet: FSDP2 shards the empty parameters
             model = meta_model(path, dtype)
+        dropped = no_dropout(model)
+        if dropped and self.rank == 0:
+            print(f"workbench: trainer: dropout and router noise off ({', '.join(dropped)}): the engine samples "
+                  f"without them, and a noised forward made pi_old and every ratio noisy", file=sys.stderr)
         if checkpointing:
             # non-reentrant: the recompute runs inside backward, where routing_replay's hooks
             # still apply because train_step keeps the replay context open across backward
