@@ -55,3 +55,14 @@ def test_while_chunked_no_full_logits_are_built(dense_path):
     assert swapped and out.shape == (2, 20)
     assert not hasattr(head, "forward") or "forward" not in head.__dict__  # the head is restored
     assert biggest == [(2, 20)]  # the head's one call returned log-probs, not [2, 20, vocab] logits
+
+
+def test_a_one_position_row_keeps_its_column():
+    """sampled_logprobs gives [B, T] whatever T: a width-1 input came back [B, 0] (no picked
+    column to copy the zero from), misaligning a micro-batch of one-token rows."""
+    import torch
+
+    from workbench.trainer.logprobs import sampled_logprobs
+
+    assert sampled_logprobs(torch.randn(2, 1, 5), torch.zeros(2, 1, dtype=torch.long)).shape == (2, 1)
+    assert sampled_logprobs(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long)).shape == (2, 3)

@@ -30,7 +30,8 @@ def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature:
     """log p(input_ids[:, i] | < i) from a forward's full logits, [B, T], column 0 = 0."""
     lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     picked = lp.gather(-1, input_ids[:, 1:, None])[..., 0]
-    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    # (new_zeros, not zeros_like(picked[:, :1]): a width-1 input has no picked column, and the result was [B, 0])
+    return torch.cat([picked.new_zeros((picked.shape[0], 1)), picked], dim=1)
 
 
 def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head, temperature: float) -> torch.Tensor:
