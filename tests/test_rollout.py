@@ -224,6 +224,26 @@ def test_an_engine_ray_calls_unavailable_is_tried_again_later(monkeypatch):
     assert asyncio.run(ask("b")).token_ids == [7] and engine.calls == 2 and router.state()["unavailable"] == []
 
 
+def test_sync_agents_stuck_past_their_threads_say_so(monkeypatch, moe_path):
+    """Agents stuck past their episodes keep their threads; once every thread of the pool was held,
+    each later episode waited for one and timed out saying only "timed out" (every one after
+    it too). It now fails at once, naming why."""
+    from workbench.rollout import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "SYNC_AGENT_SPARE_THREADS", 1)
+    runner = runner_mod.RolloutRunner(str(AGENTS / "stuck_sync.py"), [object()], str(moe_path),
+                                      max_concurrent_episodes=1, episode_timeout_s=0.4)
+    task = Task([{"role": "user", "content": "?"}])
+    try:
+        first = [asyncio.run(runner.run_episode(task)) for _ in range(2)]  # each holds one of the 2 threads
+        assert all(t.error == "episode timed out after 0.4 s" for t in first)
+        t0 = time.monotonic()
+        third = asyncio.run(runner.run_episode(task))
+        assert time.monotonic() - t0 < 0.3 and "all 2 threads for synchronous agents are held" in third.error
+    finally:
+        asyncio.run(runner.shutdown())
+
+
 def test_each_env_episode_gets_its_own_info(rollout_for):
     """An Env whose reset returns task.info itself: the group's episodes (one Task) updated one
     dict, each sibling's step info ending in the others' trajectories, and in the task."""

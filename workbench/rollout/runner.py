@@ -78,6 +78,7 @@ class RolloutRunner:
         self._clients = None
         self._sync_pool = None
         self._orphans: set = set()  # timed-out episodes still running (cancelled; held: the loop keeps weak references)
+        self._sync_busy, self._sync_lock = 0, threading.Lock()  # sync agents' threads running an agent
         # What is alive now (torch, Ray, the SDKs, the tokenizer: ~300,000 objects) lives as long as the
         # runner: out of the collector's walk. A full collection walked it all while every in-flight
         # request waited (60-117 ms each, a few per bench run: the loopback's occasional p99 of
@@ -166,6 +167,14 @@ class RolloutRunner:
             self._sync_pool = ThreadPoolExecutor(self._slots + SYNC_AGENT_SPARE_THREADS, thread_name_prefix="sync-agent")
         return self._sync_pool
 
+    def _run_sync_agent(self, context, run, ctx):
+        """In a pool thread: the agent's run, counted busy until it returns (the count _chat_episode reads)."""
+        try:
+            return context.run(run, ctx)
+        finally:
+            with self._sync_lock:
+                self._sync_busy -= 1
+
     def _shared_clients(self):
         """One OpenAI and one Anthropic SDK client per runner (made on its event loop); agents get
         per-episode copies through ctx.openai() / ctx.anthropic() that share their connection pool."""
@@ -202,8 +211,17 @@ class RolloutRunner:
             # threads, so on 2 cores the 7th concurrent sync episode waited for a thread (its timeout
             # running) and a few stuck agents starved every later episode. In the caller's context
             # (contextvars: tracing, logging), as asyncio.to_thread runs it
-            call = functools.partial(contextvars.copy_context().run, agent.run, ctx)
-            result = await _resolved(await asyncio.get_running_loop().run_in_executor(self._sync_agents(), call))
+            pool = self._sync_agents()
+            with self._sync_lock:
+                if self._sync_busy >= pool._max_workers:
+                    # every thread is held by an agent still running past its episode: this one would wait
+                    # for a thread and time out, saying only "timed out" (every later episode too)
+                    raise RuntimeError(f"all {pool._max_workers} threads for synchronous agents are held by agents still "
+                                       f"running past their episodes' timeouts; this episode cannot start (fix the agent "
+                                       f"that hangs, or make it async)")
+                self._sync_busy += 1
+            call = functools.partial(self._run_sync_agent, contextvars.copy_context(), agent.run, ctx)
+            result = await _resolved(await asyncio.get_running_loop().run_in_executor(pool, call))
         return (*as_reward(result), False)
 
     async def _env_episode(self, task: Task, sid: str, partial: dict | None = None):
