@@ -315,6 +315,11 @@ def test_c_qwen3_answer_without_think_reaches_the_agent_as_content(fams):
     p = rp.parse("<think>\nadd\n</think>\n\nThe answer is 5.", [], opened=opened)
     assert (p.reasoning.strip(), p.content.strip()) == ("add", "The answer is 5.")
     assert rp.parse("add</think>\n\n5", [], opened=opened).content.strip() == "5"  # closed without opening
+    # a marker elsewhere in the answer made all of it reasoning again
+    assert rp.parse("The answer is 4. Note the <think> tag.", [], opened=opened).content == "The answer is 4. Note the <think> tag."
+    # the text of a reply whose calls cannot go back, with our own tool parser (it raised: no combined parser)
+    plain = rp.as_text('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', [], None, opened)
+    assert plain.content.startswith("<tool_call>") and plain.reasoning is None
     assert rp.prompt_opens_reasoning(fmt, fmt.encode("<|im_start|>assistant\n<think>\n")) is True
     assert rp.parse("still thinking", [], opened=True).content in ("", None)  # inside the opened block
 

@@ -265,15 +265,16 @@ class _Model:
         """The k-th tool-call id, of the shape the loopback hands out for the profile (fixed here)."""
         return f"call{k:05d}" if self.id_style == "alnum9" else f"call_{k}"
 
-    def returned_message(self, reply, ids, tools=None) -> dict:
+    def returned_message(self, reply, ids, tools=None, prompt_ids=()) -> dict:
         """The assistant message as the loopback returns it (and the agent sends it back). With a
         profile: the server's own parse of the sampled ids (loopback.parsing: reasoning, content,
-        tool calls)."""
+        tool calls), after the prompt `prompt_ids` (does it open the reasoning block?)."""
         if self.parser is not None:
             from .loopback.parsing import reply_text
 
             text, body = reply_text(self.fmt, ids, "length" if reply["cut"] else "stop", self.parser.skip_special_tokens)
-            p = self.parser.parse(text, body, tools=tools)
+            opened = self.parser.prompt_opens_reasoning(self.fmt, list(prompt_ids)[-8:]) if prompt_ids else True
+            p = self.parser.parse(text, body, tools=tools, opened=opened)
             msg = {"role": "assistant", "content": p.content}
             if p.reasoning:
                 msg["reasoning_content"] = p.reasoning
@@ -342,7 +343,7 @@ def run_shape(fmt: ChatFormat, name: str, stops: list[str], reasoning_in_content
             tr = TurnResult(turn, "extends*", "same text, other ids (retokenization)" if same_text else
                             "the template renders the earlier turn differently from what was sampled", i, ctx)
         res.turns.append(tr)
-        msg = model.returned_message(reply, ids, tools)
+        msg = model.returned_message(reply, ids, tools, plan.prompt_ids)
         acc.record(plan, sample_of(ids, "length" if reply["cut"] else "stop"), msg)
         last_ids, last_cut = ids, bool(reply["cut"])
         msgs = msgs + [msg]

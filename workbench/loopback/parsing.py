@@ -209,7 +209,10 @@ class ReplyParser:
                 out.append({"name": c.name, "arguments": args})
             return Parsed(reasoning or None, (content or "").strip() if out else (content or ""), out)
         reasoning, markers = None, self.reasoning_markers if self._reasoning_cls is not None else None
-        if self._reasoning_cls is not None and (opened or markers is None or any(m in text for m in markers)):
+        # (the block opened by the prompt, or by the reply's start, or closed in it: a marker elsewhere,
+        # "Note the <think> tag.", made the whole answer reasoning again)
+        if self._reasoning_cls is not None and (opened or markers is None or text.lstrip().startswith(markers[0])
+                                                or markers[1] in text):
             rp = self._reasoning_cls(self.tokenizer, chat_template_kwargs=dict(self.template_kwargs))
             reasoning, rest = rp.extract_reasoning(text, _request(tools))
             text = rest or ""
@@ -218,7 +221,7 @@ class ReplyParser:
             return Parsed(reasoning or None, text, [])  # the reasoning kept, as streaming sent it
         return Parsed(reasoning or None, content, calls)
 
-    def as_text(self, text: str, ids: list[int], tools: list | None) -> Parsed:
+    def as_text(self, text: str, ids: list[int], tools: list | None, opened: bool = True) -> Parsed:
         """A reply whose tool call cannot be handed out, as vLLM's parser reads it with tools off:
         the reasoning apart, the rest as the model wrote it (call markup included). The whole
         decoded reply went out as content, the reasoning and its end marker in it a second time
@@ -226,7 +229,10 @@ class ReplyParser:
         JSON, the content without the call's text. Harmony (gpt-oss) has no such text: its reply,
         decoded without special tokens, is its channel headers glued to the analysis and the call
         ('analysisNeed calc.assistantcommentary to=functions.calc json{...'), so the reply is the
-        final channel's text, none where the call was all."""
+        final channel's text, none where the call was all. Ours (hermes): the reply read with tools
+        off (`opened` as parse takes it)."""
+        if self._combined_cls is None:
+            return self._parse(text, ids, False, tools, opened)
         reasoning, content, _ = self._new(tools).parse(text, _request(tools), enable_auto_tools=False,
                                                          model_output_token_ids=list(ids))
         return Parsed(reasoning or None, ("" if self._harmony else text) if content is None else content, [])

@@ -841,8 +841,8 @@ class LoopbackServer:
         # a reply cut by max_tokens is not read for tool calls (its last may be half written: vLLM's
         # qwen3_coder parser returned a cut call with {} arguments, which an Env then ran): its markup
         # stays content, and both protocols say it was cut
-        parsed = parser.parse(text, ids, parse_tools=req.parse_tools and finish != "length", tools=req.tools,
-                              opened=parser.prompt_opens_reasoning(self.fmt, prompt_ids[-8:]))
+        opened = parser.prompt_opens_reasoning(self.fmt, prompt_ids[-8:])
+        parsed = parser.parse(text, ids, parse_tools=req.parse_tools and finish != "length", tools=req.tools, opened=opened)
         # Mistral's templates render the ids: the ones the model wrote where it wrote valid ones,
         # so that each tool result names a call id that is in the context
         written = sampled_call_ids(text, parsed.calls) if self.tool_call_ids == "alnum9" else [None] * len(parsed.calls)
@@ -859,7 +859,7 @@ class LoopbackServer:
             # episode failed and was dropped, so replies with parallel calls never trained. As text,
             # as a call the agent could not send back is (counted)
             parser.failures += 1
-            plain = parser.as_text(text, ids, req.tools)
+            plain = parser.as_text(text, ids, req.tools, opened)
             reply = dataclasses.replace(reply, content=plain.content, reasoning=plain.reasoning, tool_calls=[])
         return reply
 
