@@ -222,7 +222,10 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
     # the marked answer first, then the last number (each of these read a wrong number before)
     for text, want in (("The answer is 18. Check: 20 - 2 = 18 and 18 / 2 = 9", 18), ("Answer: 18 (9 x 2)", 18),
                        ("The area is 18 m^2.", 18), ("\\boxed{1{,}234}", 1234), ("1\\,234 apples", 1234),
-                       ("It takes 2-3 days", 3), ("x = -3", -3), ("#### 72", 72), ("so the answer is \u221212", -12)):
+                       ("It takes 2-3 days", 3), ("x = -3", -3), ("#### 72", 72), ("so the answer is \u221212", -12),
+                       # the marked sentence's result, not its first operand; a fraction or a power is no whole number
+                       ("The answer is 48 + 24 = 72.", 72), ("answer: 2^{10} = 1024", 1024), ("The answer is 3/4.", None),
+                       ("The answer is \\boxed{\\frac{1}{2}}", None), ("answer is 1e5", None)):
         assert answer_number(text) == want, text
     # the math recipe's reward reads the same way; a list of numbers is no one number ("3,4,5" read 345)
     import sys

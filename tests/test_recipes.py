@@ -188,7 +188,8 @@ def test_the_code_grader_pays_only_right_return_values():
                   f"```python\n{label['solution']}\n", f"Here is the function:\n{label['solution']}",
                   # unfenced code with an explanation after it (a SyntaxError: scored 0)
                   f"{label['solution']}\n\nThis function does what was asked.",
-                  f"Here it is:\n{label['solution']}\nIt runs in O(1)."):
+                  f"Here it is:\n{label['solution']}\nIt runs in O(1).",
+                  label["solution"] + "\n\n" + "\n".join(f"- note {i}: it works." for i in range(80))):
         assert score(reply, label)[0] == 1.0, reply
     # a reply of newlines: the block search was quadratic (\s* from every line start; 3 s at 40,000
     # newlines, in the runner's thread); now linear, and it finds nothing to pass

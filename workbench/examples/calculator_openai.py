@@ -1,6 +1,6 @@
 """Multi-turn tool use through the stock OpenAI SDK: the model may call `calc`; the agent runs
-the tool and sends the result back, until the model answers. Reward: the last number in the
-final answer equals the right result."""
+the tool and sends the result back, until the model answers. Reward: the final answer's number
+(examples.tools.answer_number: its marked answer, else its last number) equals the right result."""
 
 from __future__ import annotations
 

@@ -48,19 +48,32 @@ _MARKED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}|####[ \t]*([^\n]*)|\ba
 
 
 def answer_text(text: str | None) -> str | None:
-    """The number a reply gives as its answer, as written without thousands separators: the first
-    number of its last marked answer (\\boxed{...}, "#### ...", "answer is ..." / "Answer: ..."),
-    else its last number; None when it has none. Read by the marker first: "The answer is 18.
-    Check: 20 - 2 = 18 and 18 / 2 = 9" and "Answer: 18 (9 x 2)" read 9 and 2 by their last number.
-    LaTeX separators ("1{,}234", "1\\,234") and thin spaces are thousands separators; an exponent
-    after a unit ("18 m^2") is no number; a unicode minus is a minus ("-12" read 12)."""
+    """The number a reply gives as its answer, as written without thousands separators; None when
+    it gives none. Its last marked answer (\\boxed{...}, "#### ...", "answer is ..." / "Answer: ...")
+    up to the sentence's end, the number after its last "=" ("The answer is 48 + 24 = 72."), else
+    its first ("Answer: 18 (9 x 2)"); with no marker, the reply's last number. Read by the last
+    number, "The answer is 18. Check: 20 - 2 = 18 and 18 / 2 = 9" was 9 and "Answer: 18 (9 x 2)" 2.
+    No whole number where the answer is a fraction or a power ("\\frac{1}{2}", "3/4", "1e5",
+    "2^{10}" with nothing after it). LaTeX separators ("1{,}234", "1\\,234") and thin spaces are
+    thousands separators; an exponent after a unit ("18 m^2") is no number; a unicode minus is a
+    minus ("-12" read 12)."""
     text = (text or "").replace("\u2212", "-").replace("{,}", ",")
     text = re.sub(r"(?<=\d)(?:\\,|[\u2009\u202f])(?=\d{3}(?!\d))", ",", text)
     text = re.sub(r"(?<=[A-Za-z])(?:\^\{?\d+\}?|[\u00b2\u00b3])", "", text)
     marked = [next(g for g in m.groups() if g is not None) for m in _MARKED.finditer(text)]
-    found = _NUMBER.findall(marked[-1]) if marked else []
-    found = found[:1] or _NUMBER.findall(text)[-1:]
-    return found[0].replace(",", "") if found else None
+    if marked:
+        span = re.split(r"\.(?:\s|$)|;", marked[-1], maxsplit=1)[0]  # the marked sentence
+        span = span.rsplit("=", 1)[-1]
+        found = list(_NUMBER.finditer(span))[:1]
+    else:
+        span = text
+        found = list(_NUMBER.finditer(text))[-1:]
+    if not found:
+        return None
+    m = found[0]
+    if re.match(r"\s*(?:/\s*\d|\^|[eE][-+]?\d)", span[m.end():]) or "\\frac" in span[:m.start()]:
+        return None  # a fraction or a power, not the whole number it starts with
+    return m.group().replace(",", "")
 
 
 def answer_number(text: str | None) -> int | None:

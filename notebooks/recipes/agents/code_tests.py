@@ -97,7 +97,9 @@ def _parsable_head(code: str, tries: int = 50) -> str:
         return code
     lines = code.splitlines(keepends=True)
     cuts = [i for i in range(len(lines) - 1, 0, -1) if lines[i][:1] not in ("", " ", "\t", "\n", "\r")]
-    for i in cuts[:tries]:
+    # the longest heads first (helpers defined after the function stay), then as a last resort the end
+    # of the def it starts with (only the last `tries` cuts were tried: a long explanation left none)
+    for i in cuts[:tries] + sorted(cuts)[:1]:
         if parses("".join(lines[:i])):
             return "".join(lines[:i])
     return code

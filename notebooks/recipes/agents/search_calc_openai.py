@@ -2,7 +2,7 @@
 local document collection, workbench.examples.tools.DOCUMENTS; the best passage by word
 overlap). Tasks alternate between 'Compute a*b.' and 'Look up the number of pear trees in the
 orchard and add 7.'. The agent runs every tool call the model makes and sends the result back
-until the model answers; reward 1 when the last number of the final answer is the right result.
+until the model answers; reward 1 when the final answer's number (its marked answer, else its last number) is the right result.
 Used by notebooks/recipes/tool_agent_openai.ipynb.
 
 A document task opens with the agent's own search call (SEARCH_FIRST): the tiny toy model was
