@@ -1116,8 +1116,8 @@ def _eval_tasks(tasks) -> list[Task]:
         if isinstance(tasks, (str, Path)):
             return load_tasks(tasks, split=held_out_split(tasks))
         if isinstance(tasks, dict):
-            split = tasks["split"] if "split" in tasks or "path" not in tasks else held_out_split(tasks["path"])
-            return load_tasks(**tasks, **({} if "split" in tasks or split is None else {"split": split}))
+            held_out = {} if "split" in tasks or "path" not in tasks else {"split": held_out_split(tasks["path"])}
+            return load_tasks(**tasks, **held_out)
         out = tasks_from_list(tasks)
     except (TypeError, ValueError, FileNotFoundError) as e:
         raise ConfigError(f"eval_tasks: {e}") from e

@@ -814,7 +814,7 @@ class Accumulator:
         if ex is None:
             if seg.routed_experts is not None:  # keep the column aligned: unknown routing is -1 (and the
                 # earlier turns' routing is not what a turn sampled after a sync saw)
-                old = np.full_like(seg.routed_experts, -1) if newer else seg.routed_experts
+                old = np.full_like(seg.routed_experts, -1) if supersedes else seg.routed_experts
                 pad = np.full((len(seg) - old.shape[0], *old.shape[1:]), -1, np.int16)
                 seg.routed_experts = np.concatenate([old, pad])
             return
@@ -858,7 +858,8 @@ def _why_not_extending(conv: list[dict], msgs: list[dict]) -> str | None:
         return "history_rewritten"
     # (as JSON text too: Python's == holds 1 == 1.0 == True, so arguments an agent re-serialized, 1.0 as 1,
     # passed here and sealed at the render check as a template rewrite)
-    if msgs[n - 1] != conv[n - 1] or json.dumps(msgs[n - 1], default=str) != json.dumps(conv[n - 1], default=str):
+    if msgs[n - 1] != conv[n - 1] or json.dumps(msgs[n - 1], default=str, sort_keys=True) != json.dumps(
+            conv[n - 1], default=str, sort_keys=True):
         return "assistant_changed"
     return None
 
