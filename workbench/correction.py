@@ -30,8 +30,9 @@ al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the Trainin
 Mismatch" (MIS), also verl's rollout-correction options.
 
 Weights are constants in the loss (computed without gradient). `Correction.token_keep` is the
-mask of tokens that take part in the loss at all: every other loss term (the KL penalty to a
-reference) uses it, so a gated sequence gets no gradient from anything. Statistics every step:
+mask of tokens that take part in the loss at all; the KL penalty to a reference is weighted by
+`Correction.weights` (0 outside token_keep) as the surrogate is, so a gated sequence gets no
+gradient from anything. Statistics every step:
 gate pass ratio, k1/k3 KL between behaviour and trainer log-probs, max |delta p|, IS-weight and
 staleness histograms, tokens per version.
 """
@@ -233,7 +234,7 @@ def _stats(trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, ver
     rows = m.any(-1)  # sequences with trainable tokens (padding rows are neither kept nor dropped)
     # the tokens the correction kept (a token-level mask's rejections are not: token_keep_ratio). From
     # the decision, not weights > 0: a TIS weight min(r, cap) that underflowed to 0 is a kept token
-    # (its KL term applies, it counts in signal_tokens_trained), and it read as a dropped one
+    # (it counts in signal_tokens_trained; its weight, 0, takes its KL term too), and it read as a dropped one
     kept = token_keep
     w = weights[kept]
     hist = torch.histogram(w.clamp(max=1e6), bins=torch.tensor(WEIGHT_BINS[:-1] + (1e6,))).hist if w.numel() else torch.zeros(len(WEIGHT_BINS) - 1)

@@ -97,7 +97,7 @@ class EngineRouter:
 
         last_error = None
         for _ in range(len(self.engines)):
-            i = self.pick(session_id)
+            i = await self._pick_or_wait(session_id)
             self.outstanding[i] += 1
             started = False
             try:
@@ -128,6 +128,18 @@ class EngineRouter:
             finally:
                 self.outstanding[i] -= 1
         raise EngineUnavailable(f"all {len(self.engines)} rollout engines are {self._gone()} (last error: {last_error})")
+
+    async def _pick_or_wait(self, session_id: str | None) -> int:
+        """pick(); where every engine left is only unavailable for now (Ray's temporary error), after
+        waiting for the first to be tried again: with one engine, every request of those seconds failed."""
+        while True:
+            try:
+                return self.pick(session_id)
+            except EngineUnavailable:
+                waits = [t - time.monotonic() for i, t in self.unavailable_until.items() if i not in self.dead]
+                if not waits:
+                    raise
+                await asyncio.sleep(max(min(waits), 0.0) + 0.01)
 
     def _gone(self) -> str:
         return "dead or unavailable for now" if any(t > time.monotonic() for t in self.unavailable_until.values()) else "dead"

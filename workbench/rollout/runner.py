@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import gc
 import inspect
 import json
@@ -92,7 +91,8 @@ class RolloutRunner:
         return {"agent": self.spec.path, "kind": self.spec.kind, "server": self.server.url, "pid": os.getpid()}
 
     def stats(self) -> dict:
-        return {"router": self.router.state(), "server": self.server.summary()}
+        # orphaned_episodes: timed out, cancelled, still running (an agent that ignores its cancellation)
+        return {"router": self.router.state(), "server": self.server.summary(), "orphaned_episodes": len(self._orphans)}
 
     async def run_group(self, task: Task, n: int, group_id: str | None = None) -> list[Trajectory]:
         """n episodes of one task (a group, for group-relative advantages), concurrently."""
@@ -167,13 +167,10 @@ class RolloutRunner:
             self._sync_pool = ThreadPoolExecutor(self._slots + SYNC_AGENT_SPARE_THREADS, thread_name_prefix="sync-agent")
         return self._sync_pool
 
-    def _run_sync_agent(self, context, run, ctx):
-        """In a pool thread: the agent's run, counted busy until it returns (the count _chat_episode reads)."""
-        try:
-            return context.run(run, ctx)
-        finally:
-            with self._sync_lock:
-                self._sync_busy -= 1
+    def _sync_done(self, _work) -> None:
+        """A sync agent's call ended (or was cancelled before it ran): its thread is free again."""
+        with self._sync_lock:
+            self._sync_busy -= 1
 
     def _shared_clients(self):
         """One OpenAI and one Anthropic SDK client per runner (made on its event loop); agents get
@@ -220,8 +217,11 @@ class RolloutRunner:
                                        f"running past their episodes' timeouts; this episode cannot start (fix the agent "
                                        f"that hangs, or make it async)")
                 self._sync_busy += 1
-            call = functools.partial(self._run_sync_agent, contextvars.copy_context(), agent.run, ctx)
-            result = await _resolved(await asyncio.get_running_loop().run_in_executor(pool, call))
+            # counted free by the future's callback: it runs whether the call ran or was cancelled while
+            # queued (a count decremented by the call itself leaked then)
+            work = pool.submit(contextvars.copy_context().run, agent.run, ctx)
+            work.add_done_callback(self._sync_done)
+            result = await _resolved(await asyncio.wrap_future(work))
         return (*as_reward(result), False)
 
     async def _env_episode(self, task: Task, sid: str, partial: dict | None = None):
@@ -263,6 +263,8 @@ class RolloutRunner:
         return (*as_reward((total, {**info, "turns": turns})), cut)  # a non-finite total fails the episode
 
     async def shutdown(self) -> None:
+        for episode in list(self._orphans):  # timed-out episodes still running: cancelled again, not awaited
+            episode.cancel()
         if self._clients is not None:  # their connection pools (aiohttp sessions), on the loop they live on
             await self._clients.openai.close()
             await self._clients.anthropic.close()
@@ -281,14 +283,14 @@ async def _resolved(value):
 
 async def _exit_is_failure(episode):
     """The episode, with a SystemExit its agent raised (sys.exit()) or any other BaseException
-    but a cancellation (KeyboardInterrupt, GeneratorExit, pytest.fail's) turned into an ordinary
+    but a cancellation or a close (KeyboardInterrupt, pytest.fail's) turned into an ordinary
     error inside its own task: out of its task one stopped the runner's event loop (Python 3.11),
     and with it every episode in flight, or failed the whole group, its siblings' episodes lost."""
     try:
         return await episode
     except SystemExit as e:
         raise RuntimeError(f"the agent called sys.exit({e.code!r})") from None
-    except (Exception, asyncio.CancelledError):
+    except (Exception, asyncio.CancelledError, GeneratorExit):  # (GeneratorExit: the coroutine closed at the loop's end)
         raise
     except BaseException as e:
         raise RuntimeError(f"the agent raised {''.join(traceback.format_exception_only(type(e), e)).strip()}") from None

@@ -249,6 +249,9 @@ def replay_summary(parts: list[dict]) -> dict:
     return acc
 
 
+KL_RATIO_CAP = 2.0  # the KL-to-reference term's weight pi / pi_old is truncated here (train_step)
+
+
 def no_dropout(model) -> list[str]:
     """Switch off what a model does only in training mode besides keeping activations: dropout
     (nn.Dropout modules, attention modules' attention_dropout) and router jitter noise. The
@@ -593,7 +596,9 @@ class TrainerWorker:
                         # weight pi / mu: the correction's weight (pi_old / mu, truncated, 0 where gated)
                         # times pi / pi_old (1 in a step's first update). Unweighted, the gradient was 30%
                         # off at KL(mu || pi) 0.02 and 101% at 0.18 (exact expectations, in review)
-                        kl_weight = corr.weights * torch.exp(lp.detach() - old)
+                        # (pi / pi_old truncated at KL_RATIO_CAP, as TIS truncates pi_old / mu: with several
+                        # updates a token whose probability rose 100x weighed 100x, unclipped by PPO's clip)
+                        kl_weight = corr.weights * torch.exp(lp.detach() - old).clamp(max=KL_RATIO_CAP)
                         tl = tl + self.cfg.kl_coef * kl * kl_weight
                         kl_sum = kl_sum + kl.detach().sum()  # the statistic: KL on every trainable token
                     # this rank's share of the mini-batch's loss; x world size because FSDP averages
