@@ -606,7 +606,9 @@ class LoopbackServer:
             # is kept for one; it is cancelled (it sampled on to max_tokens holding the session's lock,
             # and the agent's next request waited for the reply nobody would read)
             feed.gone = True
-            turn.cancel()
+            if not turn.done():
+                self.stats.undelivered += 1  # (its reply, never finished, is not recorded)
+                turn.cancel()
             raise
         try:
             reply, engine_s = turn.result()
