@@ -183,6 +183,9 @@ def test_drift_of_a_long_repetitive_reply_costs_linear_work(fmt):
     assert len(accented) > len("héllo wörld")  # byte tokens: é and ö are two tokens each
     assert retokenization_drift(fmt, accented) == 0  # a character split over tokens is no drift
     assert retokenization_drift(fmt, fmt.encode("a") + digits + fmt.encode(" é")) == 2
+    # bytes that never made a character, then a token complete on its own: the bytes drift, the token
+    # not (counted with them, 3 of the 2)
+    assert retokenization_drift(fmt, fmt.encode("Hi") + fmt.encode("\U0001F389")[:2] + fmt.encode("Hi")) == 2
     base = fmt.encode("The answer is ") + digits + fmt.encode(" so héllo wörld. ")
     per_base = retokenization_drift(fmt, base)
     assert per_base >= 2

@@ -416,7 +416,14 @@ def text_units(fmt: ChatFormat, ids: list[int]) -> list[tuple[int, int, tuple]] 
             if k + 1 - start > _MAX_PENDING:
                 return None
             continue
-        units.append((pos, pos + len(chunk), tuple(ids[start : k + 1])))
+        own = fmt.decode([i]) if k > start else ""
+        if own and len(chunk) > len(own) and chunk.endswith(own):
+            # a run of bytes that never made a character, then a token complete on its own: two units
+            # (one, the token was counted as drift with the bytes: "Hi" after F0 9F, retokenized alike)
+            cut = pos + len(chunk) - len(own)
+            units += [(pos, cut, tuple(ids[start:k])), (cut, pos + len(chunk), (i,))]
+        else:
+            units.append((pos, pos + len(chunk), tuple(ids[start : k + 1])))
         pos += len(chunk)
         start = k + 1
     if start < len(ids):  # trailing bytes that never completed a character
