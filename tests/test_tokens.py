@@ -359,27 +359,23 @@ def test_a_turn_after_a_sync_keeps_its_own_requests_routing_and_a_resumed_reques
     plan = acc.plan([SYS, USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "ok"}])
     seg = acc.record(plan, Sample([], fmt.encode("7"), [-0.1], [2], "stop"), {"role": "assistant", "content": "7"})
     assert (seg.routed_experts == -1).all()
-    # the first turn straddling the sync (versions 1 and 2), the next wholly at 2: its request's routing at
-    # every position (the first turn's was kept, then masked to live routing before its first v2 token)
-    acc = Accumulator(fmt)
-    p1 = acc.plan([SYS, USER])
-    first = sample(len(p1.prompt_ids), fmt.encode("12") + [fmt.end_of_turn_id], 1, 1)
-    first.versions = [1] + [2] * (len(first.token_ids) - 1)
-    acc.record(p1, first, {"role": "assistant", "content": "12"})
-    p2 = acc.plan([SYS, USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "ok"}])
-    seg = acc.record(p2, sample(len(p2.prompt_ids), fmt.encode("7"), 2, 2), {"role": "assistant", "content": "7"})
-    replayed = latest_version_routing(seg.routed_experts, seg.versions, seg.loss_mask)
+    def after_a_straddling_turn(later):
+        """The first turn straddling the sync (versions 1 and 2), then `later(prompt length)`'s sample."""
+        acc = Accumulator(fmt)
+        p1 = acc.plan([SYS, USER])
+        first = sample(len(p1.prompt_ids), fmt.encode("12") + [fmt.end_of_turn_id], 1, 1)
+        first.versions = [1] + [2] * (len(first.token_ids) - 1)
+        acc.record(p1, first, {"role": "assistant", "content": "12"})
+        p2 = acc.plan([SYS, USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "ok"}])
+        seg = acc.record(p2, later(len(p2.prompt_ids)), {"role": "assistant", "content": "7"})
+        return latest_version_routing(seg.routed_experts, seg.versions, seg.loss_mask)
+
+    # the next turn wholly at 2: its request's routing at every position (the first turn's was kept, then
+    # masked to live routing before its first v2 token)
+    replayed = after_a_straddling_turn(lambda n: sample(n, fmt.encode("7"), 2, 2))
     assert (replayed[:-1] == 2).all(), replayed[:, 0, 0]
-    # ... and that later turn recorded without routing: the straddling turn's recording (old weights at its
-    # start) is not replayed for it either
-    acc = Accumulator(fmt)
-    p1 = acc.plan([SYS, USER])
-    first = sample(len(p1.prompt_ids), fmt.encode("12") + [fmt.end_of_turn_id], 1, 1)
-    first.versions = [1] + [2] * (len(first.token_ids) - 1)
-    acc.record(p1, first, {"role": "assistant", "content": "12"})
-    p2 = acc.plan([SYS, USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "ok"}])
-    seg = acc.record(p2, Sample([], fmt.encode("7"), [-0.1], [2], "stop"), {"role": "assistant", "content": "7"})
-    assert (latest_version_routing(seg.routed_experts, seg.versions, seg.loss_mask) == -1).all()
+    # ... recorded without routing: the straddling turn's recording (old weights at its start) is not replayed
+    assert (after_a_straddling_turn(lambda n: Sample([], fmt.encode("7"), [-0.1], [2], "stop")) == -1).all()
     # one request across a sync: versions 1, 1, 2, 2 in one run of sampled tokens
     versions, mask = [-1] * 4 + [1, 1, 2, 2], [0] * 4 + [1] * 4
     resumed = latest_version_routing(np.ones((8, 1, 1), np.int16), versions, mask)
