@@ -105,7 +105,7 @@ class RolloutRunner:
         async with self._sem:
             episode_id = uuid.uuid4().hex[:16]
             sid = self.server.open_session(episode_id)
-            reward, info, error, timed_out, cut = 0.0, {}, None, False, False
+            reward, info, error, cut = 0.0, {}, None, False
             # what an Env episode earned so far: a failed one keeps it (LoopConfig.on_failed="keep" means
             # the reward it got; a chat agent's crash returned none, so its reward is 0)
             partial = {"reward": 0.0, "info": {}}
@@ -120,7 +120,6 @@ class RolloutRunner:
                     reward, info, cut = episode.result()
                     info = _agent_info(info)
                 else:
-                    timed_out = True
                     error = f"episode timed out after {self.episode_timeout_s:g} s"
                     episode.cancel()  # not awaited: an agent that ignores it runs on, its session closed below
                     self._orphans.add(episode)
