@@ -208,7 +208,7 @@ class ReplyParser:
                     return self.as_text(text, ids, tools)  # leaves the text as written
                 out.append({"name": c.name, "arguments": args})
             return Parsed(reasoning or None, (content or "").strip() if out else (content or ""), out)
-        reasoning, markers = None, self.reasoning_markers if self._reasoning_cls is not None else None
+        reasoning, markers = None, self.reasoning_markers
         # (the block opened by the prompt, or by the reply's start, or closed in it: a marker elsewhere,
         # "Note the <think> tag.", made the whole answer reasoning again)
         if self._reasoning_cls is not None and (opened or markers is None or text.lstrip().startswith(markers[0])

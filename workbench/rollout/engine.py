@@ -223,8 +223,7 @@ class RolloutEngine(abc.ABC):
         # the engine's and the trainer's probe after the last checked sync
         self._checked_probe: list[float] | None = None
         self._checked_expected: list[float] | None = None
-        self._probe_noise: float | None = None  # the median mean probe gap of the recent checked syncs (check_probe)
-        self._probe_gaps: collections.deque = collections.deque(maxlen=16)
+        self._probe_gaps: collections.deque = collections.deque(maxlen=16)  # mean probe gaps of recent checked syncs
 
     @abc.abstractmethod
     async def start(self) -> dict: ...
@@ -302,13 +301,12 @@ class RolloutEngine(abc.ABC):
             got = await self.probe_logprobs(probe or probe_ids(self.vocab_size))
             if inspect.isawaitable(expected_probe):  # the trainer's, computed while this engine loaded
                 expected_probe = await expected_probe
-            diff = check_probe(got, expected_probe, tol, new_version, self._checked_probe, self._checked_expected,
-                               self._probe_noise)
             # the engine's own precision gap: the median of its recent checked syncs' (the last one alone:
             # a stale engine's growing gap became the noise it was measured against; the smallest: a
             # bf16 engine's gap grows as the fp32 weights leave bf16 values, and the test turned a coin flip)
+            noise = float(np.median(self._probe_gaps)) if self._probe_gaps else None
+            diff = check_probe(got, expected_probe, tol, new_version, self._checked_probe, self._checked_expected, noise)
             self._probe_gaps.append(float(np.mean(np.abs(np.asarray(got) - np.asarray(expected_probe)))))
-            self._probe_noise = float(np.median(self._probe_gaps))
             self._checked_probe, self._checked_expected = got, list(expected_probe)
         self.verified_version = new_version
         return WeightSyncReport(new_version, time.perf_counter() - t0, nbytes, diff, diff is not None)
