@@ -153,3 +153,45 @@ def test_replay_disagreement_is_none_where_nothing_was_replayed():
     some = replay_summary([{"replayed": [10, 0], "fallback": [0, 8], "disagree": [1, 0], "unreplayed": [0, 0]},
                            {"replayed": [10, 0], "fallback": [0, 8], "disagree": [3, 0], "unreplayed": [0, 0]}])
     assert some["disagree_rate"] == 0.2 and some["disagree_rate_per_layer"] == [0.2, None]
+
+
+def test_a_per_decoder_layer_record_replays_each_router_its_own_layer():
+    # vLLM records [T, num_hidden_layers, k] with a dense layer's rows left 0 (DeepSeek-V3's first
+    # layers, Qwen3-MoE's mlp_only_layers); the routers must read their own layers' rows
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    def model():
+        torch.manual_seed(0)
+        cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, intermediate_size=64, num_experts_per_tok=2,
+                             max_position_embeddings=64, num_experts=4, moe_intermediate_size=32,
+                             norm_topk_prob=True, mlp_only_layers=[0])
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+    recorder, ids = model(), torch.randint(0, 64, (1, 12))
+    assert len(moe_routers(recorder)) == 2
+    cap = RouterCapture(recorder)
+    cap.active = True
+    with torch.no_grad():
+        recorded_logits = recorder(ids).logits
+    per_router = cap.pop().view(12, 2, 2)
+    cap.remove()
+    per_layer = torch.zeros(12, 3, 2, dtype=per_router.dtype)  # the dense layer 0's rows: 0, as vLLM leaves them
+    per_layer[:, 1:] = per_router
+    nudged = model()
+    with torch.no_grad():
+        for r in moe_routers(nudged):
+            r.weight.add_(0.5 * torch.randn_like(r.weight))
+        live = nudged(ids).logits
+        with routing_replay(nudged, per_layer) as stats:
+            from_layers = nudged(ids).logits
+        with routing_replay(nudged, per_router) as _:
+            from_routers = nudged(ids).logits
+    assert stats.disagreement_rate > 0 and not torch.allclose(live, from_layers)  # the nudge moved routing...
+    assert torch.equal(from_layers, from_routers)  # ...and both records replay the same experts
+    fresh = model()
+    with torch.no_grad(), routing_replay(fresh, per_layer) as exact:
+        assert torch.equal(fresh(ids).logits, recorded_logits) and exact.disagreement_rate == 0
+    with pytest.raises(ValueError, match="4 layers; the model has 2 MoE layers of 3"):
+        with routing_replay(fresh, torch.zeros(12, 4, 2, dtype=torch.long)):
+            pass

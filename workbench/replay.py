@@ -12,7 +12,8 @@ Forward hooks on those modules are all this file needs, no fork of the model cod
   Positions recorded as -1 keep live routing and are counted.
 
 Layout of recorded experts for a forward over input_ids [B, S]: [B, S, moe_layers, top_k]
-(or [S, moe_layers, top_k] for B == 1), int, -1 = not captured.
+(or [S, moe_layers, top_k] for B == 1), int, -1 = not captured. vLLM's per-decoder-layer
+record (dense layers included) is read at the router layers (`router_layers`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,41 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's top-k router modules, in layer order."""
     # (any case: transformers spells DeepSeek-V3's, GLM-4.5 MoE's and others' "TopkRouter")
     return [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+
+
+def router_layers(model: torch.nn.Module) -> list[int]:
+    """The decoder layer each router sits in (moe_routers' order), read from its module path
+    (`model.layers.3.mlp.gate` is layer 3).
+
+    Why: vLLM records routing per decoder layer ([T, num_hidden_layers, k], a dense layer's rows
+    left 0), our reference sampler per router. The two agree where every layer is MoE; DeepSeek-V3,
+    Kimi K2, GLM-4.5 (their first layers dense) and Qwen3-MoE with `mlp_only_layers` need the
+    MoE layers picked out, or each router would replay another layer's experts."""
+    import re
+
+    found = [(name, m) for name, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")]
+    layers = []
+    for name, _ in found:
+        match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if match is None:
+            raise ValueError(f"routing replay: router {name!r} is in no `layers.<i>` module; cannot tell which "
+                             f"decoder layer's recorded experts it replays")
+        layers.append(int(match.group(1)))
+    return layers
+
+
+def _per_router(model: torch.nn.Module, experts: torch.Tensor, routers: int) -> torch.Tensor:
+    """Recorded experts [..., layers, k] -> [..., routers, k]: as recorded when every layer has a
+    router, else the router layers' rows of a per-decoder-layer record (vLLM's)."""
+    if experts.shape[-2] == routers:
+        return experts
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "num_hidden_layers", None)
+    if experts.shape[-2] != hidden:
+        raise ValueError(f"recorded experts have {experts.shape[-2]} layers; the model has {routers} MoE layers "
+                         f"of {hidden} decoder layers")
+    return experts.index_select(-2, torch.tensor(router_layers(model), device=experts.device))
 
 
 # How each router class turns logits into gate weights for its chosen ids, mirrored exactly so
@@ -218,9 +254,7 @@ def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: 
     if unknown:
         raise NotImplementedError(f"no routing-replay rule for router class(es) {unknown}; "
                                   f"register one with workbench.replay.register_replay_rule (known: {sorted(REPLAY_RULES)})")
-    experts = torch.as_tensor(experts)
-    if experts.shape[-2] != len(routers):
-        raise ValueError(f"recorded experts have {experts.shape[-2]} MoE layers, model has {len(routers)}")
+    experts = _per_router(model, torch.as_tensor(experts), len(routers))
     flat = experts.reshape(-1, experts.shape[-2], experts.shape[-1]).long()
     counted = None if positions is None else torch.as_tensor(positions).reshape(-1).bool()
     on_device = {}  # device -> what every layer's hook reads there, made once per context

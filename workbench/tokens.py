@@ -66,7 +66,8 @@ class Segment:
     """A run of token ids that one prompt-extension chain produced. Per token: `loss_mask`
     (1 = sampled by the policy), `logprobs` (behaviour log-prob; 0.0 where not sampled),
     `versions` (policy version that sampled it; -1 for prompt/template/tool tokens).
-    `routed_experts`: [T, moe_layers, top_k] int16, -1 = not captured."""
+    `routed_experts`: [T, moe_layers, top_k] int16, -1 = not captured (vLLM's: a row per decoder
+    layer, dense ones included; replay.router_layers reads it)."""
 
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
