@@ -245,6 +245,28 @@ def test_sync_agents_stuck_past_their_threads_say_so(monkeypatch, moe_path):
         asyncio.run(runner.shutdown())
 
 
+def test_an_agent_blocking_the_event_loop_is_reported_where_it_blocks(moe_path, capsys):
+    """An async agent calling time.sleep stalled every episode of its runner, silently: the
+    stall is reported once per location, with the agent's line, and counted in the stats."""
+    from workbench.rollout.runner import RolloutRunner
+
+    runner = RolloutRunner(str(AGENTS / "blocking_async.py"), [object()], str(moe_path), episode_timeout_s=10)
+    task = Task([{"role": "user", "content": "?"}])
+
+    async def two_episodes():
+        return await asyncio.gather(runner.run_episode(task), runner.run_episode(task))
+
+    try:
+        assert all(t.error is None and t.reward == 1.0 for t in asyncio.run(two_episodes()))
+        stalls = runner.stats()["loop_stalls"]
+        where = f"{AGENTS / 'blocking_async.py'}:10 in run (time.sleep(1.4))"
+        # the two episodes' sleeps back to back: one stall of ~2.8 s (no heartbeat got through between them)
+        assert stalls["count"] == 1 and stalls["where"] == {where: 1} and stalls["longest_s"] > 2.0, stalls
+        assert capsys.readouterr().err.count(f"event loop was blocked") == 1  # once per location
+    finally:
+        asyncio.run(runner.shutdown())
+
+
 def test_each_env_episode_gets_its_own_info(rollout_for):
     """An Env whose reset returns task.info itself: the group's episodes (one Task) updated one
     dict, each sibling's step info ending in the others' trajectories, and in the task."""

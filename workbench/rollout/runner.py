@@ -32,6 +32,7 @@ import ray
 from ..agents import AgentContext, Task, as_reward, load_agent, reward_value
 from ..tokens import Trajectory
 from .engine import SamplingConfig
+from .loop_watch import LoopWatch
 
 
 class RolloutRunner:
@@ -76,6 +77,7 @@ class RolloutRunner:
         self._sem = None
         self._clients = None
         self._sync_pool = None
+        self._loop_watch = None  # LoopWatch: agent code blocking the episodes' event loop, reported
         self._orphans: set = set()  # timed-out episodes still running (cancelled; held: the loop keeps weak references)
         self._sync_busy, self._sync_lock = 0, threading.Lock()  # sync agents' threads running an agent
         # What is alive now (torch, Ray, the SDKs, the tokenizer: ~300,000 objects) lives as long as the
@@ -92,7 +94,10 @@ class RolloutRunner:
 
     def stats(self) -> dict:
         # orphaned_episodes: timed out, cancelled, still running (an agent that ignores its cancellation)
-        return {"router": self.router.state(), "server": self.server.summary(), "orphaned_episodes": len(self._orphans)}
+        # loop_stalls: times agent code blocked the episodes' event loop over STALL_WARN_S, and where
+        stalls = self._loop_watch.stats() if self._loop_watch is not None else {"count": 0, "longest_s": 0.0, "where": {}}
+        return {"router": self.router.state(), "server": self.server.summary(), "orphaned_episodes": len(self._orphans),
+                "loop_stalls": stalls}
 
     async def run_group(self, task: Task, n: int, group_id: str | None = None) -> list[Trajectory]:
         """n episodes of one task (a group, for group-relative advantages), concurrently."""
@@ -102,6 +107,11 @@ class RolloutRunner:
     async def run_episode(self, task: Task, group_id: str = "") -> Trajectory:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self._slots)
+        loop = asyncio.get_running_loop()
+        if self._loop_watch is None or self._loop_watch.loop is not loop:  # (in-process use: a loop per asyncio.run)
+            if self._loop_watch is not None:
+                self._loop_watch.stop()
+            self._loop_watch = LoopWatch(loop, self.spec.path)
         async with self._sem:
             episode_id = uuid.uuid4().hex[:16]
             sid = self.server.open_session(episode_id)
@@ -262,6 +272,8 @@ class RolloutRunner:
         return (*as_reward((total, {**info, "turns": turns})), cut)  # a non-finite total fails the episode
 
     async def shutdown(self) -> None:
+        if self._loop_watch is not None:
+            self._loop_watch.stop()
         for episode in list(self._orphans):  # timed-out episodes still running: cancelled again, not awaited
             episode.cancel()
         if self._clients is not None:  # their connection pools (aiohttp sessions), on the loop they live on
