@@ -160,3 +160,47 @@ def test_connect_with_an_address_joins_that_cluster_and_leaves_it_running(tmp_pa
     finally:
         cluster.terminate()
         cluster.wait(60)
+
+
+def test_a_resume_takes_the_runs_own_settings_where_not_given(tmp_path, capsys):
+    """connect(run_dir=..., resume=True), as the dead-trainer message says, built the session from
+    the defaults: the toy agent's tasks, seed 0, lr 1e-3 over a run's own (or another model,
+    failing with a checkpoint key error after every engine started)."""
+    import json
+
+    from workbench.session import config_record, resolved_config
+
+    first = resolved_config(model="dense", seed=3, temperature=0.7, tasks=str(tmp_path / "tasks.jsonl"),
+                            trainer={"lr": 3e-4, "correction": {"level": "geo", "mode": "mask"}}, loop={"steps": 7})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config_record(first)))
+    again = resolved_config(run_dir=str(tmp_path / "run"), resume=True)
+    assert (again.model, again.seed, again.temperature, again.tasks) == ("dense", 3, 0.7, str(tmp_path / "tasks.jsonl"))
+    assert again.trainer == first.trainer and again.loop == first.loop and again.resume
+    assert capsys.readouterr().err == ""
+    # what is given wins, field by field, and is said
+    lower = resolved_config(run_dir=str(tmp_path / "run"), resume=True, trainer={"lr": 1e-4})
+    assert lower.trainer.lr == 1e-4 and lower.trainer.correction == first.trainer.correction
+    assert "trainer:" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="trained model 'dense'"):
+        resolved_config(run_dir=str(tmp_path / "run"), resume=True, model="moe")
+    # tasks given as a Python function cannot come back from the file: asked for again
+    objects = resolved_config(tasks=lambda n, seed: [], seed=1)
+    (tmp_path / "run" / "config.resume-20261206-000000.json").write_text(json.dumps(config_record(objects)))
+    with pytest.raises(ConfigError, match=r"run's \['tasks'\] were Python objects"):
+        resolved_config(run_dir=str(tmp_path / "run"), resume=True, model="moe")
+    assert resolved_config(run_dir=str(tmp_path / "run"), resume=True, tasks=[]).seed == 1  # the newest session's
+
+
+def test_connect_merges_trainer_and_correction_settings_field_by_field():
+    from workbench import CorrectionConfig
+    from workbench.session import resolved_config
+
+    for base in (None, WorkbenchConfig()):
+        # a mode's own band where no band is given (over a config object it kept the session's [0, 2])
+        c = resolved_config(base, trainer={"correction": {"level": "geo", "mode": "mask"}}).trainer.correction
+        assert (c.low, c.high) == (0.99, 1.01)
+    assert resolved_config(WorkbenchConfig(), trainer={"correction": CorrectionConfig.tis(cap=5.0)}).trainer.correction.high == 5.0
+    # a dict config's trainer and a trainer override: merged (the override replaced it whole)
+    t = resolved_config({"trainer": {"lr": 3e-4}}, trainer={"micro_batch_size": 4}).trainer
+    assert (t.lr, t.micro_batch_size) == (3e-4, 4)

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -117,7 +118,8 @@ class WorkbenchConfig:
     run_dir: str | None = None  # None: runs/<date-time> under the current directory
     # a run_dir that already holds a run (metrics.jsonl) is refused unless resume=True, which
     # restores its checkpoint and appends to its record (a run_dir without checkpoint/ is refused:
-    # a run killed before its first checkpoint starts again in another run_dir)
+    # a run killed before its first checkpoint starts again in another run_dir). A resumed session
+    # takes the run's own settings (its last config file) where connect() is not given them
     resume: bool = False
     # to each engine's backend: for vLLM its own engine args, kv_cache_tokens, weight_transfer,
     # engine_core_in_process (False: vLLM's core as a process of its own on CPU too)
@@ -235,24 +237,90 @@ def _number(value, annotation, where: str):
 def connect(address: str | None = None, config: WorkbenchConfig | dict | None = None, **overrides) -> "Workbench":
     """Start a session. `address`: None for the embedded default (a local Ray started here),
     or a Ray cluster address ("ray://head:10001", "auto"). `config`: a WorkbenchConfig or a dict;
-    keyword overrides win (e.g. `connect(backend="reference", model="dense")`)."""
-    if isinstance(config, WorkbenchConfig):
-        if any(isinstance(overrides.get(k), dict) for k in ("trainer", "loop")):
-            # a dict of trainer / loop fields changes those of the config's own (dataclasses.replace
-            # refused the dict with an error saying a dict was fine)
-            base = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-            for k in ("trainer", "loop"):
-                if isinstance(overrides.get(k), dict):
-                    given, base[k] = dict(overrides[k]), dataclasses.asdict(base[k])
-                    if k == "trainer":
-                        base[k]["correction"] = {**base[k]["correction"], **given.pop("correction", {})}
-                    overrides[k] = {**base[k], **given}
-            config = WorkbenchConfig.from_dict({**base, **overrides})
-        elif overrides:
-            config = dataclasses.replace(config, **overrides)
-    else:
-        config = WorkbenchConfig.from_dict({**(config or {}), **overrides})
-    return Workbench(config, address)
+    keyword overrides win (e.g. `connect(backend="reference", model="dense")`), a dict of trainer
+    or loop fields over the config's own field by field. With resume=True a setting neither
+    gives is the resumed run's (its last session's config file), not the default."""
+    return Workbench(resolved_config(config, **overrides), address)
+
+
+def resolved_config(config: WorkbenchConfig | dict | None = None, **overrides) -> WorkbenchConfig:
+    """The session's settings connect() starts with (see there), checked, nothing started."""
+    given = _merged(_fields(config) if isinstance(config, WorkbenchConfig) else dict(config or {}), overrides)
+    saved = _saved_config(given.get("run_dir")) if given.get("resume") else None
+    if saved is not None:
+        if given.get("model", saved.get("model")) != saved.get("model"):
+            raise ConfigError(f"resume=True: the run in {given['run_dir']!r} trained model {saved.get('model')!r}; "
+                              f"its checkpoint cannot continue as {given['model']!r}")
+        missing = [k for k in saved.get("_unsaved", []) if k not in given]
+        if missing:
+            raise ConfigError(f"resume=True: the run's {missing} were Python objects its config file could not "
+                              f"hold: pass them again (connect(..., {missing[0]}=...))")
+        restored = {k: v for k, v in saved.items() if not k.startswith("_") and k not in ("resume", "run_dir")}
+        changed = {k: (restored[k], given[k]) for k in restored if k in given and _jsonable(_plain(given[k])) != restored[k]}
+        given = _merged(restored, given)
+        if changed:
+            print(f"workbench: resuming {given['run_dir']} with settings of its own: "
+                  + "; ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, (a, b) in changed.items()), file=sys.stderr)
+    return WorkbenchConfig.from_dict(given)
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """`over` on `base`, a trainer / loop dict of `over` merged into the base's field by field (a
+    dict config's trainer was replaced whole: connect(config={"trainer": {"lr": 3e-4}},
+    trainer={"micro_batch_size": 4}) trained at the default lr), trainer.correction too. A
+    correction naming its level or mode gets that mode's band unless it names one (the base's
+    band was kept: {"level": "geo", "mode": "mask"} over the session's TIS got [0, 2])."""
+    out = {**base, **over}
+    for key in ("trainer", "loop"):
+        b, o = base.get(key), over.get(key)
+        if not isinstance(o, dict) or b is None:
+            continue
+        b = _fields(b) if dataclasses.is_dataclass(b) else dict(b)
+        merged = {**b, **o}
+        bc, oc = b.get("correction"), o.get("correction")
+        if key == "trainer" and isinstance(oc, dict) and bc is not None:
+            bc = _fields(bc) if dataclasses.is_dataclass(bc) else dict(bc)
+            if {"level", "mode"} & set(oc):  # (from_dict gives the mode's band where low / high are not given)
+                bc = {k: v for k, v in bc.items() if k not in ("low", "high")}
+            merged["correction"] = {**bc, **oc}
+        out[key] = merged
+    return out
+
+
+def config_record(cfg: WorkbenchConfig) -> dict:
+    """A session's settings as its run directory's config file holds them; `_unsaved` names the
+    ones a resume cannot take from it (Python objects), so must be given again."""
+    settings = dataclasses.asdict(cfg)
+    settings["_unsaved"] = sorted(k for k, v in settings.items() if not _restorable(v))
+    return _jsonable(settings)
+
+
+def _saved_config(run_dir) -> dict | None:
+    """The settings of a run directory's last session: its newest config.resume-*.json, else
+    config.json (None: none there)."""
+    if not run_dir:
+        return None
+    run = Path(run_dir)
+    files = sorted(run.glob("config.resume-*.json")) or [run / "config.json"]
+    return json.loads(files[-1].read_text()) if files[-1].is_file() else None
+
+
+def _plain(x):
+    return dataclasses.asdict(x) if dataclasses.is_dataclass(x) and not isinstance(x, type) else x
+
+
+def _restorable(x) -> bool:
+    """Whether a setting survives its config file (a list of Task objects or a callable does not)."""
+    if isinstance(x, dict):
+        return all(isinstance(k, str) and _restorable(v) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return all(_restorable(v) for v in x)
+    return isinstance(x, (str, int, float, bool, type(None)))
+
+
+def _short(x) -> str:
+    text = json.dumps(x, sort_keys=True) if not isinstance(x, str) else repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class Workbench:
@@ -388,7 +456,7 @@ class Workbench:
         self.trainer = TrainerHandle(self)  # wb.trainer: one step on a batch, statistics
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_file = self.run_dir / ("config.json" if not cfg.resume else f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.json")
-        config_file.write_text(json.dumps(_jsonable(dataclasses.asdict(cfg)), indent=1))
+        config_file.write_text(json.dumps(config_record(cfg), indent=1))
 
     def lint(self, target=None, shapes=None, **kw):
         """Lint a chat template for exact accumulation (workbench.lint): the policy's by default,
