@@ -29,7 +29,9 @@ def checkpoint(tmp_path, model_type: str, specials=(), **config):
      {"end_of_turn": "<|eot_id|>", "stop_tokens": ("<|eom_id|>",), "tool_parser": "llama3_json",
       "chat_template_kwargs": {"date_string": "01 Jan 2026"}}),
     ("mistral", ["[TOOL_CALLS]"], {}, "mistral", {"tool_parser": "mistral", "end_of_turn": "</s>", "tool_call_ids": "alnum9"}),
-    ("mixtral", [], {"num_local_experts": 8}, "mistral", {"moe": True, "replay_rule": "MixtralTopKRouter"}),
+    ("mixtral", [], {"num_local_experts": 8}, "mistral", {"moe": True, "capture_experts": True,
+                                                          "replay_rule": "MixtralTopKRouter"}),
+    ("llama", ["<|begin_of_text|>", "<|eot_id|>"], {}, "llama3", {"stop_tokens": ()}),  # Llama 3.0: no <|eom_id|>
     ("gpt_oss", ["<|return|>", "<|call|>", "<|end|>"], {}, "gpt-oss",
      {"end_of_turn": "<|return|>", "turn_ends": ("<|call|>",), "stop_tokens": (), "reasoning_parser": "openai_gptoss",
       "reasoning_field": "thinking"}),
@@ -58,7 +60,8 @@ def test_every_eos_of_the_checkpoints_configs_is_a_stop_token(tmp_path):
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643], "do_sample": True}))
     prof = profile_for(d)
     assert prof.stop_tokens == ("<|endoftext|>",) and prof.end_of_turn == "<|im_end|>"
-    assert profile_for(d, {"stop_tokens": ()}).stop_tokens == ()  # an override still wins
+    # an override adds to the EOS stops, never drops them (the engines stop on them all the same)
+    assert profile_for(d, {"stop_tokens": ("</tool_call>",)}).stop_tokens == ("</tool_call>", "<|endoftext|>")
     (d / "generation_config.json").unlink()
     assert profile_for(d).stop_tokens == ()
     # the real tokenizer: the reply's text without it, as vLLM's detokenizer leaves a stop token out

@@ -5,7 +5,7 @@ adds BOS and a date header, Mistral's SentencePiece v3 tokenizer adds a space af
 `[TOOL_CALLS]`, gpt-oss samples `<|return|>` and renders `<|end|>`), stops on its own tokens and
 writes tool calls in its own syntax. A `ModelProfile` holds those facts for one checkpoint and
 is passed explicitly to the engine (dtype, context, stop ids), the loopback server and the
-rollout runner (template kwargs, end of turn, parsers, context) and the trainer (dtype, replay):
+rollout runner (template kwargs, end of turn, parsers, context) and the trainer (replay):
 no module guesses them.
 
 `profile_for(model_path, overrides)` picks the family from the checkpoint (workbench's toy
@@ -58,7 +58,7 @@ class ModelProfile:
     #   (Mistral's Tekken checkpoints: mistral-common encodes the request; workbench.tekken.TekkenFormat)
     chat_format: str = "template"
     max_model_len: int = 1024  # the context an episode has: engine and loopback server
-    dtype: str = "float32"  # engine and trainer parameter dtype
+    dtype: str = "float32"  # the engines' dtype (the trainer's is TrainerConfig.dtype)
     moe: bool = False
     # MoE: record the experts each token was routed to and replay them in the trainer
     # (invariant 3); needs an engine that returns them (reference on CPU, vLLM on GPU)
@@ -260,7 +260,8 @@ def _llama3(ck: Checkpoint):
     # would change at midnight and every open episode would seal. BOS and a date header in the
     # template: encode rendered text without adding special tokens (else two BOS)
     return ModelProfile("llama3", chat_template_kwargs={"date_string": "01 Jan 2026"}, end_of_turn="<|eot_id|>",
-                        stop_tokens=("<|eom_id|>",), tool_parser="llama3_json", max_model_len=min(ck.context, 32768),
+                        # <|eom_id|> (a built-in tool's call) from 3.1 on: 3.0 has a reserved token at its id
+                        stop_tokens=("<|eom_id|>",) if "<|eom_id|>" in ck.special_tokens else (), tool_parser="llama3_json", max_model_len=min(ck.context, 32768),
                         dtype="bfloat16")
 
 
@@ -277,7 +278,7 @@ def _mistral(ck: Checkpoint):
     tekken = (ck.path / "tekken.json").is_file()
     return ModelProfile("mistral", end_of_turn="</s>", tool_parser="mistral", tool_call_ids="alnum9",
                         chat_format="tekken" if tekken else "template", max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=moe,
-                        replay_rule="MixtralTopKRouter" if moe else None)
+                        capture_experts=moe, replay_rule="MixtralTopKRouter" if moe else None)
 
 
 @register_family("gpt-oss")
@@ -330,7 +331,9 @@ def profile_for(model_path: str | Path, overrides: dict | str | None = None) -> 
         if base is None:
             raise ProfileError(f"no model family claims {str(model_path)!r} (model_type {ck.model_type!r}); name one "
                                f"with profile={{'family': ...}} (registered: {list(FAMILIES)}) or register_family a new one")
-    return with_eos_stops(base, ck.eos_tokens).replace(**overrides)
+    # the EOS stops over the overrides too: a stop_tokens override dropped them (a turn ending on
+    # <|endoftext|> reached the agent with the token in its content)
+    return with_eos_stops(base.replace(**overrides), ck.eos_tokens)
 
 
 def with_eos_stops(profile: ModelProfile, eos_tokens) -> ModelProfile:
