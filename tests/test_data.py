@@ -63,6 +63,11 @@ def test_gsm8k_fields_from_jsonl_parquet_and_datasets_dir(tmp_path):
     assert len(custom) == 2 and custom[0].messages[0]["content"] == f"Q: {rows[0]['question']}\nA:"
     assert custom[0].info == {"question": rows[0]["question"], "solution": rows[0]["answer"]}
     assert FIELD_PRESETS["gsm8k"]["prompt"] == "question"
+    # an unmapped `answer` column is the label: the marker applies to it too (the whole worked
+    # solution was the label, and every episode scored 0)
+    for kw in ({"fields": {"prompt": "question", "final_answer": "####"}}, {"template": "{question}", "fields": {"final_answer": "####"}}):
+        implicit = load_tasks(jsonl, limit=2, **kw)
+        assert [t.label for t in implicit] == [final_answer(r["answer"]) for r in rows[:2]], kw
 
 
 def test_field_mapping_errors_name_what_is_wrong(tmp_path):

@@ -192,6 +192,10 @@ def load_tasks(path: str | Path, fields: str | dict | None = None, template: str
                 record["prompt"] = template.format(**row)
             except KeyError as e:
                 raise ValueError(f"{where}: template names column {e} that the row lacks (has {sorted(row)})") from None
+        if marker is not None and "label" not in record and "answer" in record:
+            # the label task_from_record takes from an unmapped `answer` column: the marker applies
+            # to it too (it was skipped, the whole worked solution the label, every episode scored 0)
+            record["label"] = record.pop("answer")
         if marker is not None and "label" in record:
             try:
                 record["solution"] = record["label"]
