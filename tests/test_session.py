@@ -34,6 +34,12 @@ def test_config_errors_name_the_field():
         WorkbenchConfig(num_engines=0)
     with pytest.raises(ConfigError, match="max_request_bytes must be an integer >= 1"):
         WorkbenchConfig(max_request_bytes=0)
+    with pytest.raises(ConfigError, match="seed must be an integer >= 0"):
+        WorkbenchConfig(seed=-1)
+    # the engines' context is the server's: taken from engine_kwargs (the server kept the profile's)
+    assert WorkbenchConfig(engine_kwargs={"max_model_len": 512}).max_model_len == 512
+    with pytest.raises(ConfigError, match="engine_kwargs max_model_len=512 differs from max_model_len=1024"):
+        WorkbenchConfig(engine_kwargs={"max_model_len": 512}, max_model_len=1024)
     cfg = WorkbenchConfig.from_dict({"trainer": {"lr": 0.5, "correction": {"max_staleness": 2}}})
     assert cfg.trainer.lr == 0.5 and cfg.trainer.correction.max_staleness == 2
     assert cfg.trainer.correction.mode == "trunc"  # the rest of the default (TIS) is kept

@@ -182,6 +182,16 @@ class WorkbenchConfig:
             raise ConfigError(f"trainer.temperature={self.trainer.temperature} differs from temperature="
                               f"{self.temperature}: the trainer computes log-probs at the temperature the policy "
                               f"samples at; set the session's temperature only")
+        context = self.engine_kwargs.get("max_model_len") if isinstance(self.engine_kwargs, dict) else None
+        if context is not None:  # the engines' context is the loopback server's too (it checked prompts against the
+            # profile's, so a prompt past the engines' failed the episode where it should have been truncated)
+            if self.max_model_len not in (None, context):
+                raise ConfigError(f"engine_kwargs max_model_len={context!r} differs from max_model_len="
+                                  f"{self.max_model_len}: set the session's max_model_len only (engines and server)")
+            self.max_model_len = context
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            # (numpy's seeded shuffle refused it at the first draw, inside the run's thread)
+            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
         for name in ("num_engines", "num_runners", "trainer_ranks", "max_tokens", "max_model_len", "max_request_bytes"):
             if name == "max_model_len" and self.max_model_len is None:
                 continue

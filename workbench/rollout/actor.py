@@ -144,7 +144,11 @@ def launch_engine(backend: str, name: str | None = None, env: dict | None = None
     import ray
 
     actor, loaded = start_engine(backend, name, env, keep_log, actor_options, **engine_kwargs)
-    ray.get(loaded)
+    try:
+        ray.get(loaded)
+    except BaseException:  # a failed load: its actor held its GPU with no handle left to stop it
+        ray.kill(actor)
+        raise
     return actor
 
 
