@@ -146,7 +146,8 @@ def launch_engine(backend: str, name: str | None = None, env: dict | None = None
     actor, loaded = start_engine(backend, name, env, keep_log, actor_options, **engine_kwargs)
     try:
         ray.get(loaded)
-    except BaseException:  # a failed load: its actor held its GPU with no handle left to stop it
+    except BaseException:  # a failed load: its actor would hold its GPU for as long as anything (a notebook's
+        # last traceback) holds this frame's handle
         ray.kill(actor)
         raise
     return actor
