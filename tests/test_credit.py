@@ -78,6 +78,13 @@ def test_steps_without_learning_signal_are_reported_once_a_streak(capsys):
     # the trainer's count decides where there is one: a batch with advantages that the gate dropped whole
     gated = {"signal_tokens": 40, "signal_tokens_trained": 0, "reward_mean": 0.5}
     assert warn_no_signal([{**gated, "step": s} for s in range(NO_SIGNAL_STEPS)])
+    # each cause named as it is (all three read "every group's rewards were equal" and advised the gate)
+    assert "the correction's gate dropped every row that had an advantage" in capsys.readouterr().err
+    failed = {"signal_tokens": 0, "signal_tokens_trained": 0, "episodes": 0, "failed_episodes": 32, "updates_skipped": 1}
+    assert warn_no_signal([{**failed, "step": s} for s in range(NO_SIGNAL_STEPS)])
+    assert "every episode failed (32 in the last step" in capsys.readouterr().err
+    assert warn_no_signal([{**silent, "step": s} for s in range(NO_SIGNAL_STEPS)])
+    assert "every group's rewards were equal" in capsys.readouterr().err
 
 
 def test_a_streak_without_signal_spans_runs(capsys, monkeypatch):

@@ -250,6 +250,55 @@ def test_a_step_whose_evaluation_failed_is_recorded_before_the_error():
     assert seen[0]["eval_error"] == "ValueError: the greedy rollout failed"
 
 
+def test_a_ctrl_c_after_the_update_began_records_the_step_before_it_stops_the_run(monkeypatch):
+    """Ctrl-C while the ranks update, sync or the step is evaluated: the ranks finish the update,
+    but the step was not recorded (only an Exception was caught), so the next wb.run() trained it
+    again over weights that held its update; and in the trainer the version stayed behind, so
+    the next sync was skipped and the engines served old weights labelled as new."""
+    from workbench.loop import _after_step, _train_on
+
+    groups = [[episode(1.0, task="a"), episode(0.0, task="a")]]
+
+    class Interrupted:
+        version = 5
+
+        def train_step(self, batch):
+            self.version += 1  # (Trainer.train_step moves its version whatever ray.get does)
+            raise KeyboardInterrupt
+
+    m, error = _train_on(Interrupted(), [], groups, LoopConfig(), 7, 0.0, 1.0)
+    assert isinstance(error, KeyboardInterrupt) and m["train_interrupted"] == "KeyboardInterrupt" and m["version"] == 6
+
+    class SyncInterrupted:
+        version = 5
+
+        def train_step(self, batch):
+            self.version += 1
+            return {"version": self.version, "loss": 0.0, "grad_norm": 0.0, "correction": {}, "replay": {},
+                    "signal_tokens_trained": 3, "updates": 1, "updates_skipped": 0}
+
+        nccl, vocab_size = None, 64
+
+        def weights_and_probe(self, *a, **k):
+            raise KeyboardInterrupt
+
+    import workbench.loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "step_statistics", lambda stats: {})  # (the fake's stats hold none)
+    m, error = _train_on(SyncInterrupted(), [object()], groups, LoopConfig(), 7, 0.0, 1.0)
+    assert isinstance(error, KeyboardInterrupt) and m["sync_error"] == "KeyboardInterrupt: "
+    for interrupted_at in ("sync", "evaluate"):
+        history, seen = [], []
+
+        def evaluate(step):
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            _after_step(None, LoopConfig(eval_every=1), 7, {"step": 7, "data_next": 8}, history, evaluate, seen.append,
+                        None, 0, threading.Event(), error if interrupted_at == "sync" else None)
+        assert [m["step"] for m in seen] == [7], interrupted_at
+
+
 def test_async_continues_a_callable_source_from_its_data_position():
     """A callable source (the agent's tasks(n, seed)) is drawn by the continuous async loop a
     chunk of prompts_per_step at a time, seeded per chunk. A run continued from a data position

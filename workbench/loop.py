@@ -785,7 +785,7 @@ def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpo
     if sync_error is None and evaluate is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
         try:
             metrics.update(evaluate(step))  # on the weights just synced; never part of a batch
-        except Exception as e:
+        except BaseException as e:  # (a Ctrl-C too: the step trained and synced, it is recorded first)
             eval_error = e
             metrics["eval_error"] = f"{type(e).__name__}: {e}"
     history.append(metrics)
@@ -823,12 +823,21 @@ def warn_no_signal(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> bool:
     if len(history) > steps and silent(history[-steps - 1]):
         return False
     last = history[-1]
-    print(f"workbench: the last {steps} steps (to step {last.get('step')}) had no learning signal: every advantage was 0 "
-          f"(with a group estimator: every group's rewards were equal; reward_mean {last.get('reward_mean', float('nan')):.3f}), so the "
-          f"rewards gave no gradient and the policy does not learn from them (with kl_coef > 0 it only moves toward "
-          f"the reference). Look at the rewards and kl_k3 of the steps "
-          f"before; a lower lr or a sequence-level gate (trainer.correction) keeps an off-policy run from this.",
-          file=sys.stderr)
+    # why, from the last step's own record: the cause decides the advice (the gate is a fix for one
+    # and the culprit of another; a step whose every episode failed has no rewards at all)
+    if last.get("updates_skipped") and not last.get("episodes") and last.get("failed_episodes"):
+        why = (f"every episode failed ({last['failed_episodes']} in the last step: see failure_reasons in "
+               f"metrics.jsonl), so there was nothing to train on")
+    elif (last.get("signal_tokens") or 0) > 0:
+        why = (f"the correction's gate dropped every row that had an advantage (gate_pass_ratio "
+               f"{last.get('gate_pass_ratio')}, token_keep_ratio {last.get('token_keep_ratio')}): the samples are too far "
+               f"off the trainer's policy for its band (trainer.correction; engine and trainer dtypes; staleness)")
+    else:
+        why = (f"every advantage was 0 (with a group estimator: every group's rewards were equal; reward_mean "
+               f"{last.get('reward_mean', float('nan')):.3f}), so the rewards gave no gradient (with kl_coef > 0 the "
+               f"policy only moves toward the reference). Look at the rewards and kl_k3 of the steps before; a lower lr "
+               f"or a sequence-level gate (trainer.correction) keeps an off-policy run from this")
+    print(f"workbench: the last {steps} steps (to step {last.get('step')}) had no learning signal: {why}.", file=sys.stderr)
     return True
 
 
@@ -1181,12 +1190,20 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         return {**record, "version": trainer.version, **e.info, "engines": len(engines), "engines_lost": 0, "signal_tokens": 0,
                 "signal_tokens_trained": 0, "updates_skipped": 1, **timed(now, now)}, None
     tb = time.time()
-    stats = trainer.train_step(batch)
+    try:
+        stats = trainer.train_step(batch)
+    except (KeyboardInterrupt, SystemExit) as e:
+        # interrupted while the ranks update (they finish it): recorded as trained, so a run continued
+        # later starts after it (it trained the step again on the same tasks, over weights that held
+        # its update), then raised; the next run syncs the engines first (the version moved)
+        now = time.time()
+        return {**record, "version": trainer.version, **info, "engines": len(engines), "engines_lost": 0,
+                "train_interrupted": type(e).__name__, **timed(tb, now)}, e
     t2 = time.time()
     lost: list = []
     try:
         reports, sync_error = sync_engines(trainer, engines, cfg.sync_tol, lost), None
-    except Exception as e:
+    except BaseException as e:  # (a Ctrl-C too: the step trained, it is recorded first)
         reports, sync_error = [], e
     return {
         # (the engines left after the sync, which drops a dead one from `engines`)

@@ -960,8 +960,14 @@ class Trainer:
         if live and versions is not None and mask is not None:
             live = bool(((versions == self.version) & mask.bool()).any())
         self.steps_done += 1
-        stats = ray.get([wk.train_step.remote(p, self.version, report, live) for wk, p in zip(self.workers, parts)])
-        self.version += 1
+        refs = [wk.train_step.remote(p, self.version, report, live) for wk, p in zip(self.workers, parts)]
+        try:
+            stats = ray.get(refs)
+        finally:
+            # submitted, the ranks update whatever happens here (Ctrl-C in ray.get): the version moves
+            # with them. Left behind, the engines kept the old weights under the new weights' label
+            # (a sync compares versions) and every token read one version fresher than it was
+            self.version += 1
         out = {"version": self.version, "loss": sum(s["loss"] for s in stats), "grad_norm": stats[0]["grad_norm"],
                "correction": merge_stats([s["correction"] for s in stats]),
                "replay": replay_summary([s["replay"] for s in stats]),
