@@ -257,6 +257,28 @@ def test_the_audit_flags_a_failed_sync_nan_and_unreplayed_routing():
     # async: the stale tokens' KL is the staleness; the check reads the trained version's own tokens
     assert flagged({**base, "kl_k3": 0.3}) == [] and flagged({**base, "kl_k3_current": 0.3}) == ["kl_k3"]
     assert step_values({**base, "replay_positions": 0}, [])[0]["replay_disagree_rate"] is None
+    # one layer replayed from another layer's record: its rate averaged over 24 layers passed
+    assert flagged({**base, "replay_disagree_per_layer": [0.01] * 23 + [0.97], "replay_disagree_rate": 0.05}) == [
+        "replay_disagree_worst_layer"]
+
+
+def test_the_audit_flags_seals_where_the_agent_changed_what_the_model_saw():
+    """Qwen3 (thinking) seals template_rewrite at every user turn and eviction past the kept
+    conversations is normal: every step of such a healthy run was red. Only the agent's own
+    changes (history_rewritten, assistant_changed) are flagged; the table keeps every reason."""
+    from workbench.tokens import Segment, Trajectory
+    from workbench.widgets.audit import _episode
+
+    def seg(reason):
+        s = Segment([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], [-1, 0, 0])
+        s.seal_reason = reason
+        return s
+
+    t = Trajectory([seg("template_rewrite"), seg("evicted"), seg("history_rewritten"), seg("assistant_changed"),
+                    seg("episode_end")], 1.0, "g", "e", {})
+    e = _episode(t, 0)
+    assert e["unexpected_seals"] == 2 and e["seals"] == ["template_rewrite", "evicted", "history_rewritten",
+                                                          "assistant_changed", "episode_end"]
 
 
 def test_the_audit_holds_each_step_to_the_staleness_its_loop_guarantees():

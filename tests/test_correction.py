@@ -170,6 +170,9 @@ def test_stats_of_a_split_batch_merge_to_the_whole():
     assert restored["tokens_stale"] == 1 and restored["kl_k3_stale"] == pytest.approx(k3(0.5), abs=1e-6)
     on_time = correction_weights(old, behav, mask, torch.where(mask.bool(), 6, -1), 6, cfg).stats
     assert on_time["kl_k3_stale"] is None and merge_stats([on_time, whole])["kl_k3_stale"] == pytest.approx(whole["kl_k3_stale"])
+    # a NaN part's max |delta p| stays NaN whatever the order (max(0.0, nan) is 0.0: a NaN rank hidden)
+    nan = {**whole, "max_abs_delta_p": math.nan}
+    assert all(math.isnan(merge_stats(ps)["max_abs_delta_p"]) for ps in ([whole, nan], [nan, whole]))
 
 
 def test_gate_ratio_ignores_padding_rows_and_merges_over_unequal_parts():

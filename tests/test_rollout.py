@@ -498,10 +498,12 @@ def test_a_probe_sent_as_a_reference_is_checked_after_the_load(moe_path, referen
     new = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
     stale = ray.put(expected_probe_logprobs(model, probe_ids(model.config.vocab_size)))  # the weights before
     model.load_state_dict(new)
-    right = ray.put(expected_probe_logprobs(model, probe_ids(model.config.vocab_size)))
+    expected = expected_probe_logprobs(model, probe_ids(model.config.vocab_size))
+    expected[15] += 0.0085  # one position alone off (a router near-tie): excused, and its gap kept apart
+    right = ray.put(expected)
     try:
         report, = sync_weights([engine], new, expected_probe=right)
-        assert report.checked and report.probe_max_abs_diff < 1e-3
+        assert report.checked and report.probe_max_abs_diff < 1e-3 and report.probe_outlier == pytest.approx(0.0085, abs=1e-3)
         with pytest.raises(WeightSyncError, match="does not serve the new weights"):
             sync_weights([engine], new, expected_probe=stale)
         # tagged with the version it failed at, not verified at it: the next run syncs it again (it

@@ -39,6 +39,7 @@ staleness histograms, tokens per version.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -304,7 +305,8 @@ def merge_stats(parts: list[dict]) -> dict:
         "kl_k3_stale": (sum(p["kl_k3_stale"] * p["tokens_stale"] for p in parts if p["tokens_stale"]) / stale
                         if stale else None),
         "tokens_stale": stale,
-        "max_abs_delta_p": max(p["max_abs_delta_p"] for p in parts),
+        # NaN wins (Python's max kept or dropped one by the parts' order: a NaN rank's hidden)
+        "max_abs_delta_p": max((p["max_abs_delta_p"] for p in parts), key=lambda x: math.inf if math.isnan(x) else x),
         "is_weight_hist": {"edges": parts[0]["is_weight_hist"]["edges"],
                            "counts": [sum(c) for c in zip(*(p["is_weight_hist"]["counts"] for p in parts))]},
         "staleness_hist": add("staleness_hist"), "tokens_per_version": add("tokens_per_version"), "tokens": tokens,

@@ -33,7 +33,7 @@ import torch
 from .agents import Task
 from .rollout.actor import sync_weights
 from .rollout.engine import probe_ids
-from .tokens import Trajectory, segment_stats, training_tensors
+from .tokens import UNEXPECTED_SEALS, Trajectory, segment_stats, training_tensors
 from .trainer.losses import ADVANTAGES, EQUAL_REWARDS_TOL, PER_TOKEN_ADVANTAGES, AdvantageInput, get_advantage
 
 MODES = ("sync", "async")
@@ -227,7 +227,7 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     # from trajectories/: a run directory copied without those files audited clean)
     totals = segment_stats([s for g in groups for t in g for s in t.segments])
     info.update(identity_mismatch=totals["identity_mismatch"], retokenization_drift=totals["retokenization_drift"],
-                unexpected_seals=sum(n for reason, n in totals["seals"].items() if reason != "episode_end"))
+                unexpected_seals=sum(n for reason, n in totals["seals"].items() if reason in UNEXPECTED_SEALS))
     penalties = []
     for gi, group in enumerate(groups):
         for t in group:
@@ -1210,6 +1210,9 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         **record, "version": stats["version"], **info, "engines": len(engines), "engines_lost": len(lost),
         **step_statistics(stats),
         "sync_max_abs_diff": max((r.probe_max_abs_diff for r in reports), default=None),
+        # a probe position excused as a router near-tie: its gap, apart (it read as a clean sync)
+        "sync_probe_outlier": max((r.probe_outlier for r in reports if getattr(r, "probe_outlier", None) is not None),
+                                  default=None),
         **({"sync_error": f"{type(sync_error).__name__}: {sync_error}"} if sync_error is not None else {}),
         **timed(tb, t2),
     }, sync_error

@@ -55,6 +55,12 @@ SEAL_REASONS = {
                "(Accumulator.open_conversations): the least recently extended one was closed",
 }
 
+# Seals that say the agent changed what the model was shown (compaction, an edited reply): the
+# audit flags them. The others are by design: a template that rewrites earlier turns (Qwen3 with
+# thinking at every user turn) and eviction beyond the kept conversations are no fault of the run;
+# token identity holds across every seal (each segment trains on its own sampled ids).
+UNEXPECTED_SEALS = ("history_rewritten", "assistant_changed")
+
 # What one open conversation of a session holds (Accumulator swaps these when a request extends
 # another open conversation than the last one)
 _CONVERSATION_STATE = ("_segment", "_conversation", "_conversation_text", "_window_start", "_closing_text",

@@ -121,6 +121,9 @@ class WeightSyncReport:
     bytes: int
     probe_max_abs_diff: float | None  # None: no expected probe was given, nothing checked
     checked: bool
+    # the gap of one probe position check_probe excused as a router near-tie (left out of
+    # probe_max_abs_diff; said on stderr); None: none was
+    probe_outlier: float | None = None
 
 
 def probe_ids(vocab_size: int, n: int = 48) -> list[int]:
@@ -296,7 +299,7 @@ class RolloutEngine(abc.ABC):
             await self._set_version(new_version)
         finally:
             await self.resume()
-        diff = None
+        diff = outlier = None
         if expected_probe is not None:
             got = await self.probe_logprobs(probe or probe_ids(self.vocab_size))
             if inspect.isawaitable(expected_probe):  # the trainer's, computed while this engine loaded
@@ -306,10 +309,12 @@ class RolloutEngine(abc.ABC):
             # bf16 engine's gap grows as the fp32 weights leave bf16 values, and the test turned a coin flip)
             noise = float(np.median(self._probe_gaps)) if self._probe_gaps else None
             diff = check_probe(got, expected_probe, tol, new_version, self._checked_probe, self._checked_expected, noise)
-            self._probe_gaps.append(float(np.mean(np.abs(np.asarray(got) - np.asarray(expected_probe)))))
+            gaps = np.abs(np.asarray(got) - np.asarray(expected_probe))
+            outlier = float(gaps.max()) if float(gaps.max()) > diff else None
+            self._probe_gaps.append(float(np.mean(gaps)))
             self._checked_probe, self._checked_expected = got, list(expected_probe)
         self.verified_version = new_version
-        return WeightSyncReport(new_version, time.perf_counter() - t0, nbytes, diff, diff is not None)
+        return WeightSyncReport(new_version, time.perf_counter() - t0, nbytes, diff, diff is not None, outlier)
 
     async def _set_version(self, version: int) -> None:
         """Backends that track versions themselves (vLLM) override this."""

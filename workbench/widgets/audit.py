@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from html import escape
 from pathlib import Path
 
-from ..tokens import Trajectory, read_trajectories
+from ..tokens import UNEXPECTED_SEALS, Trajectory, read_trajectories
 from . import finite_runs, spans_html, token_spans, trajectory_html
 
 
@@ -29,16 +29,20 @@ class Thresholds:
     and max_staleness then to each step's own loop bound (step_limits: 0 sync, async_lag async)."""
     identity_mismatch: float | None = 0  # trainable ids differing from the sampled ones: invariant 1 says 0
     retokenization_drift: float | None = None  # what a text pipeline would have changed: informative
-    unexpected_seals: float | None = 0  # segments sealed for a reason other than episode_end
+    unexpected_seals: float | None = 0  # segments sealed because the agent changed what the model was shown
     max_staleness: float | None = None
     gate_pass_ratio: float | None = 0.9  # a minimum
     token_keep_ratio: float | None = 0.9  # a minimum
     is_weight_outside: float | None = 0.1  # share of tokens whose IS weight is outside [0.8, 1.25)
     replay_disagree_rate: float | None = 0.05
+    # one layer's share: precision flips spread over layers, a record read at the wrong layer is
+    # ~all of its positions (averaged over 24 layers it read 0.04, under the rate's 0.05)
+    replay_disagree_worst_layer: float | None = 0.5
     replay_unreplayed: float | None = 0  # recorded routings the forward did not use: invariant 3 says 0
     kl_k3: float | None = 1e-3
     kl_k3_live: float | None = None
     sync_max_abs_diff: float | None = None
+    sync_probe_outlier: float | None = None  # shown: a router near-tie, or one corrupted row
     sync_failed: float | None = 0  # a step whose weight sync raised
     failed_rate: float | None = 0.0
     truncated_rate: float | None = 0.25
@@ -49,7 +53,8 @@ MINIMA = {"gate_pass_ratio", "token_keep_ratio"}
 CHECKS = (
     ("identity_mismatch", "identity mismatch", "trainable token ids that differ from the ids the engine sampled"),
     ("retokenization_drift", "retokenization drift", "sampled ids that decoding and re-encoding the text would change"),
-    ("unexpected_seals", "seals by reason", "segments sealed for a reason other than episode_end (per reason in the table)"),
+    ("unexpected_seals", "seals by reason", "segments sealed because the agent changed what the model was shown "
+     "(history_rewritten, assistant_changed; every reason in the table: a template's rewrite and eviction are by design)"),
     ("max_staleness", "staleness", "versions between the trainer and the oldest token the step trained on (after the gate); "
                                    "a sync step is held to 0 and an async one to its async_lag where no threshold is given"),
     ("gate_pass_ratio", "gate pass ratio", "share of sequences the correction gate kept (staleness, band, veto)"),
@@ -59,12 +64,16 @@ CHECKS = (
      "what it dropped)"),
     ("replay_disagree_rate", "replay disagreement", "share of routed-expert choices where live routing differs from the recorded "
      "(not measured: no routing was captured)"),
+    ("replay_disagree_worst_layer", "replay disagreement, worst layer", "the largest one MoE layer's disagreement "
+     "(a layer whose record does not match its router differs at most positions; the mean over layers hides it)"),
     ("replay_unreplayed", "routing not replayed", "recorded (token, layer) routings the trainer's forward did not use although "
      "replay applied: 0 unless the replay rule is broken"),
     ("kl_k3", "k3 with replay", "KL(behaviour || trainer) k3 estimate, routing replayed, on the tokens the trained version "
      "sampled (a stale token's KL is its staleness, not the forward; not measured on a step with none)"),
     ("kl_k3_live", "k3 without replay", "the same KL with live routing (what replay removes)"),
     ("sync_max_abs_diff", "sync probe difference", "max |engine - trainer| probe log-prob after the step's weight sync"),
+    ("sync_probe_outlier", "excused probe position", "the gap at the one probe position a sync excused as a router "
+     "near-tie (left out of the probe difference; a weight row the sync corrupted looks the same)"),
     ("sync_failed", "failed weight sync", "the step trained, then its weight sync raised (a probe mismatch, an engine lost): "
      "the engines may not serve the trained weights"),
     ("failed_rate", "failed episodes", "share of the step's episodes that failed (agent error, timeout, dead engine)"),
@@ -109,7 +118,7 @@ def _episode(t: Trajectory, trainer_version: int, rules: dict | None = None) -> 
         sampled = []
     return {"identity_mismatch": sum(s.stats.get("identity_mismatch", 0) for s in t.segments),
             "retokenization_drift": sum(s.stats.get("retokenization_drift", 0) for s in t.segments),
-            "unexpected_seals": sum(s.seal_reason not in (None, "episode_end") for s in t.segments),
+            "unexpected_seals": sum(s.seal_reason in UNEXPECTED_SEALS for s in t.segments),
             "seals": [s.seal_reason or "open" for s in t.segments],
             "max_staleness": trainer_version - min(sampled) if sampled else 0,
             "failed_rate": t.error is not None, "truncated_rate": bool(t.truncated) and t.error is None}
@@ -133,10 +142,12 @@ def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None) -> 
          "failed_rate": m.get("failed_episodes", sum(e["failed_rate"] for e in eps.values())) / n,
          "truncated_rate": m.get("truncated_episodes", sum(e["truncated_rate"] for e in eps.values())) / n}
     for k in ("gate_pass_ratio", "token_keep_ratio", "replay_disagree_rate", "kl_k3", "kl_k3_live", "sync_max_abs_diff",
-              "replay_unreplayed"):
+              "sync_probe_outlier", "replay_unreplayed"):
         v[k] = m.get(k)
+    layers = [x for x in (m.get("replay_disagree_per_layer") or []) if x is not None]
+    v["replay_disagree_worst_layer"] = max(layers) if layers else None
     if m.get("replay_positions") == 0:  # nothing captured: the rate 0 measured nothing
-        v["replay_disagree_rate"] = None
+        v["replay_disagree_rate"] = v["replay_disagree_worst_layer"] = None
     # on the trained version's own tokens (None: the step had none). A sync step has nothing else:
     # None there means its tokens were stale, which the check on all of them then shows
     if "kl_k3_current" in m and (m["kl_k3_current"] is not None or m.get("mode") != "sync"):
