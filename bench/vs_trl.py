@@ -204,9 +204,12 @@ def step_breakdown(run_dir: Path) -> dict:
         return {}
     step = statistics.mean(m["step_s"] for m in ms)
     parts = {"rollout": "rollout_s", "batch": "batch_s", "train": "train_s", "sync": "sync_s"}
+    if ms[0].get("mode") == "async":  # its groups roll out while earlier steps train: no share of a step
+        del parts["rollout"]
     share = {k: statistics.mean(m[v] for m in ms) / step for k, v in parts.items()}
     share["train"] -= share["batch"]  # train_s includes batch_s
-    share["other"] = 1 - sum(share.values())
+    # async: the rest is the wait for the step's groups (and the driver's own work)
+    share["waiting" if "rollout" not in parts else "other"] = 1 - sum(share.values())
     return {"step_s": step, **{k: round(v, 3) for k, v in share.items()}}
 
 

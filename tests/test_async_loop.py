@@ -71,16 +71,20 @@ def test_continuous_async_trains_within_the_bound_and_keeps_per_token_versions(t
     rollout = Rollout("tests/agents/waiting_env.py", reference_engines, str(moe_path), num_runners=2,
                       sampling=SamplingConfig(max_tokens=8))
     try:
+        t0 = time.time()
         hist = run(rollout, trainer, reference_engines, held_first_task(gate, held),
                    # "finish": step 0 trains the groups that overtook the held one (in start order it waits for it)
                    LoopConfig(steps=3, prompts_per_step=2, group_size=2, mode="async", async_lag=2, async_order="finish"),
                    progress=False,
                    on_step=lambda m: m["step"] == 0 and gate.touch(),
                    on_groups=lambda step, groups: trained.extend((step, t) for g in groups for t in g))
+        wall = time.time() - t0
         per_runner = [s["server"]["sampled_tokens"] for s in rollout.stats()]
     finally:
         rollout.shutdown()
     assert [h["step"] for h in hist] == [0, 1, 2] and all(h["failed_episodes"] == 0 for h in hist)
+    # the steps follow one another: their step_s add up to at most the run (from their groups' starts, they overlapped)
+    assert sum(h["step_s"] for h in hist) <= wall
     for h in hist:
         version = h["version"] - 1  # the version the step trained from
         assert set(h["tokens_per_version"]) <= set(range(version - 2, version + 1)), h["tokens_per_version"]

@@ -347,6 +347,9 @@ def test_async_data_next_is_the_first_task_not_started(ray_local):
         def finish_group(self, ref, runner, task, n):
             return [task]
 
+        def abandon_groups(self, started, n):
+            self.abandoned = [ref for ref, _ in started]
+
     def source(n, seed):
         return [Task([{"role": "user", "content": f"{seed}-{i}"}], id=f"{seed}-{i}") for i in range(n)]
 
@@ -384,6 +387,42 @@ def test_async_data_next_is_the_first_task_not_started(ray_local):
     finally:
         stop.set()
         stream.thread.join()
+
+def test_a_stopped_async_stream_leaves_its_groups_in_flight_unwaited(ray_local):
+    """A stop (wb.stop(), an error) waited for every group in flight, up to the episode timeout
+    (300 s by default), only to throw them away: they are handed to the rollout as abandoned,
+    which gives their runners' slots back when they finish."""
+    from workbench.loop import GroupStream
+
+    @ray.remote(num_cpus=0)
+    def slow_group():
+        time.sleep(30)
+
+    class Hanging:
+        abandoned: list = []
+
+        def submit_group(self, task, n):
+            return slow_group.remote(), "runner"  # (the stream starts prompts_per_step x (1 + async_lag): 2)
+
+        def finish_group(self, ref, runner, task, n):
+            return ray.get(ref)
+
+        def abandon_groups(self, started, n):
+            self.abandoned = [ref for ref, _ in started]
+
+    def source(n, seed):
+        return [Task([{"role": "user", "content": f"{seed}-{i}"}], id=f"{seed}-{i}") for i in range(n)]
+
+    stop, rollout = threading.Event(), Hanging()
+    stream = GroupStream(rollout, source, LoopConfig(steps=10, prompts_per_step=1, group_size=2, mode="async"), 0, 0, stop)
+    time.sleep(0.5)
+    t0 = time.time()
+    stop.set()
+    stream.thread.join(10)
+    assert not stream.thread.is_alive() and time.time() - t0 < 5 and len(rollout.abandoned) >= 1
+    for ref in rollout.abandoned:
+        ray.cancel(ref, force=True)
+
 
 def test_zero_variance_follows_the_episode_rules():
     group = [episode(1.0), episode(0.0, error="boom")]

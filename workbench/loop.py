@@ -968,12 +968,10 @@ class GroupStream:
                     self.finished.put((number, group, at, t0, time.time(), teacher))
         except BaseException as e:  # surfaced in the training thread
             self.finished.put(e)
-        finally:  # groups in flight finish (episodes have timeouts), so the runners' counts stay right
-            for ref, (runner, task, *_) in inflight.items():
-                try:
-                    self.rollout.finish_group(ref, runner, task, self.cfg.group_size)
-                except Exception:
-                    pass
+        finally:  # groups in flight keep their runners' slots until they finish, unwaited for (a stop waited
+            # for every one, up to the episode timeout, to throw them away)
+            if inflight:
+                self.rollout.abandon_groups([(ref, runner) for ref, (runner, *_) in inflight.items()], self.cfg.group_size)
 
     def take(self):
         """The next finished group (group, data position, start and end time, teacher log-probs):
@@ -1074,6 +1072,7 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
 
     stream = GroupStream(rollout, task_source, cfg, first, position, stop, teacher_engines)
     history = [] if history is None else history  # (the steps before this run first: the warnings read them)
+    step_start = time.time()
     try:
         for step in tqdm(range(first, cfg.steps), desc="RL steps (async)", initial=first, total=cfg.steps,
                          disable=not progress):
@@ -1083,7 +1082,8 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
             groups, r0, r1, extra, teacher = got
             if on_groups is not None:
                 on_groups(step, groups)
-            trained_metrics, sync_error = _train_on(trainer, engines, groups, cfg, step, r0, r1, teacher)
+            trained_metrics, sync_error = _train_on(trainer, engines, groups, cfg, step, r0, r1, teacher, step_start)
+            step_start = time.time()
             metrics = {**trained_metrics, **extra}
             if sync_error is None:
                 stream.allow(cfg.prompts_per_step)  # trained and synced: a step's worth more may start
@@ -1155,9 +1155,11 @@ def window_mean(history: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r1: float, teacher=None):
+def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r1: float, teacher=None,
+              step_start: float | None = None):
     """Train on the groups and sync the engines: (the step's metrics, the sync's error or None).
-    A failed sync is returned, not raised: the step trained, and _after_step records it first."""
+    A failed sync is returned, not raised: the step trained, and _after_step records it first.
+    `step_start`: where step_s counts from (async: the previous step's end; else the rollout's start)."""
     t1 = time.time()
     reasons: dict[str, int] = {}  # why episodes failed: the first line of each error, counted
     for t in (t for g in groups for t in g if t.error is not None):
@@ -1172,9 +1174,11 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         **reward_statistics(groups), "failure_reasons": reasons}
 
     def timed(tb: float, t2: float) -> dict:
-        # train_s holds batch_s (the batch built on the driver); step_s - the rest: the driver's own records
+        # train_s holds batch_s (the batch built on the driver); step_s - the rest: the driver's own records.
+        # Async: rollout_s spans the step's groups, started while earlier steps trained; step_s is from
+        # the previous step's end (from the first group's start it was ~(1 + async_lag) steps long)
         return {"rollout_s": r1 - r0, "batch_s": tb - t1, "train_s": t2 - t1, "sync_s": time.time() - t2,
-                "step_s": time.time() - min(r0, t1), "rollout_start": r0, "rollout_end": r1, "train_start": t1,
+                "step_s": time.time() - (min(r0, t1) if step_start is None else step_start), "rollout_start": r0, "rollout_end": r1, "train_start": t1,
                 "train_end": t2}
 
     try:

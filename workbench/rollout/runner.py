@@ -477,9 +477,14 @@ class Rollout:
             # interrupted (Ctrl-C in a notebook, an error): the groups still running keep their
             # slots until they finish. Dropped, their counts leaked, and once they reached the
             # runners' slots every later rollout waited for ever with no message
-            with self._lock:
-                self._abandoned.update({ref: (r, group_size) for ref, (_, r) in inflight.items()})
+            self.abandon_groups([(ref, r) for ref, (_, r) in inflight.items()], group_size)
         return out
+
+    def abandon_groups(self, started: list, group_size: int) -> None:
+        """Groups submit_group started that no caller will collect: they keep their runners' slots
+        until they finish, then give them back (_release_abandoned), without anyone waiting."""
+        with self._lock:
+            self._abandoned.update({ref: (runner, group_size) for ref, runner in started})
 
     def run_episodes(self, tasks: list[Task], progress: bool = True) -> list[Trajectory]:
         return [g[0] for g in self.run_groups(tasks, 1, progress)]
