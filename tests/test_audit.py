@@ -62,6 +62,11 @@ def test_a_breach_is_flagged_and_linked_to_its_token_view(short_run, tmp_path):
     assert f"<div class='traj' id='t-2-{bad}'>" in html and "<div id='step-1'>" in html
     assert "<td class='bad'><a href='#v-2-identity_mismatch'>3</a></td>" in html
     assert not re.search(r"https?://", html)
+    # a check switched off from the command line ("none": shown, not flagged)
+    from workbench.widgets.audit import main
+
+    main([str(run), "-o", str(tmp_path / "b.html"), "--token-keep-ratio", "none"])
+    assert "Violations: 2" in (tmp_path / "b.html").read_text()
 
 
 def test_a_run_copied_without_its_trajectories_is_not_audited_clean(short_run, tmp_path):
@@ -257,6 +262,10 @@ def test_the_audit_flags_a_failed_sync_nan_and_unreplayed_routing():
     # async: the stale tokens' KL is the staleness; the check reads the trained version's own tokens
     assert flagged({**base, "kl_k3": 0.3}) == [] and flagged({**base, "kl_k3_current": 0.3}) == ["kl_k3"]
     assert step_values({**base, "replay_positions": 0}, [])[0]["replay_disagree_rate"] is None
+    from workbench.loop import STALE_KL_LIMIT
+
+    assert th.kl_k3_stale == STALE_KL_LIMIT  # held where the loop warns
+    assert flagged({**base, "kl_k3_stale": 1.4}) == ["kl_k3_stale"] and flagged({**base, "kl_k3_stale": 0.6}) == []
     # one layer replayed from another layer's record: its rate averaged over 24 layers passed
     assert flagged({**base, "replay_disagree_per_layer": [0.01] * 23 + [0.97], "replay_disagree_rate": 0.05}) == [
         "replay_disagree_worst_layer"]

@@ -41,6 +41,9 @@ class Thresholds:
     replay_unreplayed: float | None = 0  # recorded routings the forward did not use: invariant 3 says 0
     kl_k3: float | None = 1e-3
     kl_k3_live: float | None = None
+    # the stale tokens' KL: above it importance weights no longer correct them (loop.STALE_KL_LIMIT,
+    # which the loop warns at; an async run past it tends to collapse)
+    kl_k3_stale: float | None = 1.0
     sync_max_abs_diff: float | None = None
     sync_probe_outlier: float | None = None  # shown: a router near-tie, or one corrupted row
     sync_failed: float | None = 0  # a step whose weight sync raised
@@ -71,6 +74,8 @@ CHECKS = (
     ("kl_k3", "k3 with replay", "KL(behaviour || trainer) k3 estimate, routing replayed, on the tokens the trained version "
      "sampled (a stale token's KL is its staleness, not the forward; not measured on a step with none)"),
     ("kl_k3_live", "k3 without replay", "the same KL with live routing (what replay removes)"),
+    ("kl_k3_stale", "k3 on stale tokens", "KL(behaviour || trainer) k3 on the tokens older versions sampled (async): past "
+     "1.0 nat a token importance weights no longer correct them, and a run tends to collapse"),
     ("sync_max_abs_diff", "sync probe difference", "max |engine - trainer| probe log-prob after the step's weight sync"),
     ("sync_probe_outlier", "excused probe position", "the gap at the one probe position a sync excused as a router "
      "near-tie (left out of the probe difference; a weight row the sync corrupted looks the same)"),
@@ -142,7 +147,7 @@ def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None) -> 
          "failed_rate": m.get("failed_episodes", sum(e["failed_rate"] for e in eps.values())) / n,
          "truncated_rate": m.get("truncated_episodes", sum(e["truncated_rate"] for e in eps.values())) / n}
     for k in ("gate_pass_ratio", "token_keep_ratio", "replay_disagree_rate", "kl_k3", "kl_k3_live", "sync_max_abs_diff",
-              "sync_probe_outlier", "replay_unreplayed"):
+              "sync_probe_outlier", "replay_unreplayed", "kl_k3_stale"):
         v[k] = m.get(k)
     layers = [x for x in (m.get("replay_disagree_per_layer") or []) if x is not None]
     v["replay_disagree_worst_layer"] = max(layers) if layers else None
@@ -356,13 +361,18 @@ def _tokenizer(run_dir: Path, given: str | None):
     return None
 
 
+def _threshold(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m workbench.audit", description="Write a run's audit page (one offline HTML file).")
     p.add_argument("run_dir")
     p.add_argument("-o", "--out", help="the page's path (default RUN_DIR/audit.html)")
     p.add_argument("--tokenizer", help="a checkpoint directory whose tokenizer shows tokens as text")
     for f in fields(Thresholds):
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default, help=f"threshold (default {f.default})")
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=_threshold, default=f.default,
+                       help=f"threshold (default {f.default}; none: shown, not flagged)")
     a = p.parse_args(argv)
     th = Thresholds(**{f.name: getattr(a, f.name) for f in fields(Thresholds)})
     path = write_audit(a.run_dir, a.out, _tokenizer(Path(a.run_dir), a.tokenizer), th)
