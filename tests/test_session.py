@@ -34,6 +34,13 @@ def test_config_errors_name_the_field():
         WorkbenchConfig(num_engines=0)
     with pytest.raises(ConfigError, match="max_request_bytes must be an integer >= 1"):
         WorkbenchConfig(max_request_bytes=0)
+    # a turn's budget: 8 on the toy models, else 1024 within half the context (8 cut every real reply)
+    from workbench.profiles import ModelProfile
+    from workbench.session import default_max_tokens
+
+    assert WorkbenchConfig().max_tokens is None and WorkbenchConfig(max_tokens=24).max_tokens == 24
+    assert [default_max_tokens(ModelProfile(f, end_of_turn="e", max_model_len=n))
+            for f, n in (("toy", 1024), ("qwen3", 32768), ("smollm2", 1500))] == [8, 1024, 750]
     with pytest.raises(ConfigError, match="seed must be an integer >= 0"):
         WorkbenchConfig(seed=-1)
     # the engines' context is the server's: taken from engine_kwargs (the server kept the profile's)
@@ -57,6 +64,7 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
     wb = workbench.connect(backend="reference", trainer_ranks=1, run_dir=str(tmp_path / "run"),
                            loop={"prompts_per_step": 4, "group_size": 4})
     try:
+        assert wb.cfg.max_tokens == 8  # the toy's turn budget where none is given
         t = wb.rollout.episode()
         assert t.error is None and t.segments[0].routed_experts is not None and wb.rollout.last is t
         groups = wb.rollout.groups(2, progress=False)

@@ -99,8 +99,9 @@ class WorkbenchConfig:
     placement: str = "split"
     # per turn: the generation budget of a turn whose agent sends no max_tokens (an agent's own
     # wins, up to the room left in the context) and the one a cut reply is truncated against
-    # (LoopConfig.on_truncated)
-    max_tokens: int = 8
+    # (LoopConfig.on_truncated). None: 8 on the toy models (their replies are a few tokens), else
+    # 1024, at most half the context (8 cut every reply of a real model: each turn truncated)
+    max_tokens: int | None = None
     # the policy's sampling: the engine samples every recorded turn at this temperature (top_p 1)
     # and the trainer computes log-probs at it; an agent's own temperature/top_p on the wire is
     # overridden and counted (sampling="override", metrics: sampling_overridden) or refused with
@@ -193,7 +194,7 @@ class WorkbenchConfig:
             # (numpy's seeded shuffle refused it at the first draw, inside the run's thread)
             raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
         for name in ("num_engines", "num_runners", "trainer_ranks", "max_tokens", "max_model_len", "max_request_bytes"):
-            if name == "max_model_len" and self.max_model_len is None:
+            if name in ("max_model_len", "max_tokens") and getattr(self, name) is None:
                 continue
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
@@ -205,6 +206,12 @@ class WorkbenchConfig:
         if not isinstance(self.trainer, TrainerConfig) or not isinstance(self.loop, LoopConfig):
             raise ConfigError("trainer must be a TrainerConfig and loop a LoopConfig (or dicts, via from_dict)")
         _check_loggers(self.loggers)
+
+
+def default_max_tokens(profile) -> int:
+    """A turn's budget where the session names none: 8 for the toy models, else 1024, at most
+    half the context."""
+    return 8 if profile.family == "toy" else max(1, min(1024, profile.max_model_len // 2))
 
 
 def _fields(obj) -> dict:
@@ -395,6 +402,8 @@ class Workbench:
             overrides.update({k: v for k, v in (("max_model_len", cfg.max_model_len), ("tool_parser", cfg.tool_parser))
                               if v is not None})
             self.profile = profile_for(self.model_path, overrides)
+            if cfg.max_tokens is None:  # (the resolved value is the one config.json records)
+                self.cfg = cfg = dataclasses.replace(cfg, max_tokens=default_max_tokens(self.profile))
             # record experts for routing replay where the profile asks, the trainer replays and the
             # engine can: the reference backend, or vLLM on GPUs (its CPU build cannot return them)
             from .rollout.vllm_engine import wants_routed_experts
