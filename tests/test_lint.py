@@ -116,3 +116,16 @@ def test_lint_with_a_profile_plays_the_server(dense_path):
     tok = load_tokenizer(dense_path)
     toy = lint(tok, profile=profile_for(dense_path))
     assert toy.verdicts() == lint(tok, end_of_turn="<|im_end|>").verdicts()
+
+
+def test_the_merged_boundary_trap_shows_the_retokenized_turn_itself():
+    """A shape that seals before its retokenized turn: the trap showed the seal's diff (the
+    shape's first verdict) as the evidence of a merged boundary."""
+    from workbench.lint import ShapeResult, TurnResult, _resolve, traps
+
+    _, fmt, *_ = _resolve("qwen3")
+    shape = ShapeResult("tool_two", "two tool calls", "seal:template_rewrite", [
+        TurnResult(0, "start"), TurnResult(1, "seal:template_rewrite", "rewrite", 3, "the seal's diff"),
+        TurnResult(2, "extends*", "retokenization at the boundary", 9, "the merged boundary's diff")])
+    merged = {t.name: t for t in traps(fmt, [shape], [])}["merged_boundary"]
+    assert merged.found and merged.detail == "tool_two turn 2: the merged boundary's diff"

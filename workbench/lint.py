@@ -398,8 +398,10 @@ def traps(fmt: ChatFormat, shapes: list[ShapeResult], renders: list[str]) -> lis
             break
     out.append(Trap("leading_space", bool(found), found[0] if found else
                     "text after control tokens tokenizes as it does in running text"))
-    merged = [s for s in shapes for t in s.turns if t.verdict == "extends*" and "retokenization" in t.detail]
-    out.append(Trap("merged_boundary", bool(merged), f"{merged[0].shape}: {merged[0].first.context}" if merged else
+    # the retokenized turn itself (the shape's first verdict may be another turn's: a seal before it)
+    merged = [(s, t) for s in shapes for t in s.turns if t.verdict == "extends*" and "retokenization" in t.detail]
+    out.append(Trap("merged_boundary", bool(merged), f"{merged[0][0].shape} turn {merged[0][1].turn}: {merged[0][1].context}"
+                    if merged else
                     "sampled ids + template deltas equal a fresh encoding of the same text in every shape"))
     eot = fmt.end_of_turn
     as_text = fmt.encode(f"say {eot} now")
