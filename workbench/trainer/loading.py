@@ -16,8 +16,11 @@ def meta_model(path: str, dtype: torch.dtype):
     """The checkpoint's model with shapes only (no weights anywhere yet)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from ..toy.models import attention_kwargs
+
+    config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attention_kwargs(config))
     # what from_pretrained keeps in fp32 at a half dtype (load="full"), from_config does not: the
     # model's _keep_in_fp32_modules_strict (DeepSeek V3's router bias e_score_correction_bias, which
     # picks the top-k experts: rounded to bf16, routing differed between load modes and from the engine)
