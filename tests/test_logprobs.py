@@ -66,3 +66,30 @@ def test_a_one_position_row_keeps_its_column():
 
     assert sampled_logprobs(torch.randn(2, 1, 5), torch.zeros(2, 1, dtype=torch.long)).shape == (2, 1)
     assert sampled_logprobs(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long)).shape == (2, 3)
+
+
+def test_a_model_that_soft_caps_attention_loads_with_eager_attention(tmp_path):
+    """Gemma 2 soft-caps attention logits (tanh(x / cap) * cap): transformers' default SDPA path
+    leaves the cap out and vLLM applies it, so the trainer's and the reference sampler's
+    log-probs were another forward's (0.3 nat apart here). Both load it with eager attention."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from workbench.trainer.loading import meta_model
+
+    cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, attn_logit_softcapping=5.0)
+    torch.manual_seed(0)
+    src = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for layer in src.model.layers:  # attention logits well past the cap
+            layer.self_attn.q_proj.weight.mul_(30)
+            layer.self_attn.k_proj.weight.mul_(30)
+    src.save_pretrained(tmp_path)
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    loaded = load_hf_model(tmp_path)
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        got, capped, uncapped = (m(ids).logits.log_softmax(-1) for m in (loaded, eager, sdpa))
+    assert torch.allclose(got, capped, atol=1e-5) and (got - uncapped).abs().max() > 1e-2
+    assert meta_model(str(tmp_path), torch.float32).config._attn_implementation == "eager"
