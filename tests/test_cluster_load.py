@@ -44,6 +44,8 @@ def test_rank0_load_gives_every_rank_the_checkpoints_weights(ray_local, moe_path
         trained = trainer.state_dict()
         # export: a Hugging Face directory in the source's layout that transformers loads back
         out = trainer.export_hf(str(tmp_path / "export"))
+        exported = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+        assert exported["eos_token_id"] == [509, 3] and exported["top_k"] == 20
         assert safetensor_keys(out) == safetensor_keys(moe_path)  # per-expert tensors, as vLLM reads them
         again = load_hf_model(out).state_dict()
         assert all(torch.equal(again[k], v) for k, v in trained.items())
@@ -191,8 +193,17 @@ def test_export_serves_in_vllm_with_the_trained_weights(ray_local, moe_path, tmp
     from workbench.rollout.actor import launch_engine, stop_engine
     from workbench.rollout.engine import SamplingConfig
 
+    import json
+    import shutil
+
     ids = list(range(5, 25))
-    trainer = Trainer(str(moe_path), world_size=1, cfg=TrainerConfig(lr=1e-2, micro_batch_size=4))
+    # a source whose generation_config.json says more than its config.json (Qwen3's two eos ids, sampling
+    # defaults): the export kept only what config.json says, and sessions from it lost a stop token
+    src = tmp_path / "src"
+    shutil.copytree(moe_path, src)
+    gen = {**json.loads((src / "generation_config.json").read_text()), "eos_token_id": [509, 3], "top_k": 20}
+    (src / "generation_config.json").write_text(json.dumps(gen))
+    trainer = Trainer(str(src), world_size=1, cfg=TrainerConfig(lr=1e-2, micro_batch_size=4))
     try:
         segs = [Segment(row, [0] * 8 + [1] * 12, [0.0] * 20, [-1] * 8 + [0] * 12, None) for row in (ids, ids[::-1])]
         batch = training_tensors(segs)

@@ -378,7 +378,8 @@ class TrainerWorker:
         measures are all-reduced: the ranks' micro-batches run the same collectives)."""
         import torch.distributed as dist
 
-        measured = torch.tensor(packing_leak(self.model, self.model.config.vocab_size, self.device), device=self.device)
+        measured = torch.tensor(packing_leak(self.model, self.model.config.get_text_config().vocab_size, self.device),
+                                device=self.device)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         self._reshard()
         leak, noise = measured.tolist()
@@ -415,7 +416,7 @@ class TrainerWorker:
             # still apply because train_step keeps the replay context open across backward
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if (self.cfg.shard_unit or ("model" if self.device.type == "cpu" else "layer")) == "layer":
-            for layer in model.model.layers:
+            for layer in model.get_decoder().layers:  # (a multimodal wrapper's are its language model's)
                 fully_shard(layer, **shard_kwargs)
         fully_shard(model, **shard_kwargs)
         if self.cfg.load != "full":
@@ -685,7 +686,7 @@ class TrainerWorker:
         return lp[0, 1:].cpu().tolist()
 
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        return self.model.config.get_text_config().vocab_size  # (a multimodal wrapper's config has none)
 
     # GPU weight sync by NCCL broadcast (rollout/nccl_sync.py); rank 0 joins the engines' group
     def nccl_endpoint(self) -> tuple[str, int]:
@@ -1048,10 +1049,24 @@ class Trainer:
 
         full = self.state_dict()  # rank 0's gathered, HF-named tensors on CPU
         dtype = getattr(torch, dtype or self.cfg.dtype)
+        from transformers import GenerationConfig
+
+        from .loading import meta_model
+
         config = AutoConfig.from_pretrained(self.model_path)
-        with torch.device("meta"):  # no second copy of the weights: the gathered tensors are assigned
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        model.load_state_dict({k: v.to(dtype) for k, v in full.items()}, strict=True, assign=True)
+        # the weights written are dense: a quantized source's quantization_config (gpt-oss's mxfp4)
+        # would send loaders looking for its blocks and scales
+        if getattr(config, "quantization_config", None) is not None:
+            del config.quantization_config
+        model = meta_model(self.model_path, dtype, config)  # (no second copy: the gathered tensors are assigned)
+        # the dtype of each parameter as the model keeps it (DeepSeek-V3's router bias stays fp32: a bf16
+        # export rounded it, and with it which experts every token routes to)
+        kept = {k: t.dtype for k, t in model.state_dict().items()}
+        model.load_state_dict({k: v.to(kept.get(k, dtype)) for k, v in full.items()}, strict=True, assign=True)
+        if os.path.isfile(os.path.join(self.model_path, "generation_config.json")):
+            # the source's (its eos list: Qwen3's <|endoftext|> besides <|im_end|>, sampling defaults);
+            # one derived from config.json lost them, and every session started from the export with them
+            model.generation_config = GenerationConfig.from_pretrained(self.model_path)
         os.makedirs(path, exist_ok=True)
         model.save_pretrained(path, safe_serialization=True)
         skip = ("config.json", "generation_config.json", "model.safetensors.index.json")

@@ -12,13 +12,14 @@ from pathlib import Path
 import torch
 
 
-def meta_model(path: str, dtype: torch.dtype):
-    """The checkpoint's model with shapes only (no weights anywhere yet)."""
+def meta_model(path: str, dtype: torch.dtype, config=None):
+    """The checkpoint's model with shapes only (no weights anywhere yet); `config`: its config,
+    changed (None: read from `path`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..toy.models import attention_kwargs
 
-    config = AutoConfig.from_pretrained(path)
+    config = config or AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attention_kwargs(config))
     # what from_pretrained keeps in fp32 at a half dtype (load="full"), from_config does not: the
