@@ -79,6 +79,25 @@ def test_metadata_round_trips_through_vllm_types():
     assert (init.rank_offset, init.world_size, init.packed, init.packed_buffer_size_bytes) == (3, 8, True, 4096)
 
 
+def test_a_bf16_wire_keeps_what_the_model_keeps_in_fp32():
+    """DeepSeek-V3's router bias (e_score_correction_bias, which picks the experts) is fp32 in the
+    engine too: a bf16 wire rounded it at every sync, and routing drifted from the trainer's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from workbench.trainer.loading import kept_fp32
+
+    cfg = AutoConfig.for_model("deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                               num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
+                               kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    meta = TransferMeta.from_tensors(model.state_dict().items(), "bfloat16", kept_fp32(model, torch.bfloat16))
+    dtypes = dict(zip(meta.names, meta.dtype_names))
+    assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == "float32"
+    assert {d for n, d in dtypes.items() if "e_score_correction_bias" not in n} == {"bfloat16"}
+
+
 @pytest.mark.parametrize("args, match", [
     ((["a", "b"], ["float32"], [[1], [2]]), "lengths"),
     ((["a", "a"], ["float32"] * 2, [[1], [2]]), "duplicate"),

@@ -91,9 +91,14 @@ class TransferMeta:
             raise ValueError(f"unknown dtype names {bad}")
 
     @classmethod
-    def from_tensors(cls, named: Iterable[tuple[str, torch.Tensor]], wire: str | None = None) -> "TransferMeta":
-        """Reads .dtype/.shape only (an FSDP DTensor reports its global shape): nothing is gathered."""
-        rows = [(n, str(wire_dtype(t.dtype, wire)).removeprefix("torch."), list(t.shape)) for n, t in named]
+    def from_tensors(cls, named: Iterable[tuple[str, torch.Tensor]], wire: str | None = None,
+                     keep: Iterable[str] = ()) -> "TransferMeta":
+        """Reads .dtype/.shape only (an FSDP DTensor reports its global shape): nothing is gathered.
+        `keep`: name patterns sent in their own dtype whatever the wire's (what the model keeps in
+        fp32: rounded to bf16 on every sync, DeepSeek-V3's router bias moved which experts route)."""
+        keep = list(keep)
+        rows = [(n, str(t.dtype if any(k in n for k in keep) else wire_dtype(t.dtype, wire)).removeprefix("torch."),
+                 list(t.shape)) for n, t in named]
         return cls(*map(list, zip(*rows))) if rows else cls([], [], [])
 
     def update_info(self) -> dict:

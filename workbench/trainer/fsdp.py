@@ -702,7 +702,10 @@ class TrainerWorker:
         """Names, dtypes and global shapes of the weights (nothing gathered)."""
         from ..rollout.nccl_sync import TransferMeta
 
-        return TransferMeta.from_tensors(self.model.state_dict().items(), wire).update_info()
+        from .loading import kept_fp32
+
+        keep = kept_fp32(self.model, getattr(torch, wire)) if wire else []
+        return TransferMeta.from_tensors(self.model.state_dict().items(), wire, keep).update_info()
 
     def send_weights_nccl(self, meta: dict) -> int:
         """Every rank: gather one tensor at a time; rank 0 broadcasts it to the engines."""

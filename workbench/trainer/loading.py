@@ -12,6 +12,12 @@ from pathlib import Path
 import torch
 
 
+def kept_fp32(model, dtype: torch.dtype) -> list[str]:
+    """Name patterns of what the model keeps in fp32 at a half `dtype` (transformers' dtype plan:
+    DeepSeek-V3's router bias e_score_correction_bias, which picks the top-k experts)."""
+    return list(model._get_dtype_plan(dtype)) if hasattr(model, "_get_dtype_plan") else []
+
+
 def meta_model(path: str, dtype: torch.dtype, config=None):
     """The checkpoint's model with shapes only (no weights anywhere yet); `config`: its config,
     changed (None: read from `path`)."""
@@ -25,7 +31,7 @@ def meta_model(path: str, dtype: torch.dtype, config=None):
     # what from_pretrained keeps in fp32 at a half dtype (load="full"), from_config does not: the
     # model's _keep_in_fp32_modules_strict (DeepSeek V3's router bias e_score_correction_bias, which
     # picks the top-k experts: rounded to bf16, routing differed between load modes and from the engine)
-    keep = list(model._get_dtype_plan(dtype)) if hasattr(model, "_get_dtype_plan") else []
+    keep = kept_fp32(model, dtype)
     for prefix, module in model.named_modules() if keep else ():
         for store in (module._parameters, module._buffers):
             for n, t in list(store.items()):
