@@ -234,6 +234,9 @@ def test_static_rendering_and_titled_pages(tmp_path):
     lines = re.findall(r"<polyline [^>]*points='([^']*)'", svg)
     assert len(lines) == 2 and all("nan" not in p for p in lines) and [len(p.split()) for p in lines] == [1, 2]
     assert svg.count("<circle") == 3 and "step 2: nan" in svg
+    # every value NaN (a diverged run): its markers and a note, not "no data" as if unmeasured
+    diverged = RewardMonitor([{"step": s, "reward_mean": math.nan} for s in range(3)]).static().svg
+    assert "not finite: nan" in diverged and diverged.count("step 1: nan") == 1
     fig = reward.view.outputs[0]["data"]["application/vnd.plotly.v1+json"]
     assert {t["meta"]: t.get("connectgaps") for t in fig["data"]}["reward_mean"] is not True
     page = gate.write_html(tmp_path / "plots" / "gate.html", include_plotlyjs="directory", title="IS gate <per step>")
@@ -367,6 +370,9 @@ def test_journey_values_equal_the_report():
     r["gate_keep"] = torch.tensor([True, False])  # the gate decides per sequence: [B] works too
     r["advantages"] = [0.5, -0.5]
     assert journey(r, 1, 1)["gate_keep"] is False and journey(r, 1, 1)["advantage"] == -0.5
+    # a broken engine's token, 800 nats off: shown with an infinite ratio (exp raised OverflowError)
+    r["behaviour_logprobs"][0, 2] = -800.0
+    assert journey(r, 0, 2)["ratio"] == float("inf")
 
 
 def test_journey_refuses_prompt_tokens_out_of_range_and_missing_columns():

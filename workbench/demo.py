@@ -130,7 +130,7 @@ def run_rl(args, engine, path) -> None:
         run(rollout, trainer, [engine], lambda n, step: spec.tasks(n, seed=1000 + step),
                  LoopConfig(steps=args.rl_steps, prompts_per_step=16, group_size=8), progress=False,
                  on_step=lambda m: print(f"      step {m['step']:>2}  reward {m['reward_mean']:.3f}  exact {m['correct_rate']:.3f}  "
-                                         f"loss {m['loss']:+.4f}  k3 {m['kl_k3']:.1e}  sync |diff| {m['sync_max_abs_diff'] or float('nan'):.1e}  "
+                                         f"loss {m['loss']:+.4f}  k3 {m['kl_k3']:.1e}  sync |diff| {float('nan') if m['sync_max_abs_diff'] is None else m['sync_max_abs_diff']:.1e}  "
                                          f"{m['step_s']:.1f} s"))
     finally:
         rollout.shutdown()

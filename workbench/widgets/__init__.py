@@ -570,9 +570,16 @@ def svg(monitor: _Monitor, width: int = 900) -> str:
         # finite values set the range (a NaN step, e.g. reward_mean where no episode finished, made
         # the range NaN and cut the polyline: browsers stop a points list at its first bad number)
         ys = [float(v) for _, _, _, yy, _ in items for v in yy if _finite(v)]
-        if not ys:
+        if not ys and not any(v is not None for _, _, _, yy, _ in items for v in yy):
             out.append(f"<text x='{x0 + w / 2:.0f}' y='{y0 + h / 2:.0f}' text-anchor='middle' fill='#999'>no data</text>")
             continue
+        # values, none finite (a run that diverged: every KL NaN): marked on a default range, and said;
+        # it read "no data", as if unmeasured
+        bad = sorted({str(v) for _, _, _, yy, _ in items for v in yy if v is not None and not _finite(v)})
+        if bad:
+            out.append(f"<text x='{x0 + w - 4:.0f}' y='{y0 + 12:.0f}' text-anchor='end' fill='#d62728'>"
+                       f"not finite: {escape(', '.join(bad))}</text>")
+        ys = ys or [0.0]
         lo, hi = min(0.0, min(ys)), max(ys)
         hi = hi if hi > lo else lo + 1.0
         Y = lambda v: y0 + h - (float(v) - lo) / (hi - lo) * h  # noqa: E731
@@ -708,7 +715,9 @@ def journey(report: dict, row: int, col: int, tokenizer=None) -> dict:
     ex = report.get("routed_experts")
     out["experts"] = None if ex is None else [[int(e) for e in layer] for layer in ex[row][col]]
     # the ratio the IS weight derives from, so a reader can check the weight against it
-    out["ratio"] = math.exp(out["trainer_logprob"] - out["behaviour_logprob"])
+    # (past ~709 nats exp overflows: a broken engine's tokens, the ones most worth inspecting)
+    gap = out["trainer_logprob"] - out["behaviour_logprob"]
+    out["ratio"] = math.inf if gap > 709 else math.exp(gap)
     return out
 
 
