@@ -101,6 +101,10 @@ def test_lint_a_tokenizer_directory_and_the_cli(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)[0]["verdicts"] == {"reasoning_on": TR}
     with pytest.raises(FileNotFoundError):
         lint(str(tmp_path / "nothing"))
+    # a saved family's directory is linted with its model profile, as the server runs it: Mistral's
+    # tool turns errored there ("Tool call IDs should be alphanumeric strings with length 9")
+    m = rm.load_family("mistral-v3").save(tmp_path / "mistral")
+    assert lint(str(m), ["tool_one"]).verdicts() == lint("mistral-v3", ["tool_one"]).verdicts() == {"tool_one": TR}
 
 
 def test_lint_with_a_profile_plays_the_server(dense_path):

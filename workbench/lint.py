@@ -442,6 +442,18 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
             raise FileNotFoundError(f"{target!r} is neither a family ({sorted(real_models.FAMILIES)}) nor a directory")
         if (path / "lint.json").is_file():
             extra = json.loads((path / "lint.json").read_text())
+        # the model profile the server would run this directory with (its ids, message form and
+        # parsers): a saved family's, else the checkpoint's own (profile_for, as connect() does).
+        # Without it a Mistral directory's tool turns errored ("call ids must be 9 alphanumerics")
+        if profile is None and extra.get("family") in real_models.FAMILIES:
+            profile = real_models.load_family(extra["family"]).profile()
+        elif profile is None and (path / "config.json").is_file():
+            from .profiles import ProfileError, profile_for
+
+            try:
+                profile = profile_for(path)
+            except ProfileError:
+                pass  # a family no profile claims: the template alone
         if (path / "tekken.json").is_file():  # Mistral's Tekken: mistral-common renders, no template (workbench.tekken)
             from .tekken import load_tokenizer, tekken_profile
 

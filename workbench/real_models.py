@@ -263,7 +263,7 @@ class Family:
         self.tokenizer.save_pretrained(str(path))
         cfg = Path(path) / "lint.json"
         cfg.write_text(json.dumps({"stops": list(self.spec.stops), "template_kwargs": self.spec.template_kwargs,
-                                   "reasoning_in_content": self.spec.reasoning_in_content}))
+                                   "reasoning_in_content": self.spec.reasoning_in_content, "family": self.name}))
         return Path(path)
 
 
