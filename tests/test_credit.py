@@ -232,7 +232,10 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
                        ("It takes 2-3 days", 3), ("x = -3", -3), ("#### 72", 72), ("so the answer is \u221212", -12),
                        # the marked sentence's result, not its first operand; a fraction or a power is no whole number
                        ("The answer is 48 + 24 = 72.", 72), ("answer: 2^{10} = 1024", 1024), ("The answer is 3/4.", None),
-                       ("The answer is \\boxed{\\frac{1}{2}}", None), ("answer is 1e5", None)):
+                       ("The answer is \\boxed{\\frac{1}{2}}", None), ("answer is 1e5", None),
+                       # the answer on the marker's next line, or an earlier marker's (each read None: scored 0)
+                       ("The answer is:\n408", 408), ("**Answer:**\n408", 408),
+                       ("\\boxed{408}. I hope this answer is helpful.", 408), ("The answer is unknown.", None)):
         assert answer_number(text) == want, text
     # the math recipe's reward reads the same way; a list of numbers is no one number ("3,4,5" read 345)
     import sys

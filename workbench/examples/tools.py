@@ -60,12 +60,22 @@ def answer_text(text: str | None) -> str | None:
     text = (text or "").replace("\u2212", "-").replace("{,}", ",")
     text = re.sub(r"(?<=\d)(?:\\,|[\u2009\u202f])(?=\d{3}(?!\d))", ",", text)
     text = re.sub(r"(?<=[A-Za-z])(?:\^\{?\d+\}?|[\u00b2\u00b3])", "", text)
-    marked = [next(g for g in m.groups() if g is not None) for m in _MARKED.finditer(text)]
-    if marked:
-        span = re.split(r"\.(?:\s|$)|;", marked[-1], maxsplit=1)[0]  # the marked sentence
+    marked = list(_MARKED.finditer(text))
+    found: list = []
+    # the last marker that gives a number: "\boxed{408}. I hope this answer is helpful." is 408 (the
+    # last marker, "answer is helpful", read None); one that ends its line with nothing but markup
+    # ("**Answer:**\n408", "The answer is:\n408") gives the next line's
+    for m in reversed(marked):
+        body = next(g for g in m.groups() if g is not None)
+        if not re.search(r"[^\W_]", body) and not m.group().startswith("\\boxed"):
+            following = re.match(r"[ \t]*\n\s*([^\n]*)", text[m.end():])
+            body = following.group(1) if following else body
+        span = re.split(r"\.(?:\s|$)|;", body, maxsplit=1)[0]  # the marked sentence
         span = span.rsplit("=", 1)[-1]
         found = list(_NUMBER.finditer(span))[:1]
-    else:
+        if found:
+            break
+    if not marked:
         span = text
         found = list(_NUMBER.finditer(text))[-1:]
     if not found:
