@@ -211,7 +211,7 @@ def _plot(key: str, steps: list[int], values: list, limit, bad: set[int], width=
     and linked to their entry in the violation list."""
     pts = [(s, float(v)) for s, v in zip(steps, values) if v is not None]
     if not pts:
-        return "<p class='na'>not recorded in this run</p>"
+        return "<p class='na'>not recorded in this run (no step had one)</p>"
     l, r, t, b = 60, 10, 10, 24
     w, h = width - l - r, height - t - b
     ys = [y for _, y in pts if math.isfinite(y)] + ([float(limit)] if limit is not None else [])
