@@ -356,6 +356,43 @@ def test_vllm_tokens_without_a_weight_version_raise(moe_path):
 
 
 # ----------------------------------------------------------------------------- vLLM (CPU build)
+def test_vllm_syncs_a_model_whose_names_transformers_changes(moe_path, tmp_path):
+    """transformers 5 holds Mixtral as `mlp` with fused experts; vLLM's Mixtral loads checkpoint
+    names (`block_sparse_moe.experts.N.w1`) and refused the trainer's ("no module or parameter
+    named 'layers.0.mlp'"), midway through its layerwise reload. The engine loads the checkpoint
+    layout (checkpoint_format), and serves the new weights: its probe equals the trainer's."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from workbench.rollout.vllm_engine import VLLMEngine
+
+    cfg = MixtralConfig(vocab_size=512, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=256, eos_token_id=509, pad_token_id=507)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(moe_path / f, tmp_path)
+    model = load_hf_model(tmp_path)
+    model.load_state_dict(perturbed(model))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in model.state_dict()  # the in-memory names sent
+
+    async def sync():
+        engine = VLLMEngine(str(tmp_path), max_model_len=256)
+        await engine.start()
+        try:
+            expected = expected_probe_logprobs(model, probe_ids(model.config.vocab_size))
+            return await engine.update_weights({k: v.detach().clone() for k, v in model.state_dict().items()}, 1,
+                                               expected_probe=expected, tol=1e-3)
+        finally:
+            await engine.shutdown()
+
+    report = asyncio.run(sync())
+    assert report.checked and report.probe_max_abs_diff < 1e-4
+
+
+
 def test_vllm_moe_samples_well_formed_and_match_hf(vllm_moe, moe_path, capsys):
     model = load_hf_model(moe_path)
     refs = [vllm_moe.generate.remote(p, SamplingConfig(max_tokens=24, seed=i)) for i, p in enumerate(prompts(moe_path))]

@@ -141,7 +141,7 @@ def _tiny_moe(tmp_path):
 def test_names_are_checked_against_the_engine_model(tmp_path):
     model = _tiny_moe(tmp_path)
     expected = ns.hf_meta(str(tmp_path))
-    sent = TransferMeta.from_tensors(model.state_dict().items(), wire="bfloat16")
+    sent = TransferMeta.from_tensors(ns.checkpoint_tensors(model, model.state_dict().items()), wire="bfloat16")
     assert (sent.names, sent.shapes) == (expected.names, expected.shapes)
     ns.check_meta(sent, expected)  # dtype differences are fine: vLLM's loader casts
     compiled = TransferMeta([f"_orig_mod.{n}" for n in sent.names], sent.dtype_names, sent.shapes)
@@ -219,7 +219,7 @@ def test_receiver_drives_asyncllm_weight_update_api(monkeypatch, tmp_path):
 
     monkeypatch.setattr(ns, "_engine_has_gpu", lambda: True)
     model = _tiny_moe(tmp_path)
-    meta = TransferMeta.from_tensors(model.state_dict().items())
+    meta = TransferMeta.from_tensors(ns.checkpoint_tensors(model, model.state_dict().items()))
     llm = _FakeLLM()
     rx = NcclReceiver(llm, NcclSyncConfig(29501, bucket_bytes=4096), 3, 8, expected=ns.hf_meta(str(tmp_path)))
     asyncio.run(rx.init())
@@ -336,3 +336,30 @@ def test_sender_checks_iteration_against_metadata():
 def test_full_tensors_yields_state_dict_in_order():
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
     assert [n for n, _ in ns.full_tensors(model)] == list(model.state_dict())
+
+
+def test_the_wire_carries_the_checkpoints_names_and_layout(moe_path):
+    """vLLM loads checkpoint names and layouts; transformers 5 holds others in memory (fused
+    experts; Mixtral's block_sparse_moe renamed mlp, which vLLM refused mid-reload). What the
+    trainer sends, tensor by tensor, is the checkpoint file's own: names, shapes and values."""
+    from safetensors import safe_open
+
+    from workbench.rollout.nccl_sync import check_meta, checkpoint_tensors, hf_meta
+    from workbench.toy.models import load_hf_model
+
+    model = load_hf_model(moe_path)
+    sent = dict(checkpoint_tensors(model, model.state_dict().items()))
+    with safe_open(str(moe_path / "model.safetensors"), "pt") as f:
+        disk = {k: f.get_tensor(k) for k in f.keys()}
+    assert sorted(sent) == sorted(disk) and all(torch.equal(sent[k], disk[k]) for k in disk)
+    meta = TransferMeta.from_tensors(checkpoint_tensors(model, model.state_dict().items()))
+    check_meta(meta, hf_meta(str(moe_path)))  # the engine's expectation: the same names and shapes
+    # Mixtral, from its in-memory names
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=16, num_local_experts=2, num_experts_per_tok=1)
+    mixtral = AutoModelForCausalLM.from_config(cfg)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in mixtral.state_dict()
+    names = [n for n, _ in checkpoint_tensors(mixtral, mixtral.state_dict().items())]
+    assert "model.layers.0.block_sparse_moe.experts.1.w3.weight" in names and not any(".mlp." in n for n in names)

@@ -138,12 +138,25 @@ def check_meta(sent: TransferMeta, expected: TransferMeta) -> None:
 
 
 def hf_meta(model_path: str) -> TransferMeta:
-    """The engine's expectation: its HF model's state-dict names and shapes, built on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The engine's expectation: its model's checkpoint names and shapes (vLLM's loaders read the
+    checkpoint's layout), from its HF model built on the meta device."""
+    from transformers import AutoConfig
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-    return TransferMeta.from_tensors(model.state_dict().items())
+    from ..toy.models import meta_hf_model
+
+    model = meta_hf_model(AutoConfig.from_pretrained(model_path))
+    return TransferMeta.from_tensors(checkpoint_tensors(model, model.state_dict().items()))
+
+
+def checkpoint_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) as transformers holds them -> as the checkpoint files hold them, one at a time
+    (a fused expert tensor becomes its per-expert ones; Mixtral's `mlp` is `block_sparse_moe`
+    again): vLLM loads checkpoint names, and refused Mixtral's in-memory ones after its layerwise
+    reload had begun (on NCCL, with the trainer's rank 0 blocked in the broadcast)."""
+    from ..toy.models import checkpoint_format
+
+    for name, t in named:
+        yield from checkpoint_format(model, {name: t}).items()
 
 
 # ---- engine side: in the process that owns the AsyncLLM ----
@@ -188,10 +201,11 @@ class NcclReceiver:
 
 # ---- trainer side ----
 def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named full tensors gathered one at a time (a collective: every rank iterates in step), so
-    rank 0 holds one gathered parameter (one bucket while packing), never a second model copy."""
-    for name, t in model.state_dict().items():
-        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+    """Checkpoint-named full tensors gathered one at a time (a collective: every rank iterates in
+    step), so rank 0 holds one gathered parameter (one bucket while packing), never a second model
+    copy."""
+    gathered = ((name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()) for name, t in model.state_dict().items())
+    yield from checkpoint_tensors(model, gathered)
 
 
 class TrainerSender:

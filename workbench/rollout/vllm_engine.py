@@ -46,6 +46,11 @@ class WorkerExtension:
         file path instead (a state dict through collective_rpc fails to pickle)."""
         from vllm.config import set_current_vllm_config
 
+        from ..toy.models import checkpoint_format, meta_hf_model
+
+        if getattr(self, "_hf_model", None) is None:  # built once: the model class's conversion rules
+            self._hf_model = meta_hf_model(self.vllm_config.model_config.hf_config)
+        weights = checkpoint_format(self._hf_model, weights)  # (vLLM reads checkpoint names and layouts)
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
         # vLLM 0.32 CPU bug: on a *re*load its fused-MoE method skips the CPU kernel's prepacking

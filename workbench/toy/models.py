@@ -207,6 +207,27 @@ def load_hf_model(path: str | Path, dtype=None):
     return model.eval()
 
 
+def checkpoint_format(model, weights: dict) -> dict:
+    """HF-named tensors as transformers holds them in memory (`model.state_dict()`) -> the names
+    and layout of the model's checkpoint files, which is what vLLM's loaders read. transformers 5
+    renames and fuses at load time (Mixtral's `block_sparse_moe` is `mlp`, its experts one fused
+    `gate_up_proj`): vLLM refused Mixtral's in-memory names ("no module named layers.0.mlp"), after
+    its layerwise reload had begun. Reverted as save_pretrained reverts them; tensors already in
+    checkpoint form pass unchanged. `model`: any instance of the model's class (a meta one)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, dict(weights))
+
+
+def meta_hf_model(config):
+    """The model of an HF config, with shapes only (what checkpoint_format needs of it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def attention_kwargs(config) -> dict:
     """The attention implementation the trainer's and the reference sampler's forward must use to
     compute the engine's: eager where the model soft-caps attention logits (Gemma 2), which

@@ -704,8 +704,12 @@ class TrainerWorker:
 
         from .loading import kept_fp32
 
+        from ..rollout.nccl_sync import checkpoint_tensors
+
         keep = kept_fp32(self.model, getattr(torch, wire)) if wire else []
-        return TransferMeta.from_tensors(self.model.state_dict().items(), wire, keep).update_info()
+        # (global shapes on the meta device: what the checkpoint layout makes of them, nothing gathered)
+        shapes = ((n, torch.empty(t.shape, dtype=t.dtype, device="meta")) for n, t in self.model.state_dict().items())
+        return TransferMeta.from_tensors(checkpoint_tensors(self.model, shapes), wire, keep).update_info()
 
     def send_weights_nccl(self, meta: dict) -> int:
         """Every rank: gather one tensor at a time; rank 0 broadcasts it to the engines."""
