@@ -432,7 +432,7 @@ def test_the_sandboxs_pid_1_is_killed_whatever_bwrap_does(monkeypatch):
         deadline = time.monotonic() + 10
         while not started and time.monotonic() < deadline:
             started.append(_survivors(token)) if _survivors(token) else time.sleep(0.02)
-        return b"", b"", False, False
+        return b"", b"", False, False, False
 
     monkeypatch.setattr(sandbox, "_communicate", communicate)
     sandbox._run(shutil.which("bwrap"), _named(token) + "\nimport time; time.sleep(30)", 30.0, 64, 100, b"", {}, 16)
@@ -520,21 +520,35 @@ def test_sandbox_dies_with_its_caller():
 
 
 def test_output_flood_is_read_with_bounded_memory():
+    """Output past what is kept is read and dropped (bounded memory), and past OUTPUT_FLOOD_BYTES
+    the program is killed and told so: one printing in a loop held the caller's thread reading
+    until its timeout, every episode (an RL policy finds such loops)."""
+    from workbench.sandbox import OUTPUT_FLOOD_BYTES
+
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     tracemalloc.start()
     try:
+        # 6 MiB (under the flood limit) then the end: read whole, the program's own exit
         r = run("""
             import sys
             chunk = b'x' * (1 << 20)
-            for _ in range(200):
+            for _ in range(6):
                 sys.stdout.buffer.write(chunk)
             sys.stderr.write('e' * (1 << 20))""", timeout_s=30, max_output=4096)
+        assert r.ok and r.truncated and len(r.stdout) == 4096 and len(r.stderr) == 4096
+        t0 = time.monotonic()
+        flood = run("""
+            import sys
+            while True:
+                sys.stdout.write('x' * 65536)""", timeout_s=30, max_output=4096)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     rss_growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-    assert r.ok and r.truncated and len(r.stdout) == 4096 and len(r.stderr) == 4096
-    assert peak < 4 << 20, peak  # a few chunks, never the 200 MB
+    assert time.monotonic() - t0 < 10 and not flood.ok and not flood.timed_out and flood.truncated
+    assert flood.exit_code == -9 and flood.stderr.endswith(f"killed after more than {OUTPUT_FLOOD_BYTES >> 20} MiB of "
+                                                            f"output past what is kept]") and len(flood.stderr) <= 4096
+    assert peak < 4 << 20, peak  # a few chunks, never the flood
     assert rss_growth_mb < 50, rss_growth_mb
 
 

@@ -66,7 +66,8 @@ res["cpu"] = dict(out=r.stdout, timed_out=r.timed_out, elapsed=time.monotonic() 
 
 tracemalloc.start()
 r = sb.run_python("import sys\nfor _ in range(200): sys.stdout.buffer.write(b'x' * (1 << 20))", timeout_s=30)
-res["flood"] = dict(ok=r.ok, truncated=r.truncated, n=len(r.stdout), peak=tracemalloc.get_traced_memory()[1])
+res["flood"] = dict(ok=r.ok, truncated=r.truncated, n=len(r.stdout), peak=tracemalloc.get_traced_memory()[1],
+                    exit_code=r.exit_code, killed="killed after more than" in r.stderr)
 tracemalloc.stop()
 
 r = sb.run_python("import os\ntry:\n  for i in range(100): open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
@@ -131,6 +132,8 @@ def test_unprivileged_limits_hold(driver_result):
     cpu, flood = driver_result["cpu"], driver_result["flood"]
     assert "refused" in cpu["out"] and "RAISED" not in cpu["out"] and cpu["timed_out"] and cpu["elapsed"] < 3.5
     assert cpu["survivors"] == ""
-    assert flood["ok"] and flood["truncated"] and flood["n"] == 4096 and flood["peak"] < 4 << 20, flood
+    # killed past OUTPUT_FLOOD_BYTES (8 MiB of the 200), read with bounded memory until then
+    assert not flood["ok"] and flood["exit_code"] == -9 and flood["killed"] and flood["truncated"], flood
+    assert flood["n"] == 4096 and flood["peak"] < 4 << 20, flood
     err, _ = driver_result["disk"].split()
     assert int(err) == 28, driver_result["disk"]  # ENOSPC

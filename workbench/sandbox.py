@@ -34,7 +34,8 @@ Isolation (bubblewrap, Debian package `bubblewrap` >= 0.8, installed by scripts/
 - a wall-clock timeout kills bwrap's process group and the sandbox's PID 1 (by a pidfd from
   bwrap's --info-fd, also at every normal end), and the kernel then kills everything in the
   namespace; output is read incrementally and at most
-  `max_output` characters per stream are kept;
+  `max_output` characters per stream are kept; past OUTPUT_FLOOD_BYTES dropped the program is
+  killed (its stderr ends saying so);
 - the code is a read-only file (/run/main.py), not an argument: a single argument over 128 KiB
   (or one holding a NUL) failed the call itself (E2BIG, ValueError), and a failed call fails the
   episode, which the loop drops instead of scoring 0. Such code now fails in the interpreter.
@@ -388,7 +389,8 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
                     raise SandboxUnavailable(f"cannot put the sandbox into its memory cgroup {cgroup}: {e}") from e
                 with contextlib.suppress(BrokenPipeError):  # bwrap died meanwhile: _communicate reads why
                     os.write(block_write, b"1")
-            out, err, dropped, timed_out = _communicate(proc, stdin, deadline, 4 * max_output + 4)
+            out, err, dropped, timed_out, flooded = _communicate(proc, stdin, deadline, 4 * max_output + 4,
+                                                                 OUTPUT_FLOOD_BYTES)
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -411,8 +413,16 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
     timed_out = timed_out or rc == -signal.SIGXCPU
     stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
     truncated = dropped or len(stdout) > max_output or len(stderr) > max_output
-    return SandboxResult(stdout[:max_output], stderr[:max_output], rc, timed_out, truncated)
+    stderr = stderr[:max_output]
+    if flooded:  # said where the agent reads (a code agent hands stderr to the model)
+        note = f"\n[sandbox: killed after more than {OUTPUT_FLOOD_BYTES >> 20} MiB of output past what is kept]"
+        stderr = stderr[:max(0, max_output - len(note))] + note
+    return SandboxResult(stdout[:max_output], stderr, rc, timed_out, truncated)
 
+
+# output dropped past what is kept (max_output per stream) after which the program is killed: a
+# policy printing in a loop cost the runner's thread reading it, up to the timeout, every episode
+OUTPUT_FLOOD_BYTES = 8 << 20
 
 _uids_in_use: set[int] = set()
 _uids_lock = threading.Lock()
@@ -574,10 +584,12 @@ def _kill_pid1(pid: int, pidfd: int | None) -> None:
             os.close(pidfd)
 
 
-def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: int):
+def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: int, flood: int = 1 << 62):
     """Like Popen.communicate with a deadline, but keeping at most `keep` bytes per stream (the
     rest is read and dropped, so a flood costs time, not memory). At the deadline it kills the
-    process group and drains for at most a second more."""
+    process group and drains for at most a second more; so it does once `flood` bytes were
+    dropped (a program printing in a loop held the caller's thread reading until its timeout).
+    (out, err, dropped, timed_out, flooded)."""
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     sel = selectors.DefaultSelector()
     for f in bufs:
@@ -589,9 +601,15 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: in
         sel.register(proc.stdin, selectors.EVENT_WRITE)
     else:
         proc.stdin.close()
-    dropped = timed_out = False
+    dropped = timed_out = flooded = False
+    dropped_bytes = 0
     try:
         while True:
+            if dropped_bytes > flood and not flooded:
+                flooded = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                deadline = min(deadline, time.monotonic() + 1.0)  # the drain, as after a timeout
             left = deadline - time.monotonic()
             if left > 0 and sel.get_map():
                 for key, _ in sel.select(left):
@@ -613,6 +631,7 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: in
                     buf = bufs[f]
                     room = max(0, keep - len(buf))
                     dropped = dropped or len(chunk) > room
+                    dropped_bytes += max(0, len(chunk) - room)
                     buf += chunk[:room]
                 continue
             if left > 0:  # both streams closed: wait for the exit
@@ -621,7 +640,7 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: in
                     break
                 except subprocess.TimeoutExpired:
                     continue
-            if timed_out:  # the drain after the kill is over too
+            if timed_out or flooded:  # the drain after the kill is over too
                 break
             timed_out = True
             try:
@@ -634,4 +653,4 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: in
         sel.close()
         for f in (proc.stdin, proc.stdout, proc.stderr):
             f.close()
-    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), dropped, timed_out
+    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), dropped, timed_out, flooded
