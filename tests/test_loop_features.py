@@ -299,6 +299,29 @@ def test_a_ctrl_c_after_the_update_began_records_the_step_before_it_stops_the_ru
         assert [m["step"] for m in seen] == [7], interrupted_at
 
 
+def test_the_trainers_version_moves_with_an_interrupted_update_only(monkeypatch):
+    """Trainer.train_step: a Ctrl-C in ray.get leaves the ranks updating, so the version moves (left
+    behind, the next sync was skipped and the engines served old weights under the new label); a
+    rank's own error (an OOM before the optimizer step) updated nothing, so it stays."""
+    import types
+
+    import workbench.trainer.fsdp as fsdp
+
+    trainer = object.__new__(fsdp.Trainer)
+    trainer.cfg = types.SimpleNamespace(updates_per_step=1, measure_live_routing=0)
+    trainer.version, trainer.steps_done = 5, 0
+    trainer.workers = [types.SimpleNamespace(train_step=types.SimpleNamespace(remote=lambda *a: "ref"))]
+    monkeypatch.setattr(trainer, "_split", lambda batch, updates: ([batch], None), raising=False)
+    for error, version in ((KeyboardInterrupt(), 6), (RuntimeError("CUDA out of memory"), 6)):
+        def get(refs, error=error):
+            raise error
+
+        monkeypatch.setattr(fsdp.ray, "get", get)
+        with pytest.raises(type(error)):
+            trainer.train_step({})
+        assert trainer.version == version, error
+
+
 def test_async_continues_a_callable_source_from_its_data_position():
     """A callable source (the agent's tasks(n, seed)) is drawn by the continuous async loop a
     chunk of prompts_per_step at a time, seeded per chunk. A run continued from a data position

@@ -267,6 +267,35 @@ def test_an_agent_blocking_the_event_loop_is_reported_where_it_blocks(moe_path, 
         asyncio.run(runner.shutdown())
 
 
+def test_the_loop_watch_counts_a_blocked_loop_not_an_idle_one():
+    """In-process use runs the loop now and then: a heartbeat posted while it was idle counted
+    the idle time as a stall, blamed on whatever the main thread did. Idle is no stall; a closed
+    loop ends the watcher; a block outside the agent's file is said as such."""
+    from workbench.rollout.loop_watch import LoopWatch
+
+    loop = asyncio.new_event_loop()
+
+    async def make():
+        return LoopWatch(asyncio.get_running_loop(), "/nonexistent/agent.py", warn_s=0.3, beat_s=0.05)
+
+    watch = loop.run_until_complete(make())
+    loop.run_until_complete(asyncio.sleep(0.2))
+    time.sleep(0.8)  # the loop idle between runs
+    loop.run_until_complete(asyncio.sleep(0.2))
+    assert watch.stats()["count"] == 0
+
+    async def blocked():
+        time.sleep(0.6)
+
+    loop.run_until_complete(blocked())
+    loop.run_until_complete(asyncio.sleep(0.2))
+    stats = watch.stats()
+    assert stats["count"] == 1 and list(stats["where"])[0].endswith("in blocked (time.sleep(0.6))"), stats
+    loop.close()
+    watch._thread.join(2)
+    assert not watch._thread.is_alive()
+
+
 def test_each_env_episode_gets_its_own_info(rollout_for):
     """An Env whose reset returns task.info itself: the group's episodes (one Task) updated one
     dict, each sibling's step info ending in the others' trajectories, and in the task."""

@@ -204,6 +204,25 @@ def test_a_resume_takes_the_runs_own_settings_where_not_given(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"run's \['tasks'\] were Python objects"):
         resolved_config(run_dir=str(tmp_path / "run"), resume=True, model="moe")
     assert resolved_config(run_dir=str(tmp_path / "run"), resume=True, tasks=[]).seed == 1  # the newest session's
+    # given again as asked: another function object (its repr differs), and objects said as changed (they crashed it)
+    again = resolved_config(run_dir=str(tmp_path / "run"), resume=True, tasks=lambda n, seed: [],
+                            loop=workbench.LoopConfig(steps=3))
+    assert again.loop.steps == 3 and "loop:" in capsys.readouterr().err
+    # Task objects are asked for again too (read back from the file, each task's info came nested under "info")
+    from workbench.agents import Task
+
+    listed = resolved_config(tasks=[Task([{"role": "user", "content": "hi"}], info={"tests": ["assert f() == 4"]})])
+    assert config_record(listed)["_unsaved"] == ["tasks"]
+    # a config object resuming gives only what it sets (its defaults overrode the run's, another model refused)
+    (tmp_path / "run" / "config.resume-20261206-000001.json").write_text(json.dumps(config_record(first)))
+    obj = resolved_config(WorkbenchConfig(run_dir=str(tmp_path / "run"), resume=True, seed=5))
+    assert (obj.model, obj.seed, obj.temperature) == ("dense", 5, 0.7)
+    # the context given alone on a run that set it in engine_kwargs (both copies were restored and refused each other)
+    ctx = resolved_config(engine_kwargs={"max_model_len": 512}, tasks=str(tmp_path / "t.jsonl"))
+    (tmp_path / "run" / "config.resume-20261206-000002.json").write_text(json.dumps(config_record(ctx)))
+    assert resolved_config(run_dir=str(tmp_path / "run"), resume=True, max_model_len=1024).max_model_len == 1024
+    assert resolved_config(run_dir=str(tmp_path / "run"), resume=True,
+                           engine_kwargs={"max_model_len": 256}).max_model_len == 256
 
 
 def test_connect_merges_trainer_and_correction_settings_field_by_field():

@@ -1083,13 +1083,13 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
             if on_groups is not None:
                 on_groups(step, groups)
             trained_metrics, sync_error = _train_on(trainer, engines, groups, cfg, step, r0, r1, teacher, step_start)
-            step_start = time.time()
             metrics = {**trained_metrics, **extra}
             if sync_error is None:
                 stream.allow(cfg.prompts_per_step)  # trained and synced: a step's worth more may start
             if _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every,
                            stop, sync_error):
                 break
+            step_start = time.time()  # (after its evaluation and checkpoint: not billed to the next step)
     finally:
         stop.set()
         stream.thread.join()

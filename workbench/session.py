@@ -261,8 +261,16 @@ def connect(address: str | None = None, config: WorkbenchConfig | dict | None = 
 
 
 def resolved_config(config: WorkbenchConfig | dict | None = None, **overrides) -> WorkbenchConfig:
-    """The session's settings connect() starts with (see there), checked, nothing started."""
-    given = _merged(_fields(config) if isinstance(config, WorkbenchConfig) else dict(config or {}), overrides)
+    """The session's settings connect() starts with (see there), checked, nothing started. A
+    WorkbenchConfig object resuming a run gives the fields it sets other than the defaults."""
+    if isinstance(config, WorkbenchConfig):
+        base = _fields(config)
+        if overrides.get("resume", config.resume):  # (its defaults would all override the run's)
+            default = WorkbenchConfig()
+            base = {k: v for k, v in base.items() if k in ("resume", "run_dir") or v != getattr(default, k)}
+    else:
+        base = dict(config or {})
+    given = _merged(base, overrides)
     saved = _saved_config(given.get("run_dir")) if given.get("resume") else None
     if saved is not None:
         if given.get("model", saved.get("model")) != saved.get("model"):
@@ -273,7 +281,14 @@ def resolved_config(config: WorkbenchConfig | dict | None = None, **overrides) -
             raise ConfigError(f"resume=True: the run's {missing} were Python objects its config file could not "
                               f"hold: pass them again (connect(..., {missing[0]}=...))")
         restored = {k: v for k, v in saved.items() if not k.startswith("_") and k not in ("resume", "run_dir")}
-        changed = {k: (restored[k], given[k]) for k in restored if k in given and _jsonable(_plain(given[k])) != restored[k]}
+        # the context is max_model_len, copied into engine_kwargs (__post_init__): one given replaces both copies
+        if "max_model_len" in given and isinstance(restored.get("engine_kwargs"), dict):
+            restored["engine_kwargs"] = {k: v for k, v in restored["engine_kwargs"].items() if k != "max_model_len"}
+        if "max_model_len" in (given.get("engine_kwargs") or {}):
+            restored.pop("max_model_len", None)
+        unsaved = set(saved.get("_unsaved", []))  # (what the file could not hold reads changed whatever it was)
+        changed = {k: (restored[k], _jsonable(_plain(given[k]))) for k in restored
+                   if k in given and k not in unsaved and _jsonable(_plain(given[k])) != restored[k]}
         given = _merged(restored, given)
         if changed:
             print(f"workbench: resuming {given['run_dir']} with settings of its own: "
@@ -308,7 +323,10 @@ def config_record(cfg: WorkbenchConfig) -> dict:
     """A session's settings as its run directory's config file holds them; `_unsaved` names the
     ones a resume cannot take from it (Python objects), so must be given again."""
     settings = dataclasses.asdict(cfg)
-    settings["_unsaved"] = sorted(k for k, v in settings.items() if not _restorable(v))
+    # judged on the values as given (asdict made a Task list plain dicts, which came back with each
+    # task's info nested under "info"); trainer and loop are their fields
+    settings["_unsaved"] = sorted(f.name for f in dataclasses.fields(cfg) if not _restorable(
+        settings[f.name] if f.name in ("trainer", "loop") else getattr(cfg, f.name)))
     return _jsonable(settings)
 
 
@@ -336,7 +354,7 @@ def _restorable(x) -> bool:
 
 
 def _short(x) -> str:
-    text = json.dumps(x, sort_keys=True) if not isinstance(x, str) else repr(x)
+    text = json.dumps(x, sort_keys=True, default=repr) if not isinstance(x, str) else repr(x)
     return text if len(text) <= 80 else text[:77] + "..."
 
 

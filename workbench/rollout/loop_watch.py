@@ -30,8 +30,9 @@ class LoopWatch:
         self.loop, self.agent_path, self.warn_s, self.beat_s = loop, agent_path, warn_s, beat_s
         self.loop_thread = threading.get_ident()
         self.stalls, self.longest_s, self.where = 0, 0.0, {}  # where: location -> stalls there
-        self._sent = None  # when the heartbeat now pending was posted
-        self._seen_at = None  # the location read while the pending heartbeat is late
+        self._sent = None  # (number, when posted) of the heartbeat now pending
+        self._beats = 0
+        self._seen_at = None  # (location, in the agent's file) read while the pending heartbeat is late
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="loop-watch", daemon=True)
@@ -46,25 +47,34 @@ class LoopWatch:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.beat_s):
+            if self.loop.is_closed():
+                return
             with self._lock:
+                if not self.loop.is_running():  # idle between runs (in-process use): nothing is blocked;
+                    self._sent = self._seen_at = None  # a heartbeat left queued is ignored when it runs
+                    continue
                 sent, seen = self._sent, self._seen_at
+                if sent is None:
+                    self._beats += 1
+                    self._sent = (self._beats, time.monotonic())
             if sent is None:
-                with self._lock:
-                    self._sent = time.monotonic()
                 try:
-                    self.loop.call_soon_threadsafe(self._beat)
+                    self.loop.call_soon_threadsafe(self._beat, self._beats)
                 except RuntimeError:  # the loop closed
                     return
-            elif seen is None and time.monotonic() - sent > self.warn_s / 2:
+            elif seen is None and time.monotonic() - sent[1] > self.warn_s / 2:
                 # read before it counts as a stall: one ending before the next wake-up is read still
                 where = self._blocking_code()
                 with self._lock:
-                    self._seen_at = where
+                    if self._sent is sent:
+                        self._seen_at = where
 
-    def _beat(self) -> None:
+    def _beat(self, number: int) -> None:
         """On the loop: the heartbeat arrived; a late one was a stall."""
         with self._lock:
-            late, where = time.monotonic() - self._sent, self._seen_at or "?"
+            if self._sent is None or self._sent[0] != number:  # posted before the loop went idle
+                return
+            late, (where, in_agent) = time.monotonic() - self._sent[1], self._seen_at or ("?", False)
             self._sent = self._seen_at = None
             if late <= self.warn_s:
                 return
@@ -73,18 +83,20 @@ class LoopWatch:
             first = where not in self.where
             self.where[where] = self.where.get(where, 0) + 1
         if first:
-            print(f"workbench: the runner's event loop was blocked {late:.1f} s or more at {where}: every other episode "
-                  f"on this runner waited meanwhile. In an async agent or Env, await instead (asyncio.sleep, the "
-                  f"async SDK clients, asyncio.to_thread for blocking work), or write a synchronous agent "
-                  f"(def run, not async def), which runs in a thread of its own. Counted in the runner's "
-                  f"stats (loop_stalls); said once per location.", file=sys.stderr, flush=True)
+            advice = ("every other episode on this runner waited meanwhile. In an async agent or Env, await instead "
+                      "(asyncio.sleep, the async SDK clients, asyncio.to_thread for blocking work), or write a "
+                      "synchronous agent (def run, not async def), which runs in a thread of its own"
+                      if in_agent else "no frame of the agent's file was running (the runner's own work, or a loop "
+                      "with more episodes than it can serve)")
+            print(f"workbench: the runner's event loop was blocked {late:.1f} s or more at {where}: {advice}. Counted "
+                  f"in the runner's stats (loop_stalls); said once per location.", file=sys.stderr, flush=True)
 
-    def _blocking_code(self) -> str:
-        """The loop thread's innermost frame in the agent's file, else its innermost frame."""
+    def _blocking_code(self) -> tuple[str, bool]:
+        """The loop thread's innermost frame in the agent's file (and True), else its innermost frame."""
         frame = sys._current_frames().get(self.loop_thread)
         if frame is None:
-            return "?"
+            return "?", False
         stack = traceback.extract_stack(frame)
         mine = [f for f in stack if self.agent_path and f.filename == self.agent_path]
         f = (mine or stack)[-1]
-        return f"{f.filename}:{f.lineno} in {f.name}" + (f" ({f.line})" if f.line else "")
+        return f"{f.filename}:{f.lineno} in {f.name}" + (f" ({f.line})" if f.line else ""), bool(mine)

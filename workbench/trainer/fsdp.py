@@ -971,11 +971,14 @@ class Trainer:
         refs = [wk.train_step.remote(p, self.version, report, live) for wk, p in zip(self.workers, parts)]
         try:
             stats = ray.get(refs)
-        finally:
-            # submitted, the ranks update whatever happens here (Ctrl-C in ray.get): the version moves
+        except (KeyboardInterrupt, SystemExit):
+            # submitted, the ranks update whatever the driver does (Ctrl-C in ray.get): the version moves
             # with them. Left behind, the engines kept the old weights under the new weights' label
-            # (a sync compares versions) and every token read one version fresher than it was
+            # (a sync compares versions) and every token read one version fresher than it was. (A rank's
+            # own error, an OOM before the optimizer step, updated nothing: the version stays.)
             self.version += 1
+            raise
+        self.version += 1
         out = {"version": self.version, "loss": sum(s["loss"] for s in stats), "grad_norm": stats[0]["grad_norm"],
                "correction": merge_stats([s["correction"] for s in stats]),
                "replay": replay_summary([s["replay"] for s in stats]),
