@@ -44,8 +44,6 @@ def test_rank0_load_gives_every_rank_the_checkpoints_weights(ray_local, moe_path
         trained = trainer.state_dict()
         # export: a Hugging Face directory in the source's layout that transformers loads back
         out = trainer.export_hf(str(tmp_path / "export"))
-        exported = json.loads((tmp_path / "export" / "generation_config.json").read_text())
-        assert exported["eos_token_id"] == [509, 3] and exported["top_k"] == 20
         assert safetensor_keys(out) == safetensor_keys(moe_path)  # per-expert tensors, as vLLM reads them
         again = load_hf_model(out).state_dict()
         assert all(torch.equal(again[k], v) for k, v in trained.items())
@@ -211,6 +209,8 @@ def test_export_serves_in_vllm_with_the_trained_weights(ray_local, moe_path, tmp
         batch["advantages"] = torch.tensor([1.0, -1.0])[:, None] * batch["loss_mask"]
         trainer.train_step(batch)
         out = trainer.export_hf(str(tmp_path / "export"))
+        exported = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+        assert exported["eos_token_id"] == [509, 3] and exported["top_k"] == 20
         engine = launch_engine("vllm", model_path=out, max_model_len=256)
         try:
             import ray
