@@ -423,8 +423,10 @@ def test_a_stopped_async_stream_leaves_its_groups_in_flight_unwaited(ray_local):
 
     class Hanging:
         abandoned: list = []
+        submitted = 0
 
         def submit_group(self, task, n):
+            self.submitted += 1
             return slow_group.remote(), "runner"  # (the stream starts prompts_per_step x (1 + async_lag): 2)
 
         def finish_group(self, ref, runner, task, n):
@@ -438,11 +440,13 @@ def test_a_stopped_async_stream_leaves_its_groups_in_flight_unwaited(ray_local):
 
     stop, rollout = threading.Event(), Hanging()
     stream = GroupStream(rollout, source, LoopConfig(steps=10, prompts_per_step=1, group_size=2, mode="async"), 0, 0, stop)
-    time.sleep(0.5)
+    deadline = time.time() + 20
+    while rollout.submitted < 2 and time.time() < deadline:
+        time.sleep(0.05)
     t0 = time.time()
     stop.set()
     stream.thread.join(10)
-    assert not stream.thread.is_alive() and time.time() - t0 < 5 and len(rollout.abandoned) >= 1
+    assert not stream.thread.is_alive() and time.time() - t0 < 5 and len(rollout.abandoned) == 2
     for ref in rollout.abandoned:
         ray.cancel(ref, force=True)
 
