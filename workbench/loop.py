@@ -1215,8 +1215,7 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         **step_statistics(stats),
         "sync_max_abs_diff": max((r.probe_max_abs_diff for r in reports), default=None),
         # a probe position excused as a router near-tie: its gap, apart (it read as a clean sync)
-        "sync_probe_outlier": max((r.probe_outlier for r in reports if getattr(r, "probe_outlier", None) is not None),
-                                  default=None),
+        "sync_probe_outlier": max((r.probe_outlier for r in reports if r.probe_outlier is not None), default=None),
         **({"sync_error": f"{type(sync_error).__name__}: {sync_error}"} if sync_error is not None else {}),
         **timed(tb, t2),
     }, sync_error

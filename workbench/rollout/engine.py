@@ -310,7 +310,8 @@ class RolloutEngine(abc.ABC):
             noise = float(np.median(self._probe_gaps)) if self._probe_gaps else None
             diff = check_probe(got, expected_probe, tol, new_version, self._checked_probe, self._checked_expected, noise)
             gaps = np.abs(np.asarray(got) - np.asarray(expected_probe))
-            outlier = float(gaps.max()) if float(gaps.max()) > diff else None
+            largest = float(gaps.max())
+            outlier = largest if largest > diff else None
             self._probe_gaps.append(float(np.mean(gaps)))
             self._checked_probe, self._checked_expected = got, list(expected_probe)
         self.verified_version = new_version

@@ -219,13 +219,14 @@ def checkpoint_format(model, weights: dict) -> dict:
     return revert_weight_conversion(model, dict(weights))
 
 
-def meta_hf_model(config):
-    """The model of an HF config, with shapes only (what checkpoint_format needs of it)."""
+def meta_hf_model(config, **kwargs):
+    """The model of an HF config, with shapes only (what checkpoint_format needs of it; the
+    trainer's loading.meta_model builds on it). `kwargs`: from_config's (dtype, attention)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def attention_kwargs(config) -> dict:

@@ -700,11 +700,8 @@ class TrainerWorker:
 
     def weight_meta(self, wire: str | None) -> dict:
         """Names, dtypes and global shapes of the weights (nothing gathered)."""
-        from ..rollout.nccl_sync import TransferMeta
-
+        from ..rollout.nccl_sync import TransferMeta, checkpoint_tensors
         from .loading import kept_fp32
-
-        from ..rollout.nccl_sync import checkpoint_tensors
 
         keep = kept_fp32(self.model, getattr(torch, wire)) if wire else []
         # (global shapes on the meta device: what the checkpoint layout makes of them, nothing gathered)
@@ -1055,14 +1052,12 @@ class Trainer:
         "bfloat16" halves an fp32 trainer's export). Every rank takes part (a gather)."""
         import shutil
 
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        full = self.state_dict()  # rank 0's gathered, HF-named tensors on CPU
-        dtype = getattr(torch, dtype or self.cfg.dtype)
-        from transformers import GenerationConfig
+        from transformers import AutoConfig, GenerationConfig
 
         from .loading import meta_model
 
+        full = self.state_dict()  # rank 0's gathered, HF-named tensors on CPU
+        dtype = getattr(torch, dtype or self.cfg.dtype)
         config = AutoConfig.from_pretrained(self.model_path)
         # the weights written are dense: a quantized source's quantization_config (gpt-oss's mxfp4)
         # would send loaders looking for its blocks and scales

@@ -21,13 +21,12 @@ def kept_fp32(model, dtype: torch.dtype) -> list[str]:
 def meta_model(path: str, dtype: torch.dtype, config=None):
     """The checkpoint's model with shapes only (no weights anywhere yet); `config`: its config,
     changed (None: read from `path`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from ..toy.models import attention_kwargs
+    from ..toy.models import attention_kwargs, meta_hf_model
 
     config = config or AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attention_kwargs(config))
+    model = meta_hf_model(config, dtype=dtype, **attention_kwargs(config))
     # what from_pretrained keeps in fp32 at a half dtype (load="full"), from_config does not: the
     # model's _keep_in_fp32_modules_strict (DeepSeek V3's router bias e_score_correction_bias, which
     # picks the top-k experts: rounded to bf16, routing differed between load modes and from the engine)
