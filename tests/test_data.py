@@ -126,6 +126,12 @@ def test_task_records_keep_what_they_say():
     assert t.messages == chat and t.label == 5 and t.info == {"answer": "five"} and t.id != "None"
     t = task_from_record({"prompt": [{"role": "user", "content": "Hi"}], "system": "S"})
     assert t.messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    # a system column beside a messages column is the system message (it was left in info, unseen)
+    t = task_from_record({"messages": [{"role": "user", "content": "Hi"}], "system": "S"})
+    assert t.messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}] and t.info == {}
+    for key in ("messages", "prompt"):
+        with pytest.raises(ValueError, match=f"both a 'system' field and a system message in '{key}'"):
+            task_from_record({key: chat, "system": "S"})
     assert task_from_record({"prompt": 7, "answer": 3}).messages == [{"role": "user", "content": "7"}]
     with pytest.raises(ValueError, match="'prompt' must be a string or a list of chat messages, got dict"):
         task_from_record({"prompt": {"text": "hi"}})
@@ -140,6 +146,26 @@ def test_task_records_keep_what_they_say():
     tools[0]["function"]["name"] = "changed"
     assert b.tools == [{"type": "function", "function": {"name": "f"}}] == task.tools
     assert a.tools is tools and len(a.tools) == 2  # within its episode, the agent's changes stay
+
+
+def test_files_as_their_writers_write_them(tmp_path):
+    """JSON Lines ends a line at "\\n" only: json.dumps(ensure_ascii=False) leaves U+2028 raw in a
+    string, where str.splitlines broke the line ("Unterminated string"); a .json file may hold one
+    array of records; Excel's CSV UTF-8 starts with a byte-order mark (it named the first column
+    '\\ufeffprompt')."""
+    rows = [{"prompt": "first line\u2028second\x85third", "label": "1"}, {"prompt": "b", "label": "2"}]
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert load_records(jsonl) == rows
+    array = tmp_path / "t.json"
+    array.write_text(json.dumps(rows, indent=2, ensure_ascii=False), encoding="utf-8")
+    assert load_records(array) == rows
+    array.write_text('[{"prompt": "a"},\n {"prompt": }]')
+    with pytest.raises(ValueError, match=r"t.json:2: not valid JSON"):
+        load_records(array)
+    csv_file = tmp_path / "t.csv"
+    csv_file.write_bytes("prompt,label\r\nwhat is 2+2?,4\r\n".encode("utf-8-sig"))
+    assert load_records(csv_file) == [{"prompt": "what is 2+2?", "label": "4"}]
 
 
 def test_held_out_tasks_and_prompt_columns(tmp_path):

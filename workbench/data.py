@@ -27,6 +27,11 @@ def task_from_record(record: dict, where: str = "record") -> Task:
         messages = r.pop("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError(f"{where}: 'messages' must be a list of chat messages with a 'role'")
+        messages = [dict(m) for m in messages]
+        if "system" in r:  # (left in info, the model never saw it)
+            if any(m["role"] == "system" for m in messages):
+                raise ValueError(f"{where}: both a 'system' field and a system message in 'messages': keep one")
+            messages.insert(0, {"role": "system", "content": str(r.pop("system"))})
     elif "prompt" in r:
         prompt = r.pop("prompt")
         if isinstance(prompt, list):
@@ -35,7 +40,9 @@ def task_from_record(record: dict, where: str = "record") -> Task:
             if not all(isinstance(m, dict) and "role" in m for m in prompt):
                 raise ValueError(f"{where}: a list 'prompt' must be chat messages with a 'role'")
             messages = [dict(m) for m in prompt]
-            if "system" in r and not any(m["role"] == "system" for m in messages):
+            if "system" in r:
+                if any(m["role"] == "system" for m in messages):
+                    raise ValueError(f"{where}: both a 'system' field and a system message in 'prompt': keep one")
                 messages.insert(0, {"role": "system", "content": str(r.pop("system"))})
         elif isinstance(prompt, (str, int, float)) and not isinstance(prompt, bool):
             messages = [{"role": "user", "content": str(prompt)}]
@@ -87,7 +94,8 @@ def final_answer(solution: str, marker: str = "####") -> str:
 
 
 def load_records(path: str | Path, split: str = "train") -> list[dict]:
-    """The rows of a local data file as dicts: .jsonl / .json (one object per line), .parquet
+    """The rows of a local data file as dicts: .jsonl (one object per line), .json (that, or one
+    array of objects), .parquet
     (pyarrow), .csv (every field the text the file holds), .arrow (through `datasets`), or a
     directory written by `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk` (`split`
     picks the split)."""
@@ -104,13 +112,21 @@ def load_records(path: str | Path, split: str = "train") -> list[dict]:
             ds = ds[split]
         return [dict(r) for r in ds]
     if path.suffix in (".jsonl", ".json"):
+        if path.suffix == ".json" and path.read_text(encoding="utf-8-sig").lstrip().startswith("["):
+            try:  # one JSON array of records (pretty-printed or not)
+                return json.loads(path.read_text(encoding="utf-8-sig"))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{e.lineno}: not valid JSON: {e}") from e
         records = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not valid JSON: {e}") from e
+        # lines as JSON Lines ends them ("\n"): str.splitlines also broke a line at U+2028, U+2029 and
+        # \x85, which json.dumps(ensure_ascii=False) leaves raw inside strings ("Unterminated string")
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{n}: not valid JSON: {e}") from e
         return records
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -121,7 +137,9 @@ def load_records(path: str | Path, split: str = "train") -> list[dict]:
         # 3 and 7, "3.50" 3.5, an empty cell None, and a task's label is compared as text)
         import csv
 
-        with open(path, newline="", encoding="utf-8") as f:
+        # (utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark, which named the first column
+        # '\ufeffprompt')
+        with open(path, newline="", encoding="utf-8-sig") as f:
             return [dict(r) for r in csv.DictReader(f)]
     if path.suffix == ".arrow":
         import datasets
