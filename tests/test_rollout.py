@@ -123,10 +123,12 @@ def test_example_agents_end_to_end(example, rollout_for, vllm_moe):
 
 
 def test_same_prompt_requests_of_one_pass_go_as_one_engine_call(reference_engines, run):
-    """EngineRouter sends the same-prompt, same-sampling requests made in one pass of the event
-    loop (a group's first turns) as one EngineHost.generate_n call. Each is still its own engine
-    request with its own Sample; a different prompt goes alone; a refused call fails each of its
-    requests with the engine's own error and nothing else."""
+    """EngineRouter sends the same-prompt, same-sampling requests of single-turn sessions made
+    in one pass of the event loop (a one-turn group's first turns) as one EngineHost.generate_n
+    call. Each is still its own engine request with its own Sample; a different prompt goes alone;
+    a refused call fails each of its requests with the engine's own error and nothing else. Other
+    sessions' requests never share a call: a shared call answers with its slowest request, and a
+    multi-turn episode's next turn waited for its siblings' longest first reply."""
     import asyncio
 
     from workbench.rollout.router import EngineRouter
@@ -135,9 +137,11 @@ def test_same_prompt_requests_of_one_pass_go_as_one_engine_call(reference_engine
     prompt, other = [5, 6, 7, 8], [9, 10, 11]
     before = len(ray.get(engine.sample_log.remote()))
 
+    router.single_turn.update(f"s{i}" for i in range(7))
+
     async def one_pass():
-        return await asyncio.gather(*[router.generate(prompt, s) for _ in range(4)], router.generate(other, s),
-                                    *[router.generate([10**9], s) for _ in range(2)], return_exceptions=True)
+        return await asyncio.gather(*[router.generate(prompt, s, f"s{i}") for i in range(4)], router.generate(other, s, "s4"),
+                                    *[router.generate([10**9], s, f"s{i}") for i in (5, 6)], return_exceptions=True)
 
     got = run(one_pass())
     same, alone, refused = got[:4], got[4], got[5:]
@@ -149,11 +153,18 @@ def test_same_prompt_requests_of_one_pass_go_as_one_engine_call(reference_engine
     assert all(isinstance(e, ValueError) and "prompt_ids must be in" in str(e) for e in refused), refused
     # requests of separate passes are not held for each other
     async def two_passes():
-        first = await router.generate(prompt, s)
-        return first, await router.generate(prompt, s)
+        first = await router.generate(prompt, s, "s0")
+        return first, await router.generate(prompt, s, "s1")
 
     run(two_passes())
     assert router.state()["coalesced"] == 4
+    # sessions not marked single-turn (a chat agent's, a multi-turn Env's), and one released, go alone
+    router.release("s3")
+
+    async def unmarked():
+        return await asyncio.gather(*[router.generate(prompt, s, sid) for sid in ("a", "b", "s3")])
+
+    assert len(run(unmarked())) == 3 and router.state()["coalesced"] == 4
 
 
 
@@ -170,11 +181,20 @@ class DeadCore:
     async def generate_n(self, *args):
         await self.generate()
 
+    async def update_weights(self, *args):
+        await self.generate()
+
+    async def info(self):
+        await self.generate()
+
 
 def test_an_engine_whose_core_died_is_taken_as_dead(reference_engines, run):
     """It fails every request at once, so it kept the fewest outstanding requests and least-
     outstanding placement sent it most new sessions, each failing its episode. Its error (inside
-    Ray's task error) marks it dead: the request fails over to a live engine, later ones go there."""
+    Ray's task error) marks it dead: the request fails over to a live engine, later ones go there.
+    The loop's weight sync and version check drop it as a dead actor (they raised: the run ended)."""
+    from workbench.loop import engines_version
+    from workbench.rollout.actor import sync_weights
     from workbench.rollout.router import EngineRouter
 
     dead = DeadCore.remote()
@@ -184,6 +204,12 @@ def test_an_engine_whose_core_died_is_taken_as_dead(reference_engines, run):
         first = run(router.generate([5, 6, 7], s, session_id="a"))  # placed on the dead core first (a tie)
         assert first.token_ids and router.state()["dead"] == [0] and router.state()["failovers"] == 1
         assert run(router.generate([5, 6, 7], s, session_id="b")).token_ids and router.state()["requests"] == {1: 2}
+        lost: list = []
+        assert sync_weights([dead], {}, version=3, lost=lost) == [] and [e for e, _ in lost] == [dead]
+        with pytest.raises(Exception, match="EngineCoreDead"):  # (without `lost`, raised)
+            sync_weights([dead], {}, version=3)
+        engines, lost = [dead, reference_engines[0]], []
+        assert engines_version(engines, lost) >= 0 and engines == [reference_engines[0]] and lost[0][0] is dead
     finally:
         ray.kill(dead)
 

@@ -33,6 +33,7 @@ import torch
 from .agents import Task
 from .rollout.actor import sync_weights
 from .rollout.engine import probe_ids
+from .rollout.router import engine_lost
 from .tokens import UNEXPECTED_SEALS, Trajectory, segment_stats, training_tensors
 from .trainer.losses import ADVANTAGES, EQUAL_REWARDS_TOL, PER_TOKEN_ADVANTAGES, AdvantageInput, get_advantage
 
@@ -450,7 +451,9 @@ def engines_version(engines: list, lost: list | None = None, newest: bool = True
         try:
             info = ray.get(r)
             versions.append(info["version"] if newest else info.get("verified_version", info["version"]))
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+        except Exception as err:
+            if not engine_lost(err):
+                raise
             dead.append((e, err))
     drop_dead_engines(engines, dead)
     if lost is not None:

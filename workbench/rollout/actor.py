@@ -11,6 +11,7 @@ import asyncio
 import time
 
 from .engine import Sample, SamplingConfig, WireWeights, create_engine
+from .router import engine_lost
 
 # A streamed reply's new ids go on at once for the first (time to first token), then merged
 # over a window: each item is a Ray object, a server feed, an SSE chunk and an SDK parse, about
@@ -53,8 +54,8 @@ class EngineHost:
         return sample
 
     async def generate_n(self, prompt_ids, sampling: SamplingConfig | None = None, n: int = 1, return_routed_experts=False):
-        """n generate() requests on one prompt in one Ray call (EngineRouter coalesces a group's
-        same-prompt requests so): a list of n results, each a Sample or the exception its own
+        """n generate() requests on one prompt in one Ray call (EngineRouter coalesces a single-turn
+        group's same-prompt requests so): a list of n results, each a Sample or the exception its own
         request raised, so that one failure fails only its request."""
         return await asyncio.gather(*[self.generate(prompt_ids, sampling, None, return_routed_experts) for _ in range(n)],
                                     return_exceptions=True)
@@ -205,7 +206,9 @@ def sync_weights(engines: list, state_dict, version: int | None = None, expected
     for e, r in zip(engines, refs):
         try:
             reports.append(ray.get(r))
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+        except Exception as err:  # (a core dead in a live actor too: the sync raised, and the run ended)
+            if not engine_lost(err):
+                raise
             lost.append((e, err))
     return reports
 

@@ -21,6 +21,14 @@ class EngineUnavailable(RuntimeError):
 CORE_DEAD = {"EngineCoreDead", "EngineDeadError"}
 
 
+def engine_lost(e: BaseException) -> bool:
+    """An engine's error that says the engine is gone: its actor died or is unavailable, or its
+    core died inside the live actor (the usual failure on GPU: AsyncLLM's core process crashes)."""
+    import ray
+
+    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)) or _core_dead(e)
+
+
 def _core_dead(e: BaseException) -> bool:
     while e is not None:
         if CORE_DEAD & {c.__name__ for c in type(e).__mro__}:
@@ -51,6 +59,11 @@ class EngineRouter:
         self.request_timeout_s = request_timeout_s
         # same-prompt requests to one engine within one event-loop pass, waiting to go as one call
         self._same_prompt: dict[tuple, tuple] = {}
+        # the sessions whose requests may share a call (_call): single-turn episodes (RolloutRunner
+        # marks an Env with max_turns 1). A shared call answers when its slowest request does; a
+        # multi-turn episode's next turn waited for its siblings' longest first reply (and so timed
+        # out by their lengths, not its own)
+        self.single_turn: set[str] = set()
         self.coalesced = 0  # requests that went to an engine in another request's call
         self._deliveries: set = set()  # the tasks awaiting those calls (held: the loop keeps weak references)
 
@@ -68,10 +81,13 @@ class EngineRouter:
 
     def release(self, session_id: str) -> None:
         self.sticky.pop(session_id, None)
+        self.single_turn.discard(session_id)
 
     async def generate(self, prompt_ids, sampling, session_id: str | None = None, return_routed_experts: bool = False):
+        share = session_id in self.single_turn
+
         async def whole(engine):
-            yield await asyncio.wait_for(self._call(engine, prompt_ids, sampling, return_routed_experts),
+            yield await asyncio.wait_for(self._call(engine, prompt_ids, sampling, return_routed_experts, share),
                                          self.request_timeout_s)
 
         # run to the end (one item), so that the attempt's bookkeeping in _failover completes
@@ -144,27 +160,29 @@ class EngineRouter:
     def _gone(self) -> str:
         return "dead or unavailable for now" if any(t > time.monotonic() for t in self.unavailable_until.values()) else "dead"
 
-    def _call(self, engine, prompt_ids, sampling, return_routed_experts) -> asyncio.Future:
+    def _call(self, engine, prompt_ids, sampling, return_routed_experts, share: bool = False) -> asyncio.Future:
         """One request's Sample (a future), from engine.generate. Why requests are coalesced: a
         group's episodes open with the same prompt, all within one pass of the event loop, and a
         Ray call costs ~1.5 ms of CPU on each side (2 cores: ~30% of a toy rollout step's CPU at
-        128 episodes). Requests for the same engine, prompt and sampling made in one pass go as
-        one EngineHost.generate_n call; each is still its own engine request with its own Sample
-        (or its own exception). Requests that differ are never held back, and a coalesced call
-        answers when its last request finishes: only same-prompt requests share one, as a group's
-        do, whose rewards wait for all of it anyway."""
+        128 episodes). `share` requests (single-turn sessions) for the same engine, prompt and
+        sampling made in one pass go as one EngineHost.generate_n call; each is still its own
+        engine request with its own Sample (or its own exception). Requests that differ are never
+        held back, and a coalesced call answers when its last request finishes: only a
+        single-turn group's requests share one, whose rewards wait for all of it anyway."""
         loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not share:
+            self._send(engine, prompt_ids, sampling, return_routed_experts, [future])
+            return future
         key = (id(engine), tuple(prompt_ids), repr(sampling), return_routed_experts)
         pending = self._same_prompt.get(key)
         if pending is None:
             pending = self._same_prompt[key] = (engine, prompt_ids, sampling, return_routed_experts, [])
-            loop.call_soon(self._send, key)  # after every request of this pass
-        future = loop.create_future()
+            loop.call_soon(lambda: self._send(*self._same_prompt.pop(key)))  # after every request of this pass
         pending[-1].append(future)
         return future
 
-    def _send(self, key) -> None:
-        engine, prompt_ids, sampling, return_routed_experts, futures = self._same_prompt.pop(key)
+    def _send(self, engine, prompt_ids, sampling, return_routed_experts, futures: list) -> None:
         if len(futures) == 1:
             ref = engine.generate.remote(prompt_ids, sampling, None, return_routed_experts)
         else:

@@ -240,6 +240,8 @@ class RolloutRunner:
         cut by the context (it trained on a partial reward as if finished). `partial` follows the
         reward and info so far, for an episode that fails part-way."""
         env = self.spec.make()
+        if env.max_turns == 1:  # its group's first turns may go as one engine call (EngineRouter._call)
+            self.router.single_turn.add(sid)
         observation, info = await _resolved(env.reset(task))
         _check_env_messages(observation, f"{type(env).__name__}.reset")
         # its own copy: an Env whose reset returns task.info itself had every episode of the group
