@@ -167,6 +167,52 @@ def test_same_prompt_requests_of_one_pass_go_as_one_engine_call(reference_engine
     assert len(run(unmarked())) == 3 and router.state()["coalesced"] == 4
 
 
+def test_a_request_given_up_stops_sampling(reference_engines, run, moe_path):
+    """A request whose caller gave up (its episode timed out, its client left, request_timeout_s)
+    is cancelled in the engine: Ray ran the call on, sampling to max_tokens, holding its batch
+    slot, re-prefilled at every sync, while the router counted the engine idle. Through the
+    router: the engine actor's call is cancelled (it never completes: the engine's log has no
+    sample of it). In the engine: the cancelled request leaves the batch within a step."""
+    import asyncio
+
+    from workbench.rollout.engine import create_engine
+    from workbench.rollout.router import EngineRouter
+
+    engine = reference_engines[1]
+    router, long = EngineRouter([engine]), SamplingConfig(max_tokens=400, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9]
+    before = len(ray.get(engine.sample_log.remote()))
+
+    async def give_up():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(router.generate(prompt, long, "a"), 0.3)
+        await asyncio.sleep(0)
+
+    run(give_up())
+    assert ray.get(engine.generate.remote([5, 6], SamplingConfig(max_tokens=2))).token_ids  # (the engine serves on)
+    time.sleep(3)  # far longer than 400 tokens of the toy take
+    assert [p for p, _ in ray.get(engine.sample_log.remote())[before:]] == [[5, 6]]
+
+    async def in_engine():
+        e = create_engine("reference", model_path=str(moe_path))
+        await e.start()
+        try:
+            task = asyncio.ensure_future(e.generate(prompt, long))
+            await asyncio.sleep(0.2)
+            assert e._active, "the request is sampling"
+            task.cancel()
+            await asyncio.sleep(0.2)
+            assert not e._active and not e._queue
+            stream = e.generate_stream(prompt, long)
+            assert await stream.__anext__()
+            await stream.aclose()  # a stream's reader leaving
+            await asyncio.sleep(0.2)
+            assert not e._active and not e._queue
+        finally:
+            await e.shutdown()
+
+    run(in_engine())
+
 
 @ray.remote(num_cpus=0)
 class DeadCore:
@@ -433,6 +479,31 @@ def test_an_interrupted_rollout_gives_its_slots_back_when_its_groups_finish(roll
     time.sleep(6)  # the episodes time out (3 s) and the groups finish
     rollout.run_groups([task], group_size=2, progress=False)  # releases the finished ones, then runs
     assert sum(rollout.outstanding.values()) == 0 and not rollout._abandoned
+
+
+@ray.remote(num_cpus=0)
+class SlowEngine:
+    """An engine actor that answers after a minute (a fake: a runaway reply)."""
+
+    async def generate(self, *args):
+        import asyncio
+
+        await asyncio.sleep(60)
+
+
+def test_a_finished_episode_does_not_wait_for_a_turn_its_agent_gave_up(rollout_for):
+    """An agent that gives up on a slow reply and returns its reward has finished: closing its
+    session waited for the abandoned turn up to the request timeout (600 s), holding the group's
+    slot, and the reply was thrown away. The wait is bounded by the episode's own time."""
+    slow = SlowEngine.remote()
+    try:
+        rollout = rollout_for(AGENTS / "giving_up.py", engines=[slow], episode_timeout_s=2)
+        t0 = time.monotonic()
+        t = rollout.run_groups([Task([{"role": "user", "content": "Say something."}])], progress=False)[0][0]
+        assert time.monotonic() - t0 < 30  # (the episode's 2 s and start-up; the reply would take 60)
+        assert (t.error, t.reward, t.info.get("gave_up")) == (None, 1.0, True)
+    finally:
+        ray.kill(slow)
 
 
 def test_sticky_routing_and_a_killed_engine(rollout_for, moe_path):

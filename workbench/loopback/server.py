@@ -396,9 +396,10 @@ class LoopbackServer:
         self.sessions[sid] = self.accumulator_cls(threaded_format(self.fmt, self.thread_plan_bytes, self.prompts))
         return sid
 
-    def close_session(self, session_id: str, wait: bool = True, details: bool = False):
-        """End a session and return its segments. wait=True waits for a turn in flight;
-        wait=False (a timed-out episode) returns what is recorded now, and a late reply is dropped.
+    def close_session(self, session_id: str, wait: bool | float = True, details: bool = False):
+        """End a session and return its segments. wait=True waits for a turn in flight, a number
+        that many seconds at most (then as False); wait=False (a timed-out episode) returns what is
+        recorded now, and a late reply is dropped.
         details=True returns (segments, {"truncated": bool}): whether a turn was cut by the context or the policy's max_tokens."""
         if session_id not in self.sessions:
             raise KeyError(f"unknown session {session_id!r}")
@@ -408,18 +409,25 @@ class LoopbackServer:
             out = self._finish(session_id)
         return out if details else out[0]
 
-    async def close_session_async(self, session_id: str, wait: bool = True, details: bool = False):
+    async def close_session_async(self, session_id: str, wait: bool | float = True, details: bool = False):
         """close_session for callers on another event loop (runner actors): does not block it."""
         if session_id not in self.sessions:
             raise KeyError(f"unknown session {session_id!r}")
         out = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close(session_id, wait), self.loop))
         return out if details else out[0]
 
-    async def _close(self, session_id: str, wait: bool) -> tuple[list[Segment], dict]:
-        if not wait:
+    async def _close(self, session_id: str, wait: bool | float) -> tuple[list[Segment], dict]:
+        if wait is False:
             return self._finish(session_id)
-        async with self.sessions[session_id].lock:
+        lock = self.sessions[session_id].lock
+        try:  # (a free lock is taken at once: wait_for with a timeout of 0 gave it no chance)
+            await (lock.acquire() if not lock.locked() or wait is True else asyncio.wait_for(lock.acquire(), max(0.0, float(wait))))
+        except asyncio.TimeoutError:  # a turn its agent left behind: not recorded (as a timed-out episode's)
             return self._finish(session_id)
+        try:
+            return self._finish(session_id)
+        finally:
+            lock.release()
 
     def _finish(self, session_id: str) -> tuple[list[Segment], dict]:
         if hasattr(self.engine, "release"):

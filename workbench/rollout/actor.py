@@ -127,14 +127,22 @@ async def stream_generate(actor, prompt_ids, sampling, return_routed_experts=Fal
     """An EngineHost's generate_stream from another process: Ray's streaming generator
     (num_returns="streaming"), each item awaited as the actor yields it; `timeout_s` bounds the
     wait for each (asyncio.TimeoutError)."""
+    import ray
+
     gen = actor.generate_stream.options(num_returns="streaming").remote(prompt_ids, sampling, None, return_routed_experts,
                                                                         window_s)
-    while True:
-        try:
-            ref = await asyncio.wait_for(gen.__anext__(), timeout_s)
-        except StopAsyncIteration:
-            return
-        yield await ref
+    finished = False
+    try:
+        while True:
+            try:
+                ref = await asyncio.wait_for(gen.__anext__(), timeout_s)
+            except StopAsyncIteration:
+                finished = True
+                return
+            yield await ref
+    finally:
+        if not finished:  # its reader left (a timeout, the client gone): the engine stops sampling it
+            ray.cancel(gen)
 
 
 def launch_engine(backend: str, name: str | None = None, env: dict | None = None, keep_log: bool = False,

@@ -108,7 +108,12 @@ class ReferenceEngine(RolloutEngine):
         return self.info()
 
     async def generate(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False) -> Sample:
-        return await self._submit(prompt_ids, sampling, request_id, return_routed_experts).future
+        req = self._submit(prompt_ids, sampling, request_id, return_routed_experts)
+        try:
+            return await req.future
+        except asyncio.CancelledError:  # its caller gave up: stop sampling it (it ran on to max_tokens)
+            self._abort(req.request_id)
+            raise
 
     async def generate_stream(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False):
         """Each decode step's token as it is sampled (the steps that came while the consumer was
@@ -117,14 +122,18 @@ class ReferenceEngine(RolloutEngine):
         req = self._submit(prompt_ids, sampling, request_id, return_routed_experts, stream)
         req.future.add_done_callback(lambda _: stream.put_nowait(None))
         done = False
-        while not done:
-            ids = [await stream.get()]
-            while not stream.empty():
-                ids.append(stream.get_nowait())
-            done = ids[-1] is None
-            if ids[0] is not None:
-                yield ids[:-1] if done else ids
-        yield await req.future
+        try:
+            while not done:
+                ids = [await stream.get()]
+                while not stream.empty():
+                    ids.append(stream.get_nowait())
+                done = ids[-1] is None
+                if ids[0] is not None:
+                    yield ids[:-1] if done else ids
+            yield await req.future
+        finally:
+            if not req.future.done():  # its reader left (cancelled, closed): stop sampling it
+                self._abort(req.request_id)
 
     def _submit(self, prompt_ids, sampling, request_id, return_routed_experts, stream=None) -> _Request:
         s = sampling or SamplingConfig()
@@ -146,6 +155,9 @@ class ReferenceEngine(RolloutEngine):
         return req
 
     async def abort(self, request_id: str) -> None:
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
         for r in list(self._queue):
             if r.request_id == request_id:
                 self._queue.remove(r)

@@ -192,6 +192,18 @@ class EngineRouter:
         self._deliveries.add(task)
         task.add_done_callback(self._deliveries.discard)
 
+        def given_up(_) -> None:
+            # every request of the call timed out or was cancelled (its episode timed out, the client
+            # left): the engine stops sampling them. Not cancelled, Ray ran the call on, sampling to
+            # max_tokens, holding its batch slot and KV, re-prefilled at every sync, while this
+            # router's outstanding count (least-outstanding placement) read the engine as idle
+            if all(f.cancelled() for f in futures):
+                import ray
+
+                ray.cancel(ref)
+        for f in futures:
+            f.add_done_callback(given_up)
+
     @staticmethod
     async def _deliver(ref, futures: list) -> None:
         try:

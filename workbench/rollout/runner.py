@@ -113,6 +113,7 @@ class RolloutRunner:
                 self._loop_watch.stop()
             self._loop_watch = LoopWatch(loop, self.spec.path)
         async with self._sem:
+            started = loop.time()
             episode_id = uuid.uuid4().hex[:16]
             sid = self.server.open_session(episode_id)
             reward, info, error, cut = 0.0, {}, None, False
@@ -155,8 +156,11 @@ class RolloutRunner:
                 except (TypeError, ValueError):
                     info = {}  # (its error says why)
             # a failed episode's in-flight request is not waited for (it waited up to the request
-            # timeout, 600 s, past the episode's): only a finished episode's turns all count
-            segments, state = await self.server.close_session_async(sid, wait=error is None, details=True)
+            # timeout, 600 s, past the episode's): only a finished episode's turns all count, and
+            # those within the episode's time (a turn its agent gave up on held the group's slot
+            # up to the request timeout, its reply thrown away)
+            wait = max(0.0, self.episode_timeout_s - (loop.time() - started)) if error is None else False
+            segments, state = await self.server.close_session_async(sid, wait=wait, details=True)
             return Trajectory(segments, reward, group_id, episode_id, {**info, "task_id": task.id}, error,
                               truncated=state["truncated"] or cut)
 
