@@ -59,6 +59,31 @@ def test_agent_loading_errors(name, match):
         load_agent(AGENTS / name)
 
 
+def test_an_agent_without_its_own_run_or_step_is_refused_at_load(tmp_path):
+    """The base classes define run and step (raising NotImplementedError), so a check for the name
+    always passed: an agent with a typo loaded, and every episode of the run failed."""
+    from workbench.agents import Task
+
+    chat = tmp_path / "typo_chat.py"
+    chat.write_text("from workbench.agents import ChatAgent\nclass AgentRunner(ChatAgent):\n    async def runn(self, ctx):\n        return 1.0\n")
+    env = tmp_path / "typo_env.py"
+    env.write_text("from workbench.agents import Env\nclass AgentRunner(Env):\n    async def stepp(self, message):\n        pass\n")
+    with pytest.raises(AgentLoadError, match="has no run\\(ctx\\) method of its own"):
+        load_agent(chat)
+    with pytest.raises(AgentLoadError, match="an Env\\) has no step\\(message\\) method of its own"):
+        load_agent(env)
+    # a task's message parts are each episode's own (one agent changing them changed its siblings' prompt)
+    from workbench.agents import AgentContext, Env
+
+    task = Task([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    a, b = (AgentContext(base_url="", anthropic_base_url="", side_base_url="", side_anthropic_base_url="", api_key="",
+                         model="m", task=task, episode_id=str(i), group_id="g") for i in range(2))
+    a.messages[0]["content"].append({"type": "text", "text": "a hint"})
+    opening, _ = asyncio.run(Env().reset(task))
+    opening[0]["content"].append({"type": "text", "text": "a hint"})
+    assert b.messages == task.messages == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+
+
 def test_examples_load_with_their_tasks():
     kinds = {p.stem: load_agent(p).kind for p in EXAMPLES.glob("*.py") if p.stem not in ("__init__", "tools")}
     assert kinds == {"arithmetic_env": "env", "calculator_openai": "chat", "calculator_anthropic": "chat",

@@ -78,7 +78,9 @@ class AgentContext:
 
     @property
     def messages(self) -> list[dict]:
-        return [dict(m) for m in self.task.messages]
+        # deep: a message's content may be a list of parts, which one agent changing changed
+        # for every sibling of its group (another prompt under one baseline)
+        return copy.deepcopy(self.task.messages)
 
     @property
     def tools(self) -> list[dict] | None:
@@ -111,7 +113,7 @@ class Env:
 
     async def reset(self, task: Task) -> tuple[list[dict], dict]:
         """Return the opening messages (usually task.messages) and an info dict."""
-        return [dict(m) for m in task.messages], {}
+        return copy.deepcopy(task.messages), {}
 
     async def step(self, message: dict) -> tuple[list[dict], float, bool, bool, dict]:
         """Take the assistant's message (role, content, tool_calls); return the new messages it
@@ -163,8 +165,12 @@ def load_agent(path: str | Path) -> AgentSpec:
             f"workbench.agents.ChatAgent, got {runner!r}"
         )
     kind = "env" if issubclass(runner, Env) else "chat"
-    if kind == "chat" and not callable(getattr(runner, "run", None)):
-        raise AgentLoadError(f"AgentRunner in {str(path)!r} has no run(ctx) method")
+    # (against the base classes' own: they define them, so a check for the name always passed and
+    # an agent with a typo, `step` for `run`, failed every episode with NotImplementedError)
+    if kind == "chat" and runner.run is ChatAgent.run:
+        raise AgentLoadError(f"AgentRunner in {str(path)!r} has no run(ctx) method of its own")
+    if kind == "env" and runner.step is Env.step:
+        raise AgentLoadError(f"AgentRunner in {str(path)!r} (an Env) has no step(message) method of its own")
     return AgentSpec(str(path), runner, kind, getattr(module, "tasks", None))
 
 
