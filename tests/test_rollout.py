@@ -506,6 +506,21 @@ def test_an_interrupted_rollout_gives_its_slots_back_when_its_groups_finish(roll
     assert sum(rollout.outstanding.values()) == 0 and not rollout._abandoned
 
 
+def test_a_runner_dropped_as_unavailable_is_killed(rollout_for):
+    """Ray's ActorUnavailableError may be transient: a runner dropped for it was left alive, out
+    of shutdown()'s reach, its agents (and their sandboxes) running on."""
+    rollout = rollout_for(AGENTS / "hanging.py", num_runners=1)
+    runner = rollout.runners[0]
+    with rollout._lock:
+        rollout._lose(runner, ray.exceptions.ActorUnavailableError("a network blip", None))
+    assert not rollout.runners and "a network blip" in rollout.lost[0]
+    deadline = time.monotonic() + 30
+    with pytest.raises(ray.exceptions.RayActorError):
+        while time.monotonic() < deadline:
+            ray.get(runner.ready.remote(), timeout=30)
+            time.sleep(0.1)
+
+
 @ray.remote(num_cpus=0)
 class SlowEngine:
     """An engine actor that answers after a minute (a fake: a runaway reply)."""

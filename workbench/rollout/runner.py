@@ -18,6 +18,7 @@ loopback/server.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import gc
 import inspect
@@ -402,6 +403,11 @@ class Rollout:
         name, cause = self._names[id(runner)], " ".join(str(error).split())[:300]
         if runner in self.runners:
             self.runners.remove(runner)
+            # killed too: ActorUnavailableError may be transient (a network blip between nodes), and a
+            # runner dropped from the list is out of shutdown()'s reach (its process, its agents and
+            # their sandboxes lived on)
+            with contextlib.suppress(Exception):
+                ray.kill(runner)
             self.lost.append(f"{name} died: {cause}")
             print(f"workbench: {name} died ({len(self.runners)} runner(s) left): {cause}", file=sys.stderr)
         return f"{name} died while running this episode: {cause}"
