@@ -696,3 +696,25 @@ def test_anthropic_empty_text_blocks_are_skipped_as_vllm_does():
             {"role": "user", "content": ""}]
     assert _messages(msgs, None) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
                                      {"role": "user", "content": ""}]
+
+
+def test_anthropic_inline_system_messages_stand_where_they_are():
+    """The Anthropic SDK's MessageParam allows a system message among the messages (Claude Code's
+    per-turn reminders): refused with a 400, every such request's episode failed. Kept in place,
+    as vLLM's Anthropic server keeps it (billing header dropped, blocks joined with "", an empty
+    one left out), not merged into the leading system prompt (that would change the prefix)."""
+    from workbench.loopback.anthropic_api import _messages
+    from workbench.loopback.protocol import RequestError
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "system", "content": [{"type": "text", "text": "x-anthropic-billing-header: cch=1;"},
+                                           {"type": "text", "text": "<system-reminder>"}, {"type": "text", "text": "be brief</system-reminder>"}]},
+            {"role": "system", "content": ""}, {"role": "user", "content": "again"}]
+    assert _messages(msgs, "S") == [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+                                    {"role": "assistant", "content": "hello"},
+                                    {"role": "system", "content": "<system-reminder>be brief</system-reminder>"},
+                                    {"role": "user", "content": "again"}]
+    with pytest.raises(RequestError, match=r"messages\[0\].content\[0\]: a system message holds text blocks only"):
+        _messages([{"role": "system", "content": [{"type": "image", "source": {}}]}], None)
+    with pytest.raises(RequestError, match="unknown role 'developer'"):
+        _messages([{"role": "developer", "content": "x"}], None)

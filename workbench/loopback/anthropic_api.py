@@ -68,11 +68,24 @@ def _messages(messages: list, system) -> list[dict]:
         if not isinstance(m, dict):
             raise RequestError(400, f"{where} must be an object")
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise RequestError(400, f"{where}.role: unknown role {short(role)} (expected 'user' or 'assistant')")
+        if role not in ("user", "assistant", "system"):
+            raise RequestError(400, f"{where}.role: unknown role {short(role)} (expected 'user', 'assistant' or 'system')")
         if "content" not in m:
             raise RequestError(400, f"{where}: missing required field 'content'")
         blocks = _blocks(m["content"], where)
+        if role == "system":
+            # an inline system message (the SDK's MessageParam allows it; Claude Code's per-turn
+            # reminders): kept where it stands, its text as vLLM's Anthropic server takes it (billing
+            # header dropped, blocks joined with "", none if empty); refused with a 400 before, every
+            # such request's episode failed. Not merged into the leading system prompt (vLLM's option
+            # for templates that need it): that changes the prefix, and every turn would seal
+            for j, b in enumerate(blocks):
+                if b["type"] != "text":
+                    raise RequestError(400, f"{where}.content[{j}]: a system message holds text blocks only, got {b['type']!r}")
+            text = "".join(str(b.get("text") or "") for b in blocks if not str(b.get("text", "")).startswith(BILLING_HEADER))
+            if text:
+                out.append({"role": "system", "content": text})
+            continue
         if role == "assistant":
             text, calls, thinking = [], [], []
             for j, b in enumerate(blocks):
