@@ -110,6 +110,8 @@ def _openai_turn(client, d, stream: bool):
     if not stream:
         m = client.chat.completions.create(**kw).choices[0].message
         reasoning = getattr(m, "reasoning_content", None)
+        # under both names agents read it by: vLLM 0.32's `reasoning`, the older `reasoning_content`
+        assert getattr(m, "reasoning", None) == reasoning
         calls = [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or []]
         return _norm(reasoning), _norm(m.content), calls, (reasoning or "", m.content or "")
     reasoning, content, calls, n = "", "", {}, 0
@@ -119,6 +121,7 @@ def _openai_turn(client, d, stream: bool):
         delta = ch.choices[0].delta
         n += 1
         reasoning += getattr(delta, "reasoning_content", None) or ""
+        assert getattr(delta, "reasoning", None) == getattr(delta, "reasoning_content", None)
         content += delta.content or ""
         for tc in delta.tool_calls or []:
             c = calls.setdefault(tc.index, {"name": "", "arguments": ""})

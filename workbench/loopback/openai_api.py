@@ -146,10 +146,16 @@ def _usage(r: Reply) -> dict:
             "total_tokens": r.prompt_tokens + r.completion_tokens}
 
 
+# vLLM 0.32 sends a reply's reasoning as `reasoning` (`reasoning_content` is its deprecated name, read
+# on input only); older vLLM, SGLang and DeepSeek's API send `reasoning_content`. Both go out: an agent
+# that read the other one carried no reasoning forward, and every tool turn sealed (assistant_changed)
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
+
 def response_body(r: Reply, req: ChatRequest, model: str) -> dict:
     message = {"role": "assistant", "content": r.content if (r.content or not r.tool_calls) else None}
-    if r.reasoning:  # vLLM's field for what the reasoning parser split off
-        message["reasoning_content"] = r.reasoning
+    if r.reasoning:  # what the reasoning parser split off, under both names agents read it by
+        message.update(dict.fromkeys(REASONING_FIELDS, r.reasoning))
     if r.tool_calls:
         message["tool_calls"] = _tool_calls(r)
     return {
@@ -180,7 +186,7 @@ async def stream_events(head: Reply, parts, req: ChatRequest, model: str):
         if part[0] == "error":
             yield f"data: {json.dumps(error_body(part[1], part[2]))}\n\n"
             return
-        yield chunk({"reasoning_content" if part[0] == "reasoning" else "content": part[1]})  # vLLM's delta fields
+        yield chunk(dict.fromkeys(REASONING_FIELDS, part[1]) if part[0] == "reasoning" else {"content": part[1]})
     for i, tc in enumerate(_tool_calls(r)):  # a call whole, in one delta
         yield chunk({"tool_calls": [{"index": i, **tc}]})
     yield chunk({}, finish=_finish(r), logprobs=_logprobs(r) if req.logprobs else None)
