@@ -718,3 +718,15 @@ def test_anthropic_inline_system_messages_stand_where_they_are():
         _messages([{"role": "system", "content": [{"type": "image", "source": {}}]}], None)
     with pytest.raises(RequestError, match="unknown role 'developer'"):
         _messages([{"role": "developer", "content": "x"}], None)
+
+
+def test_the_servers_timings_are_bounded():
+    """Per-request timings were kept for the whole run: a float a request in the runner, forever
+    (~640 MB at 10M requests), each summary() sorting them all. The last TIMINGS_KEPT are kept."""
+    from workbench.loopback.server import TIMINGS_KEPT, ServerStats
+
+    stats = ServerStats()
+    for i in range(TIMINGS_KEPT + 10):
+        stats.overhead_s.append(float(i))
+        stats.engine_s.append(float(i))
+    assert len(stats.overhead_s) == len(stats.engine_s) == TIMINGS_KEPT and stats.overhead_s[0] == 10.0

@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
@@ -52,6 +52,9 @@ PROTOCOLS = {"openai": openai_api, "anthropic": anthropic_api}
 log = logging.getLogger(__name__)
 
 
+TIMINGS_KEPT = 100_000
+
+
 @dataclass
 class ServerStats:
     requests: Counter = field(default_factory=Counter)  # by route kind
@@ -61,8 +64,10 @@ class ServerStats:
     segment_totals: Counter = field(default_factory=Counter)  # tokens.SEGMENT_TOTALS over closed sessions
     truncated_sessions: int = 0  # closed sessions cut by the context or the policy's max_tokens
     sampling_refused: Counter = field(default_factory=Counter)  # strict mode: 400s by field
-    overhead_s: list = field(default_factory=list)  # per request: server time minus engine time
-    engine_s: list = field(default_factory=list)  # per request: time waiting for the engine
+    # per request, the last TIMINGS_KEPT (kept for a whole run, they grew by a float a request in
+    # the runner: ~640 MB at 10M requests, each summary() sorting them all on the server's GIL)
+    overhead_s: deque = field(default_factory=lambda: deque(maxlen=TIMINGS_KEPT))  # server time minus engine time
+    engine_s: deque = field(default_factory=lambda: deque(maxlen=TIMINGS_KEPT))  # time waiting for the engine
     # failures no check foresaw, by where: "parse" (answered 400), "internal" (answered 500).
     # Logged with their traceback; 0 is the expectation (tests/test_loopback_faults.py).
     unexpected_errors: Counter = field(default_factory=Counter)
