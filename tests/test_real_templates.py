@@ -529,3 +529,24 @@ def test_a_system_message_the_template_would_drop_is_refused(fams):
         Accumulator(fams["gpt-oss"].chat_format()).plan(msgs, None)
     for name in ("qwen3", "llama3.1", "deepseek-v3.1"):
         assert "NEVER delete files." in Accumulator(fams[name].chat_format()).plan(msgs, None).prompt_text
+
+
+def test_llamas_ipython_role_is_served_and_a_template_without_it_refused(fams):
+    """Llama 3.1's template renders an `ipython` message (Meta's docs send a tool's output so) as
+    a tool result: refused as an unknown role, an agent doing so failed at its second turn. A
+    template that does not know the role (Qwen3's renders nothing for it) is refused naming it:
+    rendered, the tool's output was silently missing from the prompt."""
+    import jinja2
+
+    from workbench.loopback import openai_api
+
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    msgs = openai_api.parse_request({"messages": [{"role": "user", "content": "Weather in Paris?"}, call,
+                                                  {"role": "ipython", "content": "sunny, 21 C"}]}).messages
+    text = Accumulator(fams["llama3.1"].chat_format()).plan(msgs, None).prompt_text
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n"sunny, 21 C"<|eot_id|>' in text  # (as JSON: its template's tojson)
+    as_json = [*msgs[:2], {"role": "ipython", "content": '{"temp": "21 C",\n "sky": "<sunny>"}'}]
+    assert '"{\\"temp\\": \\"21 C\\",\\n \\"sky\\": \\"<sunny>\\"}"' in Accumulator(fams["llama3.1"].chat_format()).plan(as_json, None).prompt_text
+    with pytest.raises(jinja2.TemplateError, match=r"does not render a message of role 'ipython' \(message 2: 'sunny, 21 C'\)"):
+        Accumulator(fams["qwen3"].chat_format()).plan(msgs, None)

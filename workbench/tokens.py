@@ -378,13 +378,21 @@ class ChatFormat:
             # a template may render only a leading system message and skip any later one (gpt-oss's:
             # a developer message after the system prompt, a mid-conversation reminder): the policy
             # was prompted, trained and rewarded without the agent's instructions, silently
-            content = m.get("content")
-            if i and m.get("role") == "system" and isinstance(content, str) and content.strip() and content.strip() not in text:
-                import jinja2
+            # A role the template may not know (Llama 3.1's `ipython`, which other templates skip) likewise
+            content, role = m.get("content"), m.get("role")
+            if not (isinstance(content, str) and content.strip() and content.strip() not in text):
+                continue
+            if json.dumps(content.strip(), ensure_ascii=False)[1:-1] in text:  # rendered as JSON (Llama's tojson)
+                continue
+            import jinja2
 
+            if i and role == "system":
                 raise jinja2.TemplateError(f"this chat template does not render a system message after the first "
                                            f"(message {i}: {content.strip()[:60]!r}); put those instructions in the "
                                            f"first system message")
+            if role not in ("system", "user", "assistant", "tool"):
+                raise jinja2.TemplateError(f"this chat template does not render a message of role {role!r} (message {i}: "
+                                           f"{content.strip()[:60]!r}); send it as a 'tool' or 'user' message")
         return text
 
     def prompt(self, messages: list[dict], tools: list | None) -> tuple[str, list[int]]:

@@ -6,7 +6,9 @@ import json
 
 from .protocol import ChatRequest, Reply, RequestError, loads, number, sampling_from, short, stop_strings, want
 
-ROLES = {"system", "developer", "user", "assistant", "tool"}
+# ipython: Llama 3.1's role for a tool's output (Meta's docs send it; its template renders it as a tool
+# result). A template that does not render it is refused by ChatFormat.render, naming the role
+ROLES = {"system", "developer", "user", "assistant", "tool", "ipython"}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
