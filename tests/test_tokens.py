@@ -545,3 +545,20 @@ def test_window_moves_only_where_the_template_renders_the_same_qwen3_tool_respon
         msgs = msgs + [message]
     assert [s.seal_reason for s in accs[0].segments] == ["template_rewrite", "template_rewrite", None]
     assert all([(len(s), s.seal_reason) for s in a.segments] == [(len(s), s.seal_reason) for s in accs[0].segments] for a in accs)
+
+
+def test_tools_the_agent_changed_seal_as_its_own_change(fmt):
+    """An agent dropping its tools for a final "now answer" request changes what the template
+    renders before the history: the segment seals. It was labelled a template rewrite (by design,
+    never flagged); it is the agent's change (tools_changed, among UNEXPECTED_SEALS). The same
+    tools again extend."""
+    from workbench.tokens import UNEXPECTED_SEALS
+
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object", "properties": {}}}}]
+    acc = Accumulator(fmt)
+    msgs = [SYS, USER]
+    acc.record(acc.plan(msgs, tools), reply(fmt, "12"), {"role": "assistant", "content": "12"})
+    more = msgs + [{"role": "assistant", "content": "12"}, {"role": "user", "content": "Sure?"}]
+    assert not acc.plan(more, tools).new_segment
+    plan = acc.plan(more, None)
+    assert plan.new_segment and plan.seal_reason == "tools_changed" and "tools_changed" in UNEXPECTED_SEALS

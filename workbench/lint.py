@@ -356,7 +356,8 @@ def run_shape(fmt: ChatFormat, name: str, stops: list[str], reasoning_in_content
 def _why(reason: str | None, fmt: ChatFormat) -> str:
     return {"template_rewrite": "the template renders earlier turns differently once new messages are added",
             "history_rewritten": "earlier messages changed (system prompt, a compaction that kept the task)",
-            "assistant_changed": "the assistant message sent back differs from the one returned"}.get(reason or "", str(reason))
+            "assistant_changed": "the assistant message sent back differs from the one returned",
+            "tools_changed": "the request's tools differ from the previous request's"}.get(reason or "", str(reason))
 
 
 # ------------------------------------------------------------------ retokenization traps

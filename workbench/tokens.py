@@ -50,6 +50,7 @@ SEAL_REASONS = {
     "history_rewritten": "earlier messages were changed or removed (a changed system prompt, a compaction that kept the task)",
     "assistant_changed": "the assistant message sent back differs from the one the server returned",
     "template_rewrite": "the chat template renders earlier turns differently once new messages are added",
+    "tools_changed": "the request's tools differ from the previous request's, and the template renders them before the history",
     "episode_end": "the session was closed (normal end of an episode)",
     "evicted": "the session opened more conversations than the accumulator keeps open "
                "(Accumulator.open_conversations): the least recently extended one was closed",
@@ -59,7 +60,7 @@ SEAL_REASONS = {
 # audit flags them. The others are by design: a template that rewrites earlier turns (Qwen3 with
 # thinking at every user turn) and eviction beyond the kept conversations are no fault of the run;
 # token identity holds across every seal (each segment trains on its own sampled ids).
-UNEXPECTED_SEALS = ("history_rewritten", "assistant_changed")
+UNEXPECTED_SEALS = ("history_rewritten", "assistant_changed", "tools_changed")
 
 # What one open conversation of a session holds (Accumulator swaps these when a request extends
 # another open conversation than the last one)
@@ -598,7 +599,10 @@ class Accumulator:
                     # text of the recorded ids, so it extends (it sealed, re-prefilling the history)
                     delta = self.fmt.encode(text[len(turn_text):])
                     return TurnPlan(seg.token_ids + delta, msgs, tools, text, len(delta), False, None, window_start=start)
-                reason = "template_rewrite"
+                # the agent's own change (tools dropped for a final "now answer" request), not the
+                # template's: labelled the template's, the audit never flagged it
+                last_tools = self._last_request[1] if self._last_request is not None else tools
+                reason = "tools_changed" if (last_tools or None) != (tools or None) else "template_rewrite"
         full, ids = self.fmt.prompt(msgs, tools)
         return TurnPlan(ids, msgs, tools, full, len(ids), True, reason, beside=beside and seg is not None)
 

@@ -57,7 +57,7 @@ CHECKS = (
     ("identity_mismatch", "identity mismatch", "trainable token ids that differ from the ids the engine sampled"),
     ("retokenization_drift", "retokenization drift", "sampled ids that decoding and re-encoding the text would change"),
     ("unexpected_seals", "seals by reason", "segments sealed because the agent changed what the model was shown "
-     "(history_rewritten, assistant_changed; every reason in the table: a template's rewrite and eviction are by design)"),
+     "(history_rewritten, assistant_changed, tools_changed; every reason in the table: a template's rewrite and eviction are by design)"),
     ("max_staleness", "staleness", "versions between the trainer and the oldest token the step trained on (after the gate); "
                                    "a sync step is held to 0 and an async one to its async_lag where no threshold is given"),
     ("gate_pass_ratio", "gate pass ratio", "share of sequences the correction gate kept (staleness, band, veto)"),
