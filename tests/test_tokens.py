@@ -562,3 +562,13 @@ def test_tools_the_agent_changed_seal_as_its_own_change(fmt):
     assert not acc.plan(more, tools).new_segment
     plan = acc.plan(more, None)
     assert plan.new_segment and plan.seal_reason == "tools_changed" and "tools_changed" in UNEXPECTED_SEALS
+
+
+def test_numpy_values_in_an_episodes_info_come_back_as_values(tmp_path):
+    """str() of what JSON cannot hold made np.bool_(False) the string 'False' (true when read back)
+    and np.float32(0.75) '0.75'."""
+    info = {"passed": np.bool_(False), "score": np.float32(0.75), "steps": np.int64(3), "hist": np.array([1, 2])}
+    seg = Segment([1, 2, 3], [0, 1, 1], [0.0, -0.5, -0.5], [-1, 0, 0])
+    seg.seal_reason = "episode_end"
+    path = write_trajectories([Trajectory([seg], 1.0, "g", "e", info)], tmp_path / "t.parquet")
+    assert read_trajectories(path)[0].info == {"passed": False, "score": 0.75, "steps": 3, "hist": [1, 2]}

@@ -159,7 +159,7 @@ def write_trajectories(trajectories: list[Trajectory], path: str | Path) -> Path
     rows = []
     for t in trajectories:
         episode = {"episode_id": t.episode_id, "group_id": t.group_id, "reward": float(t.reward), "error": t.error,
-                   "info": json.dumps(t.info, default=str), "truncated": bool(t.truncated)}
+                   "info": json.dumps(t.info, default=json_value), "truncated": bool(t.truncated)}
         if not t.segments:
             # an episode that recorded nothing (it crashed or ran out of context before its first
             # turn) still counted in its group's baseline: one row without tokens keeps it, so a
@@ -172,12 +172,12 @@ def write_trajectories(trajectories: list[Trajectory], path: str | Path) -> Path
             ex = s.routed_experts
             rows.append({
                 **episode, "segment_index": i,
-                "seal_reason": s.seal_reason, "messages": json.dumps(s.messages, default=str),
+                "seal_reason": s.seal_reason, "messages": json.dumps(s.messages, default=json_value),
                 "stats": json.dumps(s.stats), "token_ids": s.token_ids, "loss_mask": s.loss_mask,
                 "logprobs": s.logprobs, "versions": s.versions,
                 "routed_experts": None if ex is None else ex.reshape(-1).tolist(),
                 "routed_experts_shape": None if ex is None else list(ex.shape),
-                "tools": None if s.tools is None else json.dumps(s.tools, default=str),
+                "tools": None if s.tools is None else json.dumps(s.tools, default=json_value),
             })
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -875,6 +875,14 @@ class Accumulator:
             if seg.seal_reason is None:
                 seg.seal_reason = "episode_end"
         return [s.copy() for s in self.segments]
+
+
+def json_value(x):
+    """What JSON cannot hold, as the record keeps it: a numpy value as its Python value (str()
+    made np.bool_(False) the string 'False', true when read back), anything else as its str()."""
+    if isinstance(x, (np.generic, np.ndarray)):
+        return x.tolist()
+    return str(x)
 
 
 def _why_not_extending(conv: list[dict], msgs: list[dict]) -> str | None:
