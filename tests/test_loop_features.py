@@ -562,14 +562,24 @@ def test_tensorboard_event_file_reads_back(tmp_path):
 
     assert scalars({"step": 3, "loss": 0.5, "ok": True, "mode": "sync", "x": None, "h": {"0": 2, "1": 1}, "l": [1]}) == \
         {"step": 3.0, "loss": 0.5, "ok": 1.0, "h/0": 2.0, "h/1": 1.0}
-    tb = TensorBoardLogger(tmp_path / "tb")
+    tb = TensorBoardLogger(tmp_path / "tensorboard")
     for step, loss in enumerate([0.9, 0.7, 0.4]):
         tb.on_step({"step": step, "loss": loss, "eval_pass@1": 0.1 * step, "staleness_hist": {"0": 8}})
     tb.close()
-    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert {"loss", "eval_pass@1", "staleness_hist/0"} <= set(acc.Tags()["scalars"])
     assert [(e.step, round(e.value, 6)) for e in acc.Scalars("loss")] == [(0, 0.9), (1, 0.7), (2, 0.4)]
+    # a run resumed (or restored) at step 1 trains steps 1 and 2 again: the abandoned ones are hidden
+    # (TensorBoard showed both branches, one over the other)
+    tb = make_loggers(["tensorboard"], tmp_path, next_step=1)[0]
+    tb.on_step({"step": 1, "loss": 0.5})
+    tb.purge_from(1)  # (an in-session wb.restore() to step 1 after it)
+    tb.on_step({"step": 1, "loss": 0.6})
+    tb.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("loss")] == [(0, 0.9), (1, 0.6)]
     with pytest.raises(ValueError, match="unknown logger 'mlflow'"):
         make_loggers(["mlflow"], tmp_path)
 

@@ -195,7 +195,23 @@ def test_a_resume_takes_the_runs_own_settings_where_not_given(tmp_path, capsys):
     # what is given wins, field by field, and is said
     lower = resolved_config(run_dir=str(tmp_path / "run"), resume=True, trainer={"lr": 1e-4})
     assert lower.trainer.lr == 1e-4 and lower.trainer.correction == first.trainer.correction
-    assert "trainer:" in capsys.readouterr().err
+    said = capsys.readouterr().err  # the fields that changed, not the whole saved dict as if replaced
+    assert 'trainer: {"lr": 0.0003} -> {"lr": 0.0001}' in said, said
+    resolved_config(run_dir=str(tmp_path / "run"), resume=True, loop={"steps": 7})  # the same value: nothing said
+    assert capsys.readouterr().err == ""
+    # a model given as a pathlib.Path is kept as its text (its repr was kept, never resumable), and a
+    # path to the same directory, relative or not, is the same model
+    import os
+    from pathlib import Path
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    as_path = resolved_config(model=ckpt, tasks=str(tmp_path / "tasks.jsonl"))
+    assert as_path.model == str(ckpt) and "model" not in config_record(as_path)["_unsaved"]
+    (tmp_path / "run2").mkdir()
+    (tmp_path / "run2" / "config.json").write_text(json.dumps(config_record(as_path)))
+    assert resolved_config(run_dir=tmp_path / "run2", resume=True).model == str(ckpt)
+    assert resolved_config(run_dir=str(tmp_path / "run2"), resume=True, model=Path(os.path.relpath(ckpt))).model
     with pytest.raises(ConfigError, match="trained model 'dense'"):
         resolved_config(run_dir=str(tmp_path / "run"), resume=True, model="moe")
     # tasks given as a Python function cannot come back from the file: asked for again
@@ -237,3 +253,34 @@ def test_connect_merges_trainer_and_correction_settings_field_by_field():
     # a dict config's trainer and a trainer override: merged (the override replaced it whole)
     t = resolved_config({"trainer": {"lr": 3e-4}}, trainer={"micro_batch_size": 4}).trainer
     assert (t.lr, t.micro_batch_size) == (3e-4, 4)
+
+
+def test_a_run_directory_is_held_by_one_session(tmp_path, monkeypatch):
+    """Two sessions started in one second (a sweep, parallel papermill runs) shared the default
+    runs/<date-time>: config.json overwritten, metrics.jsonl interleaved, one checkpoint/ for both.
+    The default is made new (-2, ...); a directory another live session holds is refused; a lock
+    its process left behind is taken over; shutdown releases it (and a directory left empty)."""
+    import json
+    import subprocess
+    import sys
+
+    from workbench.session import RUN_DIR_LOCK, ConfigError, claim_run_dir, release_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("time.strftime", lambda fmt, *a: "20261206-101010")
+    first, second = claim_run_dir(None), claim_run_dir(None)
+    assert (first.name, second.name) == ("20261206-101010", "20261206-101010-2")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = json.loads((first / RUN_DIR_LOCK).read_text())
+        (first / RUN_DIR_LOCK).write_text(json.dumps({**lock, "pid": other.pid}))  # as another live session's
+        with pytest.raises(ConfigError, match=rf"is in use by another session \(process {other.pid} on this machine\)"):
+            claim_run_dir(first)
+    finally:
+        other.kill()
+        other.wait()
+    assert claim_run_dir(first) == first  # its process gone: a stale lock, taken over
+    (first / "metrics.jsonl").write_text("{}\n")
+    release_run_dir(first)
+    release_run_dir(second)
+    assert not (first / RUN_DIR_LOCK).exists() and (first / "metrics.jsonl").exists() and not second.exists()

@@ -103,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.name is None:
         p.error("a notebook name, or --list")
     import ast
-    import time
 
     params = {}
     for k, v in a.param:
@@ -118,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{a.name} has no parameter(s) {unknown}; its parameters: {sorted(k for k in known if k != 'run_dir')}")
     # a new directory each run (a session refuses one that holds a run: a second run of the same
     # notebook failed at connect(), after its kernel had started)
-    run_dir = a.run_dir or Path("runs") / a.name / time.strftime("%Y%m%d-%H%M%S")
+    if a.run_dir is None:
+        from .session import new_run_dir  # (made now: two runs started in one second shared one)
+
+        run_dir = new_run_dir(Path("runs") / a.name)
+    else:
+        run_dir = a.run_dir
     out = run_notebook(a.name, run_dir, a.kernel, **params)
     print(f"executed notebook: {out}\nrun directory:     {out.parent}")
     for f in sorted(out.parent.iterdir()):

@@ -61,6 +61,9 @@ class ConfigError(ValueError):
     """A WorkbenchConfig field is wrong; the message names it."""
 
 
+PATH_FIELDS = ("model", "agent", "judge", "run_dir", "tasks", "eval_tasks")  # (a pathlib.Path is taken too)
+
+
 def _default_trainer() -> TrainerConfig:
     return TrainerConfig(lr=1e-3, micro_batch_size=64, correction=CorrectionConfig.tis())
 
@@ -159,6 +162,10 @@ class WorkbenchConfig:
     def __post_init__(self):
         from .rollout import reference, vllm_engine  # noqa: F401  (import registers the backends)
         from .rollout.engine import ENGINE_BACKENDS
+
+        for name in PATH_FIELDS:  # a pathlib.Path as the text config.json keeps (its repr: never resumable)
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
 
         if self.backend not in ENGINE_BACKENDS:
             raise ConfigError(f"backend {self.backend!r} unknown; registered engines: {sorted(ENGINE_BACKENDS)}")
@@ -271,9 +278,10 @@ def resolved_config(config: WorkbenchConfig | dict | None = None, **overrides) -
     else:
         base = dict(config or {})
     given = _merged(base, overrides)
+    given.update({k: os.fspath(given[k]) for k in PATH_FIELDS if isinstance(given.get(k), os.PathLike)})
     saved = _saved_config(given.get("run_dir")) if given.get("resume") else None
     if saved is not None:
-        if given.get("model", saved.get("model")) != saved.get("model"):
+        if not _same_model(given.get("model", saved.get("model")), saved.get("model")):
             raise ConfigError(f"resume=True: the run in {given['run_dir']!r} trained model {saved.get('model')!r}; "
                               f"its checkpoint cannot continue as {given['model']!r}")
         missing = [k for k in saved.get("_unsaved", []) if k not in given]
@@ -287,13 +295,30 @@ def resolved_config(config: WorkbenchConfig | dict | None = None, **overrides) -
         if "max_model_len" in (given.get("engine_kwargs") or {}):
             restored.pop("max_model_len", None)
         unsaved = set(saved.get("_unsaved", []))  # (what the file could not hold reads changed whatever it was)
-        changed = {k: (restored[k], _jsonable(_plain(given[k]))) for k in restored
-                   if k in given and k not in unsaved and _jsonable(_plain(given[k])) != restored[k]}
-        given = _merged(restored, given)
+        merged, changed = _merged(restored, given), {}
+        for k in restored:
+            before, after = restored[k], _jsonable(_plain(merged.get(k)))
+            if k in given and k not in unsaved and after != before:
+                if isinstance(before, dict) and isinstance(after, dict):  # (a dict given names some fields:
+                    # those that changed, not the whole saved dict as if replaced)
+                    keys = [kk for kk in {**before, **after} if before.get(kk) != after.get(kk)]
+                    before, after = {kk: before.get(kk) for kk in keys}, {kk: after.get(kk) for kk in keys}
+                changed[k] = (before, after)
+        given = merged
         if changed:
             print(f"workbench: resuming {given['run_dir']} with settings of its own: "
                   + "; ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, (a, b) in changed.items()), file=sys.stderr)
     return WorkbenchConfig.from_dict(given)
+
+
+def _same_model(a, b) -> bool:
+    """One model: the same name, or paths to one directory (relative or not)."""
+    if a == b:
+        return True
+    try:
+        return os.path.exists(str(a)) and os.path.exists(str(b)) and os.path.samefile(str(a), str(b))
+    except (OSError, TypeError):
+        return False
 
 
 def _merged(base: dict, over: dict) -> dict:
@@ -358,6 +383,67 @@ def _short(x) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+RUN_DIR_LOCK = ".session.lock"  # in a run directory while a session writes it: {"pid", "host"}
+
+
+def new_run_dir(parent: Path) -> Path:
+    """parent/<date-time>, made now and new: -2, -3, ... when another session made it this second."""
+    base = path = Path(parent) / time.strftime("%Y%m%d-%H%M%S")
+    for k in range(2, 10_000):
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            path = base.with_name(f"{base.name}-{k}")
+    raise ConfigError(f"no new run directory under {str(parent)!r}: give run_dir")
+
+
+def claim_run_dir(run_dir) -> Path:
+    """The session's run directory, made and held for the session's life (released by shutdown).
+    The default, runs/<date-time>, is a new directory (-2, -3, ... when another session of the
+    same second made it); any directory another live session on this machine holds is refused.
+    Two sessions started in one second (a sweep, parallel papermill runs) shared one directory:
+    config.json overwritten, metrics.jsonl interleaved, both saving into one checkpoint/."""
+    import socket
+
+    if run_dir is None:
+        path = new_run_dir(Path("runs"))
+    else:
+        path = Path(run_dir)
+        path.mkdir(parents=True, exist_ok=True)
+    path, host = path.resolve(), socket.gethostname()
+    lock = path / RUN_DIR_LOCK
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            holder = json.loads(lock.read_text())
+            pid, alive = int(holder["pid"]), holder.get("host") == host
+            if alive and pid != os.getpid():
+                os.kill(pid, 0)  # (ProcessLookupError: it ended without releasing it)
+        except (ValueError, KeyError, TypeError, OSError):
+            alive = False  # unreadable, or its session's process is gone: a stale lock, taken over
+        if alive and pid != os.getpid():
+            raise ConfigError(f"run_dir {str(path)!r} is in use by another session (process {pid} on this machine): "
+                              f"choose another run_dir, or shut that session down (a stale {RUN_DIR_LOCK} of a "
+                              f"process that is gone is taken over)") from None
+        fd = os.open(lock, os.O_WRONLY | os.O_TRUNC)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"pid": os.getpid(), "host": host}, f)
+    return path
+
+
+def release_run_dir(path: Path) -> None:
+    """claim_run_dir's lock off (this process's only); the directory too if nothing was written."""
+    lock = path / RUN_DIR_LOCK
+    try:
+        if json.loads(lock.read_text()).get("pid") == os.getpid():
+            lock.unlink()
+        path.rmdir()  # (only if empty: a session that failed to start leaves no directory behind)
+    except (OSError, ValueError):
+        pass
+
+
 class Workbench:
     """One session: engines, rollout runners and the trainer, with handles for each."""
 
@@ -377,8 +463,8 @@ class Workbench:
         self.spec = load_agent(cfg.agent)  # AgentLoadError names what is wrong, before anything starts
         self.task_source = _task_source(cfg.tasks, self.spec, cfg.seed)
         self.eval_tasks = _eval_tasks(cfg.eval_tasks) if cfg.eval_tasks is not None else None
-        self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-        if (self.run_dir / "metrics.jsonl").exists() and not cfg.resume:  # before anything starts
+        self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()  # (claimed below)
+        if cfg.run_dir is not None and (self.run_dir / "metrics.jsonl").exists() and not cfg.resume:  # before anything starts
             raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run (metrics.jsonl): choose another "
                               f"run_dir, or pass resume=True to continue it")
         # (recover_checkpoint: a driver killed while saving left a complete old or new checkpoint beside it)
@@ -401,6 +487,7 @@ class Workbench:
         self._owns_ray = not ray.is_initialized() and address is None
         self.engines, self._rollout, self._trainer = [], None, None
         self.placement = None  # workbench.placement.Placement on a GPU cluster (cfg.placement)
+        self.run_dir = claim_run_dir(cfg.run_dir)  # (released by shutdown, also on a failed start below)
         bar = tqdm(total=4 + cfg.num_engines + bool(cfg.judge), desc="connect", unit="part")
         try:
             bar.set_postfix_str("ray"); init_ray(address); bar.update()
@@ -720,7 +807,7 @@ class Workbench:
         from .tracking import make_loggers
 
         if self.cfg.loggers and not self._loggers:
-            self._loggers = make_loggers(self.cfg.loggers, self.run_dir, _jsonable(dataclasses.asdict(self.cfg)))
+            self._loggers = make_loggers(self.cfg.loggers, self.run_dir, _jsonable(dataclasses.asdict(self.cfg)), self.next_step)
         for logger in list(self._loggers):
             try:
                 logger.log(metrics, int(metrics["step"]))
@@ -758,6 +845,9 @@ class Workbench:
         self.next_step = state["next_step"]
         self.next_position = state.get("data_position")
         kept = self._set_aside(self.next_step)
+        for logger in self._loggers:  # (made before: TensorBoard's files hide the abandoned steps too)
+            if hasattr(logger, "purge_from"):
+                logger.purge_from(self.next_step)
         if not self.history:  # a resumed session: what the run recorded
             self.history = kept
         self.history = [h for h in self.history if h["step"] < self.next_step]
@@ -864,6 +954,7 @@ class Workbench:
             self.placement.remove()
             self.placement = None
         self._shut_down = True  # the handles and widgets say so instead of failing on a None
+        release_run_dir(self.run_dir)
         if self._owns_ray:
             shutdown_ray()
 

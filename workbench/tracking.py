@@ -35,13 +35,22 @@ class TensorBoardLogger:
 
     name = "tensorboard"
 
-    def __init__(self, log_dir: str | Path):
+    def __init__(self, log_dir: str | Path, purge_step: int | None = None):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
         except ImportError as e:
             raise ImportError(f"loggers=['tensorboard'] needs the tensorboard package ({e}): {EXTRA_HINT}") from e
-        self.log_dir = str(log_dir)
-        self.writer = SummaryWriter(log_dir=self.log_dir)
+        self.log_dir, self.writer = str(log_dir), None
+        self.purge_from(purge_step)
+
+    def purge_from(self, step: int | None) -> None:
+        """Write on from `step`: what the event files hold at or after it is hidden (a resumed or
+        restored run trains those steps again; TensorBoard showed both branches, one over the other)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self.writer is not None:
+            self.writer.close()
+        self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=step or None)
 
     def log(self, metrics: dict, step: int) -> None:
         for k, v in scalars(metrics).items():
@@ -96,14 +105,15 @@ class WandbLogger:
         wandb.teardown()
 
 
-def make_loggers(names: list, run_dir: str | Path, config: dict | None = None) -> list:
-    """Loggers for `names` (LOGGERS; an object with log/on_step/close passes through)."""
+def make_loggers(names: list, run_dir: str | Path, config: dict | None = None, next_step: int = 0) -> list:
+    """Loggers for `names` (LOGGERS; an object with log/on_step/close passes through), writing from
+    `next_step` on (TensorBoard hides what its files hold from there: a resumed run's abandoned steps)."""
     out = []
     for n in names:
         if not isinstance(n, str):
             out.append(n)
         elif n == "tensorboard":
-            out.append(TensorBoardLogger(Path(run_dir) / "tensorboard"))
+            out.append(TensorBoardLogger(Path(run_dir) / "tensorboard", next_step))
         elif n == "wandb":
             out.append(WandbLogger(Path(run_dir), config, name=Path(run_dir).name))
         else:
