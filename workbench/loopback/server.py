@@ -671,7 +671,8 @@ class LoopbackServer:
     def _policy_sampling(self, req: ChatRequest, sid: str, call: int = 0) -> tuple[SamplingConfig, list[str]]:
         """The sampling of a recorded turn: the policy's distribution, the agent's max_tokens,
         stop strings, seed (made the session's and the turn's own: session_seed, with the
-        session's engine calls so far, `call`) and ignore_eos. Also the sent
+        session's engine calls so far, `call`) and ignore_eos (which leaves the family's turn-ending
+        tokens stopping the turn: the runner makes them stop tokens of the policy's sampling). Also the sent
         fields that differ from the policy's (override mode counts them; strict mode refuses
         the request here)."""
         p, a = self.policy_sampling, req.sampling
