@@ -105,6 +105,23 @@ def test_statistics_of_a_broken_engine_stay_finite_and_count_what_the_gate_kept(
         assert sum(c.stats["is_weight_hist"]["counts"]) == 3
 
 
+def test_non_finite_log_probs_off_the_trained_tokens_and_an_impossible_token():
+    """Masking by multiplying made inf * 0 = NaN at a position that is not trained: its row was
+    dropped under the geo mask (its only trained token has ratio 1) and its weight NaN under TIS
+    (the update skipped). A token the engine gave -inf has an infinite k3 (inf - inf was NaN, and
+    a NaN kl_k3_stale never warned: NaN > 1 is False)."""
+    from workbench.loop import warn_policy_outran_correction
+
+    behav, trainer = torch.tensor([[0.0, -math.inf, -1.0]]), torch.tensor([[0.0, -2.0, -1.0]])
+    mask, versions = torch.tensor([[0, 0, 1]]), torch.zeros(1, 3, dtype=torch.long)
+    for cfg in (CorrectionConfig(level="geo", mode="mask"), CorrectionConfig.tis(), CorrectionConfig(level="token", mode="clip")):
+        c = correction_weights(trainer, behav, mask, versions, 0, cfg)
+        assert c.weights.tolist() == [[0.0, 0.0, 1.0]] and bool(c.keep[0]), (cfg, c.weights)
+    c = correction_weights(trainer, behav, torch.tensor([[0, 1, 1]]), torch.tensor([[0, 0, 1]]), 1, CorrectionConfig.tis())
+    assert c.stats["kl_k3"] == math.inf and c.stats["kl_k3_stale"] == math.inf
+    assert warn_policy_outran_correction([{"step": 3, "kl_k3_stale": math.nan}])
+
+
 def test_on_policy_batch_is_untouched():
     old, _, mask, versions = batch()
     c = correction_weights(old, old.clone(), mask, versions, 6, CorrectionConfig(max_staleness=None))

@@ -523,8 +523,13 @@ def test_pass_at_k_is_the_unbiased_estimator():
     m = summarize(groups)
     assert m["eval_pass@1"] == pytest.approx((0.25 + 0.75) / 2) and m["eval_pass@2"] == pytest.approx((0.5 + 1.0) / 2)
     assert m["eval_pass@4"] == 1.0 and m["eval_tasks"] == 2 and m["eval_n"] == 4
-    with pytest.raises(ValueError, match="pass@8 needs at least 8 samples per task, got 4"):
+    with pytest.raises(ValueError, match=r"pass@k needs 1 <= k <= n = 4 samples per task; got k = \[8\]"):
         summarize(groups, ks=[8])
+    # checked before any episode runs (after them, the evaluation was lost): no rollout is touched
+    from workbench.evaluation import evaluate
+
+    with pytest.raises(ValueError, match=r"got k = \[0\]"):
+        evaluate(None, [object()], n=4, ks=[1, 0])
     # a reward nobody earned is no measured 0: every episode failed, the mean is None
     failed = [[episode(0.0, error="boom"), episode(0.0, error="boom")]]
     assert summarize(failed)["eval_reward_mean"] is None and summarize(failed)["eval_failed"] == 2

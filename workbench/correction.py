@@ -167,7 +167,9 @@ def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
     with torch.no_grad():
         mask = loss_mask.float()
         m = mask.bool()
-        log_r = (trainer_logprobs.float() - behaviour_logprobs.float()) * mask
+        # (where, not a product: a non-finite log-prob at a position that is not trained made inf * 0 =
+        # NaN there, which dropped its row under a sequence mask and skipped the update under TIS)
+        log_r = torch.where(m, trainer_logprobs.float() - behaviour_logprobs.float(), torch.zeros_like(mask))
         r = torch.exp(log_r)
         n_tok = mask.sum(-1).clamp(min=1)
         B = mask.shape[0]
@@ -204,7 +206,7 @@ def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
             keep &= ~vetoed
         if cfg.enabled and cfg.mode == "mask" and cfg.level != "token":
             keep &= in_band.all(-1)  # the unit is the sequence: its ratio is the same on every token
-        weights = w * mask * keep[:, None].float()
+        weights = torch.where(m & keep[:, None], w, torch.zeros_like(w))
         token_keep = m & keep[:, None]
         if cfg.enabled and cfg.mode == "mask" and cfg.level == "token":
             token_keep &= in_band
@@ -220,7 +222,10 @@ def kl_k3_sum(trainer_lp: torch.Tensor, behaviour_lp: torch.Tensor, loss_mask: t
     of a batch can be merged)."""
     m = loss_mask.bool()
     lr = (trainer_lp.double() - behaviour_lp.double())[m]  # float64: near 0, fp32 rounding would go negative
-    return float((lr.exp() - 1 - lr).sum()), int(m.sum())
+    # r = inf (a token the engine gave -inf: a broken engine) is an infinite k3, not inf - inf = NaN,
+    # which read as no warning (NaN > limit is False) on the very case the statistic is for
+    k3 = torch.where(lr == float("inf"), lr, torch.expm1(lr) - lr)
+    return float(k3.sum()), int(m.sum())
 
 
 def _stats(trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, versions, vetoed) -> dict:

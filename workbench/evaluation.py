@@ -55,6 +55,13 @@ def _mark(groups: list[list]) -> list[list]:
     return groups
 
 
+def check_ks(ks, n: int) -> None:
+    """pass@k for every k in ks needs 1 <= k <= n samples a task."""
+    bad = [k for k in ks if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= n]
+    if bad:
+        raise ValueError(f"pass@k needs 1 <= k <= n = {n} samples per task; got k = {bad}")
+
+
 def summarize(groups: list[list], ks: list[int] | None = None, success_reward: float = 1.0,
               prefix: str = "eval_") -> dict:
     """pass@k (k in ks, default default_ks(n)) over groups of n episodes of one task each, the
@@ -66,8 +73,7 @@ def summarize(groups: list[list], ks: list[int] | None = None, success_reward: f
         raise ValueError("nothing to evaluate: no groups")
     n = min(len(g) for g in groups)
     ks = ks or default_ks(n)
-    if max(ks) > n:
-        raise ValueError(f"pass@{max(ks)} needs at least {max(ks)} samples per task, got {n}")
+    check_ks(ks, n)
     correct = [sum(is_correct(t, success_reward) for t in g[:n]) for g in groups]
     out = {f"{prefix}pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(groups) for k in ks}
     rewards = [t.reward for g in groups for t in g if t.error is None]
@@ -86,6 +92,8 @@ def evaluate(rollout, tasks: list[Task], n: int = 4, greedy_rollout=None, ks: li
     tasks = list(tasks)
     if not tasks:
         raise ValueError("nothing to evaluate: no tasks")
+    if ks:  # before any episode runs (after them, the whole evaluation was lost)
+        check_ks(ks, n)
     t0 = time.time()
     sampled = _mark(rollout.run_groups(tasks, n, progress=False))
     metrics = summarize(sampled, ks, success_reward)

@@ -861,8 +861,9 @@ def warn_policy_outran_correction(history: list[dict], limit: float = STALE_KL_L
     (every reward 0, then no gradient). True when it printed."""
     import sys
 
-    def over(m: dict) -> bool:
-        return (m.get("kl_k3_stale") or 0.0) > limit
+    def over(m: dict) -> bool:  # (NaN is over: a broken engine's statistic)
+        v = m.get("kl_k3_stale")
+        return v is not None and not v <= limit
 
     if not history or not over(history[-1]) or (len(history) > 1 and over(history[-2])):
         return False

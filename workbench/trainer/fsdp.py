@@ -157,7 +157,14 @@ class TrainerConfig:
         if self.aggregation == "constant" and not (isinstance(self.constant_len, int) and self.constant_len > 0):
             raise ValueError("TrainerConfig.aggregation='constant' needs constant_len, a fixed positive length (e.g. the "
                              f"rollout's max tokens per episode), got {self.constant_len!r}")
-        get_surrogate(self.surrogate)  # unknown names fail here, not on the first step
+        surrogate = get_surrogate(self.surrogate)  # unknown names fail here, not on the first step
+        import inspect  # and arguments it does not take (cispo dropped them: `eps_low` did nothing)
+
+        try:
+            inspect.signature(surrogate).bind(*range(5), **self.surrogate_kwargs)
+        except TypeError as e:
+            raise ValueError(f"surrogate_kwargs {self.surrogate_kwargs} do not fit surrogate {self.surrogate!r} ({e}); "
+                             f"it takes {list(inspect.signature(surrogate).parameters)[5:]}") from None
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"TrainerConfig.kl_estimator {self.kl_estimator!r} unknown: {sorted(KL_ESTIMATORS)}")
         if self.kl_coef > 0 and self.kl_estimator == "k1":

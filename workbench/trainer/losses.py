@@ -163,7 +163,7 @@ def ppo_clip(logprobs, old_logprobs, advantages, weights, mask, eps_low: float =
 
 
 @register_surrogate("cispo")
-def cispo(logprobs, old_logprobs, advantages, weights, mask, eps_high: float = 0.2, **_):
+def cispo(logprobs, old_logprobs, advantages, weights, mask, eps_high: float = 0.2):
     """CISPO: REINFORCE on log-probs, scaled by the clipped, stop-gradient ratio: no token's
     gradient is ever zeroed by clipping, its weight is only capped."""
     ratio = torch.exp(logprobs - old_logprobs).detach().clamp(max=1 + eps_high)
