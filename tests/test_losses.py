@@ -172,3 +172,15 @@ def test_kl_penalty_stays_finite_where_nothing_trains(estimator):
     assert torch.isfinite(kl).all() and torch.isfinite(lp.grad).all()
     assert kl[0, 0] == 0 and lp.grad[0, 0] == 0  # nothing from the untrained token
     assert torch.allclose(kl[0, 1], KL_ESTIMATORS[estimator](torch.tensor(0.2)))  # the trained one as before
+
+
+def test_surrogate_arguments_are_checked_when_the_config_is_made():
+    """cispo took any keyword and dropped it (eps_low, as verl and MiniMax name a lower clip, did
+    nothing); ppo_clip and gspo raised at the first train step, after a rollout."""
+    from workbench.trainer.fsdp import TrainerConfig
+
+    with pytest.raises(ValueError, match=r"do not fit surrogate 'cispo' .* it takes \['eps_high'\]"):
+        TrainerConfig(surrogate="cispo", surrogate_kwargs={"eps_low": 0.2})
+    with pytest.raises(ValueError, match=r"do not fit surrogate 'ppo_clip' .* it takes \['eps_low', 'eps_high'\]"):
+        TrainerConfig(surrogate_kwargs={"eps": 0.2})
+    assert TrainerConfig(surrogate="gspo", surrogate_kwargs={"eps_low": 1e-3}).surrogate_kwargs == {"eps_low": 1e-3}
