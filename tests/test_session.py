@@ -101,6 +101,14 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
         assert wb.next_step == 3
         assert wb.restore(path)["next_step"] == 2 and wb.next_step == 2
         assert wb.trainer.version > v  # restoring syncs the engines under a new version
+        # another checkpoint restored: the run's own checkpoint/, past it, holds the abandoned branch's
+        # weights (a resume would continue from them beside the new branch's record): set aside too
+        named = wb.save(str(tmp_path / "named"))
+        wb.run(1, background=False, progress=False, checkpoint_every=1)
+        assert json.loads((tmp_path / "run" / "checkpoint" / "run_state.json").read_text())["next_step"] == 3
+        assert wb.restore(named)["next_step"] == 2 and not (tmp_path / "run" / "checkpoint").exists()
+        assert [p.name for p in (tmp_path / "run" / "abandoned").glob("*/checkpoint")] != []
+        wb.save()  # (the resume below starts from it)
         wb.rollout.last_groups = None
         with pytest.raises(LookupError, match="no groups to train on"):
             wb.trainer.step()
@@ -121,9 +129,9 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
         lines = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert lines == [0, 1, 2]  # step 2 re-run from the checkpoint taken before it
         # the first step 2 (trained after that checkpoint, abandoned by wb.restore) was set aside, not deleted
-        [aside] = list((tmp_path / "run" / "abandoned").iterdir())
-        assert [json.loads(x)["step"] for x in (aside / "metrics.jsonl").read_text().splitlines()] == [2]
-        assert [p.name for p in (aside / "trajectories").iterdir()] == ["step_00002.parquet"]
+        asides = sorted((tmp_path / "run" / "abandoned").iterdir())  # (by wb.restore(path), wb.restore(named))
+        assert len(asides) == 2 and all((a / "trajectories" / "step_00002.parquet").exists() for a in asides)
+        assert all([json.loads(x)["step"] for x in (a / "metrics.jsonl").read_text().splitlines()] == [2] for a in asides)
     finally:
         again.shutdown()
     import ray

@@ -796,7 +796,10 @@ def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpo
     warn_no_signal(history)
     if on_step is not None:  # the record first (a metrics line): a checkpoint past it would resume after a step never logged
         on_step(metrics)
-    if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
+    # every checkpoint_every steps, and the run's last (its end, or a stop: a resume redid the steps
+    # since the last multiple)
+    last = step + 1 == cfg.steps or stop.is_set()
+    if checkpoint_dir and checkpoint_every and ((step + 1) % checkpoint_every == 0 or last):
         save_checkpoint(trainer, checkpoint_dir, {"next_step": step + 1, "data_position": metrics["data_next"]})
     if sync_error is not None:
         raise sync_error

@@ -844,7 +844,7 @@ class Workbench:
         state = self._trainer.restore(path)
         self.next_step = state["next_step"]
         self.next_position = state.get("data_position")
-        kept = self._set_aside(self.next_step)
+        kept = self._set_aside(self.next_step, self._other_branch_checkpoint(path))
         for logger in self._loggers:  # (made before: TensorBoard's files hide the abandoned steps too)
             if hasattr(logger, "purge_from"):
                 logger.purge_from(self.next_step)
@@ -854,12 +854,26 @@ class Workbench:
         self.sync()
         return state
 
-    def _set_aside(self, next_step: int) -> list[dict]:
+    def _other_branch_checkpoint(self, restored: str) -> Path | None:
+        """The run's own checkpoint/ when another one was restored and it is past that one's step:
+        it holds the abandoned branch's weights, which a resume (resume=True reads checkpoint/)
+        would have continued from, beside the new branch's record."""
+        own = self.run_dir / "checkpoint"
+        if Path(restored).resolve() == own.resolve() or not recover_checkpoint(str(own)):
+            return None
+        try:
+            later = json.loads((own / "run_state.json").read_text())["next_step"] > self.next_step
+        except (OSError, ValueError, KeyError, TypeError):
+            later = False
+        return own if later else None
+
+    def _set_aside(self, next_step: int, checkpoint: Path | None = None) -> list[dict]:
         """Move the record of steps >= next_step (metrics.jsonl lines, a torn last line included,
         trajectories/step_*.parquet, eval.jsonl lines of the weights after such a step) and the
         policies kept for steps > next_step (the weights they start from are the abandoned
         branch's: wb.revisit paired a re-run step's trajectories with them) into
-        abandoned/<time>/; nothing is deleted. Returns the metrics that stay."""
+        abandoned/<time>/, with `checkpoint` (the abandoned branch's, _other_branch_checkpoint);
+        nothing is deleted. Returns the metrics that stay."""
         metrics, traj = self.run_dir / "metrics.jsonl", self.run_dir / "trajectories"
         kept, keep_lines, drop_lines = [], [], []
         evals = self.run_dir / "eval.jsonl"
@@ -886,7 +900,7 @@ class Workbench:
             else:
                 drop_lines.append(line)
         files = sorted(p for p in traj.glob("step_*.parquet") if p.stem[5:].isdigit() and int(p.stem[5:]) >= next_step)
-        if not drop_lines and not files and not eval_drop and not policies:
+        if not drop_lines and not files and not eval_drop and not policies and checkpoint is None:
             return kept
         stamp = time.strftime("%Y%m%d-%H%M%S")
         dest = self.run_dir / "abandoned" / stamp
@@ -903,6 +917,8 @@ class Workbench:
             (dest / "policies").mkdir()
             for p in policies:
                 os.replace(p, dest / "policies" / p.name)
+        if checkpoint is not None:
+            os.replace(checkpoint, dest / "checkpoint")
         if eval_drop:
             (dest / "eval.jsonl").write_text("\n".join(eval_drop) + "\n")
             tmp = evals.with_name("eval.jsonl.tmp")
@@ -1162,7 +1178,10 @@ class RunHandle:
             metrics_file.write(json.dumps(_jsonable(m)) + "\n")
             metrics_file.flush()
             self.views.on_step(m)  # guarded: a failing view is detached, training goes on
-            if self.checkpoint_every and wb.next_step % self.checkpoint_every == 0:
+            # every checkpoint_every steps and the run's last (its end, or wb.stop(): a resume redid the
+            # steps since the last multiple)
+            last = wb.next_step == self.cfg.steps or self._stop.is_set()
+            if self.checkpoint_every and (wb.next_step % self.checkpoint_every == 0 or last):
                 save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), wb._run_state())
             self._keep_policy(wb.next_step)
 
