@@ -192,6 +192,10 @@ ANTHROPIC_CASES = [
      "output_config.effort is 'low'", None),
     ("output_config.format", json.dumps({"max_tokens": 4, "messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {}}}}),
      "output_config.format is not supported", None),
+    ("MCP servers", json.dumps({"max_tokens": 4, "messages": USER, "mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}),
+     "'mcp_servers' is not supported", None),
+    ("context editing", json.dumps({"max_tokens": 4, "messages": USER, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}),
+     "'context_management' is not supported", None),
     ("tool_use_id an object", json.dumps({"max_tokens": 4, "messages": USER + [
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "calc", "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": {"a": 1}, "content": "5"}]}]}), "tool_use_id must be a string", None),

@@ -380,6 +380,14 @@ def check_template_controls(body: dict, template_kwargs: dict, thinks: bool = Fa
     if body.get("documents"):
         raise RequestError(400, "'documents' is not supported: every turn renders the conversation's messages and tools "
                                 "only", param="documents")
+    # Anthropic's server-side extras that change the prompt or the tools (accepted and ignored, the
+    # agent believed old tool results cleared, or MCP tools offered, which the policy never saw)
+    if body.get("mcp_servers"):
+        raise RequestError(400, "'mcp_servers' is not supported: declare the tools the agent runs in 'tools'",
+                           param="mcp_servers")
+    if body.get("context_management"):
+        raise RequestError(400, "'context_management' is not supported: every turn renders the messages sent (edit "
+                                "them in the agent to clear old tool results)", param="context_management")
     if want(body, "continue_final_message", bool, default=False) or not want(body, "add_generation_prompt", bool, default=True):
         name = "continue_final_message" if body.get("continue_final_message") else "add_generation_prompt"
         raise RequestError(400, f"'{name}' is not supported: a turn always opens a new assistant message "
