@@ -124,6 +124,11 @@ def test_task_records_keep_what_they_say():
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
     t = task_from_record({"prompt": chat, "label": 5, "answer": "five", "id": None})
     assert t.messages == chat and t.label == 5 and t.info == {"answer": "five"} and t.id != "None"
+    # a list's task without an id is known by its place, the same in every process (resumes included)
+    from workbench.data import tasks_from_list
+
+    assert [t.id for t in tasks_from_list([{"prompt": "a"}, {"prompt": "b", "id": "x"}, {"prompt": "c", "id": ""}])] == \
+        ["item-0", "x", "item-2"]
     t = task_from_record({"prompt": [{"role": "user", "content": "Hi"}], "system": "S"})
     assert t.messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
     # a system column beside a messages column is the system message (it was left in info, unseen)
@@ -166,6 +171,9 @@ def test_files_as_their_writers_write_them(tmp_path):
     csv_file = tmp_path / "t.csv"
     csv_file.write_bytes("prompt,label\r\nwhat is 2+2?,4\r\n".encode("utf-8-sig"))
     assert load_records(csv_file) == [{"prompt": "what is 2+2?", "label": "4"}]
+    # an empty id cell is no id: the row's place names the task (a random id changed at every resume)
+    csv_file.write_text("id,prompt,label\n,a,1\nq7,b,2\n")
+    assert [t.id for t in load_tasks(csv_file)] == ["t:0", "q7"]
 
 
 def test_held_out_tasks_and_prompt_columns(tmp_path):

@@ -64,7 +64,14 @@ def task_from_record(record: dict, where: str = "record") -> Task:
 
 
 def tasks_from_list(records: Iterable[dict | Task]) -> list[Task]:
-    return [r if isinstance(r, Task) else task_from_record(r, f"item {i}") for i, r in enumerate(records)]
+    """Tasks of a list: a dict without an id gets its place ("item-3"), the same in every process
+    (a random one changed at every resume, and the record's task_id with it)."""
+    out = []
+    for i, r in enumerate(records):
+        if isinstance(r, dict) and r.get("id") in (None, ""):
+            r = {**r, "id": f"item-{i}"}
+        out.append(r if isinstance(r, Task) else task_from_record(r, f"item {i}"))
+    return out
 
 
 # ----------------------------------------------------------------------------- files with a field mapping
@@ -220,7 +227,8 @@ def load_tasks(path: str | Path, fields: str | dict | None = None, template: str
                 record["label"] = final_answer(record["label"], marker)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
-        record.setdefault("id", f"{path.stem}:{i}")
+        if record.get("id") in (None, ""):  # (an empty CSV cell too: a random id, another in every process)
+            record["id"] = f"{path.stem}:{i}"
         task = task_from_record(record, where)
         task.info.update(aside)
         tasks.append(task)
