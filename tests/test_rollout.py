@@ -525,16 +525,28 @@ def test_a_runner_dropped_as_unavailable_is_killed(rollout_for):
 class SlowEngine:
     """An engine actor that answers after a minute (a fake: a runaway reply)."""
 
+    def __init__(self):
+        self.cancelled = 0
+
     async def generate(self, *args):
         import asyncio
 
-        await asyncio.sleep(60)
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def cancelled_calls(self):
+        return self.cancelled
 
 
 def test_a_finished_episode_does_not_wait_for_a_turn_its_agent_gave_up(rollout_for):
     """An agent that gives up on a slow reply and returns its reward has finished: closing its
     session waited for the abandoned turn up to the request timeout (600 s), holding the group's
-    slot, and the reply was thrown away. The wait is bounded by the episode's own time."""
+    slot, and the reply was thrown away. The wait is bounded by the episode's own time, and the
+    turn is cancelled in the engine (uvicorn does not cancel a request whose client left: it
+    sampled on to max_tokens)."""
     slow = SlowEngine.remote()
     try:
         rollout = rollout_for(AGENTS / "giving_up.py", engines=[slow], episode_timeout_s=2)
@@ -542,6 +554,10 @@ def test_a_finished_episode_does_not_wait_for_a_turn_its_agent_gave_up(rollout_f
         t = rollout.run_groups([Task([{"role": "user", "content": "Say something."}])], progress=False)[0][0]
         assert time.monotonic() - t0 < 30  # (the episode's 2 s and start-up; the reply would take 60)
         assert (t.error, t.reward, t.info.get("gave_up")) == (None, 1.0, True)
+        deadline = time.monotonic() + 20
+        while ray.get(slow.cancelled_calls.remote()) == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ray.get(slow.cancelled_calls.remote()) == 1
     finally:
         ray.kill(slow)
 

@@ -321,6 +321,10 @@ class LoopbackServer:
         # session -> (request key, reply, record) of a reply sampled for a client that had gone:
         # recorded only if that request's retry takes it (_session_turn)
         self._undelivered: dict[str, tuple] = {}
+        # session -> the tasks of its turns waiting for the engine: cancelled when the session closes
+        # without waiting for them (a timed-out episode, a turn its agent left behind), so that the
+        # engine stops sampling them (uvicorn does not cancel a request whose client has gone)
+        self._engine_waits: dict[str, set] = {}
         self.stats = ServerStats()
         self.created = int(time.time())
         self._thread = self._server = self.loop = None
@@ -437,6 +441,10 @@ class LoopbackServer:
     def _finish(self, session_id: str) -> tuple[list[Segment], dict]:
         if hasattr(self.engine, "release"):
             self.engine.release(session_id)
+        waits = self._engine_waits.pop(session_id, ())  # turns nobody will record: the engine stops them
+        for task in waits:
+            if task is not asyncio.current_task():  # (waits are only ever on the server's running loop)
+                task.cancel()
         acc = self.sessions.pop(session_id)
         if self._undelivered.pop(session_id, None) is not None:  # a reply its client never took
             self.stats.undelivered += 1
@@ -738,6 +746,8 @@ class LoopbackServer:
                 return Reply(finish="length", prompt_tokens=len(plan.prompt_ids), truncated=True), 0.0
             t = time.perf_counter()
             acc.engine_calls += 1  # the next turn's seed differs (session_seed)
+            waiting = self._engine_waits.setdefault(sid, set())
+            waiting.add(asyncio.current_task())
             try:
                 sample = finished(await call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts, req.feed))
             except BaseException as e:
@@ -745,6 +755,8 @@ class LoopbackServer:
                 if isinstance(e, Exception):
                     raise EngineCallFailed(e) from e
                 raise
+            finally:
+                waiting.discard(asyncio.current_task())
             engine_s = time.perf_counter() - t
             if self.sessions.get(sid) is not acc:  # closed meanwhile (episode timed out): drop
                 raise RequestError(404, f"session {sid!r} was closed while this request was in flight")
