@@ -774,7 +774,16 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     finally:
         stop.set()
         producer.join()  # an in-flight rollout finishes (episodes have timeouts); its batch is dropped
+    checkpoint_at_end(trainer, checkpoint_dir, checkpoint_every, history, first)
     return history
+
+
+def checkpoint_at_end(trainer, checkpoint_dir, checkpoint_every: int, history: list[dict], first: int) -> None:
+    """The run's last step, where checkpoint_every did not save it: at its end, or after a stop
+    (which may come during the next step's rollout). A resume redid the steps since the last multiple."""
+    last = history[-1] if history else None
+    if checkpoint_dir and checkpoint_every and last is not None and last["step"] >= first and (last["step"] + 1) % checkpoint_every:
+        save_checkpoint(trainer, checkpoint_dir, {"next_step": last["step"] + 1, "data_position": last["data_next"]})
 
 
 def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpoint_dir, checkpoint_every, stop,
@@ -796,10 +805,7 @@ def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpo
     warn_no_signal(history)
     if on_step is not None:  # the record first (a metrics line): a checkpoint past it would resume after a step never logged
         on_step(metrics)
-    # every checkpoint_every steps, and the run's last (its end, or a stop: a resume redid the steps
-    # since the last multiple)
-    last = step + 1 == cfg.steps or stop.is_set()
-    if checkpoint_dir and checkpoint_every and ((step + 1) % checkpoint_every == 0 or last):
+    if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:  # (and the run's last: checkpoint_at_end)
         save_checkpoint(trainer, checkpoint_dir, {"next_step": step + 1, "data_position": metrics["data_next"]})
     if sync_error is not None:
         raise sync_error
@@ -1100,6 +1106,7 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
     finally:
         stop.set()
         stream.thread.join()
+    checkpoint_at_end(trainer, checkpoint_dir, checkpoint_every, history, first)
     return history
 
 

@@ -1178,10 +1178,7 @@ class RunHandle:
             metrics_file.write(json.dumps(_jsonable(m)) + "\n")
             metrics_file.flush()
             self.views.on_step(m)  # guarded: a failing view is detached, training goes on
-            # every checkpoint_every steps and the run's last (its end, or wb.stop(): a resume redid the
-            # steps since the last multiple)
-            last = wb.next_step == self.cfg.steps or self._stop.is_set()
-            if self.checkpoint_every and (wb.next_step % self.checkpoint_every == 0 or last):
+            if self.checkpoint_every and wb.next_step % self.checkpoint_every == 0:  # (and the run's last: below)
                 save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), wb._run_state())
             self._keep_policy(wb.next_step)
 
@@ -1195,6 +1192,10 @@ class RunHandle:
                      teacher_engines=wb._teacher[1] if wb._teacher and self.cfg.advantage in PER_TOKEN_ADVANTAGES else None,
                      on_groups=lambda step, groups: write_trajectories([t for g in groups for t in g],
                                                                        wb.run_dir / "trajectories" / f"step_{step:05d}.parquet"))
+            # the run's last step, where checkpoint_every did not save it: its end, or wb.stop() (which
+            # may come during the next step's rollout); a resume redid the steps since the last multiple
+            if self.checkpoint_every and wb.next_step > self.first_step and wb.next_step % self.checkpoint_every:
+                save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), wb._run_state())
         except BaseException as e:  # kept for wait() to raise; what was recorded stays recorded
             self.error = e
             import sys
