@@ -276,7 +276,8 @@ def test_a_run_directory_is_held_by_one_session(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("time.strftime", lambda fmt, *a: "20261206-101010")
-    first, second = claim_run_dir(None), claim_run_dir(None)
+    first_claim, second_claim = claim_run_dir(None), claim_run_dir(None)
+    first, second = first_claim.path, second_claim.path
     assert (first.name, second.name) == ("20261206-101010", "20261206-101010-2")
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -287,8 +288,15 @@ def test_a_run_directory_is_held_by_one_session(tmp_path, monkeypatch):
     finally:
         other.kill()
         other.wait()
-    assert claim_run_dir(first) == first  # its process gone: a stale lock, taken over
+    taken = claim_run_dir(first)  # its process gone: a stale lock, taken over
+    assert taken.path == first and not taken.created
+    release_run_dir(first_claim)  # (an earlier claim of this process: the later one's lock stays)
+    assert json.loads((first / RUN_DIR_LOCK).read_text())["token"] == taken.token
     (first / "metrics.jsonl").write_text("{}\n")
-    release_run_dir(first)
-    release_run_dir(second)
+    release_run_dir(taken)
+    release_run_dir(second_claim)
     assert not (first / RUN_DIR_LOCK).exists() and (first / "metrics.jsonl").exists() and not second.exists()
+    made = tmp_path / "made_by_the_user"  # an empty directory the user made stays
+    made.mkdir()
+    release_run_dir(claim_run_dir(made))
+    assert made.is_dir() and not any(made.iterdir())

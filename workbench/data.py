@@ -28,10 +28,7 @@ def task_from_record(record: dict, where: str = "record") -> Task:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError(f"{where}: 'messages' must be a list of chat messages with a 'role'")
         messages = [dict(m) for m in messages]
-        if "system" in r:  # (left in info, the model never saw it)
-            if any(m["role"] == "system" for m in messages):
-                raise ValueError(f"{where}: both a 'system' field and a system message in 'messages': keep one")
-            messages.insert(0, {"role": "system", "content": str(r.pop("system"))})
+        _system_into(messages, r, "messages", where)
     elif "prompt" in r:
         prompt = r.pop("prompt")
         if isinstance(prompt, list):
@@ -40,10 +37,7 @@ def task_from_record(record: dict, where: str = "record") -> Task:
             if not all(isinstance(m, dict) and "role" in m for m in prompt):
                 raise ValueError(f"{where}: a list 'prompt' must be chat messages with a 'role'")
             messages = [dict(m) for m in prompt]
-            if "system" in r:
-                if any(m["role"] == "system" for m in messages):
-                    raise ValueError(f"{where}: both a 'system' field and a system message in 'prompt': keep one")
-                messages.insert(0, {"role": "system", "content": str(r.pop("system"))})
+            _system_into(messages, r, "prompt", where)
         elif isinstance(prompt, (str, int, float)) and not isinstance(prompt, bool):
             messages = [{"role": "user", "content": str(prompt)}]
             if "system" in r:
@@ -61,6 +55,19 @@ def task_from_record(record: dict, where: str = "record") -> Task:
     if task_id:
         t.id = task_id
     return t
+
+
+def _system_into(messages: list[dict], record: dict, field: str, where: str) -> None:
+    """A record's `system` field as the conversation's system message (left in info, the model never
+    saw it); an empty one (a nullable column) is none, one equal to the conversation's own is it."""
+    system = record.pop("system", None)
+    if system is None or not str(system).strip():
+        return
+    own = [m.get("content") for m in messages if m["role"] == "system"]
+    if own and own != [str(system)]:
+        raise ValueError(f"{where}: a 'system' field and another system message in {field!r}: keep one")
+    if not own:
+        messages.insert(0, {"role": "system", "content": str(system)})
 
 
 def tasks_from_list(records: Iterable[dict | Task]) -> list[Task]:

@@ -16,6 +16,7 @@ never trains (asserted there, and tested end to end).
 
 from __future__ import annotations
 
+import numbers
 import time
 from math import comb
 
@@ -57,7 +58,7 @@ def _mark(groups: list[list]) -> list[list]:
 
 def check_ks(ks, n: int) -> None:
     """pass@k for every k in ks needs 1 <= k <= n samples a task."""
-    bad = [k for k in ks if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= n]
+    bad = [k for k in ks if not isinstance(k, numbers.Integral) or isinstance(k, bool) or not 1 <= k <= n]
     if bad:
         raise ValueError(f"pass@k needs 1 <= k <= n = {n} samples per task; got k = {bad}")
 

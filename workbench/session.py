@@ -12,6 +12,7 @@ A session writes its run directory (`WorkbenchConfig.run_dir`): config.json, met
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -398,20 +399,30 @@ def new_run_dir(parent: Path) -> Path:
     raise ConfigError(f"no new run directory under {str(parent)!r}: give run_dir")
 
 
-def claim_run_dir(run_dir) -> Path:
+@dataclass
+class RunDirClaim:
+    """A session's hold on its run directory (claim_run_dir; release_run_dir lets go)."""
+    path: Path
+    token: str  # this session's own, in the lock file: a release removes only its own lock
+    created: bool  # made by the claim: removed on release if still empty (a start that failed)
+
+
+def claim_run_dir(run_dir) -> RunDirClaim:
     """The session's run directory, made and held for the session's life (released by shutdown).
     The default, runs/<date-time>, is a new directory (-2, -3, ... when another session of the
-    same second made it); any directory another live session on this machine holds is refused.
+    same second made it); a directory another live session on this machine holds is refused.
     Two sessions started in one second (a sweep, parallel papermill runs) shared one directory:
     config.json overwritten, metrics.jsonl interleaved, both saving into one checkpoint/."""
     import socket
+    import uuid
 
     if run_dir is None:
-        path = new_run_dir(Path("runs"))
+        path, created = new_run_dir(Path("runs")), True
     else:
         path = Path(run_dir)
+        created = not path.exists()
         path.mkdir(parents=True, exist_ok=True)
-    path, host = path.resolve(), socket.gethostname()
+    path, host, token = path.resolve(), socket.gethostname(), uuid.uuid4().hex
     lock = path / RUN_DIR_LOCK
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -420,28 +431,37 @@ def claim_run_dir(run_dir) -> Path:
             holder = json.loads(lock.read_text())
             pid, alive = int(holder["pid"]), holder.get("host") == host
             if alive and pid != os.getpid():
-                os.kill(pid, 0)  # (ProcessLookupError: it ended without releasing it)
+                os.kill(pid, 0)  # ProcessLookupError: it ended without releasing it
+        except PermissionError:  # (another user's live process)
+            alive = True
         except (ValueError, KeyError, TypeError, OSError):
             alive = False  # unreadable, or its session's process is gone: a stale lock, taken over
+        # (a session of this process holding it too: the later one takes it, as a notebook re-running
+        # its connect cell does; the earlier one's release leaves the later one's lock alone)
         if alive and pid != os.getpid():
             raise ConfigError(f"run_dir {str(path)!r} is in use by another session (process {pid} on this machine): "
-                              f"choose another run_dir, or shut that session down (a stale {RUN_DIR_LOCK} of a "
-                              f"process that is gone is taken over)") from None
+                              f"choose another run_dir, or shut that session down (if that process is no session "
+                              f"of this run, delete {str(lock)!r})") from None
         fd = os.open(lock, os.O_WRONLY | os.O_TRUNC)
     with os.fdopen(fd, "w") as f:
-        json.dump({"pid": os.getpid(), "host": host}, f)
-    return path
+        json.dump({"pid": os.getpid(), "host": host, "token": token}, f)
+    return RunDirClaim(path, token, created)
 
 
-def release_run_dir(path: Path) -> None:
-    """claim_run_dir's lock off (this process's only); the directory too if nothing was written."""
-    lock = path / RUN_DIR_LOCK
+def release_run_dir(claim: RunDirClaim | None) -> None:
+    """claim_run_dir's lock off (its own only), and the directory if the claim made it and it is
+    still empty (a session that failed to start leaves none behind)."""
+    if claim is None:
+        return
+    lock = claim.path / RUN_DIR_LOCK
     try:
-        if json.loads(lock.read_text()).get("pid") == os.getpid():
+        if json.loads(lock.read_text()).get("token") == claim.token:
             lock.unlink()
-        path.rmdir()  # (only if empty: a session that failed to start leaves no directory behind)
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         pass
+    if claim.created:
+        with contextlib.suppress(OSError):
+            claim.path.rmdir()  # (only if empty)
 
 
 class Workbench:
@@ -463,14 +483,22 @@ class Workbench:
         self.spec = load_agent(cfg.agent)  # AgentLoadError names what is wrong, before anything starts
         self.task_source = _task_source(cfg.tasks, self.spec, cfg.seed)
         self.eval_tasks = _eval_tasks(cfg.eval_tasks) if cfg.eval_tasks is not None else None
-        self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()  # (claimed below)
-        if cfg.run_dir is not None and (self.run_dir / "metrics.jsonl").exists() and not cfg.resume:  # before anything starts
-            raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run (metrics.jsonl): choose another "
-                              f"run_dir, or pass resume=True to continue it")
-        # (recover_checkpoint: a driver killed while saving left a complete old or new checkpoint beside it)
-        if cfg.resume and not recover_checkpoint(str(self.run_dir / "checkpoint")):
-            raise ConfigError(f"resume=True, but {str(self.run_dir)!r} has no checkpoint/ to resume from "
-                              f"(wb.save() writes one; wb.run(..., checkpoint_every=N) too)")
+        # held from here (before a resume touches its checkpoint: another live session may be writing it)
+        self._run_dir_claim = claim_run_dir(cfg.run_dir)
+        self.run_dir = self._run_dir_claim.path
+        try:  # (a check refusing it lets it go)
+            if (self.run_dir / "metrics.jsonl").exists() and not cfg.resume:  # before anything starts
+                raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run (metrics.jsonl): choose another "
+                                  f"run_dir, or pass resume=True to continue it")
+            # (recover_checkpoint: a driver killed while saving left a complete old or new checkpoint beside it)
+            if cfg.resume and not recover_checkpoint(str(self.run_dir / "checkpoint")):
+                raise ConfigError(f"resume=True, but {str(self.run_dir)!r} has no checkpoint/ to resume from "
+                                  f"(wb.save() writes one; wb.run(..., checkpoint_every=N) too)")
+            address = address or os.environ.get("RAY_ADDRESS")  # the cluster kernel sets it
+            check_ray_address(address)  # a non-local cluster only with its token, refused before anything starts
+        except BaseException:
+            release_run_dir(self._run_dir_claim)
+            raise
         self.history: list[dict] = []  # every RL step's metrics, across run() calls
         self.next_step = 0
         self.next_position: int | None = None  # the data position after next_step - 1 (None: next_step x prompts)
@@ -482,12 +510,9 @@ class Workbench:
         self._run: RunHandle | None = None
         self._broken: str | None = None  # why the session can no longer train (its trainer group died)
         self._shut_down = False
-        address = address or os.environ.get("RAY_ADDRESS")  # the cluster kernel sets it
-        check_ray_address(address)  # a non-local cluster only with its token, refused before anything starts
         self._owns_ray = not ray.is_initialized() and address is None
         self.engines, self._rollout, self._trainer = [], None, None
         self.placement = None  # workbench.placement.Placement on a GPU cluster (cfg.placement)
-        self.run_dir = claim_run_dir(cfg.run_dir)  # (released by shutdown, also on a failed start below)
         bar = tqdm(total=4 + cfg.num_engines + bool(cfg.judge), desc="connect", unit="part")
         try:
             bar.set_postfix_str("ray"); init_ray(address); bar.update()
@@ -970,7 +995,7 @@ class Workbench:
             self.placement.remove()
             self.placement = None
         self._shut_down = True  # the handles and widgets say so instead of failing on a None
-        release_run_dir(self.run_dir)
+        release_run_dir(self._run_dir_claim)
         if self._owns_ray:
             shutdown_ray()
 

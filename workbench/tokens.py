@@ -601,8 +601,8 @@ class Accumulator:
                     return TurnPlan(seg.token_ids + delta, msgs, tools, text, len(delta), False, None, window_start=start)
                 # the agent's own change (tools dropped for a final "now answer" request), not the
                 # template's: labelled the template's, the audit never flagged it
-                last_tools = self._last_request[1] if self._last_request is not None else tools
-                reason = "tools_changed" if (last_tools or None) != (tools or None) else "template_rewrite"
+                # (the segment's: its last recorded turn's tools, whatever request failed since)
+                reason = "tools_changed" if (seg.tools or None) != (tools or None) else "template_rewrite"
         full, ids = self.fmt.prompt(msgs, tools)
         return TurnPlan(ids, msgs, tools, full, len(ids), True, reason, beside=beside and seg is not None)
 

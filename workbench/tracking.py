@@ -50,7 +50,7 @@ class TensorBoardLogger:
 
         if self.writer is not None:
             self.writer.close()
-        self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=step or None)
+        self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=step)  # (0 too: a restore to the start)
 
     def log(self, metrics: dict, step: int) -> None:
         for k, v in scalars(metrics).items():

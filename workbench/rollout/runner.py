@@ -160,7 +160,8 @@ class RolloutRunner:
             # timeout, 600 s, past the episode's): only a finished episode's turns all count, and
             # those within the episode's time (a turn its agent gave up on held the group's slot
             # up to the request timeout, its reply thrown away)
-            wait = max(0.0, self.episode_timeout_s - (loop.time() - started)) if error is None else False
+            wait = False if error is not None else True if self.episode_timeout_s is None else \
+                max(0.0, self.episode_timeout_s - (loop.time() - started))
             segments, state = await self.server.close_session_async(sid, wait=wait, details=True)
             return Trajectory(segments, reward, group_id, episode_id, {**info, "task_id": task.id}, error,
                               truncated=state["truncated"] or cut)
