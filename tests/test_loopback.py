@@ -441,7 +441,7 @@ def test_bad_input_gets_protocol_errors_and_loses_nothing(server):
     acases = [
         (aurl, akey, b"{oops", 400, "not valid JSON"),
         (aurl, akey, json.dumps({"messages": msgs}).encode(), 400, "max_tokens"),
-        (aurl, akey, json.dumps({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}).encode(), 400, "unknown role"),
+        (aurl, akey, json.dumps({"max_tokens": 5, "messages": [{"role": "developer", "content": "x"}]}).encode(), 400, "unknown role"),
         (aurl, akey, json.dumps({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}).encode(), 400, "unsupported block"),
         (aurl, {"x-api-key": "nope"}, json.dumps({"max_tokens": 5, "messages": msgs}).encode(), 401, "API key"),
         (server.base_url("nosuch", "anthropic") + "/v1/messages", akey, json.dumps({"max_tokens": 5, "messages": msgs}).encode(), 404, "unknown session"),
