@@ -134,6 +134,7 @@ def test_on_policy_batch_is_untouched():
     ({"low": 1.2, "high": 1.1}, "low <= high"),
     ({"low": 1.01, "high": 1.05}, "excludes 1.0"),
     ({"max_staleness": -1}, "max_staleness"),
+    ({"mode": "trunc", "low": 0.0, "high": 0.8}, "trunc cap of 0.8 \\(< 1\\)"),
 ])
 def test_meaningless_configs_are_refused(kwargs, match):
     with pytest.raises(CorrectionConfigError, match=match):

@@ -82,6 +82,8 @@ class CorrectionConfig:
         if self.mode in ("mask", "clip") and not self.low <= 1.0 <= self.high:
             raise CorrectionConfigError(
                 f"a {self.mode} band [{self.low}, {self.high}] that excludes 1.0 rejects even perfectly on-policy tokens")
+        if self.mode == "trunc" and self.high < 1.0:
+            raise CorrectionConfigError(f"a trunc cap of {self.high} (< 1) weighs even perfectly on-policy tokens down to it")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise CorrectionConfigError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
         if self.kept_weight not in KEPT_WEIGHTS:
