@@ -153,6 +153,10 @@ def test_b_loopback_hermes_parser_on_qwen3(fams):
     cut = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro')
     assert parse_hermes(cut) == (cut, [])
+    # a reply ended by the stop string "</tool_call>" (an agent asking for one call a turn) holds
+    # its last call whole but unclosed: a call, as vLLM's hermes reads it (it was text)
+    stopped = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    assert parse_hermes(stopped) == ("Checking.", [{"name": "get_weather", "arguments": {"city": "Paris"}}])
     whole = Reply("length", 10, tool_calls=[{"id": "c1", "name": "now", "arguments": {}}])
     assert (openai_api._finish(whole), anthropic_api._stop_reason(whole)) == ("length", "max_tokens")
     whole.finish = "stop"

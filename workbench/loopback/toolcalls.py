@@ -36,11 +36,22 @@ def parse_hermes(text: str) -> tuple[str, list[dict]]:
     Qwen's syntax). If any block is not a JSON object with a string "name", nothing is parsed:
     the whole text stays content, as the model wrote it."""
     blocks = _HERMES.findall(text)
-    if not blocks or "<tool_call>" in _HERMES.sub("", text):
-        # (an unclosed block after the complete ones: a reply cut by max_tokens mid-call. Parsed,
-        # the agent ran the first calls and got the cut one's markup as text, and the next turn
-        # rendered the calls before that text, an order the policy never sampled; vLLM's hermes
-        # also leaves such a reply content)
+    rest = _HERMES.sub("", text)
+    if "<tool_call>" in rest:
+        # an unclosed last block: whole when its JSON is (a reply ended by the stop string
+        # "</tool_call>", which vLLM's hermes reads as a call too; one cut by max_tokens never
+        # reaches a parser: LoopbackServer._reply); else a call cut mid-way. Parsed, the agent ran
+        # the first calls and got the cut one's markup as text, and the next turn rendered the
+        # calls before that text, an order the policy never sampled
+        head, _, tail = rest.rpartition("<tool_call>")
+        try:
+            json.loads(tail)
+        except json.JSONDecodeError:
+            return text, []
+        if "<tool_call>" in head:
+            return text, []
+        blocks, rest = blocks + [tail.strip()], head
+    if not blocks:
         return text, []
     calls = []
     for b in blocks:
@@ -63,7 +74,7 @@ def parse_hermes(text: str) -> tuple[str, list[dict]]:
         if not isinstance(args, dict):
             return text, []
         calls.append({"name": obj["name"], "arguments": args})
-    return _HERMES.sub("", text).strip(), calls
+    return rest.strip(), calls
 
 
 def get_tool_parser(name: str) -> ToolParser | None:
