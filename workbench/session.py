@@ -1192,6 +1192,11 @@ class RunHandle:
 
         wb = self._wb
         (wb.run_dir / "trajectories").mkdir(parents=True, exist_ok=True)
+        # each wb.run()'s loop settings, its overrides in (advantage="rloo" here was in no record
+        # unless keep_policy_every kept a policy): the steps from first_step on trained under them
+        with open(wb.run_dir / "runs.jsonl", "a") as f:
+            f.write(json.dumps({"first_step": self.first_step, "steps": self.steps,
+                                "checkpoint_every": self.checkpoint_every, "loop": _jsonable(dataclasses.asdict(self.cfg))}) + "\n")
         metrics_file = open(wb.run_dir / "metrics.jsonl", "a")
 
         def on_step(m):
