@@ -132,8 +132,11 @@ def rollout_for(vllm_moe, moe_path):
 def test_example_agents_end_to_end(example, rollout_for, vllm_moe):
     spec = load_agent(EXAMPLES / f"{example}.py")
     rollout = rollout_for(spec.path, sampling=SamplingConfig(max_tokens=48), episode_timeout_s=120)
-    groups = rollout.run_groups(spec.tasks(2, seed=3), group_size=2, progress=False)
+    tasks = spec.tasks(2, seed=3)
+    groups = rollout.run_groups(tasks, group_size=2, progress=False)
     trajs = [t for g in groups for t in g]
+    # each episode's record names its task and its label (the record alone can score it again)
+    assert all(t.info["task_id"] == task.id and t.info.get("task_label") == task.label for task, g in zip(tasks, groups) for t in g)
     assert len(groups) == 2 and all(len(g) == 2 and len({t.group_id for t in g}) == 1 for g in groups)
     assert all(t.error is None for t in trajs), [t.error for t in trajs]
     assert all(0.0 <= t.reward <= 1.0 and t.segments and t.segments[-1].seal_reason == "episode_end" for t in trajs)

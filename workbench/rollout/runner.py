@@ -163,7 +163,9 @@ class RolloutRunner:
             wait = False if error is not None else True if self.episode_timeout_s is None else \
                 max(0.0, self.episode_timeout_s - (loop.time() - started))
             segments, state = await self.server.close_session_async(sid, wait=wait, details=True)
-            return Trajectory(segments, reward, group_id, episode_id, {**info, "task_id": task.id}, error,
+            # the task's label beside its id: the record alone can score the episode again
+            task_info = {"task_id": task.id, **({"task_label": task.label} if task.label is not None else {})}
+            return Trajectory(segments, reward, group_id, episode_id, {**info, **task_info}, error,
                               truncated=state["truncated"] or cut)
 
     def _forget(self, episode: asyncio.Task) -> None:
