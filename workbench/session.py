@@ -312,6 +312,14 @@ def resolved_config(config: WorkbenchConfig | dict | None = None, **overrides) -
     return WorkbenchConfig.from_dict(given)
 
 
+def _eval_step(path: Path) -> int | None:
+    """The step of an evaluation's episodes file (eval/step_00003.parquet, step_00003-2.parquet)."""
+    try:
+        return int(path.stem[5:].split("-")[0] if not path.stem[5:].startswith("-") else "-" + path.stem[6:].split("-")[0])
+    except ValueError:
+        return None
+
+
 def _same_model(a, b) -> bool:
     """One model: the same name, or paths to one directory (relative or not)."""
     if a == b:
@@ -740,7 +748,8 @@ class Workbench:
         # the trainer's weights, under the version recorded: the engines' older (or unchecked) ones were
         # scored and recorded as the trainer's version
         self._sync_if_behind()
-        metrics = self._evaluate(tasks, n or loop.eval_n, loop.eval_greedy if greedy is None else greedy, ks, success_reward)
+        metrics = self._evaluate(tasks, n or loop.eval_n, loop.eval_greedy if greedy is None else greedy, ks, success_reward,
+                                 step=self.next_step - 1)
         record = {"step": self.next_step - 1, "version": self._trainer.version, **metrics}
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.run_dir / "eval.jsonl", "a") as f:
@@ -748,11 +757,21 @@ class Workbench:
         self._log(record)
         return record
 
-    def _evaluate(self, tasks: list, n: int, greedy: bool, ks=None, success_reward: float = 1.0) -> dict:
+    def _evaluate(self, tasks: list, n: int, greedy: bool, ks=None, success_reward: float = 1.0, step: int = -1) -> dict:
+        """Evaluate; its episodes go to run_dir/eval/step_NNNNN.parquet (after `step`, the last
+        trained; -2, -3, ... for another evaluation of the same step): only their counts were kept."""
         from .evaluation import evaluate
+        from .tokens import write_trajectories
 
         metrics, groups = evaluate(self._rollout, tasks, n, self._greedy() if greedy else None, ks, success_reward)
         self.eval_episode_ids.update(t.episode_id for g in groups for t in g)
+        folder = self.run_dir / "eval"
+        folder.mkdir(parents=True, exist_ok=True)
+        path, k = folder / f"step_{step:05d}.parquet", 1
+        while path.exists():
+            k += 1
+            path = folder / f"step_{step:05d}-{k}.parquet"
+        write_trajectories([t for g in groups for t in g], path)
         return metrics
 
     def _teacher_engines(self, name: str) -> list:
@@ -896,8 +915,8 @@ class Workbench:
         """Move the record of steps >= next_step (metrics.jsonl lines, a torn last line included,
         trajectories/step_*.parquet, eval.jsonl lines of the weights after such a step) and the
         policies kept for steps > next_step (the weights they start from are the abandoned
-        branch's: wb.revisit paired a re-run step's trajectories with them) into
-        abandoned/<time>/, with `checkpoint` (the abandoned branch's, _other_branch_checkpoint);
+        branch's: wb.revisit paired a re-run step's trajectories with them), the evaluations' episodes
+        after such a step (eval/), into abandoned/<time>/, with `checkpoint` (the abandoned branch's, _other_branch_checkpoint);
         nothing is deleted. Returns the metrics that stay."""
         metrics, traj = self.run_dir / "metrics.jsonl", self.run_dir / "trajectories"
         kept, keep_lines, drop_lines = [], [], []
@@ -925,7 +944,9 @@ class Workbench:
             else:
                 drop_lines.append(line)
         files = sorted(p for p in traj.glob("step_*.parquet") if p.stem[5:].isdigit() and int(p.stem[5:]) >= next_step)
-        if not drop_lines and not files and not eval_drop and not policies and checkpoint is None:
+        eval_files = sorted(p for p in (self.run_dir / "eval").glob("step_*.parquet")
+                            if _eval_step(p) is not None and _eval_step(p) >= next_step)
+        if not drop_lines and not files and not eval_drop and not policies and checkpoint is None and not eval_files:
             return kept
         stamp = time.strftime("%Y%m%d-%H%M%S")
         dest = self.run_dir / "abandoned" / stamp
@@ -944,6 +965,10 @@ class Workbench:
                 os.replace(p, dest / "policies" / p.name)
         if checkpoint is not None:
             os.replace(checkpoint, dest / "checkpoint")
+        if eval_files:
+            (dest / "eval").mkdir()
+            for p in eval_files:
+                os.replace(p, dest / "eval" / p.name)
         if eval_drop:
             (dest / "eval.jsonl").write_text("\n".join(eval_drop) + "\n")
             tmp = evals.with_name("eval.jsonl.tmp")
@@ -1217,7 +1242,7 @@ class RunHandle:
             # progress=False: this run's bar is one of self.views (a bar that fails cannot end the run)
             run_loop(wb._rollout, wb._trainer, wb.engines, wb.task_source, self.cfg, on_step=on_step, progress=False,
                      stop=self._stop, start_step=wb.next_step, start_position=wb.next_position, earlier=list(wb.history),
-                     evaluate=(lambda step: wb._evaluate(wb.eval_tasks, self.cfg.eval_n, self.cfg.eval_greedy))
+                     evaluate=(lambda step: wb._evaluate(wb.eval_tasks, self.cfg.eval_n, self.cfg.eval_greedy, step=step))
                      if self.cfg.eval_every else None,
                      teacher_engines=wb._teacher[1] if wb._teacher and self.cfg.advantage in PER_TOKEN_ADVANTAGES else None,
                      on_groups=lambda step, groups: write_trajectories([t for g in groups for t in g],
