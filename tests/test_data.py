@@ -138,8 +138,9 @@ def test_task_records_keep_what_they_say():
         with pytest.raises(ValueError, match=f"a 'system' field and another system message in '{key}'"):
             task_from_record({key: chat, "system": "S"})
         assert task_from_record({key: chat, "system": "Be brief."}).messages == chat  # the same one: it
-    for empty in (None, "", " "):  # a nullable column's empty cell is no system message
+    for empty in (None, "", " "):  # a nullable column's empty cell is no system message (it was 'None')
         assert task_from_record({"messages": chat[1:], "system": empty}).messages == chat[1:]
+        assert task_from_record({"prompt": "What is 2+3?", "system": empty}).messages == chat[1:]
     assert task_from_record({"prompt": 7, "answer": 3}).messages == [{"role": "user", "content": "7"}]
     with pytest.raises(ValueError, match="'prompt' must be a string or a list of chat messages, got dict"):
         task_from_record({"prompt": {"text": "hi"}})

@@ -724,7 +724,8 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path)
         # every evaluation's episodes are kept (only their counts were), the abandoned step's set aside
         assert sorted(p.name for p in (run_dir / "eval").iterdir()) == [
             "step_-0001-2.parquet", "step_-0001.parquet", "step_00000.parquet", "step_00001.parquet"]
-        assert len(read_trajectories(run_dir / "eval" / "step_00000.parquet")) == 3 * 4 + 3  # 3 tasks x 4, greedy x 1
+        evaluated = read_trajectories(run_dir / "eval" / "step_00000.parquet")
+        assert len(evaluated) == 3 * 4 + 3 and sum(bool(t.info.get("eval_greedy")) for t in evaluated) == 3  # 3 tasks x 4, greedy x 1
         assert [p.name for p in (run_dir / "abandoned").glob("*/eval/*")] == ["step_00001.parquet"]
         window = {t.id for t in train.take(redo["data_position"], redo["data_next"] - redo["data_position"])}
         trained = read_trajectories(run_dir / "trajectories" / "step_00001.parquet")

@@ -734,3 +734,52 @@ def test_the_servers_timings_are_bounded():
         stats.overhead_s.append(float(i))
         stats.engine_s.append(float(i))
     assert len(stats.overhead_s) == len(stats.engine_s) == TIMINGS_KEPT and stats.overhead_s[0] == 10.0
+
+
+def test_a_closed_sessions_turns_stop_and_answer_404(tokenizer):
+    """A session closed without waiting (a timed-out episode): its turn waiting for the engine is
+    cancelled there (uvicorn does not cancel a request whose client left: it sampled on to
+    max_tokens) and answers a 404 (its handler cancelled, uvicorn logged an ASGI error and sent a
+    500); a turn queued behind it makes no engine call at all. (A fake engine: the slow reply.)"""
+    from workbench.rollout.engine import Sample
+
+    class Slow:
+        def __init__(self):
+            self.calls = self.cancelled = 0
+
+        async def generate(self, prompt_ids, sampling):
+            self.calls += 1
+            try:
+                await asyncio.sleep(5)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            return Sample(list(prompt_ids), [7, 8], [-0.1, -0.1], [0, 0], "stop")
+
+    engine = Slow()
+    srv = LoopbackServer(engine, tokenizer).start()
+    try:
+        sid = srv.open_session()
+        got = {}
+
+        def ask(name, content):
+            r = httpx.post(srv.base_url(sid) + "/chat/completions", headers={"authorization": f"Bearer {srv.api_key}"},
+                           json={"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 4}, timeout=30)
+            got[name] = (r.status_code, r.json()["error"]["message"])
+
+        first = threading.Thread(target=ask, args=("in flight", "hi"))
+        first.start()
+        deadline = time.monotonic() + 10
+        while engine.calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        queued = threading.Thread(target=ask, args=("queued", "hello"))
+        queued.start()
+        time.sleep(0.3)
+        srv.close_session(sid, wait=False)
+        first.join(10)
+        queued.join(10)
+        assert (engine.calls, engine.cancelled) == (1, 1)
+        assert got["in flight"][0] == got["queued"][0] == 404 and "was closed" in got["queued"][1], got
+        assert not srv._engine_waits and srv.summary()["unexpected_errors"] == {}
+    finally:
+        srv.stop()

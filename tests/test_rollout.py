@@ -561,6 +561,9 @@ def test_a_finished_episode_does_not_wait_for_a_turn_its_agent_gave_up(rollout_f
         while ray.get(slow.cancelled_calls.remote()) == 0 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert ray.get(slow.cancelled_calls.remote()) == 1
+        # its request answered a 404 (the session closed under it), not an ASGI error and a 500
+        server = ray.get(rollout.runners[0].stats.remote())["server"]
+        assert server["errors"] == {404: 1} and not server["unexpected_errors"], server
     finally:
         ray.kill(slow)
 

@@ -40,8 +40,7 @@ def task_from_record(record: dict, where: str = "record") -> Task:
             _system_into(messages, r, "prompt", where)
         elif isinstance(prompt, (str, int, float)) and not isinstance(prompt, bool):
             messages = [{"role": "user", "content": str(prompt)}]
-            if "system" in r:
-                messages.insert(0, {"role": "system", "content": str(r.pop("system"))})
+            _system_into(messages, r, "prompt", where)
         else:
             raise ValueError(f"{where}: 'prompt' must be a string or a list of chat messages, got {type(prompt).__name__}")
     else:

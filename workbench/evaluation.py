@@ -49,10 +49,14 @@ def is_correct(t, success_reward: float = 1.0) -> bool:
     return float(t.reward) >= success_reward
 
 
-def _mark(groups: list[list]) -> list[list]:
+def _mark(groups: list[list], greedy: bool = False) -> list[list]:
+    """Evaluation episodes say so (never trained on), and which are greedy (a task's sampled and
+    greedy episodes share its task_id in the record: pass@k recomputed from it mixed them)."""
     for g in groups:
         for t in g:
             t.info["eval"] = True
+            if greedy:
+                t.info["eval_greedy"] = True
     return groups
 
 
@@ -100,7 +104,7 @@ def evaluate(rollout, tasks: list[Task], n: int = 4, greedy_rollout=None, ks: li
     metrics = summarize(sampled, ks, success_reward)
     groups = list(sampled)
     if greedy_rollout is not None:  # greedy samples are all alike: one per task
-        greedy = _mark(greedy_rollout.run_groups(tasks, 1, progress=False))
+        greedy = _mark(greedy_rollout.run_groups(tasks, 1, progress=False), greedy=True)
         g = summarize(greedy, [1], success_reward, prefix="eval_greedy_")
         # with its failures: failed episodes count as wrong, so pass@1 alone hid a greedy run that failed
         metrics.update({k: v for k, v in g.items() if k in ("eval_greedy_pass@1", "eval_greedy_reward_mean",

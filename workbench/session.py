@@ -435,6 +435,7 @@ def claim_run_dir(run_dir) -> RunDirClaim:
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
+        pid = None
         try:
             holder = json.loads(lock.read_text())
             pid, alive = int(holder["pid"]), holder.get("host") == host
@@ -447,7 +448,7 @@ def claim_run_dir(run_dir) -> RunDirClaim:
         # (a session of this process holding it too: the later one takes it, as a notebook re-running
         # its connect cell does; the earlier one's release leaves the later one's lock alone)
         if alive and pid != os.getpid():
-            raise ConfigError(f"run_dir {str(path)!r} is in use by another session (process {pid} on this machine): "
+            raise ConfigError(f"run_dir {str(path)!r} is in use by another session (process {pid or '?'} on this machine): "
                               f"choose another run_dir, or shut that session down (if that process is no session "
                               f"of this run, delete {str(lock)!r})") from None
         fd = os.open(lock, os.O_WRONLY | os.O_TRUNC)
@@ -771,7 +772,10 @@ class Workbench:
         while path.exists():
             k += 1
             path = folder / f"step_{step:05d}-{k}.parquet"
-        write_trajectories([t for g in groups for t in g], path)
+        episodes = [t for g in groups for t in g]
+        for seg in (s for t in episodes for s in t.segments):
+            seg.routed_experts = None  # (no batch replays them; [T, layers, k] per token is most of a large file)
+        write_trajectories(episodes, path)
         return metrics
 
     def _teacher_engines(self, name: str) -> list:
@@ -922,6 +926,13 @@ class Workbench:
         kept, keep_lines, drop_lines = [], [], []
         evals = self.run_dir / "eval.jsonl"
         eval_keep, eval_drop = [], []
+        runs = self.run_dir / "runs.jsonl"  # a wb.run() from a step set aside: its settings trained nothing kept
+        runs_keep, runs_drop = [], []
+        for line in (runs.read_text().splitlines() if runs.exists() else []):
+            try:
+                (runs_keep if int(json.loads(line)["first_step"]) < next_step else runs_drop).append(line)
+            except (ValueError, KeyError, TypeError):
+                runs_drop.append(line)
         for line in (evals.read_text().splitlines() if evals.exists() else []):
             try:  # wb.eval() records the last trained step: >= next_step was evaluated on the abandoned weights
                 (eval_keep if int(json.loads(line)["step"]) < next_step else eval_drop).append(line)
@@ -946,7 +957,7 @@ class Workbench:
         files = sorted(p for p in traj.glob("step_*.parquet") if p.stem[5:].isdigit() and int(p.stem[5:]) >= next_step)
         eval_files = sorted(p for p in (self.run_dir / "eval").glob("step_*.parquet")
                             if _eval_step(p) is not None and _eval_step(p) >= next_step)
-        if not drop_lines and not files and not eval_drop and not policies and checkpoint is None and not eval_files:
+        if not (drop_lines or files or eval_drop or policies or checkpoint is not None or eval_files or runs_drop):
             return kept
         stamp = time.strftime("%Y%m%d-%H%M%S")
         dest = self.run_dir / "abandoned" / stamp
@@ -965,6 +976,11 @@ class Workbench:
                 os.replace(p, dest / "policies" / p.name)
         if checkpoint is not None:
             os.replace(checkpoint, dest / "checkpoint")
+        if runs_drop:
+            (dest / "runs.jsonl").write_text("\n".join(runs_drop) + "\n")
+            tmp = runs.with_name("runs.jsonl.tmp")
+            tmp.write_text("".join(x + "\n" for x in runs_keep))
+            os.replace(tmp, runs)
         if eval_files:
             (dest / "eval").mkdir()
             for p in eval_files:
@@ -1227,9 +1243,9 @@ class RunHandle:
         def on_step(m):
             self.history.append(m)
             wb.history.append(m)
+            wb._log(m)  # (before next_step moves: loggers made now write from this step on, TensorBoard's purge)
             wb.next_step = m["step"] + 1
             wb.next_position = m.get("data_next", wb.next_position)
-            wb._log(m)
             metrics_file.write(json.dumps(_jsonable(m)) + "\n")
             metrics_file.flush()
             self.views.on_step(m)  # guarded: a failing view is detached, training goes on

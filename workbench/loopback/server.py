@@ -441,10 +441,8 @@ class LoopbackServer:
     def _finish(self, session_id: str) -> tuple[list[Segment], dict]:
         if hasattr(self.engine, "release"):
             self.engine.release(session_id)
-        waits = self._engine_waits.pop(session_id, ())  # turns nobody will record: the engine stops them
-        for task in waits:
-            if task is not asyncio.current_task():  # (waits are only ever on the server's running loop)
-                task.cancel()
+        for call in self._engine_waits.pop(session_id, ()):  # turns nobody will record: the engine stops them
+            call.cancel()
         acc = self.sessions.pop(session_id)
         if self._undelivered.pop(session_id, None) is not None:  # a reply its client never took
             self.stats.undelivered += 1
@@ -720,6 +718,8 @@ class LoopbackServer:
         if acc is None:  # closed between the request's check and this turn (a streamed turn is a task): not a 500
             raise RequestError(404, f"unknown session {sid!r}: it was closed")
         async with acc.lock:
+            if self.sessions.get(sid) is not acc:  # closed while it waited behind the session's turn in flight
+                raise RequestError(404, f"session {sid!r} was closed")
             # strict mode refuses here: nothing recorded
             sampling, differing = self._policy_sampling(req, sid, acc.engine_calls)
             req.sampling = sampling  # stop strings are applied to the reply from here
@@ -744,19 +744,29 @@ class LoopbackServer:
             if not room:  # the conversation has outgrown the context: end the turn, record nothing
                 acc.context_cut = True
                 return Reply(finish="length", prompt_tokens=len(plan.prompt_ids), truncated=True), 0.0
+            if self.sessions.get(sid) is not acc:  # closed while it planned: no engine call that nobody records
+                raise RequestError(404, f"session {sid!r} was closed")
             t = time.perf_counter()
             acc.engine_calls += 1  # the next turn's seed differs (session_seed)
+            # a task of its own, which a session closed under it cancels (_finish): the request's
+            # handler then answers a 404 (cancelled itself, uvicorn logged an ASGI error and sent a 500)
+            call = asyncio.ensure_future(call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts, req.feed))
             waiting = self._engine_waits.setdefault(sid, set())
-            waiting.add(asyncio.current_task())
+            waiting.add(call)
             try:
-                sample = finished(await call_engine(self.engine, plan.prompt_ids, sampling, sid, self.return_routed_experts, req.feed))
+                sample = finished(await call)
+            except asyncio.CancelledError:
+                acc.forget_last_request(plan)
+                if call.cancelled() and not asyncio.current_task().cancelling():
+                    raise RequestError(404, f"session {sid!r} was closed while this request was in flight") from None
+                raise
             except BaseException as e:
                 acc.forget_last_request(plan)  # its retry must not get an older identical request's reply
                 if isinstance(e, Exception):
                     raise EngineCallFailed(e) from e
                 raise
             finally:
-                waiting.discard(asyncio.current_task())
+                waiting.discard(call)
             engine_s = time.perf_counter() - t
             if self.sessions.get(sid) is not acc:  # closed meanwhile (episode timed out): drop
                 raise RequestError(404, f"session {sid!r} was closed while this request was in flight")

@@ -319,7 +319,7 @@ async def _exit_is_failure(episode):
 
 # keys of an episode's info the framework writes: an agent's "eval" made its training episode an
 # evaluation one, which batch_from_groups refuses (the whole step failed); its "task_id" replaced the task's
-RESERVED_INFO = ("eval",)
+RESERVED_INFO = ("eval", "eval_greedy")
 
 
 def _agent_info(info: dict) -> dict:
