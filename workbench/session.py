@@ -314,10 +314,10 @@ def resolved_config(config: WorkbenchConfig | dict | None = None, **overrides) -
 
 def _eval_step(path: Path) -> int | None:
     """The step of an evaluation's episodes file (eval/step_00003.parquet, step_00003-2.parquet)."""
-    try:
-        return int(path.stem[5:].split("-")[0] if not path.stem[5:].startswith("-") else "-" + path.stem[6:].split("-")[0])
-    except ValueError:
-        return None
+    import re
+
+    m = re.fullmatch(r"step_(-?\d+)(?:-\d+)?", path.stem)
+    return int(m.group(1)) if m else None
 
 
 def _same_model(a, b) -> bool:
@@ -392,7 +392,7 @@ def _short(x) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-RUN_DIR_LOCK = ".session.lock"  # in a run directory while a session writes it: {"pid", "host"}
+RUN_DIR_LOCK = ".session.lock"  # in a run directory while a session writes it: {"pid", "host", "token"}
 
 
 def new_run_dir(parent: Path) -> Path:
