@@ -235,7 +235,12 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
                        ("The answer is \\boxed{\\frac{1}{2}}", None), ("answer is 1e5", None),
                        # the answer on the marker's next line, or an earlier marker's (each read None: scored 0)
                        ("The answer is:\n408", 408), ("**Answer:**\n408", 408),
-                       ("\\boxed{408}. I hope this answer is helpful.", 408), ("The answer is unknown.", None)):
+                       ("\\boxed{408}. I hope this answer is helpful.", 408), ("The answer is unknown.", None),
+                       # a correction on the same line is the answer (the first marker hid it: a wrong
+                       # correction of a right guess earned the reward), and a fraction is none ("3/4" read 4)
+                       ("The answer is 71. Wait, I made an error: the answer is 72.", 72),
+                       ("I first thought the answer is 71, but the final answer is 72.", 72),
+                       ("The answer is 71. Answer: 72", 72), ("3/4", None), ("The result is 72/1", None)):
         assert answer_number(text) == want, text
     # the math recipe's reward reads the same way; a list of numbers is no one number ("3,4,5" read 345)
     import sys

@@ -42,9 +42,13 @@ MAX_ANSWER_DIGITS = 30  # int() refuses over 4300 digits (a ValueError failed, s
 # a number as a model writes one: thousands separated by commas (9,801), a decimal part (12.0); a
 # minus only where no word or digit comes before it ("2-3 days" is 2 and 3, not 2 and -3)
 _NUMBER = re.compile(r"(?:(?<![\w.-])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
-# where a reply says which number is its answer: the last of these, its first number
-_MARKED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}|####[ \t]*([^\n]*)|\banswer\b[ \t]*(?:is|:|=)[ \t]*([^\n]*)",
-                     re.I)
+# where a reply says which number is its answer: the last of these, its first number. A marker's
+# text ends at the line's end or the next marker (to the line's end, the first marker hid the later
+# ones on its line: "The answer is 71. Wait, the answer is 72." was 71, a correction graded by its
+# first guess, which trained against self-correction)
+_NEXT = r"(?=\banswer\b[ \t]*(?:is|:|=)|####|\\boxed\{|\n|$)"
+_MARKED = re.compile(rf"\\boxed\{{((?:[^{{}}]|\{{[^{{}}]*\}})*)\}}|####[ \t]*([^\n]*?){_NEXT}"
+                     rf"|\banswer\b[ \t]*(?:is|:|=)[ \t]*([^\n]*?){_NEXT}", re.I)
 
 
 def answer_text(text: str | None) -> str | None:
@@ -81,8 +85,9 @@ def answer_text(text: str | None) -> str | None:
     if not found:
         return None
     m = found[0]
-    if re.match(r"\s*(?:/\s*\d|\^|[eE][-+]?\d)", span[m.end():]) or "\\frac" in span[:m.start()]:
-        return None  # a fraction or a power, not the whole number it starts with
+    if (re.match(r"\s*(?:/\s*\d|\^|[eE][-+]?\d)", span[m.end():]) or "\\frac" in span[:m.start()]
+            or re.search(r"\d\s*/\s*$", span[:m.start()])):
+        return None  # a fraction or a power, not the whole number it starts or ends with ("3/4" read 4)
     return m.group().replace(",", "")
 
 
