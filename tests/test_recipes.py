@@ -285,3 +285,53 @@ def test_the_code_agent_answers_malformed_tool_arguments_instead_of_failing():
 
     assert python_code('{"code": "print(1)"}') == "print(1)" and python_code('{"expression": "2*3"}') == "print(2*3)"
     assert [python_code(a) for a in ("not json", "[1]", '{"code": 5}', '"print(1)"')] == [None] * 4
+
+
+def test_the_code_agent_caps_its_sandbox_time_and_calls_so_looping_is_scored_not_dropped():
+    """A reply of many looping calls ran 5 s each, past the runner's episode timeout: the failed
+    episode was dropped (on_failed="drop"), not scored 0, so looping escaped its penalty. The
+    agent now stops at its sandbox budget, scored 0, and runs at most max_calls_per_reply calls of
+    a reply (real sandbox; the policy is a fake: the toy model does not write loops)."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from openai.types.chat import ChatCompletion
+
+    from workbench.examples.code_agent import CodeAgent
+
+    def completion(codes, content=None):
+        calls = [{"id": f"c{i}", "type": "function", "function": {"name": "python", "arguments": json.dumps({"code": c})}}
+                 for i, c in enumerate(codes)]
+        return ChatCompletion.model_validate({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "tool_calls" if calls else "stop",
+                         "message": {"role": "assistant", "content": content, "tool_calls": calls or None}}]})
+
+    class Policy:  # answers the agent's requests in order, keeping what it was sent
+        def __init__(self, replies):
+            self.replies, self.sent = list(replies), []
+            self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+
+        async def create(self, **kw):
+            self.sent.append(json.loads(json.dumps(kw["messages"], default=str)))
+            return self.replies.pop(0)
+
+    def episode(agent, policy, label=5):
+        ctx = SimpleNamespace(openai=lambda: policy, messages=[{"role": "user", "content": "2+3?"}], tools=[],
+                              model="m", label=label)
+        return asyncio.run(agent.run(ctx))
+
+    agent = CodeAgent()
+    agent.timeout_s, agent.sandbox_budget_s = 0.5, 1.2
+    loops = completion(["while True: pass"] * 4)
+    started = time.monotonic()
+    reward, info = episode(agent, Policy([loops, loops, completion([], "The answer is 5")]))
+    assert reward == 0.0 and info["sandbox_budget_spent"] and info["answer"] is None
+    assert len(info["runs"]) == 3 and all(r["timed_out"] for r in info["runs"])  # 0.5 + 0.5 + the 0.2 left
+    assert time.monotonic() - started < 1.2 + 3.0
+
+    policy = Policy([completion(["print(5)"] * 6), completion([], "The answer is 5")])
+    reward, info = episode(CodeAgent(), policy)
+    assert reward == 1.0 and len(info["runs"]) == 4
+    results = [m["content"] for m in policy.sent[1] if m["role"] == "tool"]
+    assert results[:4] == ["5"] * 4 and results[4:] == ["[not run: at most 4 calls a reply]"] * 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from workbench.agents import ChatAgent, Task
 from workbench.examples.tools import answer_number, tool_tasks
@@ -35,10 +36,17 @@ def python_code(arguments: str | None) -> str | None:
 
 class CodeAgent(ChatAgent):
     timeout_s, memory_mb = 5.0, 256
+    # What one episode may spend in the sandbox, and how many calls of one reply run. Why: RL learns
+    # whatever earns reward. Uncapped, a reply of many looping calls (a larger max_tokens than 48
+    # holds them) ran past the runner's episode_timeout_s, and the failed episode was dropped
+    # (on_failed="drop") instead of scored: looping escaped its 0. Past the budget the episode ends
+    # scored 0; calls past the cap are answered "not run".
+    sandbox_budget_s, max_calls_per_reply = 15.0, 4
 
     async def run(self, ctx):
         client = ctx.openai()  # a stock AsyncOpenAI at this episode's base_url
         messages, answer, runs = ctx.messages, None, []
+        spent = 0.0  # wall seconds in the sandbox, this episode
         for _ in range(3):
             r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools, max_tokens=48)
             msg = r.choices[0].message
@@ -46,16 +54,25 @@ class CodeAgent(ChatAgent):
             if not msg.tool_calls:
                 answer = msg.content
                 break
-            for call in msg.tool_calls:
+            for i, call in enumerate(msg.tool_calls):
                 code = python_code(call.function.arguments)
+                if i >= self.max_calls_per_reply:
+                    messages.append({"role": "tool", "tool_call_id": call.id,
+                                     "content": f"[not run: at most {self.max_calls_per_reply} calls a reply]"})
+                    continue
+                if spent >= self.sandbox_budget_s:
+                    return 0.0, {"runs": runs, "answer": None, "sandbox_budget_spent": True}
                 if code is None:  # said to the model as the tool's result: raised, it failed (dropped) the episode
                     messages.append({"role": "tool", "tool_call_id": call.id,
                                      "content": "[invalid arguments: expected a JSON object with a string 'code']"})
                     continue
-                res = await asyncio.to_thread(run_python, code, self.timeout_s, self.memory_mb, 1000)
+                timeout_s = min(self.timeout_s, self.sandbox_budget_s - spent)
+                started = time.monotonic()
+                res = await asyncio.to_thread(run_python, code, timeout_s, self.memory_mb, 1000)
+                spent += time.monotonic() - started
                 runs.append({"code": code, "exit_code": res.exit_code, "timed_out": res.timed_out})
                 # what went wrong is said, not left as an empty or cut result the model cannot read
-                notes = ([f"[timed out after {self.timeout_s:g} s]"] if res.timed_out else []) + \
+                notes = ([f"[timed out after {timeout_s:g} s]"] if res.timed_out else []) + \
                         (["[output truncated]"] if res.truncated else []) + \
                         ([f"[exit code {res.exit_code}]"] if res.exit_code not in (0, None) and not res.timed_out else [])
                 messages.append({"role": "tool", "tool_call_id": call.id,
