@@ -163,6 +163,9 @@ def test_connect_refuses_a_non_local_ray_address_without_a_token(tmp_path):
         ("check", remote, {"HOME": str(other_home)}),
         ("check", "ray://127.0.0.1:10001", {}),
         ("check", "auto", {}),
+        # an SSH tunnel to a cluster with its token: sent (token mode was left off, the cluster refused)
+        ("check", "ray://127.0.0.1:10001", {"RAY_AUTH_TOKEN": "t0ken"}),
+        ("check", "localhost:6379", {"RAY_AUTH_TOKEN": "t0ken", "RAY_AUTH_MODE": "disabled"}),  # the user's choice
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["HOME"] = str(home)
@@ -176,7 +179,8 @@ def test_connect_refuses_a_non_local_ray_address_without_a_token(tmp_path):
     assert "RAY_AUTH_TOKEN" in no_token["message"] and "10.0.0.5" in no_token["message"]
     assert "internal network" in no_token["message"] and via_env["message"] == no_token["message"]
     assert "RAY_AUTH_MODE=disabled" in disabled["message"] and "RAY_AUTH_TOKEN_PATH" in missing_file["message"]
-    assert allowed == [{"refused": False, "mode": "token"}] * 3 + [{"refused": False, "mode": None}] * 2
+    assert allowed == [{"refused": False, "mode": "token"}] * 3 + [{"refused": False, "mode": None}] * 2 + [
+        {"refused": False, "mode": "token"}, {"refused": False, "mode": "disabled"}]
 
 
 def test_a_local_connect_shows_no_token_notice_and_a_cluster_keeps_it():

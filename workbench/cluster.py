@@ -86,10 +86,14 @@ def _has_token() -> bool:
 
 def check_ray_address(address: str | None) -> None:
     """Refuse a non-local Ray address without token authentication, before connecting. With a
-    token and RAY_AUTH_MODE unset, switch this process to token mode so that Ray sends it."""
-    if is_local_address(address):
-        return
+    token and RAY_AUTH_MODE unset, switch this process to token mode so that Ray sends it: for a
+    local address given explicitly too (an SSH tunnel's ray://127.0.0.1:10001, the head node's own
+    IP after `ray attach`), whose cluster refused a client that had its token but did not send it."""
     mode = os.environ.get(AUTH_MODE_ENV, "").strip().lower()
+    if is_local_address(address):
+        if ray_address_host(address or "") is not None and mode == "" and _has_token():
+            _token_mode_on()
+        return
     if mode == "disabled":
         raise InsecureRayAddress(
             f"refusing to join the Ray cluster at {address!r} with {AUTH_MODE_ENV}=disabled: a non-local Ray address needs "
@@ -104,13 +108,17 @@ def check_ray_address(address: str | None) -> None:
             f"it). The Ray client, GCS and dashboard ports run any code sent to them and are for the cluster's internal "
             f"network only (see cluster/README.md, 'Security')")
     if mode != "token":
-        os.environ[AUTH_MODE_ENV] = "token"
-        try:  # Ray caches its config; refresh it as ray's own _enable_token_auth does
-            from ray._raylet import Config
+        _token_mode_on()
 
-            Config.initialize("")
-        except Exception:
-            pass
+
+def _token_mode_on() -> None:
+    os.environ[AUTH_MODE_ENV] = "token"
+    try:  # Ray caches its config; refresh it as ray's own _enable_token_auth does
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except Exception:
+        pass
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, quiet: bool = True):
