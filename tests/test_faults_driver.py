@@ -187,3 +187,20 @@ def test_a_torn_leftover_is_not_taken_for_a_checkpoint(tmp_path):
     _StubTrainer().save(str(torn), {"next_step": 12})
     os.unlink(ck / "run_state.json")
     assert recover_checkpoint(str(ck)) and json.loads((ck / "run_state.json").read_text())["next_step"] == 12
+
+
+def test_a_symlinked_checkpoint_directory_is_saved_into_its_target(tmp_path):
+    """checkpoint/ as a link to a larger disk: the swap's renames moved the link itself, the
+    checkpoint landed on the run directory's disk, and the second save failed renaming onto the
+    link (NotADirectoryError). The swap happens beside the link's target now."""
+    from workbench.loop import save_checkpoint
+
+    disk, run = tmp_path / "bigdisk" / "ck", tmp_path / "run"
+    disk.mkdir(parents=True)
+    run.mkdir()
+    os.symlink(disk, run / "checkpoint")
+    for step in (1, 2, 3):
+        save_checkpoint(_StubTrainer(), str(run / "checkpoint"), {"next_step": step})
+    assert (run / "checkpoint").is_symlink() and sorted(p.name for p in run.iterdir()) == ["checkpoint"]
+    assert json.loads((disk / "run_state.json").read_text())["next_step"] == 3 and recover_checkpoint(str(run / "checkpoint"))
+    assert sorted(p.name for p in disk.parent.iterdir()) == ["ck"]

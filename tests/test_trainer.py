@@ -690,3 +690,50 @@ def test_a_checkpoint_with_dropout_trains_without_it(ray_local, dense_path, tmp_
         assert (report["trainer_logprobs"][m] - before[m]).abs().max() < 1e-5
     finally:
         t.shutdown()
+
+
+def test_a_step_that_failed_part_way_leaves_no_gradients_and_one_after_an_update_moves_the_version(trainer, samples):
+    """A rank raising mid-step (an OOM after some micro-batches' backward) left its gradients: the
+    next step's first update added them to its own (a batch of all-zero advantages then moved the
+    weights), and a checkpoint of an optimizer without state saved none. One raising after an
+    optimizer update moved the weights under an unchanged version (the engines were never synced
+    to them): it raises PartialUpdate and the version moves. (The faults are injected into the
+    real ranks: an OOM cannot be caused on demand.)"""
+    import ray
+
+    from workbench.trainer.fsdp import PartialUpdate
+
+    def fail_clip(worker):  # after every micro-batch's backward, before any update
+        import torch as t
+        real = t.nn.utils.clip_grad_norm_
+
+        def boom(*a, **k):
+            t.nn.utils.clip_grad_norm_ = real
+            raise RuntimeError("injected: out of memory")
+        t.nn.utils.clip_grad_norm_ = boom
+
+    def fail_after_update(worker):  # the update applied, then an error
+        real = worker.optimizer.step
+
+        def boom(*a, **k):
+            del worker.optimizer.step
+            real(*a, **k)
+            raise RuntimeError("injected: after the update")
+        worker.optimizer.step = boom
+
+    probe_ids = list(range(3, 19))
+    b, flat = batch_of(samples), batch_of(samples)
+    flat["advantages"] = torch.zeros_like(flat["advantages"])
+    ray.get([w.__ray_call__.remote(fail_clip) for w in trainer.workers])
+    version, before = trainer.version, trainer.probe(probe_ids)
+    with pytest.raises(Exception, match="injected: out of memory"):
+        trainer.train_step(dict(b))
+    assert trainer.version == version and trainer.probe(probe_ids) == before
+    stats = trainer.train_step(dict(flat))  # the failed step's gradients were its update
+    assert stats["grad_norm"] == 0.0 and stats["updates_skipped"] == 1 and trainer.probe(probe_ids) == before
+
+    ray.get([w.__ray_call__.remote(fail_after_update) for w in trainer.workers])
+    version = trainer.version
+    with pytest.raises(PartialUpdate, match="failed after 1 optimizer update"):
+        trainer.train_step(dict(b))
+    assert trainer.version == version + 1 and trainer.probe(probe_ids) != before

@@ -489,7 +489,11 @@ def save_checkpoint(trainer, path: str, run_state: dict) -> str:
     recover_checkpoint finds: the old one, or the new one."""
     import shutil
 
-    path = os.path.abspath(path)
+    from .trainer.fsdp import durable_dir
+
+    # the link's target: renames of a symlinked checkpoint/ moved the link, and the checkpoint landed
+    # beside it, on the run directory's disk (the second save then failed renaming onto the link)
+    path = os.path.realpath(path)
     if not _checkpoint_like(path):
         # the swap below deletes what `path` held: a run directory given as the checkpoint's
         # (wb.save(wb.run_dir)) lost its metrics, trajectories and policies
@@ -506,6 +510,7 @@ def save_checkpoint(trainer, path: str, run_state: dict) -> str:
         shutil.rmtree(old, ignore_errors=True)
         os.rename(path, old)
     os.rename(new, path)
+    durable_dir(os.path.dirname(path))  # the renames on the disk before the old checkpoint goes
     shutil.rmtree(old, ignore_errors=True)
     return path
 
@@ -536,7 +541,7 @@ def recover_checkpoint(path: str) -> bool:
     (a partial `path.new`, killed while being written, is removed)."""
     import shutil
 
-    path = os.path.abspath(path)
+    path = os.path.realpath(path)  # (as save_checkpoint: beside a symlinked checkpoint's target)
     new, old = path + ".new", path + ".old"
     if not (os.path.isdir(new) or os.path.isdir(old)):
         return _complete(path)  # nothing half done (and nothing to remove: `path` may be no checkpoint)

@@ -295,6 +295,27 @@ def update_runs(n: int, updates: int) -> list[range]:
     return [range(a, a + size) for a, size in zip(starts, sizes)]
 
 
+def durable(f) -> None:
+    """Flush an open file to the disk: a checkpoint's files written but not synced could be empty
+    after a power loss or a host crash that kept the renames swapping them in (the old one
+    already removed: no checkpoint to resume from)."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def durable_dir(path: str) -> None:
+    """Sync a directory's entries (files made or renamed in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class PartialUpdate(RuntimeError):
+    """A train step that raised after some of its optimizer updates were applied."""
+
+
 class TrainerWorker:
     """One rank (Ray actor body). Built in two calls: the constructor only records its place;
     rank 0's `rendezvous()` opens the process group's store on its own node; then every rank's
@@ -534,6 +555,24 @@ class TrainerWorker:
                 m.reshard()
 
     def train_step(self, batch: dict, trainer_version: int, report: bool = False, live_routing: bool = False) -> dict:
+        """`_train_step`, from zero gradients: a step that raised part-way (an OOM after some
+        micro-batches' backward) left its gradients, which the next step's first update added to
+        its own (another batch, an older version), and a checkpoint of an optimizer without state
+        took them for a step and saved none (unloadable). One that raised after an optimizer update
+        raises PartialUpdate: the weights moved, the driver moves the version with them."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._updates_applied = 0
+        try:
+            return self._train_step(batch, trainer_version, report, live_routing)
+        except Exception as e:
+            if self._updates_applied:
+                raise PartialUpdate(f"trainer rank {self.rank} failed after {self._updates_applied} optimizer update(s) "
+                                    f"of this step: {type(e).__name__}: {e}") from e
+            raise
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _train_step(self, batch: dict, trainer_version: int, report: bool = False, live_routing: bool = False) -> dict:
         """`updates_per_step` optimizer updates on this rank's rows (every rank runs this at
         once). `report`: also return per-token tensors of this step (the token-journey view).
         `live_routing`: also the no-grad forward with live routing for kl_k3_live (MoE with
@@ -644,6 +683,7 @@ class TrainerWorker:
             if value == 0.0 or not math.isfinite(value):
                 skipped += 1
             else:
+                self._updates_applied += 1  # (counted begun: a step that raised part-way may have moved weights)
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         # (with cpu_offload the gradients, so their norms, are on the host)
@@ -736,6 +776,7 @@ class TrainerWorker:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        self.optimizer.zero_grad(set_to_none=True)  # (left by a failed step: read as a step taken, no state saved)
         fresh = not self.optimizer.state
         complete_optimizer_state(self.optimizer)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -747,14 +788,16 @@ class TrainerWorker:
                 if torch.is_tensor(st.get("step")):
                     st["step"].zero_()
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
-        torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   os.path.join(path, f"rng_rank{self.rank}.pt"))
+        with open(os.path.join(path, f"rng_rank{self.rank}.pt"), "wb") as f:
+            torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, f)
+            durable(f)
 
     def load(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)  # (with gradients left, a fresh optimizer's state dict holds no
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # moments: a restore dropped them all)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -975,6 +1018,9 @@ class Trainer:
         refs = [wk.train_step.remote(p, self.version, report, live) for wk, p in zip(self.workers, parts)]
         try:
             stats = ray.get(refs)
+        except PartialUpdate:  # (Ray's error is an instance of the rank's) the weights moved: so does the version
+            self.version += 1
+            raise
         except (KeyboardInterrupt, SystemExit):
             # submitted, the ranks update whatever the driver does (Ctrl-C in ray.get): the version moves
             # with them. Left behind, the engines kept the old weights under the new weights' label
@@ -1098,6 +1144,9 @@ class Trainer:
         ray.get([w.save.remote(path) for w in self.workers])
         with open(os.path.join(path, "run_state.json"), "w") as f:
             json.dump({**(run_state or {}), "version": self.version, "world_size": len(self.workers)}, f)
+            durable(f)
+        for d in (os.path.join(path, "dcp"), path):  # their entries (DCP syncs its files, not its directory)
+            durable_dir(d)
         return path
 
     def restore(self, path: str) -> dict:
