@@ -240,7 +240,14 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
                        # correction of a right guess earned the reward), and a fraction is none ("3/4" read 4)
                        ("The answer is 71. Wait, I made an error: the answer is 72.", 72),
                        ("I first thought the answer is 71, but the final answer is 72.", 72),
-                       ("The answer is 71. Answer: 72", 72), ("3/4", None), ("The result is 72/1", None)):
+                       ("The answer is 71. Answer: 72", 72), ("3/4", None), ("The result is 72/1", None),
+                       # a dash written as a minus (an en dash read 48: a wrong sign paid), an equation's
+                       # result side (the trailing working's operand was read), a marked expression without
+                       # a result is no answer, "isn't" is no marker, powers, an invisible or no-break space
+                       ("The answer is \u201348", -48), ("The answer is \uff0d48", -48), ("It takes 2\u20133 days", 3),
+                       ("Answer: 18 = 9 * 2", 18), ("The answer is 1665\n\nNote: answer = 37*45", 1665),
+                       ("Answer = 37 * 45", None), ("the answer isn't 5, it's 6", 6), ("The answer is 7\u00b2", None),
+                       ("2**3", None), ("7\u200b2", 72), ("1\u00a0665", 1665)):
         assert answer_number(text) == want, text
     # the math recipe's reward reads the same way; a list of numbers is no one number ("3,4,5" read 345)
     import sys

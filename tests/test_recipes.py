@@ -206,7 +206,7 @@ def test_judge_reward(execute, tmp_path):
     assert results["requests"] == {"openai:session": n, "openai:side": n}
     assert results["recorded_turns"] == results["episodes"] and not results["rubric_in_trajectories"]
     # how often the judge's reply was a score (the toy judge's are not: the recipe says so) is reported
-    assert 0.0 <= results["judge_parsed_rate"] <= 1.0
+    assert 0.0 <= results["judge_parsed_rate"] <= 1.0 and 0.0 <= results["correct_rate"] <= 1.0
 
 
 def test_distillation(execute, tmp_path):

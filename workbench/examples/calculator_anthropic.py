@@ -25,7 +25,7 @@ class CalculatorAgent(ChatAgent):
         answer, calls = None, 0
         for _ in range(MAX_TURNS):
             r = await client.messages.create(model=ctx.model, system=system, messages=messages,
-                                             tools=anthropic_tools(ctx.tools), max_tokens=48)
+                                             tools=anthropic_tools(ctx.tools), max_tokens=ctx.max_tokens)  # the policy's
             messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]})
             uses = [b for b in r.content if b.type == "tool_use"]
             if not uses:

@@ -21,7 +21,9 @@ class CalculatorAgent(ChatAgent):
         client = ctx.openai()  # a stock AsyncOpenAI at this episode's base_url
         messages, answer, calls = ctx.messages, None, 0
         for _ in range(MAX_TURNS):
-            r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools, max_tokens=48)
+            # no max_tokens: the policy's applies (a hard-coded 48 cut a thinking model inside <think> at every
+            # turn, unreported as truncation, and the session's max_tokens did nothing)
+            r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
             msg = r.choices[0].message
             messages.append(msg.model_dump(exclude_none=True))
             if not msg.tool_calls:

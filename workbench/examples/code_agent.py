@@ -37,8 +37,8 @@ def python_code(arguments: str | None) -> str | None:
 class CodeAgent(ChatAgent):
     timeout_s, memory_mb = 5.0, 256
     # What one episode may spend in the sandbox, and how many calls of one reply run. Why: RL learns
-    # whatever earns reward. Uncapped, a reply of many looping calls (a larger max_tokens than 48
-    # holds them) ran past the runner's episode_timeout_s, and the failed episode was dropped
+    # whatever earns reward. Uncapped, a reply of many looping calls (a policy's max_tokens holds
+    # many) ran past the runner's episode_timeout_s, and the failed episode was dropped
     # (on_failed="drop") instead of scored: looping escaped its 0. Past the budget the episode ends
     # scored 0; calls past the cap are answered "not run".
     sandbox_budget_s, max_calls_per_reply = 15.0, 4
@@ -48,7 +48,7 @@ class CodeAgent(ChatAgent):
         messages, answer, runs = ctx.messages, None, []
         spent = 0.0  # wall seconds in the sandbox, this episode
         for _ in range(3):
-            r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools, max_tokens=48)
+            r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)  # the policy's max_tokens
             msg = r.choices[0].message
             messages.append(msg.model_dump(exclude_none=True))
             if not msg.tool_calls:

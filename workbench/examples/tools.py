@@ -46,9 +46,16 @@ _NUMBER = re.compile(r"(?:(?<![\w.-])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 # text ends at the line's end or the next marker (to the line's end, the first marker hid the later
 # ones on its line: "The answer is 71. Wait, the answer is 72." was 71, a correction graded by its
 # first guess, which trained against self-correction)
-_NEXT = r"(?=\banswer\b[ \t]*(?:is|:|=)|####|\\boxed\{|\n|$)"
+# ("is\b": "the answer isn't 5, it's 6" read 5)
+_NEXT = r"(?=\banswer\b[ \t]*(?:is\b|:|=)|####|\\boxed\{|\n|$)"
 _MARKED = re.compile(rf"\\boxed\{{((?:[^{{}}]|\{{[^{{}}]*\}})*)\}}|####[ \t]*([^\n]*?){_NEXT}"
-                     rf"|\banswer\b[ \t]*(?:is|:|=)[ \t]*([^\n]*?){_NEXT}", re.I)
+                     rf"|\banswer\b[ \t]*(?:is\b|:|=)[ \t]*([^\n]*?){_NEXT}", re.I)
+# an unevaluated expression ("37 * 45", "9 x 2"): a side of an equation that is no result
+_EXPRESSION = re.compile(r"\s*[(\[]?\s*-?\d[\d,.]*\s*(?:\*\*|[-+*/\u00d7\u00f7^]|x(?=\s*\d))\s*[(\[]?\s*-?\d")
+# dashes a model writes as a minus (en dash, figure dash, hyphens, full-width and small hyphen-minus):
+# "The answer is \u201348" read 48, paying a wrong sign (em dash: punctuation, left alone)
+_MINUS = str.maketrans({c: "-" for c in "\u2212\u2010\u2011\u2012\u2013\ufe63\uff0d"})
+_INVISIBLE = re.compile("[\u200b-\u200d\u2060\ufeff]")  # ("7\u200b2" read 7)
 
 
 def answer_text(text: str | None) -> str | None:
@@ -60,9 +67,11 @@ def answer_text(text: str | None) -> str | None:
     No whole number where the answer is a fraction or a power ("\\frac{1}{2}", "3/4", "1e5",
     "2^{10}" with nothing after it). LaTeX separators ("1{,}234", "1\\,234") and thin spaces are
     thousands separators; an exponent after a unit ("18 m^2") is no number; a unicode minus is a
-    minus ("-12" read 12)."""
-    text = (text or "").replace("\u2212", "-").replace("{,}", ",")
-    text = re.sub(r"(?<=\d)(?:\\,|[\u2009\u202f])(?=\d{3}(?!\d))", ",", text)
+    minus ("-12" read 12). Of an equation the last side that is not an unevaluated expression
+    ("Answer: 18 = 9 * 2" is 18: it read 9); a marked expression with no result is no answer
+    ("The answer is 1665. Note: answer = 37*45" read 37)."""
+    text = _INVISIBLE.sub("", (text or "").translate(_MINUS)).replace("{,}", ",")
+    text = re.sub(r"(?<=\d)(?:\\,|[\u2009\u202f\u00a0])(?=\d{3}(?!\d))", ",", text)
     text = re.sub(r"(?<=[A-Za-z])(?:\^\{?\d+\}?|[\u00b2\u00b3])", "", text)
     marked = list(_MARKED.finditer(text))
     found: list = []
@@ -75,7 +84,7 @@ def answer_text(text: str | None) -> str | None:
             following = re.match(r"[ \t]*\n\s*([^\n]*)", text[m.end():])
             body = following.group(1) if following else body
         span = re.split(r"\.(?:\s|$)|;", body, maxsplit=1)[0]  # the marked sentence
-        span = span.rsplit("=", 1)[-1]
+        span = next((side for side in reversed(span.split("=")) if not _EXPRESSION.match(side)), "")
         found = list(_NUMBER.finditer(span))[:1]
         if found:
             break
@@ -85,9 +94,9 @@ def answer_text(text: str | None) -> str | None:
     if not found:
         return None
     m = found[0]
-    if (re.match(r"\s*(?:/\s*\d|\^|[eE][-+]?\d)", span[m.end():]) or "\\frac" in span[:m.start()]
-            or re.search(r"\d\s*/\s*$", span[:m.start()])):
-        return None  # a fraction or a power, not the whole number it starts or ends with ("3/4" read 4)
+    if (re.match(r"\s*(?:/\s*\d|\^|\*\*\s*\d|[eE][-+]?\d)|[\u00b2\u00b3\u00b9\u2070\u2074-\u2079]", span[m.end():]) or "\\frac" in span[:m.start()]
+            or re.search(r"\d\s*(?:/|\*\*|\^)\s*$", span[:m.start()])):
+        return None  # a fraction or a power, not the whole number it starts or ends with ("3/4" read 4, "7\u00b2" 7)
     return m.group().replace(",", "")
 
 
