@@ -1,7 +1,7 @@
 """The NCCL weight-sync path's CPU-testable parts (workbench/rollout/nccl_sync.py): config, metadata,
 bucketing, name checks, the refusal without CUDA, and the wire format end to end: our sender over
 gloo (trainer rank 0 + two engine workers, threads) into vLLM's own NCCLWeightTransferEngine
-receive code, with only its CUDA stream calls stubbed. No engine start, no Ray."""
+receive code, with only its CUDA stream calls stubbed. No engine start; Ray only for the group's member guard."""
 
 from __future__ import annotations
 
@@ -363,3 +363,39 @@ def test_the_wire_carries_the_checkpoints_names_and_layout(moe_path):
     assert "model.layers.0.mlp.experts.gate_up_proj" in mixtral.state_dict()
     names = [n for n, _ in checkpoint_tensors(mixtral, mixtral.state_dict().items())]
     assert "model.layers.0.block_sparse_moe.experts.1.w3.weight" in names and not any(".mlp." in n for n in names)
+
+
+def test_a_group_that_lost_an_engine_is_refused_before_any_broadcast(ray_local):
+    """An NCCL group cannot lose a member: with an engine dropped (found dead while idle) or dead
+    in the list (killed during a rollout), the broadcast waited for it for ever, trainer rank 0
+    stuck inside it and the next sync or probe queued behind rank 0. Trainer.sync_weights_nccl
+    refuses both before any NCCL call (a ping, then the member list) and remembers the group is
+    broken (the session reads that as a trainer it cannot train with; shutdown does not wait on
+    rank 0). Real Ray actors stand in for engines: nothing here reaches NCCL."""
+    import ray
+
+    from workbench.trainer.fsdp import Trainer, WeightSyncBroken
+
+    @ray.remote(num_cpus=0)
+    class Engine:
+        def info(self):
+            return {"version": 0}
+
+    def trainer_over(engines):
+        t = object.__new__(Trainer)  # (no ranks: the refusals come before any rank is called)
+        t.nccl, t.nccl_broken, t._nccl_engines, t.workers = NcclSyncConfig(master_port=1), None, list(engines), []
+        return t
+
+    a, b = Engine.remote(), Engine.remote()
+    t = trainer_over([a, b])
+    with pytest.raises(WeightSyncBroken, match="made with 2 engine.* 1 of them are left"):
+        t.sync_weights_nccl([a], version=1)
+    with pytest.raises(WeightSyncBroken, match="made with 2"):  # and stays refused
+        t.sync_weights_nccl([a, b], version=1)
+    t = trainer_over([a, b])
+    ray.kill(b)
+    with pytest.raises(WeightSyncBroken, match="did not answer before the broadcast"):
+        t.sync_weights_nccl([a, b], version=1)
+    assert t.nccl_broken
+    t.shutdown()  # returns at once: no rank is asked to shut down cleanly
+    ray.kill(a)

@@ -466,7 +466,8 @@ def sync_engines(trainer, engines: list, tol: float, lost: list | None = None) -
     each engine's probe against the trainer's own log-probs. By NCCL broadcast once
     trainer.init_nccl_sync(engines) ran (GPU); else the CPU path (a state dict through Ray), where
     an engine found dead is dropped from `engines` (drop_dead_engines; added to `lost` when given)
-    and the live ones are synced. (The NCCL group includes every engine: a dead one fails it.)"""
+    and the live ones are synced. (The NCCL group includes every engine: one missing or dead is
+    refused before any broadcast and breaks the session's training, WeightSyncBroken.)"""
     if getattr(trainer, "nccl", None) is not None:
         expected = trainer.probe(probe_ids(trainer.vocab_size))
         return trainer.sync_weights_nccl(engines, trainer.version, expected, tol)

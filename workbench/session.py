@@ -30,7 +30,7 @@ from .correction import CorrectionConfig
 from .loop import (LoopConfig, TrainerRankDied, batch_from_groups, check_sampling, check_staleness, check_teacher,
                    engines_version, recover_checkpoint, run as run_loop, save_checkpoint, sync_engines)
 from .trainer.losses import PER_TOKEN_ADVANTAGES
-from .trainer.fsdp import TrainerConfig
+from .trainer.fsdp import TrainerConfig, WeightSyncBroken
 
 DEFAULT_AGENT = str(Path(__file__).parent / "examples" / "arithmetic_env.py")
 POLICY_MARK = "workbench_policy.json"  # in a kept policy's directory: the step and the trainer version it holds
@@ -633,7 +633,11 @@ class Workbench:
         # the trainer's version names its weights (a step already bumped it); only when the engines
         # are at or past it (no step since the last sync) does the sync need a fresh number
         self._trainer.version = max(self._trainer.version, engines_version(self.engines) + 1)
-        return sync_engines(self._trainer, self.engines, self.cfg.loop.sync_tol)
+        try:
+            return sync_engines(self._trainer, self.engines, self.cfg.loop.sync_tol)
+        except WeightSyncBroken as e:
+            self._broken = _broken_message(e, self.run_dir)
+            raise
 
     def _sync_if_behind(self) -> None:
         """Sync where an engine serves older weights than the trainer's, or unchecked ones:
@@ -1024,7 +1028,9 @@ class Workbench:
         parts = [("shutdown", p.shutdown) for p in (self._rollout, self._trainer, self._greedy_rollout) if p]
         parts += [("shutdown", getattr(lg, "shutdown", None) or lg.close) for lg in self._loggers]
         parts += [("frozen engine shutdown", functools.partial(stop_engine, e)) for e in frozen]
-        parts += [("engine shutdown", functools.partial(stop_engine, e)) for e in self.engines]
+        # engines paused inside a broken NCCL broadcast answer no shutdown call (60 s each, in vain)
+        wait_s = 0 if self._trainer is not None and getattr(self._trainer, "nccl_broken", None) else 60
+        parts += [("engine shutdown", functools.partial(stop_engine, e, timeout=wait_s)) for e in self.engines]
         for what, stop in parts:
             try:
                 stop()
@@ -1271,9 +1277,8 @@ class RunHandle:
             self.error = e
             import sys
 
-            if isinstance(e, TrainerRankDied):  # the trainer group is gone: this session cannot train any more
-                wb._broken = (f"{e} -- this session's trainer is gone: wb.shutdown(), then "
-                              f"workbench.connect(run_dir={str(wb.run_dir)!r}, resume=True)")
+            if isinstance(e, (TrainerRankDied, WeightSyncBroken)):  # this session cannot train any more
+                wb._broken = _broken_message(e, wb.run_dir)
             with open(wb.run_dir / "errors.jsonl", "a") as f:  # the run's record says why it stopped, and where
                 f.write(json.dumps({"time": time.time(), "next_step": wb.next_step, "error": f"{type(e).__name__}: {e}"}) + "\n")
             print(f"workbench: the run stopped after {len(self.history)} step(s): {type(e).__name__}: {e} "
@@ -1425,6 +1430,11 @@ def _check_loggers(loggers) -> None:
             raise ConfigError(f"loggers: {name!r} unknown; known: {LOGGERS}")
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f"loggers: {name!r} needs the {name} package: {EXTRA_HINT}")
+
+
+def _broken_message(e: Exception, run_dir) -> str:
+    return (f"{e} -- this session's trainer is gone: wb.shutdown(), then "
+            f"workbench.connect(run_dir={str(run_dir)!r}, resume=True)")
 
 
 def weights_probe(trainer) -> list[float]:

@@ -316,6 +316,11 @@ class PartialUpdate(RuntimeError):
     """A train step that raised after some of its optimizer updates were applied."""
 
 
+class WeightSyncBroken(RuntimeError):
+    """The NCCL weight-sync group lost a member or a broadcast failed: trainer rank 0 may be
+    blocked in a broadcast for good (NCCL has no timeout), so this trainer cannot sync again."""
+
+
 class TrainerWorker:
     """One rank (Ray actor body). Built in two calls: the constructor only records its place;
     rank 0's `rendezvous()` opens the process group's store on its own node; then every rank's
@@ -920,6 +925,7 @@ class Trainer:
         self.steps_done = 0  # train_step calls of this Trainer: the live-routing forward's cadence
         self.model_path = str(model_path)
         self.nccl = None  # NcclSyncConfig once init_nccl_sync ran (GPU weight sync)
+        self.nccl_broken: str | None = None  # why the NCCL group can sync no more (WeightSyncBroken)
         from ..cluster import cluster_gpus
 
         if actor_options is not None and len(actor_options) != world_size:
@@ -1079,6 +1085,7 @@ class Trainer:
         ray.get([w.connect_nccl.remote(cfg, world) for w in self.workers]
                 + [e.init_nccl.remote(cfg, off, world) for e, off in zip(engines, offsets)])
         self.nccl = cfg
+        self._nccl_engines = list(engines)  # the group's members: a broadcast needs every one of them
 
     def sync_weights_nccl(self, engines: list, version: int, expected_probe=None, tol: float = 1e-3) -> list:
         """Broadcast the weights to the engines (each pauses, receives, bumps its version, resumes
@@ -1086,6 +1093,20 @@ class Trainer:
         would leave trainer rank 0 blocked in a broadcast, and NCCL has no timeout."""
         from ..rollout.nccl_sync import TransferMeta, check_meta, hf_meta, plan_buckets
 
+        # A member missing or dead: the broadcast would wait for it for ever (rank 0 stuck inside it, the
+        # live engines paused in theirs, the next sync or probe queued behind rank 0). Refused before
+        # any NCCL call; a failure once it started breaks the group (the session says so).
+        if self.nccl_broken:
+            raise WeightSyncBroken(self.nccl_broken)
+        if [e._actor_id for e in engines] != [e._actor_id for e in self._nccl_engines]:
+            self.nccl_broken = (f"the NCCL weight-sync group was made with {len(self._nccl_engines)} engine(s) and "
+                                f"{len(engines)} of them are left: an NCCL group cannot lose a member")
+            raise WeightSyncBroken(self.nccl_broken)
+        try:
+            ray.get([e.info.remote() for e in engines], timeout=60)
+        except Exception as e:
+            self.nccl_broken = f"an engine of the NCCL weight-sync group did not answer before the broadcast: {type(e).__name__}: {e}"
+            raise WeightSyncBroken(self.nccl_broken) from e
         meta = ray.get(self.workers[0].weight_meta.remote(self.nccl.wire_dtype))
         check_meta(TransferMeta(**meta), hf_meta(self.model_path))
         if self.nccl.packed:
@@ -1095,7 +1116,11 @@ class Trainer:
         # the first failure on either side is raised as it happens: waiting on the senders first hung
         # for ever when an engine failed before joining the broadcast (rank 0 stays blocked in it;
         # the error at least says why)
-        return _get_all(receive + send)[:len(receive)]
+        try:
+            return _get_all(receive + send)[:len(receive)]
+        except Exception as e:
+            self.nccl_broken = f"an NCCL weight sync failed part-way: {type(e).__name__}: {e}"
+            raise WeightSyncBroken(self.nccl_broken) from e
 
     def export_hf(self, path: str, dtype: str | None = None) -> str:
         """The trained policy as a Hugging Face checkpoint directory: safetensors in the source
@@ -1167,7 +1192,8 @@ class Trainer:
 
     def shutdown(self) -> None:
         try:
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+            if not self.nccl_broken:  # (rank 0 may be blocked in a broadcast: its call would wait 60 s in vain)
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
         finally:
             for w in self.workers:
                 ray.kill(w)
