@@ -78,6 +78,11 @@ def test_plan_inputs_come_from_the_session_config():
     assert plan_inputs({}) == {"trainer_ranks": 2, "num_engines": 1, "tensor_parallel_size": 1, "mode": "split"}
     with pytest.raises(ConfigError, match="placement 'spread' unknown"):
         WorkbenchConfig(placement="spread")
+    # pipeline or data parallelism inside an engine: placement reserved tensor_parallel_size GPUs and the
+    # NCCL group counted as many workers, so they reached vLLM unchecked and overlapped other engines
+    for kw in ({"engine_kwargs": {"pipeline_parallel_size": 2}}, {"frozen_engine_kwargs": {"data_parallel_size": 2}}):
+        with pytest.raises(ConfigError, match="tensor-parallel only"):
+            WorkbenchConfig(**kw)
 
 
 def test_cli_prints_the_plan_and_fails_clearly(capsys, tmp_path):

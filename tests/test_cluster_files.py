@@ -198,3 +198,23 @@ def test_cluster_configs_are_session_configs_that_fit_2x8(config):
     r = subprocess.run([sys.executable, "-m", "workbench.cluster", "plan", "--nodes", "2", "--gpus-per-node", "8",
                         "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "(GPU numbers are slots" in r.stdout, r.stderr
+
+
+def test_the_slurm_script_takes_the_heads_cluster_address_never_loopback():
+    """`hostname --ip-address` resolves through /etc/hosts: 127.0.1.1 on stock Debian/Ubuntu, and
+    the worker then waited 10 minutes for a head it could not reach. The script's head-address
+    lines, run with a stub srun: the first interface address, a loopback refused by name, and
+    HEAD_IP from the job's environment wins."""
+    text = (ROOT / "cluster" / "slurm_2x8.sbatch").read_text()
+    start = text.index("HEAD_IP=${HEAD_IP:-")
+    block = text[start:text.index("esac", start) + 4]
+
+    def run(reported: str, env_ip: str = ""):
+        script = f'srun() {{ echo "{reported}"; }}\nHEAD=node0\nHEAD_IP={env_ip}\n{block}\necho "HEAD_IP=$HEAD_IP"\n'
+        return subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+
+    ok = run("10.0.0.5 172.17.0.1 fe80::1")
+    assert ok.returncode == 0 and ok.stdout.strip() == "HEAD_IP=10.0.0.5"
+    bad = run("127.0.1.1")
+    assert bad.returncode == 1 and "'127.0.1.1'" in bad.stderr and "HEAD_IP=<address>" in bad.stderr
+    assert run("", env_ip="10.1.2.3").stdout.strip() == "HEAD_IP=10.1.2.3"

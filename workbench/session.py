@@ -177,6 +177,14 @@ class WorkbenchConfig:
             raise ConfigError("placement 'colocated' with engine_kwargs weight_transfer 'nccl': trainer rank 0 and "
                               "engine 0 share a GPU, and NCCL refuses two ranks of one group on one device "
                               "('Duplicate GPU detected'); use placement 'split' for the NCCL weight sync")
+        for kwargs_name in ("engine_kwargs", "frozen_engine_kwargs"):
+            for key in ("pipeline_parallel_size", "data_parallel_size"):
+                # placement reserves tensor_parallel_size GPUs an engine and the NCCL group counts as many
+                # workers: more would overlap other engines' GPUs and group ranks
+                if (getattr(self, kwargs_name) or {}).get(key, 1) != 1:
+                    raise ConfigError(f"{kwargs_name} {key}={getattr(self, kwargs_name)[key]!r}: an engine here is "
+                                      f"tensor-parallel only (placement and the weight sync count tensor_parallel_size "
+                                      f"GPUs an engine); more engines (num_engines) are the data parallelism")
         if self.sampling not in ("override", "strict"):
             raise ConfigError(f"sampling {self.sampling!r} unknown: 'override' (the policy's values replace an agent's, "
                               f"counted) or 'strict' (an agent's differing values are refused with a 400)")
