@@ -302,3 +302,34 @@ def test_a_run_directory_is_held_by_one_session(tmp_path, monkeypatch):
     made.mkdir()
     release_run_dir(claim_run_dir(made))
     assert made.is_dir() and not any(made.iterdir())
+
+
+def test_export_is_written_beside_and_swapped_in_never_over_the_run_or_the_source(short_run, tmp_path):
+    """wb.export() wrote in place: a re-export kept an earlier export's files (an index naming
+    shards the new one does not have: vLLM refused the directory), a kill mid-write left
+    neither, wb.export(wb.run_dir) replaced the session's config.json with the model's, and
+    wb.export(<the source checkpoint>) overwrote the weights the run started from. Now: beside,
+    then swapped in, with a mark naming the version; a directory holding anything but an earlier
+    export is refused, and so is the source. Cast to `dtype` on rank 0."""
+    import json
+
+    from safetensors import safe_open
+
+    wb = short_run
+    out = tmp_path / "export"
+    assert wb.export(out, dtype="bfloat16") == str(out)
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {"x": "model-00001-of-00002.safetensors"}}')
+    wb.export(out, dtype="bfloat16")  # over its own earlier one
+    assert not (out / "model.safetensors.index.json").exists() and not (tmp_path / "export.new").exists()
+    assert json.loads((out / "workbench_export.json").read_text()) == {"next_step": wb.next_step, "version": wb._trainer.version,
+                                                                       "dtype": "bfloat16"}
+    assert not (out / "workbench_policy.json").exists()
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        dtypes = {str(f.get_tensor(k).dtype) for k in f.keys()}
+    assert dtypes == {"torch.bfloat16"}
+    config_before = (wb.run_dir / "config.json").read_text()
+    with pytest.raises(ValueError, match="holds something other than an export"):
+        wb.export(wb.run_dir)
+    assert (wb.run_dir / "config.json").read_text() == config_before
+    with pytest.raises(ValueError, match="the checkpoint the trainer started from"):
+        wb.export(wb._trainer.model_path)

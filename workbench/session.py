@@ -34,6 +34,7 @@ from .trainer.fsdp import TrainerConfig, WeightSyncBroken
 
 DEFAULT_AGENT = str(Path(__file__).parent / "examples" / "arithmetic_env.py")
 POLICY_MARK = "workbench_policy.json"  # in a kept policy's directory: the step and the trainer version it holds
+EXPORT_MARK = "workbench_export.json"  # in a wb.export() directory: the trainer version, the step next trained from it
 
 
 # WorkbenchConfig.model names; each is built or fetched on first use and cached
@@ -889,9 +890,34 @@ class Workbench:
     def export(self, path: str | None = None, dtype: str | None = None) -> str:
         """The trained policy as a Hugging Face checkpoint directory (default run_dir/export):
         safetensors in the source's layout, config, tokenizer and chat template
-        (Trainer.export_hf). `dtype`: e.g. "bfloat16" for serving an fp32-trained policy."""
+        (Trainer.export_hf), and workbench_export.json (the trainer version; next_step, the step
+        that would train from it). `dtype`: e.g. "bfloat16" for serving an fp32-trained policy.
+        Written beside (`path.new`) and swapped in; `path` must be new, empty or an earlier export."""
+        import shutil
+
         self._idle("export")
-        return self._trainer.export_hf(str(path or self.run_dir / "export"), dtype)
+        path = os.path.realpath(path or self.run_dir / "export")
+        if path == os.path.realpath(self._trainer.model_path):
+            raise ValueError(f"{path!r} is the checkpoint the trainer started from: exporting there would overwrite it")
+        if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, EXPORT_MARK)):
+            # (the run directory itself: save_pretrained's config.json replaced the session's)
+            raise ValueError(f"{path!r} holds something other than an export ({sorted(os.listdir(path))[:5]}): "
+                             f"give an empty or new directory, or an earlier export's")
+        # written beside and swapped in: in place, a re-export kept an earlier one's files (a sharded
+        # export's index naming shards a single-file one removed: vLLM refused the directory) and a
+        # kill mid-write left neither
+        new, old = path + ".new", path + ".old"
+        shutil.rmtree(new, ignore_errors=True)
+        self._trainer.export_hf(new, dtype)
+        with open(os.path.join(new, EXPORT_MARK), "w") as f:  # which weights these are
+            json.dump({"next_step": self.next_step, "version": self._trainer.version,
+                       "dtype": dtype or self._trainer.cfg.dtype}, f)
+        if os.path.isdir(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(new, path)
+        shutil.rmtree(old, ignore_errors=True)
+        return path
 
     def restore(self, path: str | None = None) -> dict:
         """Load a checkpoint written by save(); the engines are synced to it. The run's record of

@@ -766,14 +766,17 @@ class TrainerWorker:
 
         return self._tx.send(full_tensors(self.model), TransferMeta(**meta))
 
-    def full_state_dict(self, wire: bool = False):
+    def full_state_dict(self, wire: bool = False, dtypes: dict | None = None):
         """HF-named full tensors on CPU, on rank 0 (every rank must call: it is a collective);
-        `wire`: as WireWeights, the weight sync's form in Ray's object store."""
+        `wire`: as WireWeights, the weight sync's form in Ray's object store; `dtypes`: each
+        tensor cast to its dtype here, before it leaves the rank (an export's)."""
         from ..rollout.engine import WireWeights
 
         full = gather_full_tensors(self.model.state_dict(), self.rank, self.world_size)
         if self.rank != 0:
             return None
+        if dtypes:
+            full = {k: v.to(dtypes.get(k, v.dtype)) for k, v in full.items()}
         return WireWeights.of(full) if wire else full
 
     def save(self, path: str) -> None:
@@ -1134,7 +1137,6 @@ class Trainer:
 
         from .loading import meta_model
 
-        full = self.state_dict()  # rank 0's gathered, HF-named tensors on CPU
         dtype = getattr(torch, dtype or self.cfg.dtype)
         config = AutoConfig.from_pretrained(self.model_path)
         # the weights written are dense: a quantized source's quantization_config (gpt-oss's mxfp4)
@@ -1145,6 +1147,9 @@ class Trainer:
         # the dtype of each parameter as the model keeps it (DeepSeek-V3's router bias stays fp32: a bf16
         # export rounded it, and with it which experts every token routes to)
         kept = {k: t.dtype for k, t in model.state_dict().items()}
+        # rank 0's gathered, HF-named tensors on CPU, cast there: an fp32 trainer's bf16 export crossed
+        # Ray's object store (and a Ray client's connection) in fp32, twice its bytes, into the driver
+        full = ray.get([w.full_state_dict.remote(False, kept) for w in self.workers])[0]
         model.load_state_dict({k: v.to(kept.get(k, dtype)) for k, v in full.items()}, strict=True, assign=True)
         if os.path.isfile(os.path.join(self.model_path, "generation_config.json")):
             # the source's (its eos list: Qwen3's <|endoftext|> besides <|im_end|>, sampling defaults);
@@ -1152,7 +1157,10 @@ class Trainer:
             model.generation_config = GenerationConfig.from_pretrained(self.model_path)
         os.makedirs(path, exist_ok=True)
         model.save_pretrained(path, safe_serialization=True)
-        skip = ("config.json", "generation_config.json", "model.safetensors.index.json")
+        # (the source's weight indexes and workbench's own marks describe other weights: a kept policy's
+        # copied mark claimed its step, version and probe for the export)
+        skip = ("config.json", "generation_config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json",
+                "workbench_policy.json", "workbench_export.json")
         for name in os.listdir(self.model_path):  # tokenizer, chat template, special tokens, ...
             src = os.path.join(self.model_path, name)
             if os.path.isfile(src) and name not in skip and not name.endswith((".safetensors", ".bin", ".pt", ".pth")):
