@@ -172,3 +172,16 @@ def test_simulated_two_node_cluster_trains_a_step_with_one_rank_per_node(simulat
     step = simulated["step"]
     assert step["version"] == 1 and math.isfinite(step["loss"]) and step["grad_norm"] > 0
     assert simulated["max_weight_change"] > 0  # the step's update reached the gathered weights
+
+
+def test_colocated_vllm_engines_must_say_their_gpu_share():
+    """Colocated, a trainer rank and a vLLM engine share each GPU, and vLLM's default
+    gpu_memory_utilization (0.85) left the rank nothing: refused before anything starts unless
+    engine_kwargs names a share the rank can live beside."""
+    from workbench.session import ConfigError, WorkbenchConfig, check_colocated_memory
+
+    for kwargs in ({}, {"gpu_memory_utilization": 0.85}):
+        with pytest.raises(ConfigError, match="gpu_memory_utilization to the engine's share"):
+            check_colocated_memory(WorkbenchConfig(placement="colocated", backend="vllm", engine_kwargs=kwargs))
+    check_colocated_memory(WorkbenchConfig(placement="colocated", backend="vllm", engine_kwargs={"gpu_memory_utilization": 0.4}))
+    check_colocated_memory(WorkbenchConfig(placement="split", backend="vllm"))

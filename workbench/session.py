@@ -538,6 +538,7 @@ class Workbench:
                 from .placement import ClusterSpec, Placement, check_frozen_room, plan_inputs, plan_placement
 
                 plan = plan_placement(ClusterSpec.from_ray(), **plan_inputs(cfg))
+                check_colocated_memory(cfg)
                 check_frozen_room(plan, cfg)  # the judge's / teacher's GPUs: refused now, not once the run starts
                 self.placement = Placement.create(plan)
                 # ranks write checkpoint shards on their own nodes, the driver reads them back
@@ -1464,6 +1465,17 @@ def _check_loggers(loggers) -> None:
             raise ConfigError(f"loggers: {name!r} unknown; known: {LOGGERS}")
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f"loggers: {name!r} needs the {name} package: {EXTRA_HINT}")
+
+
+def check_colocated_memory(cfg: "WorkbenchConfig") -> None:
+    """Colocated on GPUs, a vLLM engine and a trainer rank share each GPU: vLLM's default
+    gpu_memory_utilization (0.85) leaves the rank no room (the engine refuses to start on the
+    memory the rank holds, or the rank runs out), so the share must be said."""
+    share = cfg.engine_kwargs.get("gpu_memory_utilization")
+    if cfg.placement == "colocated" and cfg.backend == "vllm" and (share is None or share > 0.6):
+        raise ConfigError(f"placement 'colocated' shares each GPU between a trainer rank and a vLLM engine: set "
+                          f"engine_kwargs gpu_memory_utilization to the engine's share (e.g. 0.3-0.5; it is "
+                          f"{share!r}, vLLM's default 0.85 where unset), leaving the rest to the rank")
 
 
 def _broken_message(e: Exception, run_dir) -> str:
