@@ -109,7 +109,9 @@ def test_cli_prints_the_plan_and_fails_clearly(capsys, tmp_path):
     split = plan_placement(ClusterSpec.uniform(2, 2), trainer_ranks=1, num_engines=1)
     with pytest.raises(PlacementError, match="needs 2 GPU"):
         check_frozen_room(split, {"loop": {"teacher": "t"}, "frozen_engine_kwargs": {"tensor_parallel_size": 2}})
-    check_frozen_room(split, {"judge": "j", "loop": {"teacher": "t"}})
+    # the node each goes to (the session pins its engine there): one free GPU on each node, one each
+    where = check_frozen_room(split, {"judge": "j", "loop": {"teacher": "t"}})
+    assert {k: n.name for k, n in where.items()} == {"judge": "node0", "loop.teacher": "node1"}
     colocated = plan_placement(ClusterSpec.uniform(1, 4), trainer_ranks=4, num_engines=2, mode="colocated")
     with pytest.raises(PlacementError, match="leaves node0: 0 free"):
         check_frozen_room(colocated, {"judge": "j"})

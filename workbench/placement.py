@@ -277,23 +277,29 @@ def frozen_engines(config) -> list[tuple[str, int]]:
     return [(name, tp) for name, value in (("judge", config.get("judge")), ("loop.teacher", loop.get("teacher"))) if value]
 
 
-def check_frozen_room(plan: PlacementPlan, config) -> None:
-    """PlacementError unless the GPUs the plan leaves free hold the frozen engines (judge, teacher),
-    each on one node (a tensor-parallel engine is one actor). A plan that takes every GPU left the
-    judge's engine without one (connect() failed after reserving everything) and the teacher's (the
-    first distillation step failed). Free is what the plan's bundles do not reserve: colocated
-    slots ask for half a GPU each, but their bundle holds the whole one."""
+def check_frozen_room(plan: PlacementPlan, config) -> dict[str, NodeSpec]:
+    """The node each frozen engine (judge, teacher) goes to ({field: node}; the session pins it
+    there), from the GPUs the plan leaves free, each on one node (a tensor-parallel engine is one
+    actor); PlacementError where they do not fit. A plan that takes every GPU left the judge's
+    engine without one (connect() failed after reserving everything) and the teacher's (the first
+    distillation step failed); unpinned, a judge Ray put on the node the teacher's two GPUs were
+    counted on left the teacher waiting for ever. Largest first, each on the fullest node it fits.
+    Free is what the plan's bundles do not reserve: colocated slots ask for half a GPU each, but
+    their bundle holds the whole one."""
     free = {n.name: n.gpus for n in plan.cluster.nodes}
     for g in plan.groups:
         for bundle, node in zip(g.bundles, g.nodes):
             free[node] -= bundle.get("GPU", 0)
-    for name, gpus in frozen_engines(config):
-        node = next((n for n in free if free[n] >= gpus), None)
+    by_name, where = {n.name: n for n in plan.cluster.nodes}, {}
+    for name, gpus in sorted(frozen_engines(config), key=lambda x: -x[1]):
+        node = min((n for n in free if free[n] >= gpus), key=lambda n: free[n], default=None)
         if node is None:
             left = ", ".join(f"{n}: {free[n]:g}" for n in free)
             raise PlacementError(f"{name}'s engine needs {gpus:g} GPU(s) on one node outside the placement plan, which "
                                  f"leaves {left} free: lower num_engines or trainer_ranks")
         free[node] -= gpus
+        where[name] = by_name[node]
+    return where
 
 
 def _as_dict(config) -> dict:

@@ -531,6 +531,7 @@ class Workbench:
         self._owns_ray = not ray.is_initialized() and address is None
         self.engines, self._rollout, self._trainer = [], None, None
         self.placement = None  # workbench.placement.Placement on a GPU cluster (cfg.placement)
+        self._frozen_nodes: dict = {}  # field -> placement.NodeSpec each frozen engine is pinned to
         bar = tqdm(total=4 + cfg.num_engines + bool(cfg.judge), desc="connect", unit="part")
         try:
             bar.set_postfix_str("ray"); init_ray(address); bar.update()
@@ -539,7 +540,7 @@ class Workbench:
 
                 plan = plan_placement(ClusterSpec.from_ray(), **plan_inputs(cfg))
                 check_colocated_memory(cfg)
-                check_frozen_room(plan, cfg)  # the judge's / teacher's GPUs: refused now, not once the run starts
+                self._frozen_nodes = check_frozen_room(plan, cfg)  # where the judge's / teacher's engines go  # the judge's / teacher's GPUs: refused now, not once the run starts
                 self.placement = Placement.create(plan)
                 # ranks write checkpoint shards on their own nodes, the driver reads them back
                 from .cluster import check_shared_path
@@ -842,7 +843,13 @@ class Workbench:
             raise ConfigError(f"{field} {name!r}: its engine needs {need} GPU(s) and the cluster has "
                               f"{ray.available_resources().get('GPU', 0):g} free (the placement plan reserves the "
                               f"rest): lower num_engines or trainer_ranks to leave it room")
-        return launch_engine(self.cfg.backend, model_path=path, seed=seed,
+        node = self._frozen_nodes.get(field)
+        options = None
+        if node is not None and node.node_id:  # the node check_frozen_room counted its GPUs on
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False)}
+        return launch_engine(self.cfg.backend, model_path=path, seed=seed, actor_options=options,
                              **{"max_model_len": self.profile.max_model_len, "dtype": self.profile.dtype, **kwargs})
 
     def _greedy(self):
