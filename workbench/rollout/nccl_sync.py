@@ -12,6 +12,7 @@ packed chunks from it, and `plan_buckets` cuts the same chunks on the sending si
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Iterable, Iterator
@@ -137,9 +138,11 @@ def check_meta(sent: TransferMeta, expected: TransferMeta) -> None:
                          "(a wrapper prefix such as '_orig_mod.' or 'module.' shows as both)")
 
 
+@functools.lru_cache(maxsize=4)
 def hf_meta(model_path: str) -> TransferMeta:
     """The engine's expectation: its model's checkpoint names and shapes (vLLM's loaders read the
-    checkpoint's layout), from its HF model built on the meta device."""
+    checkpoint's layout), from its HF model built on the meta device. Once per checkpoint: every
+    NCCL sync checks against it (a 30B MoE's meta model and its ~18k expert names, each sync)."""
     from transformers import AutoConfig
 
     from ..toy.models import meta_hf_model
