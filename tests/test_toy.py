@@ -75,3 +75,35 @@ def test_models_load_and_warm_start_closes_turns(moe_path, dense_path):
         out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
         assert tok.eos_token_id in out, tok.decode(out)
         assert tok.decode(out[: out.index(tok.eos_token_id)]).strip().lstrip("-").isdigit(), tok.decode(out)
+
+
+def test_a_cached_checkpoint_is_built_once_whole_by_concurrent_first_callers(tmp_path):
+    """Two first-time callers of tiny_qwen3_path raced: the loser's rename onto the winner's
+    directory raised (smollm2_path's moved its copy inside the winner's). build_once (which the
+    toy, tiny Qwen3 and SmolLM2 caches go through) builds once under a lock, beside, then renames;
+    a killed build's staging directory is cleared by the next."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "cache" / "model"
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / ".model.tmp999").mkdir()  # a killed build's leftover
+    code = f"""
+import os, time
+from pathlib import Path
+from workbench.toy.models import build_once
+def build(tmp):
+    tmp.mkdir()
+    with open({str(tmp_path / "builds")!r}, "a") as f:
+        f.write(str(os.getpid()) + "\\n")
+    time.sleep(1.0)
+    (tmp / "config.json").write_text("{{}}")
+print(build_once(Path({str(out)!r}), build))
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in results]
+    assert [o.strip() for o, _ in results] == [str(out)] * 2
+    assert len((tmp_path / "builds").read_text().split()) == 1  # built once; the other used it
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".model.lock", "model"]

