@@ -247,7 +247,10 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
                        ("The answer is \u201348", -48), ("The answer is \uff0d48", -48), ("It takes 2\u20133 days", 3),
                        ("Answer: 18 = 9 * 2", 18), ("The answer is 1665\n\nNote: answer = 37*45", 1665),
                        ("Answer = 37 * 45", None), ("the answer isn't 5, it's 6", 6), ("The answer is 7\u00b2", None),
-                       ("2**3", None), ("7\u200b2", 72), ("1\u00a0665", 1665)):
+                       ("2**3", None), ("7\u200b2", 72), ("1\u00a0665", 1665),
+                       # LaTeX and dot operators, and a power, are working too (the operand was read)
+                       ("The answer is $36 = 12 \\times 3$", 36), ("Answer: 35 = 5 \\cdot 7", 35), ("Answer: 35 = 5\u00b77", 35),
+                       ("Answer: 36 = 6\u00b2", 36), ("The answer is 12 \\times 3", None)):
         assert answer_number(text) == want, text
     # the math recipe's reward reads the same way; a list of numbers is no one number ("3,4,5" read 345)
     import sys

@@ -204,3 +204,28 @@ def test_a_symlinked_checkpoint_directory_is_saved_into_its_target(tmp_path):
     assert (run / "checkpoint").is_symlink() and sorted(p.name for p in run.iterdir()) == ["checkpoint"]
     assert json.loads((disk / "run_state.json").read_text())["next_step"] == 3 and recover_checkpoint(str(run / "checkpoint"))
     assert sorted(p.name for p in disk.parent.iterdir()) == ["ck"]
+
+
+def test_a_symlinked_checkpoint_set_aside_by_a_restore_keeps_its_disk(tmp_path):
+    """wb.restore() of another checkpoint sets the run's own checkpoint/ (the abandoned branch)
+    aside: with checkpoint/ a link to a larger disk, the link itself was moved (a relative one
+    dangling) and the run's next saves landed on the run directory's disk. The target is set
+    aside beside itself under a link in abandoned/, the run's link stays, and the next save goes
+    to the disk it names."""
+    import types
+
+    from workbench.loop import save_checkpoint
+    from workbench.session import Workbench
+
+    disk, run = tmp_path / "big" / "ck", tmp_path / "run"
+    disk.parent.mkdir()
+    run.mkdir()
+    os.symlink("../big/ck", run / "checkpoint")  # relative, as `ln -s` is often made
+    save_checkpoint(_StubTrainer(), str(run / "checkpoint"), {"next_step": 5})
+    Workbench._set_aside(types.SimpleNamespace(run_dir=run), 2, run / "checkpoint")
+    [aside] = (run / "abandoned").glob("*/checkpoint")
+    assert aside.is_symlink() and json.loads((aside / "run_state.json").read_text())["next_step"] == 5
+    assert os.path.realpath(aside).startswith(str(tmp_path / "big"))
+    assert (run / "checkpoint").is_symlink() and not disk.exists()  # the link stays; its target is made by the next save
+    save_checkpoint(_StubTrainer(), str(run / "checkpoint"), {"next_step": 2})
+    assert json.loads((disk / "run_state.json").read_text())["next_step"] == 2 and (run / "checkpoint").is_symlink()

@@ -30,8 +30,8 @@ def test_parse_score():
     # with the agent's secret word: the verdict opens with it; a judge copying the answer ("10",
     # "Score: 10") or the rubric does not
     tag = "answer-0a1b2c3d"
-    assert [parse_score(v, tag=tag) for v in (f"{tag} score: 7", f"`{tag} score: 10/10`", f" {tag}: 2.5.", f"**{tag} score:** 10")] == \
-        [0.7, 1.0, 0.25, 1.0]
+    assert [parse_score(v, tag=tag) for v in (f"{tag} score: 7", f"`{tag} score: 10/10`", f" {tag}: 2.5.", f"**{tag} score:** 10",
+                                              f"<{tag}> score: 7", f"'{tag}' score: 7", f"{tag}, score: 7")] == [0.7, 1.0, 0.25, 1.0, 0.7, 0.7, 0.7]
     for copied in ("10", "Score: 10", f"{tag}", f"{tag} score: 12", f"answer-ffffffff score: 10", f"I say {tag} score: 10"):
         assert parse_score(copied, tag=tag) is None, copied
 

@@ -383,7 +383,7 @@ def test_a_group_that_lost_an_engine_is_refused_before_any_broadcast(ray_local):
 
     def trainer_over(engines):
         t = object.__new__(Trainer)  # (no ranks: the refusals come before any rank is called)
-        t.nccl, t.nccl_broken, t._nccl_engines, t.workers = NcclSyncConfig(master_port=1), None, list(engines), []
+        t.nccl, t.nccl_broken, t.nccl_blocked, t._nccl_engines, t.workers = NcclSyncConfig(master_port=1), None, False, list(engines), []
         return t
 
     a, b = Engine.remote(), Engine.remote()
@@ -394,8 +394,59 @@ def test_a_group_that_lost_an_engine_is_refused_before_any_broadcast(ray_local):
         t.sync_weights_nccl([a, b], version=1)
     t = trainer_over([a, b])
     ray.kill(b)
-    with pytest.raises(WeightSyncBroken, match="did not answer before the broadcast"):
+    with pytest.raises(WeightSyncBroken, match="did not answer before the broadcast") as refused:
         t.sync_weights_nccl([a, b], version=1)
-    assert t.nccl_broken
-    t.shutdown()  # returns at once: no rank is asked to shut down cleanly
+    assert t.nccl_broken and not refused.value.blocked and not t.nccl_blocked  # the ranks still save and export
     ray.kill(a)
+
+
+def test_a_broadcast_that_failed_part_way_blocks_the_trainer_and_one_that_went_through_does_not(ray_local, monkeypatch):
+    """An engine failing while rank 0's send is still inside the broadcast leaves rank 0 stuck for
+    good: WeightSyncBroken(blocked) (the session stops calling the ranks: a checkpoint queued
+    behind the send hung wb.wait() and wb.shutdown()). An engine's probe refused after the
+    broadcast went through is its own error: the group holds. (Actors stand in for the ranks and
+    engines; the metadata checks are stubbed: nothing reaches NCCL.)"""
+    import time
+
+    import ray
+
+    from workbench.trainer.fsdp import Trainer, WeightSyncBroken
+
+    monkeypatch.setattr(ns, "check_meta", lambda *a: None)
+    monkeypatch.setattr(ns, "hf_meta", lambda path: None)
+    monkeypatch.setattr(ns, "TransferMeta", lambda **kw: None)
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def __init__(self, send_s):
+            self.send_s = send_s
+
+        def weight_meta(self, wire):
+            return {}
+
+        def send_weights_nccl(self, meta):
+            time.sleep(self.send_s)
+            return 0
+
+    @ray.remote(num_cpus=0)
+    class Engine:
+        def info(self):
+            return {"version": 0}
+
+        def update_weights_nccl(self, meta, version, expected, probe, tol):
+            time.sleep(0.5)
+            raise RuntimeError("probe refused")
+
+    for send_s, blocked in ((30.0, True), (0.0, False)):
+        engine, rank = Engine.remote(), Rank.remote(send_s)
+        t = object.__new__(Trainer)
+        t.nccl, t.nccl_broken, t.nccl_blocked = NcclSyncConfig(master_port=1, packed=False), None, False
+        t._nccl_engines, t.workers, t.model_path = [engine], [rank], "unused"
+        with pytest.raises(WeightSyncBroken if blocked else RuntimeError) as raised:
+            t.sync_weights_nccl([engine], version=1)
+        assert "probe refused" in str(raised.value) and t.nccl_blocked == blocked and bool(t.nccl_broken) == blocked
+        if blocked:
+            assert raised.value.blocked
+            t.shutdown()  # returns at once: the stuck rank is killed, not asked to shut down
+        for actor in (engine, rank):
+            ray.kill(actor)

@@ -327,7 +327,8 @@ def test_the_code_agent_caps_its_sandbox_time_and_calls_so_looping_is_scored_not
     started = time.monotonic()
     reward, info = episode(agent, Policy([loops, loops, completion([], "The answer is 5")]))
     assert reward == 0.0 and info["sandbox_budget_spent"] and info["answer"] is None
-    assert len(info["runs"]) == 3 and all(r["timed_out"] for r in info["runs"])  # 0.5 + 0.5 + the 0.2 left
+    # 0.5 + 0.5 + the 0.2 left (2 where a loaded machine's sandbox start pushed a run past 0.6 s)
+    assert 2 <= len(info["runs"]) <= 3 and all(r["timed_out"] for r in info["runs"])
     assert time.monotonic() - started < 1.2 + 3.0
 
     policy = Policy([completion(["print(5)"] * 6), completion([], "The answer is 5")])

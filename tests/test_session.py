@@ -333,3 +333,6 @@ def test_export_is_written_beside_and_swapped_in_never_over_the_run_or_the_sourc
     assert (wb.run_dir / "config.json").read_text() == config_before
     with pytest.raises(ValueError, match="the checkpoint the trainer started from"):
         wb.export(wb._trainer.model_path)
+    (out / "workbench_export.json").unlink()  # an export made before the mark: still replaced
+    wb.export(out)
+    assert json.loads((out / "workbench_export.json").read_text())["dtype"] == wb._trainer.cfg.dtype

@@ -35,6 +35,7 @@ from .rollout.actor import sync_weights
 from .rollout.engine import probe_ids
 from .rollout.router import engine_lost
 from .tokens import UNEXPECTED_SEALS, Trajectory, segment_stats, training_tensors
+from .trainer.fsdp import PartialUpdate
 from .trainer.losses import ADVANTAGES, EQUAL_REWARDS_TOL, PER_TOKEN_ADVANTAGES, AdvantageInput, get_advantage
 
 MODES = ("sync", "async")
@@ -811,7 +812,8 @@ def _after_step(trainer, cfg, step, metrics, history, evaluate, on_step, checkpo
     warn_no_signal(history)
     if on_step is not None:  # the record first (a metrics line): a checkpoint past it would resume after a step never logged
         on_step(metrics)
-    if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:  # (and the run's last: checkpoint_at_end)
+    # (not with rank 0 stuck in a failed NCCL broadcast: the save would queue behind it for ever)
+    if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0 and not getattr(trainer, "nccl_blocked", False):
         save_checkpoint(trainer, checkpoint_dir, {"next_step": step + 1, "data_position": metrics["data_next"]})
     if sync_error is not None:
         raise sync_error
@@ -1216,10 +1218,11 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     tb = time.time()
     try:
         stats = trainer.train_step(batch)
-    except (KeyboardInterrupt, SystemExit) as e:
-        # interrupted while the ranks update (they finish it): recorded as trained, so a run continued
-        # later starts after it (it trained the step again on the same tasks, over weights that held
-        # its update), then raised; the next run syncs the engines first (the version moved)
+    except (KeyboardInterrupt, SystemExit, PartialUpdate) as e:
+        # interrupted while the ranks update (they finish it), or a rank failed after an update: recorded
+        # as trained, so a run continued later starts after it (it trained the step again on the same
+        # tasks, over weights that held its update), then raised; the next run syncs the engines first
+        # (the version moved)
         now = time.time()
         return {**record, "version": trainer.version, **info, "engines": len(engines), "engines_lost": 0,
                 "train_interrupted": type(e).__name__, **timed(tb, now)}, e

@@ -647,7 +647,8 @@ class Workbench:
         try:
             return sync_engines(self._trainer, self.engines, self.cfg.loop.sync_tol)
         except WeightSyncBroken as e:
-            self._broken = _broken_message(e, self.run_dir)
+            if e.blocked:  # (unblocked, the ranks still save and export; every later sync is refused)
+                self._broken = _broken_message(e, self.run_dir)
             raise
 
     def _sync_if_behind(self) -> None:
@@ -907,7 +908,7 @@ class Workbench:
         path = os.path.realpath(path or self.run_dir / "export")
         if path == os.path.realpath(self._trainer.model_path):
             raise ValueError(f"{path!r} is the checkpoint the trainer started from: exporting there would overwrite it")
-        if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, EXPORT_MARK)):
+        if os.path.isdir(path) and os.listdir(path) and not _an_export(path):
             # (the run directory itself: save_pretrained's config.json replaced the session's)
             raise ValueError(f"{path!r} holds something other than an export ({sorted(os.listdir(path))[:5]}): "
                              f"give an empty or new directory, or an earlier export's")
@@ -1020,7 +1021,15 @@ class Workbench:
             (dest / "policies").mkdir()
             for p in policies:
                 os.replace(p, dest / "policies" / p.name)
-        if checkpoint is not None:
+        if checkpoint is not None and checkpoint.is_symlink():
+            # a checkpoint/ linked to a larger disk: its target is set aside there, under a link here
+            # (moving the link left the run's next saves on the run directory's disk, and a relative
+            # link dangling); the run's link stays, its next save makes the target again
+            target = Path(os.path.realpath(checkpoint))
+            aside = target.with_name(f"{target.name}.abandoned-{dest.name}")
+            os.replace(target, aside)
+            os.symlink(aside, dest / "checkpoint")
+        elif checkpoint is not None:
             os.replace(checkpoint, dest / "checkpoint")
         if runs_drop:
             (dest / "runs.jsonl").write_text("\n".join(runs_drop) + "\n")
@@ -1071,7 +1080,7 @@ class Workbench:
         parts += [("shutdown", getattr(lg, "shutdown", None) or lg.close) for lg in self._loggers]
         parts += [("frozen engine shutdown", functools.partial(stop_engine, e)) for e in frozen]
         # engines paused inside a broken NCCL broadcast answer no shutdown call (60 s each, in vain)
-        wait_s = 0 if self._trainer is not None and getattr(self._trainer, "nccl_broken", None) else 60
+        wait_s = 0 if self._trainer is not None and getattr(self._trainer, "nccl_blocked", False) else 60
         parts += [("engine shutdown", functools.partial(stop_engine, e, timeout=wait_s)) for e in self.engines]
         for what, stop in parts:
             try:
@@ -1297,6 +1306,8 @@ class RunHandle:
             metrics_file.write(json.dumps(_jsonable(m)) + "\n")
             metrics_file.flush()
             self.views.on_step(m)  # guarded: a failing view is detached, training goes on
+            if getattr(wb._trainer, "nccl_blocked", False):  # rank 0 stuck in a failed broadcast: a save or
+                return  # a kept policy would queue behind it for ever (the step's record is written)
             if self.checkpoint_every and wb.next_step % self.checkpoint_every == 0:  # (and the run's last: below)
                 save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), wb._run_state())
             self._keep_policy(wb.next_step)
@@ -1319,7 +1330,7 @@ class RunHandle:
             self.error = e
             import sys
 
-            if isinstance(e, (TrainerRankDied, WeightSyncBroken)):  # this session cannot train any more
+            if isinstance(e, TrainerRankDied) or getattr(e, "blocked", False):  # this session's trainer is gone
                 wb._broken = _broken_message(e, wb.run_dir)
             with open(wb.run_dir / "errors.jsonl", "a") as f:  # the run's record says why it stopped, and where
                 f.write(json.dumps({"time": time.time(), "next_step": wb.next_step, "error": f"{type(e).__name__}: {e}"}) + "\n")
@@ -1472,6 +1483,14 @@ def _check_loggers(loggers) -> None:
             raise ConfigError(f"loggers: {name!r} unknown; known: {LOGGERS}")
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f"loggers: {name!r} needs the {name} package: {EXTRA_HINT}")
+
+
+def _an_export(path: str) -> bool:
+    """An earlier wb.export(): its mark, or (one made before the mark) a Hugging Face checkpoint
+    that is no run directory."""
+    names = set(os.listdir(path))
+    return EXPORT_MARK in names or ("config.json" in names and bool(names & {"model.safetensors", "model.safetensors.index.json"})
+                                    and not names & {"metrics.jsonl", RUN_DIR_LOCK, "checkpoint", "trajectories"})
 
 
 def check_colocated_memory(cfg: "WorkbenchConfig") -> None:

@@ -34,6 +34,15 @@ def python_code(arguments: str | None) -> str | None:
     return code if isinstance(code, str) else None
 
 
+def timed_run(code: str, timeout_s: float, memory_mb: int):
+    """run_python and the seconds it took, timed in the worker thread: the wait for a free thread
+    (the runner's episodes share the pool) is not the program's time, and counted it scored right
+    answers 0 under load."""
+    started = time.monotonic()
+    res = run_python(code, timeout_s, memory_mb, 1000)
+    return res, time.monotonic() - started
+
+
 class CodeAgent(ChatAgent):
     timeout_s, memory_mb = 5.0, 256
     # What one episode may spend in the sandbox, and how many calls of one reply run. Why: RL learns
@@ -67,9 +76,8 @@ class CodeAgent(ChatAgent):
                                      "content": "[invalid arguments: expected a JSON object with a string 'code']"})
                     continue
                 timeout_s = min(self.timeout_s, self.sandbox_budget_s - spent)
-                started = time.monotonic()
-                res = await asyncio.to_thread(run_python, code, timeout_s, self.memory_mb, 1000)
-                spent += time.monotonic() - started
+                res, took = await asyncio.to_thread(timed_run, code, timeout_s, self.memory_mb)
+                spent += took
                 runs.append({"code": code, "exit_code": res.exit_code, "timed_out": res.timed_out})
                 # what went wrong is said, not left as an empty or cut result the model cannot read
                 notes = ([f"[timed out after {timeout_s:g} s]"] if res.timed_out else []) + \

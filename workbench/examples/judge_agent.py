@@ -60,7 +60,8 @@ def parse_score(text: str, scale: int = SCALE, tag: str | None = None) -> float 
     `tag` ("<tag> score: 7") where one is given."""
     text = (text or "").replace("**", "").replace("`", "")
     if tag is not None:
-        head = re.match(rf"\s*{re.escape(tag)}\s*(?:score\s*)?[:=]", text, re.IGNORECASE)
+        # (the word as the prompt shows it, or quoted: "<answer-1a2b> score: 7", "'answer-1a2b', score: 7")
+        head = re.match(rf"\s*[<\"']?\s*{re.escape(tag)}\s*[>\"']?\s*,?\s*(?:score\s*)?[:=]", text, re.IGNORECASE)
         if head is None:
             return None
         text = text[head.end():]

@@ -304,10 +304,16 @@ def durable(f) -> None:
 
 
 def durable_dir(path: str) -> None:
-    """Sync a directory's entries (files made or renamed in it)."""
+    """Sync a directory's entries (files made or renamed in it), where the file system can (some
+    network and FUSE ones refuse a directory's fsync: EINVAL, ENOTSUP; a save must not fail there)."""
+    import errno
+
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 
@@ -317,8 +323,14 @@ class PartialUpdate(RuntimeError):
 
 
 class WeightSyncBroken(RuntimeError):
-    """The NCCL weight-sync group lost a member or a broadcast failed: trainer rank 0 may be
-    blocked in a broadcast for good (NCCL has no timeout), so this trainer cannot sync again."""
+    """The NCCL weight-sync group lost a member: it can never sync again. `blocked`: a broadcast
+    failed part-way and trainer rank 0 is stuck inside it for good (NCCL has no timeout), so no
+    call can reach the ranks either (no checkpoint, no export: the trainer is gone). Unblocked (a
+    member found missing or dead before any broadcast), the ranks still save and export."""
+
+    def __init__(self, message: str, blocked: bool = False):
+        super().__init__(message)
+        self.blocked = blocked
 
 
 class TrainerWorker:
@@ -929,6 +941,7 @@ class Trainer:
         self.model_path = str(model_path)
         self.nccl = None  # NcclSyncConfig once init_nccl_sync ran (GPU weight sync)
         self.nccl_broken: str | None = None  # why the NCCL group can sync no more (WeightSyncBroken)
+        self.nccl_blocked = False  # rank 0 stuck in a failed broadcast: no rank answers any call
         from ..cluster import cluster_gpus
 
         if actor_options is not None and len(actor_options) != world_size:
@@ -1100,7 +1113,7 @@ class Trainer:
         # live engines paused in theirs, the next sync or probe queued behind rank 0). Refused before
         # any NCCL call; a failure once it started breaks the group (the session says so).
         if self.nccl_broken:
-            raise WeightSyncBroken(self.nccl_broken)
+            raise WeightSyncBroken(self.nccl_broken, self.nccl_blocked)
         if [e._actor_id for e in engines] != [e._actor_id for e in self._nccl_engines]:
             self.nccl_broken = (f"the NCCL weight-sync group was made with {len(self._nccl_engines)} engine(s) and "
                                 f"{len(engines)} of them are left: an NCCL group cannot lose a member")
@@ -1122,8 +1135,11 @@ class Trainer:
         try:
             return _get_all(receive + send)[:len(receive)]
         except Exception as e:
-            self.nccl_broken = f"an NCCL weight sync failed part-way: {type(e).__name__}: {e}"
-            raise WeightSyncBroken(self.nccl_broken) from e
+            finished, _ = ray.wait(send, num_returns=len(send), timeout=0)
+            if len(finished) == len(send):  # the broadcast went through (a probe refused after it): the
+                raise  # group holds, the error is the engine's own
+            self.nccl_broken, self.nccl_blocked = f"an NCCL weight sync failed part-way: {type(e).__name__}: {e}", True
+            raise WeightSyncBroken(self.nccl_broken, blocked=True) from e
 
     def export_hf(self, path: str, dtype: str | None = None) -> str:
         """The trained policy as a Hugging Face checkpoint directory: safetensors in the source
@@ -1200,7 +1216,7 @@ class Trainer:
 
     def shutdown(self) -> None:
         try:
-            if not self.nccl_broken:  # (rank 0 may be blocked in a broadcast: its call would wait 60 s in vain)
+            if not self.nccl_blocked:  # (rank 0 stuck in a broadcast: its call would wait 60 s in vain)
                 ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
         finally:
             for w in self.workers:
