@@ -567,6 +567,10 @@ def test_tensorboard_event_file_reads_back(tmp_path):
 
     assert scalars({"step": 3, "loss": 0.5, "ok": True, "mode": "sync", "x": None, "h": {"0": 2, "1": 1}, "l": [1]}) == \
         {"step": 3.0, "loss": 0.5, "ok": 1.0, "h/0": 2.0, "h/1": 1.0}
+    # dicts keyed by what changes every step (a policy version, an error's text) made a new metric
+    # each step: 10,000 tags after 10,000 steps. Left to metrics.jsonl
+    assert scalars({"tokens_per_version": {"7": 40}, "groups_per_version": {"7": 2},
+                    "failure_reasons": {"RuntimeError: pid 4121": 1}, "staleness_hist": {"0": 40}}) == {"staleness_hist/0": 40.0}
     tb = TensorBoardLogger(tmp_path / "tensorboard")
     for step, loss in enumerate([0.9, 0.7, 0.4]):
         tb.on_step({"step": step, "loss": loss, "eval_pass@1": 0.1 * step, "staleness_hist": {"0": 8}})
@@ -734,7 +738,8 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path)
         files = list(run_dir.glob("trajectories/*.parquet")) + list(run_dir.glob("abandoned/*/trajectories/*.parquet"))
         assert len(files) == 3
         trained_ids = {t.episode_id for f in files for t in read_trajectories(f)}
-        assert len(wb.eval_episode_ids) == 2 * 3 * (2 + 1) + 3 * 3 * (4 + 1) and not trained_ids & wb.eval_episode_ids
+        evaluated_ids = {t.episode_id for f in run_dir.glob("**/eval/*.parquet") for t in read_trajectories(f)}
+        assert wb.eval_episodes == len(evaluated_ids) == 2 * 3 * (2 + 1) + 3 * 3 * (4 + 1) and not trained_ids & evaluated_ids
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in lines] == [0, 1] and lines[1]["eval_pass@1"] == redo["eval_pass@1"]
         assert len((run_dir / "eval.jsonl").read_text().splitlines()) == 2

@@ -489,3 +489,18 @@ def test_drift_views_render_the_tools_the_segment_declared(fmt, tmp_path):
     assert len(drift_positions(seg, fmt, tools=[])) > 20  # what the view showed before: the tool block as drift
     (back,) = read_trajectories(write_trajectories([Trajectory([seg], episode_id="e")], tmp_path / "t.parquet"))
     assert back.segments[0].tools == [CALC_TOOL] and back.segments[0].copy().tools == [CALC_TOOL]
+
+
+def test_a_long_runs_monitor_redraws_at_most_every_few_seconds_and_at_the_end():
+    """Each redraw sends every step's points to the browser: at every step of a long run that was
+    O(steps) on the training thread (111 ms and 924 kB a step at 5,000 steps, per monitor). Past
+    REDRAW_ALWAYS steps a monitor redraws at most every REDRAW_S seconds, and the run's end
+    (on_end, which the run's views get) draws what was left out."""
+    mon = GateMonitor()
+    mon.REDRAW_ALWAYS, mon.REDRAW_S = 2, 3600.0
+    for step in range(5):
+        mon.on_step({"step": step, "gate_pass_ratio": 1.0 - step / 10})
+    shown = lambda: mon.view.outputs[0]["data"]["text/plain"]  # noqa: E731
+    assert shown() == "GateMonitor: 2 step(s), last step 1" and len(mon.history) == 5
+    mon.on_end()
+    assert shown() == "GateMonitor: 5 step(s), last step 4" and list(mon.trace("gate_pass_ratio").y)[-1] == 0.6

@@ -973,7 +973,8 @@ class GroupStream:
                         break
                     inflight[started[0]] = (started[1], task, at, time.time(), self.started)
                     with self._lock:
-                        self._started_at[self.started] = at
+                        if self.cfg.async_order == "start":  # (read and popped in start order only: in finish
+                            self._started_at[self.started] = at  # order it grew by a group a step, all run)
                         self.unstarted = at + 1  # tasks start in the order of their positions
                     self.started += 1
                 if not inflight:

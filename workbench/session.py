@@ -524,7 +524,9 @@ class Workbench:
         self._teacher: tuple | None = None  # (LoopConfig.teacher, [its engine]) for distillation (made on first use)
         self.judge_engine = None  # cfg.judge's frozen engine, serving the side route
         self._loggers: list = []
-        self.eval_episode_ids: set[str] = set()  # every evaluation episode of this session (never trained on)
+        # evaluation episodes this session ran (never trained on; their ids are in run_dir/eval/*.parquet:
+        # a set of every id grew for the session's life, ~160 MB over a long run's evaluations)
+        self.eval_episodes = 0
         self._run: RunHandle | None = None
         self._broken: str | None = None  # why the session can no longer train (its trainer group died)
         self._shut_down = False
@@ -781,7 +783,7 @@ class Workbench:
         from .tokens import write_trajectories
 
         metrics, groups = evaluate(self._rollout, tasks, n, self._greedy() if greedy else None, ks, success_reward)
-        self.eval_episode_ids.update(t.episode_id for g in groups for t in g)
+        self.eval_episodes += sum(len(g) for g in groups)
         folder = self.run_dir / "eval"
         folder.mkdir(parents=True, exist_ok=True)
         path, k = folder / f"step_{step:05d}.parquet", 1

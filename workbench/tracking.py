@@ -7,7 +7,9 @@ also a monitor (on_step(metrics)), so a script's loop.run(on_step=logger.on_step
 Both packages are optional: `pip install -e ".[tracking]"` (the dev extra, which `make test`
 installs, includes it). What is logged: every number of a step's metrics (bools as 0/1) under
 its name, and dicts of numbers one level deep as name/key (e.g. staleness_hist/1); strings,
-None and lists are left to metrics.jsonl.
+None and lists are left to metrics.jsonl, and so are the dicts whose keys change with the run
+(UNBOUNDED_KEYS: a policy version, an error's text), which made a new metric every step (10,000
+tags after 10,000 steps, over W&B's limit for a whole project).
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ WANDB_STEP = "rl_step"  # W&B's x axis: the RL step (see WandbLogger)
 EXTRA_HINT = "pip install -e '.[tracking]' (the dev extra includes it)"
 
 
+UNBOUNDED_KEYS = ("tokens_per_version", "groups_per_version", "failure_reasons")
+
+
 def scalars(metrics: dict) -> dict[str, float]:
     """The loggable numbers of one metrics dict (see the module doc)."""
     out = {}
     for k, v in metrics.items():
         if isinstance(v, bool) or isinstance(v, (int, float)):
             out[k] = float(v)
-        elif isinstance(v, dict):
+        elif isinstance(v, dict) and k not in UNBOUNDED_KEYS:
             out.update({f"{k}/{kk}": float(vv) for kk, vv in v.items() if isinstance(vv, (int, float))})
     return out
 

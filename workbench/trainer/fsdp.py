@@ -1078,11 +1078,12 @@ class Trainer:
         collectives, queued on every rank in the same order, the gather first, so that an engine
         can load the weights while the ranks compute the probe (loop.sync_engines). The weights
         stay in Ray's object store, where the engines read them; the driver never copies them
-        (the CPU weight sync). The third item holds every rank's part of both: ray.get it for the
-        ranks' errors."""
+        (the CPU weight sync). The third item holds every rank's part of both but rank 0's weights:
+        ray.get it for the ranks' errors (rank 0's gather fails the engines reading its weights; with
+        it in, the driver fetched the whole model at every sync, over the network from another node)."""
         weights = [w.full_state_dict.remote(True) for w in self.workers]
         probes = [w.probe.remote(ids) for w in self.workers]
-        return weights[0], probes[0], weights + probes
+        return weights[0], probes[0], weights[1:] + probes
 
     def footprint(self) -> list[dict]:
         """Per rank: the bytes its parameter shards, optimizer state and reference hold, by

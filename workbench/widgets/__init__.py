@@ -374,6 +374,7 @@ class _Monitor(W.VBox):
         # out of a saved notebook: the mime renderer of jupyterlab-plotly draws the JSON.
         self.fig = fig
         self.history: list[dict] = []
+        self._drawn_at, self._stale = 0.0, False  # when on_step last redrew; steps since left undrawn
         self._lock = threading.Lock()  # on_step may come from a training loop's thread
         self.view = W.Output(layout=W.Layout(min_height=f"{height or self.HEIGHT}px"))
         self.children = [self.view]
@@ -422,10 +423,31 @@ class _Monitor(W.VBox):
         return {"output_type": "display_data", "metadata": {},
                 "data": {"application/vnd.plotly.v1+json": json.loads(self.fig.to_json()), "text/plain": text}}
 
+    # A redraw sends the whole figure (every step's points) to the browser: every step of a long run
+    # made that O(steps) per step on the training thread (25 ms and 188 kB at 1,000 steps, 111 ms and
+    # 924 kB at 5,000, per monitor). Past the first REDRAW_ALWAYS steps, at most one redraw every
+    # REDRAW_S seconds; the run's end (on_end) draws the last steps.
+    REDRAW_ALWAYS, REDRAW_S = 200, 2.0
+
     def on_step(self, metrics: dict):
         """Append one step's metrics and redraw (safe to call from a training loop's thread)."""
+        import time
+
         with self._lock:
-            self._draw(self.history + [metrics])
+            self.history.append(metrics)
+            now = time.monotonic()
+            if len(self.history) <= self.REDRAW_ALWAYS or now - self._drawn_at >= self.REDRAW_S:
+                self._draw(self.history)
+                self._drawn_at, self._stale = now, False
+            else:
+                self._stale = True
+
+    def on_end(self):
+        """The run ended: draw the steps a throttled redraw left out."""
+        with self._lock:
+            if self._stale:
+                self._draw(self.history)
+                self._stale = False
 
     def write_html(self, path, include_plotlyjs=True, title: str | None = None) -> Path:
         """A standalone page with plotly.js inlined: updates made after display are not in a
