@@ -378,11 +378,59 @@ def test_kernel_interfaces_the_code_has_no_use_for_are_refused():
         for name, nr in (('io_uring_setup', 425), ('bpf', 321), ('userfaultfd', 323), ('perf_event_open', 298),
                          ('ptrace', 101), ('process_vm_readv', 310), ('memfd_secret', 447), ('pidfd_open', 434),
                          ('pidfd_getfd', 438), ('pidfd_send_signal', 424), ('kcmp', 312), ('process_madvise', 440),
-                         ('inotify_init', 253), ('inotify_init1', 294)):
+                         ('inotify_init', 253), ('inotify_init1', 294), ('fanotify_init', 300), ('fanotify_mark', 301),
+                         ('io_setup', 206), ('io_submit', 209), ('io_getevents', 208), ('io_pgetevents', 333),
+                         ('io_cancel', 210), ('io_destroy', 207)):
             rc = libc.syscall(nr, 0, 0, 0, 0, 0, 0)
             print(name, rc, ctypes.get_errno())""")
     assert r.ok, r.stderr
-    assert all(line.split()[1:] == ["-1", str(errno.EPERM)] for line in r.stdout.splitlines()), r.stdout
+    assert len(r.stdout.splitlines()) == 22 and \
+        all(line.split()[1:] == ["-1", str(errno.EPERM)] for line in r.stdout.splitlines()), r.stdout
+
+
+def test_host_wide_kernel_resources_and_file_watches_are_refused():
+    """From review, each held outside every limit or saw the host: fanotify with FAN_REPORT_FID
+    (works unprivileged) and dnotify (F_NOTIFY) saw the host open and close a stdlib file; kernel
+    AIO took the host's whole fs.aio-max-nr (the test above); each /dev/ptmx opened counted against
+    the host-wide kernel.pty.max (253 a sandbox); byte-range locks are kernel memory no cgroup
+    counts (72 MB under a 97 MB limit in 3 s); socketpair of another family than AF_UNIX loaded
+    its module (AF_TIPC gave a pair). flock and in-memory sqlite keep working, and a program may
+    start threads (one malloc arena: 6 threads were all 256 MB allowed)."""
+    r = run("""
+        import ctypes, fcntl, os, socket, sqlite3, struct, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        print('fanotify_init', libc.fanotify_init(0x200 | 2, os.O_RDONLY), ctypes.get_errno())
+        d = os.open('/usr', os.O_RDONLY)
+        for name, cmd, arg in (('F_NOTIFY', 0x402, 0x80000001), ('F_SETLK', 6, None), ('F_SETLKW', 7, None),
+                               ('F_OFD_SETLK', 37, None), ('F_OFD_SETLKW', 38, None)):
+            fd = d if arg is not None else os.open('f', os.O_RDWR | os.O_CREAT)
+            lock = struct.pack('hhqqi', fcntl.F_WRLCK, 0, 0, 1, 0)
+            try:
+                fcntl.fcntl(fd, cmd, arg if arg is not None else lock); print(name, 'ALLOWED')
+            except OSError as e:
+                print(name, 'refused', e.errno)
+        try:
+            os.open('/dev/ptmx', os.O_RDWR | os.O_NOCTTY); print('ptmx OPENED')
+        except OSError as e:
+            print('ptmx refused', e.errno)
+        for fam in (socket.AF_INET, socket.AF_INET6, 30):  # 30: AF_TIPC
+            try:
+                socket.socketpair(fam); print('socketpair', fam, 'MADE')
+            except OSError as e:
+                print('socketpair', fam, 'refused', e.errno)
+        a, b = socket.socketpair(); a.send(b'x'); print('unix pair', b.recv(1))
+        fcntl.flock(os.open('g', os.O_RDWR | os.O_CREAT), fcntl.LOCK_EX); print('flock ok')
+        print('sqlite', sqlite3.connect(':memory:').execute('select 1').fetchone()[0])
+        ts = [threading.Thread(target=lambda: None) for _ in range(24)]
+        for t in ts: t.start()
+        for t in ts: t.join()
+        print('threads', len(ts))""", memory_mb=256)
+    assert r.ok, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"fanotify_init -1 {errno.EPERM}", r.stdout
+    assert lines[1:6] == [f"{n} refused {errno.EPERM}" for n in ("F_NOTIFY", "F_SETLK", "F_SETLKW", "F_OFD_SETLK", "F_OFD_SETLKW")]
+    assert lines[6].startswith("ptmx refused") and all(x.endswith(f"refused {errno.EAFNOSUPPORT}") for x in lines[7:10]), r.stdout
+    assert lines[10:] == ["unix pair b'x'", "flock ok", "sqlite 1", "threads 24"], r.stdout
 
 
 def test_extended_attributes_are_refused():

@@ -13,7 +13,8 @@ Isolation (bubblewrap, Debian package `bubblewrap` >= 0.8, installed by scripts/
 - the filesystem is an empty read-only root with, read-only, only the interpreter, its stdlib
   (its site-packages hidden) and the system library directory; no /proc (through /proc/1/mem
   the code took over bwrap's PID 1 in its user-namespace mode, see _sandbox_pid1), a minimal
-  /dev, and a private size-limited tmpfs /tmp as the work directory; task
+  /dev without ptys (each counts against the host's kernel.pty.max), and a private size-limited
+  tmpfs /tmp as the work directory; task
   `files` are read-only inside it and copied afresh for every call; no inherited descriptors;
 - a seccomp filter (libseccomp, via bwrap --seccomp) forbids new processes (fork, vfork, clone
   without CLONE_THREAD; threads are fine), new namespaces, memfds, kernel keyrings, SysV and
@@ -24,7 +25,9 @@ Isolation (bubblewrap, Debian package `bubblewrap` >= 0.8, installed by scripts/
   process makes the rlimits whole-sandbox limits: address space, CPU seconds, file size, open
   files, tasks (MAX_TASKS), set by the launcher with hard == soft (CPU: hard = soft + 1 s, so the
   soft limit's SIGXCPU is seen), which the unprivileged code cannot raise; the filter also
-  refuses io_uring, bpf, userfaultfd, perf_event_open, ptrace, process_vm_*, personality, kexec;
+  refuses io_uring, bpf, userfaultfd, perf_event_open, ptrace, process_vm_*, personality, kexec,
+  file watches (inotify, fanotify, F_NOTIFY: they saw the host's file activity), kernel AIO (the
+  host-wide fs.aio-max-nr) and byte-range locks (kernel memory no cgroup counts);
 - where the caller can make a memory cgroup (root here; cgroup v1 or v2), each call runs in one of
   its own, limited to memory_mb + disk_mb + CGROUP_HEADROOM_MB, kernel memory included: a tmpfs's
   inodes and dentries, pipe and socket buffers, which no rlimit counts (~1 GiB in 4 s of empty
@@ -158,8 +161,16 @@ def _seccomp_program() -> bytes:
               "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "kcmp", "process_madvise",
               # inotify instances count against the caller's uid (rootless: the runner's own, 128 of them:
               # its next inotify_init failed while the sandbox lived), and a watch on the read-only binds
-              # saw the host's file activity
-              "inotify_init", "inotify_init1")]
+              # saw the host's file activity; fanotify (FAN_REPORT_FID works unprivileged) as well
+              "inotify_init", "inotify_init1", "fanotify_init", "fanotify_mark",
+              # kernel AIO: its events come out of the host-wide fs.aio-max-nr, which one sandbox took
+              # whole (65,536: every libaio user on the host got EAGAIN while it lived)
+              "io_setup", "io_submit", "io_getevents", "io_pgetevents", "io_cancel", "io_destroy")]
+    # fcntl: F_NOTIFY (dnotify saw the host's file activity, as inotify did) and byte-range locks
+    # (F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW: their kernel structs are charged to no memory
+    # cgroup, 375,000 locks, 72 MB, in 3 s under a 97 MB limit). EPERM, not ENOLCK: sqlite on a file
+    # retried ENOLCK until the timeout; with EPERM it fails at once (flock and in-memory sqlite work)
+    rules += [("fcntl", deny(errno.EPERM), Cmp(1, 4, cmd, 0)) for cmd in (0x402, 6, 7, 37, 38)]
     rules.append(("clone", deny(errno.EPERM), Cmp(0, 7, 0x10000, 0)))  # (flags & CLONE_THREAD) == 0
     # socket(family, ...): AF_UNIX 1 and AF_NETLINK 16 (glibc's getaddrinfo reads interfaces through
     # it; it sees only the sandbox's network namespace); others refused. AF_INET 2 and AF_INET6 10
@@ -173,6 +184,9 @@ def _seccomp_program() -> bytes:
     # the initial user namespace, and NETLINK_KOBJECT_UEVENT (15) then delivered the host's device events
     ne = 1  # SCMP_CMP_NE
     rules.append(("socket", deny(errno.EPROTONOSUPPORT), (Cmp(0, eq, 16, 0), Cmp(2, ne, 0, 0))))
+    # socketpair: AF_UNIX only (another family made the kernel load its module where it can: AF_TIPC
+    # gave a working pair)
+    rules.append(("socketpair", deny(errno.EAFNOSUPPORT), Cmp(0, ne, 1, 0)))
     rules.append(("clone3", deny(errno.ENOSYS), None))  # its flags are behind a pointer; glibc falls back to clone
     ctx = lib.seccomp_init(allow)
     fd = os.memfd_create("seccomp")
@@ -254,7 +268,9 @@ def _bwrap_args(bwrap: str, disk_mb: int, seccomp_fd: int, file_fds: dict[str, i
               "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         ns = ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", str(NOBODY), "--gid", str(NOBODY)]
-    args = [bwrap, *ns, "--hostname", "sandbox", *view, "--dev", "/dev",
+    # (/dev/pts empty and read-only: bwrap's devpts gave /dev/ptmx, and each pty opened counts against
+    # the host-wide kernel.pty.max, 253 a sandbox)
+    args = [bwrap, *ns, "--hostname", "sandbox", *view, "--dev", "/dev", "--tmpfs", "/dev/pts", "--remount-ro", "/dev/pts",
             "--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", WORKDIR,
             "--perms", "0755", "--dir", os.path.dirname(CODE_PATH), "--perms", "0444", "--ro-bind-data", str(code_fd), CODE_PATH]
     for name, fd in file_fds.items():
@@ -332,7 +348,9 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
          stdin: bytes, files: dict[str, bytes], disk_mb: int) -> SandboxResult:
     exe = _interpreter()[0]
     limits = [str(memory_mb << 20), str(int(timeout_s) + 1), str(disk_mb << 20)]
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": WORKDIR}
+    # one malloc arena: glibc reserves 64 MB of address space an arena, a thread each, all under
+    # RLIMIT_AS: 6 threads were all a 256 MB program could start (a ThreadPoolExecutor of 8 failed)
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": WORKDIR, "MALLOC_ARENA_MAX": "1"}
     # a lone surrogate goes in as written: the interpreter refuses it (a failed run, not a failed call)
     source = code.encode("utf-8", "surrogatepass")
     # (0: the launcher keeps its uid. Unsandboxed it must: an interpreter under /root is not
