@@ -885,7 +885,7 @@ def test_an_engine_failing_before_the_nccl_broadcast_is_raised_not_waited_on(ray
     import ray
 
     from workbench.rollout import nccl_sync
-    from workbench.trainer.fsdp import Trainer
+    from workbench.trainer.fsdp import Trainer, WeightSyncBroken
 
     @ray.remote(num_cpus=0)
     class Rank0:
@@ -897,6 +897,9 @@ def test_an_engine_failing_before_the_nccl_broadcast_is_raised_not_waited_on(ray
 
     @ray.remote(num_cpus=0)
     class Engine:
+        def info(self):
+            return {"version": 3}
+
         def update_weights_nccl(self, *args):
             raise RuntimeError("policy version must increase")
 
@@ -904,11 +907,13 @@ def test_an_engine_failing_before_the_nccl_broadcast_is_raised_not_waited_on(ray
     monkeypatch.setattr(nccl_sync, "check_meta", lambda *a: None)
     monkeypatch.setattr(nccl_sync, "hf_meta", lambda path: None)
     rank0, engine = Rank0.remote(), Engine.remote()
-    driver = SimpleNamespace(workers=[rank0], nccl=SimpleNamespace(wire_dtype="bfloat16", packed=False), model_path="m")
+    driver = SimpleNamespace(workers=[rank0], nccl=SimpleNamespace(wire_dtype="bfloat16", packed=False), model_path="m",
+                             nccl_broken=None, nccl_blocked=False, _nccl_engines=[engine])
     t0 = time.monotonic()
-    with pytest.raises(ray.exceptions.RayTaskError, match="policy version must increase"):
+    # (rank 0 stays inside the broadcast: the group is broken for good, WeightSyncBroken says so)
+    with pytest.raises(WeightSyncBroken, match="policy version must increase"):
         Trainer.sync_weights_nccl(driver, [engine], 3)
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 30 and driver.nccl_blocked
     ray.kill(rank0)
     ray.kill(engine)
 

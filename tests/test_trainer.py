@@ -721,19 +721,26 @@ def test_a_step_that_failed_part_way_leaves_no_gradients_and_one_after_an_update
             raise RuntimeError("injected: after the update")
         worker.optimizer.step = boom
 
+    def fresh(batch):  # sampled by the trainer's version: this module's earlier steps made the samples stale,
+        batch = dict(batch)  # and the staleness gate dropped every row (no gradient to leave or apply)
+        batch["versions"] = torch.where(batch["loss_mask"].bool(), trainer.version, batch["versions"])
+        return batch
+
     probe_ids = list(range(3, 19))
     b, flat = batch_of(samples), batch_of(samples)
     flat["advantages"] = torch.zeros_like(flat["advantages"])
     ray.get([w.__ray_call__.remote(fail_clip) for w in trainer.workers])
     version, before = trainer.version, trainer.probe(probe_ids)
     with pytest.raises(Exception, match="injected: out of memory"):
-        trainer.train_step(dict(b))
+        trainer.train_step(fresh(b))
     assert trainer.version == version and trainer.probe(probe_ids) == before
-    stats = trainer.train_step(dict(flat))  # the failed step's gradients were its update
+    stats = trainer.train_step(fresh(flat))  # the failed step's gradients were its update
     assert stats["grad_norm"] == 0.0 and stats["updates_skipped"] == 1 and trainer.probe(probe_ids) == before
+    assert trainer.train_step(fresh(b))["grad_norm"] > 0  # (the batch does carry a gradient)
 
+    before = trainer.probe(probe_ids)
     ray.get([w.__ray_call__.remote(fail_after_update) for w in trainer.workers])
     version = trainer.version
     with pytest.raises(PartialUpdate, match="failed after 1 optimizer update"):
-        trainer.train_step(dict(b))
+        trainer.train_step(fresh(b))
     assert trainer.version == version + 1 and trainer.probe(probe_ids) != before
