@@ -295,6 +295,13 @@ def update_runs(n: int, updates: int) -> list[range]:
     return [range(a, a + size) for a, size in zip(starts, sizes)]
 
 
+def host_threads_per_gpu() -> int:
+    """This node's cores divided by its GPUs (one trainer rank a GPU)."""
+    node = ray.get_runtime_context().get_node_id()
+    gpus = next((n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("NodeID") == node), 0)
+    return max(1, len(os.sched_getaffinity(0)) // max(1, int(gpus)))
+
+
 def durable(f) -> None:
     """Flush an open file to the disk: a checkpoint's files written but not synced could be empty
     after a power loss or a host crash that kept the renames swapping them in (the old one
@@ -379,6 +386,10 @@ class TrainerWorker:
             # offloaded parameters and gradients are CPU DTensors: their collectives (clip_grad_norm_'s
             # all-reduce, the state-dict gathers) need a CPU backend beside NCCL
             backend = "cpu:gloo,cuda:nccl" if cfg.cpu_offload else "nccl"
+            if cfg.cpu_offload:  # the optimizer steps on the host: this rank's share of the node's cores
+                # (Ray gives a num_cpus=0 actor OMP_NUM_THREADS=1: AdamW over a rank's billions of
+                # offloaded parameters ran on one core)
+                torch.set_num_threads(host_threads_per_gpu())
         else:
             self.device = torch.device("cpu")
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
