@@ -269,17 +269,22 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
         limits["max_staleness"] = cfg.get("trainer", {}).get("correction", {}).get("max_staleness")
     if limits["sync_max_abs_diff"] is None:
         limits["sync_max_abs_diff"] = cfg.get("loop", {}).get("sync_tol")
-    steps, rows, trajs = [], [], {}
+    # One step's trajectories at a time: a step's values, violations and seal counts are taken and its
+    # episodes let go (holding every step's made a long run's audit run out of memory: ~0.75 MB a
+    # quickstart step, ~180 MB at 1M tokens a step); the flagged steps' are read again for their views.
+    def step_file(s: int) -> Path:
+        return run_dir / "trajectories" / f"step_{s:05d}.parquet"
+
+    steps, rows, counts = [], [], {}
+    violations = []  # (step, key, value, offending episode ids, the step's limit)
     for m in metrics:
-        path = run_dir / "trajectories" / f"step_{m['step']:05d}.parquet"
-        trajs[m["step"]] = read_trajectories(path) if path.is_file() else []
-        steps.append(m["step"])
+        s = m["step"]
+        trajs = read_trajectories(step_file(s)) if step_file(s).is_file() else []
+        steps.append(s)
+        counts[s] = len(trajs)
         # the step's own loop settings where it logged them (wb.run's overrides), else config.json's
         rules = {**cfg.get("loop", {}), **{k: m[k] for k in ("on_failed", "on_truncated") if k in m}}
-        rows.append((m, *step_values(m, trajs[m["step"]], rules)))
-    # violations: (step, key, value, offending episode ids, the step's limit)
-    violations = []
-    for (m, v, per_ep), s in zip(rows, steps):
+        v, per_ep = step_values(m, trajs, rules)
         lim = step_limits(m, limits, staleness_given)
         if not tol_given and m.get("sync_tol") is not None:  # the tolerance the step's own sync was held to
             lim = {**lim, "sync_max_abs_diff": m["sync_tol"]}
@@ -287,12 +292,17 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
             if _over(key, v[key], lim[key]):
                 eps = [ep for ep, x in per_ep.get(key, {}).items() if (x > 0 if key.endswith("rate") else _over(key, x, lim[key]))]
                 violations.append((s, key, v[key], eps, lim[key]))
+        seals: dict[str, int] = {}
+        for ss in per_ep["seals"].values():
+            for r in ss:
+                seals[r] = seals.get(r, 0) + 1
+        rows.append((m, v, seals))
     flagged = {(s, k) for s, k, _, _, _ in violations}
     title = f"Audit of {run_dir.name}"
     out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title><style>{CSS}</style></head><body>",
            f"<h1>{escape(title)}</h1><p>{len(steps)} step(s), {steps[0]}..{steps[-1]}; model {escape(str(cfg.get('model', '?')))}, "
            f"backend {escape(str(cfg.get('backend', '?')))}, mode {escape(str(metrics[-1].get('mode', '?')))}; "
-           f"{sum(len(t) for t in trajs.values())} episode(s) in trajectories/. Read from {escape(str(run_dir))}.</p>",
+           f"{sum(counts.values())} episode(s) in trajectories/. Read from {escape(str(run_dir))}.</p>",
            f"<section id='violations'><h2>Violations: {len(violations)}</h2><ul>"]
     by_step: dict[int, list] = {}
     for s, key, value, eps, limit in violations:
@@ -301,7 +311,7 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
                  f"<a href='#{_id('step', s)}'>a sample of the step's trajectories</a> (per-token values: wb.revisit(run_dir, {s}))")
         out.append(f"<li class='v' id='{_id('v', s, key)}'>step {s}: <a href='#{_id('stat', key)}'>{escape(dict((k, t) for k, t, _ in CHECKS)[key])}</a> "
                    f"= {_fmt(value)} ({'min' if key in MINIMA else 'max'} {_fmt(limit)}) &rarr; {links}</li>")
-    missing = [st for st in steps if not trajs[st]]
+    missing = [st for st in steps if not counts[st]]
     out.append("</ul>" + ("" if violations else "<p>Every statistic of every step is within its threshold.</p>")
                + (f"<p class='na'>No trajectories/step_*.parquet for {len(missing)} step(s) ({_ranges(missing)}): their "
                   f"token-identity checks read the step's logged totals, or are not recorded (–) where it has none.</p>"
@@ -310,11 +320,7 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
     out.append("<section id='steps'><h2>Every step</h2><table><tr><th>step</th>"
                + "".join(f"<th><a href='#{_id('stat', k)}'>{escape(t)}</a></th>" for k, t, _ in CHECKS)
                + "<th>seals by reason</th><th>staleness: tokens</th><th>IS weights: counts per bin</th></tr>")
-    for (m, v, per_ep), s in zip(rows, steps):
-        seals: dict[str, int] = {}
-        for ss in per_ep["seals"].values():
-            for r in ss:
-                seals[r] = seals.get(r, 0) + 1
+    for (m, v, seals), s in zip(rows, steps):
         cells = "".join(f"<td class='bad'><a href='#{_id('v', s, k)}'>{_fmt(v[k])}</a></td>" if (s, k) in flagged
                         else f"<td>{_fmt(v[k])}</td>" for k, _, _ in CHECKS)
         hist = m.get("is_weight_hist") or {}
@@ -335,7 +341,8 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
                "Hover a token for its id, log-prob and version.</p>")
     for s in sorted(by_step):
         # the offending episodes; for a per-token statistic (no episode to blame) a sample of the step's
-        order = [t for t in trajs[s] if t.episode_id in by_step[s]][:max_views_per_step] or trajs[s][:sample_per_step]
+        trajs = read_trajectories(step_file(s)) if counts[s] else []
+        order = [t for t in trajs if t.episode_id in by_step[s]][:max_views_per_step] or trajs[:sample_per_step]
         out.append(f"<div id='{_id('step', s)}'><h3>step {s}</h3>")
         for t in order:
             out.append(f"<div class='traj' id='{_id('t', s, t.episode_id)}'>{trajectory_html(t)}"
