@@ -402,13 +402,24 @@ def test_host_wide_kernel_resources_and_file_watches_are_refused():
         print('fanotify_init', libc.fanotify_init(0x200 | 2, os.O_RDONLY), ctypes.get_errno())
         d = os.open('/usr', os.O_RDONLY)
         for name, cmd, arg in (('F_NOTIFY', 0x402, 0x80000001), ('F_SETLK', 6, None), ('F_SETLKW', 7, None),
-                               ('F_OFD_SETLK', 37, None), ('F_OFD_SETLKW', 38, None)):
+                               ('F_OFD_SETLK', 37, None), ('F_OFD_SETLKW', 38, None), ('F_SETLEASE', 1024, 0)):
             fd = d if arg is not None else os.open('f', os.O_RDWR | os.O_CREAT)
             lock = struct.pack('hhqqi', fcntl.F_WRLCK, 0, 0, 1, 0)
             try:
                 fcntl.fcntl(fd, cmd, arg if arg is not None else lock); print(name, 'ALLOWED')
             except OSError as e:
                 print(name, 'refused', e.errno)
+        # the same through the raw call with cmd's upper 32 bits set (the kernel drops them; a filter
+        # comparing all 64 let them through)
+        buf = ctypes.create_string_buffer(struct.pack('hhqqi', fcntl.F_WRLCK, 0, 0, 1, 0))
+        f = os.open('h', os.O_RDWR | os.O_CREAT)
+        for name, cmd in (('F_SETLK', 6), ('F_OFD_SETLK', 37)):
+            rc = libc.syscall(ctypes.c_long(72 if os.uname().machine == 'x86_64' else 25), ctypes.c_long(f),
+                              ctypes.c_long((1 << 32) | cmd), buf)
+            print(name, 'high bits', rc, ctypes.get_errno())
+        rc = libc.syscall(ctypes.c_long(72 if os.uname().machine == 'x86_64' else 25), ctypes.c_long(d),
+                          ctypes.c_long((1 << 32) | 0x402), ctypes.c_ulong(0x80000001))
+        print('F_NOTIFY high bits', rc, ctypes.get_errno())
         try:
             os.open('/dev/ptmx', os.O_RDWR | os.O_NOCTTY); print('ptmx OPENED')
         except OSError as e:
@@ -428,9 +439,11 @@ def test_host_wide_kernel_resources_and_file_watches_are_refused():
     assert r.ok, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == f"fanotify_init -1 {errno.EPERM}", r.stdout
-    assert lines[1:6] == [f"{n} refused {errno.EPERM}" for n in ("F_NOTIFY", "F_SETLK", "F_SETLKW", "F_OFD_SETLK", "F_OFD_SETLKW")]
-    assert lines[6].startswith("ptmx refused") and all(x.endswith(f"refused {errno.EAFNOSUPPORT}") for x in lines[7:10]), r.stdout
-    assert lines[10:] == ["unix pair b'x'", "flock ok", "sqlite 1", "threads 24"], r.stdout
+    assert lines[1:7] == [f"{n} refused {errno.EPERM}" for n in ("F_NOTIFY", "F_SETLK", "F_SETLKW", "F_OFD_SETLK",
+                                                                 "F_OFD_SETLKW", "F_SETLEASE")], r.stdout
+    assert lines[7:10] == [f"{n} high bits -1 {errno.EPERM}" for n in ("F_SETLK", "F_OFD_SETLK", "F_NOTIFY")], r.stdout
+    assert lines[10].startswith("ptmx refused") and all(x.endswith(f"refused {errno.EAFNOSUPPORT}") for x in lines[11:14]), r.stdout
+    assert lines[14:] == ["unix pair b'x'", "flock ok", "sqlite 1", "threads 24"], r.stdout
 
 
 def test_extended_attributes_are_refused():

@@ -504,3 +504,6 @@ def test_a_long_runs_monitor_redraws_at_most_every_few_seconds_and_at_the_end():
     assert shown() == "GateMonitor: 2 step(s), last step 1" and len(mon.history) == 5
     mon.on_end()
     assert shown() == "GateMonitor: 5 step(s), last step 4" and list(mon.trace("gate_pass_ratio").y)[-1] == 0.6
+    mon.on_step({"step": 5, "gate_pass_ratio": 0.5})  # fed without a run's end: a saved view draws it anyway
+    mon.static()
+    assert list(mon.trace("gate_pass_ratio").y)[-1] == 0.5

@@ -170,7 +170,9 @@ def _seccomp_program() -> bytes:
     # (F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW: their kernel structs are charged to no memory
     # cgroup, 375,000 locks, 72 MB, in 3 s under a 97 MB limit). EPERM, not ENOLCK: sqlite on a file
     # retried ENOLCK until the timeout; with EPERM it fails at once (flock and in-memory sqlite work)
-    rules += [("fcntl", deny(errno.EPERM), Cmp(1, 4, cmd, 0)) for cmd in (0x402, 6, 7, 37, 38)]
+    # and F_SETLEASE (a lease is told when the host opens a bound file to write it). The kernel reads
+    # cmd as 32 bits: compared on its low 32 (an equality on all 64 let cmd | 1 << 32 through)
+    rules += [("fcntl", deny(errno.EPERM), Cmp(1, 7, 0xFFFFFFFF, cmd)) for cmd in (0x402, 6, 7, 37, 38, 1024)]
     rules.append(("clone", deny(errno.EPERM), Cmp(0, 7, 0x10000, 0)))  # (flags & CLONE_THREAD) == 0
     # socket(family, ...): AF_UNIX 1 and AF_NETLINK 16 (glibc's getaddrinfo reads interfaces through
     # it; it sees only the sandbox's network namespace); others refused. AF_INET 2 and AF_INET6 10

@@ -1147,9 +1147,17 @@ class Trainer:
         try:
             return _get_all(receive + send)[:len(receive)]
         except Exception as e:
-            finished, _ = ray.wait(send, num_returns=len(send), timeout=0)
-            if len(finished) == len(send):  # the broadcast went through (a probe refused after it): the
-                raise  # group holds, the error is the engine's own
+            # the broadcast went through (an engine's probe refused after it: the group holds, the error is
+            # the engine's own) only where every send returned, and returned no error (a rank's own failure
+            # part-way left the engines inside the broadcast). A few seconds for the senders' replies: a
+            # probe's error can reach the driver first
+            finished, _ = ray.wait(send, num_returns=len(send), timeout=5)
+            try:
+                sent = len(finished) == len(send) and ray.get(send) is not None
+            except Exception:
+                sent = False
+            if sent:
+                raise
             self.nccl_broken, self.nccl_blocked = f"an NCCL weight sync failed part-way: {type(e).__name__}: {e}", True
             raise WeightSyncBroken(self.nccl_broken, blocked=True) from e
 

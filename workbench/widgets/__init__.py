@@ -430,7 +430,8 @@ class _Monitor(W.VBox):
     REDRAW_ALWAYS, REDRAW_S = 200, 2.0
 
     def on_step(self, metrics: dict):
-        """Append one step's metrics and redraw (safe to call from a training loop's thread)."""
+        """Append one step's metrics and redraw, throttled past REDRAW_ALWAYS steps (safe to call
+        from a training loop's thread)."""
         import time
 
         with self._lock:
@@ -454,6 +455,7 @@ class _Monitor(W.VBox):
         saved notebook's widget state, so a papermill run should leave this file as its record.
         `include_plotlyjs="directory"`: one plotly.min.js beside several pages (offline too).
         The page carries `title` (default: the monitor's name and its plots) in <title> and <h3>."""
+        self.on_end()  # (the steps a throttled redraw left out, for a monitor fed without a run's end)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         title = title or f"{type(self).__name__}: {', '.join(self.TITLES)}"
@@ -468,6 +470,7 @@ class _Monitor(W.VBox):
         """The monitor now as an SVG image, for a saved notebook: an executed notebook and its
         nbconvert HTML show it with no JavaScript and no network (the live view is a widget,
         which neither keeps). `display(gate.static())` after a run."""
+        self.on_end()  # (as write_html)
         return StaticFigure(svg(self), f"{type(self).__name__}: {len(self.history)} step(s)")
 
 
