@@ -313,6 +313,10 @@ def test_lint_tekken_directory(ckpt):
     assert "recorded 'You are' vs render 'What is'" in plain.first.context  # the system prompt moved
     found = report.traps_found()
     assert not found["leading_space"] and not found["merged_boundary"] and not found["roundtrip"]
+    # mistral-common keeps a control name in text as text (the render escapes it: no id 2), and it
+    # encodes the request's BOS itself: neither was a trap (both read as one, or as "no BOS token")
+    assert not found["special_in_text"] and not found["bos_doubling"]
+    assert "mistral-common encodes the request" in next(t.detail for t in report.traps if t.name == "bos_doubling")
 
 
 def test_c_v7_tekken_renders_text_beside_a_call_as_mistral_common_does(tmp_path):
@@ -354,3 +358,18 @@ def test_messages_mistral_common_refuses_are_the_requests_400_not_an_unexpected_
     from workbench.tekken import TekkenFormat
 
     assert not TekkenFormat.is_refusal(ValueError("a ValueError of our own code is no refusal: counted"))
+
+
+def test_a_tekken_checkpoint_runs_through_a_rollout_runner_and_its_session_lint(ckpt):
+    """The runner loaded every checkpoint's tokenizer through transformers, and TekkenFormat needs
+    vLLM's MistralTokenizer: a Tekken checkpoint's runner (so connect()) failed at start. The
+    runner takes mistral-common's for a tekken profile (and wb.lint() reads the directory). (A stand-in engine handle:
+    nothing is sampled.)"""
+    from workbench.rollout.runner import RolloutRunner
+    from workbench.tekken import TekkenFormat
+
+    from pathlib import Path
+
+    agent = Path(__file__).resolve().parents[1] / "workbench" / "examples" / "calculator_openai.py"
+    runner = RolloutRunner(str(agent), [object()], str(ckpt))
+    assert isinstance(runner.server.fmt, TekkenFormat) and runner.sampling.stop_token_ids == [2]

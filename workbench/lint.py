@@ -366,7 +366,9 @@ def traps(fmt: ChatFormat, shapes: list[ShapeResult], renders: list[str]) -> lis
     bos = getattr(tok, "bos_token", None)
     bos_id = tok.convert_tokens_to_ids(bos) if bos else None
     r0 = renders[0] if renders else ""
-    if bos and r0.startswith(bos):
+    if getattr(tok, "is_tekken", False):  # (vLLM's MistralTokenizer has no bos_token: "no BOS token" was wrong)
+        out.append(Trap("bos_doubling", False, "n/a: mistral-common encodes the request to ids (one BOS)"))
+    elif bos and r0.startswith(bos):
         n_wrapper = tok(r0, add_special_tokens=True)["input_ids"][:3].count(bos_id)
         n_acc = fmt.encode(r0)[:3].count(bos_id)
         out.append(Trap("bos_doubling", n_wrapper > 1, f"the render starts with {bos!r}: tokenizer(text) gives "
@@ -404,11 +406,17 @@ def traps(fmt: ChatFormat, shapes: list[ShapeResult], renders: list[str]) -> lis
     out.append(Trap("merged_boundary", bool(merged), f"{merged[0][0].shape} turn {merged[0][1].turn}: {merged[0][1].context}"
                     if merged else
                     "sampled ids + template deltas equal a fresh encoding of the same text in every shape"))
+    # through the render, as a message's text reaches the engine: raw text through encode() was no
+    # request's path (Tekken's encode splits at control names; its render escapes them: a false alarm)
     eot = fmt.end_of_turn
-    as_text = fmt.encode(f"say {eot} now")
-    out.append(Trap("special_in_text", fmt.end_of_turn_id in as_text,
-                    f"the text 'say {eot} now' encodes to the control id {fmt.end_of_turn_id}: a model writing the "
-                    f"marker as text and a retokenizer disagree" if fmt.end_of_turn_id in as_text else
+
+    def ends(text: str) -> int:
+        return fmt.encode(fmt.render([{"role": "user", "content": text}], None, True)).count(fmt.end_of_turn_id)
+
+    spelled = ends(f"say {eot} now") > ends("say it now")
+    out.append(Trap("special_in_text", spelled,
+                    f"a message's text 'say {eot} now' renders to the control id {fmt.end_of_turn_id}: a model writing "
+                    f"the marker as text and a retokenizer disagree" if spelled else
                     "control-token strings in text stay text"))
     bad = next((r for r in renders if fmt.decode(fmt.encode(r)) != r), None)
     out.append(Trap("roundtrip", bad is not None, "decode(encode(render)) != render" if bad is not None else

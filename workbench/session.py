@@ -636,7 +636,8 @@ class Workbench:
 
         if target is None:  # the policy's own template, as its profile renders it
             kw = {"profile": self.profile, **kw}  # its end of turn, template kwargs, message form, parsers
-            target = self.tokenizer
+            # (a Tekken checkpoint renders through mistral-common: lint reads its directory)
+            target = self.model_path if self.profile.chat_format == "tekken" else self.tokenizer
         return lint(target, shapes, **kw)
 
     def sync(self) -> list:

@@ -62,7 +62,12 @@ class RolloutRunner:
             import anthropic  # noqa: F401
             import openai  # noqa: F401
         self.profile = profile or profile_for(model_path)
-        tokenizer = load_tokenizer(model_path)
+        if self.profile.chat_format == "tekken":  # mistral-common's (TekkenFormat renders with it): transformers'
+            from ..tekken import load_tokenizer as tekken_tokenizer  # failed every Tekken checkpoint's runner
+
+            tokenizer = tekken_tokenizer(model_path)
+        else:
+            tokenizer = load_tokenizer(model_path)
         sampling = sampling or SamplingConfig(max_tokens=128)
         if not sampling.ignore_eos:  # the family's turn-ending tokens stop a turn (unless told to run on)
             stops = sorted(set(sampling.stop_token_ids) | set(self.profile.stop_token_ids(tokenizer)))
