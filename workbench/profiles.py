@@ -256,6 +256,10 @@ def _smollm2(ck: Checkpoint):
 def _llama3(ck: Checkpoint):
     if ck.model_type != "llama" or "<|eot_id|>" not in ck.special_tokens:
         return None
+    if "<|im_start|>" in (ck.chat_template or ""):  # a ChatML fine-tune (Hermes 2 Pro / 3: Llama 3's tokens,
+        # ChatML turns, hermes calls): read as Llama 3, every turn's <|im_end|> sealed it (template_rewrite)
+        return ModelProfile("llama3", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=min(ck.context, 32768),
+                            dtype="bfloat16")
     # a fixed date: the 3.2 template otherwise renders today's date (strftime_now), so a prompt
     # would change at midnight and every open episode would seal. BOS and a date header in the
     # template: encode rendered text without adding special tokens (else two BOS)
@@ -276,7 +280,15 @@ def _mistral(ck: Checkpoint):
     # tokenizer puts a space after [TOOL_CALLS] that the model did not sample (a retokenization trap;
     # Tekken does not). Templates refuse tool-call ids other than 9 alphanumeric characters: alnum9
     tekken = (ck.path / "tekken.json").is_file()
-    return ModelProfile("mistral", end_of_turn="</s>", tool_parser="mistral", tool_call_ids="alnum9",
+    # a ChatML fine-tune on this architecture (<|im_start|> turns): its turns end with <|im_end|>,
+    # hermes calls. vLLM's `mistral` parser needs [TOOL_CALLS]: without it (v0.1/v0.2) the server
+    # refused to start ("could not locate the tool call token"), and those models call no tools
+    tpl = ck.chat_template or ""
+    if "<|im_start|>" in tpl and not tekken:
+        return ModelProfile("mistral", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=min(ck.context, 32768),
+                            dtype="bfloat16", moe=moe, capture_experts=moe, replay_rule="MixtralTopKRouter" if moe else None)
+    calls = tekken or "[TOOL_CALLS]" in ck.special_tokens or "[TOOL_CALLS]" in tpl
+    return ModelProfile("mistral", end_of_turn="</s>", tool_parser="mistral" if calls else "hermes", tool_call_ids="alnum9",
                         chat_format="tekken" if tekken else "template", max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=moe,
                         capture_experts=moe, replay_rule="MixtralTopKRouter" if moe else None)
 
@@ -303,12 +315,17 @@ def _deepseek(ck: Checkpoint):
     # V3 / V3-0324 / R1 (the same model_type) write a call as function<｜tool▁sep｜>NAME then a
     # ```json block: V3.1's parser read 11 of 12 recorded V3-0324 calls as empty content, the call
     # lost. Their templates render calls that way (V3.1's puts the arguments after the separator),
-    # which tells them apart. No reasoning parser for them: vLLM's deepseek_r1 takes a reply
-    # without </think> as all reasoning (content ''), so an R1 profile sets it by override
-    v3_calls = re.search(r"tool▁sep｜>.{0,160}```json", ck.chat_template or "", re.S) is not None
+    # which tells them apart. Of those, R1's generation prompt opens <think> (R1, MAI-DS-R1): every
+    # reply starts inside reasoning, deepseek_r1 reads it (with none, R1's reasoning reached the agent
+    # as its answer). V3 and R1-0528 (whose reply writes <think> itself) get no reasoning parser:
+    # vLLM's deepseek_r1 takes a reply without </think> as all reasoning (content ''); R1-0528 sets
+    # it by override
+    tpl = ck.chat_template or ""
+    v3_calls = re.search(r"tool▁sep｜>.{0,160}```json", tpl, re.S) is not None
+    opens = "add_generation_prompt" in tpl and "<think>" in tpl[tpl.rfind("add_generation_prompt"):]
     return ModelProfile("deepseek-v3", end_of_turn="<｜end▁of▁sentence｜>",
                         tool_parser="deepseek_v3" if v3_calls else "deepseek_v31",
-                        reasoning_parser=None if v3_calls else "deepseek_v3", tool_arguments="json",
+                        reasoning_parser=("deepseek_r1" if opens else None) if v3_calls else "deepseek_v3", tool_arguments="json",
                         max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=True)
 
 
