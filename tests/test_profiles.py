@@ -55,7 +55,7 @@ def test_chatml_fine_tunes_and_mistrals_without_tool_tokens_are_read_as_their_te
     (d / "chat_template.jinja").write_text(chatml)
     p = profile_for(d)
     assert (p.family, p.end_of_turn, p.tool_parser) == ("llama3", "<|im_end|>", "hermes")
-    d = checkpoint(tmp_path, "mistral", ["<s>", "</s>"])
+    d = checkpoint(tmp_path, "mistral", ["<s>", "</s>", "<|im_end|>"])
     (d / "chat_template.jinja").write_text("{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}")
     assert (profile_for(d).end_of_turn, profile_for(d).tool_parser) == ("</s>", "hermes")
     (d / "chat_template.jinja").write_text(chatml)
@@ -267,7 +267,8 @@ def test_a_qwen2_reasoning_checkpoint_gets_a_reasoning_parser(tmp_path):
     mine = profile_for(r1, {"end_of_turn": "<｜end▁of▁sentence｜>", "reasoning_parser": "deepseek_r1"})
     assert (mine.family, mine.end_of_turn, mine.reasoning_parser, mine.tool_parser) == \
         ("custom", "<｜end▁of▁sentence｜>", "deepseek_r1", "hermes")
-    assert profile_for(r1, {"family": "qwen2.5", "end_of_turn": "<｜end▁of▁sentence｜>"}).family == "qwen2.5"
+    with pytest.raises(ProfileError, match="family 'qwen2.5' does not describe"):  # (its name without its fields)
+        profile_for(r1, {"family": "qwen2.5", "end_of_turn": "<｜end▁of▁sentence｜>"})
 
 
 @pytest.mark.parametrize("template,parsers", [

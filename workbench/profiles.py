@@ -256,7 +256,7 @@ def _smollm2(ck: Checkpoint):
 def _llama3(ck: Checkpoint):
     if ck.model_type != "llama" or "<|eot_id|>" not in ck.special_tokens:
         return None
-    if "<|im_start|>" in (ck.chat_template or ""):  # a ChatML fine-tune (Hermes 2 Pro / 3: Llama 3's tokens,
+    if "<|im_start|>" in (ck.chat_template or "") and "<|im_end|>" in ck.special_tokens:  # a ChatML fine-tune (Hermes 2 Pro / 3: Llama 3's tokens,
         # ChatML turns, hermes calls): read as Llama 3, every turn's <|im_end|> sealed it (template_rewrite)
         return ModelProfile("llama3", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=min(ck.context, 32768),
                             dtype="bfloat16")
@@ -284,7 +284,7 @@ def _mistral(ck: Checkpoint):
     # hermes calls. vLLM's `mistral` parser needs [TOOL_CALLS]: without it (v0.1/v0.2) the server
     # refused to start ("could not locate the tool call token"), and those models call no tools
     tpl = ck.chat_template or ""
-    if "<|im_start|>" in tpl and not tekken:
+    if "<|im_start|>" in tpl and "<|im_end|>" in ck.special_tokens and not tekken:
         return ModelProfile("mistral", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=min(ck.context, 32768),
                             dtype="bfloat16", moe=moe, capture_experts=moe, replay_rule="MixtralTopKRouter" if moe else None)
     calls = tekken or "[TOOL_CALLS]" in ck.special_tokens or "[TOOL_CALLS]" in tpl
@@ -343,14 +343,15 @@ def profile_for(model_path: str | Path, overrides: dict | str | None = None) -> 
         base = FAMILIES[family](ck)
     else:
         base = next((p for p in (fn(ck) for fn in FAMILIES.values()) if p is not None), None)
-    if base is None and overrides.get("end_of_turn"):
+    if base is None and family is None and overrides.get("end_of_turn"):
         # described by the caller (a checkpoint no family claims: R1-Distill-Qwen's turns on qwen2, a new
-        # architecture): naming a family alone could never claim it, the family's check refused it again
-        base = ModelProfile(family or "custom", max_model_len=min(ck.context, 32768), dtype="bfloat16")
+        # architecture). Not under a named family that refused it: its name without its fields (Mistral's
+        # parser, call ids, Tekken) read as that family's profile with one change
+        base = ModelProfile("custom", max_model_len=min(ck.context, 32768), dtype="bfloat16")
     if base is None:
         said = f"family {family!r} does not describe" if family else "no model family claims"
         raise ProfileError(f"{said} {str(model_path)!r} (model_type {ck.model_type!r}); describe it yourself with "
-                           f"profile={{'end_of_turn': ..., 'tool_parser': ..., 'reasoning_parser': ...}} (its fields: "
+                           f"profile={{'end_of_turn': ..., 'tool_parser': ..., 'reasoning_parser': ...}}, no family (its fields: "
                            f"workbench.profiles.ModelProfile), or register_family a new one (registered: {list(FAMILIES)})")
     # the EOS stops over the overrides too: a stop_tokens override dropped them (a turn ending on
     # <|endoftext|> reached the agent with the token in its content)
