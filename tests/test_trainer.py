@@ -744,3 +744,20 @@ def test_a_step_that_failed_part_way_leaves_no_gradients_and_one_after_an_update
     with pytest.raises(PartialUpdate, match="failed after 1 optimizer update"):
         trainer.train_step(fresh(b))
     assert trainer.version == version + 1 and trainer.probe(probe_ids) != before
+
+
+def test_a_profile_whose_replay_rule_the_models_routers_lack_is_refused_at_start(ray_local, tmp_path):
+    """Replay looks a rule up by the router's class; the start-up check read only the profile's name
+    for it, so a profile naming another model's rule (an override; Qwen2-MoE given Qwen3's) started
+    and failed its first replayed step. The model's own router classes are checked at start."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from workbench.profiles import ModelProfile
+
+    torch.manual_seed(0)
+    Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                       shared_expert_intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=1, num_experts=4, num_experts_per_tok=2)).save_pretrained(tmp_path)
+    profile = ModelProfile("qwen2.5", moe=True, capture_experts=True, replay_rule="Qwen3MoeTopKRouter")
+    with pytest.raises(ValueError, match=r"no rule for this model's router class\(es\) \['Qwen2MoeTopKRouter'\]"):
+        Trainer(str(tmp_path), world_size=1, profile=profile, cfg=TrainerConfig(micro_batch_size=2))

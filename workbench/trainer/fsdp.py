@@ -763,6 +763,12 @@ class TrainerWorker:
     def vocab_size(self) -> int:
         return self.model.config.get_text_config().vocab_size  # (a multimodal wrapper's config has none)
 
+    def router_classes(self) -> list[str]:
+        """The class names of the model's MoE routers (what replay looks its rules up by)."""
+        from ..replay import moe_routers
+
+        return sorted({type(r).__name__ for r in moe_routers(self.model)})
+
     # GPU weight sync by NCCL broadcast (rollout/nccl_sync.py); rank 0 joins the engines' group
     def nccl_endpoint(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()
@@ -967,6 +973,14 @@ class Trainer:
         try:
             self.rendezvous = tuple(ray.get(self.workers[0].rendezvous.remote()))
             _get_all([w.setup.remote(*self.rendezvous) for w in self.workers])
+            if profile is not None and profile.capture_experts and self.cfg.routing_replay:
+                # the model's own routers, not the profile's name for their rule: replay looks a rule up by
+                # the router's class, and a profile naming another (an override) failed the first step
+                unknown = sorted(set(ray.get(self.workers[0].router_classes.remote())) - set(REPLAY_RULES))
+                if unknown:
+                    raise ValueError(f"routing replay has no rule for this model's router class(es) {unknown} (known: "
+                                     f"{sorted(REPLAY_RULES)}): register one with workbench.replay.register_replay_rule, "
+                                     f"or set capture_experts=False in the profile")
         except BaseException:
             for w in self.workers:
                 ray.kill(w)
