@@ -542,7 +542,8 @@ class Workbench:
 
                 plan = plan_placement(ClusterSpec.from_ray(), **plan_inputs(cfg))
                 check_colocated_memory(cfg)
-                self._frozen_nodes = check_frozen_room(plan, cfg)  # where the judge's / teacher's engines go  # the judge's / teacher's GPUs: refused now, not once the run starts
+                # the judge's / teacher's GPUs: refused now, not once the run starts; the node each goes to
+                self._frozen_nodes = check_frozen_room(plan, cfg)
                 self.placement = Placement.create(plan)
                 # ranks write checkpoint shards on their own nodes, the driver reads them back
                 from .cluster import check_shared_path
