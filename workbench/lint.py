@@ -239,6 +239,7 @@ class _Model:
             m["reasoning_content"] = m["thinking"] = reply["reasoning"]
         full = self.fmt.render(msgs + [m], tools, add_generation_prompt=False)
         start = len(prompt_text) if full.startswith(prompt_text) else None
+        opening = ""  # what the model samples first where the prompt opened a reasoning block the render omits
         if start is None:  # the reply changes how earlier turns render (gpt-oss drops a tool call's analysis
             # once a final answer follows): the reply starts after the last request message's render
             base = self.fmt.render(msgs, tools, add_generation_prompt=False)
@@ -247,9 +248,22 @@ class _Model:
             p = full.rfind(tail) if tail else -1
             if p >= 0 and full[p + len(tail):].startswith(gen):
                 start = p + len(tail) + len(gen)
+            elif p >= 0:
+                # a generation prompt that opens <think> (QwQ, R1) over a history render without it: the reply
+                # starts where the two part, cut back to a line's or a special token's end (at the first
+                # differing character it started inside a shared '<': '<t|ool_call>' read as no call), after
+                # the reasoning the model writes to close the block the prompt opened
+                after = full[p + len(tail):]
+                k = next((i for i, (x, y) in enumerate(zip(after, gen)) if x != y), min(len(after), len(gen)))
+                cut = max([after.rfind("\n", 0, k) + 1] + [after.find(s) + len(s) for s in self.specials
+                                                           if s and 0 <= after.find(s) and after.find(s) + len(s) <= k])
+                start = p + len(tail) + cut
+                markers = self.parser.reasoning_markers if self.parser is not None else None
+                if markers and gen[cut:].rstrip().endswith(markers[0]):
+                    opening = (reply["reasoning"] or "") + "\n" + markers[1] + "\n\n"
             else:
                 start = next((i for i, (x, y) in enumerate(zip(full, prompt_text)) if x != y), min(len(full), len(prompt_text)))
-        turn = full[start:]
+        turn = opening + full[start:]
         hits = [(turn.find(s), s) for s in self.stops if s and s in turn]
         if hits:
             pos, s = min(hits)
