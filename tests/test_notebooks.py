@@ -60,10 +60,12 @@ def test_quickstart_trains_and_leaves_a_run_directory(tmp_path, capsys, ray_addr
     assert "<title>IS gate and KL per RL step</title>" in (run / "plots" / "gate.html").read_text()
     # its audit page (wb.audit()): every step's invariant statistics within their thresholds. The
     # only flag allowed is a step of the toy's long wrong replies (above), whose replies ran out of
-    # max_tokens (42% of one run's step 11): the page is right to show it
+    # max_tokens (42% of one run's step 11): the page is right to show it. Such a phase can last a few
+    # steps (3 in a row, steps 8-10, in a clean-clone CI run on 2026-12-06, the reward still rising):
+    # at most a sixth of the run, and nothing else flagged
     assert results["audit"] == str(run / "audit.html")
     flagged = re.findall(r"<li class='v'[^>]*>step (\d+): <a[^>]*>([^<]+)</a>", (run / "audit.html").read_text())
-    assert len(flagged) <= 2 and all(name == "truncated episodes" for _, name in flagged), flagged
+    assert len(flagged) <= 4 and all(name == "truncated episodes" for _, name in flagged), flagged
     # the saved record: small (no plotly JS bundle in the widget state), and its HTML export shows
     # the monitors and the reward plot as SVG images, which need no JavaScript and no network
     size = out.stat().st_size
