@@ -676,6 +676,101 @@ def test_k3_on_current_tokens_catches_old_kv_kept_across_a_sync(vllm_moe, moe_pa
     assert recomputed["kl_k3_current"] < 1e-6
 
 
+def test_a_weight_load_that_fails_part_way_leaves_no_token_sampled_from_torn_weights(vllm_moe, moe_path):
+    """A load that fails after copying (here the old K/V's drop refused, after every new weight
+    is in: a fault vLLM gives only in odd states, put in for one sync) left the engine serving
+    the new weights under the old version's label: the request in flight and every later one
+    were recorded as the old policy. Now the request in flight fails, later ones are refused,
+    info says why, and the next complete sync serves again; a load refused before any copy
+    (a name the model lacks) keeps serving the old weights under their label."""
+    import types
+
+    from workbench.rollout.engine import TornWeights, WeightsNotLoaded
+
+    model = load_hf_model(moe_path)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    new = perturbed(model, seed=5)
+
+    def refuse_kv_drop(host, on: bool):
+        engine = host.engine
+        if on:
+            async def refused(self):
+                raise RuntimeError("vLLM refused to drop the K/V (put in by the test)")
+            engine._drop_old_kv = types.MethodType(refused, engine)
+        else:
+            engine.__dict__.pop("_drop_old_kv", None)
+
+    v0 = ray.get(vllm_moe.info.remote())["version"]
+    # refused before any copy: nothing torn, the same weights under the same label
+    with pytest.raises(WeightsNotLoaded, match="unexpected"):
+        ray.get(vllm_moe.update_weights.remote({**new, "model.not_a_layer.weight": torch.zeros(3)}))
+    info = ray.get(vllm_moe.info.remote())
+    assert info["version"] == v0 and info["torn"] is None
+    before = ray.get(vllm_moe.generate.remote(prompts(moe_path)[0], SamplingConfig(max_tokens=6, ignore_eos=True)))
+    tf, _ = teacher_forced(load_hf_model(moe_path), before)
+    assert np.max(np.abs(tf - np.asarray(before.logprobs))) <= VLLM_GAP_BOUND  # still the original weights
+
+    ray.get(vllm_moe.__ray_call__.remote(refuse_kv_drop, True))
+    try:
+        long = vllm_moe.generate.remote(prompts(moe_path)[1], SamplingConfig(max_tokens=900, ignore_eos=True))
+        time.sleep(0.2)
+        with pytest.raises(RuntimeError, match="put in by the test"):
+            ray.get(vllm_moe.update_weights.remote(new))
+    finally:
+        ray.get(vllm_moe.__ray_call__.remote(refuse_kv_drop, False))
+    try:
+        with pytest.raises(TornWeights, match=f"neither version {v0}'s nor {v0 + 1}'s"):
+            ray.get(long, timeout=60)
+        with pytest.raises(TornWeights):
+            ray.get(vllm_moe.generate.remote(prompts(moe_path)[0], SamplingConfig(max_tokens=4)), timeout=60)
+        info = ray.get(vllm_moe.info.remote())
+        assert info["version"] == v0 and info["verified_version"] == v0 and "failed part-way" in info["torn"]
+    finally:  # the engine is shared by the session: give it back its original weights, whole
+        expected = expected_probe_logprobs(load_hf_model(moe_path), probe_ids(model.config.vocab_size))
+        ray.get(vllm_moe.update_weights.remote(original, v0 + 2, expected))
+    assert ray.get(vllm_moe.info.remote())["torn"] is None
+    after = ray.get(vllm_moe.generate.remote(prompts(moe_path)[0], SamplingConfig(max_tokens=6, ignore_eos=True)))
+    assert set(after.versions) == {v0 + 2}
+
+
+def test_a_reference_engine_whose_load_fails_part_way_fails_its_requests(moe_path):
+    """The same rule on the reference backend (its own request queue): a load that raised after
+    copying (a fault put in) fails the batch in flight and refuses new requests until a sync
+    completes."""
+    from workbench.rollout.engine import TornWeights
+
+    async def main():
+        e = await start("reference", moe_path)
+        try:
+            model = load_hf_model(moe_path)
+            new = perturbed(model, seed=6)
+            real_load = e._load_weights
+
+            async def half_then_fail(state_dict):
+                half = dict(list(state_dict.items())[: len(state_dict) // 2])
+                e.model.load_state_dict(half, strict=False)
+                raise ConnectionError("transfer died (put in by the test)")
+
+            running = asyncio.ensure_future(e.generate(prompts(moe_path)[0], SamplingConfig(max_tokens=400, ignore_eos=True)))
+            await asyncio.sleep(0.3)
+            e._load_weights = half_then_fail
+            with pytest.raises(ConnectionError):
+                await e.update_weights(new)
+            with pytest.raises(TornWeights):
+                await asyncio.wait_for(running, 60)
+            with pytest.raises(TornWeights):
+                await e.generate(prompts(moe_path)[0], SamplingConfig(max_tokens=4))
+            assert e.info()["torn"] and e.version == 0
+            e._load_weights = real_load
+            await e.update_weights(new)
+            s = await e.generate(prompts(moe_path)[0], SamplingConfig(max_tokens=4, ignore_eos=True))
+            assert s.versions == [1] * 4 and e.info()["torn"] is None
+        finally:
+            await e.shutdown()
+
+    asyncio.run(main())
+
+
 def test_vllm_seeded_requests_with_long_concurrent_prompts_keep_the_engine_alive(vllm_moe):
     """Seeded requests whose prompts together exceed a step's token budget: vLLM's CPU build
     killed its engine core as soon as one such prefill was chunked ("CPU Generator does not use

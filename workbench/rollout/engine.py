@@ -27,6 +27,16 @@ class WeightSyncError(RuntimeError):
     """The engine does not serve the weights it was just given (post-sync check failed)."""
 
 
+class WeightsNotLoaded(ValueError):
+    """A weight load refused before it copied anything: the engine still serves its version."""
+
+
+class TornWeights(RuntimeError):
+    """A weight load failed part-way: the engine holds some of the new weights under the old
+    version's label, a policy no trainer has. It samples nothing until a sync completes: its
+    requests in flight fail with this (their episodes fail, never trained), later ones at once."""
+
+
 class EngineCoreDead(RuntimeError):
     """The engine's core has stopped inside a live actor (vLLM's raises EngineDeadError): every
     later request fails at once. The router takes the engine as dead, as one whose actor died."""
@@ -227,6 +237,16 @@ class RolloutEngine(abc.ABC):
         self._checked_probe: list[float] | None = None
         self._checked_expected: list[float] | None = None
         self._probe_gaps: collections.deque = collections.deque(maxlen=16)  # mean probe gaps of recent checked syncs
+        self.torn: str | None = None  # why the weights are torn (a load failed part-way), until a sync completes
+
+    def refuse_if_torn(self) -> None:
+        """Every backend's request entry calls this: no token is sampled from torn weights."""
+        if self.torn is not None:
+            raise TornWeights(self.torn)
+
+    async def _fail_in_flight(self, error: TornWeights) -> None:
+        """End every request in flight with `error` (called paused, before the engine resumes)."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     async def start(self) -> dict: ...
@@ -297,8 +317,20 @@ class RolloutEngine(abc.ABC):
             await load(new_version)
             self.version = new_version
             await self._set_version(new_version)
+        except WeightsNotLoaded:  # refused before any copy: the old weights, under their own label
+            raise
+        except BaseException as e:
+            # part of the new weights may be in (a transfer that died, a loader refusing a late
+            # tensor, the old K/V not dropped): resumed as it was, the engine sampled that mixture under
+            # the old version's label, and the trainer corrected those tokens against the old policy
+            self.torn = (f"a weight sync to version {new_version} failed part-way ({type(e).__name__}: {e}): "
+                         f"this engine's weights are neither version {self.version}'s nor {new_version}'s, and it "
+                         f"samples nothing until a sync completes")
+            await self._fail_in_flight(TornWeights(self.torn))
+            raise
         finally:
             await self.resume()
+        self.torn = None
         diff = outlier = None
         if expected_probe is not None:
             got = await self.probe_logprobs(probe or probe_ids(self.vocab_size))
@@ -325,6 +357,7 @@ class RolloutEngine(abc.ABC):
             "backend": self.backend,
             "version": self.version,
             "verified_version": self.verified_version,
+            "torn": self.torn,
             "vocab_size": self.vocab_size,
             "supports_routed_experts": self.supports_routed_experts,
             # what the recorded log-probs are of (the reference sampler: after temperature and top-p)

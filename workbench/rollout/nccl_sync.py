@@ -19,6 +19,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from .engine import WeightsNotLoaded
+
 CPU_PATH = ("On CPU use the file path instead: RolloutEngine.update_weights(state_dict) / "
             "rollout.actor.sync_weights(engines, trainer.state_dict()) (safetensors in /dev/shm, "
             "loaded by vllm_engine.WorkerExtension.load_weights_file).")
@@ -133,7 +135,7 @@ def check_meta(sent: TransferMeta, expected: TransferMeta) -> None:
     missing, extra = [n for n in want if n not in got], [n for n in got if n not in want]
     shapes = [f"{n} {got[n]} != {want[n]}" for n in want if n in got and list(got[n]) != list(want[n])]
     if missing or extra or shapes:
-        raise ValueError(f"weights do not match the engine's model: missing {missing[:5]} ({len(missing)}), "
+        raise WeightsNotLoaded(f"weights do not match the engine's model (nothing loaded): missing {missing[:5]} ({len(missing)}), "
                          f"unexpected {extra[:5]} ({len(extra)}), shape mismatches {shapes[:5]} "
                          "(a wrapper prefix such as '_orig_mod.' or 'module.' shows as both)")
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..replay import RouterCapture
-from .engine import RolloutEngine, Sample, SamplingConfig, register_engine
+from .engine import RolloutEngine, Sample, SamplingConfig, TornWeights, WeightsNotLoaded, register_engine
 
 
 @dataclass
@@ -136,6 +136,7 @@ class ReferenceEngine(RolloutEngine):
                 self._abort(req.request_id)
 
     def _submit(self, prompt_ids, sampling, request_id, return_routed_experts, stream=None) -> _Request:
+        self.refuse_if_torn()
         s = sampling or SamplingConfig()
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
@@ -181,10 +182,17 @@ class ReferenceEngine(RolloutEngine):
             missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
             wrong = sorted(k for k in set(own) & set(state_dict) if tuple(own[k].shape) != tuple(state_dict[k].shape))
             if unexpected or missing or wrong:
-                raise ValueError(f"weights do not fit the model (nothing loaded): missing {missing[:5]}, unexpected "
+                raise WeightsNotLoaded(f"weights do not fit the model (nothing loaded): missing {missing[:5]}, unexpected "
                                  f"{unexpected[:5]}, other shapes {wrong[:5]}")
             self.model.load_state_dict(state_dict, strict=True)
             self._loads += 1
+
+    async def _fail_in_flight(self, error: TornWeights) -> None:
+        for r in self._queue + list(self._active.values()):
+            r.finish_reason = "abort"  # (a batch in progress drops it at its next token)
+            if not r.future.done():
+                r.future.set_exception(error)
+        self._queue = []
 
     async def probe_logprobs(self, ids: list[int]) -> list[float]:
         from .engine import expected_probe_logprobs

@@ -22,7 +22,7 @@ import uuid
 
 import numpy as np
 
-from .engine import RolloutEngine, Sample, SamplingConfig, register_engine
+from .engine import RolloutEngine, Sample, SamplingConfig, TornWeights, WeightsNotLoaded, register_engine
 from .nccl_sync import engine_kwargs as nccl_engine_kwargs
 
 
@@ -47,10 +47,15 @@ class WorkerExtension:
         from vllm.config import set_current_vllm_config
 
         from ..toy.models import checkpoint_format, meta_hf_model
+        from .nccl_sync import TransferMeta, check_meta, checkpoint_tensors
 
         if getattr(self, "_hf_model", None) is None:  # built once: the model class's conversion rules
             self._hf_model = meta_hf_model(self.vllm_config.model_config.hf_config)
+            self._expected = TransferMeta.from_tensors(checkpoint_tensors(self._hf_model, self._hf_model.state_dict().items()))
         weights = checkpoint_format(self._hf_model, weights)  # (vLLM reads checkpoint names and layouts)
+        # refused before any copy (WeightsNotLoaded): vLLM's loader fails on an unknown name after
+        # loading the tensors before it (torn weights), and keeps a missing one's old weights
+        check_meta(TransferMeta.from_tensors(weights.items()), self._expected)
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
         # vLLM 0.32 CPU bug: on a *re*load its fused-MoE method skips the CPU kernel's prepacking
@@ -261,6 +266,8 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
         self._rx = None  # NcclReceiver once init_nccl ran
         self._shm = None  # this engine's temp dir (weight-sync files, vLLM's sockets), made by start()
+        self._in_flight: set[str] = set()  # request ids generate_stream is serving
+        self._failed: dict[str, BaseException] = {}  # in-flight requests aborted by _fail_in_flight: their error
 
     async def start(self) -> dict:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -341,6 +348,7 @@ class VLLMEngine(RolloutEngine):
                 "this vllm engine does not return routed experts: start it with "
                 "enable_return_routed_experts=True (GPU only) or use the 'reference' backend"
             )
+        self.refuse_if_torn()
         s = sampling or SamplingConfig()
         request_id = request_id or uuid.uuid4().hex
         params = SamplingParams(
@@ -360,12 +368,19 @@ class VLLMEngine(RolloutEngine):
             output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE,
         )
         final, n = None, 0
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=request_id):
-            final = out
-            new = list(out.outputs[0].token_ids[n:])  # copied now: vLLM may go on appending to that list
-            if new and not out.finished:
-                n += len(new)
-                yield new
+        self._in_flight.add(request_id)
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=request_id):
+                final = out
+                new = list(out.outputs[0].token_ids[n:])  # copied now: vLLM may go on appending to that list
+                if new and not out.finished:
+                    n += len(new)
+                    yield new
+        finally:
+            self._in_flight.discard(request_id)
+            failed = self._failed.pop(request_id, None)
+        if failed is not None:
+            raise failed
         o = final.outputs[0]
         ids = list(o.token_ids)
         logprobs = [d[t].logprob for t, d in zip(ids, o.logprobs or [])]
@@ -418,6 +433,12 @@ class VLLMEngine(RolloutEngine):
             finally:
                 os.unlink(path)
         await self._drop_old_kv()
+
+    async def _fail_in_flight(self, error: TornWeights) -> None:
+        for request_id in list(self._in_flight):  # each ends as aborted; generate_stream raises its error
+            if request_id in self._in_flight:  # (not finished while an earlier one's abort was awaited)
+                self._failed[request_id] = error
+                await self.llm.abort(request_id)
 
     async def _drop_old_kv(self) -> None:
         """After a load: no K/V computed with the old weights may be read again. vLLM's plain
