@@ -14,7 +14,7 @@ import pytest
 from workbench.profiles import profile_for
 from workbench.rollout import vllm_engine
 from workbench.rollout.engine import Sample, SamplingConfig, create_engine
-from workbench.rollout.vllm_engine import VLLMEngine, compact_experts, moe_shape, wants_routed_experts
+from workbench.rollout.vllm_engine import VLLMEngine, compact_experts, moe_shape, routing_off_reason, wants_routed_experts
 from workbench.tokens import Accumulator, Segment
 
 
@@ -27,6 +27,11 @@ def test_routed_experts_are_wanted_for_an_moe_that_replays_on_an_engine_that_can
     assert not wants_routed_experts(moe, "vllm", False, gpus=16)  # the trainer would not replay them
     assert not wants_routed_experts(moe.replace(capture_experts=False), "vllm", True, gpus=16)
     assert not wants_routed_experts(dense, "vllm", True, gpus=16)
+    # and why not, said at connect() and kept in config.json (an MoE trained on its own routing)
+    assert routing_off_reason(moe, "vllm", True, gpus=16) is None and routing_off_reason(dense, "vllm", True, 0) is None
+    assert "CPU build" in routing_off_reason(moe, "vllm", True, gpus=0)
+    assert "no routing-replay rule" in routing_off_reason(moe.replace(capture_experts=False, family="gpt-oss"), "vllm", True, 16)
+    assert routing_off_reason(moe, "reference", False, 0) == "trainer.routing_replay=False"
 
 
 def test_the_flag_reaches_vllms_config_which_refuses_it_on_cpu(moe_path, dense_path, monkeypatch):

@@ -76,4 +76,6 @@ def test_quickstart_trains_and_leaves_a_run_directory(tmp_path, capsys, ray_addr
 
     html, _ = HTMLExporter().from_filename(str(out))
     assert html.count("data:image/svg+xml;base64,PHN2ZyB4bWxucz0n") == 3  # gate, replay, reward: static SVGs
-    assert (run / "checkpoint" / "run_state.json").is_file() and json.loads((run / "config.json").read_text())["backend"] == "vllm"
+    saved = json.loads((run / "config.json").read_text())
+    assert (run / "checkpoint" / "run_state.json").is_file() and saved["backend"] == "vllm"
+    assert "CPU build cannot return routed experts" in saved["_routing_replay_off"]  # (also said at connect)

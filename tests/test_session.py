@@ -94,7 +94,8 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
         lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in lines] == [0, 1] and all(m["replay_disagree_rate"] == 0 for m in lines)
         assert sorted(p.name for p in (tmp_path / "run" / "trajectories").iterdir()) == ["step_00000.parquet", "step_00001.parquet"]
-        assert json.loads((tmp_path / "run" / "config.json").read_text())["backend"] == "reference"
+        saved = json.loads((tmp_path / "run" / "config.json").read_text())
+        assert saved["backend"] == "reference" and saved["_routing_replay_off"] is None  # the reference engine records them
         [ran] = [json.loads(x) for x in (tmp_path / "run" / "runs.jsonl").read_text().splitlines()]
         assert (ran["first_step"], ran["steps"], ran["loop"]["steps"]) == (0, 2, 2)
         path = wb.save()

@@ -559,9 +559,14 @@ class Workbench:
                 self.cfg = cfg = dataclasses.replace(cfg, max_tokens=default_max_tokens(self.profile))
             # record experts for routing replay where the profile asks, the trainer replays and the
             # engine can: the reference backend, or vLLM on GPUs (its CPU build cannot return them)
-            from .rollout.vllm_engine import wants_routed_experts
+            from .rollout.vllm_engine import routing_off_reason, wants_routed_experts
 
             capture = wants_routed_experts(self.profile, cfg.backend, cfg.trainer.routing_replay, cluster_gpus())
+            # an MoE trained on its own routing: said once, kept in config.json (the gap is in kl_k3_current)
+            self.routing_replay_off = routing_off_reason(self.profile, cfg.backend, cfg.trainer.routing_replay, cluster_gpus())
+            if self.routing_replay_off:
+                print(f"workbench: routing replay is off for this MoE ({self.routing_replay_off}); the trainer routes "
+                      f"every token itself and the routing gap stays in kl_k3_current", file=sys.stderr)
             engine_kwargs = {"max_model_len": self.profile.max_model_len, "dtype": self.profile.dtype,
                              **({"enable_return_routed_experts": True} if capture and cfg.backend == "vllm" else {}),
                              **cfg.engine_kwargs}
@@ -628,7 +633,7 @@ class Workbench:
         self.trainer = TrainerHandle(self)  # wb.trainer: one step on a batch, statistics
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_file = self.run_dir / ("config.json" if not cfg.resume else f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.json")
-        config_file.write_text(json.dumps(config_record(cfg), indent=1))
+        config_file.write_text(json.dumps({**config_record(cfg), "_routing_replay_off": self.routing_replay_off}, indent=1))
 
     def lint(self, target=None, shapes=None, **kw):
         """Lint a chat template for exact accumulation (workbench.lint): the policy's by default,

@@ -108,9 +108,25 @@ def wants_routed_experts(profile, backend: str, routing_replay: bool, gpus: int)
     that captures them, the trainer replays them, and the engine can return them: the reference
     backend anywhere, vLLM only on GPUs (its CPU build has no Model Runner V2, which the routed-
     expert return needs)."""
-    if profile is None or not (profile.moe and profile.capture_experts and routing_replay):
-        return False
-    return backend == "reference" or (backend == "vllm" and gpus > 0)
+    return profile is not None and profile.moe and routing_off_reason(profile, backend, routing_replay, gpus) is None
+
+
+def routing_off_reason(profile, backend: str, routing_replay: bool, gpus: int) -> str | None:
+    """Why an MoE policy's tokens are trained with the trainer's own routing, not the sampler's
+    (None: a dense model, or replay runs). Said at connect() and kept in config.json: without it the
+    routing gap is in every token's ratio (kl_k3_current) and the replay statistics read 0 positions."""
+    if profile is None or not profile.moe:
+        return None
+    if not routing_replay:
+        return "trainer.routing_replay=False"
+    if not profile.capture_experts:
+        return (f"no routing-replay rule for the {profile.family} family's routers (the profile's capture_experts "
+                f"is False): register one (workbench.replay.register_replay_rule) and set capture_experts")
+    if backend == "vllm" and gpus == 0:
+        return "vLLM's CPU build cannot return routed experts: the 'reference' backend records them on CPU"
+    if backend not in ("vllm", "reference"):
+        return f"the {backend!r} backend records no routed experts"
+    return None
 
 
 def moe_shape(model_path: str) -> tuple[int, int] | None:
