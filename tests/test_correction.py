@@ -28,10 +28,15 @@ def test_token_levels_and_modes():
     # token ratios: seq0 = [1.0, 1.2], seq1 = [0.5, 1.0]
     c = run(CorrectionConfig(level="token", mode="trunc", low=0.0, high=1.1, max_staleness=None))
     assert torch.allclose(c.weights, torch.tensor([[0, 1.0, 1.1], [0, 0.5, 1.0]]))
+    # the kept weights' effective sample size, (sum w)^2 / (n sum w^2), and the share the cap bounded (1.2 -> 1.1)
+    assert c.stats["is_ess"] == pytest.approx(3.6 ** 2 / (4 * (1 + 1.21 + 0.25 + 1)), abs=1e-6)
+    assert c.stats["is_bounded_fraction"] == 0.25 and c.stats["tokens_bounded"] == 1
     c = run(CorrectionConfig(level="token", mode="clip", low=0.8, high=1.1, max_staleness=None))
     assert torch.allclose(c.weights, torch.tensor([[0, 1.0, 1.1], [0, 0.8, 1.0]]))
+    assert c.stats["is_bounded_fraction"] == 0.5  # 1.2 -> 1.1 and 0.5 -> 0.8
     c = run(CorrectionConfig(level="token", mode="mask", low=0.8, high=1.1, max_staleness=None))
     assert torch.allclose(c.weights, torch.tensor([[0, 1.0, 0.0], [0, 0.0, 1.0]]))
+    assert c.stats["is_bounded_fraction"] == 0.0 and c.stats["is_ess"] == 1.0  # a mask drops, never bounds
     assert c.stats["token_keep_ratio"] == 0.5 and c.stats["gate_pass_ratio"] == 1.0
     assert sum(c.stats["is_weight_hist"]["counts"]) == 2  # the kept tokens' weights, not the masked ones' zeros
 
@@ -174,6 +179,8 @@ def test_stats_of_a_split_batch_merge_to_the_whole():
     assert merged["tokens_current"] == whole["tokens_current"] == 2
     assert whole["kl_k3_current"] == pytest.approx((1.2 - 1 - math.log(1.2)) / 2, abs=1e-6)
     assert merged["is_weight_hist"] == whole["is_weight_hist"] and merged["tokens_per_version"] == whole["tokens_per_version"]
+    for k in ("is_ess", "is_bounded_fraction"):  # from sums, so the parts' merge is the whole's
+        assert merged[k] == pytest.approx(whole[k], abs=1e-9) and whole[k] is not None, k
     # a batch without a token of the trainer's version measures nothing there: None, not 0
     later = correction_weights(old, behav, mask, versions, 9, cfg).stats
     assert later["tokens_current"] == 0 and later["kl_k3_current"] is None

@@ -34,7 +34,8 @@ mask of tokens that take part in the loss at all; the KL penalty to a reference 
 `Correction.weights` (0 outside token_keep) as the surrogate is, so a gated sequence gets no
 gradient from anything. Statistics every step:
 gate pass ratio, k1/k3 KL between behaviour and trainer log-probs, max |delta p|, IS-weight and
-staleness histograms, tokens per version.
+staleness histograms, tokens per version, the kept weights' effective sample size and the share
+of kept tokens whose weight a clip or truncation bounded.
 """
 
 from __future__ import annotations
@@ -213,8 +214,10 @@ def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
         if cfg.enabled and cfg.mode == "mask" and cfg.level == "token":
             token_keep &= in_band
 
+        # kept tokens whose weight the clip or truncation bounded (their unit ratio was outside it)
+        bounded = token_keep & (w != unit) if cfg.enabled and cfg.mode in ("clip", "trunc") else torch.zeros_like(token_keep)
         inputs = tuple(t.detach() for t in (trainer_logprobs, behaviour_logprobs, m, token_keep, weights, keep, fresh, stale,
-                                            versions, vetoed))
+                                            versions, vetoed, bounded))
     return Correction(weights, keep, token_keep, inputs)
 
 
@@ -230,10 +233,17 @@ def kl_k3_sum(trainer_lp: torch.Tensor, behaviour_lp: torch.Tensor, loss_mask: t
     return float(k3.sum()), int(m.sum())
 
 
-def _stats(trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, versions, vetoed) -> dict:
+def effective_sample_size(weight_sum: float, weight_sq_sum: float, n: int) -> float | None:
+    """(sum w)^2 / (n sum w^2), in (0, 1]: 1 when every kept token weighs the same, 1/n when one
+    token carries all the weight (the importance weights' variance, as one number). None: no
+    kept token, or every weight 0."""
+    return weight_sum ** 2 / (n * weight_sq_sum) if n and weight_sq_sum > 0 else None
+
+
+def _stats(trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, versions, vetoed, bounded) -> dict:
     # on CPU: small tensors, and torch.histogram has no CUDA kernel
-    trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, versions, vetoed = (
-        t.cpu() for t in (trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, versions, vetoed))
+    trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, versions, vetoed, bounded = (
+        t.cpu() for t in (trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, versions, vetoed, bounded))
     n = int(m.sum())
     current = m & (stale == 0)  # sampled by the weights the trainer holds now
     n_current = int(current.sum())
@@ -273,6 +283,13 @@ def _stats(trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, ver
         "tokens_stale": n_older,
         "max_abs_delta_p": float((trainer_lp.float().exp() - behav_lp.float().exp())[m].abs().max()) if n else 0.0,
         "is_weight_hist": {"edges": list(WEIGHT_BINS), "counts": [int(c) for c in hist.tolist()]},
+        # the kept weights' spread (effective_sample_size) and how often the clip or cap bounded one:
+        # a correction that keeps every token but weighs a few by its cap shows here, not in the gate
+        "is_ess": effective_sample_size(float(w.double().sum()), float(w.double().square().sum()), int(w.numel())),
+        "is_weight_sum": float(w.double().sum()), "is_weight_sq_sum": float(w.double().square().sum()),
+        "tokens_kept": int(w.numel()),
+        "is_bounded_fraction": float(bounded[kept].float().mean()) if kept.any() else None,
+        "tokens_bounded": int(bounded.sum()),
         "staleness_hist": dict(sorted(Counter(stale[m].tolist()).items())),
         # the oldest token trained on (what the gate bounds; the histogram is before the gate, so a gate
         # that kept a stale sequence showed the same histogram as one that dropped it); None: none kept
@@ -289,6 +306,7 @@ def merge_stats(parts: list[dict]) -> dict:
     current = sum(p["tokens_current"] for p in parts)
     stale = sum(p["tokens_stale"] for p in parts)
     sequences = sum(p["sequences"] for p in parts)
+    kept = sum(p["tokens_kept"] for p in parts)
 
     def wmean(k):
         return sum(p[k] * p["tokens"] for p in parts) / tokens if tokens else 0.0
@@ -316,6 +334,10 @@ def merge_stats(parts: list[dict]) -> dict:
         "max_abs_delta_p": max((p["max_abs_delta_p"] for p in parts), key=lambda x: math.inf if math.isnan(x) else x),
         "is_weight_hist": {"edges": parts[0]["is_weight_hist"]["edges"],
                            "counts": [sum(c) for c in zip(*(p["is_weight_hist"]["counts"] for p in parts))]},
+        "is_ess": effective_sample_size(sum(p["is_weight_sum"] for p in parts), sum(p["is_weight_sq_sum"] for p in parts), kept),
+        "is_weight_sum": sum(p["is_weight_sum"] for p in parts), "is_weight_sq_sum": sum(p["is_weight_sq_sum"] for p in parts),
+        "tokens_kept": kept, "is_bounded_fraction": sum(p["tokens_bounded"] for p in parts) / kept if kept else None,
+        "tokens_bounded": sum(p["tokens_bounded"] for p in parts),
         "staleness_hist": add("staleness_hist"), "tokens_per_version": add("tokens_per_version"), "tokens": tokens,
         "max_staleness_kept": max((p["max_staleness_kept"] for p in parts if p.get("max_staleness_kept") is not None),
                                   default=None),

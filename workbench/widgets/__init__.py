@@ -476,14 +476,16 @@ class _Monitor(W.VBox):
 
 class GateMonitor(_Monitor):
     GRID, HEIGHT = (2, 3), 560
-    TITLES = ("gate pass ratio, tokens kept", "KL(behaviour||trainer) k1, k3", "max |delta p|",
+    TITLES = ("gate pass ratio, tokens kept, IS weights", "KL(behaviour||trainer) k1, k3", "max |delta p|",
               "staleness (last step)", "tokens per version", "IS weights (last step)")
 
-    LINES = (("gate_pass_ratio", 1, 1), ("token_keep_ratio", 1, 1), ("kl_k1", 1, 2), ("kl_k3", 1, 2), ("kl_k3_current", 1, 2), ("kl_k3_stale", 1, 2),
+    LINES = (("gate_pass_ratio", 1, 1), ("token_keep_ratio", 1, 1), ("is_ess", 1, 1), ("is_bounded_fraction", 1, 1), ("kl_k1", 1, 2), ("kl_k3", 1, 2), ("kl_k3_current", 1, 2), ("kl_k3_stale", 1, 2),
              ("max_abs_delta_p", 1, 3))
     BARS = (("staleness_hist", 2, 1), ("tokens_per_version", 2, 2), ("is_weight_hist", 2, 3))
     LABELS = {"gate_pass_ratio": "gate pass ratio: share of sequences the IS gate kept (0..1)",
               "token_keep_ratio": "tokens kept: share of trainable tokens the correction kept (a token-level mask drops tokens)",
+              "is_ess": "effective sample size of the kept weights, (sum w)^2 / (n sum w^2) (1: all equal)",
+              "is_bounded_fraction": "share of kept tokens whose weight the clip or cap bounded",
               "kl_k1": "k1 = mean log(p_behaviour / p_trainer) (can be < 0)",
               "kl_k3": "k3 = mean(r - 1 - log r) (never < 0)",
               "kl_k3_current": "k3 on the tokens of the trainer's version (staleness excluded: the engine's forward vs the trainer's)",
