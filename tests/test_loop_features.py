@@ -610,6 +610,24 @@ def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
     assert b"eval_pass@1" in data and b"0.125" in data and b"0.75" in data and b"rl_step" in data
 
 
+def test_a_resumed_session_writes_the_same_wandb_run(tmp_path, monkeypatch):
+    """Each session of one run directory made a W&B run of its own: after `wandb sync` a resumed
+    run's later steps were a second run. The run directory keeps the id; a resume continues it."""
+    from workbench.tracking import make_loggers
+
+    monkeypatch.setenv("WANDB_API_KEY", "")
+    ids = []
+    for steps in ((0, 1), (2, 3)):  # the first session, then the resumed one
+        [w] = make_loggers(["wandb"], tmp_path, {"lr": 1e-3}, next_step=steps[0])
+        for s in steps:
+            w.on_step({"step": s, "reward_mean": 0.1 * s})
+        ids.append(w.run.id)
+        w.close()
+    assert ids[0] == ids[1] == (tmp_path / "wandb" / "workbench_run_id").read_text().strip()
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.split("-")[3] == ids[0] for r in runs)  # one run, written twice
+
+
 def test_a_config_files_numbers_are_numbers(monkeypatch):
     """PyYAML reads 3e-4 (no dot) as the string '3e-4': a config file's lr was accepted as text, and
     kl_coef failed with "'>' not supported between 'str' and 'int'". Number fields read such strings

@@ -75,7 +75,10 @@ class WandbLogger:
     name = "wandb"
 
     def __init__(self, directory: str | Path, config: dict | None = None, project: str = "workbench",
-                 name: str | None = None):
+                 name: str | None = None, run_id: str | None = None):
+        """`run_id`: the W&B run to write (an existing one continued: W&B's resume="allow"), so a
+        resumed session's steps land in its run, not a second one (`wandb sync` uploads both parts
+        of the run's offline directories into one run)."""
         try:
             import wandb
         except ImportError as e:
@@ -85,6 +88,7 @@ class WandbLogger:
         os.environ.setdefault("WANDB_ERROR_REPORTING", "false")  # offline means nothing leaves the machine
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(mode="offline", dir=str(directory), project=project, name=name, config=config or {},
+                              id=run_id, resume="allow" if run_id else None,
                               settings=wandb.Settings(silent=True, x_disable_stats=True, console="off"), reinit="create_new")
         # the RL step is a logged field every metric is plotted against, not W&B's own step, which
         # only increases: wb.eval() before training (step -1) and a step re-run after wb.restore()
@@ -110,6 +114,20 @@ class WandbLogger:
         wandb.teardown()
 
 
+def wandb_run_id(run_dir: str | Path) -> str:
+    """The run directory's W&B run id, made on first use and kept in wandb/workbench_run_id: every
+    session of the run (a resume) writes the same W&B run."""
+    import uuid
+
+    path = Path(run_dir) / "wandb" / "workbench_run_id"
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run_id = uuid.uuid4().hex[:12]
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 def make_loggers(names: list, run_dir: str | Path, config: dict | None = None, next_step: int = 0) -> list:
     """Loggers for `names` (LOGGERS; an object with log/on_step/close passes through), writing from
     `next_step` on (TensorBoard hides what its files hold from there: a resumed run's abandoned steps)."""
@@ -120,7 +138,7 @@ def make_loggers(names: list, run_dir: str | Path, config: dict | None = None, n
         elif n == "tensorboard":
             out.append(TensorBoardLogger(Path(run_dir) / "tensorboard", next_step))
         elif n == "wandb":
-            out.append(WandbLogger(Path(run_dir), config, name=Path(run_dir).name))
+            out.append(WandbLogger(Path(run_dir), config, name=Path(run_dir).name, run_id=wandb_run_id(run_dir)))
         else:
             raise ValueError(f"unknown logger {n!r}; known: {LOGGERS}")
     return out
