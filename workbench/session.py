@@ -564,9 +564,9 @@ class Workbench:
             capture = wants_routed_experts(self.profile, cfg.backend, cfg.trainer.routing_replay, cluster_gpus())
             # an MoE trained on its own routing: said once, kept in config.json (the gap is in kl_k3_current)
             self.routing_replay_off = routing_off_reason(self.profile, cfg.backend, cfg.trainer.routing_replay, cluster_gpus())
-            if self.routing_replay_off:
-                print(f"workbench: routing replay is off for this MoE ({self.routing_replay_off}); the trainer routes "
-                      f"every token itself and the routing gap stays in kl_k3_current", file=sys.stderr)
+            if self.routing_replay_off:  # (above the progress bar, not through it)
+                bar.write(f"workbench: routing replay is off for this MoE ({self.routing_replay_off}); the trainer routes "
+                          f"every token itself and the routing gap stays in kl_k3_current", file=sys.stderr)
             engine_kwargs = {"max_model_len": self.profile.max_model_len, "dtype": self.profile.dtype,
                              **({"enable_return_routed_experts": True} if capture and cfg.backend == "vllm" else {}),
                              **cfg.engine_kwargs}
