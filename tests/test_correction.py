@@ -108,6 +108,15 @@ def test_statistics_of_a_broken_engine_stay_finite_and_count_what_the_gate_kept(
         assert c.stats["kl_k1"] == pytest.approx(-k1, rel=1e-6), c.stats["kl_k1"]
         assert bool(c.token_keep[0, 1:].all()) and c.stats["token_keep_ratio"] == 1.0
         assert sum(c.stats["is_weight_hist"]["counts"]) == 3
+    # a NaN log-prob (a broken engine's) makes the weights' ESS NaN, not None ("nothing measured"),
+    # and is no bounded weight (NaN != NaN read as one)
+    nan = torch.tensor([[0.0, float("nan"), -1.0, -1.0]])
+    c = correction_weights(nan, trainer, torch.tensor([[0, 1, 1, 1]]), torch.zeros(1, 4, dtype=torch.long), 0,
+                           CorrectionConfig(level="token", mode="clip", low=0.5, high=2.0, max_staleness=None))
+    assert math.isnan(c.stats["is_ess"]) and c.stats["tokens_bounded"] == 0
+    from workbench.correction import merge_stats
+    assert math.isnan(merge_stats([c.stats, correction_weights(trainer, trainer, torch.tensor([[0, 1, 1, 1]]), torch.zeros(
+        1, 4, dtype=torch.long), 0, CorrectionConfig.tis()).stats])["is_ess"])
 
 
 def test_non_finite_log_probs_off_the_trained_tokens_and_an_impossible_token():

@@ -733,11 +733,31 @@ def test_a_weight_load_that_fails_part_way_leaves_no_token_sampled_from_torn_wei
     assert set(after.versions) == {v0 + 2}
 
 
+def test_an_engine_with_a_core_process_refuses_weights_before_its_core_sees_them(moe_path, tmp_path):
+    """With vLLM's core in a process of its own (GPUs; engine_core_in_process=False) the worker's
+    refusal comes back as a plain Exception, which the sync read as a load torn part-way: every
+    request in flight failed over weights nothing had touched. The names and shapes are checked
+    in the engine's own process first, and a file /dev/shm cannot take is no torn load either."""
+    from workbench.rollout.engine import WeightsNotLoaded
+    from workbench.rollout.vllm_engine import VLLMEngine
+
+    e = VLLMEngine(str(moe_path), engine_core_in_process=False)  # not started: no core to reach
+    assert not e.in_process_core
+    good = load_hf_model(moe_path).state_dict()
+    with pytest.raises(WeightsNotLoaded, match="unexpected"):
+        asyncio.run(e._load_weights({**good, "model.not_a_layer.weight": torch.zeros(3)}))
+    with pytest.raises(WeightsNotLoaded, match="shape mismatches"):
+        asyncio.run(e._load_weights({**good, "lm_head.weight": good["lm_head.weight"][:-1]}))
+    e._shm = str(tmp_path / "no-such-dir")
+    with pytest.raises(WeightsNotLoaded, match="could not be written"):
+        asyncio.run(e._load_weights(good))
+
+
 def test_a_reference_engine_whose_load_fails_part_way_fails_its_requests(moe_path):
     """The same rule on the reference backend (its own request queue): a load that raised after
     copying (a fault put in) fails the batch in flight and refuses new requests until a sync
     completes."""
-    from workbench.rollout.engine import TornWeights
+    from workbench.rollout.engine import TornWeights, WeightsNotLoaded
 
     async def main():
         e = await start("reference", moe_path)
@@ -751,6 +771,9 @@ def test_a_reference_engine_whose_load_fails_part_way_fails_its_requests(moe_pat
                 e.model.load_state_dict(half, strict=False)
                 raise ConnectionError("transfer died (put in by the test)")
 
+            with pytest.raises(WeightsNotLoaded):  # refused before any copy: not torn
+                await e.update_weights({**new, "model.not_a_layer.weight": torch.zeros(3)})
+            assert e.info()["torn"] is None
             running = asyncio.ensure_future(e.generate(prompts(moe_path)[0], SamplingConfig(max_tokens=400, ignore_eos=True)))
             await asyncio.sleep(0.3)
             e._load_weights = half_then_fail

@@ -287,6 +287,44 @@ def test_an_engine_whose_core_died_is_taken_as_dead(reference_engines, run):
     finally:
         ray.kill(dead)
 
+@ray.remote(num_cpus=0)
+class TornEngine:
+    """An engine actor whose weights a failed load tore (a fake: it refuses every request with
+    TornWeights, as RolloutEngine.refuse_if_torn does, until a sync completes)."""
+
+    async def generate(self, *args):
+        from workbench.rollout.engine import TornWeights
+
+        raise TornWeights("a weight sync to version 3 failed part-way (put in by the test)")
+
+    async def info(self):
+        return {"version": 2, "verified_version": 2, "torn": "a weight sync to version 3 failed part-way"}
+
+
+def test_a_torn_engine_is_passed_over_for_a_while_not_taken_as_dead(reference_engines, run):
+    """A torn engine refuses at once, so it had the fewest outstanding requests and drew most new
+    sessions, each failing its episode. Its refusal sampled nothing: the request goes to another
+    engine, and the torn one is left out for a while (the next sync repairs it), not marked dead.
+    loop.any_torn tells a run to sync first whatever initial_sync says."""
+    from workbench.loop import any_torn
+    from workbench.rollout import router as router_mod
+
+    torn = TornEngine.remote()
+    router = router_mod.EngineRouter([torn, reference_engines[0]])
+    s = SamplingConfig(max_tokens=4)
+    try:
+        first = run(router.generate([5, 6, 7], s, session_id="a"))  # placed on the torn engine first (a tie)
+        state = router.state()
+        assert first.token_ids and state["dead"] == [] and state["unavailable"] == [0] and state["failovers"] == 1
+        assert run(router.generate([5, 6, 7], s, session_id="b")).token_ids and router.state()["requests"] == {1: 2}
+        alone = router_mod.EngineRouter([torn])
+        with pytest.raises(router_mod.EngineUnavailable, match="TornWeights"):  # one engine, torn: said so
+            run(alone.generate([5, 6, 7], s))
+        assert any_torn([torn]) and not any_torn(reference_engines[:1])
+    finally:
+        ray.kill(torn)
+
+
 def test_an_engine_ray_calls_unavailable_is_tried_again_later(monkeypatch):
     """Ray's ActorUnavailableError is temporary (a network blip): the router marked the engine
     dead for good, so a healthy engine the driver went on syncing was never asked again by that

@@ -215,7 +215,7 @@ def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
             token_keep &= in_band
 
         # kept tokens whose weight the clip or truncation bounded (their unit ratio was outside it)
-        bounded = token_keep & (w != unit) if cfg.enabled and cfg.mode in ("clip", "trunc") else torch.zeros_like(token_keep)
+        bounded = token_keep & (w != unit) & ~unit.isnan() if cfg.enabled and cfg.mode in ("clip", "trunc") else torch.zeros_like(token_keep)
         inputs = tuple(t.detach() for t in (trainer_logprobs, behaviour_logprobs, m, token_keep, weights, keep, fresh, stale,
                                             versions, vetoed, bounded))
     return Correction(weights, keep, token_keep, inputs)
@@ -236,7 +236,9 @@ def kl_k3_sum(trainer_lp: torch.Tensor, behaviour_lp: torch.Tensor, loss_mask: t
 def effective_sample_size(weight_sum: float, weight_sq_sum: float, n: int) -> float | None:
     """(sum w)^2 / (n sum w^2), in (0, 1]: 1 when every kept token weighs the same, 1/n when one
     token carries all the weight (the importance weights' variance, as one number). None: no
-    kept token, or every weight 0."""
+    kept token, or every weight 0; NaN where a weight is (a broken engine's: not "nothing measured")."""
+    if n and math.isnan(weight_sq_sum):
+        return float("nan")
     return weight_sum ** 2 / (n * weight_sq_sum) if n and weight_sq_sum > 0 else None
 
 

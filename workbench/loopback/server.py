@@ -139,7 +139,7 @@ ENGINE_REFUSED = {"VLLMClientError", "ValueError", "OverflowError"}
 ENGINE_UNAVAILABLE = {"RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError",
                       "WorkerCrashedError", "NodeDiedError", "ObjectLostError", "OwnerDiedError", "OutOfMemoryError",
                       "RaySystemError", "GetTimeoutError", "EngineUnavailable", "EngineDeadError", "EngineAborted",
-                      "EngineCoreDead"}
+                      "EngineCoreDead", "TornWeights"}
 _SCRUB = [(re.compile(p), r) for p, r in [
     (r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b", "<ip>"), (r"(?<![\w:])(?:[0-9a-fA-F]{1,4}:|:){2,7}[0-9a-fA-F]{1,4}(?![\w:])", "<ip>"),
     (r"(?i)\bpid[=: ]*\d+", "pid <n>"), (r"\b(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{16,}\b", "<id>"), (r"ray::\S+", "<task>"),

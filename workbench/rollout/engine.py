@@ -245,8 +245,8 @@ class RolloutEngine(abc.ABC):
             raise TornWeights(self.torn)
 
     async def _fail_in_flight(self, error: TornWeights) -> None:
-        """End every request in flight with `error` (called paused, before the engine resumes)."""
-        raise NotImplementedError
+        """End every request in flight with `error` (called paused, before the engine resumes).
+        A backend without requests of its own to end may leave this as it is."""
 
     @abc.abstractmethod
     async def start(self) -> dict: ...
@@ -311,7 +311,7 @@ class RolloutEngine(abc.ABC):
         new_version = self.version + 1 if version is None else int(version)
         if new_version <= self.version:
             raise ValueError(f"policy version must increase: engine is at {self.version}, got {new_version}")
-        t0 = time.perf_counter()
+        t0, old_version = time.perf_counter(), self.version
         await self.pause()
         try:
             await load(new_version)
@@ -324,7 +324,7 @@ class RolloutEngine(abc.ABC):
             # tensor, the old K/V not dropped): resumed as it was, the engine sampled that mixture under
             # the old version's label, and the trainer corrected those tokens against the old policy
             self.torn = (f"a weight sync to version {new_version} failed part-way ({type(e).__name__}: {e}): "
-                         f"this engine's weights are neither version {self.version}'s nor {new_version}'s, and it "
+                         f"this engine's weights are neither version {old_version}'s nor {new_version}'s, and it "
                          f"samples nothing until a sync completes")
             await self._fail_in_flight(TornWeights(self.torn))
             raise

@@ -145,12 +145,23 @@ def hf_meta(model_path: str) -> TransferMeta:
     """The engine's expectation: its model's checkpoint names and shapes (vLLM's loaders read the
     checkpoint's layout), from its HF model built on the meta device. Once per checkpoint: every
     NCCL sync checks against it (a 30B MoE's meta model and its ~18k expert names, each sync)."""
+    model = _meta_model(model_path)
+    return TransferMeta.from_tensors(checkpoint_tensors(model, model.state_dict().items()))
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_model(model_path: str):
     from transformers import AutoConfig
 
     from ..toy.models import meta_hf_model
 
-    model = meta_hf_model(AutoConfig.from_pretrained(model_path))
-    return TransferMeta.from_tensors(checkpoint_tensors(model, model.state_dict().items()))
+    return meta_hf_model(AutoConfig.from_pretrained(model_path))
+
+
+def sent_meta(model_path: str, state_dict: dict) -> TransferMeta:
+    """The names and shapes of HF-named tensors (as transformers holds them) in the checkpoint
+    layout the engine reads: what check_meta compares with hf_meta(model_path)."""
+    return TransferMeta.from_tensors(checkpoint_tensors(_meta_model(model_path), state_dict.items()))
 
 
 def checkpoint_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

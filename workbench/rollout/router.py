@@ -29,15 +29,20 @@ def engine_lost(e: BaseException) -> bool:
     return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)) or _core_dead(e)
 
 
-def _core_dead(e: BaseException) -> bool:
+def _core_dead(e: BaseException, names: set = CORE_DEAD) -> bool:
     while e is not None:
-        if CORE_DEAD & {c.__name__ for c in type(e).__mro__}:
+        if names & {c.__name__ for c in type(e).__mro__}:
             return True
         e = getattr(e, "cause", None) if "RayTaskError" in {c.__name__ for c in type(e).__mro__} else None
     return False
 
 
 UNAVAILABLE_RETRY_S = 10.0  # an engine Ray called unavailable is tried again after this long
+# an engine whose weight load failed part-way (engine.TornWeights) refuses every request until a sync
+# completes: unavailable for this long, not dead (a live engine the next sync repairs). Its refusal
+# sampled nothing, so the request goes to another engine; left in the pick, the torn engine, failing
+# at once, had the fewest outstanding and drew most new sessions
+TORN_RETRY_S = 1.0
 
 
 class EngineRouter:
@@ -134,6 +139,11 @@ class EngineRouter:
             except asyncio.TimeoutError:
                 raise EngineUnavailable(f"engine {i} did not answer within {self.request_timeout_s} s") from None
             except Exception as e:
+                if _core_dead(e, {"TornWeights"}) and not started:
+                    self.unavailable_until[i] = time.monotonic() + TORN_RETRY_S
+                    self.failovers += 1
+                    last_error = e
+                    continue
                 if not _core_dead(e):
                     raise
                 self.dead.add(i)

@@ -14,6 +14,7 @@ Notes that shape this file (details in ../shared FACTS and docs/ARCHITECTURE.md)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -387,6 +388,9 @@ class VLLMEngine(RolloutEngine):
         self._in_flight.add(request_id)
         try:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=request_id):
+                if request_id in self._failed and final is None:  # failed by a torn load before vLLM had
+                    # registered it (AsyncLLM adds a request over several awaits): its abort found nothing
+                    await self.llm.abort(request_id)
                 final = out
                 new = list(out.outputs[0].token_ids[n:])  # copied now: vLLM may go on appending to that list
                 if new and not out.finished:
@@ -437,13 +441,23 @@ class VLLMEngine(RolloutEngine):
         await self.llm.resume_generation()
 
     async def _load_weights(self, state_dict: dict) -> None:
-        if self.in_process_core:  # the worker is in this process: the tensors go by reference
+        if self.in_process_core:  # the worker is in this process: the tensors go by reference (it checks
+            # the names and shapes first; its WeightsNotLoaded reaches here as it is)
             await self.llm.collective_rpc("load_weights", args=(state_dict,))
         else:
             from safetensors.torch import save_file
 
+            from .nccl_sync import check_meta, hf_meta, sent_meta
+
+            # checked here: a core process's refusal comes back as a plain Exception, read as a torn load
+            check_meta(sent_meta(self.model_path, state_dict), hf_meta(self.model_path))
             path = os.path.join(self._shm, f"v{self.version + 1}.safetensors")
-            save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, path)
+            try:
+                save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, path)
+            except Exception as e:  # (a full /dev/shm: safetensors' own error type): nothing reached the model
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise WeightsNotLoaded(f"the weights could not be written for the engine's core ({e}); nothing loaded") from e
             try:
                 await self.llm.collective_rpc("load_weights_file", args=(path,))
             finally:

@@ -388,7 +388,7 @@ def main(argv=None) -> None:
 
 # ------------------------------------------------------------------ step revisit (wb.revisit)
 REVISITED = ("loss", "grad_norm", "gate_pass_ratio", "token_keep_ratio", "stale_dropped", "band_dropped", "veto_dropped", "kl_k1", "kl_k3",
-             "kl_k3_current", "tokens_current", "kl_k3_stale", "max_abs_delta_p", "staleness_hist", "tokens_per_version", "is_weight_hist", "replay_disagree_rate",
+             "kl_k3_current", "tokens_current", "kl_k3_stale", "max_abs_delta_p", "staleness_hist", "tokens_per_version", "is_weight_hist", "is_ess", "is_bounded_fraction", "replay_disagree_rate",
              "replay_disagree_per_layer", "replay_fallback", "kl_k3_live", "kl_ref", "replay_positions", "replay_unreplayed",
              "max_staleness_kept", "signal_tokens_trained", "updates_skipped", "policy_shift")
 
