@@ -948,13 +948,13 @@ def test_a_restored_run_syncs_under_its_checkpoints_version(ray_local, monkeypat
     @ray.remote(num_cpus=0)
     class Engine:
         def __init__(self, version):
-            self.version = version
+            self.version = self.verified = version
 
         def info(self):
-            return {"version": self.version, "verified_version": self.version}
+            return {"version": self.version, "verified_version": self.verified}
 
         def update_weights(self, weights, version, expected, path, tol):
-            self.version = version
+            self.version = self.verified = version
             return WeightSyncReport(version, 0.0, 0, 0.0, True)
 
     class Trainer:
@@ -981,4 +981,12 @@ def test_a_restored_run_syncs_under_its_checkpoints_version(ray_local, monkeypat
     _run(None, trainer, [engine], None, LoopConfig(steps=3, initial_sync=False), None, False, "ckpt", 0,
          threading.Event(), None, 0)
     assert trainer.version == ray.get(engine.info.remote())["version"] == 5
+    ray.kill(engine)
+    # an engine behind the trainer's verified weights (its last sync failed its probe check, or a load tore
+    # its weights) is synced whatever initial_sync says: it sampled on under the trainer's version
+    trainer, engine = Trainer(6), Engine.remote(6)
+    ray.get(engine.__ray_call__.remote(lambda e: setattr(e, "verified", 5)))
+    _run(None, trainer, [engine], None, LoopConfig(steps=0, initial_sync=False), None, False, None, 0,
+         threading.Event(), None, 0)
+    assert trainer.version == ray.get(engine.info.remote())["version"] == 7
     ray.kill(engine)

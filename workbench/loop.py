@@ -462,18 +462,6 @@ def engines_version(engines: list, lost: list | None = None, newest: bool = True
     return max(versions) if newest else min(versions)
 
 
-def any_torn(engines: list) -> bool:
-    """Whether an engine's weights are torn by a load that failed part-way (RolloutEngine.torn). An
-    engine that does not answer is left to engines_version, which drops a dead one."""
-    for ref in [e.info.remote() for e in engines]:
-        try:
-            if ray.get(ref).get("torn"):
-                return True
-        except Exception:
-            pass
-    return False
-
-
 def sync_engines(trainer, engines: list, tol: float, lost: list | None = None) -> list:
     """Push the trainer's current weights to every engine under the trainer's version and check
     each engine's probe against the trainer's own log-probs. By NCCL broadcast once
@@ -733,9 +721,10 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     # one version counter for trainer and engines; it only ever increases
     # (a restore replaced the trainer's weights: the engines serve others whatever initial_sync says;
     # unsynced, the first resumed step sampled the base model, its tokens V versions stale)
-    # an engine whose weights a failed sync tore (it samples nothing until one completes: TornWeights) is
-    # synced whatever initial_sync says: left so, every episode failed and the run spun through its steps
-    if cfg.initial_sync or restored or any_torn(engines):  # rollouts must come from the trainer's weights, not whatever the engines hold:
+    # an engine behind the trainer's verified weights is synced whatever initial_sync says: one whose sync
+    # failed its probe check sampled on under the trainer's version (its tokens read as on-policy), one a
+    # failed load tore samples nothing (TornWeights: every episode failed, the run spun through its steps)
+    if cfg.initial_sync or restored or engines_version(engines, newest=False) < trainer.version:  # rollouts must come from the trainer's weights, not whatever the engines hold:
         # under the trainer's own version (a restored one: its checkpoint's weights), or past every
         # engine's (Workbench.sync's rule; a restored run labelled its steps one past an uninterrupted run's)
         trainer.version = max(trainer.version, engines_version(engines) + 1)
