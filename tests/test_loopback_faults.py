@@ -512,6 +512,62 @@ def test_a_tool_call_the_agent_could_not_send_back_is_left_as_text(tokenizer):
             assert seg.stats["temperatures"] == [1.0]  # what the engine sampled at (the policy's), stamped
 
 
+def test_logprob_bytes_rebuild_a_split_character_and_a_nan_log_prob_is_no_500(tokenizer):
+    """logprobs=True: each entry's `bytes` are the token's own (joined, the text: an emoji split over
+    byte tokens decoded token by token gave U+FFFD's bytes); a non-finite log-prob (NaN logits of a
+    diverging run) is -9999 as vLLM clamps, not a body that failed to render after the turn was
+    recorded (a 500, then the same from every SDK retry). And a side-route request without
+    max_tokens may use the context's room, as OpenAI and vLLM give (the server's 256 cut a judge
+    that reasons first: paid 0)."""
+    from workbench.rollout.engine import Sample
+
+    class NanEngine(Scripted):
+        async def generate(self, prompt_ids, sampling):
+            s = await super().generate(prompt_ids, sampling)
+            return Sample(s.prompt_ids, s.token_ids, [float("nan")] + s.logprobs[1:], s.versions, s.finish_reason)
+
+    engine = NanEngine(tokenizer)
+    text = "ok \U0001F99C done \u00e9"
+    with LoopbackServer(engine, tokenizer, max_model_len=1024) as srv:
+        sid = srv.open_session()
+        client = openai.OpenAI(base_url=srv.base_url(sid), api_key=srv.api_key, max_retries=0)
+        engine.replies.append((text + "<|im_end|>", "stop"))
+        r = client.chat.completions.create(model="p", messages=USER, max_tokens=64, logprobs=True)
+        entries = r.choices[0].logprobs.content
+        assert len(entries) > len(text.split()) + 2  # the emoji is several byte tokens
+        assert b"".join(bytes(e.bytes) for e in entries).decode() == text + "<|im_end|>" and r.choices[0].message.content == text
+        assert entries[0].logprob == -9999.0 and all(e.logprob == -0.1 for e in entries[1:])
+        seg, = srv.close_session(sid)
+        assert seg.stats["turns"] == 1
+        side = openai.OpenAI(base_url=srv.base_url(None), api_key=srv.api_key, max_retries=0)
+        engine.replies.append(("fine<|im_end|>", "stop"))
+        side.chat.completions.create(model="p", messages=USER)
+        assert engine.sampling[-1].max_tokens > 900  # the room the 1024-token context leaves
+
+
+def test_a_turn_a_stop_string_ended_seals_as_such_not_as_the_templates():
+    """The recorded ids hold the stop string's text, the message the agent sends back does not: on
+    Qwen3 (its last assistant message rendered with an empty think block) the next request cannot
+    extend the ids, and a ReAct agent's stop=["Observation:"] seals every turn. The seal said
+    template_rewrite, blaming the template; it says stop_string (expected, not flagged)."""
+    from workbench.real_models import load_family
+    from workbench.tokens import UNEXPECTED_SEALS
+
+    tokenizer = load_family("qwen3-nothink").tokenizer
+    engine = Scripted(tokenizer)
+    with LoopbackServer(engine, tokenizer) as srv:
+        sid = srv.open_session()
+        client = openai.OpenAI(base_url=srv.base_url(sid), api_key=srv.api_key, max_retries=0)
+        engine.replies += [("Thought: add. Observation:", "stop"), ("42<|im_end|>", "stop")]
+        r = client.chat.completions.create(model="p", messages=USER, max_tokens=64, stop=["Observation:"])
+        assert r.choices[0].message.content == "Thought: add. " and r.choices[0].finish_reason == "stop"
+        msgs = USER + [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Observation: 42"}]
+        client.chat.completions.create(model="p", messages=msgs, max_tokens=64)
+        first, second = srv.close_session(sid)
+        assert first.seal_reason == "stop_string" and "stop_string" not in UNEXPECTED_SEALS
+        assert second.seal_reason == "episode_end"
+
+
 class Slow(Scripted):
     """Scripted, each id after `delay_s` (streamed one at a time): a reply a client may give up on."""
 

@@ -171,6 +171,10 @@ class TekkenFormat(ChatFormat):
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tekken.decode(list(ids), special_token_policy=self._ignore if skip_special_tokens else self._keep)
 
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """tokens.ChatFormat.token_bytes for Tekken: mistral-common's byte piece of each id."""
+        return [self.tekken.id_to_byte_piece(int(i), self._keep) for i in ids]
+
     def text_units(self, ids: list[int]) -> list[tuple[int, int, tuple]] | None:
         """tokens.text_units for Tekken: byte pieces grouped until they complete UTF-8 characters."""
         units, pos, start, buf = [], 0, 0, b""

@@ -35,8 +35,10 @@ reply was cut by the policy's max_tokens, is `truncated`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime
+import functools
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -51,6 +53,8 @@ SEAL_REASONS = {
     "assistant_changed": "the assistant message sent back differs from the one the server returned",
     "template_rewrite": "the chat template renders earlier turns differently once new messages are added",
     "tools_changed": "the request's tools differ from the previous request's, and the template renders them before the history",
+    "stop_string": "the last reply ended on a stop string: the recorded ids hold its text, the message sent back "
+                   "does not (an agent's stop=['Observation:'] seals every turn)",
     "episode_end": "the session was closed (normal end of an episode)",
     "evicted": "the session opened more conversations than the accumulator keeps open "
                "(Accumulator.open_conversations): the least recently extended one was closed",
@@ -352,6 +356,7 @@ class ChatFormat:
         # what canonical_message keeps (the profile's tool_call_ids, tool_arguments, reasoning_field)
         self.message_form = dict(message_form or {})
         self._backend = tokenizer.backend_tokenizer
+        self._piece_bytes = None  # token_bytes' per-id function, made on first use
 
     @classmethod
     def for_profile(cls, tokenizer, profile) -> "ChatFormat":
@@ -409,6 +414,33 @@ class ChatFormat:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """Each token's own bytes, from its vocabulary piece: joined they are the text, a character
+        split over byte tokens included (what the OpenAI API's logprob `bytes` are for). One token
+        decoded alone gave U+FFFD for such a part, and dropped a SentencePiece piece's leading space."""
+        if self._piece_bytes is None:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            # byte-level BPE (GPT-2's table: every byte a printable character) or SentencePiece ('▁' a
+            # space, <0xNN> a byte); the added tokens are their own text
+            byte_level = "ByteLevel" in repr(self._backend.decoder)
+            table = {c: b for b, c in bytes_to_unicode().items()} if byte_level else None
+            added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}
+
+            def piece_bytes(i: int) -> bytes:
+                if i in added:
+                    return added[i].encode()
+                piece = self._backend.id_to_token(i) or ""
+                if table is not None and all(c in table for c in piece):
+                    return bytes(table[c] for c in piece)
+                if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                    with contextlib.suppress(ValueError):
+                        return bytes([int(piece[3:5], 16)])
+                return piece.replace("\u2581", " ").encode()
+
+            self._piece_bytes = functools.lru_cache(maxsize=65536)(piece_bytes)
+        return [self._piece_bytes(int(i)) for i in ids]
 
 
 _MAX_PENDING = 16  # tokens without a complete character; a UTF-8 character spans at most 4 byte tokens
@@ -602,7 +634,10 @@ class Accumulator:
                 # the agent's own change (tools dropped for a final "now answer" request), not the
                 # template's: labelled the template's, the audit never flagged it
                 # (the segment's: its last recorded turn's tools, whatever request failed since)
-                reason = "tools_changed" if (seg.tools or None) != (tools or None) else "template_rewrite"
+                # a reply ended by a stop string: the agent holds its text without the string, which the ids hold
+                # (labelled the template's: the audit blamed the template for the agent's stop strings)
+                reason = ("tools_changed" if (seg.tools or None) != (tools or None) else
+                          "stop_string" if getattr(self._last_reply, "stop_sequence", None) else "template_rewrite")
         full, ids = self.fmt.prompt(msgs, tools)
         return TurnPlan(ids, msgs, tools, full, len(ids), True, reason, beside=beside and seg is not None)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from .protocol import ChatRequest, Reply, RequestError, loads, number, sampling_from, short, stop_strings, want
 
@@ -139,8 +140,10 @@ def _tool_calls(r: Reply) -> list[dict]:
 
 
 def _logprobs(r: Reply) -> dict:
-    return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                        for s, lp in zip(r.token_strs, r.logprobs)]}
+    # a non-finite log-prob (a diverging run's NaN logits) is -9999, as vLLM clamps: JSON has no NaN, and
+    # the body failed to render after the turn was recorded (a 500, then the same from every retry)
+    return {"content": [{"token": s, "logprob": lp if math.isfinite(lp) and lp > -9999.0 else -9999.0, "bytes": list(b), "top_logprobs": []}
+                        for s, b, lp in zip(r.token_strs, r.token_bytes or [s.encode() for s in r.token_strs], r.logprobs)]}
 
 
 def _usage(r: Reply) -> dict:

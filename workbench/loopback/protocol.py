@@ -181,7 +181,8 @@ class Reply:
     completion_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    token_strs: list[str] = field(default_factory=list)
+    token_strs: list[str] = field(default_factory=list)  # each token's text (a split character's part: U+FFFD)
+    token_bytes: list[bytes] = field(default_factory=list)  # ... and its own bytes (joined: the text)
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
     truncated: bool = False  # cut by the context (max_tokens clamped to the room left and hit, or no room) or the policy's max_tokens

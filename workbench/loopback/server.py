@@ -855,7 +855,9 @@ class LoopbackServer:
                 _, ids = fmt.prompt(req.messages, req.tools)
         except Exception as e:
             raise RequestError(400, f"the chat template cannot render these messages: {scrub(e)}", param="messages")
-        room, _ = self._fit(req, req.sampling, len(ids), self.default_max_tokens)
+        # without max_tokens the room the context leaves, as the OpenAI API and vLLM give (the server's 256
+        # cut a judge that reasons before its score: paid 0)
+        room, _ = self._fit(req, req.sampling, len(ids), self.max_model_len)
         if not room:
             raise RequestError(400, f"the prompt is {len(ids)} tokens, but the context is {self.max_model_len} tokens",
                                param="messages", code="context_length_exceeded")
@@ -889,8 +891,11 @@ class LoopbackServer:
             tool_calls=[{"id": cid or new_tool_call_id(self.tool_call_ids), **c} for cid, c in zip(written, parsed.calls)],
             finish=finish, stop_sequence=stop_seq, prompt_tokens=len(prompt_ids), completion_tokens=len(sample.token_ids),
             token_ids=list(sample.token_ids), logprobs=list(sample.logprobs),
-            token_strs=[self.fmt.decode([i]) for i in sample.token_ids] if req.logprobs else [],
         )
+        if req.logprobs:  # each token's bytes from its vocabulary piece (decoded alone, a split character's
+            # part was U+FFFD and a SentencePiece piece lost its leading space)
+            reply.token_bytes = self.fmt.token_bytes(sample.token_ids)
+            reply.token_strs = [b.decode("utf-8", "replace") for b in reply.token_bytes]
         if len(reply.tool_calls) > 1 and not self._renders_back(req, reply):
             # parallel calls the template cannot render as history (Llama 3.1: "only supports single
             # tool-calls at once"): handed out, every later request of the episode was a 400, the
