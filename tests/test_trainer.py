@@ -516,6 +516,32 @@ def test_updates_per_step_takes_as_many_updates_as_asked():
         assert [len(r) for r in runs] == sizes and [i for r in runs for i in r] == list(range(n)), (n, updates)
 
 
+def test_several_updates_take_pi_old_from_their_own_micro_batch_cuts(ray_local, moe_path):
+    """With several updates pi_old came from one no-grad pass over the rank's rows, cut into
+    micro-batches otherwise than each update's gradient forwards (packing put other rows side by
+    side): in bf16 rounding alone moved a sequence's mean log-ratio past GSPO's clip band, and which
+    sequences got no gradient was decided by rounding. pi_old is each update's own cut now: the first
+    update's equals a one-update step's on its rows, to the bit."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [30, 21, 40, 16, 26, 16, 14, 24]  # cut 0-2, 3-7 whole; 0-1, 2-3 for the first update
+    segs = [Segment(torch.randint(3, 500, (n,), generator=g).tolist(), [0] * 4 + [1] * (n - 4), [0.0] * n, [-1] * 4 + [0] * (n - 4))
+            for n in lengths]
+    b = training_tensors(segs)
+    b["advantages"] = torch.tensor([1.0, -1.0] * 4)[:, None] * b["loss_mask"]
+    b["behaviour_logprobs"] = torch.zeros_like(b["advantages"])
+    first = {k: (v[:4] if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+    old = {}
+    for updates, batch in ((2, b), (1, first)):
+        t = Trainer(str(moe_path), world_size=1, cfg=TrainerConfig(lr=1e-3, dtype="bfloat16", micro_batch_tokens=100,
+                                                                   updates_per_step=updates, surrogate="gspo",
+                                                                   correction=CorrectionConfig(enabled=False, max_staleness=None)))
+        try:
+            old[updates] = t.train_step(batch, report=True)["report"]["trainer_logprobs"][:4]
+        finally:
+            t.shutdown()
+    assert torch.equal(old[2], old[1])
+
+
 def test_several_updates_per_step_move_the_ratios_off_one(ray_local, dense_path):
     """updates_per_step=2: two AdamW steps against one pi_old, so the second update's ratios
     differ from 1 (where PPO clipping acts); the loss is still the objective's mean. Each update

@@ -622,8 +622,18 @@ class TrainerWorker:
             live = dict(zip(("sum", "tokens"), kl_k3_sum(self.logprobs(batch, replay=False)[0].to(self.device),
                                                          batch["behaviour_logprobs"], current)))
         updates = self.cfg.updates_per_step
+        # an update's rows on this rank: Trainer._split's share of each run (the same batch rows in
+        # each update whatever the rank count; every rank has as many rows, so runs as many updates),
+        # or this rank's rows cut into `updates` runs (update_runs: one a row with fewer rows)
+        n_rows, per = batch["input_ids"].shape[0], batch.get("rows_per_update")
+        runs = [range(i, min(i + per, n_rows)) for i in range(0, n_rows, per)] if per else update_runs(n_rows, updates)
         if updates > 1:
-            batch["old_logprobs"] = self.logprobs(batch)[0].to(self.device)
+            # pi_old per update, cut into the micro-batches its gradient forwards use: cut otherwise (the
+            # whole rank's rows at once), packing put other rows side by side and bf16 rounding alone
+            # moved a sequence's mean log-ratio by up to 1.6e-3, past GSPO's clip band (3e-4 / 4e-4):
+            # which sequences got no gradient was decided by rounding
+            batch["old_logprobs"] = torch.cat([self.logprobs({k: (v[r.start: r.stop] if isinstance(v, torch.Tensor) else v)
+                                                              for k, v in batch.items()})[0] for r in runs]).to(self.device)
         surrogate = get_surrogate(self.cfg.surrogate)
         self.model.train()
         # the step's sums stay on the device (a float() per micro-batch would wait for the device
@@ -632,11 +642,6 @@ class TrainerWorker:
         loss_sum, norms, corr_parts, replay, rows, kl_sum, shift_sum = zero, [], [], [], [], zero, zero
         shift_tokens = zero  # the tokens of the updates after the first (whose ratios are all 1: it diluted the mean)
         skipped, carried_total = 0, torch.zeros_like(zero)
-        # an update's rows on this rank: Trainer._split's share of each run (the same batch rows in
-        # each update whatever the rank count; every rank has as many rows, so runs as many updates),
-        # or this rank's rows cut into `updates` runs (update_runs: one a row with fewer rows)
-        n_rows, per = batch["input_ids"].shape[0], batch.get("rows_per_update")
-        runs = [range(i, min(i + per, n_rows)) for i in range(0, n_rows, per)] if per else update_runs(n_rows, updates)
         updates = len(runs)
         for u, run in enumerate(runs):
             ub = {k: (v[run.start: run.stop] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
