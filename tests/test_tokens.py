@@ -239,17 +239,20 @@ def test_interleaved_conversations_each_extend_their_own_segment(fmt):
     plan = acc.plan(compacted)
     assert plan.new_segment and plan.seal_reason == "history_rewritten" and not plan.beside
     acc.record(plan, reply(fmt, "1"), {"role": "assistant", "content": "1"})
-    assert [s.seal_reason for s in acc.segments] == [None, "history_rewritten", None]
+    # parked, not sealed: a later request may extend it again (two sub-agents given one brief); at the
+    # episode's end or eviction, never extended again, it is sealed with the rewrite's reason
+    assert [s.seal_reason for s in acc.segments] == [None, None, None] and len(acc._parked) == 2
 
     # an SDK retry of main's last request, after the summarizer's: main's cached reply, nothing sampled
     plan = acc.plan(main[:-2], retry=True)
     assert plan.cached == "reply 4" and acc.record(plan, None, {}) is acc.segments[0]
     turn(acc, main, reply(fmt, "3"), "3")  # main extended last: the summarizer is the least recently used
     acc.open_conversations = 2
-    plan = acc.plan([{"role": "user", "content": "A third one."}])  # opens otherwise: beside, evicting it
-    assert plan.new_segment and plan.beside and plan.seal_reason is None
-    acc.record(plan, reply(fmt, "2"), {"role": "assistant", "content": "2"})
-    assert [s.seal_reason for s in acc.close()] == ["episode_end", "history_rewritten", "evicted", "episode_end"]
+    for k in range(2):  # each opens otherwise: beside, evicting the least recent (the rewritten one first)
+        plan = acc.plan([{"role": "user", "content": f"Another one, {k}."}])
+        assert plan.new_segment and plan.beside and plan.seal_reason is None
+        acc.record(plan, reply(fmt, "2"), {"role": "assistant", "content": "2"})
+    assert [s.seal_reason for s in acc.close()] == ["episode_end", "history_rewritten", "evicted", "episode_end", "episode_end"]
 
 
 def test_a_sub_agent_under_the_agents_own_system_prompt_opens_beside_it(fmt):
@@ -270,6 +273,29 @@ def test_a_sub_agent_under_the_agents_own_system_prompt_opens_beside_it(fmt):
     acc.record(plan, reply(fmt, "14"), {"role": "assistant", "content": "14"})
     segs = acc.close()
     assert [s.seal_reason for s in segs] == ["episode_end"] * 3 and [s.stats["turns"] for s in segs] == [3, 2, 1]
+    assert segment_stats(segs)["identity_mismatch"] == 0
+
+
+def test_two_sub_agents_given_one_brief_each_extend_their_own_segment(fmt):
+    """Two sub-agents launched with the same system prompt and brief (or a side call quoting the
+    task) read as rewrites of each other: each switch sealed the other (history_rewritten /
+    assistant_changed, flagged by the audit) and re-prefilled its whole history, six one-turn
+    segments for A, B, A, B, A, B. A rewritten conversation stays parked, open: the next request
+    that extends it resumes it."""
+    acc = Accumulator(fmt)
+    convs = [[SYS, USER], [SYS, USER]]
+    sampled = [[], []]
+    for i in range(6):
+        conv = convs[i % 2]
+        plan = acc.plan(conv)
+        assert plan.new_segment == (i < 2), i
+        s = reply(fmt, str(20 + i))
+        acc.record(plan, s, {"role": "assistant", "content": str(20 + i)})
+        sampled[i % 2] += s.token_ids
+        conv += [{"role": "assistant", "content": str(20 + i)}, {"role": "user", "content": f"go on {i}"}]
+    segs = acc.close()
+    assert [s.seal_reason for s in segs] == ["episode_end", "episode_end"] and [s.stats["turns"] for s in segs] == [3, 3]
+    assert [[t for t, m in zip(seg.token_ids, seg.loss_mask) if m] for seg in segs] == sampled
     assert segment_stats(segs)["identity_mismatch"] == 0
 
 
@@ -296,8 +322,7 @@ def test_non_extending_request_seals_with_reason(fmt, edit, reason):
     assert plan.new_segment and plan.seal_reason == reason
     assert plan.prompt_ids == fmt.encode(fmt.render(edit(msgs), None, True))
     acc.record(plan, reply(fmt, "14"), {"role": "assistant", "content": "14"})
-    assert [s.seal_reason for s in acc.segments] == [reason, None]
-    assert acc.close()[-1].seal_reason == "episode_end"
+    assert [s.seal_reason for s in acc.close()] == [reason, "episode_end"]  # (parked open until then)
 
 
 def test_arguments_sent_back_reserialized_are_an_assistant_change(fmt):

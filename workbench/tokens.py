@@ -587,12 +587,18 @@ class Accumulator:
         self._last_turn_moved: tuple | None = None  # (conversation, start, tools): a window move _last_turn awaits
         self._unrendered: tuple | None = None  # (prompt text, tools, sampled ids, stopped) of a turn not yet rendered
         self._parked: list[dict] = []  # the other open conversations' _CONVERSATION_STATE, least recent first
+        # parked segments a request rewrote (id -> the seal reason): sealed so at the episode's end or
+        # eviction unless a later request extends them again (see record)
+        self._rewritten: dict[int, str] = {}
         self._last_request: tuple | None = None
         self._last_reply: Any = None
         # set by the server: the last turn was cut by the context (the conversation outgrew
         # max_model_len), or the last recorded reply ran out of the policy's max_tokens (a later
         # reply not cut clears either: the episode went on past the cut, as a multi-turn Env or an
-        # agent that compacts may)
+        # agent that compacts may). The session's, whichever conversation recorded last: a compaction
+        # that opens beside the cut conversation (a summary first) is indistinguishable from a
+        # summarizer called after it, and the agent that compacted went on (it was an episode with a
+        # real reward, masked or dropped)
         self.context_cut = False
         self.last_reply_cut = False
         self.engine_calls = 0  # engine calls made for the session (the server mixes it into a seeded turn's seed)
@@ -718,14 +724,28 @@ class Accumulator:
         if plan.cached is not None:
             return self._segment
         if plan.new_segment:
-            if plan.beside and self.open_segment is not None:  # the current conversation stays open, parked
-                self._parked.append(self._state())
+            rewrite = plan.seal_reason in (None, "history_rewritten", "assistant_changed")
+            if self.open_segment is not None and (plan.beside or rewrite):
+                # the current conversation stays open, parked: beside another one, or rewritten by this
+                # request, which may be another conversation sharing its first message (two sub-agents
+                # given one brief, a side call quoting the task): sealed, each switch between them sealed
+                # and re-prefilled the other's whole history. One no later request extends keeps the
+                # rewrite's seal at the episode's end (a compaction's old history: history_rewritten)
+                state = self._state()
+                if not plan.beside:
+                    self._rewritten[id(self._segment)] = plan.seal_reason or "history_rewritten"
+                    state["_last_request"] = state["_last_reply"] = None  # superseded: no retry's answer
+                self._parked.append(state)
                 if len(self._parked) >= self.open_conversations:
-                    self._parked.pop(0)["_segment"].seal_reason = "evicted"
-            elif self.open_segment is not None:
-                self.seal(plan.seal_reason or "history_rewritten")
+                    evicted = self._parked.pop(0)["_segment"]
+                    evicted.seal_reason = self._rewritten.pop(id(evicted), "evicted")
+            elif self.open_segment is not None:  # the template's render, the tools, a stop string: this
+                # conversation goes on in the new segment
+                self.seal(plan.seal_reason)
             self._segment = Segment()
             self.segments.append(self._segment)
+        else:  # extended: a rewritten conversation a later request resumed is open again
+            self._rewritten.pop(id(self._segment), None)
         seg = self._segment
         seg.append(plan.prompt_ids[len(seg):], trainable=False)
         start = len(seg)
@@ -908,7 +928,7 @@ class Accumulator:
         they were opened."""
         for seg in self.segments:
             if seg.seal_reason is None:
-                seg.seal_reason = "episode_end"
+                seg.seal_reason = self._rewritten.pop(id(seg), "episode_end")
         return [s.copy() for s in self.segments]
 
 
