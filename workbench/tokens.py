@@ -54,7 +54,8 @@ SEAL_REASONS = {
     "template_rewrite": "the chat template renders earlier turns differently once new messages are added",
     "tools_changed": "the request's tools differ from the previous request's, and the template renders them before the history",
     "stop_string": "the last reply ended on a stop string: the recorded ids hold its text, the message sent back "
-                   "does not (an agent's stop=['Observation:'] seals every turn)",
+                   "does not, and the template's render cannot extend them (on Qwen3 an agent's "
+                   "stop=['Observation:'] seals every turn)",
     "episode_end": "the session was closed (normal end of an episode)",
     "evicted": "the session opened more conversations than the accumulator keeps open "
                "(Accumulator.open_conversations): the least recently extended one was closed",
