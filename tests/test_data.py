@@ -4,12 +4,13 @@ continue from. No engine: these are pure functions of the files."""
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 
 import pytest
 
-from workbench.data import FIELD_PRESETS, TaskDataset, final_answer, load_records, load_tasks
+from workbench.data import FIELD_PRESETS, TaskDataset, final_answer, load_records, load_tasks, task_from_record
 from workbench.toy.word_problems import SHIPPED, word_problems, write_shipped
 
 TRAIN = SHIPPED / "word_problems_train.jsonl"
@@ -205,6 +206,9 @@ def test_held_out_tasks_and_prompt_columns(tmp_path):
         _eval_tasks({"path": str(three), "fields": "gsm8k"})
     # training reads "train" as before
     assert [t.messages[0]["content"] for t in TaskDataset.from_file(two, fields="gsm8k", shuffle=False).tasks][0] == "train q0"
+    # ... and a split's tasks are named with it: train and test were both two:0, two:1, ...
+    assert [t.id for t in load_tasks(two, fields="gsm8k", split="test")] == ["two/test:0", "two/test:1"]
+    assert load_tasks(two, fields="gsm8k")[0].id == "two/train:0"
 
     sft = tmp_path / "sft.jsonl"
     sft.write_text(json.dumps({"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7",
@@ -215,6 +219,36 @@ def test_held_out_tasks_and_prompt_columns(tmp_path):
         assert [m["role"] for m in t.messages] == ["user"] and "7" not in t.messages[0]["content"], kwargs
         assert t.label == "7" and t.info["messages"][1]["role"] == "assistant"
     assert [m["role"] for m in load_tasks(sft)[0].messages] == ["user", "assistant"]  # no mapping: the columns are the fields
+
+
+def test_tools_in_columnar_files_and_as_json_text(tmp_path):
+    """Parquet stores nested records as one struct type over all rows: each row read back held every
+    key any row has, as None (a tool's schema listed the other tools' parameters as null, rendered into
+    the prompt; a message's `name` None). Tools as JSON text (a CSV cell, the usual function-calling
+    layout) stayed a string the template walked character by character: every episode failed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def tool(name, param):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {param: {"type": "string"}}, "required": [param]}}}
+
+    rows = [{"messages": [{"role": "user", "content": "Weather in Oslo?", "name": "ann"}], "tools": [tool("get_weather", "city")]},
+            {"messages": [{"role": "user", "content": "Add 2."}], "tools": [tool("add", "a")]}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "tools.parquet")
+    tasks = load_tasks(tmp_path / "tools.parquet")
+    assert [t.tools for t in tasks] == [r["tools"] for r in rows] and [t.messages for t in tasks] == [r["messages"] for r in rows]
+    csv_file = tmp_path / "tools.csv"
+    with open(csv_file, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["prompt", "tools"])
+        w.writerow(["Weather in Oslo?", json.dumps([tool("get_weather", "city")])])
+        w.writerow(["No tools.", ""])
+    assert [t.tools for t in load_tasks(csv_file)] == [[tool("get_weather", "city")], None]
+    with pytest.raises(ValueError, match="'tools' is text but not JSON"):
+        task_from_record({"prompt": "x", "tools": "[{oops"})
+    with pytest.raises(ValueError, match="'tools' must be a list of tool schemas"):
+        task_from_record({"prompt": "x", "tools": {"type": "function"}})
 
 
 def test_the_sessions_seed_picks_the_agent_files_tasks():

@@ -545,6 +545,10 @@ def test_a_failed_episode_counts_as_a_wrong_answer_in_the_steps_correct_rate():
     stats = reward_statistics([[right] + [episode(0.0, error="episode timed out") for _ in range(3)]])
     assert stats == {"reward_mean": 1.0, "correct_rate": 0.25}
     assert reward_statistics([[episode(0.5)]]) == {"reward_mean": 0.5, "correct_rate": None}  # no agent reports it
+    # a finished episode without the key (an Env episode cut by max_turns or the context never reached the
+    # step that sets it) is scored as evaluation scores it, by its reward: left out, 1 right and 3 cut read 1.0
+    cut = [episode(0.0) for _ in range(3)]
+    assert reward_statistics([[right] + cut]) == {"reward_mean": 0.25, "correct_rate": 0.25}
     # nothing finished: nothing measured (reward_mean read 0.0, correct_rate None and the notebooks' sums raised)
     nothing = reward_statistics([[episode(0.0, error="episode timed out") for _ in range(4)]])
     assert math.isnan(nothing["reward_mean"]) and math.isnan(nothing["correct_rate"])

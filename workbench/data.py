@@ -47,13 +47,51 @@ def task_from_record(record: dict, where: str = "record") -> Task:
         raise ValueError(f"{where}: a task needs 'messages' or 'prompt' (got keys {sorted(r)})")
     # (the default of pop("label", ...) is evaluated first: it dropped "answer" even beside a label)
     label = r.pop("label") if "label" in r else r.pop("answer", None)
-    tools = r.pop("tools", None)
+    tools = _tools(r.pop("tools", None), where)
     task_id = r.pop("id", None)
     task_id = None if task_id is None else (str(task_id) or None)  # (a null id read as the id 'None' for every such task)
     t = Task(messages=messages, tools=tools, label=label, info=r)
     if task_id:
         t.id = task_id
     return t
+
+
+def _tools(tools, where: str) -> list[dict] | None:
+    """A record's tools: a list of tool schemas, or its JSON text (a CSV cell, the usual function-
+    calling dataset layout: kept a string, the template walked it character by character and every
+    episode of the task failed)."""
+    if isinstance(tools, str):
+        if not tools.strip():
+            return None
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: 'tools' is text but not JSON: {e}") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"{where}: 'tools' must be a list of tool schemas (objects), got {type(tools).__name__}")
+    return tools or None
+
+
+def _without_nulls(value, keep: tuple = ()):
+    """`value` with every mapping's None entries dropped, at any depth, but for the keys in `keep`:
+    a columnar file (Parquet, Arrow) stores nested records as one struct type over all rows, so each
+    row read back holds every key any row has, as None (a tool's schema listed the other tools'
+    parameters as null, which the template rendered into the prompt)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v, keep) for k, v in value.items() if v is not None or k in keep}
+    if isinstance(value, list):
+        return [_without_nulls(v, keep) for v in value]
+    return value
+
+
+def _columnar(records: list[dict]) -> list[dict]:
+    """Records of a columnar source with the nulls of their nested task fields dropped
+    (_without_nulls; a message's content stays: None there is an assistant turn of tool calls)."""
+    for r in records:
+        for field, keep in (("tools", ()), ("messages", ("content",)), ("prompt", ("content",))):
+            if isinstance(r.get(field), (list, dict)):
+                r[field] = _without_nulls(r[field], keep)
+    return records
 
 
 def _system_into(messages: list[dict], record: dict, field: str, where: str) -> None:
@@ -123,7 +161,7 @@ def load_records(path: str | Path, split: str = "train") -> list[dict]:
             if split not in ds:
                 raise ValueError(f"{path}: no split {split!r} (has {sorted(ds)})")
             ds = ds[split]
-        return [dict(r) for r in ds]
+        return _columnar([dict(r) for r in ds])
     if path.suffix in (".jsonl", ".json"):
         if path.suffix == ".json" and path.read_text(encoding="utf-8-sig").lstrip().startswith("["):
             try:  # one JSON array of records (pretty-printed or not)
@@ -144,7 +182,7 @@ def load_records(path: str | Path, split: str = "train") -> list[dict]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        return _columnar(pq.read_table(path).to_pylist())
     if path.suffix == ".csv":
         # the stdlib's reader, not datasets' (pandas infers column types: labels "3" and "007" became
         # 3 and 7, "3.50" 3.5, an empty cell None, and a task's label is compared as text)
@@ -157,7 +195,7 @@ def load_records(path: str | Path, split: str = "train") -> list[dict]:
     if path.suffix == ".arrow":
         import datasets
 
-        return [dict(r) for r in datasets.Dataset.from_file(str(path))]
+        return _columnar([dict(r) for r in datasets.Dataset.from_file(str(path))])
     raise ValueError(f"unsupported data file {str(path)!r}: use .jsonl, .json, .parquet, .csv, .arrow or a "
                      f"datasets.save_to_disk directory")
 
@@ -189,7 +227,7 @@ def load_tasks(path: str | Path, fields: str | dict | None = None, template: str
     None: the columns already carry the task fields (task_from_record). `template`: a
     str.format template over the row's columns for the prompt (e.g. "{question}\\nEnd with
     '#### <number>'."). Columns not mapped go to `info`. A task's id is the row's `id` column
-    if mapped, else `<file stem>:<row>`, so the same file gives the same ids in every process
+    if mapped, else `<file stem>:<row>` (a directory's `<name>/<split>:<row>`), so the same file gives the same ids in every process
     (a resumed run names its tasks as the first one did)."""
     path = Path(path)
     records = load_records(path, split)
@@ -233,8 +271,9 @@ def load_tasks(path: str | Path, fields: str | dict | None = None, template: str
                 record["label"] = final_answer(record["label"], marker)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
-        if record.get("id") in (None, ""):  # (an empty CSV cell too: a random id, another in every process)
-            record["id"] = f"{path.stem}:{i}"
+        if record.get("id") in (None, ""):  # (an empty CSV cell too: a random id, another in every process;
+            # a directory's split named too: its train and test tasks were both gsm:0, gsm:1, ...)
+            record["id"] = f"{path.name}/{split}:{i}" if path.is_dir() else f"{path.stem}:{i}"
         task = task_from_record(record, where)
         task.info.update(aside)
         tasks.append(task)
