@@ -648,6 +648,17 @@ def test_a_config_files_numbers_are_numbers(monkeypatch):
         WorkbenchConfig.from_dict({"trainer": {"lr": "fast"}})
     with pytest.raises(ConfigError, match="loop.steps must be an integer, got '1.5'"):
         WorkbenchConfig.from_dict({"loop": {"steps": "1.5"}})
+    # a bool as a bool: the text "false" was a true value (correction stayed on); a count as an
+    # integer (8.5 was accepted; True is 1); a dict field as a dict (an empty YAML key's None failed
+    # after Ray started, naming nothing)
+    assert WorkbenchConfig.from_dict(yaml.safe_load('trainer: {correction: {enabled: "false"}}')).trainer.correction.enabled is False
+    assert WorkbenchConfig.from_dict({"loop": {"group_size": 8.0}}).loop.group_size == 8
+    for bad, message in (({"trainer": {"correction": {"enabled": "nope"}}}, "trainer.correction.enabled must be true or false"),
+                         ({"temperature": True}, "temperature must be a number, got True"),
+                         ({"trainer": {"micro_batch_size": 8.5}}, "micro_batch_size must be an integer, got 8.5"),
+                         (yaml.safe_load("engine_kwargs:\n"), "engine_kwargs must be dict, got None")):
+        with pytest.raises(ConfigError, match=message):
+            WorkbenchConfig.from_dict(bad)
     # connect(config=<a WorkbenchConfig>, loop={...}): the dict changes the config's own fields (it was
     # refused with an error saying a dict was fine)
     import workbench.session as session

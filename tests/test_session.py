@@ -305,6 +305,93 @@ def test_a_run_directory_is_held_by_one_session(tmp_path, monkeypatch):
     assert made.is_dir() and not any(made.iterdir())
 
 
+def test_a_live_session_keeps_its_run_directory_from_another_of_its_process(short_run):
+    """The run directory's lock lets a session of this process take over a directory another one
+    held (a connect cell run again). Taken from a live session, its run went on writing steps into a
+    metrics.jsonl the resume had set aside, and both saved into one checkpoint/: refused, naming
+    the way out, before anything starts."""
+    import workbench
+    from workbench.session import ConfigError
+
+    with pytest.raises(ConfigError, match=r"is held by a live session of this process .*shutdown\(\) first"):
+        workbench.connect(backend="reference", run_dir=str(short_run.run_dir), resume=True)
+    assert (short_run.run_dir / ".session.lock").is_file() and not short_run._shut_down
+
+
+def test_a_resumed_sessions_first_run_says_how_its_loop_differs_from_the_runs_last(short_run, tmp_path, capsys):
+    """wb.run's overrides (mode="async", advantage="rloo") are kept in runs.jsonl only: after a resume a
+    plain wb.run() trained otherwise than the run it continues, unsaid. Its first run says so. And an
+    override that is no loop setting (`steps=`, a typo) is a ConfigError listing them, not a TypeError."""
+    import dataclasses
+
+    from workbench.loop import LoopConfig
+    from workbench.session import ConfigError, Workbench, WorkbenchConfig
+
+    with pytest.raises(ConfigError, match=r"\['stepz'\] are no loop settings"):
+        short_run.run(1, stepz=3)
+    wb = object.__new__(Workbench)
+    wb.cfg, wb.run_dir, wb._resume_loop_said = WorkbenchConfig(resume=True, run_dir=str(tmp_path)), tmp_path, False
+    last = dataclasses.asdict(LoopConfig(mode="async", async_lag=2, advantage="rloo"))
+    (tmp_path / "runs.jsonl").write_text(json.dumps({"first_step": 0, "steps": 4, "loop": last}) + "\n")
+    wb._say_resumed_loop_changes(LoopConfig(steps=9))
+    err = capsys.readouterr().err
+    assert "differ from the resumed run's last wb.run(): " in err and "mode: 'async' -> 'sync'" in err and "steps" not in err
+    assert "advantage: 'rloo' -> 'grpo'" in err
+    wb._say_resumed_loop_changes(LoopConfig(steps=9))  # once
+    assert capsys.readouterr().err == ""
+
+
+def test_a_context_past_the_checkpoints_is_refused(ray_local, tmp_path):
+    """max_model_len past the checkpoint's positions (README's example asked 2048 of the toy's
+    1024): vLLM refused it late, naming an environment variable; the reference engine sampled past
+    the positions the model was trained on. Refused at connect, naming both numbers."""
+    import workbench
+    from workbench.session import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max_model_len 4096 must be a positive integer within the checkpoint's context, 1024"):
+        workbench.connect(backend="reference", max_model_len=4096, run_dir=str(tmp_path / "run"))
+    assert not (tmp_path / "run" / ".session.lock").exists()
+
+
+def test_a_run_whose_set_up_fails_ends_and_a_logger_that_cannot_start_loses_no_step(tmp_path, monkeypatch):
+    """A background run whose set-up raised (a full disk: the trajectories directory, runs.jsonl)
+    died before its try: wait() and shutdown() waited for ever. A logger that cannot start (wandb.init
+    timing out) raised out of the step's record, losing its metrics line at every run. And a second
+    shutdown() shut Ray down again (another session's, started since)."""
+    import types
+
+    import workbench.tracking as tracking
+    from workbench.loop import LoopConfig
+    from workbench.session import RunHandle, Workbench, WorkbenchConfig
+
+    bad = tmp_path / "run"
+    bad.mkdir()
+    (bad / "trajectories").write_text("a file where the directory goes")
+    wb = object.__new__(Workbench)
+    wb.run_dir, wb.next_step, wb.history, wb._run, wb._shut_down, wb._broken = bad, 0, [], None, False, None
+    handle = RunHandle(wb, LoopConfig(steps=3), [], False, 0, 3)
+    handle.start()
+    assert handle._ended.wait(10) and handle.done
+    with pytest.raises(RuntimeError):
+        handle.wait(5)
+
+    class NoService:
+        def __init__(self, *a, **k):
+            raise RuntimeError("Run initialization has timed out after 90.0 sec")
+
+    monkeypatch.setattr(tracking, "WandbLogger", NoService)
+    wb.cfg = WorkbenchConfig(run_dir=str(tmp_path / "other"))
+    object.__setattr__(wb.cfg, "loggers", ["wandb"])
+    wb._loggers, wb._loggers_tried = [], False
+    wb._log({"step": 0, "loss": 1.0})  # said, and off: the run goes on
+    wb._log({"step": 1, "loss": 0.5})
+    assert wb._loggers == [] and wb._loggers_tried
+
+    done = object.__new__(Workbench)
+    done._shut_down = True
+    done.shutdown()  # returns: nothing of it is left to stop
+
+
 def test_export_is_written_beside_and_swapped_in_never_over_the_run_or_the_source(short_run, tmp_path):
     """wb.export() wrote in place: a re-export kept an earlier export's files (an index naming
     shards the new one does not have: vLLM refused the directory), a kill mid-write left

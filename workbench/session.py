@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,11 +251,33 @@ def _build(kind, values: dict, where: str):
         raise ConfigError(f"{where}: {e}") from e
 
 
+BOOL_TEXT = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
 def _number(value, annotation, where: str):
-    """A number field given as a string read as the number: YAML 1.1 (PyYAML) reads 3e-4 (no dot)
-    as the string '3e-4', which a config file's lr or kl_coef then was (accepted, failing later or
-    comparing as text)."""
+    """A field's value as its annotation asks, where a config file gives it otherwise. A number
+    given as a string read as the number: YAML 1.1 (PyYAML) reads 3e-4 (no dot) as the string
+    '3e-4', which a config file's lr or kl_coef then was (accepted, failing later or comparing as
+    text). A bool as a bool (the text "false" was a true value: correction stayed on), a count as
+    an integer (8.5 is none; a bool is 0 or 1), a dict field as a dict (an empty YAML key's None failed after
+    Ray started, naming nothing)."""
     kinds = {t.strip() for t in str(annotation).split("|")}
+    if value is None and "None" not in kinds and kinds & {"bool", "int", "float", "dict"}:
+        raise ConfigError(f"{where} must be {' or '.join(sorted(kinds))}, got None")
+    if kinds <= {"bool", "None"} and value is not None and not isinstance(value, bool):
+        if isinstance(value, str) and value.strip().lower() in BOOL_TEXT:
+            return BOOL_TEXT[value.strip().lower()]
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if "dict" in kinds and value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a dict, got {type(value).__name__}")
+    if kinds & {"int", "float"} and isinstance(value, bool):
+        if "int" in kinds:  # (measure_live_routing=True: every step, as documented)
+            return int(value)
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if "int" in kinds and "float" not in kinds and isinstance(value, float):
+        if not value.is_integer():
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return int(value)
     if not isinstance(value, str) or "str" in kinds or not kinds & {"float", "int"}:
         return value
     try:
@@ -424,6 +447,10 @@ class RunDirClaim:
     created: bool  # made by the claim: removed on release if still empty (a start that failed)
 
 
+# this process's sessions by run directory, until shut down (a session the notebook dropped goes with it)
+_LIVE_SESSIONS: "weakref.WeakValueDictionary[str, Workbench]" = weakref.WeakValueDictionary()
+
+
 def claim_run_dir(run_dir) -> RunDirClaim:
     """The session's run directory, made and held for the session's life (released by shutdown).
     The default, runs/<date-time>, is a new directory (-2, -3, ... when another session of the
@@ -490,7 +517,7 @@ class Workbench:
         from tqdm.auto import tqdm
 
         from .cluster import check_ray_address, cluster_gpus, init_ray
-        from .profiles import profile_for
+        from .profiles import Checkpoint, profile_for
         from .rollout.actor import start_engine
         from .rollout.engine import SamplingConfig
         from .rollout.runner import Rollout
@@ -502,8 +529,16 @@ class Workbench:
         self.task_source = _task_source(cfg.tasks, self.spec, cfg.seed)
         self.eval_tasks = _eval_tasks(cfg.eval_tasks) if cfg.eval_tasks is not None else None
         # held from here (before a resume touches its checkpoint: another live session may be writing it)
+        holder = _LIVE_SESSIONS.get(str(Path(cfg.run_dir).resolve())) if cfg.run_dir is not None else None
+        if holder is not None and not getattr(holder, "_shut_down", True):
+            # (the lock lets a session of this process take over a directory another one held: a connect
+            # cell run again took it from the session it replaced, whose run went on writing its steps
+            # into a metrics.jsonl the resume had set aside, both saving into one checkpoint/)
+            raise ConfigError(f"run_dir {str(holder.run_dir)!r} is held by a live session of this process ({holder!r}): "
+                              f"call its shutdown() first (wb.shutdown()), or choose another run_dir")
         self._run_dir_claim = claim_run_dir(cfg.run_dir)
         self.run_dir = self._run_dir_claim.path
+        _LIVE_SESSIONS[str(self.run_dir)] = self
         try:  # (a check refusing it lets it go)
             if (self.run_dir / "metrics.jsonl").exists() and not cfg.resume:  # before anything starts
                 raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run (metrics.jsonl): choose another "
@@ -515,6 +550,7 @@ class Workbench:
             address = address or os.environ.get("RAY_ADDRESS")  # the cluster kernel sets it
             check_ray_address(address)  # a non-local cluster only with its token, refused before anything starts
         except BaseException:
+            _LIVE_SESSIONS.pop(str(self.run_dir), None)
             release_run_dir(self._run_dir_claim)
             raise
         self.history: list[dict] = []  # every RL step's metrics, across run() calls
@@ -524,6 +560,8 @@ class Workbench:
         self._teacher: tuple | None = None  # (LoopConfig.teacher, [its engine]) for distillation (made on first use)
         self.judge_engine = None  # cfg.judge's frozen engine, serving the side route
         self._loggers: list = []
+        self._loggers_tried = False  # made on first use (_log), tried once
+        self._resume_loop_said = False  # a resumed session's first run compared with the run's last (runs.jsonl)
         # evaluation episodes this session ran (never trained on; their ids are in run_dir/eval/*.parquet:
         # a set of every id grew for the session's life, ~160 MB over a long run's evaluations)
         self.eval_episodes = 0
@@ -555,6 +593,12 @@ class Workbench:
             overrides.update({k: v for k, v in (("max_model_len", cfg.max_model_len), ("tool_parser", cfg.tool_parser))
                               if v is not None})
             self.profile = profile_for(self.model_path, overrides)
+            context = Checkpoint.read(self.model_path).context
+            if not isinstance(self.profile.max_model_len, int) or not 0 < self.profile.max_model_len <= context:
+                # (vLLM refused it late, naming an environment variable; the reference engine sampled past
+                # the positions the model was trained on)
+                raise ConfigError(f"max_model_len {self.profile.max_model_len!r} must be a positive integer within the "
+                                  f"checkpoint's context, {context} positions (its max_position_embeddings)")
             if cfg.max_tokens is None:  # (the resolved value is the one config.json records)
                 self.cfg = cfg = dataclasses.replace(cfg, max_tokens=default_max_tokens(self.profile))
             # record experts for routing replay where the profile asks, the trainer replays and the
@@ -683,7 +727,12 @@ class Workbench:
         if prev is not None and not prev.done:
             raise RuntimeError("a run is already in progress: wait for it (wb.wait()) or stop it (wb.stop())")
         self._idle("run")
+        known = {f.name for f in dataclasses.fields(LoopConfig)} - {"steps", "initial_sync"}
+        if set(loop_overrides) - known:  # (a TypeError from dataclasses.replace named no way out)
+            raise ConfigError(f"wb.run: {sorted(set(loop_overrides) - known)} are no loop settings a run takes "
+                              f"(`steps` is its first argument); known: {sorted(known)}")
         cfg = dataclasses.replace(self.cfg.loop, steps=self.next_step + steps, initial_sync=False, **loop_overrides)
+        self._say_resumed_loop_changes(cfg)
         check_staleness(self._trainer, cfg)  # here, not in the background thread where it would only be stored
         check_sampling(self._rollout, self._trainer, self.engines)
         teachers = self._teacher_engines(cfg.teacher) if cfg.advantage in PER_TOKEN_ADVANTAGES else None
@@ -700,6 +749,26 @@ class Workbench:
 
     def wait(self, timeout: float | None = None) -> list[dict]:
         return self._run.wait(timeout) if self._run else []
+
+    def _say_resumed_loop_changes(self, cfg: LoopConfig) -> None:
+        """A resumed session's first run: the loop settings that differ from the run's last wb.run()
+        (runs.jsonl), on stderr. That run's overrides (mode="async", advantage="rloo") are in no config
+        file: a plain wb.run() after the resume trained otherwise than the run it continues, unsaid."""
+        if not self.cfg.resume or self._resume_loop_said:
+            return
+        self._resume_loop_said = True
+        try:
+            lines = (self.run_dir / "runs.jsonl").read_text().splitlines()
+            last = json.loads(lines[-1])["loop"] if lines else None
+        except (OSError, ValueError, KeyError, IndexError):
+            return
+        now = _jsonable(dataclasses.asdict(cfg))
+        changed = {k: (last[k], now[k]) for k in now if k in (last or {}) and k not in ("steps", "initial_sync")
+                   and last[k] != now[k]}
+        if changed:
+            print("workbench: this run's loop settings differ from the resumed run's last wb.run(): "
+                  + "; ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, (a, b) in changed.items())
+                  + " (pass them to wb.run() to train as it did)", file=sys.stderr)
 
     def audit(self, path=None, run_dir=None, **thresholds) -> Path:
         """Write the audit page of this session's run (or `run_dir`'s): one offline HTML file
@@ -722,6 +791,7 @@ class Workbench:
         from .trainer.fsdp import Trainer
         from .widgets.audit import Revisit, read_metrics
 
+        self._open("revisit")  # (after shutdown its Ray calls started a new local Ray)
         run = Path(run_dir or self.run_dir)
         logged = next((m for m in read_metrics(run) if m["step"] == step), None)
         if logged is None:
@@ -885,8 +955,13 @@ class Workbench:
 
         from .tracking import make_loggers
 
-        if self.cfg.loggers and not self._loggers:
-            self._loggers = make_loggers(self.cfg.loggers, self.run_dir, _jsonable(dataclasses.asdict(self.cfg)), self.next_step)
+        if self.cfg.loggers and not self._loggers and not self._loggers_tried:
+            self._loggers_tried = True  # (one that cannot start is said once, not at every step)
+            try:
+                self._loggers = make_loggers(self.cfg.loggers, self.run_dir, _jsonable(dataclasses.asdict(self.cfg)), self.next_step)
+            except Exception as e:  # (wandb.init timing out): reported, the run goes on, metrics.jsonl the record
+                print(f"workbench: the loggers {self.cfg.loggers} could not start and are off for this session: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr)
         for logger in list(self._loggers):
             try:
                 logger.log(metrics, int(metrics["step"]))
@@ -1078,6 +1153,8 @@ class Workbench:
         from .cluster import shutdown_ray
         from .rollout.actor import stop_engine
 
+        if self._shut_down:  # (a second call shut Ray down again: another session's, started since)
+            return
         if self._run is not None:
             self._run.stop()
             try:
@@ -1102,6 +1179,8 @@ class Workbench:
             self.placement.remove()
             self.placement = None
         self._shut_down = True  # the handles and widgets say so instead of failing on a None
+        if _LIVE_SESSIONS.get(str(self.run_dir)) is self:
+            del _LIVE_SESSIONS[str(self.run_dir)]
         release_run_dir(self._run_dir_claim)
         if self._owns_ray:
             shutdown_ray()
@@ -1298,22 +1377,17 @@ class RunHandle:
         from .tokens import write_trajectories
 
         wb = self._wb
-        (wb.run_dir / "trajectories").mkdir(parents=True, exist_ok=True)
-        # each wb.run()'s loop settings, its overrides in (advantage="rloo" here was in no record
-        # unless keep_policy_every kept a policy): the steps from first_step on trained under them
-        with open(wb.run_dir / "runs.jsonl", "a") as f:
-            f.write(json.dumps({"first_step": self.first_step, "steps": self.steps,
-                                "checkpoint_every": self.checkpoint_every, "loop": _jsonable(dataclasses.asdict(self.cfg))}) + "\n")
-        metrics_file = open(wb.run_dir / "metrics.jsonl", "a")
+        metrics_file = None
 
         def on_step(m):
             self.history.append(m)
             wb.history.append(m)
+            # the record first: a logger that fails (its package, its service) loses nothing
+            metrics_file.write(json.dumps(_jsonable(m)) + "\n")
+            metrics_file.flush()
             wb._log(m)  # (before next_step moves: loggers made now write from this step on, TensorBoard's purge)
             wb.next_step = m["step"] + 1
             wb.next_position = m.get("data_next", wb.next_position)
-            metrics_file.write(json.dumps(_jsonable(m)) + "\n")
-            metrics_file.flush()
             self.views.on_step(m)  # guarded: a failing view is detached, training goes on
             if getattr(wb._trainer, "nccl_blocked", False):  # rank 0 stuck in a failed broadcast: a save or
                 return  # a kept policy would queue behind it for ever (the step's record is written)
@@ -1321,7 +1395,14 @@ class RunHandle:
                 save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), wb._run_state())
             self._keep_policy(wb.next_step)
 
-        try:
+        try:  # (the set-up too: one that raised, a full disk, left wait() and shutdown() waiting for ever)
+            (wb.run_dir / "trajectories").mkdir(parents=True, exist_ok=True)
+            # each wb.run()'s loop settings, its overrides in (advantage="rloo" here was in no record
+            # unless keep_policy_every kept a policy): the steps from first_step on trained under them
+            with open(wb.run_dir / "runs.jsonl", "a") as f:
+                f.write(json.dumps({"first_step": self.first_step, "steps": self.steps,
+                                    "checkpoint_every": self.checkpoint_every, "loop": _jsonable(dataclasses.asdict(self.cfg))}) + "\n")
+            metrics_file = open(wb.run_dir / "metrics.jsonl", "a")
             self._keep_policy(wb.next_step, replace=False)
             # progress=False: this run's bar is one of self.views (a bar that fails cannot end the run)
             run_loop(wb._rollout, wb._trainer, wb.engines, wb.task_source, self.cfg, on_step=on_step, progress=False,
@@ -1341,15 +1422,21 @@ class RunHandle:
 
             if isinstance(e, TrainerRankDied) or getattr(e, "blocked", False):  # this session's trainer is gone
                 wb._broken = _broken_message(e, wb.run_dir)
-            with open(wb.run_dir / "errors.jsonl", "a") as f:  # the run's record says why it stopped, and where
-                f.write(json.dumps({"time": time.time(), "next_step": wb.next_step, "error": f"{type(e).__name__}: {e}"}) + "\n")
+            try:
+                with open(wb.run_dir / "errors.jsonl", "a") as f:  # the run's record says why it stopped, and where
+                    f.write(json.dumps({"time": time.time(), "next_step": wb.next_step, "error": f"{type(e).__name__}: {e}"}) + "\n")
+            except OSError as write_error:  # (the disk that failed the run): said, not raised over the run's error
+                print(f"workbench: errors.jsonl not written: {write_error}", file=sys.stderr)
             print(f"workbench: the run stopped after {len(self.history)} step(s): {type(e).__name__}: {e} "
                   f"(run.wait() re-raises it)", file=sys.stderr)
         finally:
-            metrics_file.close()
-            self.views.on_end()
-            self.done = True
-            self._ended.set()
+            try:
+                if metrics_file is not None:
+                    metrics_file.close()
+                self.views.on_end()
+            finally:  # whatever the close raised: wait() and shutdown() return
+                self.done = True
+                self._ended.set()
 
     def _keep_policy(self, step: int, replace: bool = True) -> None:
         """Every keep_policy_every-th step's starting weights, as a Hugging Face directory
