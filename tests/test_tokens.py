@@ -299,6 +299,22 @@ def test_two_sub_agents_given_one_brief_each_extend_their_own_segment(fmt):
     assert segment_stats(segs)["identity_mismatch"] == 0
 
 
+def test_rewritten_conversations_are_evicted_before_a_live_one(fmt):
+    """Each rewrite parks the conversation it replaced: three compactions of the main agent's
+    history filled open_conversations and evicted the sub-agent opened beside it, whose next turn
+    re-rendered its whole history into a new segment. The rewritten ones go first."""
+    acc = Accumulator(fmt)
+    sub = [{"role": "system", "content": "You check sums."}, {"role": "user", "content": "Is 12 right?"}]
+    turn(acc, [SYS, USER], reply(fmt, "12"), "12")
+    turn(acc, sub, reply(fmt, "yes"), "yes")
+    for k in range(3):  # the main agent compacts its history, keeping the task
+        turn(acc, [SYS, USER, {"role": "user", "content": f"Summary {k}."}], reply(fmt, str(k)), str(k))
+    plan = acc.plan(sub + [{"role": "assistant", "content": "yes"}, {"role": "user", "content": "And 13?"}])
+    assert not plan.new_segment  # the sub-agent is still open: it extends
+    acc.record(plan, reply(fmt, "no"), {"role": "assistant", "content": "no"})
+    assert [s.seal_reason for s in acc.close()].count("evicted") == 0
+
+
 def test_a_window_that_drops_the_oldest_turns_rewrites_its_conversation(fmt):
     """An agent without a system prompt that keeps only its last turns opens each request with a
     message of its conversation: a rewrite (sealed), not a conversation beside it."""

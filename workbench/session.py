@@ -267,6 +267,8 @@ def _number(value, annotation, where: str):
     if kinds <= {"bool", "None"} and value is not None and not isinstance(value, bool):
         if isinstance(value, str) and value.strip().lower() in BOOL_TEXT:
             return BOOL_TEXT[value.strip().lower()]
+        if type(value).__name__ == "bool_" or (isinstance(value, int) and value in (0, 1)):  # (numpy's; 0 and 1)
+            return bool(value)
         raise ConfigError(f"{where} must be true or false, got {value!r}")
     if "dict" in kinds and value is not None and not isinstance(value, dict):
         raise ConfigError(f"{where} must be a dict, got {type(value).__name__}")
@@ -447,7 +449,8 @@ class RunDirClaim:
     created: bool  # made by the claim: removed on release if still empty (a start that failed)
 
 
-# this process's sessions by run directory, until shut down (a session the notebook dropped goes with it)
+# this process's sessions by run directory, until shut down (one dropped without shutdown() holds its
+# directory until the garbage collector frees it: its actors hold their resources until then too)
 _LIVE_SESSIONS: "weakref.WeakValueDictionary[str, Workbench]" = weakref.WeakValueDictionary()
 
 
@@ -593,12 +596,17 @@ class Workbench:
             overrides.update({k: v for k, v in (("max_model_len", cfg.max_model_len), ("tool_parser", cfg.tool_parser))
                               if v is not None})
             self.profile = profile_for(self.model_path, overrides)
-            context = Checkpoint.read(self.model_path).context
-            if not isinstance(self.profile.max_model_len, int) or not 0 < self.profile.max_model_len <= context:
+            ck = Checkpoint.read(self.model_path)
+            # the trained positions where the config says them (scaled rope: x its factor); a config
+            # without them is left to the engine, as vLLM leaves it
+            context = ck.context * float(((ck.config.get("rope_scaling") or {}).get("factor") or 1.0))
+            known = "max_position_embeddings" in ck.config
+            if not isinstance(self.profile.max_model_len, int) or self.profile.max_model_len < 1 or (
+                    known and self.profile.max_model_len > context):
                 # (vLLM refused it late, naming an environment variable; the reference engine sampled past
                 # the positions the model was trained on)
                 raise ConfigError(f"max_model_len {self.profile.max_model_len!r} must be a positive integer within the "
-                                  f"checkpoint's context, {context} positions (its max_position_embeddings)")
+                                  f"checkpoint's context, {context:g} positions (its max_position_embeddings)")
             if cfg.max_tokens is None:  # (the resolved value is the one config.json records)
                 self.cfg = cfg = dataclasses.replace(cfg, max_tokens=default_max_tokens(self.profile))
             # record experts for routing replay where the profile asks, the trainer replays and the

@@ -738,7 +738,10 @@ class Accumulator:
                     state["_last_request"] = state["_last_reply"] = None  # superseded: no retry's answer
                 self._parked.append(state)
                 if len(self._parked) >= self.open_conversations:
-                    evicted = self._parked.pop(0)["_segment"]
+                    # a rewritten one first, the least recent (repeated compaction, a system prompt with a
+                    # clock, best-of-n re-asks each park one: they evicted a live sub-agent), else the least recent
+                    k = next((i for i, s in enumerate(self._parked) if id(s["_segment"]) in self._rewritten), 0)
+                    evicted = self._parked.pop(k)["_segment"]
                     evicted.seal_reason = self._rewritten.pop(id(evicted), "evicted")
             elif self.open_segment is not None:  # the template's render, the tools, a stop string: this
                 # conversation goes on in the new segment
