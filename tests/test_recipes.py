@@ -9,6 +9,7 @@ its own, and every recipe ends with wb.shutdown() (the kernel's actors end with 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -235,7 +236,7 @@ def test_async_off_policy(execute, tmp_path):
     assert all(len(row["reward_per_step"]) == 2 and row["wall_s_per_step"] > 0 for row in modes.values())
 
 
-def test_notebooks_list_shows_every_notebook_with_parameters_and_time(capsys):
+def test_notebooks_list_shows_every_notebook_with_parameters_and_time(capsys, monkeypatch, tmp_path):
     from workbench.notebooks import main, notebooks
 
     assert main(["--list"]) == 0
@@ -251,6 +252,24 @@ def test_notebooks_list_shows_every_notebook_with_parameters_and_time(capsys):
     with pytest.raises(SystemExit):
         main(["00_quickstart", "-p", "lr", "3e-4"])
     assert "00_quickstart has no parameter(s) ['lr']" in capsys.readouterr().err
+    # a bool parameter given as text: "false" is no Python literal, and stayed the string (a true value)
+    import workbench.notebooks as nb
+
+    got = {}
+
+    def fake_run(name, run_dir, kernel, **params):
+        got.update(params)
+        out = Path(run_dir) / "out.ipynb"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("{}")
+        return out
+
+    monkeypatch.setattr(nb, "run_notebook", fake_run)
+    main(["recipes/distillation", "-p", "exact_kl", "false", "--run-dir", str(tmp_path / "d")])
+    assert got["exact_kl"] is False
+    with pytest.raises(SystemExit):
+        main(["recipes/distillation", "-p", "exact_kl", "nope", "--run-dir", str(tmp_path / "e")])
+    assert "parameter exact_kl is true or false, got 'nope'" in capsys.readouterr().err
 
 
 def test_real_model_grpo(execute, tmp_path):

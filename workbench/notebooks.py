@@ -115,6 +115,17 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(params) - set(known))
         if unknown:  # papermill only warns, and the notebook ran on its defaults
             p.error(f"{a.name} has no parameter(s) {unknown}; its parameters: {sorted(k for k in known if k != 'run_dir')}")
+        for k, v in params.items():  # a bool parameter given as text: "false" (no Python literal) was a true value
+            try:
+                default = ast.literal_eval(str(known[k]))
+            except (ValueError, SyntaxError):
+                continue
+            if isinstance(default, bool) and isinstance(v, str):
+                from .session import BOOL_TEXT
+
+                if v.strip().lower() not in BOOL_TEXT:
+                    p.error(f"{a.name}: parameter {k} is true or false, got {v!r}")
+                params[k] = BOOL_TEXT[v.strip().lower()]
     # a new directory each run (a session refuses one that holds a run: a second run of the same
     # notebook failed at connect(), after its kernel had started)
     if a.run_dir is None:
