@@ -245,6 +245,26 @@ def _verdicts(fam, fixtures, fmt=None) -> Counter:
 # The expected verdicts, per template and conversation shape (turn 2, turn 3). "extends*": the
 # accumulator extends (token identity holds) but a fresh render of the same messages would tokenize
 # differently: the model's own bytes stay in the prompt where the template would write others.
+def test_c_a_reply_cut_inside_its_reasoning_is_closed_as_the_template_closes_it(fams):
+    """Qwen3 cut by max_tokens inside <think>, then a tool result: the closing text started at the
+    template's end of turn, so the context read "<think>\nI am thin<|im_end|>", a block no render or
+    server ever leaves open. The template's text after the sampled text enters whole: "\n</think>\n\n"
+    first. The sampled ids stay the record, and the turn extends."""
+    from workbench.rollout.engine import Sample
+
+    fmt = fams["qwen3"].chat_format()
+    acc = Accumulator(fmt)
+    msgs = [{"role": "user", "content": "What is 6*7? Use the tool."}]
+    plan = acc.plan(msgs)
+    ids = fmt.encode("<think>\nI am thin")
+    acc.record(plan, Sample(plan.prompt_ids, ids, [-0.1] * len(ids), [0] * len(ids), "length"),
+               {"role": "assistant", "content": "", "reasoning_content": "I am thin"})
+    reply = {"role": "assistant", "content": "", "reasoning_content": "I am thin"}
+    nxt = acc.plan(msgs + [reply, {"role": "tool", "content": "42"}])
+    assert not nxt.new_segment and nxt.prompt_ids[: len(plan.prompt_ids) + len(ids)] == plan.prompt_ids + ids
+    assert fmt.decode(nxt.prompt_ids[len(plan.prompt_ids) + len(ids):]).startswith("\n</think>\n\n<|im_end|>\n<|im_start|>user")
+
+
 def test_c_qwen3_thinking_strips_earlier_think_blocks(fams):
     fam = fams["qwen3"]
     thinking = [d for d in rf.fixtures(fam.name, folder="qwen3-hermes", with_expected=True) if d.get("thinking") is True]

@@ -822,8 +822,12 @@ class Accumulator:
             self._closing_text = ""
         elif sampled and sampled[-1] in ends:
             self._closing_text = turn_text[cut + len(eot):]  # e.g. "\n" after <|im_end|>
-        else:  # cut by max_tokens / a stop string: end-of-turn and closing enter as template text
-            self._closing_text = turn_text[cut:]
+        else:  # cut by max_tokens / a stop string: end-of-turn and closing enter as template text, and
+            # what the template writes between the sampled text and it where the render continues the
+            # sampled text (Qwen3 cut inside its reasoning: "\n</think>\n\n"; from the end of turn on, the
+            # context read "<think>...I am thin<|im_end|>", a block no render or server ever closes so)
+            text = self.fmt.decode(sampled) if sampled else None
+            self._closing_text = turn_text[len(text):] if text and turn_text.startswith(text) else turn_text[cut:]
         self._move_window(tools)
 
     def _move_window(self, tools: list | None) -> None:
