@@ -253,16 +253,18 @@ def test_c_a_reply_cut_inside_its_reasoning_is_closed_as_the_template_closes_it(
     from workbench.rollout.engine import Sample
 
     fmt = fams["qwen3"].chat_format()
-    acc = Accumulator(fmt)
-    msgs = [{"role": "user", "content": "What is 6*7? Use the tool."}]
-    plan = acc.plan(msgs)
-    ids = fmt.encode("<think>\nI am thin")
-    acc.record(plan, Sample(plan.prompt_ids, ids, [-0.1] * len(ids), [0] * len(ids), "length"),
-               {"role": "assistant", "content": "", "reasoning_content": "I am thin"})
-    reply = {"role": "assistant", "content": "", "reasoning_content": "I am thin"}
-    nxt = acc.plan(msgs + [reply, {"role": "tool", "content": "42"}])
-    assert not nxt.new_segment and nxt.prompt_ids[: len(plan.prompt_ids) + len(ids)] == plan.prompt_ids + ids
-    assert fmt.decode(nxt.prompt_ids[len(plan.prompt_ids) + len(ids):]).startswith("\n</think>\n\n<|im_end|>\n<|im_start|>user")
+    # (a cut after a paragraph break too: the template strips the reasoning's trailing newlines)
+    for reasoning, closing in (("I am thin", "\n</think>\n\n<|im_end|>\n<|im_start|>user"),
+                               ("I am thin\n\n", "</think>\n\n<|im_end|>\n<|im_start|>user")):
+        acc = Accumulator(fmt)
+        msgs = [{"role": "user", "content": "What is 6*7? Use the tool."}]
+        plan = acc.plan(msgs)
+        ids = fmt.encode("<think>\n" + reasoning)
+        reply = {"role": "assistant", "content": "", "reasoning_content": reasoning}
+        acc.record(plan, Sample(plan.prompt_ids, ids, [-0.1] * len(ids), [0] * len(ids), "length"), reply)
+        nxt = acc.plan(msgs + [reply, {"role": "tool", "content": "42"}])
+        assert not nxt.new_segment and nxt.prompt_ids[: len(plan.prompt_ids) + len(ids)] == plan.prompt_ids + ids
+        assert fmt.decode(nxt.prompt_ids[len(plan.prompt_ids) + len(ids):]).startswith(closing), reasoning
 
 
 def test_c_qwen3_thinking_strips_earlier_think_blocks(fams):

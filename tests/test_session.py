@@ -351,6 +351,15 @@ def test_a_context_past_the_checkpoints_is_refused(ray_local, tmp_path):
     with pytest.raises(ConfigError, match=r"max_model_len 4096 must be a positive integer within the checkpoint's context, 1024"):
         workbench.connect(backend="reference", max_model_len=4096, run_dir=str(tmp_path / "run"))
     assert not (tmp_path / "run" / ".session.lock").exists()
+    from workbench.session import checkpoint_positions
+
+    # as vLLM counts them: a linear or dynamic scaling multiplies; YaRN, llama3 and longrope configs state
+    # the scaled length (multiplied, Llama-3.1's 131072 read as a million); no field: left to the engine
+    llama31 = {"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    yarn = {"max_position_embeddings": 40960, "rope_scaling": {"type": "yarn", "factor": 4.0}}
+    assert checkpoint_positions(llama31) == 131072 and checkpoint_positions(yarn) == 40960
+    assert checkpoint_positions({"max_position_embeddings": 2048, "rope_scaling": {"type": "linear", "factor": 2.0}}) == 4096
+    assert checkpoint_positions({"model_type": "custom"}) is None
 
 
 def test_a_run_whose_set_up_fails_ends_and_a_logger_that_cannot_start_loses_no_step(tmp_path, monkeypatch):

@@ -421,6 +421,18 @@ def _restorable(x) -> bool:
     return isinstance(x, (str, int, float, bool, type(None)))
 
 
+def checkpoint_positions(config: dict) -> float | None:
+    """The positions a checkpoint's config says it was trained on, as vLLM counts them (a linear or
+    dynamic rope scaling: x its factor; YaRN, llama3 and longrope configs state the scaled length);
+    None where the config does not say (left to the engine, as vLLM leaves it)."""
+    config = config.get("text_config", config)
+    if "max_position_embeddings" not in config:
+        return None
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    scaled = (rope.get("rope_type") or rope.get("type")) in ("linear", "dynamic")
+    return int(config["max_position_embeddings"]) * (float(rope.get("factor") or 1.0) if scaled else 1.0)
+
+
 def _short(x) -> str:
     text = json.dumps(x, sort_keys=True, default=repr) if not isinstance(x, str) else repr(x)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -596,13 +608,9 @@ class Workbench:
             overrides.update({k: v for k, v in (("max_model_len", cfg.max_model_len), ("tool_parser", cfg.tool_parser))
                               if v is not None})
             self.profile = profile_for(self.model_path, overrides)
-            ck = Checkpoint.read(self.model_path)
-            # the trained positions where the config says them (scaled rope: x its factor); a config
-            # without them is left to the engine, as vLLM leaves it
-            context = ck.context * float(((ck.config.get("rope_scaling") or {}).get("factor") or 1.0))
-            known = "max_position_embeddings" in ck.config
+            context = checkpoint_positions(Checkpoint.read(self.model_path).config)
             if not isinstance(self.profile.max_model_len, int) or self.profile.max_model_len < 1 or (
-                    known and self.profile.max_model_len > context):
+                    context is not None and self.profile.max_model_len > context):
                 # (vLLM refused it late, naming an environment variable; the reference engine sampled past
                 # the positions the model was trained on)
                 raise ConfigError(f"max_model_len {self.profile.max_model_len!r} must be a positive integer within the "

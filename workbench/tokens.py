@@ -826,8 +826,15 @@ class Accumulator:
             # what the template writes between the sampled text and it where the render continues the
             # sampled text (Qwen3 cut inside its reasoning: "\n</think>\n\n"; from the end of turn on, the
             # context read "<think>...I am thin<|im_end|>", a block no render or server ever closes so)
-            text = self.fmt.decode(sampled) if sampled else None
-            self._closing_text = turn_text[len(text):] if text and turn_text.startswith(text) else turn_text[cut:]
+            text = self.fmt.decode(sampled) if sampled else ""
+            # (a cut after a paragraph break: the template strips the reasoning's trailing newlines, which
+            # the sampled text holds; the rest of the render after them)
+            kept = text.rstrip("\n")
+            if kept and turn_text.startswith(kept):
+                rest = turn_text[len(kept):]
+                self._closing_text = rest[min(len(rest) - len(rest.lstrip("\n")), len(text) - len(kept)):]
+            else:
+                self._closing_text = turn_text[cut:]
         self._move_window(tools)
 
     def _move_window(self, tools: list | None) -> None:
