@@ -58,9 +58,11 @@ def server(request, tokenizer):
 
 def test_text_arrives_while_the_engine_samples(server, tokenizer):
     """Content deltas reach the client before the finished sample reaches the server: the reply
-    is sent as the engine produces it, not replayed once it is done. (Replies of 24 tokens: the
+    is sent as the engine produces it, not replayed once it is done. (Replies of 96 tokens: the
     policy ignores EOS here, so that both protocols get the same length; the actor sends every
-    engine output, as its default 100 ms window would merge most of a short fast reply.)"""
+    engine output, as its default 100 ms window would merge most of a short fast reply. At 24
+    tokens the reply took ~0.1 s, and a client delayed that long on a loaded machine read every
+    delta after it: one clean-clone CI run in six.)"""
     timed = Timed(server.engine.actor, window_s=0.0)
     with LoopbackServer(timed, tokenizer, policy_sampling=SamplingConfig(ignore_eos=True)) as srv:
         arrived, text_at = asyncio.run(_timed_streams(srv))
@@ -75,7 +77,7 @@ async def _timed_streams(server):
     sid = server.open_session()
     oai = openai.AsyncOpenAI(base_url=server.base_url(sid), api_key=server.api_key, max_retries=0)
     arrived = []
-    stream = await oai.chat.completions.create(model="policy", messages=BOOKS, max_tokens=24, stream=True, seed=3)
+    stream = await oai.chat.completions.create(model="policy", messages=BOOKS, max_tokens=96, stream=True, seed=3)
     async for ch in stream:
         if ch.choices and ch.choices[0].delta.content:
             arrived.append(time.monotonic())
@@ -83,7 +85,7 @@ async def _timed_streams(server):
     sid = server.open_session()
     ant = anthropic.AsyncAnthropic(base_url=server.base_url(sid, "anthropic"), api_key=server.api_key, max_retries=0)
     text_at = []
-    async with ant.messages.stream(model="policy", max_tokens=24, messages=BOOKS) as s:
+    async with ant.messages.stream(model="policy", max_tokens=96, messages=BOOKS) as s:
         async for e in s:
             if e.type == "content_block_delta" and e.delta.type == "text_delta" and e.delta.text:
                 text_at.append(time.monotonic())
