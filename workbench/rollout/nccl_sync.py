@@ -145,7 +145,12 @@ def hf_meta(model_path: str) -> TransferMeta:
     """The engine's expectation: its model's checkpoint names and shapes (vLLM's loaders read the
     checkpoint's layout), from its HF model built on the meta device. Once per checkpoint: every
     NCCL sync checks against it (a 30B MoE's meta model and its ~18k expert names, each sync)."""
-    model = _meta_model(model_path)
+    return model_meta(_meta_model(model_path))
+
+
+def model_meta(model: torch.nn.Module) -> TransferMeta:
+    """A (meta-device) HF model's tensors' names and shapes in the checkpoint layout vLLM's loaders
+    read: what a sync must send, checked by check_meta (here and in the engine's worker)."""
     return TransferMeta.from_tensors(checkpoint_tensors(model, model.state_dict().items()))
 
 

@@ -48,11 +48,11 @@ class WorkerExtension:
         from vllm.config import set_current_vllm_config
 
         from ..toy.models import checkpoint_format, meta_hf_model
-        from .nccl_sync import TransferMeta, check_meta, checkpoint_tensors
+        from .nccl_sync import TransferMeta, check_meta, model_meta
 
         if getattr(self, "_hf_model", None) is None:  # built once: the model class's conversion rules
             self._hf_model = meta_hf_model(self.vllm_config.model_config.hf_config)
-            self._expected = TransferMeta.from_tensors(checkpoint_tensors(self._hf_model, self._hf_model.state_dict().items()))
+            self._expected = model_meta(self._hf_model)  # (hf_meta's, from the worker's own config)
         weights = checkpoint_format(self._hf_model, weights)  # (vLLM reads checkpoint names and layouts)
         # refused before any copy (WeightsNotLoaded): vLLM's loader fails on an unknown name after
         # loading the tensors before it (torn weights), and keeps a missing one's old weights
