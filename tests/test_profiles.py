@@ -271,6 +271,21 @@ def test_a_qwen2_reasoning_checkpoint_gets_a_reasoning_parser(tmp_path):
         profile_for(r1, {"family": "qwen2.5", "end_of_turn": "<｜end▁of▁sentence｜>"})
 
 
+def test_an_moe_described_by_the_user_says_its_routing_is_not_replayed(tmp_path):
+    """A checkpoint no family claims, described with profile={...}, read as dense whatever its
+    config's experts: no replay, and connect() said nothing (routing_off_reason None reads "dense,
+    or replay runs"). Its experts make it an MoE with no replay rule, said at connect."""
+    from workbench.rollout.vllm_engine import routing_off_reason, wants_routed_experts
+
+    olmoe = profile_for(checkpoint(tmp_path, "olmoe", num_experts=8), {"end_of_turn": "<|endoftext|>"})
+    assert (olmoe.family, olmoe.moe, olmoe.capture_experts) == ("custom", True, False)
+    for backend, gpus in (("vllm", 1), ("reference", 0)):
+        assert "no routing-replay rule" in routing_off_reason(olmoe, backend, True, gpus)
+        assert not wants_routed_experts(olmoe, backend, True, gpus)
+    dense = profile_for(checkpoint(tmp_path, "qwen2", ["<|im_end|>"]), {"end_of_turn": "<|endoftext|>"})
+    assert not dense.moe and routing_off_reason(dense, "vllm", True, 0) is None
+
+
 @pytest.mark.parametrize("template,parsers", [
     ("yujiepan-deepseek-v3-tiny-random", ("deepseek_v3", None)),  # V3 / V3-0324: ```json calls, no thinking
     ("trl-internal-testing-tiny-DeepseekV3ForCausalLM-0528", ("deepseek_v3", None)),  # R1-0528 (reasoning: by override)

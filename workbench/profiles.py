@@ -347,7 +347,9 @@ def profile_for(model_path: str | Path, overrides: dict | str | None = None) -> 
         # described by the caller (a checkpoint no family claims: R1-Distill-Qwen's turns on qwen2, a new
         # architecture). Not under a named family that refused it: its name without its fields (Mistral's
         # parser, call ids, Tekken) read as that family's profile with one change
-        base = ModelProfile("custom", max_model_len=min(ck.context, 32768), dtype="bfloat16")
+        # (an MoE's experts from its config: with no replay rule known, connect() says its routing is not
+        # replayed; read as dense, it trained on the trainer's own routing unsaid)
+        base = ModelProfile("custom", max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=_moe(ck))
     if base is None:
         said = f"family {family!r} does not describe" if family else "no model family claims"
         raise ProfileError(f"{said} {str(model_path)!r} (model_type {ck.model_type!r}); describe it yourself with "
