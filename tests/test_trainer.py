@@ -58,6 +58,32 @@ def test_fsdp_logprobs_equal_the_sampler_with_replay(trainer, samples):
     assert torch.max(torch.abs(lp[m] - b["behaviour_logprobs"][m])) <= 1e-5
 
 
+def test_a_replay_rule_registered_in_the_driver_is_the_ranks_rule(ray_local, moe_path, samples):
+    """register_replay_rule in a notebook reached only the driver's process: the trainer's checks
+    passed there and each rank (a process importing workbench.replay afresh) had no such rule, so
+    the first replayed step raised after a whole rollout. The ranks get the driver's rules. Shown
+    with a rule registered over the toy's router whose gate weights are uniform: the ranks'
+    log-probs then leave the sampler's (with their own rule they equal it, the test above)."""
+    from workbench import replay
+
+    own = replay.REPLAY_RULES["Qwen3MoeTopKRouter"]
+
+    @replay.register_replay_rule("Qwen3MoeTopKRouter")
+    def uniform(router, logits, ids):
+        return torch.full(ids.shape, 1.0 / ids.shape[-1], dtype=logits.dtype)
+
+    try:
+        t = Trainer(str(moe_path), world_size=1, cfg=TrainerConfig(micro_batch_size=8))
+        try:
+            b = batch_of(samples)
+            m = b["loss_mask"].bool()
+            assert torch.max(torch.abs(t.logprobs(b)[m] - b["behaviour_logprobs"][m])) > 1e-3
+        finally:
+            t.shutdown()
+    finally:
+        replay.register_replay_rule("Qwen3MoeTopKRouter")(own)
+
+
 def test_without_replay_routing_disagrees_and_the_statistics_show_it(trainer, moe_path):
     """Forward consistency's broken-mechanism test. A bf16 sampler (as vLLM serves on GPU) picks
     different experts than the fp32 trainer at ~1% of positions. Replay follows the sampler's

@@ -774,6 +774,12 @@ class TrainerWorker:
 
         return sorted({type(r).__name__ for r in moe_routers(self.model)})
 
+    def add_replay_rules(self, rules: dict) -> None:
+        """The driver's replay rules, in this rank's process (see Trainer.__init__)."""
+        from ..replay import REPLAY_RULES
+
+        REPLAY_RULES.update(rules)
+
     # GPU weight sync by NCCL broadcast (rollout/nccl_sync.py); rank 0 joins the engines' group
     def nccl_endpoint(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()
@@ -978,6 +984,10 @@ class Trainer:
         try:
             self.rendezvous = tuple(ray.get(self.workers[0].rendezvous.remote()))
             _get_all([w.setup.remote(*self.rendezvous) for w in self.workers])
+            if self.cfg.routing_replay:  # the rules as the driver holds them: a rank imports workbench.replay
+                # afresh, so a rule registered in a notebook passed the checks here and the rank's first
+                # replayed step raised NotImplementedError, after a whole rollout
+                _get_all([w.add_replay_rules.remote(dict(REPLAY_RULES)) for w in self.workers])
             if profile is not None and profile.capture_experts and self.cfg.routing_replay:
                 # the model's own routers, not the profile's name for their rule: replay looks a rule up by
                 # the router's class, and a profile naming another (an override) failed the first step
