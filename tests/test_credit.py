@@ -279,3 +279,22 @@ def test_groups_sampled_at_another_temperature_than_the_trainers_are_refused():
         batch_from_groups(groups, "grpo", temperature=1.0)
     batch_from_groups(groups, "grpo", temperature=0.7)
     batch_from_groups([[episode(1.0), episode(0.0)]], "grpo", temperature=1.0)  # no stamp (older records): not checked
+
+
+def test_a_reply_of_spaces_is_parsed_in_linear_time():
+    """The answer and verdict parsers read the policy's (and the judge's) text with the GIL held.
+    Two \\s* around an optional character tried every split of a run of spaces before a failed match:
+    "\\boxed{" and 255 of Qwen3's 128-space tokens took 11 s, the runner, its loopback server and
+    every episode's timeout frozen (a 1024-token reply: minutes). 100k characters each, in a process
+    given 60 s (quadratic, they took minutes)."""
+    import subprocess
+    import sys
+
+    code = ("from workbench.examples.tools import answer_text\n"
+            "from workbench.examples.judge_agent import parse_score\n"
+            "n = 100_000\n"
+            "assert answer_text('\\\\boxed{' + ' ' * n) is None and answer_text('The answer is 12 =' + ' ' * n + 'x') is None\n"
+            "assert answer_text('Answer:\\r' + '\\x0b' * n + 'x') is None\n"
+            "assert parse_score('score' + ' ' * n + 'x') is None and parse_score('7' + ' ' * n + 'x') is None\n"
+            "assert parse_score('<t>' + ' ' * n + 'x', tag='t') is None and parse_score('t score: 7' + ' ' * n, tag='t') == 0.7\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -111,6 +111,22 @@ def test_judge_engine_serves_side_calls_that_never_enter_a_trajectory(reference_
         assert t.info["correct"] == (t.info["answer"].strip() == str(labels[t.episode_id]))
 
 
+def test_an_answer_too_long_to_judge_scores_0(reference_engines, moe_path):
+    """An answer that leaves the judge's context no room beside the rubric: the side route's 400
+    (context_length_exceeded) failed the episode, which on_failed="drop" took out of the batch:
+    rambling to the length cap escaped the 0 it earns. It scores 0 now, the reason in its info."""
+    policy, judge = reference_engines
+    rollout = Rollout(str(JUDGE_AGENT), [policy], str(moe_path), side_engine=judge, max_model_len=160,
+                      sampling=SamplingConfig(max_tokens=48, ignore_eos=True))
+    try:
+        tasks = load_agent(JUDGE_AGENT).tasks(1, seed=5)
+        [group] = rollout.run_groups(tasks, group_size=2, progress=False)
+    finally:
+        rollout.shutdown()
+    assert all(t.error is None for t in group), [t.error for t in group]
+    assert [(t.reward, t.info["judge_error"], t.info["judge_parsed"]) for t in group] == [(0.0, "context_length_exceeded", False)] * 2
+
+
 def test_an_unknown_judge_is_refused_before_anything_starts():
     from workbench.session import ConfigError, WorkbenchConfig
 

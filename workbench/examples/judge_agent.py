@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 import secrets
 
+import openai
+
 from workbench.agents import ChatAgent
 from workbench.examples.arithmetic_env import reward as env_reward
 from workbench.examples.arithmetic_env import tasks  # noqa: F401  (same prompts as the toy Env)
@@ -38,7 +40,9 @@ RUBRIC = ("You grade answers to arithmetic questions.\n"
 # anywhere was taken before: a judge restating the question ("3+9 =") paid the first operand, and
 # a wrong answer earned more than a right one (SmolLM2-135M judging, 16 tasks)
 # ("**7**", "Grade: 7", "7 out of 10" too)
-VERDICT = re.compile(r"\s*(?:(?:score|grade)\s*[:=]?\s*)?(\d{1,2}(?:\.\d+)?)\s*(?:(?:/|out of)\s*(\d{1,2}))?\s*\.?\s*",
+# (each run of spaces read by one \s* only: two around an optional character backtracked through
+# every split, time the square of the run's length: tools._EXPRESSION says more)
+VERDICT = re.compile(r"\s*(?:(?:score|grade)\s*(?:[:=]\s*)?)?(\d{1,2}(?:\.\d+)?)\s*(?:(?:/|out of)\s*(\d{1,2})\s*)?(?:\.\s*)?",
                      re.IGNORECASE)
 # chat templates' control-token spellings (Qwen/Llama/gpt-oss "<|...|>", DeepSeek "<｜...｜>",
 # Mistral's "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]"): the side route renders the judge's prompt
@@ -61,7 +65,7 @@ def parse_score(text: str, scale: int = SCALE, tag: str | None = None) -> float 
     text = (text or "").replace("**", "").replace("`", "")
     if tag is not None:
         # (the word as the prompt shows it, or quoted: "<answer-1a2b> score: 7", "'answer-1a2b', score: 7")
-        head = re.match(rf"\s*[<\"']?\s*{re.escape(tag)}\s*[>\"']?\s*,?\s*(?:score\s*)?[:=]", text, re.IGNORECASE)
+        head = re.match(rf"\s*(?:[<\"']\s*)?{re.escape(tag)}\s*(?:[>\"']\s*)?(?:,\s*)?(?:score\s*)?[:=]", text, re.IGNORECASE)
         if head is None:
             return None
         text = text[head.end():]
@@ -83,9 +87,17 @@ class JudgedAgent(ChatAgent):
         r = await policy.chat.completions.create(model=ctx.model, messages=ctx.messages)  # the policy's max_tokens
         answer = r.choices[0].message.content or ""
         question = ctx.messages[-1]["content"]
-        verdict = await judge.chat.completions.create(
-            model="judge", max_tokens=self.judge_max_tokens, temperature=0,  # greedy: the same answer, the same score
-            messages=[{"role": "user", "content": RUBRIC.format(question=question, answer=neutralized(answer), tag=TAG)}])
+        try:
+            verdict = await judge.chat.completions.create(
+                model="judge", max_tokens=self.judge_max_tokens, temperature=0,  # greedy: the same answer, the same score
+                messages=[{"role": "user", "content": RUBRIC.format(question=question, answer=neutralized(answer), tag=TAG)}])
+        except openai.BadRequestError as e:
+            if e.code != "context_length_exceeded":
+                raise
+            # an answer the judge's context cannot hold beside the rubric scores 0: failed, the episode was
+            # dropped (on_failed), and rambling to the length cap escaped the 0 it earns
+            return 0.0, {"answer": answer, "verdict": "", "judge_parsed": False, "judge_error": e.code,
+                         "judge_tokens": 0, "correct": env_reward(answer, ctx.label)[1]}
         said = verdict.choices[0].message.content or ""
         # a verdict cut by judge_max_tokens is none (a "10" cut to "1" would pay 0.1)
         score = parse_score(said, tag=TAG) if verdict.choices[0].finish_reason == "stop" else None

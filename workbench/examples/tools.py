@@ -52,8 +52,11 @@ _MARKED = re.compile(rf"\\boxed\{{((?:[^{{}}]|\{{[^{{}}]*\}})*)\}}|####[ \t]*([^
                      rf"|\banswer\b[ \t]*(?:is\b|:|=)[ \t]*([^\n]*?){_NEXT}", re.I)
 # an unevaluated expression ("37 * 45", "9 x 2", LaTeX's "12 \times 3", "5 \cdot 7", a power "6\u00b2"): a side
 # of an equation that is no result
-_EXPRESSION = re.compile(r"\s*[$(\[]?\s*-?\d[\d,.]*\s*(?:(?:\*\*|[-+*/\u00d7\u00f7^\u00b7\u22c5]|\\times|\\cdot|\\div|x(?=\s*\d))"
-                         r"\s*[(\[{]?\s*-?\d|[\u00b2\u00b3\u00b9\u2070\u2074-\u2079])")
+# (no two \s* around an optional character: "\s*[(]?\s*" before text that fails to match tried every
+# split of a run of spaces, time the square of its length with the GIL held: a reply of "\boxed{"
+# and 255 of Qwen3's 128-space tokens froze the runner, its server and every episode's timeout 11 s)
+_EXPRESSION = re.compile(r"\s*(?:[$(\[]\s*)?-?\d[\d,.]*\s*(?:(?:\*\*|[-+*/\u00d7\u00f7^\u00b7\u22c5]|\\times|\\cdot|\\div|x(?=\s*\d))"
+                         r"\s*(?:[(\[{]\s*)?-?\d|[\u00b2\u00b3\u00b9\u2070\u2074-\u2079])")
 # dashes a model writes as a minus (en dash, figure dash, hyphens, full-width and small hyphen-minus):
 # "The answer is \u201348" read 48, paying a wrong sign (em dash: punctuation, left alone)
 _MINUS = str.maketrans({c: "-" for c in "\u2212\u2010\u2011\u2012\u2013\ufe63\uff0d"})
