@@ -126,6 +126,13 @@ def test_revisit_recomputes_the_logged_step(short_run):
     rv.recomputed = {**saved, "grad_norm": math.nan}
     assert rv.differences() == {}
     rv.logged, rv.recomputed = logged, saved
+    # several updates a step: the later ones moved with the run's optimizer state, the revisit's is
+    # fresh (every step's loss and gradient norm differed, however rightly it trained): not compared
+    rv.logged = {**logged, "updates": 2, "loss": logged["loss"] + 1.0, "grad_norm": 7.0, "gate_pass_ratio": -1.0}
+    assert set(rv.differences()) == {"gate_pass_ratio"} and "not comparable" in rv._repr_html_()
+    rv.logged = {**logged, "loss": logged["loss"] + 1.0}
+    assert set(rv.differences()) == {"loss"} and "not comparable" not in rv._repr_html_()
+    rv.logged = logged
     counts = rv.recomputed["is_weight_hist"]["counts"]
     assert sum(counts) > 0 and counts == logged["is_weight_hist"]["counts"]
     # a zero loss is right only when no group had an advantage (the engine's batching, hence the

@@ -801,7 +801,8 @@ class Workbench:
         ranks (default: the run's; its update is discarded): trainer log-probs, IS weights, gate
         decisions, per-token report and statistics. The KL reference (kl_coef > 0) is the run's
         ref_model_path or this session's model. Returns a widgets.audit.Revisit, which shows the
-        logged and recomputed statistics side by side; .differences() lists those that differ."""
+        logged and recomputed statistics side by side; .differences() lists those that differ
+        (with updates_per_step > 1 not those the optimizer's state moves: the kept policy has none)."""
         from .loop import step_statistics
         from .tokens import read_trajectories
         from .trainer.fsdp import Trainer
