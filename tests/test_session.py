@@ -401,6 +401,35 @@ def test_a_run_whose_set_up_fails_ends_and_a_logger_that_cannot_start_loses_no_s
     done.shutdown()  # returns: nothing of it is left to stop
 
 
+def test_a_step_whose_record_cannot_be_written_is_not_trained_again(tmp_path, monkeypatch):
+    """A step trained and synced whose metrics line could not be written (a full disk) left
+    next_step on it: the next wb.run() trained it again, on weights that held its update, on the
+    same tasks. And the metrics file's close, failing again, skipped the views' end and escaped the
+    run's thread. (metrics.jsonl is /dev/full here; the loop is a stand-in that records one step.)"""
+    import workbench.session as session
+    from workbench.loop import LoopConfig
+    from workbench.session import RunHandle, Workbench
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").symlink_to("/dev/full")
+    wb = object.__new__(Workbench)
+    wb.run_dir, wb.next_step, wb.next_position, wb.history, wb._run, wb._shut_down, wb._broken = run, 4, 64, [], None, False, None
+    wb._rollout = wb.task_source = wb._teacher = None
+    wb._trainer, wb.engines, wb.eval_tasks = __import__("types").SimpleNamespace(version=5), [], None
+
+    def one_step(*a, on_step, **k):
+        on_step({"step": 4, "data_next": 80, "loss": 0.1})
+
+    monkeypatch.setattr(session, "run_loop", one_step)
+    handle = RunHandle(wb, LoopConfig(steps=8), [], False, 0, 4)
+    ended = []
+    monkeypatch.setattr(handle.views, "on_end", lambda: ended.append(True))
+    handle.run()  # (in this thread: what escaped it shows)
+    assert handle.done and ended == [True] and isinstance(handle.error, OSError)
+    assert (wb.next_step, wb.next_position) == (5, 80)
+
+
 def test_export_is_written_beside_and_swapped_in_never_over_the_run_or_the_source(short_run, tmp_path):
     """wb.export() wrote in place: a re-export kept an earlier export's files (an index naming
     shards the new one does not have: vLLM refused the directory), a kill mid-write left

@@ -1400,8 +1400,13 @@ class RunHandle:
             self.history.append(m)
             wb.history.append(m)
             # the record first: a logger that fails (its package, its service) loses nothing
-            metrics_file.write(json.dumps(_jsonable(m)) + "\n")
-            metrics_file.flush()
+            try:
+                metrics_file.write(json.dumps(_jsonable(m)) + "\n")
+                metrics_file.flush()
+            except BaseException:  # (a full disk): the step trained and synced all the same, so the next
+                # wb.run() starts after it (it trained the step again, on weights that held its update)
+                wb.next_step, wb.next_position = m["step"] + 1, m.get("data_next", wb.next_position)
+                raise
             wb._log(m)  # (before next_step moves: loggers made now write from this step on, TensorBoard's purge)
             wb.next_step = m["step"] + 1
             wb.next_position = m.get("data_next", wb.next_position)
@@ -1449,7 +1454,11 @@ class RunHandle:
         finally:
             try:
                 if metrics_file is not None:
-                    metrics_file.close()
+                    try:  # (its buffer's flush fails again on a full disk: said, the views still end)
+                        metrics_file.close()
+                    except OSError as e:
+                        print(f"workbench: metrics.jsonl not closed: {e}", file=__import__("sys").stderr)
+                        self.error = self.error or e
                 self.views.on_end()
             finally:  # whatever the close raised: wait() and shutdown() return
                 self.done = True
