@@ -469,6 +469,29 @@ def test_b_parallel_calls_the_template_cannot_render_back_are_text():
             assert r.choices[0].message.content == "Done.", name
 
 
+CALL = '<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>'
+QWEN3_DRAFTED_CALLS = ("<think>\nThe call should be:\n" + CALL + "\nYes.\n</think>\n\n" + CALL,
+                       "<think>\nI could " + CALL + " but no.\n</think>\n\nHello!",
+                       "<think>\nMaybe <tool_call> is needed? No.</think>\n\nHi")
+
+
+def test_a_call_qwen3_only_drafted_in_its_thinking_is_not_made():
+    """vLLM's qwen3 parser ends the reasoning at a <tool_call> even inside a <think> the reply
+    closes later: the drafted call was handed to the agent and run (twice where the reply then
+    made it), and the rest of the thinking reached the agent as its answer. The reasoning ends at
+    the reply's </think>; a reply with no </think> keeps the implicit end (the test below)."""
+    fam = rm.load_family("qwen3")
+    server = LoopbackServer(Replay(), fam.tokenizer, profile=fam.profile(), max_model_len=1 << 20)
+    parse = lambda text: server.reply_parser.parse(text, fam.tokenizer.encode(text, add_special_tokens=False),
+                                                   parse_tools=True, tools=None, opened=False)
+    drafted_then_made, drafted_only, tag_only = (parse(t) for t in QWEN3_DRAFTED_CALLS)
+    assert len(drafted_then_made.calls) == 1 and drafted_then_made.content == "" and "Yes." in drafted_then_made.reasoning
+    assert (drafted_only.calls, drafted_only.content.strip()) == ([], "Hello!") and "but no." in drafted_only.reasoning
+    assert (tag_only.calls, tag_only.content.strip(), tag_only.reasoning) == ([], "Hi", "\nMaybe <tool_call> is needed? No.")
+    unclosed = parse("<think>\nI need calc.\n" + CALL)  # (the implicit end vLLM's parser is there for)
+    assert (unclosed.reasoning, len(unclosed.calls)) == ("\nI need calc.\n", 1)
+
+
 def test_b_qwen3_streams_only_what_the_finished_reply_holds():
     """vLLM's qwen3 reasoning parser ends the reasoning at a tool call's marker without </think>,
     and drops a second <think> / an extra </think>; the stream read "<think> to </think>" and
@@ -488,7 +511,7 @@ def test_b_qwen3_streams_only_what_the_finished_reply_holds():
         for text in ('<think>\nI need calc.\n<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>',
                      "<think>\nx\n</think>Close it with </think> then stop.", "<think>\nThe tag <think> opens it.</think>\n\nok",
                      "<think><tool_call>", "<think>\nplain\n</think>\n\nanswer", "I need calc.\n<tool_call>\n"
-                     '{"name": "calc", "arguments": {"x": 1}}\n</tool_call>'):
+                     '{"name": "calc", "arguments": {"x": 1}}\n</tool_call>', *QWEN3_DRAFTED_CALLS):
             for with_tools in (True, False):
                 ids = tok.encode(text, add_special_tokens=False) + end
                 req = ChatRequest(messages=[{"role": "user", "content": "hi"}], tools=tools if with_tools else None,

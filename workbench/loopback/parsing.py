@@ -215,6 +215,7 @@ class ReplyParser:
                                                 or markers[1] in text):
             rp = self._reasoning_cls(self.tokenizer, chat_template_kwargs=dict(self.template_kwargs))
             reasoning, rest = rp.extract_reasoning(text, _request(tools))
+            reasoning, rest = _closed_where_written(text, reasoning, rest, markers)
             text = rest or ""
         content, calls = self._ours(text) if parse_tools else (text, [])
         if not all(self._sendable(c["arguments"]) for c in calls):
@@ -247,3 +248,21 @@ class ReplyParser:
         except (RequestError, ValueError, TypeError):
             self.failures += 1
             return False
+
+
+def _closed_where_written(text: str, reasoning: str | None, rest: str | None, markers) -> tuple:
+    """(reasoning, rest) with the reasoning ending at the reply's first end marker where the parser
+    ended it sooner. vLLM's qwen3 parser takes a <tool_call> as an implicit end of the reasoning
+    (a reply that calls without closing its <think>), even inside a block the reply closes later:
+    a call Qwen3 only drafted in its thinking was handed to the agent and run (once more where the
+    reply then made it), the rest of the reasoning sent as the answer. A reply with no end marker
+    keeps the parser's implicit end."""
+    end = text.find(markers[1]) if markers is not None and reasoning is not None else -1
+    if end < 0:
+        return reasoning, rest
+    head = text[:end]
+    opened = head.find(markers[0])
+    head = head[opened + len(markers[0]):] if opened >= 0 else head
+    if len(reasoning) < len(head) and head.startswith(reasoning):  # (cut sooner: the same text's prefix)
+        return head, text[end + len(markers[1]):]
+    return reasoning, rest
