@@ -475,6 +475,27 @@ QWEN3_DRAFTED_CALLS = ("<think>\nThe call should be:\n" + CALL + "\nYes.\n</thin
                        "<think>\nMaybe <tool_call> is needed? No.</think>\n\nHi")
 
 
+def test_a_template_that_renders_no_tools_is_counted_and_said(caplog):
+    """DeepSeek V3.1's template renders no tools=: every tool episode was sampled and trained on a
+    prompt without the tools' schemas while its calls still parsed, the run looking healthy.
+    The server's summary counts those renders and the log says it once; Qwen3's template, which
+    renders them, counts none."""
+    import logging
+
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "compute 1+1"}]
+    for name, unrendered in (("deepseek-v3.1", 2), ("qwen3", 0)):
+        fam = rm.load_family(name)
+        server = LoopbackServer(Replay(), fam.tokenizer, profile=fam.profile(), max_model_len=1 << 20)
+        with caplog.at_level(logging.WARNING, logger="workbench.tokens"):
+            caplog.clear()
+            server.fmt.prompt(msgs, tools)
+            server.fmt.prompt(msgs + [{"role": "assistant", "content": "2"}, {"role": "user", "content": "and 2+2?"}], tools)
+            server.fmt.prompt(msgs, None)
+        assert server.summary()["tools_unrendered"] == unrendered, name
+        assert len([r for r in caplog.records if "does not render tools=" in r.getMessage()]) == (1 if unrendered else 0), name
+
+
 def test_a_call_qwen3_only_drafted_in_its_thinking_is_not_made():
     """vLLM's qwen3 parser ends the reasoning at a <tool_call> even inside a <think> the reply
     closes later: the drafted call was handed to the agent and run (twice where the reply then

@@ -358,6 +358,11 @@ class ChatFormat:
         self.message_form = dict(message_form or {})
         self._backend = tokenizer.backend_tokenizer
         self._piece_bytes = None  # token_bytes' per-id function, made on first use
+        # requests whose tools the template leaves out of the prompt (DeepSeek V3.1's and SmolLM2's
+        # templates render no tools=): the policy sampled its calls without their schemas, every
+        # episode looking healthy. Counted per prompt render (the server's summary) and said once
+        self.tools_unrendered = 0
+        self._tools_rendered: dict[str, bool] = {}  # per tools list (its JSON): does the template show them?
 
     @classmethod
     def for_profile(cls, tokenizer, profile) -> "ChatFormat":
@@ -381,6 +386,8 @@ class ChatFormat:
             messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
             strftime_now=_template_strftime, **self.template_kwargs,
         )
+        if tools and refuse_dropped and not self._renders_tools(tools):
+            self.tools_unrendered += 1
         for i, m in enumerate(messages if refuse_dropped else ()):  # (a display re-rendering a record may not)
             # a template may render only a leading system message and skip any later one (gpt-oss's:
             # a developer message after the system prompt, a mid-conversation reminder): the policy
@@ -401,6 +408,22 @@ class ChatFormat:
                 raise jinja2.TemplateError(f"this chat template does not render a message of role {role!r} (message {i}: "
                                            f"{content.strip()[:60]!r}); send it as a 'tool' or 'user' message")
         return text
+
+    def _renders_tools(self, tools: list) -> bool:
+        """Whether the template puts `tools` in a prompt at all (a one-message render with and without
+        them, once per tools list)."""
+        key = json.dumps(tools, sort_keys=True, default=str)
+        if key not in self._tools_rendered:
+            probe = [{"role": "user", "content": "."}]
+            self._tools_rendered[key] = shown = self.render(probe, tools, True, False) != self.render(probe, None, True, False)
+            if not shown:
+                import logging
+
+                logging.getLogger(__name__).warning(
+                    "this chat template does not render tools= (%s): the policy is prompted without the tools' "
+                    "schemas; describe them in the system message, or give a chat template that renders them "
+                    "(the server's summary counts these requests: tools_unrendered)", [t.get("function", t).get("name") for t in tools])
+        return self._tools_rendered[key]
 
     def prompt(self, messages: list[dict], tools: list | None) -> tuple[str, list[int]]:
         """A new segment's prompt: the whole conversation rendered with the generation prompt,

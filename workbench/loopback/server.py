@@ -935,6 +935,8 @@ class LoopbackServer:
             # replies a tool/reasoning parser raised on, handed to the agent as plain content (a
             # tool call in them never reached it): counted, where only the log said so
             "parser_failures": self.reply_parser.failures,
+            # requests whose tools the chat template left out of the prompt (ChatFormat._renders_tools)
+            "tools_unrendered": getattr(self.fmt, "tools_unrendered", 0),
             "overhead_p50_s": pct(0.5), "overhead_p99_s": pct(0.99),
             "open_sessions": len(open_accs),  # episodes in flight (a leaked one stays counted)
             "undelivered": self.stats.undelivered,  # replies whose client had gone: not recorded
