@@ -549,8 +549,13 @@ class TrainerWorker:
     @staticmethod
     def _counted(mb):
         """Positions replay statistics count: real tokens of real rows (Trainer._split's padding
-        rows are attended, to avoid NaN, but are neither replays nor fallbacks)."""
-        return mb["attention_mask"] * mb["loss_mask"].any(-1, keepdim=True)
+        rows are attended, to avoid NaN, but are neither replays nor fallbacks), but a row's last:
+        its logits predict no token, and the engine never fed it (its record is -1): counted, it
+        made replay_fallback at least rows x layers at every step, however complete the capture."""
+        counted = (mb["attention_mask"] * mb["loss_mask"].any(-1, keepdim=True)).clone()
+        last = counted.shape[-1] - 1 - counted.flip(-1).argmax(-1)  # (a row of none: its last column, 0 already)
+        counted[torch.arange(counted.shape[0], device=counted.device), last] = 0
+        return counted
 
     def logprobs(self, batch: dict, replay: bool | None = None) -> tuple[torch.Tensor, dict]:
         """Log-probs of this rank's rows (no grad), on CPU, and the replay statistics (summed
