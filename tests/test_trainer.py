@@ -4,6 +4,7 @@ gathering weights, and syncing them into a rollout engine."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import numpy as np
 import ray
@@ -82,6 +83,22 @@ def test_a_replay_rule_registered_in_the_driver_is_the_ranks_rule(ray_local, moe
             t.shutdown()
     finally:
         replay.register_replay_rule("Qwen3MoeTopKRouter")(own)
+
+
+def test_a_kl_reference_that_routes_otherwise_routes_live(ray_local, moe_path, dense_path, samples):
+    """kl_coef with a dense ref_model_path (a documented choice: any frozen reference) handed the
+    policy's recorded experts to the reference's forward, which raised at every step (it has no
+    router). The reference replays only where it routes as the policy does: its own frozen copy."""
+    b = batch_of(samples)
+    for ref, replays in ((dense_path, False), (None, True)):
+        t = Trainer(str(moe_path), world_size=1, cfg=TrainerConfig(micro_batch_size=8, kl_coef=0.1,
+                                                                  ref_model_path=str(ref) if ref else None))
+        try:
+            assert ray.get(t.workers[0].__ray_call__.remote(lambda w: w.ref_replays)) == replays
+            stats = t.train_step(b)
+            assert stats["kl_ref"] is not None and math.isfinite(stats["kl_ref"]), ref
+        finally:
+            t.shutdown()
 
 
 def test_without_replay_routing_disagrees_and_the_statistics_show_it(trainer, moe_path):

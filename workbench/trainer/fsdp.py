@@ -179,6 +179,16 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.kl_coef must be >= 0, got {self.kl_coef}")
 
 
+def _routing_layout(model) -> list:
+    """Per MoE router, its class, decoder layer and weight's shape (an FSDP DTensor's global one):
+    two models with the same layout can replay one record."""
+    from ..replay import moe_routers, router_layers
+
+    routers = moe_routers(model)
+    return list(zip([type(r).__name__ for r in routers], router_layers(model) if routers else [],
+                    [tuple(getattr(r, "weight", torch.empty(0)).shape) for r in routers]))
+
+
 @contextlib.contextmanager
 def replayed_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None, apply_replay: bool = True,
                       positions=None, chunk_mb: float | None = 256.0, packed: bool = False, host_mask=None):
@@ -417,6 +427,10 @@ class TrainerWorker:
             self.ref_model = self._sharded_model(cfg.ref_model_path or model_path, shard_kwargs, False,
                                                  cfg.ref_dtype or cfg.mixed_precision or cfg.dtype)
             self.ref_model.requires_grad_(False)
+        # the reference replays the sampled experts only where it routes as the policy does (its own
+        # frozen copy); a dense reference or another MoE routes live (given the policy's experts it
+        # raised at every step: no router, or another layer count)
+        self.ref_replays = self.ref_model is not None and _routing_layout(self.ref_model) == _routing_layout(self.model)
         self.packing = None  # the packing check's result (pack_sequences=True)
         self.pack = cfg.pack_sequences  # what this rank's forwards do (off where the model mixes packed sequences)
         if cfg.pack_sequences:
@@ -754,7 +768,7 @@ class TrainerWorker:
         self.ref_model.eval()
         with torch.no_grad():
             ref, _ = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
-                                    mb.get("routed_experts"), apply_replay=self.cfg.routing_replay,
+                                    mb.get("routed_experts") if self.ref_replays else None, apply_replay=self.cfg.routing_replay,
                                     chunk_mb=self.cfg.logprob_chunk_mb, packed=self.pack,
                                     host_mask=mb["attention_mask_host"])
         self._reshard(self.ref_model)
