@@ -109,7 +109,16 @@ def test_seeded_shuffle_per_epoch_and_positions():
     for p, k in ((0, 5), (n - 2, 5), (2 * n + 3, 4)):
         assert [t.id for t in ds.take(p, k)] == ids[p:p + k]
     assert ds.epoch(n - 1) == 0 and ds.epoch(n) == 1
-    assert [t.id for t in ds(4, 3)] == ids[12:16]  # the plain source(n, step) contract: position step * n
+    assert [t.id for t in ds(4, 3)] == ids[3:7]  # the plain source(n, seed) contract: the seed is the position
+    # wrapped in a plain source (a lambda, a mix, a filter), the loop's draws of an epoch serve each task
+    # once: positions n times too far apart (seed read as a step) drew 84 of 128 tasks, one 4 times
+    from workbench.loop import draw_tasks
+
+    wrapped, drawn, position = (lambda k, seed: ds(k, seed)), [], 0
+    for _ in range(n // 4):
+        got, position = draw_tasks(wrapped, 4, position, 4)
+        drawn += [t.id for _, t in got]
+    assert drawn == ids[:n]
     plain = TaskDataset(ds.tasks, shuffle=False)
     assert [t.id for t in plain.take(n - 1, 2)] == [ds.tasks[-1].id, ds.tasks[0].id]
 

@@ -289,7 +289,10 @@ class TaskDataset:
     advances it by every task it draws (dynamic sampling's replacements too), records it per
     step (`data_position`, `data_next` in metrics.jsonl) and in the checkpoint's run_state
     (`data_position`): a resumed run draws exactly the tasks the first would have drawn next.
-    Called as `source(n, step)` (the plain task-source contract) it serves position step * n."""
+    Called as `source(n, seed)` (the plain task-source contract, whose seed the loop gives as the
+    data position: loop.draw_tasks) it serves the n tasks from position `seed`: as a step number
+    (position seed * n), a source wrapping it (a mix, a filter, a lambda) drew positions n times
+    too far apart, each epoch sampled with replacement, some tasks never drawn."""
 
     def __init__(self, tasks: Iterable[dict | Task], seed: int = 0, shuffle: bool = True):
         self.tasks = tasks_from_list(tasks)
@@ -328,5 +331,5 @@ class TaskDataset:
     def epoch(self, position: int) -> int:
         return position // len(self.tasks)
 
-    def __call__(self, n: int, step: int) -> list[Task]:
-        return self.take(step * n, n)
+    def __call__(self, n: int, seed: int) -> list[Task]:
+        return self.take(seed, n)

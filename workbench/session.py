@@ -1276,7 +1276,7 @@ class RolloutHandle:
         return self._wb._rollout
 
     def _tasks(self, n: int) -> list[Task]:
-        self._cursor += 1
+        self._cursor += n  # (a positional source's next n: a TaskDataset serves the positions from its seed)
         return list(self._wb.task_source(n, self._cursor))
 
     def episode(self, task: Task | None = None):
