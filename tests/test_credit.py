@@ -298,3 +298,19 @@ def test_a_reply_of_spaces_is_parsed_in_linear_time():
             "assert parse_score('score' + ' ' * n + 'x') is None and parse_score('7' + ' ' * n + 'x') is None\n"
             "assert parse_score('<t>' + ' ' * n + 'x', tag='t') is None and parse_score('t score: 7' + ' ' * n, tag='t') == 0.7\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_shipped_agents_grade_a_data_files_text_labels():
+    """gsm8k's final answers and CSV cells are text ("18"): the calculator and code agents compared
+    their int answer with it (every right answer scored 0, groups flat, nothing learned) and the
+    arithmetic Env and the judge's `correct` subtracted it (TypeError: every reply with a number
+    failed, dropped). A label is read as the whole number it names; one that names none is refused."""
+    from workbench.examples.arithmetic_env import reward
+    from workbench.examples.tools import is_answer, label_number
+
+    assert is_answer("The answer is 18.", "18") and is_answer("9801", "9,801") and is_answer("So 18.", 18)
+    assert not is_answer("The answer is 17.", "18") and not is_answer("no number", "18")
+    assert reward("7", "7") == (1.0, True) and reward("6", "7") == reward("6", 7) == (0.45, False)
+    for not_a_number in ("", "twelve", "3/4", "12.5", True, None):
+        with pytest.raises(ValueError, match="no whole number"):
+            label_number(not_a_number)

@@ -10,6 +10,7 @@ import random
 import re
 
 from workbench.agents import Env, Task
+from workbench.examples.tools import label_number
 from workbench.toy.tasks import arithmetic_problem
 
 
@@ -23,6 +24,7 @@ def reward(text: str | None, answer: int) -> tuple[float, bool]:
     it, so that a group of samples almost always carries some signal even while exact answers are
     rare. (Which a constant answer near the middle of the sums also collects: notebook 00 shows
     what the toy does with it.)"""
+    answer = label_number(answer)  # (a data file's label is text: "7")
     m = re.fullmatch(r"\s*(-?\d{1,30})\s*", text or "")  # (int() refuses 4300+ digits)
     correct = m is not None and int(m.group(1)) == answer
     close = 0.0 if m is None else max(0.0, 1.0 - abs(int(m.group(1)) - answer) / 10)

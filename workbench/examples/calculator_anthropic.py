@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from workbench.agents import ChatAgent
-from workbench.examples.tools import calc, answer_number, tool_tasks
+from workbench.examples.tools import calc, is_answer, tool_tasks
 
 MAX_TURNS = 4
 
@@ -36,7 +36,7 @@ class CalculatorAgent(ChatAgent):
                 {"type": "tool_result", "tool_use_id": u.id,
                  "content": calc(u.input.get("expression", "")) if u.name == "calc" else "error: unknown tool"}
                 for u in uses]})
-        return float(answer_number(answer) == ctx.label), {"tool_calls": calls, "answer": answer}
+        return float(is_answer(answer, ctx.label)), {"tool_calls": calls, "answer": answer}
 
 
 AgentRunner = CalculatorAgent

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from workbench.agents import ChatAgent
-from workbench.examples.tools import calc, answer_number, tool_tasks
+from workbench.examples.tools import calc, is_answer, tool_tasks
 
 MAX_TURNS = 4
 
@@ -34,7 +34,7 @@ class CalculatorAgent(ChatAgent):
                 args = json.loads(call.function.arguments or "{}")
                 result = calc(args.get("expression", "")) if call.function.name == "calc" else "error: unknown tool"
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-        return float(answer_number(answer) == ctx.label), {"tool_calls": calls, "answer": answer}
+        return float(is_answer(answer, ctx.label)), {"tool_calls": calls, "answer": answer}
 
 
 AgentRunner = CalculatorAgent

@@ -9,7 +9,7 @@ import json
 import time
 
 from workbench.agents import ChatAgent, Task
-from workbench.examples.tools import answer_number, tool_tasks
+from workbench.examples.tools import is_answer, tool_tasks
 from workbench.sandbox import run_python
 
 PYTHON_TOOL = {"type": "function", "function": {
@@ -85,7 +85,7 @@ class CodeAgent(ChatAgent):
                         ([f"[exit code {res.exit_code}]"] if res.exit_code not in (0, None) and not res.timed_out else [])
                 messages.append({"role": "tool", "tool_call_id": call.id,
                                  "content": "\n".join([(res.stdout or res.stderr)[-500:], *notes]).strip()})
-        return float(answer_number(answer) == ctx.label), {"runs": runs, "answer": answer}
+        return float(is_answer(answer, ctx.label)), {"runs": runs, "answer": answer}
 
 
 AgentRunner = CodeAgent

@@ -118,6 +118,24 @@ def answer_number(text: str | None) -> int | None:
     return int(whole)
 
 
+def label_number(label) -> int:
+    """A task's label as the whole number it names: an int as it is, text as a data file holds it
+    ("18", "9,801": gsm8k's final answers and CSV cells are text, which compared with an int read
+    every right answer wrong, or raised where subtracted). ValueError for anything else."""
+    if isinstance(label, int) and not isinstance(label, bool):
+        return label
+    number = answer_number(label) if isinstance(label, str) and label.strip() else None
+    if number is None or not re.fullmatch(r"\s*-?[\d,]+(?:\.0*)?\s*", label):
+        raise ValueError(f"the task's label {label!r} is no whole number: these agents grade a number")
+    return number
+
+
+def is_answer(reply: str | None, label) -> bool:
+    """Whether the reply's answer (answer_number) is the label's number (label_number)."""
+    got = answer_number(reply)
+    return got is not None and got == label_number(label)
+
+
 def tool_tasks(n: int, seed: int = 0) -> list[Task]:
     """'Compute a*b.' tasks with the calc tool; label = the right answer."""
     rng = random.Random(seed)
