@@ -546,9 +546,18 @@ def test_a_failed_episode_counts_as_a_wrong_answer_in_the_steps_correct_rate():
     assert stats == {"reward_mean": 1.0, "correct_rate": 0.25}
     assert reward_statistics([[episode(0.5)]]) == {"reward_mean": 0.5, "correct_rate": None}  # no agent reports it
     # a finished episode without the key (an Env episode cut by max_turns or the context never reached the
-    # step that sets it) is scored as evaluation scores it, by its reward: left out, 1 right and 3 cut read 1.0
+    # step that sets it) is wrong, as evaluation scores it: left out, 1 right and 3 cut read 1.0; scored
+    # by its reward, a shaped reward summed over its looping turns (2.0) read correct, the answers wrong
     cut = [episode(0.0) for _ in range(3)]
     assert reward_statistics([[right] + cut]) == {"reward_mean": 0.25, "correct_rate": 0.25}
+    wrong = [episode(0.5) for _ in range(3)]
+    for t in wrong:
+        t.info["correct"] = False
+    assert reward_statistics([wrong + [episode(2.0)]])["correct_rate"] == 0.0
+    from workbench.evaluation import summarize
+
+    assert summarize([wrong + [episode(2.0)]])["eval_pass@4"] == 0.0  # (it read 1.0: pass@1 0.25)
+    assert summarize([[episode(2.0), episode(0.0)]])["eval_pass@1"] == 0.5  # none reports it: the reward decides
     # nothing finished: nothing measured (reward_mean read 0.0, correct_rate None and the notebooks' sums raised)
     nothing = reward_statistics([[episode(0.0, error="episode timed out") for _ in range(4)]])
     assert math.isnan(nothing["reward_mean"]) and math.isnan(nothing["correct_rate"])

@@ -3,8 +3,8 @@
 `evaluate(rollout, tasks, n)` runs `n` episodes per task at the policy's sampling (the
 training rollout's engines and runners) and, given a `greedy_rollout` (runners whose policy
 sampling is temperature 0), one greedy episode per task. An episode is correct when its info
-says so (`info["correct"]`, as the example envs report it), else when its reward reaches
-`success_reward`. Per task, with c correct of n samples, the unbiased estimator of pass@k
+says so (`info["correct"]`, as the example envs report it); where no episode of the evaluation
+reports it, when its reward reaches `success_reward`. Per task, with c correct of n samples, the unbiased estimator of pass@k
 (the chance that at least one of k samples drawn without replacement from the n is correct) is
 
     pass@k = 1 - C(n - c, k) / C(n, k)          (1 when n - c < k)
@@ -41,12 +41,20 @@ def default_ks(n: int) -> list[int]:
     return ks + [n]
 
 
-def is_correct(t, success_reward: float = 1.0) -> bool:
+def is_correct(t, success_reward: float = 1.0, reported: bool = False) -> bool:
+    """`reported`: whether any episode of the set says info["correct"]; one that does not is then
+    wrong (an Env episode cut by max_turns never reached the step that sets it, and a shaped reward
+    summed over its looping turns passed success_reward: correct, while its siblings that
+    answered were wrong). With none reporting it, the reward decides."""
     if t.error is not None:
         return False
     if "correct" in t.info:
         return bool(t.info["correct"])
-    return float(t.reward) >= success_reward
+    return not reported and float(t.reward) >= success_reward
+
+
+def reports_correct(episodes) -> bool:
+    return any(t.error is None and "correct" in t.info for t in episodes)
 
 
 def _mark(groups: list[list], greedy: bool = False) -> list[list]:
@@ -79,7 +87,8 @@ def summarize(groups: list[list], ks: list[int] | None = None, success_reward: f
     n = min(len(g) for g in groups)
     ks = ks or default_ks(n)
     check_ks(ks, n)
-    correct = [sum(is_correct(t, success_reward) for t in g[:n]) for g in groups]
+    reported = reports_correct(t for g in groups for t in g)
+    correct = [sum(is_correct(t, success_reward, reported) for t in g[:n]) for g in groups]
     out = {f"{prefix}pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(groups) for k in ks}
     rewards = [t.reward for g in groups for t in g if t.error is None]
     # None, not 0, when no episode finished: a reward nobody earned is not a measured 0

@@ -31,7 +31,7 @@ import ray
 import torch
 
 from .agents import Task
-from .evaluation import is_correct
+from .evaluation import is_correct, reports_correct
 from .rollout.actor import sync_weights
 from .rollout.engine import probe_ids
 from .rollout.router import engine_lost
@@ -1167,10 +1167,11 @@ def reward_statistics(groups: list[list[Trajectory]]) -> dict:
     rewards = [t.reward for t in episodes if t.error is None]
     if episodes and not rewards:
         return {"reward_mean": math.nan, "correct_rate": math.nan}
-    # where any episode reports it, every episode scored by evaluation's rule (is_correct: a failed one
-    # wrong, one without the key by its reward): an Env episode cut by max_turns or the context never
-    # reached the step that sets info["correct"], and left out, a policy looping to max_turns read better
-    correct = [is_correct(t) for t in episodes] if any(t.error is None and "correct" in t.info for t in episodes) else []
+    # where any episode reports it, every episode scored by evaluation's rule (is_correct: a failed one,
+    # or one without the key, wrong): an Env episode cut by max_turns or the context never reached the
+    # step that sets info["correct"]; left out (or scored by a shaped reward summed over its looping
+    # turns), a policy looping to max_turns read better
+    correct = [is_correct(t, reported=True) for t in episodes] if reports_correct(episodes) else []
     return {"reward_mean": sum(rewards) / max(len(rewards), 1),
             "correct_rate": sum(correct) / len(correct) if correct else None}
 
