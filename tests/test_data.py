@@ -258,6 +258,16 @@ def test_tools_in_columnar_files_and_as_json_text(tmp_path):
         task_from_record({"prompt": "x", "tools": "[{oops"})
     with pytest.raises(ValueError, match="'tools' must be a list of tool schemas"):
         task_from_record({"prompt": "x", "tools": {"type": "function"}})
+    # chat messages as JSON text too (TRL's conversational prompt exported to CSV): one user turn of
+    # raw JSON before, the system message inside it; a prompt that only looks like JSON stays text
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    with open(csv_file, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["prompt", "label"])
+        w.writerow([json.dumps(chat), "4"])
+        w.writerow(["[1, 2] - which is larger?", "2"])
+    assert [t.messages for t in load_tasks(csv_file)] == [chat, [{"role": "user", "content": "[1, 2] - which is larger?"}]]
+    assert task_from_record({"messages": json.dumps(chat)}).messages == chat
 
 
 def test_the_sessions_seed_picks_the_agent_files_tasks():

@@ -24,13 +24,13 @@ def task_from_record(record: dict, where: str = "record") -> Task:
         raise ValueError(f"{where}: a task must be an object, got {type(record).__name__}")
     r = dict(record)
     if "messages" in r:
-        messages = r.pop("messages")
+        messages = _json_messages(r.pop("messages"))
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError(f"{where}: 'messages' must be a list of chat messages with a 'role'")
         messages = [dict(m) for m in messages]
         _system_into(messages, r, "messages", where)
     elif "prompt" in r:
-        prompt = r.pop("prompt")
+        prompt = _json_messages(r.pop("prompt"))
         if isinstance(prompt, list):
             # TRL's conversational format: the prompt is the chat messages (str() of it trained on its
             # Python repr, the list printed into the user turn)
@@ -54,6 +54,20 @@ def task_from_record(record: dict, where: str = "record") -> Task:
     if task_id:
         t.id = task_id
     return t
+
+
+def _json_messages(value):
+    """Chat messages written as JSON text (a CSV cell: TRL's conversational prompt exported), as the
+    list they are; any other value as it is. (A prompt cell of JSON messages was one user turn of
+    raw JSON, the system message inside it.)"""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            decoded = json.loads(value)
+        except json.JSONDecodeError:
+            return value
+        if isinstance(decoded, list) and decoded and all(isinstance(m, dict) and "role" in m for m in decoded):
+            return decoded
+    return value
 
 
 def _tools(tools, where: str) -> list[dict] | None:
