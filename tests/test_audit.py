@@ -105,6 +105,14 @@ def test_the_audit_holds_a_step_to_the_settings_its_run_used(short_run, tmp_path
         del m["sync_tol"]  # a run from before: config.json's tolerance
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     assert f"Violations: {len(lines)}" in audit_html(run)
+    # an async run bound by training samples every token a version behind: no step after the first has a
+    # token of the trained version, and its forward check (k3) measured nothing but read as within
+    assert "(forward consistency) not measured" not in audit_html(run)
+    for m in lines[1:]:
+        m.update(mode="async", async_lag=1, kl_k3_current=None, sync_tol=0.1)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    html = audit_html(run)
+    assert f"k3 with replay (forward consistency) not measured on {len(lines) - 1} of {len(lines)} step(s) (1..{len(lines) - 1})" in html
 
 
 def test_revisit_recomputes_the_logged_step(short_run):

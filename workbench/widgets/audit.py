@@ -312,7 +312,13 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
         out.append(f"<li class='v' id='{_id('v', s, key)}'>step {s}: <a href='#{_id('stat', key)}'>{escape(dict((k, t) for k, t, _ in CHECKS)[key])}</a> "
                    f"= {_fmt(value)} ({'min' if key in MINIMA else 'max'} {_fmt(limit)}) &rarr; {links}</li>")
     missing = [st for st in steps if not counts[st]]
+    # the forward check on a step with no current-version tokens measured nothing (an async run bound by
+    # training samples every token a version behind: from step 1 on, every step): said, not read as within
+    unforward = [st for st, (_, v, _) in zip(steps, rows) if v["kl_k3"] is None]
     out.append("</ul>" + ("" if violations else "<p>Every statistic of every step is within its threshold.</p>")
+               + (f"<p class='na'>k3 with replay (forward consistency) not measured on {len(unforward)} of {len(steps)} "
+                  f"step(s) ({_ranges(unforward)}): no token of the trained version (an async run's tokens were all "
+                  f"sampled a version behind); there the sync probe difference is its check.</p>" if unforward else "")
                + (f"<p class='na'>No trajectories/step_*.parquet for {len(missing)} step(s) ({_ranges(missing)}): their "
                   f"token-identity checks read the step's logged totals, or are not recorded (–) where it has none.</p>"
                   if missing else "") + "</section>")
@@ -332,8 +338,10 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
     for key, name, what in CHECKS:
         bad = {s for s, k in flagged if k == key}
         per_step = " (the cap; per step: 0 sync, its async_lag async)" if key == "max_staleness" and not staleness_given else ""
+        unmeasured = [s for s, (_, v, _) in zip(steps, rows) if v[key] is None]
         out.append(f"<section class='stat' id='{_id('stat', key)}'><h2>{escape(name)}</h2><p>{escape(what)}; "
-                   f"{'min' if key in MINIMA else 'max'} {_fmt(limits[key])}{per_step}; {len(bad)} step(s) flagged.</p>"
+                   f"{'min' if key in MINIMA else 'max'} {_fmt(limits[key])}{per_step}; {len(bad)} step(s) flagged"
+                   f"{f', {len(unmeasured)} not measured' if unmeasured and len(unmeasured) < len(steps) else ''}.</p>"
                    f"{_plot(key, steps, [v[key] for _, v, _ in rows], limits[key], bad)}</section>")
     # token views of the flagged steps' trajectories, offending ones first
     out.append("<section id='trajectories'><h2>Token views of flagged steps</h2>"
