@@ -279,6 +279,15 @@ def test_groups_sampled_at_another_temperature_than_the_trainers_are_refused():
         batch_from_groups(groups, "grpo", temperature=1.0)
     batch_from_groups(groups, "grpo", temperature=0.7)
     batch_from_groups([[episode(1.0), episode(0.0)]], "grpo", temperature=1.0)  # no stamp (older records): not checked
+    # top_p < 1 likewise (the engine reports log-probs renormalized over the kept tokens): refused where
+    # the trainer's correction needs full-vocabulary log-probs, as a run refuses its own rollout's sampling
+    from workbench.correction import CorrectionConfig, CorrectionConfigError
+
+    for t in groups[0]:
+        t.segments[0].stats.update(temperatures=[1.0], top_ps=[0.9])
+    with pytest.raises(CorrectionConfigError, match="top_p"):
+        batch_from_groups(groups, "grpo", temperature=1.0, correction=CorrectionConfig.tis())
+    batch_from_groups(groups, "grpo", temperature=1.0, correction=CorrectionConfig(enabled=False))
 
 
 def test_a_reply_of_spaces_is_parsed_in_linear_time():

@@ -868,6 +868,10 @@ def test_distillation_advantage_and_reverse_kl_hand_computed():
         batch_from_groups([[a, b]], "distill", teacher=teacher)
     a.segments[0].stats["temperatures"] = [1.0]
     assert batch_from_groups([[a, b]], "distill", teacher=teacher, temperature=1.0)[1]["episodes"] == 2
+    a.segments[0].stats["top_ps"] = [0.9]  # (stamped by the loopback server beside the temperature)
+    with pytest.raises(ValueError, match="top_p=0.9"):
+        batch_from_groups([[a, b]], "distill", teacher=teacher, temperature=1.0)
+    a.segments[0].stats["top_ps"] = [1.0]
     # top_p < 1: renormalized over the kept tokens, whether or not the importance correction is on
     rollout = types.SimpleNamespace(sampling=SamplingConfig(top_p=0.9))
     with pytest.raises(ValueError, match="top_p=0.9"):

@@ -510,6 +510,7 @@ def test_a_tool_call_the_agent_could_not_send_back_is_left_as_text(tokenizer):
             seg, = srv.close_session(sid)
             assert seg.stats["turns"] == 2  # extended: one segment
             assert seg.stats["temperatures"] == [1.0]  # what the engine sampled at (the policy's), stamped
+            assert seg.stats["top_ps"] == [1.0]
 
 
 def test_logprob_bytes_rebuild_a_split_character_and_a_nan_log_prob_is_no_500(tokenizer):

@@ -206,7 +206,7 @@ class NothingToTrain(RuntimeError):
 
 def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: int = 0, on_failed: str = "drop",
                       on_truncated: str = "keep", overlong: tuple | None = None,
-                      teacher: dict | None = None, temperature: float | None = None) -> tuple[dict, dict]:
+                      teacher: dict | None = None, temperature: float | None = None, correction=None) -> tuple[dict, dict]:
     """Training tensors (one row per trainable segment) with advantages computed over EPISODES:
     the registered estimator sees one reward per episode and its group, and every segment of
     an episode gets that episode's advantage (an episode sealed into five segments weighs once
@@ -218,7 +218,9 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     log-prob of each of its tokens), and info["distill_reverse_kl"] is the mean over sampled
     tokens of log p_student - log p_teacher. `temperature`: the trainer's; a segment sampled at
     another (its stats["temperatures"], stamped by the loopback server) is refused: every ratio
-    would be biased (groups from another Rollout, an eval one, an older session)."""
+    would be biased (groups from another Rollout, an eval one, an older session). `correction`: the
+    trainer's CorrectionConfig; a segment sampled with top_p < 1 (stats["top_ps"]) is refused where it
+    (or distillation) needs full-vocabulary log-probs, as loop.run refuses the rollout's sampling."""
     segments, seg_episode, rewards, group_index = [], [], [], []
     info = {"episodes": 0, "segments": 0, "failed_episodes": 0, "truncated_episodes": 0, "dropped_episodes": 0,
             "masked_episodes": 0, "sampling_overridden": 0,
@@ -262,13 +264,16 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
             raise ValueError(f"these groups were sampled at temperature {other}, but the trainer computes log-probs at "
                              f"{temperature}: every importance ratio would be biased. Train on groups sampled by this "
                              f"session's rollout (WorkbenchConfig.temperature sets both)")
+    top_p = min((p for s in segments for p in s.stats.get("top_ps", ())), default=1.0)
+    if correction is not None and top_p < 1.0:  # (groups trained through wb.trainer.step too, not only a run's)
+        correction.check_sampling(top_p=top_p)
     batch = training_tensors(segments, pad_id)
     index = torch.tensor(seg_episode)
     if advantage in PER_TOKEN_ADVANTAGES:  # per token, per row: the teacher's log-probs of the row's tokens
         # here, not only where a run starts: wb.trainer.step() / batch() build their batches here too
         for t in sorted({t for s in segments for t in s.stats.get("temperatures", ())} |
                         {1.0 if temperature is None else temperature}):
-            check_distill_sampling(t)
+            check_distill_sampling(t, top_p)
         missing = [i for i, s in enumerate(segments) if teacher is None or id(s) not in teacher]
         if missing:
             raise ValueError(f"advantage {advantage!r} needs the teacher's log-probs of every trainable segment "
@@ -1212,7 +1217,8 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
 
     try:
         batch, info = batch_from_groups(groups, cfg.advantage, **cfg.episode_rules(), teacher=teacher,
-                                        temperature=getattr(getattr(trainer, "cfg", None), "temperature", None))
+                                        temperature=getattr(getattr(trainer, "cfg", None), "temperature", None),
+                                        correction=getattr(getattr(trainer, "cfg", None), "correction", None))
     except NothingToTrain as e:
         # every episode failed (timed out, say) and was dropped: the step is recorded without an
         # update or a sync (the weights did not change); it stopped the whole run, a dead runner's

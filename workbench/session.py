@@ -1337,7 +1337,7 @@ class TrainerHandle:
 
             teacher = teacher_logprobs(self._wb._teacher_engines(loop.teacher), teacher_segments(groups, loop))
         return batch_from_groups(groups, loop.advantage, **loop.episode_rules(), teacher=teacher,
-                                 temperature=self._wb.cfg.temperature)[0]
+                                 temperature=self._wb.cfg.temperature, correction=self._wb.cfg.trainer.correction)[0]
 
     def step(self, groups: list[list] | None = None) -> dict:
         """One optimizer step on `groups` (default: the last groups wb.rollout ran)."""

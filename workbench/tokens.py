@@ -740,11 +740,12 @@ class Accumulator:
         return render.startswith(recorded_text)
 
     def record(self, plan: TurnPlan, sample, assistant_message: dict, reply: Any = None,
-               sampling_overridden: bool = False, temperature: float | None = None) -> Segment:
+               sampling_overridden: bool = False, temperature: float | None = None, top_p: float | None = None) -> Segment:
         """Append one turn: the plan's delta (non-trainable) and the engine's sampled ids
         (trainable, with their log-probs and versions), then remember the conversation.
         `sampling_overridden`: the request asked for other sampling than the policy's (counted).
-        `temperature`: what the engine sampled at (stats["temperatures"]: the trainer's must match)."""
+        `temperature`: what the engine sampled at (stats["temperatures"]: the trainer's must match);
+        `top_p` likewise (stats["top_ps"]: under importance correction or distillation it must be 1)."""
         if plan.cached is not None:
             return self._segment
         if plan.new_segment:
@@ -787,6 +788,8 @@ class Accumulator:
         seg.stats["sampling_overridden"] = seg.stats.get("sampling_overridden", 0) + int(bool(sampling_overridden))
         if temperature is not None and temperature not in seg.stats.setdefault("temperatures", []):
             seg.stats["temperatures"].append(temperature)
+        if top_p is not None and top_p not in seg.stats.setdefault("top_ps", []):
+            seg.stats["top_ps"].append(top_p)
         self._merge_experts(seg, sample, start)
         # Remember what the server returned. The template text owed after the sampled ids needs a
         # render of the conversation: done when the next request comes (_render_recorded), as an

@@ -788,7 +788,7 @@ class LoopbackServer:
                 acc.last_reply_cut = cut and not clamped and sampling.max_tokens >= self.policy_sampling.max_tokens
                 reply.truncated = cut and (clamped or acc.last_reply_cut)
                 acc.record(plan, sample, reply.assistant_message(), reply=reply, sampling_overridden=bool(differing),
-                           temperature=sampling.temperature)
+                           temperature=sampling.temperature, top_p=sampling.top_p)
 
             if await self._client_gone(req):
                 # The client left before the reply was done (its own timeout, a cancelled call). It
