@@ -140,6 +140,25 @@ def test_drift_positions_marked_where_ids_do_not_round_trip(fmt):
     assert f"[{p}, {p + 1}]" in ins.summary.value and "outline:2px solid" in ins.tokens.value
 
 
+def test_drift_positions_of_a_long_repetitive_segment_align_by_characters(fmt, monkeypatch):
+    """difflib's exact match is quadratic on repetitive ids (a policy looping one sentence): the
+    inspector and each audit view of a 4.9k-token segment took 5.8 s, 9.8k tokens 50 s. Past
+    EXACT_DIFF_PAIRS the tokens align by their character spans (linear): the same positions here."""
+    import workbench.widgets as widgets
+
+    reply = "The answer is 12. " * 40
+    msgs = [USER, {"role": "assistant", "content": reply}]
+    ids = fmt.encode(fmt.render(msgs, None, add_generation_prompt=False))
+    twelve = [i for i, t in enumerate(ids) if fmt.decode([t]) in ("12", " 12")][::7]
+    sampled = []
+    for i, t in enumerate(ids):  # some "12"s sampled digit by digit
+        sampled += [fmt.tokenizer.convert_tokens_to_ids(c) for c in fmt.decode([t]).replace(" ", "Ġ")] if i in twelve else [t]
+    seg = Segment(sampled, [1] * len(sampled), [-0.1] * len(sampled), [0] * len(sampled), None, msgs, "episode_end")
+    exact = drift_positions(seg, fmt)
+    monkeypatch.setattr(widgets, "EXACT_DIFF_PAIRS", 0)
+    assert drift_positions(seg, fmt) == exact and len(exact) >= 2 * len(twelve) > 0
+
+
 def test_inspector_without_tokenizer_shows_recorded_drift_and_switches_colour():
     s = seg([5, 6, 7], [0, 1, 1], [0.0, -0.1, -3.0], [-1, 0, 1])
     s.stats = {"retokenization_drift": 4}
