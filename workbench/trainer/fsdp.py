@@ -505,6 +505,12 @@ class TrainerWorker:
                         for p in module._parameters.values():
                             if p is not None and p.device.type != "cpu":
                                 p.data = p.data.to("cpu")
+                        # buffers are no FSDP2 state: to_empty left them in host memory, where the forward
+                        # read them beside the device's activations (DeepSeek-V3's, Kimi's and GLM-4.5's router
+                        # bias, e_score_correction_bias: a device mismatch at connect's first forward)
+                        for name, b in module._buffers.items():
+                            if b is not None and b.device != self.device:
+                                module._buffers[name] = b.to(self.device)
         return model.eval()
 
     def footprint(self) -> dict:
