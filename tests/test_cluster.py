@@ -136,6 +136,20 @@ def simulated(dense_path):
     return out
 
 
+def test_wait_and_check_shared_need_the_cluster_address(capsys, monkeypatch):
+    """Without --address or RAY_ADDRESS (a JupyterLab terminal on the head: the sbatch exports none)
+    they started a new local Ray: check-shared passed on its one node ("written on each of 1
+    node(s)", exit 0) without checking the other, and wait blamed the worker for not joining."""
+    import workbench.cluster as cluster
+
+    started = []
+    monkeypatch.setattr(cluster, "init_ray", lambda address: started.append(address))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for args in (["check-shared", "--path", "/tmp"], ["wait", "--gpus", "16", "--timeout", "1"]):
+        assert cluster_main(args) == 2 and "needs the cluster: --address" in capsys.readouterr().err
+    assert started == []  # no Ray was started for them
+
+
 def test_simulated_two_node_cluster_actors_land_where_the_plan_says(simulated, capsys):
     with capsys.disabled():
         print(f"\n[measured] simulated cluster: started in {simulated['start_s']:.1f} s ({simulated['start_attempts']} "

@@ -314,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--path", required=True)
     args = parser.parse_args(argv)
     if args.command in ("wait", "check-shared"):
+        if not (args.address or os.environ.get("RAY_ADDRESS")):
+            # (with neither, init_ray starts a new local instance: check-shared passed on its one node,
+            # "written on each of 1 node(s)", and wait blamed the worker for a node it never asked)
+            print(f"error: {args.command} needs the cluster: --address (e.g. auto on a node of it) or RAY_ADDRESS",
+                  file=sys.stderr)
+            return 2
         try:
             init_ray(args.address)
             if args.command == "wait":
