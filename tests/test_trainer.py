@@ -486,6 +486,9 @@ def test_nccl_weight_sync_is_refused_clearly_without_gpus(trainer, vllm_moe):
     with pytest.raises(ray.exceptions.RayTaskError, match="NCCL weight sync needs CUDA GPUs.*On CPU use the file path"):
         trainer.init_nccl_sync([vllm_moe])
     assert trainer.nccl is None  # syncs keep the CPU path
+    # the engine says its NCCL ranks (tensor x pipeline parallel), which the group's layout reads where
+    # none are given (each read as 1, a tensor-parallel engine's workers took the next engine's ranks)
+    assert ray.get(vllm_moe.info.remote())["workers"] == 1
 
 
 def test_dense_bf16_mixed_precision_with_a_kl_penalty_to_the_reference(ray_local, dense_path):

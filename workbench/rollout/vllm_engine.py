@@ -336,6 +336,7 @@ class VLLMEngine(RolloutEngine):
         if self.llm is None:
             return out
         out["logprobs_mode"] = str(self.llm.vllm_config.model_config.logprobs_mode)  # the running engine's own
+        out["workers"] = self.llm.vllm_config.parallel_config.world_size  # (tensor x pipeline parallel: its NCCL ranks)
         cache = self.llm.vllm_config.cache_config
         if cache is not None and cache.num_gpu_blocks:
             out["kv_cache_tokens"] = cache.num_gpu_blocks * cache.block_size

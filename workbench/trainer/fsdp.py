@@ -1157,12 +1157,16 @@ class Trainer:
 
     def init_nccl_sync(self, engines: list, engine_world_sizes: list[int] | None = None, **cfg_kwargs) -> None:
         """GPU: one NCCL group of trainer rank 0 and every engine worker (engines started with
-        weight_transfer="nccl"). Afterwards loop.sync_engines uses sync_weights_nccl."""
+        weight_transfer="nccl"). Afterwards loop.sync_engines uses sync_weights_nccl.
+        `engine_world_sizes`: each engine's workers (None: asked of each, its info()["workers"]; read
+        as 1 each, a tensor-parallel engine's workers took ranks of the next engine's: a hung rendezvous)."""
         from ..rollout.nccl_sync import NcclSyncConfig, group_layout
 
         host, port = ray.get(self.workers[0].nccl_endpoint.remote())
         cfg = NcclSyncConfig(master_port=port, master_address=host, **cfg_kwargs)
-        offsets, world = group_layout(engine_world_sizes or [1] * len(engines))
+        if engine_world_sizes is None:
+            engine_world_sizes = [int(i.get("workers", 1)) for i in ray.get([e.info.remote() for e in engines])]
+        offsets, world = group_layout(engine_world_sizes)
         # both sides meet in the same rendezvous: launch them together, then wait for all
         ray.get([w.connect_nccl.remote(cfg, world) for w in self.workers]
                 + [e.init_nccl.remote(cfg, off, world) for e, off in zip(engines, offsets)])
