@@ -201,3 +201,23 @@ def test_colocated_vllm_engines_must_say_their_gpu_share():
             check_colocated_memory(WorkbenchConfig(placement="colocated", backend="vllm", engine_kwargs=kwargs))
     check_colocated_memory(WorkbenchConfig(placement="colocated", backend="vllm", engine_kwargs={"gpu_memory_utilization": 0.4}))
     check_colocated_memory(WorkbenchConfig(placement="split", backend="vllm"))
+
+
+def test_gpu_nodes_named_twice_are_refused(monkeypatch):
+    """A node labelled workbench/node=node0 beside an unlabelled one that took the default name
+    node0 (a CPU-only head shifts the default's index): the plan merged the two nodes (a 16-bundle
+    group pinned to one 8-GPU node timed out after 120 s). Refused, naming the label to set."""
+    import ray
+
+    from workbench.placement import NODE_LABEL, ClusterSpec, PlacementError
+
+    def node(i, gpus, label=None, head=False):
+        res = {"CPU": 8, **({"GPU": gpus} if gpus else {}), **({"node:__internal_head__": 1} if head else {})}
+        return {"Alive": True, "NodeID": f"id{i}", "NodeManagerAddress": f"10.0.0.{i}", "Resources": res,
+                "Labels": {NODE_LABEL: label} if label else {}}
+
+    monkeypatch.setattr(ray, "nodes", lambda: [node(0, 0, head=True), node(1, 8), node(2, 8, label="node0")])
+    with pytest.raises(PlacementError, match=r"two GPU nodes are named \['node0'\]"):
+        ClusterSpec.from_ray()
+    monkeypatch.setattr(ray, "nodes", lambda: [node(0, 0, head=True), node(1, 8), node(2, 8)])
+    assert [n.name for n in ClusterSpec.from_ray().nodes] == ["node0", "node1"]

@@ -70,6 +70,11 @@ class ClusterSpec:
             nodes.append(NodeSpec(name, int(n["Resources"]["GPU"]), n["NodeID"], n.get("NodeManagerAddress")))
         if not nodes:
             raise PlacementError("the Ray cluster has no node with a GPU: nothing to place (on CPU, no placement is needed)")
+        names = [n.name for n in nodes]
+        if len(set(names)) < len(names):  # (one node's label, another's default name: a plan merged the two)
+            twice = sorted({x for x in names if names.count(x) > 1})
+            raise PlacementError(f"two GPU nodes are named {twice}: label every node with a name of its own "
+                                 f"(ray start --labels {NODE_LABEL}=nodeN) or none of them")
         return cls(tuple(nodes))
 
     @property
