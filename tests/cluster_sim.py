@@ -63,6 +63,14 @@ def main(model_path: str) -> dict:
 
         with tempfile.TemporaryDirectory() as d:
             out["shared_checked"] = len(check_shared_path(d))
+        # ... and the checkpoints connect() hands to actors on other nodes (a missing one named)
+        from workbench.cluster import SharedPathError, check_checkpoints_everywhere
+
+        check_checkpoints_everywhere({"model": model_path})
+        try:
+            check_checkpoints_everywhere({"model": model_path, "judge": "/nonexistent/judge"})
+        except SharedPathError as e:
+            out["checkpoint_missing"] = str(e)
 
         # 1. placement: 2 trainer ranks + 2 engines on 2 x 2 GPUs
         plan = plan_placement(spec, trainer_ranks=2, num_engines=2, tensor_parallel_size=1)

@@ -179,6 +179,8 @@ def test_shared_path_check_reads_back_what_each_node_wrote(ray_local, tmp_path):
 
 def test_simulated_two_node_cluster_trains_a_step_with_one_rank_per_node(simulated):
     assert simulated["shared_checked"] == 2  # both nodes wrote, the driver read both back
+    # every node holds the checkpoints the driver resolved: a missing one is named, per node
+    assert simulated["checkpoint_missing"].count("has no /nonexistent/judge/config.json (judge)") == 2
     ranks = simulated["ranks"]
     assert simulated["trainer_plan"] == ["sim0", "sim1"]
     assert [r["node_id"] for r in ranks] == [simulated["nodes"]["sim0"], simulated["nodes"]["sim1"]]

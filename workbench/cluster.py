@@ -203,6 +203,30 @@ class SharedPathError(RuntimeError):
     the nodes do."""
 
 
+def check_checkpoints_everywhere(paths: dict[str, str], timeout: float = 120.0) -> None:
+    """Each checkpoint directory ({what: path}, as the driver resolved it) holds a config.json on
+    every alive node of the connected cluster: actors on other nodes are handed the path. A named
+    model built into the driver's node-local cache (WORKBENCH_CACHE, ~/.cache/workbench) failed
+    late on another node (vLLM read the missing path as a Hugging Face hub id). SharedPathError
+    names each node and checkpoint it lacks."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def missing(paths: dict) -> tuple[str, list[str]]:
+        return socket.gethostname(), [w for w, p in paths.items() if not os.path.isfile(os.path.join(p, "config.json"))]
+
+    task = ray.remote(num_cpus=0)(missing)
+    refs = {n["NodeID"]: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(paths)
+            for n in ray.nodes() if n.get("Alive")}
+    problems = []
+    for nid, ref in refs.items():
+        host, lacking = ray.get(ref, timeout=timeout)
+        problems += [f"node {nid[:8]} ({host}) has no {paths[w]}/config.json ({w})" for w in lacking]
+    if problems:
+        raise SharedPathError("; ".join(problems) + ": every node must see the checkpoints at the driver's paths (a "
+                              "shared filesystem; for named models set WORKBENCH_CACHE to a directory on it)")
+
+
 def check_shared_path(path: str, timeout: float = 120.0) -> list[str]:
     """Check that every alive node of the connected Ray cluster sees `path` as this driver does:
     a task on each node writes a file with a random word under it, and the driver reads it back.

@@ -603,6 +603,12 @@ class Workbench:
 
                 check_shared_path(str(self.run_dir))
             self.model_path = model_path(cfg.model)
+            if self.placement is not None:  # (a GPU cluster: actors on other nodes are handed these paths)
+                from .cluster import check_checkpoints_everywhere
+
+                check_checkpoints_everywhere({"model": self.model_path, **{what: model_path(name) for what, name in (
+                    ("judge", cfg.judge), ("loop.teacher", cfg.loop.teacher), ("trainer.ref_model_path", cfg.trainer.ref_model_path))
+                    if isinstance(name, str) and name}})
             # one profile for every part (engine, server, runners, trainer); the session's fields win
             overrides = {"family": cfg.profile} if isinstance(cfg.profile, str) else dict(cfg.profile or {})
             overrides.update({k: v for k, v in (("max_model_len", cfg.max_model_len), ("tool_parser", cfg.tool_parser))
