@@ -91,6 +91,7 @@ def test_a_recipes_cluster_set_keeps_its_config_and_fits_2x8(name, monkeypatch):
         raise Connected
 
     monkeypatch.setattr(workbench, "connect", connect)
+    monkeypatch.setattr(workbench, "shutdown_live", lambda: 0)  # (this process's sessions are other tests')
     ns: dict = {}
     code = [c.source for c in nb.cells if c.cell_type == "code"]
     exec(code[0], ns)

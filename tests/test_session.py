@@ -462,3 +462,24 @@ def test_export_is_written_beside_and_swapped_in_never_over_the_run_or_the_sourc
     (out / "workbench_export.json").unlink()  # an export made before the mark: still replaced
     wb.export(out)
     assert json.loads((out / "workbench_export.json").read_text())["dtype"] == wb._trainer.cfg.dtype
+
+
+def test_shutdown_live_ends_every_session_this_process_left_running(monkeypatch):
+    """A notebook's Run All after one that failed or was interrupted before wb.shutdown() started a
+    second session beside the first, whose engines and trainer (and an interrupted run) went on
+    holding the machine. The connect cells call workbench.shutdown_live() first."""
+    import workbench
+    from workbench import session
+
+    ended = []
+
+    class Left:
+        def shutdown(self):
+            ended.append(self)
+
+    import weakref
+
+    left = [Left(), Left()]
+    # (this process's own registry holds other tests' sessions: a registry of the two alone)
+    monkeypatch.setattr(session, "_LIVE_SESSIONS", weakref.WeakValueDictionary({"/tmp/run-a": left[0], "/tmp/run-b": left[1]}))
+    assert workbench.shutdown_live() == 2 and ended == left

@@ -1,6 +1,7 @@
 """workbench: agentic RL for LLMs, driven from JupyterLab. `wb = workbench.connect()`."""
 
-__all__ = ["connect", "Workbench", "WorkbenchConfig", "ConfigError", "TrainerConfig", "LoopConfig", "CorrectionConfig"]
+__all__ = ["connect", "shutdown_live", "Workbench", "WorkbenchConfig", "ConfigError", "TrainerConfig", "LoopConfig",
+           "CorrectionConfig"]
 
 
 def __getattr__(name: str):

@@ -466,6 +466,17 @@ class RunDirClaim:
 _LIVE_SESSIONS: "weakref.WeakValueDictionary[str, Workbench]" = weakref.WeakValueDictionary()
 
 
+def shutdown_live() -> int:
+    """Shut down every session of this process not shut down yet (their runs, engines, trainers);
+    returns how many. A notebook's connect cell calls it first: a Run All after one that failed or
+    was interrupted before its wb.shutdown() left that session's actors holding CPU, memory and
+    GPUs (and an interrupted run training on) beside the new session's."""
+    live = list(_LIVE_SESSIONS.values())
+    for wb in live:
+        wb.shutdown()
+    return len(live)
+
+
 def claim_run_dir(run_dir) -> RunDirClaim:
     """The session's run directory, made and held for the session's life (released by shutdown).
     The default, runs/<date-time>, is a new directory (-2, -3, ... when another session of the
