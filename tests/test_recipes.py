@@ -271,6 +271,15 @@ def test_notebooks_list_shows_every_notebook_with_parameters_and_time(capsys, mo
     with pytest.raises(SystemExit):
         main(["recipes/distillation", "-p", "exact_kl", "nope", "--run-dir", str(tmp_path / "e")])
     assert "parameter exact_kl is true or false, got 'nope'" in capsys.readouterr().err
+    # a list parameter given as a bare word reached the notebook as a string, walked letter by letter
+    main(["04_real_templates", "-p", "families", "qwen3", "--run-dir", str(tmp_path / "f")])
+    assert got["families"] == ["qwen3"]
+    main(["04_real_templates", "-p", "families", "qwen3, gpt-oss", "--run-dir", str(tmp_path / "g")])
+    assert got["families"] == ["qwen3", "gpt-oss"]
+    # the run directory is --run-dir's (-p run_dir reached papermill twice: a TypeError, an empty directory made)
+    with pytest.raises(SystemExit):
+        main(["00_quickstart", "-p", "run_dir", str(tmp_path / "h")])
+    assert "give the run directory as --run-dir" in capsys.readouterr().err and not (tmp_path / "h").exists()
 
 
 def test_real_model_grpo(execute, tmp_path):

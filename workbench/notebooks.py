@@ -115,11 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(params) - set(known))
         if unknown:  # papermill only warns, and the notebook ran on its defaults
             p.error(f"{a.name} has no parameter(s) {unknown}; its parameters: {sorted(k for k in known if k != 'run_dir')}")
+        if "run_dir" in params:  # (given twice to papermill: a TypeError after an empty run directory was made)
+            p.error("give the run directory as --run-dir, not -p run_dir")
         for k, v in params.items():  # a bool parameter given as text: "false" (no Python literal) was a true value
             try:
                 default = ast.literal_eval(str(known[k]))
             except (ValueError, SyntaxError):
                 continue
+            if isinstance(default, (list, tuple)) and isinstance(v, str):  # "-p families qwen3": a list of one
+                # (the string reached the notebook, which walked it letter by letter); "a,b" a list of two
+                params[k] = [x.strip() for x in v.split(",") if x.strip()]
             if isinstance(default, bool) and isinstance(v, str):
                 from .session import BOOL_TEXT
 
