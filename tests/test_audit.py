@@ -67,6 +67,13 @@ def test_a_breach_is_flagged_and_linked_to_its_token_view(short_run, tmp_path):
 
     main([str(run), "-o", str(tmp_path / "b.html"), "--token-keep-ratio", "none"])
     assert "Violations: 2" in (tmp_path / "b.html").read_text()
+    # token views stop at the page's budget (a long run flagged at every step made a page of GBs): the
+    # later flagged steps name their trajectory file; every violation is still listed and linked
+    from workbench.widgets.audit import audit_html
+
+    capped = audit_html(run, max_view_bytes=1)
+    assert "Violations: 3" in capped and capped.count("<div class='traj'") == len(read_trajectories(run / "trajectories" / "step_00000.parquet")[:4])
+    assert "token views left out" in capped and "trajectories/step_00002.parquet" in capped and "<div id='step-2'>" in capped
 
 
 def test_a_run_copied_without_its_trajectories_is_not_audited_clean(short_run, tmp_path):

@@ -251,11 +251,13 @@ CSS = ("body{font-family:sans-serif;margin:16px;max-width:1200px}table{border-co
 
 
 def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, max_views_per_step: int = 16,
-               sample_per_step: int = 4) -> str:
+               sample_per_step: int = 4, max_view_bytes: int = 20 << 20) -> str:
     """The audit page of the run in `run_dir` (see the module docstring). `tokenizer` (a fast HF
     tokenizer or ChatFormat) shows tokens as text; without one, token views show ids. Token views
     are rendered for flagged steps only: the offending episodes (at most `max_views_per_step`), or
-    where no episode is to blame (a per-token statistic) the step's first `sample_per_step`."""
+    where no episode is to blame (a per-token statistic) the step's first `sample_per_step`, until
+    they fill `max_view_bytes` of the page (a long run flagged at every step made a page of GBs no
+    browser opens); the later flagged steps name their trajectory file instead."""
     run_dir = Path(run_dir)
     metrics = read_metrics(run_dir)
     if not metrics:
@@ -347,7 +349,13 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
     out.append("<section id='trajectories'><h2>Token views of flagged steps</h2>"
                "<p>Colour: sampled tokens from green (log-prob 0) to red (log-prob &le; -5); grey: not sampled. "
                "Hover a token for its id, log-prob and version.</p>")
+    view_bytes = 0
     for s in sorted(by_step):
+        if view_bytes >= max_view_bytes:
+            out.append(f"<div id='{_id('step', s)}'><h3>step {s}</h3><p class='na'>token views left out: the page's "
+                       f"{max_view_bytes >> 20} MiB of them are spent (trajectories/step_{s:05d}.parquet; "
+                       f"wb.revisit(run_dir, {s}) for its per-token values)</p></div>")
+            continue
         # the offending episodes; for a per-token statistic (no episode to blame) a sample of the step's
         trajs = read_trajectories(step_file(s)) if counts[s] else []
         order = [t for t in trajs if t.episode_id in by_step[s]][:max_views_per_step] or trajs[:sample_per_step]
@@ -355,6 +363,7 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
         for t in order:
             out.append(f"<div class='traj' id='{_id('t', s, t.episode_id)}'>{trajectory_html(t)}"
                        f"{spans_html(token_spans(t, 'logprob', tokenizer))}</div>")
+            view_bytes += len(out[-1])
         out.append("</div>")
     return "".join(out) + "</section></body></html>"
 
