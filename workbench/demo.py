@@ -129,12 +129,19 @@ def run_rl(args, engine, path) -> None:
     try:
         run(rollout, trainer, [engine], lambda n, step: spec.tasks(n, seed=1000 + step),
                  LoopConfig(steps=args.rl_steps, prompts_per_step=16, group_size=8), progress=False,
-                 on_step=lambda m: print(f"      step {m['step']:>2}  reward {m['reward_mean']:.3f}  exact {m['correct_rate']:.3f}  "
-                                         f"loss {m['loss']:+.4f}  k3 {m['kl_k3']:.1e}  sync |diff| {float('nan') if m['sync_max_abs_diff'] is None else m['sync_max_abs_diff']:.1e}  "
+                 on_step=lambda m: print(f"      step {m['step']:>2}  reward {_num(m.get('reward_mean')):.3f}  "
+                                         f"exact {_num(m.get('correct_rate')):.3f}  loss {_num(m.get('loss')):+.4f}  "
+                                         f"k3 {_num(m.get('kl_k3')):.1e}  sync |diff| {_num(m.get('sync_max_abs_diff')):.1e}  "
                                          f"{m['step_s']:.1f} s"))
     finally:
         rollout.shutdown()
         trainer.shutdown()
+
+
+def _num(value) -> float:
+    """A step's statistic to print: NaN where the step has none (a step with nothing to train logs no
+    loss, k3 or sync; reading it raised out of on_step and ended the demo's run)."""
+    return float("nan") if value is None else float(value)
 
 
 def run_agent(args, engine, path) -> int:
