@@ -195,6 +195,9 @@ def test_gate_monitor_traces_equal_the_history():
     assert list(mon.trace("is_weight_hist").y) == [3, 4]
     mon.on_step({"step": 3, "token_keep_ratio": 0.6})  # a token-level mask's rejections: on the gate's panel
     assert list(mon.trace("token_keep_ratio").y) == [None, None, None, 0.6]
+    # a run after wb.restore() to step 2: its steps replace the abandoned branch's (the line ran back over them)
+    mon.on_step({"step": 2, "token_keep_ratio": 0.5})
+    assert list(mon.trace("token_keep_ratio").x) == [0, 1, 2] and list(mon.trace("token_keep_ratio").y) == [None, None, 0.5]
     mon.update([{"step": 0, "loss": 1.0}])  # an older history without these keys
     assert list(mon.trace("kl_k3").y) == [None] and list(mon.trace("staleness_hist").y) == []
 

@@ -461,6 +461,10 @@ class _Monitor(W.VBox):
         import time
 
         with self._lock:
+            # a step again (a run after wb.restore(), which set the abandoned branch's steps aside): it
+            # replaces the steps from it on, as in metrics.jsonl (appended, the lines ran back and over)
+            while self.history and metrics.get("step") is not None and self.history[-1].get("step", -1) >= metrics["step"]:
+                self.history.pop()
             self.history.append(metrics)
             now = time.monotonic()
             if len(self.history) <= self.REDRAW_ALWAYS or now - self._drawn_at >= self.REDRAW_S:
