@@ -115,8 +115,15 @@ def test_statistics_of_a_broken_engine_stay_finite_and_count_what_the_gate_kept(
                            CorrectionConfig(level="token", mode="clip", low=0.5, high=2.0, max_staleness=None))
     assert math.isnan(c.stats["is_ess"]) and c.stats["tokens_bounded"] == 0
     from workbench.correction import merge_stats
-    assert math.isnan(merge_stats([c.stats, correction_weights(trainer, trainer, torch.tensor([[0, 1, 1, 1]]), torch.zeros(
-        1, 4, dtype=torch.long), 0, CorrectionConfig.tis()).stats])["is_ess"])
+    merged = merge_stats([c.stats, correction_weights(trainer, trainer, torch.tensor([[0, 1, 1, 1]]), torch.zeros(
+        1, 4, dtype=torch.long), 0, CorrectionConfig.tis()).stats])
+    assert math.isnan(merged["is_ess"])
+    # the NaN weight is in no bin of the histogram (the panel read clean): counted beside it, and outside
+    # the audit's band
+    from workbench.widgets.audit import _hist_outside
+
+    assert (sum(c.stats["is_weight_hist"]["counts"]), c.stats["is_weight_hist"]["nonfinite"]) == (2, 1)
+    assert merged["is_weight_hist"]["nonfinite"] == 1 and _hist_outside(c.stats["is_weight_hist"]) >= 1 / 3
 
 
 def test_non_finite_log_probs_off_the_trained_tokens_and_an_impossible_token():

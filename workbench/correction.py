@@ -284,7 +284,10 @@ def _stats(trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, ver
         "kl_k3_stale": kl_k3_sum(trainer_lp, behav_lp, older)[0] / n_older if n_older else None,
         "tokens_stale": n_older,
         "max_abs_delta_p": float((trainer_lp.float().exp() - behav_lp.float().exp())[m].abs().max()) if n else 0.0,
-        "is_weight_hist": {"edges": list(WEIGHT_BINS), "counts": [int(c) for c in hist.tolist()]},
+        # (a NaN weight is in no bin, torch.histogram drops it: counted beside the bins, or the panel
+        # read clean on the very step a weight broke)
+        "is_weight_hist": {"edges": list(WEIGHT_BINS), "counts": [int(c) for c in hist.tolist()],
+                           "nonfinite": int((~torch.isfinite(w)).sum())},
         # the kept weights' spread (effective_sample_size) and how often the clip or cap bounded one:
         # a correction that keeps every token but weighs a few by its cap shows here, not in the gate
         "is_ess": effective_sample_size(float(w.double().sum()), float(w.double().square().sum()), int(w.numel())),
@@ -335,7 +338,8 @@ def merge_stats(parts: list[dict]) -> dict:
         # NaN wins (Python's max kept or dropped one by the parts' order: a NaN rank's hidden)
         "max_abs_delta_p": max((p["max_abs_delta_p"] for p in parts), key=lambda x: math.inf if math.isnan(x) else x),
         "is_weight_hist": {"edges": parts[0]["is_weight_hist"]["edges"],
-                           "counts": [sum(c) for c in zip(*(p["is_weight_hist"]["counts"] for p in parts))]},
+                           "counts": [sum(c) for c in zip(*(p["is_weight_hist"]["counts"] for p in parts))],
+                           "nonfinite": sum(p["is_weight_hist"].get("nonfinite", 0) for p in parts)},
         "is_ess": effective_sample_size(sum(p["is_weight_sum"] for p in parts), sum(p["is_weight_sq_sum"] for p in parts), kept),
         "is_weight_sum": sum(p["is_weight_sum"] for p in parts), "is_weight_sq_sum": sum(p["is_weight_sq_sum"] for p in parts),
         "tokens_kept": kept, "is_bounded_fraction": sum(p["tokens_bounded"] for p in parts) / kept if kept else None,

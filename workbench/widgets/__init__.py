@@ -433,6 +433,8 @@ class _Monitor(W.VBox):
         # NaN / inf reach the browser as null, a gap like a step not measured: name them in the title
         bad = [f"{self.LABELS.get(key, key).split(':')[0].split(' (')[0]} at step {s}" for key, *_ in self.LINES
                for s, m in zip(steps, self.history) if isinstance(m.get(key), float) and not math.isfinite(m[key])]
+        bad += [f"{(m.get('is_weight_hist') or {}).get('nonfinite')} IS weight(s) at step {s}" for s, m in zip(steps, self.history)
+                if (m.get("is_weight_hist") or {}).get("nonfinite")]  # (in no bin of the histogram)
         self.fig.update_layout(title=dict(text=("<span style='color:#c00'>not finite: " + "; ".join(bad[:4])
                                                 + (f" (+{len(bad) - 4})" if len(bad) > 4 else "") + "</span>") if bad else None,
                                           font_size=12, x=0.01))

@@ -100,10 +100,11 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 def _hist_outside(h: dict | None) -> float | None:
-    if not h or not sum(h["counts"]):
+    nonfinite = (h or {}).get("nonfinite", 0)  # (a NaN weight is in no bin: outside any band)
+    if not h or not sum(h["counts"]) + nonfinite:
         return None
     out = sum(c for a, b, c in zip(h["edges"], h["edges"][1:], h["counts"]) if a < 0.8 or b > 1.25)
-    return out / sum(h["counts"])
+    return (out + nonfinite) / (sum(h["counts"]) + nonfinite)
 
 
 def _trains(t: Trajectory, rules: dict) -> bool:
