@@ -475,6 +475,27 @@ QWEN3_DRAFTED_CALLS = ("<think>\nThe call should be:\n" + CALL + "\nYes.\n</thin
                        "<think>\nMaybe <tool_call> is needed? No.</think>\n\nHi")
 
 
+def test_a_mistral_v3_reply_with_more_than_its_call_list_hands_out_no_call():
+    """vLLM's mistral parser read a second [TOOL_CALLS] block, or text after the call list, as
+    nothing: the agent got the first list's calls and content '', while the trained context held
+    both calls and then one result. Such a reply reaches the agent as its text (counted); one list
+    of two calls is two calls."""
+    fam = rm.load_family("mistral-v3")
+    server = LoopbackServer(Replay(), fam.tokenizer, profile=fam.profile(), max_model_len=1 << 20)
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("weather", "search")]
+    call = lambda name: f'{{"name": "{name}", "arguments": {{"q": "x"}}}}'  # noqa: E731
+
+    def parse(text):
+        return server.reply_parser.parse(text, fam.tokenizer.encode(text, add_special_tokens=False), tools=tools)
+
+    both = parse(f"[TOOL_CALLS] [{call('weather')}, {call('search')}]")
+    assert [c["name"] for c in both.calls] == ["weather", "search"] and server.reply_parser.failures == 0
+    for text in (f"[TOOL_CALLS] [{call('weather')}] [TOOL_CALLS] [{call('search')}]", f"[TOOL_CALLS] [{call('weather')}] Let me know."):
+        p = parse(text)
+        assert p.calls == [] and ("search" in p.content or "Let me know." in p.content), text
+    assert server.reply_parser.failures == 2
+
+
 def test_a_template_that_renders_no_tools_is_counted_and_said(caplog):
     """DeepSeek V3.1's template renders no tools=: every tool episode was sampled and trained on a
     prompt without the tools' schemas while its calls still parsed, the run looking healthy.

@@ -207,6 +207,9 @@ class ReplyParser:
                 if not isinstance(args, dict) or not self._sendable(args):  # as hermes: a call we cannot read
                     return self.as_text(text, ids, tools)  # leaves the text as written
                 out.append({"name": c.name, "arguments": args})
+            if out and not _one_call_list(text):
+                self.failures += 1  # (counted as a reply no call of which is handed out)
+                return self.as_text(text, ids, tools)
             return Parsed(reasoning or None, (content or "").strip() if out else (content or ""), out)
         reasoning, markers = None, self.reasoning_markers
         # (the block opened by the prompt, or by the reply's start, or closed in it: a marker elsewhere,
@@ -266,3 +269,20 @@ def _closed_where_written(text: str, reasoning: str | None, rest: str | None, ma
     if len(reasoning) < len(head) and head.startswith(reasoning):  # (cut sooner: the same text's prefix)
         return head, text[end + len(markers[1]):]
     return reasoning, rest
+
+
+def _one_call_list(text: str, marker: str = "[TOOL_CALLS]") -> bool:
+    """False for a Mistral v3 reply whose [TOOL_CALLS] JSON list is followed by more than
+    whitespace: vLLM's mistral parser hands out the first list's calls alone, a second
+    [TOOL_CALLS] block or text after the list dropped, while the trained context holds them all
+    (two calls, one result). True for anything else (the [TOOL_CALLS]name[ARGS]{...} form repeats
+    its marker per call)."""
+    at = text.find(marker)
+    rest = text[at + len(marker):].lstrip() if at >= 0 else ""
+    if not rest.startswith("["):
+        return True
+    try:
+        _, end = json.JSONDecoder().raw_decode(rest)
+    except ValueError:
+        return True  # (the parser's own reading decides)
+    return not rest[end:].strip()
