@@ -639,6 +639,15 @@ def test_a_resumed_session_writes_the_same_wandb_run(tmp_path, monkeypatch):
     assert ids[0] == ids[1] == (tmp_path / "wandb" / "workbench_run_id").read_text().strip()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.split("-")[3] == ids[0] for r in runs)  # one run, written twice
+    # W&B keeps an abandoned branch's steps (a wb.restore(), a resume re-running steps since its checkpoint):
+    # each step logs its branch, the branches abandoned before it (run_dir/abandoned/), +1 at each restore
+    (tmp_path / "abandoned" / "20261206-120000").mkdir(parents=True)
+    [w] = make_loggers(["wandb"], tmp_path, {"lr": 1e-3}, next_step=2)
+    assert w.branch == 1
+    w.purge_from(1)
+    w.on_step({"step": 1, "reward_mean": 0.5})
+    w.close()
+    assert w.branch == 2 and any(b"branch" in r.read_bytes() for r in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
 def test_a_config_files_numbers_are_numbers(monkeypatch):

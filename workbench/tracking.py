@@ -75,10 +75,13 @@ class WandbLogger:
     name = "wandb"
 
     def __init__(self, directory: str | Path, config: dict | None = None, project: str = "workbench",
-                 name: str | None = None, run_id: str | None = None):
+                 name: str | None = None, run_id: str | None = None, branch: int = 0):
         """`run_id`: the W&B run to write (an existing one continued: W&B's resume="allow"), so a
         resumed session's steps land in its run, not a second one (`wandb sync` uploads both parts
-        of the run's offline directories into one run)."""
+        of the run's offline directories into one run). `branch`: logged with every step (the
+        branches a wb.restore() or a resume abandoned before: W&B cannot hide what it logged, as
+        TensorBoard's purge does, so a re-run step's two records tell apart by it)."""
+        self.branch = branch
         try:
             import wandb
         except ImportError as e:
@@ -98,7 +101,11 @@ class WandbLogger:
         self.directory = str(directory)
 
     def log(self, metrics: dict, step: int) -> None:
-        self.run.log({**scalars(metrics), WANDB_STEP: step})
+        self.run.log({**scalars(metrics), WANDB_STEP: step, "branch": self.branch})
+
+    def purge_from(self, step: int | None) -> None:
+        """The steps from `step` on are trained again (wb.restore()): a new branch."""
+        self.branch += 1
 
     def on_step(self, metrics: dict) -> None:
         self.log(metrics, int(metrics["step"]))
@@ -138,7 +145,10 @@ def make_loggers(names: list, run_dir: str | Path, config: dict | None = None, n
         elif n == "tensorboard":
             out.append(TensorBoardLogger(Path(run_dir) / "tensorboard", next_step))
         elif n == "wandb":
-            out.append(WandbLogger(Path(run_dir), config, name=Path(run_dir).name, run_id=wandb_run_id(run_dir)))
+            # (each branch abandoned so far is a directory of run_dir/abandoned/: the one written now is the next)
+            abandoned = Path(run_dir) / "abandoned"
+            out.append(WandbLogger(Path(run_dir), config, name=Path(run_dir).name, run_id=wandb_run_id(run_dir),
+                                   branch=len(list(abandoned.iterdir())) if abandoned.is_dir() else 0))
         else:
             raise ValueError(f"unknown logger {n!r}; known: {LOGGERS}")
     return out
