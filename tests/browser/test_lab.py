@@ -121,6 +121,12 @@ def _ray_processes() -> int:
     return len(out.split())
 
 
+def _session_actors() -> int:
+    """Engine and trainer actor processes on this machine (a session's)."""
+    out = subprocess.run(["pgrep", "-f", "ray::(EngineHost|TrainerWorker|RolloutRunner)"], capture_output=True, text=True).stdout
+    return len(out.split())
+
+
 def _restart_kernel(lab, page) -> None:
     """Kernel > Restart, answered yes, as a user does (the dialog's accept button)."""
     page.evaluate("() => { window.jupyterapp.commands.execute('kernelmenu:restart'); }")
@@ -134,7 +140,8 @@ def _restart_kernel(lab, page) -> None:
 
 # WB_BROWSER_NOTEBOOKS="02_policy_versions 03_routing_replay 04_real_templates": the workshop notebooks as committed (their
 # own defaults, not a test's parameters) under Run All in Chromium, then Run All again in the same kernel,
-# then an interrupt halfway through a third Run All and a restart, then Run All once more. Opt-in: each
+# then an interrupt halfway through a third Run All, Run All again in that kernel (its session shut down
+# first), a restart, and Run All once more. Opt-in: each
 # notebook's four runs take minutes; the suite runs them headless through papermill (test_notebooks_workshop.py)
 @pytest.mark.parametrize("notebook", os.environ.get("WB_BROWSER_NOTEBOOKS", "").split())
 def test_workshop_notebook_run_all_again_interrupt_restart(lab, browser, notebook, capsys):
@@ -164,6 +171,11 @@ def test_workshop_notebook_run_all_again_interrupt_restart(lab, browser, noteboo
         time.sleep(0.5)
     page.evaluate("() => { window.jupyterapp.commands.execute('kernelmenu:interrupt'); }")
     time.sleep(5)
+    # Run All again in the interrupted kernel: its session (connected, never shut down) is shut down by
+    # the connect cell (workbench.shutdown_live); it ran on beside the new one, its actors left after
+    run_all_ok("after an interrupt, same kernel")
+    time.sleep(3)
+    assert _session_actors() == 0, "the interrupted Run All's session outlived the next Run All"
     _restart_kernel(lab, page)
     run_all_ok("after an interrupt and a restart")
     kernel_dir = lab.root / Path(notebook).parent  # a kernel runs in its notebook's folder
@@ -172,10 +184,10 @@ def test_workshop_notebook_run_all_again_interrupt_restart(lab, browser, noteboo
     if notebook.startswith("recipes/"):
         # each finished Run All wrote its own run directory; a recipe's cells are quick, so the
         # interrupted third Run All may have finished before the interrupt reached it
-        assert len(runs) in (3, 4), runs
+        assert len(runs) in (4, 5), runs
     else:
         # each finished Run All wrote its own run directory (or rewrote the fixed one)
-        assert len(runs) == 3 or (not runs and fixed.is_file()), runs
+        assert len(runs) == 4 or (not runs and fixed.is_file()), runs
         exercise = json.loads((runs[-1] if runs else fixed).read_text())["exercise"]  # the committed exercise: broken, and said so
         assert "yours" in exercise and not exercise["yours"]["holds"], exercise
     lab.shutdown_kernels()
