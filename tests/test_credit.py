@@ -317,9 +317,12 @@ def test_the_shipped_agents_grade_a_data_files_text_labels():
     from workbench.examples.arithmetic_env import reward
     from workbench.examples.tools import is_answer, label_number
 
+    import numpy as np
+
     assert is_answer("The answer is 18.", "18") and is_answer("9801", "9,801") and is_answer("So 18.", 18)
+    assert is_answer("18", np.int64(18)) and is_answer("18", 18.0)  # (a DataFrame's row; a float column)
     assert not is_answer("The answer is 17.", "18") and not is_answer("no number", "18")
     assert reward("7", "7") == (1.0, True) and reward("6", "7") == reward("6", 7) == (0.45, False)
-    for not_a_number in ("", "twelve", "3/4", "12.5", True, None):
+    for not_a_number in ("", "twelve", "3/4", "12.5", True, None, 12.5, float("nan")):
         with pytest.raises(ValueError, match="no whole number"):
             label_number(not_a_number)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import math
+import numbers
 import operator
 import random
 import re
@@ -122,8 +124,10 @@ def label_number(label) -> int:
     """A task's label as the whole number it names: an int as it is, text as a data file holds it
     ("18", "9,801": gsm8k's final answers and CSV cells are text, which compared with an int read
     every right answer wrong, or raised where subtracted). ValueError for anything else."""
-    if isinstance(label, int) and not isinstance(label, bool):
-        return label
+    if isinstance(label, numbers.Integral) and not isinstance(label, bool):  # (numpy's too: a DataFrame row's)
+        return int(label)
+    if isinstance(label, numbers.Real) and not isinstance(label, bool) and math.isfinite(label) and float(label).is_integer():
+        return int(label)  # (18.0: a pandas int column with a missing value is float)
     number = answer_number(label) if isinstance(label, str) and label.strip() else None
     if number is None or not re.fullmatch(r"\s*-?[\d,]+(?:\.0*)?\s*", label):
         raise ValueError(f"the task's label {label!r} is no whole number: these agents grade a number")
