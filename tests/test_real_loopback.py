@@ -532,6 +532,9 @@ def test_a_call_qwen3_only_drafted_in_its_thinking_is_not_made():
     assert (tag_only.calls, tag_only.content.strip(), tag_only.reasoning) == ([], "Hi", "\nMaybe <tool_call> is needed? No.")
     unclosed = parse("<think>\nI need calc.\n" + CALL)  # (the implicit end vLLM's parser is there for)
     assert (unclosed.reasoning, len(unclosed.calls)) == ("\nI need calc.\n", 1)
+    # ... a </think> inside that call's arguments is no end of the reasoning (the call was made)
+    strip = '<tool_call>\n{"name": "calc", "arguments": {"code": "s.split(\'</think>\')[-1]"}}\n</tool_call>'
+    assert [c["name"] for c in parse("<think>\nI need calc.\n" + strip).calls] == ["calc"]
 
 
 def test_b_qwen3_streams_only_what_the_finished_reply_holds():

@@ -264,6 +264,11 @@ def _closed_where_written(text: str, reasoning: str | None, rest: str | None, ma
     if end < 0:
         return reasoning, rest
     head = text[:end]
+    last = head.rfind("<tool_call>")
+    if last > head.rfind("</tool_call>") and head[last + len("<tool_call>"):].lstrip().startswith("{"):
+        # the marker is inside an open call's arguments (code that strips think tags): the reasoning did
+        # end at that call, as the parser read it (a tag only named, "<tool_call> is needed?", opens none)
+        return reasoning, rest
     opened = head.find(markers[0])
     head = head[opened + len(markers[0]):] if opened >= 0 else head
     if len(reasoning) < len(head) and head.startswith(reasoning):  # (cut sooner: the same text's prefix)
