@@ -79,3 +79,32 @@ def test_quickstart_trains_and_leaves_a_run_directory(tmp_path, capsys, ray_addr
     saved = json.loads((run / "config.json").read_text())
     assert (run / "checkpoint" / "run_state.json").is_file() and saved["backend"] == "vllm"
     assert "CPU build cannot return routed experts" in saved["_routing_replay_off"]  # (also said at connect)
+
+
+def test_a_run_all_after_one_that_stopped_early_leaves_one_session(tmp_path, ray_address):
+    """Run All again after a Run All that failed or was interrupted before its wb.shutdown(): the
+    new connect cell started a second session beside the first, which the kernel kept (Out[] holds
+    the cell's `wb`), its engines and trainer ranks holding the machine. The connect cells call
+    workbench.shutdown_live() first. (The quickstart's parameters and connect cells, twice in one
+    kernel, then the sessions the kernel holds.)"""
+    import papermill
+
+    from workbench.notebooks import _local_env, ensure_kernel
+
+    nb = nbformat.read(NOTEBOOK_DIR / "00_quickstart.ipynb", as_version=4)
+    params, connect = [c for c in nb.cells if c.cell_type == "code"][:2]
+    cells = []
+    for run in ("a", "b"):  # (the interrupted Run All, then the next)
+        cells += [nbformat.v4.new_code_cell(params.source),
+                  nbformat.v4.new_code_cell(f"run_dir = {str(tmp_path / run)!r}; backend = 'reference'"),
+                  nbformat.v4.new_code_cell(connect.source)]
+    cells.append(nbformat.v4.new_code_cell("from workbench import session\nprint('LIVE', len(session._LIVE_SESSIONS))\n"
+                                           "workbench.shutdown_live()"))
+    path = tmp_path / "twice.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata=nb.metadata), path)
+    ensure_kernel("workbench-local")
+    with _local_env(ray_address):
+        papermill.execute_notebook(str(path), str(path), kernel_name="workbench-local", progress_bar=False,
+                                   execution_timeout=600)
+    out = nbformat.read(path, as_version=4).cells[-1].outputs
+    assert "LIVE 1" in "".join(o.get("text", "") for o in out), out
