@@ -287,7 +287,7 @@ def _stats(trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, ver
         # (a NaN weight is in no bin, torch.histogram drops it: counted beside the bins, or the panel
         # read clean on the very step a weight broke)
         "is_weight_hist": {"edges": list(WEIGHT_BINS), "counts": [int(c) for c in hist.tolist()],
-                           "nonfinite": int((~torch.isfinite(w)).sum())},
+                           "nonfinite": int(torch.isnan(w).sum())},  # (an inf is in the last bin: clamped)
         # the kept weights' spread (effective_sample_size) and how often the clip or cap bounded one:
         # a correction that keeps every token but weighs a few by its cap shows here, not in the gate
         "is_ess": effective_sample_size(float(w.double().sum()), float(w.double().square().sum()), int(w.numel())),

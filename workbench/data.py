@@ -305,8 +305,11 @@ class TaskDataset:
     (`data_position`): a resumed run draws exactly the tasks the first would have drawn next.
     Called as `source(n, seed)` (the plain task-source contract, whose seed the loop gives as the
     data position: loop.draw_tasks) it serves the n tasks from position `seed`: as a step number
-    (position seed * n), a source wrapping it (a mix, a filter, a lambda) drew positions n times
-    too far apart, each epoch sampled with replacement, some tasks never drawn."""
+    (position seed * n), a source wrapping it (a lambda, a filter) drew positions n times too far
+    apart, each epoch sampled with replacement, some tasks never drawn. (A source that draws only
+    part of each chunk from it, a mix of two datasets, must pass the positions of its own share:
+    a(n // 2, seed // 2), or its epochs skip tasks. A loop of one's own calling ds(n, step) gets
+    overlapping windows: ds.take(step * n, n).)"""
 
     def __init__(self, tasks: Iterable[dict | Task], seed: int = 0, shuffle: bool = True):
         self.tasks = tasks_from_list(tasks)

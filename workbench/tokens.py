@@ -414,9 +414,11 @@ class ChatFormat:
         them, once per tools list)."""
         key = json.dumps(tools, sort_keys=True, default=str)
         if key not in self._tools_rendered:
+            if len(self._tools_rendered) >= 256:  # (a dataset with tools of its own per record: bounded)
+                self._tools_rendered.clear()
             probe = [{"role": "user", "content": "."}]
             self._tools_rendered[key] = shown = self.render(probe, tools, True, False) != self.render(probe, None, True, False)
-            if not shown:
+            if not shown and not self.tools_unrendered:  # (said once: the count goes on)
                 import logging
 
                 logging.getLogger(__name__).warning(

@@ -362,6 +362,9 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
         order = [t for t in trajs if t.episode_id in by_step[s]][:max_views_per_step] or trajs[:sample_per_step]
         out.append(f"<div id='{_id('step', s)}'><h3>step {s}</h3>")
         for t in order:
+            if view_bytes >= max_view_bytes:  # (one step's long views alone could pass it several times)
+                out.append(f"<p class='na'>{t.episode_id}: token view left out (the page's budget is spent)</p>")
+                continue
             out.append(f"<div class='traj' id='{_id('t', s, t.episode_id)}'>{trajectory_html(t)}"
                        f"{spans_html(token_spans(t, 'logprob', tokenizer))}</div>")
             view_bytes += len(out[-1])
