@@ -639,15 +639,21 @@ def test_a_resumed_session_writes_the_same_wandb_run(tmp_path, monkeypatch):
     assert ids[0] == ids[1] == (tmp_path / "wandb" / "workbench_run_id").read_text().strip()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.split("-")[3] == ids[0] for r in runs)  # one run, written twice
-    # W&B keeps an abandoned branch's steps (a wb.restore(), a resume re-running steps since its checkpoint):
-    # each step logs its branch, the branches abandoned before it (run_dir/abandoned/), +1 at each restore
-    (tmp_path / "abandoned" / "20261206-120000").mkdir(parents=True)
-    [w] = make_loggers(["wandb"], tmp_path, {"lr": 1e-3}, next_step=2)
+    # W&B keeps an abandoned branch's steps: each step logs its branch, a new one wherever a step already
+    # logged is trained again (a wb.restore(), a resume from an earlier checkpoint), kept across sessions
+    assert ids and w.branch == 0  # (sessions 1 and 2 went on from each other's last step)
+    [w] = make_loggers(["wandb"], tmp_path, {"lr": 1e-3}, next_step=2)  # a resume re-running steps 2 and 3
     assert w.branch == 1
-    w.purge_from(1)
+    w.purge_from(5)  # a restore to a step not logged yet: the same branch
+    assert w.branch == 1
+    w.on_step({"step": 2, "reward_mean": 0.5})
+    w.purge_from(1)  # a wb.restore() to step 1
     w.on_step({"step": 1, "reward_mean": 0.5})
     w.close()
     assert w.branch == 2 and any(b"branch" in r.read_bytes() for r in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    [w] = make_loggers(["wandb"], tmp_path, {"lr": 1e-3}, next_step=2)  # the next session, from step 2
+    assert w.branch == 2
+    w.close()
 
 
 def test_a_config_files_numbers_are_numbers(monkeypatch):

@@ -14,6 +14,7 @@ tags after 10,000 steps, over W&B's limit for a whole project).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 LOGGERS = ("tensorboard", "wandb")
@@ -75,13 +76,21 @@ class WandbLogger:
     name = "wandb"
 
     def __init__(self, directory: str | Path, config: dict | None = None, project: str = "workbench",
-                 name: str | None = None, run_id: str | None = None, branch: int = 0):
+                 name: str | None = None, run_id: str | None = None, next_step: int = 0):
         """`run_id`: the W&B run to write (an existing one continued: W&B's resume="allow"), so a
         resumed session's steps land in its run, not a second one (`wandb sync` uploads both parts
-        of the run's offline directories into one run). `branch`: logged with every step (the
-        branches a wb.restore() or a resume abandoned before: W&B cannot hide what it logged, as
-        TensorBoard's purge does, so a re-run step's two records tell apart by it)."""
-        self.branch = branch
+        of the run's offline directories into one run). Every step logs its `branch`: W&B cannot hide
+        what it logged, as TensorBoard's purge does, so a step trained again (a wb.restore(), a
+        resume from a checkpoint before the last logged step) is a new branch, told apart by it.
+        The branch and the last step logged are kept in wandb/workbench_branch.json: a resumed
+        session writing from `next_step` on continues them."""
+        self._branch_file = Path(directory) / "wandb" / "workbench_branch.json"
+        try:
+            kept = json.loads(self._branch_file.read_text())
+            self.branch, self.last_step = int(kept["branch"]), int(kept["last_step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            self.branch, self.last_step = 0, -1
+        self.purge_from(next_step)
         try:
             import wandb
         except ImportError as e:
@@ -102,10 +111,19 @@ class WandbLogger:
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log({**scalars(metrics), WANDB_STEP: step, "branch": self.branch})
+        if step > self.last_step:
+            self.last_step = step
+            self._keep()
 
     def purge_from(self, step: int | None) -> None:
-        """The steps from `step` on are trained again (wb.restore()): a new branch."""
-        self.branch += 1
+        """The steps from `step` on are trained again (wb.restore(), a resume): past a logged one, a new branch."""
+        if step is not None and step <= self.last_step:
+            self.branch, self.last_step = self.branch + 1, step - 1
+            self._keep()
+
+    def _keep(self) -> None:
+        self._branch_file.parent.mkdir(parents=True, exist_ok=True)
+        self._branch_file.write_text(json.dumps({"branch": self.branch, "last_step": self.last_step}))
 
     def on_step(self, metrics: dict) -> None:
         self.log(metrics, int(metrics["step"]))
@@ -145,10 +163,8 @@ def make_loggers(names: list, run_dir: str | Path, config: dict | None = None, n
         elif n == "tensorboard":
             out.append(TensorBoardLogger(Path(run_dir) / "tensorboard", next_step))
         elif n == "wandb":
-            # (each branch abandoned so far is a directory of run_dir/abandoned/: the one written now is the next)
-            abandoned = Path(run_dir) / "abandoned"
             out.append(WandbLogger(Path(run_dir), config, name=Path(run_dir).name, run_id=wandb_run_id(run_dir),
-                                   branch=len(list(abandoned.iterdir())) if abandoned.is_dir() else 0))
+                                   next_step=next_step))
         else:
             raise ValueError(f"unknown logger {n!r}; known: {LOGGERS}")
     return out
