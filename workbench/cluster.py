@@ -220,7 +220,11 @@ def check_checkpoints_everywhere(paths: dict[str, str], timeout: float = 120.0) 
             for n in ray.nodes() if n.get("Alive")}
     problems = []
     for nid, ref in refs.items():
-        host, lacking = ray.get(ref, timeout=timeout)
+        try:
+            host, lacking = ray.get(ref, timeout=timeout)
+        except Exception as e:  # (a node that cannot run the check in time: named, as check_shared_path does)
+            problems.append(f"node {nid[:8]} could not check the checkpoints: {type(e).__name__}: {str(e)[-300:]}")
+            continue
         problems += [f"node {nid[:8]} ({host}) has no {paths[w]}/config.json ({w})" for w in lacking]
     if problems:
         raise SharedPathError("; ".join(problems) + ": every node must see the checkpoints at the driver's paths (a "
