@@ -558,6 +558,9 @@ def test_a_failed_episode_counts_as_a_wrong_answer_in_the_steps_correct_rate():
 
     assert summarize([wrong + [episode(2.0)]])["eval_pass@4"] == 0.0  # (it read 1.0: pass@1 0.25)
     assert summarize([[episode(2.0), episode(0.0)]])["eval_pass@1"] == 0.5  # none reports it: the reward decides
+    looped = episode(2.0)
+    looped.truncated = True  # ... but an episode cut short (a greedy evaluation looping on every task) answered nothing
+    assert summarize([[looped, looped]])["eval_pass@1"] == 0.0
     # nothing finished: nothing measured (reward_mean read 0.0, correct_rate None and the notebooks' sums raised)
     nothing = reward_statistics([[episode(0.0, error="episode timed out") for _ in range(4)]])
     assert math.isnan(nothing["reward_mean"]) and math.isnan(nothing["correct_rate"])

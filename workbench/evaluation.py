@@ -4,7 +4,7 @@
 training rollout's engines and runners) and, given a `greedy_rollout` (runners whose policy
 sampling is temperature 0), one greedy episode per task. An episode is correct when its info
 says so (`info["correct"]`, as the example envs report it); where no episode of the evaluation
-reports it, when its reward reaches `success_reward`. Per task, with c correct of n samples, the unbiased estimator of pass@k
+reports it, when it was not truncated and its reward reaches `success_reward`. Per task, with c correct of n samples, the unbiased estimator of pass@k
 (the chance that at least one of k samples drawn without replacement from the n is correct) is
 
     pass@k = 1 - C(n - c, k) / C(n, k)          (1 when n - c < k)
@@ -50,7 +50,9 @@ def is_correct(t, success_reward: float = 1.0, reported: bool = False) -> bool:
         return False
     if "correct" in t.info:
         return bool(t.info["correct"])
-    return not reported and float(t.reward) >= success_reward
+    # (cut short, by max_turns, the context or max_tokens: no answer, whatever its shaped reward summed
+    # to; a greedy evaluation looping on every task read pass@1 1.0)
+    return not reported and not getattr(t, "truncated", False) and float(t.reward) >= success_reward
 
 
 def reports_correct(episodes) -> bool:
