@@ -814,8 +814,12 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path)
         # a teacher whose context is shorter than the policy's is refused before it starts (it scores
         # whole segments, up to the policy's context: a longer one failed the rollout)
         wb.cfg.frozen_engine_kwargs = {"max_model_len": 512}
-        with pytest.raises(ConfigError, match="shorter than the policy's context"):
+        with pytest.raises(ConfigError, match="shorter than the policy's context.*the teacher reads"):
             wb._frozen_engine("dense", "loop.teacher", 0)
+        # ... and so is a judge's (the side route holds its prompts to the policy's context: one the judge's
+        # engine then refused failed the episode, dropped, and an answer rambling to the cap escaped its 0)
+        with pytest.raises(ConfigError, match="shorter than the policy's context.*the judge reads"):
+            wb._frozen_engine("dense", "judge", 0)
         wb.cfg.frozen_engine_kwargs = {}
     finally:
         wb.shutdown()

@@ -935,11 +935,13 @@ class Workbench:
         from .placement import frozen_engine_kwargs
 
         kwargs = frozen_engine_kwargs(self.cfg)
-        if field == "loop.teacher" and kwargs.get("max_model_len", self.profile.max_model_len) < self.profile.max_model_len:
-            # it scores whole segments, up to the policy's context: a longer one failed the rollout
+        if kwargs.get("max_model_len", self.profile.max_model_len) < self.profile.max_model_len:
+            # the teacher scores whole segments, up to the policy's context: a longer one failed the rollout;
+            # the judge reads answers up to it (the side route checks a prompt against the policy's context:
+            # one its engine then refused failed the episode, dropped, and rambling escaped its 0)
             raise ConfigError(f"frozen_engine_kwargs max_model_len={kwargs['max_model_len']} is shorter than the "
-                              f"policy's context ({self.profile.max_model_len}): the teacher scores every segment "
-                              f"the policy can write, up to that length")
+                              f"policy's context ({self.profile.max_model_len}): the {field.split('.')[-1]} reads "
+                              f"every segment the policy can write, up to that length")
         import ray
 
         from .cluster import cluster_gpus
