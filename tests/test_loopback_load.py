@@ -88,7 +88,8 @@ class Episode:
             req = api.parse_request(body)
             plan = acc.plan(req.messages, req.tools)
             assert plan.prompt_ids == sample.prompt_ids
-            acc.record(plan, sample, reply, temperature=self.server.policy_sampling.temperature)  # as the server stamps it
+            acc.record(plan, sample, reply, temperature=self.server.policy_sampling.temperature,
+                       top_p=self.server.policy_sampling.top_p)  # as the server stamps them
         return acc.close()
 
 

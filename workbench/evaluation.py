@@ -89,8 +89,9 @@ def summarize(groups: list[list], ks: list[int] | None = None, success_reward: f
     n = min(len(g) for g in groups)
     ks = ks or default_ks(n)
     check_ks(ks, n)
-    reported = reports_correct(t for g in groups for t in g)
-    correct = [sum(is_correct(t, success_reward, reported) for t in g[:n]) for g in groups]
+    # (per task: an agent's episodes report it alike; a task whose episodes all looped reports none, and
+    # is_correct reads them wrong as truncated)
+    correct = [sum(is_correct(t, success_reward, reports_correct(g)) for t in g[:n]) for g in groups]
     out = {f"{prefix}pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(groups) for k in ks}
     rewards = [t.reward for g in groups for t in g if t.error is None]
     # None, not 0, when no episode finished: a reward nobody earned is not a measured 0
