@@ -203,28 +203,39 @@ class SharedPathError(RuntimeError):
     the nodes do."""
 
 
+def on_every_node(fn, args_of, timeout: float = 120.0) -> dict:
+    """`fn(*args_of(node_id))` as a task pinned to each alive node of the connected cluster:
+    {node id: its result, or the exception it (or its scheduling, or the timeout) raised}."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0)(fn)
+    refs = {nid: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(*args_of(nid))
+            for nid in (n["NodeID"] for n in ray.nodes() if n.get("Alive"))}
+    out = {}
+    for nid, ref in refs.items():
+        try:
+            out[nid] = ray.get(ref, timeout=timeout)
+        except Exception as e:
+            out[nid] = e
+    return out
+
+
 def check_checkpoints_everywhere(paths: dict[str, str], timeout: float = 120.0) -> None:
     """Each checkpoint directory ({what: path}, as the driver resolved it) holds a config.json on
     every alive node of the connected cluster: actors on other nodes are handed the path. A named
     model built into the driver's node-local cache (WORKBENCH_CACHE, ~/.cache/workbench) failed
     late on another node (vLLM read the missing path as a Hugging Face hub id). SharedPathError
     names each node and checkpoint it lacks."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     def missing(paths: dict) -> tuple[str, list[str]]:
         return socket.gethostname(), [w for w, p in paths.items() if not os.path.isfile(os.path.join(p, "config.json"))]
 
-    task = ray.remote(num_cpus=0)(missing)
-    refs = {n["NodeID"]: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(paths)
-            for n in ray.nodes() if n.get("Alive")}
     problems = []
-    for nid, ref in refs.items():
-        try:
-            host, lacking = ray.get(ref, timeout=timeout)
-        except Exception as e:  # (a node that cannot run the check in time: named, as check_shared_path does)
-            problems.append(f"node {nid[:8]} could not check the checkpoints: {type(e).__name__}: {str(e)[-300:]}")
+    for nid, got in on_every_node(missing, lambda nid: (paths,), timeout).items():
+        if isinstance(got, Exception):  # (a node that cannot run the check in time: named)
+            problems.append(f"node {nid[:8]} could not check the checkpoints: {type(got).__name__}: {str(got)[-300:]}")
             continue
+        host, lacking = got
         problems += [f"node {nid[:8]} ({host}) has no {paths[w]}/config.json ({w})" for w in lacking]
     if problems:
         raise SharedPathError("; ".join(problems) + ": every node must see the checkpoints at the driver's paths (a "
@@ -240,9 +251,6 @@ def check_shared_path(path: str, timeout: float = 120.0) -> list[str]:
     import secrets
     import shutil
 
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     def write(directory: str, name: str, word: str) -> str:
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, name), "w") as f:
@@ -250,18 +258,13 @@ def check_shared_path(path: str, timeout: float = 120.0) -> list[str]:
         return socket.gethostname()
 
     probe = os.path.join(os.path.abspath(path), f".workbench-shared-check-{secrets.token_hex(4)}")
-    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
-    task = ray.remote(num_cpus=0)(write)
-    words = {nid: secrets.token_hex(8) for nid in nodes}
-    refs = {nid: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
-            .remote(probe, nid, words[nid]) for nid in nodes}
+    words: dict[str, str] = {}
     problems = []
     try:
-        for nid, ref in refs.items():
-            try:
-                host = ray.get(ref, timeout=timeout)
-            except Exception as e:  # the node cannot create or write the path
-                problems.append(f"node {nid[:8]} could not write under {path!r}: {type(e).__name__}: {str(e)[-300:]}")
+        written = on_every_node(write, lambda nid: (probe, nid, words.setdefault(nid, secrets.token_hex(8))), timeout)
+        for nid, host in written.items():
+            if isinstance(host, Exception):  # the node cannot create or write the path
+                problems.append(f"node {nid[:8]} could not write under {path!r}: {type(host).__name__}: {str(host)[-300:]}")
                 continue
             try:
                 with open(os.path.join(probe, nid)) as f:
@@ -276,7 +279,7 @@ def check_shared_path(path: str, timeout: float = 120.0) -> list[str]:
     if problems:
         raise SharedPathError(f"{path!r} is not shared by every node of the cluster: " + "; ".join(problems)
                               + ". Put run_dir (checkpoints, records) on a filesystem every node mounts (docs/cluster.md)")
-    return nodes
+    return list(written)
 
 
 def wait_for_gpus(gpus: int, timeout: float = 600.0, poll: float = 5.0) -> dict:

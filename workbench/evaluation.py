@@ -3,8 +3,9 @@
 `evaluate(rollout, tasks, n)` runs `n` episodes per task at the policy's sampling (the
 training rollout's engines and runners) and, given a `greedy_rollout` (runners whose policy
 sampling is temperature 0), one greedy episode per task. An episode is correct when its info
-says so (`info["correct"]`, as the example envs report it); where no episode of the evaluation
-reports it, when it was not truncated and its reward reaches `success_reward`. Per task, with c correct of n samples, the unbiased estimator of pass@k
+says so (`info["correct"]`, as the example envs report it); where no episode of its task reports
+it, when it was not truncated and its reward reaches `success_reward`. Per task, with c correct of
+n samples, the unbiased estimator of pass@k
 (the chance that at least one of k samples drawn without replacement from the n is correct) is
 
     pass@k = 1 - C(n - c, k) / C(n, k)          (1 when n - c < k)
@@ -42,7 +43,7 @@ def default_ks(n: int) -> list[int]:
 
 
 def is_correct(t, success_reward: float = 1.0, reported: bool = False) -> bool:
-    """`reported`: whether any episode of the set says info["correct"]; one that does not is then
+    """`reported`: whether any episode of its set (the task's; the step's) says info["correct"]; one that does not is then
     wrong (an Env episode cut by max_turns never reached the step that sets it, and a shaped reward
     summed over its looping turns passed success_reward: correct, while its siblings that
     answered were wrong). With none reporting it, the reward decides."""
