@@ -739,7 +739,7 @@ def test_greedy_evaluation_of_a_strict_session_runs_greedy(ray_local, tmp_path):
         wb.shutdown()
 
 
-def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path):
+def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path, monkeypatch):
     """The toy model on the reference backend: wb.eval (sampled and greedy), eval_every in the
     run, dynamic sampling and overlong shaping switched on, the data position recorded per step
     and in the checkpoint (a restored run draws from there), the TensorBoard record, and no
@@ -821,6 +821,22 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path)
         with pytest.raises(ConfigError, match="shorter than the policy's context.*the judge reads"):
             wb._frozen_engine("dense", "judge", 0)
         wb.cfg.frozen_engine_kwargs = {}
+        # on a GPU cluster a teacher first named in wb.run(teacher=...) is checked on every node before its
+        # engine starts, as connect() checks the ones it is given (a node-local cache failed late there).
+        # A fake check: this machine has no second node to lack the checkpoint
+        import workbench.cluster as cluster_mod
+
+        def lacking(paths):
+            raise cluster_mod.SharedPathError(f"node sim1 has no {paths}")
+
+        monkeypatch.setattr(cluster_mod, "check_checkpoints_everywhere", lacking)
+        wb.placement, engines_before = object(), len(wb.engines)
+        try:
+            with pytest.raises(cluster_mod.SharedPathError, match="loop.teacher"):
+                wb._frozen_engine("dense", "loop.teacher", 0)
+        finally:
+            wb.placement = None
+        assert len(wb.engines) == engines_before
     finally:
         wb.shutdown()
     # the step's reverse KL, recomputed from the recorded student tokens and the teacher checkpoint's own forward

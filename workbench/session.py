@@ -929,6 +929,11 @@ class Workbench:
 
         check_model(name, field)
         path = model_path(name)
+        if self.placement is not None:  # (a GPU cluster) its engine may land on another node: a teacher first
+            # named in wb.run(teacher=...) was never checked there (connect() checks the ones it is given)
+            from .cluster import check_checkpoints_everywhere
+
+            check_checkpoints_everywhere({field: path})
         if load_tokenizer(path).get_vocab() != self.tokenizer.get_vocab():
             raise ConfigError(f"{field} {name!r} tokenizes differently from the policy: it would read other tokens than "
                               f"the policy's")
