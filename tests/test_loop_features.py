@@ -119,6 +119,8 @@ def test_dynamic_sampling_filters_and_replaces_up_to_the_limit():
     # first draw t0 t1 t2 keeps t1; refill of 2 (t3 t4) keeps t4; refill of 1 (t5) keeps none: limit reached
     assert rollout.calls == [["t0", "t1", "t2"], ["t3", "t4"], ["t5"]]
     assert [g[0].info["task_id"] for g in groups] == ["t1", "t4"]
+    # the groups filtered out go on with the step (counted, written to untrained/: untrained_statistics)
+    assert [g[0].info["task_id"] for g in stats.pop("_untrained")] == ["t0", "t2", "t3", "t5"]
     # the sampled statistics are over every group rolled out (6 right of 12); correct_rate is over the
     # kept groups, from which the filter drops every all-right one (it fell as the policy got better)
     assert stats == {"ds_filtered_groups": 4, "ds_rounds": 2, "ds_kept_groups": 2, "ds_short": 1,
@@ -138,6 +140,11 @@ def test_dynamic_sampling_filters_and_replaces_up_to_the_limit():
     # switched off: the first draw, whatever its variance, and no ds_ statistics
     groups, stats, nxt = collect_groups(ConstructedRollout(), source, LoopConfig(prompts_per_step=3, group_size=2), 0)
     assert len(groups) == 3 and stats == {} and nxt == 3
+    # none kept: the step trains its first draw; the later rounds' groups are the untrained ones
+    cfg1 = LoopConfig(prompts_per_step=2, group_size=2, dynamic_sampling=True, dynamic_sampling_rounds=1)
+    groups, stats, _ = collect_groups(ConstructedRollout(), pool([ones, zeros, ones, ones]), cfg1, 0)
+    assert [g[0].info["task_id"] for g in groups] == ["t0", "t1"]
+    assert [g[0].info["task_id"] for g in stats["_untrained"]] == ["t2", "t3"]
     # no episode finished (every one failed): the sampled mean measured nothing, NaN as reward_mean
     # (it read 0.0, a reward nobody earned, plotted beside reward_mean's gap)
     failing = types.SimpleNamespace(run_groups=lambda tasks, group_size, progress=False: [
@@ -163,6 +170,60 @@ class FakeStream:
 
     def data_next(self):
         return self.unstarted
+
+
+def test_groups_filtered_or_stale_count_with_their_step(tmp_path):
+    """Dynamic sampling filters a group whose episodes all failed (zero variance under
+    on_failed="drop") and one all right whose record is broken (identity_mismatch): every count
+    was taken over the trained groups, so an agent crashing on a third of the tasks logged no
+    failure and the audit read the step clean, and the trajectories were lost. They count with
+    the step now (failure_reasons, untrained_failed_episodes, identity_mismatch), go to
+    untrained/ in a session, and the audit reads them there; the async gate's stale groups too."""
+    from workbench.loop import _async_batch, _train_on
+    from workbench.tokens import write_trajectories
+    from workbench.widgets.audit import Thresholds, audit_html, step_values
+
+    class Trainer:  # (its step's own statistics are not what this checks: stopped there, the record is written)
+        version = 3
+
+        def train_step(self, batch):
+            raise KeyboardInterrupt
+
+    crashed = [episode(0.0, error="ValueError: the agent crashed", task="t0") for _ in range(2)]
+    right = [episode(1.0, task="t2") for _ in range(2)]
+    right[0].segments[0].stats["identity_mismatch"] = 3  # a broken record in a group the filter drops
+    tasks = {"t0": crashed, "t1": [episode(0.0, task="t1"), episode(1.0, task="t1")], "t2": right}
+    rollout = types.SimpleNamespace(run_groups=lambda ts, n, progress=False: [tasks[t.id] for t in ts])
+    source = TaskDataset([Task([{"role": "user", "content": i}], id=i) for i in tasks], shuffle=False)
+    cfg = LoopConfig(prompts_per_step=3, group_size=2, dynamic_sampling=True, dynamic_sampling_rounds=0)
+    groups, stats, _ = collect_groups(rollout, source, cfg, 0)
+    untrained = stats.pop("_untrained")
+    assert groups == [tasks["t1"]] and untrained == [crashed, right]
+    m, _ = _train_on(Trainer(), [], groups, cfg, 0, 0.0, 1.0, untrained=untrained)
+    m = {**m, **stats}
+    assert m["failed_episodes"] == 0 and m["untrained_failed_episodes"] == 2 and m["untrained_episodes"] == 4
+    assert m["failure_reasons"] == {"ValueError: the agent crashed": 2} and m["identity_mismatch"] == 3
+    without, _ = _train_on(Trainer(), [], groups, cfg, 0, 0.0, 1.0)  # (what was logged before)
+    assert without["identity_mismatch"] == 0 and without["failure_reasons"] == {}
+    # the audit: from the step's line alone, and from the run directory's files (untrained/ read)
+    assert step_values(m, [])[0]["failed_rate"] == 2 / 6 and step_values(m, [])[0]["identity_mismatch"] == 3
+    run = tmp_path / "run"
+    write_trajectories(groups[0], run / "trajectories" / "step_00000.parquet")
+    write_trajectories([t for g in untrained for t in g], run / "untrained" / "step_00000.parquet")
+    (run / "metrics.jsonl").write_text(json.dumps({k: v for k, v in m.items() if not k.startswith("rollout")}) + "\n")
+    page = audit_html(run, thresholds=Thresholds(max_staleness=None))
+    assert "step 0: <a href='#stat-identity_mismatch'>" in page and "step 0: <a href='#stat-failed_rate'>" in page
+    assert page.count("not trained: its group was filtered") == 3  # the offending episodes' views: 2 crashed, 1 broken
+    # async: a group too stale for the gate is counted the same way
+    old = [episode(0.0, error="TimeoutError", task="t9"), episode(1.0, task="t9")]
+    for t in old:
+        t.segments[0].versions = [-1, -1, 0, 0, 0]
+    fresh = [episode(0.0, task="t8"), episode(1.0, task="t8")]
+    for t in fresh:
+        t.segments[0].versions = [-1, -1, 5, 5, 5]
+    got, _, _, extra, _ = _async_batch(FakeStream([old, fresh]), LoopConfig(prompts_per_step=1, group_size=2, mode="async"),
+                                       version=5)
+    assert got == [fresh] and extra["_untrained"] == [old] and extra["groups_dropped_stale"] == 1
 
 
 def test_async_dynamic_sampling_past_its_budget_trains_what_a_sync_step_trains():
@@ -780,6 +841,12 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path,
             # 2 tasks, plus one refill of the filtered ones (at most 2) when any was filtered
             drawn = m["data_next"] - m["data_position"]
             assert 2 <= drawn <= 4 and (drawn == 2) == (m["ds_rounds"] == 0) == (m["ds_filtered_groups"] == 0)
+            # the groups filtered out and not trained are kept apart (untrained/), counted with the step
+            untrained = run_dir / "untrained" / f"step_{m['step']:05d}.parquet"
+            kept = read_trajectories(untrained) if untrained.is_file() else []
+            assert len(kept) == m.get("untrained_episodes", 0) and (m["ds_filtered_groups"] == 0) <= (not kept)
+            trained_here = {t.episode_id for t in read_trajectories(run_dir / "trajectories" / f"step_{m['step']:05d}.parquet")}
+            assert not trained_here & {t.episode_id for t in kept}
         assert m0["data_position"] == 0 and m1["data_position"] == m0["data_next"]
         # the checkpoint (after step 0) recorded the data position; a restored run draws from it
         assert wb.restore()["data_position"] == m0["data_next"] and wb.next_position == m0["data_next"]
@@ -791,6 +858,7 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path,
         evaluated = read_trajectories(run_dir / "eval" / "step_00000.parquet")
         assert len(evaluated) == 3 * 4 + 3 and sum(bool(t.info.get("eval_greedy")) for t in evaluated) == 3  # 3 tasks x 4, greedy x 1
         assert [p.name for p in (run_dir / "abandoned").glob("*/eval/*")] == ["step_00001.parquet"]
+        assert len(list((run_dir / "abandoned").glob("*/untrained/step_00001.parquet"))) == (m1.get("untrained_episodes", 0) > 0)
         window = {t.id for t in train.take(redo["data_position"], redo["data_next"] - redo["data_position"])}
         trained = read_trajectories(run_dir / "trajectories" / "step_00001.parquet")
         assert {t.info["task_id"] for t in trained} <= window

@@ -343,7 +343,8 @@ def collect_groups(rollout, source, cfg: "LoopConfig", position: int) -> tuple[l
     are filtered and replaced by the groups of freshly drawn tasks, up to
     cfg.dynamic_sampling_rounds more rollouts; a step still short trains on the groups it kept
     (ds_short counts the missing ones), and one left with none trains on its first draw (every
-    advantage 0: no signal, but the step and its statistics happen)."""
+    advantage 0: no signal, but the step and its statistics happen). The groups filtered out are
+    stats["_untrained"] (untrained_statistics counts them with the step)."""
     n = cfg.prompts_per_step
     drawn, position = draw_tasks(source, n, position, n)
     groups = rollout.run_groups([t for _, t in drawn], cfg.group_size, progress=False)
@@ -360,9 +361,10 @@ def collect_groups(rollout, source, cfg: "LoopConfig", position: int) -> tuple[l
         good = [g for g in more if not zero_variance(g, **rule)]
         filtered += len(more) - len(good)
         kept += good
+    trained = kept or groups
     stats = {"ds_filtered_groups": filtered, "ds_rounds": rounds, "ds_kept_groups": len(kept), "ds_short": n - len(kept),
-             **sampled_statistics(sampled)}
-    return kept or groups, stats, position
+             **sampled_statistics(sampled), "_untrained": [g for g in sampled if not any(g is t for t in trained)]}
+    return trained, stats, position
 
 
 def sampled_statistics(sampled: list[list[Trajectory]]) -> dict:
@@ -373,6 +375,29 @@ def sampled_statistics(sampled: list[list[Trajectory]]) -> dict:
     stats = reward_statistics(sampled)
     return {"ds_reward_mean_sampled": stats["reward_mean"] if sampled else math.nan,
             "ds_correct_rate_sampled": stats["correct_rate"]}
+
+
+def untrained_statistics(untrained: list[list[Trajectory]]) -> dict:
+    """What a step's record adds for the groups it rolled out and did not train (dynamic
+    sampling's filter, the async gate's stale groups; their trajectories go to untrained/): their
+    episodes and failed episodes, and their token-identity counts, added to the step's own
+    (identity_mismatch & co. count every episode the step sampled). Left out, filtering hid both:
+    a group whose episodes all failed is zero-variance under on_failed="drop" (filtered: an agent
+    crashing on a third of the tasks logged no failure), and a broken record in a group all right
+    was never counted."""
+    episodes = [t for g in untrained for t in g]
+    totals = segment_stats([s for t in episodes for s in t.segments])
+    return {"untrained_episodes": len(episodes), "untrained_failed_episodes": sum(t.error is not None for t in episodes),
+            "identity_mismatch": totals["identity_mismatch"], "retokenization_drift": totals["retokenization_drift"],
+            "unexpected_seals": sum(n for reason, n in totals["seals"].items() if reason in UNEXPECTED_SEALS)}
+
+
+def _with_untrained(info: dict, untrained: list[list[Trajectory]]) -> dict:
+    """The batch's counts (batch_from_groups' info) with the untrained groups' added (untrained_statistics)."""
+    if not untrained:
+        return info
+    extra = untrained_statistics(untrained)
+    return {**info, **extra, **{k: info.get(k, 0) + extra[k] for k in ("identity_mismatch", "retokenization_drift", "unexpected_seals")}}
 
 
 def teacher_segments(groups: list[list[Trajectory]], cfg: "LoopConfig") -> list:
@@ -676,13 +701,15 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
         stop: threading.Event | None = None, on_groups: Callable[[int, list], None] | None = None,
         start_step: int = 0, start_position: int | None = None,
         evaluate: Callable[[int], dict] | None = None, teacher_engines: list | None = None,
-        earlier: list[dict] | None = None) -> list[dict]:
+        earlier: list[dict] | None = None, on_untrained: Callable[[int, list], None] | None = None) -> list[dict]:
     """Run the loop in `cfg.mode`. `task_source`: a positional source (take(position, n)) or a
     plain `source(n, seed)`, drawn in chunks of prompts_per_step seeded by their data position
     (draw_tasks). With `checkpoint_dir`, a checkpoint found there is resumed from
     (the next step is the one after it: no step is repeated or skipped), and one is written
     every `checkpoint_every` steps. `stop` (an Event) ends the loop after the current step.
-    `on_groups(step, groups)` sees each step's trajectories. `start_step`: the first step's
+    `on_groups(step, groups)` sees each step's trajectories, `on_untrained(step, groups)` those
+    of the groups it rolled out and did not train (dynamic sampling's filter, the async gate's stale
+    groups; called only where there are some). `start_step`: the first step's
     index (a session continuing earlier steps); `start_position`: its data position (default
     start_step * prompts_per_step; a checkpoint's `data_position` wins). `evaluate(step)` runs
     every cfg.eval_every steps after the step's sync; its dict joins the step's metrics.
@@ -706,7 +733,7 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
             history = list(earlier or [])[-(NO_SIGNAL_STEPS + 1):]
             before = len(history)
             return _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every,
-                        stop, on_groups, start_step, start_position, evaluate, teacher_engines, history)[before:]
+                        stop, on_groups, start_step, start_position, evaluate, teacher_engines, history, on_untrained)[before:]
         except Exception as e:
             err = watch.explain(e)
             if err is e:
@@ -715,7 +742,7 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
 
 
 def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every, stop, on_groups,
-         start_step, start_position=None, evaluate=None, teacher_engines=None, history=None) -> list[dict]:
+         start_step, start_position=None, evaluate=None, teacher_engines=None, history=None, on_untrained=None) -> list[dict]:
     from tqdm.auto import tqdm
 
     first, restored = start_step, False
@@ -741,7 +768,7 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     stop = stop or threading.Event()
     if cfg.mode == "async":
         return _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir,
-                          checkpoint_every, stop, on_groups, first, position, evaluate, teacher_engines, history)
+                          checkpoint_every, stop, on_groups, first, position, evaluate, teacher_engines, history, on_untrained)
     # sync: the rollout of step k starts once step k-1 is trained and synced
     trained = threading.Semaphore(0)
     batches: queue.Queue = queue.Queue()
@@ -779,8 +806,10 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
                 raise RuntimeError(f"rollout of step {got_step} failed: {groups}") from groups
             if on_groups is not None:
                 on_groups(step, groups)
-            teacher = extra.pop("_teacher", None)
-            trained_metrics, sync_error = _train_on(trainer, engines, groups, cfg, step, r0, r1, teacher)
+            teacher, untrained = extra.pop("_teacher", None), extra.pop("_untrained", [])
+            if on_untrained is not None and untrained:
+                on_untrained(step, untrained)
+            trained_metrics, sync_error = _train_on(trainer, engines, groups, cfg, step, r0, r1, teacher, untrained=untrained)
             metrics = {**trained_metrics, **extra}
             if sync_error is None:
                 trained.release()
@@ -1043,6 +1072,7 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
     stale = filtered = 0
     rule = cfg.episode_rules()
     sampled: list = []
+    untrained: list = []  # stale and filtered groups (untrained_statistics, untrained/)
     # zero-variance groups past the filter's budget: they fill the step's count but do not train,
     # as a sync step trains only the groups it kept (admitted, their tokens diluted a token_mean
     # step's signal 4x where a sync step of the same groups did not: the two modes differed)
@@ -1060,12 +1090,14 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
         oldest = oldest_version(trained_episodes(group, rule))
         if oldest is not None and version - oldest > cfg.async_lag:
             stale += 1
+            untrained.append(group)
             stream.allow(replace=1)
             continue
         sampled.append(group)
         no_signal = cfg.dynamic_sampling and zero_variance(group, **rule)
         if no_signal and filtered < cfg.dynamic_sampling_rounds * n:
             filtered += 1
+            untrained.append(group)
             stream.allow(replace=1)
             continue
         starts.append(t0)
@@ -1079,13 +1111,15 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
     zero = len(flat)
     if not groups:  # none kept: the step trains on them (every advantage 0), as a sync step on its first draw
         groups = flat
+    else:
+        untrained += flat
     trained = [trained_episodes(g, rule) for g in groups]  # (what the version counts describe)
     per_version: dict[int, int] = {}
     for g in trained:
         v = oldest_version(g)
         if v is not None:
             per_version[v] = per_version.get(v, 0) + 1
-    extra = {"data_position": min(positions), "data_next": stream.data_next(),
+    extra = {"data_position": min(positions), "data_next": stream.data_next(), "_untrained": untrained,
              "groups_dropped_stale": stale, "groups_per_version": dict(sorted(per_version.items())),
              "episodes_spanning_versions": sum(len(_sampled_versions([t])) > 1 for g in trained for t in g),
              # a group whose episodes were sampled at several versions: its advantages compare rewards
@@ -1098,7 +1132,7 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
 
 
 def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every, stop,
-               on_groups, first, position, evaluate, teacher_engines, history=None) -> list[dict]:
+               on_groups, first, position, evaluate, teacher_engines, history=None, on_untrained=None) -> list[dict]:
     from tqdm.auto import tqdm
 
     stream = GroupStream(rollout, task_source, cfg, first, position, stop, teacher_engines)
@@ -1113,7 +1147,10 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
             groups, r0, r1, extra, teacher = got
             if on_groups is not None:
                 on_groups(step, groups)
-            trained_metrics, sync_error = _train_on(trainer, engines, groups, cfg, step, r0, r1, teacher, step_start)
+            untrained = extra.pop("_untrained")
+            if on_untrained is not None and untrained:
+                on_untrained(step, untrained)
+            trained_metrics, sync_error = _train_on(trainer, engines, groups, cfg, step, r0, r1, teacher, step_start, untrained)
             metrics = {**trained_metrics, **extra}
             if sync_error is None:
                 stream.allow(cfg.prompts_per_step)  # trained and synced: a step's worth more may start
@@ -1190,13 +1227,15 @@ def window_mean(history: list[dict], key: str) -> float | None:
 
 
 def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r1: float, teacher=None,
-              step_start: float | None = None):
+              step_start: float | None = None, untrained: list | None = None):
     """Train on the groups and sync the engines: (the step's metrics, the sync's error or None).
     A failed sync is returned, not raised: the step trained, and _after_step records it first.
-    `step_start`: where step_s counts from (async: the previous step's end; else the rollout's start)."""
+    `step_start`: where step_s counts from (async: the previous step's end; else the rollout's start).
+    `untrained`: the groups the step rolled out and does not train (counted: untrained_statistics)."""
     t1 = time.time()
-    reasons: dict[str, int] = {}  # why episodes failed: the first line of each error, counted
-    for t in (t for g in groups for t in g if t.error is not None):
+    untrained = untrained or []
+    reasons: dict[str, int] = {}  # why episodes failed (untrained groups' too): the first line of each error, counted
+    for t in (t for g in groups + untrained for t in g if t.error is not None):
         line = (t.error.strip().splitlines() or ["?"])[0][:200]
         reasons[line] = reasons.get(line, 0) + 1
     record = {
@@ -1226,8 +1265,9 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         print(f"workbench: step {step} had no trainable episode ({sum(reasons.values())} failed: "
               f"{next(iter(reasons), 'none')}): recorded without an update", file=sys.stderr)
         now = time.time()
-        return {**record, "version": trainer.version, **e.info, "engines": len(engines), "engines_lost": 0, "signal_tokens": 0,
+        return {**record, "version": trainer.version, **_with_untrained(e.info, untrained), "engines": len(engines), "engines_lost": 0, "signal_tokens": 0,
                 "signal_tokens_trained": 0, "updates_skipped": 1, **timed(now, now)}, None
+    info = _with_untrained(info, untrained)
     tb = time.time()
     try:
         stats = trainer.train_step(batch)

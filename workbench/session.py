@@ -1089,7 +1089,7 @@ class Workbench:
 
     def _set_aside(self, next_step: int, checkpoint: Path | None = None) -> list[dict]:
         """Move the record of steps >= next_step (metrics.jsonl lines, a torn last line included,
-        trajectories/step_*.parquet, eval.jsonl lines of the weights after such a step) and the
+        trajectories/step_*.parquet and untrained/'s, eval.jsonl lines of the weights after such a step) and the
         policies kept for steps > next_step (the weights they start from are the abandoned
         branch's: wb.revisit paired a re-run step's trajectories with them), the evaluations' episodes
         after such a step (eval/), into abandoned/<time>/, with `checkpoint` (the abandoned branch's, _other_branch_checkpoint);
@@ -1126,7 +1126,8 @@ class Workbench:
                 keep_lines.append(line)
             else:
                 drop_lines.append(line)
-        files = sorted(p for p in traj.glob("step_*.parquet") if p.stem[5:].isdigit() and int(p.stem[5:]) >= next_step)
+        files = sorted(p for d in (traj, self.run_dir / "untrained") for p in d.glob("step_*.parquet")
+                       if p.stem[5:].isdigit() and int(p.stem[5:]) >= next_step)
         eval_files = sorted(p for p in (self.run_dir / "eval").glob("step_*.parquet")
                             if _eval_step(p) is not None and _eval_step(p) >= next_step)
         if not (drop_lines or files or eval_drop or policies or checkpoint is not None or eval_files or runs_drop):
@@ -1141,7 +1142,8 @@ class Workbench:
         if drop_lines:
             (dest / "metrics.jsonl").write_text("\n".join(drop_lines) + "\n")
         for p in files:
-            os.replace(p, dest / "trajectories" / p.name)
+            (dest / p.parent.name).mkdir(exist_ok=True)
+            os.replace(p, dest / p.parent.name / p.name)
         if policies:
             (dest / "policies").mkdir()
             for p in policies:
@@ -1457,7 +1459,10 @@ class RunHandle:
                      if self.cfg.eval_every else None,
                      teacher_engines=wb._teacher[1] if wb._teacher and self.cfg.advantage in PER_TOKEN_ADVANTAGES else None,
                      on_groups=lambda step, groups: write_trajectories([t for g in groups for t in g],
-                                                                       wb.run_dir / "trajectories" / f"step_{step:05d}.parquet"))
+                                                                       wb.run_dir / "trajectories" / f"step_{step:05d}.parquet"),
+                     # the groups rolled out and not trained (filtered, stale): kept apart, for the audit
+                     on_untrained=lambda step, groups: write_trajectories([t for g in groups for t in g],
+                                                                          wb.run_dir / "untrained" / f"step_{step:05d}.parquet"))
             # the run's last step, where checkpoint_every did not save it: its end, or wb.stop() (which
             # may come during the next step's rollout); a resume redid the steps since the last multiple
             if self.checkpoint_every and wb.next_step > self.first_step and wb.next_step % self.checkpoint_every:

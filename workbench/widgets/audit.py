@@ -115,12 +115,13 @@ def _trains(t: Trajectory, rules: dict) -> bool:
     return rule not in ("drop", "mask")
 
 
-def _episode(t: Trajectory, trainer_version: int, rules: dict | None = None) -> dict:
+def _episode(t: Trajectory, trainer_version: int, rules: dict | None = None, trained: bool = True) -> dict:
     """Per episode: the statistics the per-episode checks count. Staleness is blamed on the
-    episodes the batch trained on (`rules`: the run's episode rules): a failed episode the step
-    dropped was listed beside the stale tokens that trained."""
+    episodes the batch trained on (`rules`: the run's episode rules; `trained` False: a group the
+    step rolled out and did not train, untrained/): a failed episode the step dropped was listed
+    beside the stale tokens that trained."""
     sampled = [v for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m and v >= 0]
-    if not _trains(t, rules or {}):
+    if not trained or not _trains(t, rules or {}):
         sampled = []
     return {"identity_mismatch": sum(s.stats.get("identity_mismatch", 0) for s in t.segments),
             "retokenization_drift": sum(s.stats.get("retokenization_drift", 0) for s in t.segments),
@@ -130,11 +131,16 @@ def _episode(t: Trajectory, trainer_version: int, rules: dict | None = None) -> 
             "failed_rate": t.error is not None, "truncated_rate": bool(t.truncated) and t.error is None}
 
 
-def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None) -> tuple[dict, dict]:
+def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None,
+                untrained: list[Trajectory] = ()) -> tuple[dict, dict]:
     """One step's statistics (CHECKS keys) and, per key, each episode's value (per-episode checks;
-    `rules`: the run's on_failed / on_truncated, for which episodes trained)."""
+    `rules`: the run's on_failed / on_truncated, for which episodes trained; `untrained`: the
+    episodes of the groups it rolled out and did not train, untrained/step_*.parquet: their
+    failures and token-identity breaks count with the step's)."""
     eps = {t.episode_id: _episode(t, m.get("version", 1) - 1, rules) for t in trajs}  # the step trains version - 1
-    n = max(m.get("episodes", 0) + m.get("dropped_episodes", 0), len(trajs), 1)  # every episode, dropped ones too
+    eps.update({t.episode_id: _episode(t, m.get("version", 1) - 1, trained=False) for t in untrained})
+    # every episode, dropped and untrained ones too
+    n = max(m.get("episodes", 0) + m.get("dropped_episodes", 0), len(trajs), 1) + m.get("untrained_episodes", len(untrained))
     # invariant 1 from the trajectories (each episode's share), else from the step's line (logged
     # since batch_from_groups counts them), else not recorded (None): a run directory copied without
     # its trajectories/ audited 0, clean
@@ -145,7 +151,8 @@ def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None) -> 
          "max_staleness": (m["max_staleness_kept"] if "max_staleness_kept" in m else
                            max((int(k) for k, c in (m.get("staleness_hist") or {}).items() if c), default=None)),
          "is_weight_outside": _hist_outside(m.get("is_weight_hist")),
-         "failed_rate": m.get("failed_episodes", sum(e["failed_rate"] for e in eps.values())) / n,
+         "failed_rate": (m["failed_episodes"] + m.get("untrained_failed_episodes", 0) if "failed_episodes" in m
+                         else sum(e["failed_rate"] for e in eps.values())) / n,
          "truncated_rate": m.get("truncated_episodes", sum(e["truncated_rate"] for e in eps.values())) / n}
     for k in ("gate_pass_ratio", "token_keep_ratio", "replay_disagree_rate", "kl_k3", "kl_k3_live", "sync_max_abs_diff",
               "sync_probe_outlier", "replay_unreplayed", "kl_k3_stale"):
@@ -278,6 +285,10 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
     def step_file(s: int) -> Path:
         return run_dir / "trajectories" / f"step_{s:05d}.parquet"
 
+    def untrained(s: int) -> list[Trajectory]:  # the groups it rolled out and did not train (filtered, stale)
+        path = run_dir / "untrained" / f"step_{s:05d}.parquet"
+        return read_trajectories(path) if path.is_file() else []
+
     steps, rows, counts = [], [], {}
     violations = []  # (step, key, value, offending episode ids, the step's limit)
     for m in metrics:
@@ -287,7 +298,7 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
         counts[s] = len(trajs)
         # the step's own loop settings where it logged them (wb.run's overrides), else config.json's
         rules = {**cfg.get("loop", {}), **{k: m[k] for k in ("on_failed", "on_truncated") if k in m}}
-        v, per_ep = step_values(m, trajs, rules)
+        v, per_ep = step_values(m, trajs, rules, untrained(s))
         lim = step_limits(m, limits, staleness_given)
         if not tol_given and m.get("sync_tol") is not None:  # the tolerance the step's own sync was held to
             lim = {**lim, "sync_max_abs_diff": m["sync_tol"]}
@@ -359,14 +370,18 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
             continue
         # the offending episodes; for a per-token statistic (no episode to blame) a sample of the step's
         trajs = read_trajectories(step_file(s)) if counts[s] else []
-        order = [t for t in trajs if t.episode_id in by_step[s]][:max_views_per_step] or trajs[:sample_per_step]
+        not_trained = untrained(s)
+        skipped = {t.episode_id for t in not_trained}
+        order = [t for t in trajs + not_trained if t.episode_id in by_step[s]][:max_views_per_step] or trajs[:sample_per_step]
         out.append(f"<div id='{_id('step', s)}'><h3>step {s}</h3>")
         for t in order:
             if view_bytes >= max_view_bytes:  # (one step's long views alone could pass it several times)
                 out.append(f"<p class='na'>{t.episode_id}: token view left out (the page's budget is spent)</p>")
                 continue
-            out.append(f"<div class='traj' id='{_id('t', s, t.episode_id)}'>{trajectory_html(t)}"
-                       f"{spans_html(token_spans(t, 'logprob', tokenizer))}</div>")
+            out.append(f"<div class='traj' id='{_id('t', s, t.episode_id)}'>"
+                       + ("<p class='na'>not trained: its group was filtered (no reward variance) or stale "
+                          f"(untrained/step_{s:05d}.parquet)</p>" if t.episode_id in skipped else "")
+                       + f"{trajectory_html(t)}{spans_html(token_spans(t, 'logprob', tokenizer))}</div>")
             view_bytes += len(out[-1])
         out.append("</div>")
     return "".join(out) + "</section></body></html>"
