@@ -320,11 +320,15 @@ def _deepseek(ck: Checkpoint):
     # as its answer). V3 and R1-0528 (whose reply writes <think> itself) get no reasoning parser:
     # vLLM's deepseek_r1 takes a reply without </think> as all reasoning (content ''); R1-0528 sets
     # it by override
+    # V3.2 writes its calls in DSML (<｜DSML｜function_calls>, <｜DSML｜invoke name=...>), which its
+    # template renders: V3.1's parser found none of 12 recorded V3.2 calls (each reached the agent as
+    # text, no tool ran). Told by the template, not model_type: V3.2-Exp has V3.2's and V3.1's syntax
     tpl = ck.chat_template or ""
     v3_calls = re.search(r"tool▁sep｜>.{0,160}```json", tpl, re.S) is not None
+    dsml = "｜DSML｜" in tpl
     opens = "add_generation_prompt" in tpl and "<think>" in tpl[tpl.rfind("add_generation_prompt"):]
     return ModelProfile("deepseek-v3", end_of_turn="<｜end▁of▁sentence｜>",
-                        tool_parser="deepseek_v3" if v3_calls else "deepseek_v31",
+                        tool_parser="deepseek_v3" if v3_calls else "deepseek_v32" if dsml else "deepseek_v31",
                         reasoning_parser=("deepseek_r1" if opens else None) if v3_calls else "deepseek_v3", tool_arguments="json",
                         max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=True)
 
