@@ -768,7 +768,7 @@ def test_config_refuses_unknown_loggers():
 
     with pytest.raises(ConfigError, match=r"loggers: 'neptune' unknown; known: \('tensorboard', 'wandb'\)"):
         WorkbenchConfig(loggers=["neptune"])
-    with pytest.raises(ConfigError, match="LoopConfig.eval_n must be positive"):
+    with pytest.raises(ConfigError, match="LoopConfig.eval_n must be >= 1, got 0"):
         WorkbenchConfig.from_dict({"loop": {"eval_n": 0}})
 
 
@@ -812,8 +812,8 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path,
     import workbench
     from workbench.examples.arithmetic_env import tasks as arithmetic_tasks
     from workbench.loop import engines_version
-    from workbench.session import ConfigError
     from workbench.rollout.engine import expected_probe_logprobs
+    from workbench.session import ConfigError
     from workbench.tokens import read_trajectories
     from workbench.toy.models import load_hf_model
 
@@ -825,6 +825,11 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path,
                                  "dynamic_sampling": True, "dynamic_sampling_rounds": 1,
                                  "overlong_shaping": True, "overlong_max_tokens": 8, "overlong_band": 4})
     try:
+        with pytest.raises(ConfigError, match="wb.eval: n is the samples a task, an integer >= 1, got 0"):
+            wb.eval(n=0)  # (it ran loop.eval_n unsaid)
+        # wb.run's loop settings are read and checked as connect()'s: text as its number, a bad value named
+        with pytest.raises(ConfigError, match="wb.run: LoopConfig.group_size 1: advantage 'grpo'"):
+            wb.run(1, group_size="1")
         before = wb.eval(n=2)
         assert before["step"] == -1 and before["eval_tasks"] == 3 and before["eval_n"] == 2
         assert 0 <= before["eval_pass@1"] <= before["eval_pass@2"] <= 1 and "eval_greedy_pass@1" in before

@@ -43,6 +43,30 @@ def test_config_errors_name_the_field():
             for f, n in (("toy", 1024), ("qwen3", 32768), ("smollm2", 1500))] == [8, 1024, 750]
     with pytest.raises(ConfigError, match="seed must be an integer >= 0"):
         WorkbenchConfig(seed=-1)
+    # values accepted silently that trained the wrong way or not at all, or failed only after the
+    # session had started: a negative max_grad_norm reversed every gradient (clip_grad_norm_ scales by
+    # max_norm / norm), 0 zeroed them, NaN made the weights NaN; a bad lr or weight decay failed inside
+    # the trainer's ranks; a None or text correction at the first run; a group of one gave every
+    # advantage 0; a negative overlong coefficient paid a bonus for length
+    for trainer, match in (({"max_grad_norm": -1.0}, "max_grad_norm must be > 0"), ({"max_grad_norm": 0}, "max_grad_norm must be > 0"),
+                           ({"max_grad_norm": float("nan")}, "max_grad_norm must be > 0"), ({"lr": -1e-3}, "lr must be a finite number > 0"),
+                           ({"lr": float("nan")}, "lr must be"), ({"weight_decay": -0.1}, "weight_decay must be a finite number >= 0"),
+                           ({"correction": None}, "correction must be a CorrectionConfig"), ({"correction": "tis"}, "correction must be")):
+        with pytest.raises(ConfigError, match=f"trainer: TrainerConfig.{match}"):
+            WorkbenchConfig.from_dict({"trainer": trainer})
+    assert WorkbenchConfig.from_dict({"trainer": {"max_grad_norm": float("inf")}}).trainer.max_grad_norm == float("inf")  # no clipping
+    from workbench.trainer.fsdp import TrainerConfig
+
+    with pytest.raises(ValueError, match="correction must be a CorrectionConfig"):
+        TrainerConfig(correction={"level": "geo"})  # (a dict becomes one through connect() alone)
+    for loop, match in (({"group_size": 1}, "group_size 1: advantage 'grpo' compares each episode with the others"),
+                        ({"group_size": 1, "advantage": "rloo"}, "group_size 1: advantage 'rloo'"),
+                        ({"overlong_coef": -1.0}, "overlong_coef must be a finite number >= 0"),
+                        ({"sync_tol": -1e-3}, "sync_tol must be a finite number >= 0"), ({"steps": -1}, "steps must be >= 0, got -1")):
+        with pytest.raises(ConfigError, match=f"loop: LoopConfig.{match}"):
+            WorkbenchConfig.from_dict({"loop": loop})
+    # a per-token estimator has no group baseline: a group of one trains
+    assert WorkbenchConfig.from_dict({"loop": {"group_size": 1, "advantage": "distill", "teacher": "dense"}}).loop.group_size == 1
     # the engines' context is the server's: taken from engine_kwargs (the server kept the profile's)
     assert WorkbenchConfig(engine_kwargs={"max_model_len": 512}).max_model_len == 512
     with pytest.raises(ConfigError, match="engine_kwargs max_model_len=512 differs from max_model_len=1024"):

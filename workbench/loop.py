@@ -37,7 +37,7 @@ from .rollout.engine import probe_ids
 from .rollout.router import engine_lost
 from .tokens import UNEXPECTED_SEALS, Trajectory, segment_stats, training_tensors
 from .trainer.fsdp import PartialUpdate
-from .trainer.losses import ADVANTAGES, EQUAL_REWARDS_TOL, PER_TOKEN_ADVANTAGES, AdvantageInput, get_advantage
+from .trainer.losses import ADVANTAGES, EQUAL_REWARDS_TOL, GROUP_ADVANTAGES, PER_TOKEN_ADVANTAGES, AdvantageInput, get_advantage
 
 MODES = ("sync", "async")
 # What a step does with an episode that failed (the agent raised or timed out, an engine died)
@@ -142,8 +142,21 @@ class LoopConfig:
                 raise ValueError(f"LoopConfig.{name} {getattr(self, name)!r} unknown; choose one of {EPISODE_RULES}")
         for name in ("steps", "prompts_per_step", "group_size", "async_lag", "dynamic_sampling_rounds", "eval_every",
                      "eval_n"):
-            if getattr(self, name) < (1 if name in ("prompts_per_step", "group_size", "async_lag", "eval_n") else 0):
-                raise ValueError(f"LoopConfig.{name} must be positive, got {getattr(self, name)}")
+            low = 1 if name in ("prompts_per_step", "group_size", "async_lag", "eval_n") else 0
+            if getattr(self, name) < low:
+                raise ValueError(f"LoopConfig.{name} must be >= {low}, got {getattr(self, name)}")
+        if self.group_size < 2 and self.advantage in GROUP_ADVANTAGES:
+            # a group of one is its own baseline: every advantage 0, every step an update of nothing (the
+            # no-signal warning came 5 steps later and blamed the rewards)
+            raise ValueError(f"LoopConfig.group_size {self.group_size}: advantage {self.advantage!r} compares each "
+                             f"episode with the others of its group, so a group of one gives every advantage 0; use "
+                             f"group_size >= 2")
+        if not (isinstance(self.sync_tol, (int, float)) and 0 <= self.sync_tol < math.inf):
+            raise ValueError(f"LoopConfig.sync_tol must be a finite number >= 0 (the probe's largest log-prob gap "
+                             f"after a sync), got {self.sync_tol!r}")
+        if not (isinstance(self.overlong_coef, (int, float)) and 0 <= self.overlong_coef < math.inf):
+            # a negative one paid a bonus for length (overlong_penalty_mean read negative)
+            raise ValueError(f"LoopConfig.overlong_coef must be a finite number >= 0, got {self.overlong_coef!r}")
         if self.overlong_shaping and not 0 < self.overlong_band <= self.overlong_max_tokens:
             raise ValueError(f"LoopConfig.overlong_shaping needs 0 < overlong_band <= overlong_max_tokens (the penalty "
                              f"rises over the last overlong_band tokens before overlong_max_tokens), got overlong_band="

@@ -764,7 +764,9 @@ class Workbench:
         if set(loop_overrides) - known:  # (a TypeError from dataclasses.replace named no way out)
             raise ConfigError(f"wb.run: {sorted(set(loop_overrides) - known)} are no loop settings a run takes "
                               f"(`steps` is its first argument); known: {sorted(known)}")
-        cfg = dataclasses.replace(self.cfg.loop, steps=self.next_step + steps, initial_sync=False, **loop_overrides)
+        # read and checked as connect() reads its loop settings (_build: "4" is 4; a bad value a ConfigError naming it)
+        cfg = _build(LoopConfig, {**_fields(self.cfg.loop), **loop_overrides, "steps": self.next_step + steps,
+                                  "initial_sync": False}, "wb.run")
         self._say_resumed_loop_changes(cfg)
         check_staleness(self._trainer, cfg)  # here, not in the background thread where it would only be stored
         check_sampling(self._rollout, self._trainer, self.engines)
@@ -878,7 +880,9 @@ class Workbench:
         # the trainer's weights, under the version recorded: the engines' older (or unchecked) ones were
         # scored and recorded as the trainer's version
         self._sync_if_behind()
-        metrics = self._evaluate(tasks, n or loop.eval_n, loop.eval_greedy if greedy is None else greedy, ks, success_reward,
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):  # (0 ran loop.eval_n unsaid)
+            raise ConfigError(f"wb.eval: n is the samples a task, an integer >= 1, got {n!r}")
+        metrics = self._evaluate(tasks, loop.eval_n if n is None else n, loop.eval_greedy if greedy is None else greedy, ks, success_reward,
                                  step=self.next_step - 1)
         record = {"step": self.next_step - 1, "version": self._trainer.version, **metrics}
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -177,6 +177,22 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.load {self.load!r} unknown: 'full', 'rank0' or 'sharded'")
         if self.kl_coef < 0:
             raise ValueError(f"TrainerConfig.kl_coef must be >= 0, got {self.kl_coef}")
+        # torch refused a bad lr or weight decay only inside the ranks, after every process had started;
+        # max_grad_norm it took as given: clip_grad_norm_ scales by max_norm / norm, so a negative one
+        # reversed every gradient (gradient ascent, grad_norm reading as usual), 0 zeroed them (an update
+        # of nothing, unskipped: the skip reads the norm before clipping) and NaN made every weight NaN
+        for name, low, what in (("lr", 0.0, "a finite number > 0"), ("max_grad_norm", 0.0, "> 0 (float('inf'): no clipping)"),
+                                ("weight_decay", None, "a finite number >= 0")):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v) and (
+                (v > low and (math.isfinite(v) or name == "max_grad_norm")) if low is not None else (0 <= v < math.inf))
+            if not ok:
+                raise ValueError(f"TrainerConfig.{name} must be {what}, got {v!r}")
+        if not isinstance(self.correction, CorrectionConfig):
+            # (a None from an empty YAML key, a name, a dict inside a TrainerConfig object: each failed at the
+            # first run or step, after the session had started, naming nothing)
+            raise ValueError(f"TrainerConfig.correction must be a CorrectionConfig (or, given to connect(), a dict of its "
+                             f"fields), got {self.correction!r}")
 
 
 def _routing_layout(model) -> list:

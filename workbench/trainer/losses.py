@@ -27,6 +27,7 @@ import torch
 
 ADVANTAGES: dict[str, Callable] = {}
 PER_TOKEN_ADVANTAGES: set[str] = set()  # estimators that need per-token inputs (teacher log-probs)
+GROUP_ADVANTAGES: set[str] = set()  # estimators whose baseline is the episode's group: a group of one gives 0
 SURROGATES: dict[str, Callable] = {}
 # surrogates whose objective weighs each sequence once (GSPO): their default aggregation is
 # seq_mean_token_mean (TrainerConfig.loss_aggregation); under token_mean a sequence weighs its length
@@ -56,11 +57,14 @@ def kl_to_reference(estimator: str, lp: torch.Tensor, ref: torch.Tensor, mask: t
     return KL_ESTIMATORS[estimator](torch.where(m, lp - ref, 0.0)) * m
 
 
-def register_advantage(name: str, per_token: bool = False):
+def register_advantage(name: str, per_token: bool = False, group: bool = False):
+    """`group`: its baseline is the episode's group (LoopConfig refuses group_size 1 for it)."""
     def deco(fn):
         ADVANTAGES[name] = fn
         if per_token:
             PER_TOKEN_ADVANTAGES.add(name)
+        if group:
+            GROUP_ADVANTAGES.add(name)
         return fn
 
     return deco
@@ -111,21 +115,21 @@ def _per_token(a: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return a.float()[:, None] * mask.float()
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", group=True)
 def grpo(x: AdvantageInput, eps: float = 1e-6) -> torch.Tensor:
     """(r - group mean) / (group std + eps)."""
     mean, std, _ = _group_stats(x.rewards, x.groups)
     return _per_token((x.rewards.double() - mean) / (std + eps), x.loss_mask)
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", group=True)
 def dr_grpo(x: AdvantageInput) -> torch.Tensor:
     """r - group mean, no std scaling (pair with aggregate="constant")."""
     mean, _, _ = _group_stats(x.rewards, x.groups)
     return _per_token(x.rewards.double() - mean, x.loss_mask)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", group=True)
 def rloo(x: AdvantageInput) -> torch.Tensor:
     """r_i minus the mean of the *other* rewards of its group (leave-one-out)."""
     mean, std, n = _group_stats(x.rewards, x.groups)
@@ -134,7 +138,7 @@ def rloo(x: AdvantageInput) -> torch.Tensor:
     return _per_token(torch.where((n > 1) & (std > 0), r - loo, torch.zeros_like(mean)), x.loss_mask)
 
 
-@register_advantage("reinforce_pp_baseline")
+@register_advantage("reinforce_pp_baseline", group=True)
 def reinforce_pp_baseline(x: AdvantageInput, eps: float = 1e-6) -> torch.Tensor:
     """REINFORCE++ with baseline: subtract the group mean, then whiten over the whole batch.
     Group-centred rewards have batch mean 0 exactly, so whitening only divides by their std;
