@@ -651,6 +651,9 @@ def test_a_non_finite_gradient_is_no_update(trainer, samples):
     stats = trainer.train_step(b)
     assert math.isnan(stats["grad_norm"]) and stats["updates_skipped"] == 1, stats
     assert trainer.probe(probe_ids) == before
+    # and it trained no token: counted, the skipped update's tokens read as trained (the no-signal
+    # warning, which reads signal_tokens_trained, stayed quiet over steps that moved nothing)
+    assert stats["signal_tokens_trained"] == 0, stats
 
 
 def test_the_live_routing_forward_runs_on_its_cadence(trainer, samples):

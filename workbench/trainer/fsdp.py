@@ -728,7 +728,7 @@ class TrainerWorker:
                                             max_len=self.cfg.constant_len, episode_tokens=mb.get("episode_tokens"))
                     (tl * w).sum().mul(self.world_size).backward()
                     # trainable tokens the correction kept that have an advantage: the no-signal warning's count
-                    carried = carried + (corr.token_keep & mb["loss_mask"].bool() & (adv != 0)).sum()
+                    carried = carried + (corr.token_keep & mb["loss_mask"].bool() & (adv != 0) & adv.isfinite()).sum()
                 contribution = (tl * w).detach() / updates  # of the step's reported loss (mean over updates)
                 if u > 0 or updates == 1:  # (device tensors: read with the step's other sums, once)
                     # (the first of several updates left out of both: its pi_old is another forward's,
@@ -741,7 +741,6 @@ class TrainerWorker:
                 if report:
                     rows.append({"trainer_logprobs": old, "is_weight": corr.weights, "gate_keep": corr.token_keep,
                                  "loss_contribution": contribution, "advantages": adv})
-            carried_total = carried_total + carried
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # the global norm: every rank's
             norms.append(norm)
@@ -759,6 +758,8 @@ class TrainerWorker:
             else:
                 self._updates_applied += 1  # (counted begun: a step that raised part-way may have moved weights)
                 self.optimizer.step()
+                # (an update skipped trained none of its tokens: counted, they kept the no-signal warning quiet)
+                carried_total = carried_total + carried
             self.optimizer.zero_grad(set_to_none=True)
         # (with cpu_offload the gradients, so their norms, are on the host)
         dist.all_reduce(carried_total)  # over the ranks, once a step

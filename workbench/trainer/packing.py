@@ -132,28 +132,31 @@ def packing_mixes(leak: float, noise: float) -> bool:
 
 
 def micro_batches_by_tokens(lengths: list[int], budget: int, count: int | None = None) -> list[range]:
-    """Row ranges (in order) of at most `budget` tokens each (a longer row alone), or, with
-    `count`, exactly `count` ranges balanced by tokens (count <= len(lengths))."""
-    if count is None:
-        ranges, start, used = [], 0, 0
-        for i, n in enumerate(lengths):
-            if i > start and used + n > budget:
-                ranges.append(range(start, i))
-                start, used = i, 0
-            used += n
-        if start < len(lengths) or not lengths:
-            ranges.append(range(start, len(lengths)))
-        return ranges
-    if not 1 <= count <= max(len(lengths), 1):
-        raise ValueError(f"cannot cut {len(lengths)} rows into {count} micro-batches")
-    total, ranges, start, used = sum(lengths), [], 0, 0
+    """Row ranges (in order) of at most `budget` tokens each (a longer row alone). With `count`
+    (what every rank agreed on: at least this rank's own number of ranges, at most its rows),
+    exactly `count` ranges, each still within the budget: the ranges above, the largest of two or
+    more rows cut in two, closest to its halves, until there are `count`. (Re-cut into `count`
+    ranges balanced over the whole batch instead, a range went up to 1.6x the budget the user
+    sized to fit activation memory, on every rank, one rank alone included.)"""
+    ranges, start, used = [], 0, 0
     for i, n in enumerate(lengths):
-        left_rows, left_cuts = len(lengths) - i, count - len(ranges) - 1
-        # close the current range before row i once it holds its share of the tokens, or when
-        # every remaining range needs one of the remaining rows
-        if i > start and left_cuts > 0 and (used + n / 2 > total * (len(ranges) + 1) / count or left_rows == left_cuts):
+        if i > start and used + n > budget:
             ranges.append(range(start, i))
-            start = i
+            start, used = i, 0
         used += n
-    ranges.append(range(start, len(lengths)))
+    if start < len(lengths) or not lengths:
+        ranges.append(range(start, len(lengths)))
+    if count is None:
+        return ranges
+    if not len(ranges) <= count <= max(len(lengths), 1):
+        raise ValueError(f"cannot cut {len(lengths)} rows of {budget}-token micro-batches into {count} micro-batches")
+    while len(ranges) < count:
+        j = max((j for j, r in enumerate(ranges) if len(r) > 1), key=lambda j: sum(lengths[k] for k in ranges[j]))
+        r = ranges[j]
+        total, prefix, best = sum(lengths[k] for k in r), 0, None
+        for k in range(1, len(r)):  # the cut whose halves are closest (the later one on a tie)
+            prefix += lengths[r.start + k - 1]
+            if best is None or abs(2 * prefix - total) <= best[0]:
+                best = (abs(2 * prefix - total), k)
+        ranges[j:j + 1] = [range(r.start, r.start + best[1]), range(r.start + best[1], r.stop)]
     return ranges
