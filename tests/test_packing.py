@@ -174,3 +174,14 @@ def test_a_trainer_pads_where_the_model_mixes_packed_sequences(ray_local, tmp_pa
         assert micro == [2, 1], micro
     finally:
         t.shutdown()
+    # a KL reference of another architecture is checked too: a dense Qwen3 policy (which keeps packed
+    # sequences apart) with this gpt-oss as its reference packed both, the reference's log-probs (the KL
+    # term and its gradient) taken partly on another episode's context
+    policy = tmp_path / "policy"
+    _tiny("qwen3").save_pretrained(policy)
+    t = Trainer(str(policy), world_size=1, cfg=TrainerConfig(kl_coef=0.1, ref_model_path=str(tmp_path)))
+    try:
+        [r] = t.footprint()
+        assert r["packing"]["packed"] is False and r["packing"]["leak"] == 0.0 and r["packing"]["reference_leak"] > 1e-2, r["packing"]
+    finally:
+        t.shutdown()

@@ -461,20 +461,34 @@ class TrainerWorker:
         """Packing is exact only where the model keeps packed sequences apart (packing_leak); where
         it does not, this rank's forwards pad instead (self.pack False; micro_batch_tokens then cuts
         rows by the batch's width: _micro), and `packing` says why. Every rank decides alike (the
-        measures are all-reduced: the ranks' micro-batches run the same collectives)."""
+        measures are all-reduced: the ranks' micro-batches run the same collectives). A KL reference
+        of another checkpoint (ref_model_path: another architecture may mix them where the policy's
+        does not) is checked too: its forwards are packed as the policy's are, and its log-probs, so
+        the KL term and its gradient, were taken partly on another episode's context."""
         import torch.distributed as dist
 
-        measured = torch.tensor(packing_leak(self.model, self.model.config.get_text_config().vocab_size, self.device),
-                                device=self.device)
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-        self._reshard()
-        leak, noise = measured.tolist()
-        self.pack = not packing_mixes(leak, noise)
-        self.packing = {"leak": leak, "noise": noise, "packed": self.pack}
+        models = {"policy": self.model}
+        if self.ref_model is not None and self.cfg.ref_model_path:  # (its own frozen copy packs as the policy does)
+            models["reference"] = self.ref_model
+        self.packing, self.pack = {}, True
+        for name, model in models.items():
+            measured = torch.tensor(packing_leak(model, model.config.get_text_config().vocab_size, self.device),
+                                    device=self.device)
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+            self._reshard(model)
+            leak, noise = measured.tolist()
+            if name == "policy":
+                self.packing.update(leak=leak, noise=noise)
+            else:
+                self.packing.update(reference_leak=leak, reference_noise=noise)
+            if packing_mixes(leak, noise):
+                self.pack, mixes = False, (name, model.config.model_type, leak, noise)
+        self.packing["packed"] = self.pack
         if not self.pack and self.rank == 0:
             import sys
 
-            print(f"workbench: sequence packing is off for this model ({self.model.config.model_type}): a packed "
+            name, model_type, leak, noise = mixes
+            print(f"workbench: sequence packing is off for this model ({model_type}{', the KL reference' if name == 'reference' else ''}): a packed "
                   f"sequence's log-probs moved {leak:.3g} nats with the sequence before it (noise {noise:.3g}: its "
                   f"forward does not keep packed sequences apart); rows are padded instead"
                   + (f", micro_batch_tokens {self.cfg.micro_batch_tokens} cut as that many tokens of the batch's width"
