@@ -626,6 +626,19 @@ def test_a_failed_episode_counts_as_a_wrong_answer_in_the_steps_correct_rate():
     nothing = reward_statistics([[episode(0.0, error="episode timed out") for _ in range(4)]])
     assert math.isnan(nothing["reward_mean"]) and math.isnan(nothing["correct_rate"])
     assert math.isnan(sum([0.5, nothing["correct_rate"]]))  # a sum over the history does not raise
+    # a step of two tasks, one whose agent reports it (right, wrong) and one graded by its reward (1, 1):
+    # decided per group as evaluation decides it per task, 3 of 4 right (the reward-graded ones read
+    # wrong beside the other task's reports: 0.25, where pass@1 said 0.75)
+    two = [[right, wrong[0]], [episode(1.0), episode(1.0)]]
+    assert reward_statistics(two)["correct_rate"] == 0.75 == summarize(two)["eval_pass@1"]
+    # tasks with different sample counts: each task's own (cut to the fewest, a task's 2 right of 4,
+    # written last, were thrown away: pass@1 0.5 where it is (0.5 + 1) / 2)
+    ok = [episode(1.0) for _ in range(4)]
+    for t in ok:
+        t.info["correct"] = True
+    uneven = [[wrong[0], wrong[1], ok[0], ok[1]], [ok[2], ok[3]]]
+    m = summarize(uneven)
+    assert m["eval_pass@1"] == 0.75 and m["eval_n"] == 2 and m["eval_pass@2"] == pytest.approx((5 / 6 + 1) / 2)
 
 
 def test_evaluation_episodes_never_enter_a_training_batch():

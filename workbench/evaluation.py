@@ -91,9 +91,11 @@ def summarize(groups: list[list], ks: list[int] | None = None, success_reward: f
     ks = ks or default_ks(n)
     check_ks(ks, n)
     # (per task: an agent's episodes report it alike; a task whose episodes all looped reports none, and
-    # is_correct reads them wrong as truncated)
-    correct = [sum(is_correct(t, success_reward, reports_correct(g)) for t in g[:n]) for g in groups]
-    out = {f"{prefix}pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(groups) for k in ks}
+    # is_correct reads them wrong as truncated). Each task's own samples, all of them: cut to the
+    # fewest a task has, the rest were thrown away (which ones by their order) while the reward mean
+    # counted them
+    correct = [sum(is_correct(t, success_reward, reports_correct(g)) for t in g) for g in groups]
+    out = {f"{prefix}pass@{k}": sum(pass_at_k(len(g), c, k) for g, c in zip(groups, correct)) / len(groups) for k in ks}
     rewards = [t.reward for g in groups for t in g if t.error is None]
     # None, not 0, when no episode finished: a reward nobody earned is not a measured 0
     out.update({f"{prefix}reward_mean": sum(rewards) / len(rewards) if rewards else None, f"{prefix}tasks": len(groups),

@@ -1225,8 +1225,10 @@ def reward_statistics(groups: list[list[Trajectory]]) -> dict:
     # where any episode reports it, every episode scored by evaluation's rule (is_correct: a failed one,
     # or one without the key, wrong): an Env episode cut by max_turns or the context never reached the
     # step that sets info["correct"]; left out (or scored by a shaped reward summed over its looping
-    # turns), a policy looping to max_turns read better
-    correct = [is_correct(t, reported=True) for t in episodes] if reports_correct(episodes) else []
+    # turns), a policy looping to max_turns read better. Decided per group (one task), as evaluation
+    # decides it per task: a reward-graded task's episodes beside another task's reports read wrong at
+    # reward 1, and correct_rate and pass@1 scored the same episodes differently
+    correct = [is_correct(t, reported=reports_correct(g)) for g in groups for t in g] if reports_correct(episodes) else []
     return {"reward_mean": sum(rewards) / max(len(rewards), 1),
             "correct_rate": sum(correct) / len(correct) if correct else None}
 
