@@ -328,6 +328,12 @@ def test_the_audit_holds_each_step_to_the_staleness_its_loop_guarantees():
     lagged = {**broken, "mode": "async", "async_lag": 1, "kl_k3_current": 1e-5}
     assert flagged(lagged) == [] and flagged({**lagged, "max_staleness_kept": 2}) == ["max_staleness"]
     assert flagged({**broken, "mode": "async", "kl_k3_current": 1e-5, "max_staleness_kept": 3}) == []  # no lag logged: 4
+    # the step's own gate, where it logged it: a session resumed with max_staleness 1 -> 4 and async_lag 4
+    # (config.resume-*.json, which the page does not read) had its steps held to config.json's 1
+    resumed = {**broken, "mode": "async", "async_lag": 4, "kl_k3_current": 1e-5, "max_staleness_kept": 3}
+    limits["max_staleness"] = 1  # (config.json's)
+    assert flagged(resumed) == ["max_staleness"] and flagged({**resumed, "max_staleness_gate": 4}) == []
+    assert flagged({**resumed, "max_staleness_gate": 2}) == ["max_staleness"]
     assert flagged({**broken, "kl_k3": 1e-5}, given=True) == []  # a threshold the caller gave is the one
     # the episodes blamed are those the batch trained on: not a failed one the step dropped (or masked)
     def at(episode_id, version, error=None):

@@ -856,6 +856,7 @@ def test_session_eval_data_position_and_loggers(ray_local, dense_path, tmp_path,
         for m in (m0, m1):
             assert 0 <= m["eval_pass@1"] <= m["eval_pass@2"] <= m["eval_pass@4"] <= 1 and m["eval_n"] == 4
             assert {"eval_greedy_pass@1", "ds_filtered_groups", "ds_kept_groups", "overlong_penalized"} <= set(m)
+            assert m["max_staleness_gate"] == wb.cfg.trainer.correction.max_staleness  # (the audit's cap for the step)
             # 2 tasks, plus one refill of the filtered ones (at most 2) when any was filtered
             drawn = m["data_next"] - m["data_position"]
             assert 2 <= drawn <= 4 and (drawn == 2) == (m["ds_rounds"] == 0) == (m["ds_filtered_groups"] == 0)

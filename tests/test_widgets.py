@@ -491,6 +491,10 @@ def test_a_monitor_names_a_non_finite_value():
     assert gate.trace("kl_k3").y[-1] is None or math.isnan(gate.trace("kl_k3").y[-1])
     gate.update(HISTORY[:2])
     assert not gate.fig.layout.title.text
+    # a reward NaN is a step where no episode finished (measured nothing): said so, not in red as a divergence
+    reward = RewardMonitor([{"step": 0, "reward_mean": 0.5, "correct_rate": 0.5}])
+    reward.on_step({"step": 1, "reward_mean": float("nan"), "correct_rate": float("nan"), "failed_episodes": 8})
+    assert reward.fig.layout.title.text == "no episode finished at step 1 (failed_episodes says why)"
 
 
 def test_drift_views_render_the_tools_the_segment_declared(fmt, tmp_path):

@@ -1259,6 +1259,8 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         "sync_tol": cfg.sync_tol, "on_failed": cfg.on_failed, "on_truncated": cfg.on_truncated,
         # the staleness the async loop admits (the audit holds the step to it; a sync step's is 0)
         **({"async_lag": cfg.async_lag, "async_order": cfg.async_order} if cfg.mode == "async" else {}),
+        # the trainer's gate (the audit's cap: config.json held a resumed session's steps to the first one's)
+        "max_staleness_gate": getattr(getattr(getattr(trainer, "cfg", None), "correction", None), "max_staleness", None),
         **reward_statistics(groups), "failure_reasons": reasons}
 
     def timed(tb: float, t2: float) -> dict:

@@ -340,6 +340,10 @@ def _key(spans: list[dict], color_by: str) -> str:
 
 
 # ------------------------------------------------------------------ gate and replay monitors
+# NaN there means no episode of the step finished (loop.reward_statistics; agents' rewards are checked finite)
+NAN_WHEN_NOTHING_FINISHED = ("reward_mean", "correct_rate", "ds_reward_mean_sampled", "ds_correct_rate_sampled")
+
+
 def _num(v):
     return None if v is None else float(v)
 
@@ -430,14 +434,25 @@ class _Monitor(W.VBox):
                                    marker_size=10 if one else 6)
         for _, r, c in self.LINES:  # a tick per step while there are few (not 0.5-steps)
             self.fig.update_xaxes(dtick=1 if len(steps) <= 10 else None, row=r, col=c)
-        # NaN / inf reach the browser as null, a gap like a step not measured: name them in the title
+        # NaN / inf reach the browser as null, a gap like a step not measured: name them in the title.
+        # (A reward NaN where no episode finished is that: loop.reward_statistics' "measured nothing",
+        # said as such, not in red as a divergence)
+        def unmeasured(key: str, m: dict) -> bool:
+            return key in NAN_WHEN_NOTHING_FINISHED and math.isnan(m[key])
+
         bad = [f"{self.LABELS.get(key, key).split(':')[0].split(' (')[0]} at step {s}" for key, *_ in self.LINES
-               for s, m in zip(steps, self.history) if isinstance(m.get(key), float) and not math.isfinite(m[key])]
+               for s, m in zip(steps, self.history)
+               if isinstance(m.get(key), float) and not math.isfinite(m[key]) and not unmeasured(key, m)]
+        idle = sorted({s for key, *_ in self.LINES for s, m in zip(steps, self.history)
+                       if isinstance(m.get(key), float) and unmeasured(key, m)})
         bad += [f"{(m.get('is_weight_hist') or {}).get('nonfinite')} IS weight(s) at step {s}" for s, m in zip(steps, self.history)
                 if (m.get("is_weight_hist") or {}).get("nonfinite")]  # (in no bin of the histogram)
-        self.fig.update_layout(title=dict(text=("<span style='color:#c00'>not finite: " + "; ".join(bad[:4])
-                                                + (f" (+{len(bad) - 4})" if len(bad) > 4 else "") + "</span>") if bad else None,
-                                          font_size=12, x=0.01))
+        title = [("<span style='color:#c00'>not finite: " + "; ".join(bad[:4])
+                  + (f" (+{len(bad) - 4})" if len(bad) > 4 else "") + "</span>")] if bad else []
+        if idle:
+            title.append(f"no episode finished at step{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle[:4]))}"
+                         + (f" (+{len(idle) - 4})" if len(idle) > 4 else "") + " (failed_episodes says why)")
+        self.fig.update_layout(title=dict(text="; ".join(title) or None, font_size=12, x=0.01))
         for key, *_ in self.BARS:
             x, y = _bars(last.get(key))
             self.trace(key).update(x=x, y=y)

@@ -178,7 +178,9 @@ def step_limits(m: dict, limits: dict, staleness_given: bool = False) -> dict:
     bound = 0 if m.get("mode") == "sync" else m.get("async_lag")
     if staleness_given or bound is None:
         return limits
-    cap = limits["max_staleness"]
+    # the step's own gate where it logged it (a session resumed with another max_staleness writes it to
+    # config.resume-*.json, which the page does not read: its steps were held to the first session's)
+    cap = m["max_staleness_gate"] if "max_staleness_gate" in m else limits["max_staleness"]
     return {**limits, "max_staleness": bound if cap is None else min(cap, bound)}
 
 
