@@ -102,6 +102,13 @@ def test_cli_prints_the_plan_and_fails_clearly(capsys, tmp_path):
                                               "plan, which leaves node0: 0, node1: 1 free")
     assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--config", str(config), "--engines", "4"]) == 0
     assert "loop.teacher: its frozen engine takes 2 of the GPUs the plan leaves free" in capsys.readouterr().out
+    # a misspelt field printed the default plan (connect() refuses the same file), and --engines 0 a plan
+    # no session has
+    config.write_text("num_engine: 8\ntrainer_rank: 8\n")
+    assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--config", str(config)]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown config field(s) ['num_engine', 'trainer_rank']")
+    assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--engines", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: num_engines must be an integer >= 1")
     # each on one node (a tensor-parallel engine is one actor): 1 + 1 free GPUs do not hold a 2-GPU teacher;
     # colocated slots ask for half a GPU, but their bundles hold whole ones
     from workbench.placement import ClusterSpec, PlacementError, check_frozen_room, plan_placement

@@ -375,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         if inputs["mode"] == "none":
             print("placement 'none': Ray schedules each actor where it fits; there is no plan to print")
             return 0
+        if not isinstance(inputs["num_engines"], int) or inputs["num_engines"] < 1:  # (as a session: num_engines >= 1)
+            raise PlacementError(f"num_engines must be an integer >= 1 (a session has a rollout engine), got {inputs['num_engines']!r}")
         plan = plan_placement(ClusterSpec.uniform(args.nodes, args.gpus_per_node), **inputs)
         check_frozen_room(plan, config)
     except (PlacementError, ValueError, OSError) as e:

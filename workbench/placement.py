@@ -254,6 +254,9 @@ def plan_inputs(config: dict | None) -> dict:
     config = _as_dict(config)
     from .session import WorkbenchConfig
 
+    known = {f.name for f in dataclasses.fields(WorkbenchConfig)}
+    if set(config) - known:  # (a misspelt num_engines printed the default plan, where connect() refuses the file)
+        raise PlacementError(f"unknown config field(s) {sorted(set(config) - known)}; known: {sorted(known)}")
     defaults = {f.name: f.default for f in dataclasses.fields(WorkbenchConfig) if f.name in
                 ("trainer_ranks", "num_engines", "placement")}
     ek = config.get("engine_kwargs") or {}
