@@ -101,6 +101,12 @@ def test_lint_a_tokenizer_directory_and_the_cli(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)[0]["verdicts"] == {"reasoning_on": TR}
     with pytest.raises(FileNotFoundError):
         lint(str(tmp_path / "nothing"))
+    # an end of turn the tokenizer lacks (a misspelt --end-of-turn) is refused, as a session refuses it:
+    # accepted, the check for a message's text spelling it counted None ids and read "no"
+    with pytest.raises(ValueError, match="the end of turn '<nonexistent>' is no token of the tokenizer"):
+        lint(str(d), ["plain"], end_of_turn="<nonexistent>")
+    assert main([str(d), "--shape", "plain", "--end-of-turn", "<nonexistent>"]) == 2
+    assert "is no token of the tokenizer" in capsys.readouterr().err
     # a saved family's directory is linted with its model profile, as the server runs it: Mistral's
     # tool turns errored there ("Tool call IDs should be alphanumeric strings with length 9")
     m = rm.load_family("mistral-v3").save(tmp_path / "mistral")

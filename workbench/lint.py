@@ -439,6 +439,15 @@ def traps(fmt: ChatFormat, shapes: list[ShapeResult], renders: list[str]) -> lis
 
 
 # ------------------------------------------------------------------ entry points
+def _known_end(name: str, fmt):
+    """`fmt`, where its end of turn is a token of its tokenizer: one that is not (a misspelt
+    --end-of-turn) passed, and the checks that count it read "no" (a message's text spelling the end
+    of turn counted None ids), where a session refuses it (profiles: the tokenizer has no token)."""
+    if getattr(fmt, "end_of_turn_id", 0) is None:
+        raise ValueError(f"{name}: the end of turn {fmt.end_of_turn!r} is no token of the tokenizer")
+    return fmt
+
+
 def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoning_in_content=None, profile=None):
     """(name, ChatFormat, stops, reasoning_in_content) for a family name, a directory or a tokenizer."""
     from . import real_models
@@ -452,7 +461,7 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
         # the family's model profile: its ends of turn, what canonical messages keep, and the
         # loopback's parsers (the linter returns what the server would)
         prof = fam.profile().replace(chat_template_kwargs=kw, **({"end_of_turn": end_of_turn} if end_of_turn else {}))
-        fmt = ChatFormat.for_profile(fam.tokenizer, prof)
+        fmt = _known_end(target, ChatFormat.for_profile(fam.tokenizer, prof))
         return (target, fmt, list(stops or spec.stops),
                 spec.reasoning_in_content if reasoning_in_content is None else reasoning_in_content,
                 ReplyParser(fam.tokenizer, prof.tool_parser, prof.reasoning_parser, kw))
@@ -507,6 +516,7 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
     stops = list(stops or extra.get("stops") or [fmt.end_of_turn])
     if fmt.end_of_turn in stops:  # the ChatFormat's end of turn first: what a plain stop samples
         stops = [fmt.end_of_turn] + [s for s in stops if s != fmt.end_of_turn]
+    _known_end(name, fmt)
     ric = reasoning_in_content
     if ric is None:
         ric = extra.get("reasoning_in_content", "</think>" in (getattr(tok, "chat_template", None) or "") and
@@ -546,7 +556,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", action="append", default=None, help="an engine stop token (repeatable)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     a = p.parse_args(argv)
-    reports = [lint(t, a.shape, end_of_turn=a.end_of_turn, stops=a.stop) for t in a.target]
+    try:
+        reports = [lint(t, a.shape, end_of_turn=a.end_of_turn, stops=a.stop) for t in a.target]
+    except (ValueError, FileNotFoundError) as e:  # (a bad target or token: said, not a traceback)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if a.json:
         print(json.dumps([r.to_dict() for r in reports], indent=1))
     else:
