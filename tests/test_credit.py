@@ -100,7 +100,7 @@ def test_a_streak_without_signal_spans_runs(capsys, monkeypatch):
         monkeypatch.setattr(loop, name, lambda *a: None)
     monkeypatch.setattr(loop, "TrainerWatch", lambda trainer: contextlib.nullcontext())
 
-    def one_silent_step(*args):
+    def one_silent_step(*args, **kwargs):
         history = args[-1]
         loop._after_step(None, loop.LoopConfig(), 9, {**silent, "step": 9}, history, None, None, None, 0,
                          threading.Event())
@@ -250,7 +250,16 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
                        ("2**3", None), ("7\u200b2", 72), ("1\u00a0665", 1665),
                        # LaTeX and dot operators, and a power, are working too (the operand was read)
                        ("The answer is $36 = 12 \\times 3$", 36), ("Answer: 35 = 5 \\cdot 7", 35), ("Answer: 35 = 5\u00b77", 35),
-                       ("Answer: 36 = 6\u00b2", 36), ("The answer is 12 \\times 3", None)):
+                       ("Answer: 36 = 6\u00b2", 36), ("The answer is 12 \\times 3", None),
+                       # a markdown heading is no GSM8K marker ("#### Step 2: Verify" was the answer 2), a final
+                       # answer outranks a later check's "the answer" (37 was paid), a negation, hedge or correction
+                       # inside the marked sentence is no one answer (the first number was paid), nor an exponent
+                       ("#### Step 1: Multiply\n37 x 45 = 1665. The answer is 1665.\n\n#### Step 2: Verify\n1665 / 45 = 37", 1665),
+                       ("#### Final Answer\n1665", 1665), ("#### -5", -5),
+                       ("Final answer: 1665. To double-check the answer: 1665 / 45 = 37.", 1665),
+                       ("**Final Answer:** 1665. Check: the answer = 1665 / 45 = 37", 1665),
+                       ("The answer is not 1665; it is 1664.", None), ("The answer is 1665, no wait, 1664.", None),
+                       ("Answer: 18 or 19", None), ("The result is 1.665e3", None), ("18e0", None), ("1e-5 and 7", 7)):
         assert answer_number(text) == want, text
     # the math recipe's reward reads the same way; a list of numbers is no one number ("3,4,5" read 345)
     import sys

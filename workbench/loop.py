@@ -746,7 +746,8 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
             history = list(earlier or [])[-(NO_SIGNAL_STEPS + 1):]
             before = len(history)
             return _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpoint_dir, checkpoint_every,
-                        stop, on_groups, start_step, start_position, evaluate, teacher_engines, history, on_untrained)[before:]
+                        stop, on_groups, start_step, start_position, evaluate, teacher_engines, history,
+                        on_untrained=on_untrained)[before:]
         except Exception as e:
             err = watch.explain(e)
             if err is e:
