@@ -365,3 +365,23 @@ def test_the_code_agent_caps_its_sandbox_time_and_calls_so_looping_is_scored_not
     assert reward == 1.0 and len(info["runs"]) == 4
     results = [m["content"] for m in policy.sent[1] if m["role"] == "tool"]
     assert results[:4] == ["5"] * 4 and results[4:] == ["[not run: at most 4 calls a reply]"] * 2
+    # the runs have threads of their own: on the event loop's default executor (6 threads on 2 cores,
+    # shared with the runner's other blocking work) they queued behind the other episodes' runs, the
+    # wait counting against the episode's timeout, not its sandbox budget: looping episodes timed out
+    # and were dropped, not scored 0. Here every default thread is held, and the episode still runs
+    import os
+    import threading
+
+    async def with_default_executor_held():
+        loop, release = asyncio.get_running_loop(), threading.Event()
+        held = [loop.run_in_executor(None, release.wait) for _ in range(min(32, (os.cpu_count() or 1) + 4))]
+        try:
+            ctx = SimpleNamespace(openai=lambda: Policy([completion(["print(5)"]), completion([], "The answer is 5")]),
+                                  messages=[{"role": "user", "content": "2+3?"}], tools=[], model="m", label=5)
+            return await asyncio.wait_for(CodeAgent().run(ctx), 60)
+        finally:
+            release.set()
+            await asyncio.gather(*held)
+
+    reward, info = asyncio.run(with_default_executor_held())
+    assert reward == 1.0 and [r["exit_code"] for r in info["runs"]] == [0]
