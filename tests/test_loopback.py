@@ -445,6 +445,8 @@ def test_bad_input_gets_protocol_errors_and_loses_nothing(server):
         (aurl, akey, json.dumps({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}).encode(), 400, "unsupported block"),
         (aurl, {"x-api-key": "nope"}, json.dumps({"max_tokens": 5, "messages": msgs}).encode(), 401, "API key"),
         (server.base_url("nosuch", "anthropic") + "/v1/messages", akey, json.dumps({"max_tokens": 5, "messages": msgs}).encode(), 404, "unknown session"),
+        # an Anthropic route this server has not (messages.count_tokens): a 404 in Anthropic's shape (it was OpenAI's)
+        (aurl + "/count_tokens", akey, json.dumps({"messages": msgs}).encode(), 404, "no route"),
     ]
     with httpx.Client() as http:
         for u, h, body, status, text in cases:
@@ -628,10 +630,18 @@ def test_policy_owns_the_sampling_of_recorded_turns(vllm_moe, tokenizer, moe_pat
         side = openai.OpenAI(base_url=srv.base_url(None), api_key=srv.api_key, max_retries=0)
         side.chat.completions.create(model="judge", messages=msgs[:1], max_tokens=4, temperature=0.7)
         assert srv.engine.sampling[-1].temperature == 0.7  # a side call keeps the agent's sampling
+        # top_p 0 (an agent's "deterministic", in the public APIs' [0, 1]) was a 400 on every request, its
+        # episodes dropped: recorded, the policy's replaces it; on the side route it is the smallest nucleus
+        side.chat.completions.create(model="judge", messages=msgs[:1], max_tokens=4, top_p=0)
+        assert 0 < srv.engine.sampling[-1].top_p <= 1e-6
+        sid3 = srv.open_session()
+        oai(srv, sid3).chat.completions.create(model="policy", messages=msgs[:1], max_tokens=4, top_p=0)
+        assert srv.engine.sampling[-1].top_p == 1.0
         segs = srv.close_session(sid)
         assert [s.stats["sampling_overridden"] for s in segs] == [1, 0] and segs[0].stats["turns"] == 2
         srv.close_session(sid2)
-        assert srv.summary()["sampling_overridden"] == 2
+        srv.close_session(sid3)
+        assert srv.summary()["sampling_overridden"] == 3
     model = load_hf_model(moe_path)
     at_policy = teacher_forced(model, first.prompt_ids, first.token_ids, 0.9)
     at_agent = teacher_forced(model, first.prompt_ids, first.token_ids, 0.7)

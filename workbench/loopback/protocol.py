@@ -247,14 +247,19 @@ def check_sampling_mode(mode: str) -> str:
 # integers only?). vLLM 0.32 SamplingParams._verify_args: temperature in [0, 2], top_p in (0, 1],
 # top_k -1, 0 (off) or >= 1 (an integer), min_p in [0, 1], presence/frequency penalties in
 # [-2, 2], repetition_penalty > 0; its OpenAI server: seed a signed 64-bit integer, top_logprobs
-# in [0, 20], logit_bias values in [-100, 100].
+# in [0, 20], logit_bias values in [-100, 100]. top_p takes OpenAI's and Anthropic's [0, 1]: 0 (an agent's
+# "deterministic") was a 400 on every request, its episodes dropped, where the policy's sampling replaces
+# it anyway; where it reaches an engine (the side route) it is the smallest nucleus (GREEDY_TOP_P).
 NUMBER_BOUNDS = {
-    "temperature": (0, 2, False, False), "top_p": (0, 1, True, False), "top_k": (-1, INT64_MAX, False, True),
+    "temperature": (0, 2, False, False), "top_p": (0, 1, False, False), "top_k": (-1, INT64_MAX, False, True),
     "min_p": (0, 1, False, False), "presence_penalty": (-2, 2, False, False), "frequency_penalty": (-2, 2, False, False),
     "repetition_penalty": (0, None, True, False), "seed": (INT64_MIN, INT64_MAX, False, True),
     "max_tokens": (1, INT64_MAX, False, True), "max_completion_tokens": (1, INT64_MAX, False, True),
     "n": (1, INT64_MAX, False, True), "top_logprobs": (0, 20, False, True),
 }
+
+
+GREEDY_TOP_P = 1e-9  # top_p 0 as an engine takes it (vLLM refuses 0): the most likely token alone
 
 
 def _bound(b) -> str:
@@ -409,7 +414,7 @@ def sampling_from(body: dict, max_tokens: int | None, stop: list[str]) -> tuple[
     for name in DISTRIBUTION_FIELDS:
         if body.get(name) is not None:
             sent[name] = _logit_bias(body) if name == "logit_bias" else number(body, name)
-    return SamplingConfig(temperature=float(temperature), top_p=float(top_p), max_tokens=max_tokens or 1,
+    return SamplingConfig(temperature=float(temperature), top_p=float(top_p) or GREEDY_TOP_P, max_tokens=max_tokens or 1,
                           stop=stop, seed=seed), sent
 
 

@@ -509,7 +509,8 @@ class LoopbackServer:
         return secrets.compare_digest(key.encode(), self.api_key.encode())
 
     async def _not_found(self, request: Request, exc) -> JSONResponse:
-        protocol = "anthropic" if request.url.path.endswith("/messages") else "openai"
+        # (/v1/messages/count_tokens, /v1/messages/batches: Anthropic's shape too, which its SDK reads)
+        protocol = "anthropic" if "/messages" in request.url.path else "openai"
         status = getattr(exc, "status_code", 404)
         return self._error(protocol, status, f"no route {request.method} {request.url.path}")
 
