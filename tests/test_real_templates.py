@@ -462,6 +462,22 @@ def test_c_mistral_v3(fams):
     assert retokenization_drift(fmt, spaced) == 0 and retokenization_drift(fmt, nospace) == 0
 
 
+def test_c_qwen3_normalizes_a_decomposed_accent_and_drift_counts_only_it(fams):
+    """Qwen3's tokenizer composes text (NFC): a decomposed accent the model sampled (e + U+0301)
+    retokenizes as one character, and every later unit sat one character earlier. Matched by
+    character span, the whole rest of the reply, retokenized alike, counted as drift."""
+    from workbench.tokens import ChatFormat
+
+    fam = fams["qwen3"]
+    fmt = ChatFormat.for_profile(fam.tokenizer, fam.profile())
+    ids = lambda text: fmt._backend.encode(text, add_special_tokens=False).ids  # noqa: E731 (no normalizing: as sampled)
+    accent = ids("The word is cafe") + ids("\u0301")
+    tail = ids(" and then a long sentence follows with many ordinary words in it, exactly as sampled.")
+    alone = retokenization_drift(fmt, accent)
+    assert fmt.encode(fmt.decode(accent + tail)) != accent + tail and 1 <= alone <= 3
+    assert retokenization_drift(fmt, accent + tail) == alone  # (it read 19 of 22)
+
+
 def test_c_gpt_oss_return_rendered_back_as_end(fams):
     fam = fams["gpt-oss"]
     fmt = fam.chat_format()
