@@ -582,6 +582,23 @@ def test_vllm_routed_experts_refused_clearly_on_cpu(vllm_moe, moe_path):
         ray.get(vllm_moe.generate.remote([5, 6, 7], SamplingConfig(max_tokens=2), None, True))
 
 
+def test_a_vllm_sync_drops_a_kv_connectors_cache_too(vllm_moe, moe_path):
+    """vLLM clears a KV connector's cache (CPU offloading, LMCache: engine_kwargs) only when asked:
+    after a sync a prefix hit there loaded K/V the old weights computed, under the new version."""
+    def spy(host):
+        engine = host.engine.llm.engine
+        engine._resets, real = [], engine.reset_prefix_cache
+        engine.reset_prefix_cache = lambda *a, **k: engine._resets.append((a, k)) or real(*a, **k)
+
+    ray.get(vllm_moe.__ray_call__.remote(spy))
+    try:
+        ray.get(vllm_moe.update_weights.remote(load_hf_model(moe_path).state_dict(), None, None))
+        resets = ray.get(vllm_moe.__ray_call__.remote(lambda host: host.engine.llm.engine._resets))
+        assert resets and all(a[:2] == (True, True) for a, _ in resets), resets
+    finally:
+        ray.get(vllm_moe.__ray_call__.remote(lambda host: vars(host.engine.llm.engine).pop("reset_prefix_cache") and None))
+
+
 def test_vllm_weight_update_partial_rollout_and_check(vllm_moe, moe_path):
     model = load_hf_model(moe_path)
     original = {k: v.clone() for k, v in model.state_dict().items()}

@@ -479,8 +479,10 @@ class VLLMEngine(RolloutEngine):
         from neither policy (measured: 7.6 nats off the new weights on the toy MoE). Preempting
         the in-flight requests frees their blocks: each resumes by recomputing its context under
         the new weights, so every token is exactly its version's policy on its whole context
-        (what the trainer and routing replay reproduce), at the cost of that recompute."""
-        if await self.llm.reset_prefix_cache(reset_running_requests=True) is False:  # (vLLM 0.32 raises instead)
+        (what the trainer and routing replay reproduce), at the cost of that recompute. A KV
+        connector's cache too (engine_kwargs kv_offloading_size, kv_transfer_config: vLLM clears it
+        only when asked, reset_connector): left, a later prefix hit loaded K/V the old weights made."""
+        if await self.llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is False:  # (vLLM 0.32 raises instead)
             raise RuntimeError("vLLM refused to drop the K/V of the old weights after a weight load: "
                                "tokens sampled now would read it; the sync is not complete")
 

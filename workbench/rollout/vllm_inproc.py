@@ -181,8 +181,8 @@ class InprocLLM:
     async def collective_rpc(self, method: str, args: tuple = ()):
         return await self.call_in_thread(lambda: self.engine.collective_rpc(method, args=args))
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return await self.call_in_thread(lambda: self.engine.reset_prefix_cache(reset_running_requests))
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return await self.call_in_thread(lambda: self.engine.reset_prefix_cache(reset_running_requests, reset_connector))
 
     def shutdown(self, timeout: float | None = None) -> None:
         """`timeout` is AsyncLLM's (for its core process) and not used: the thread ends after
