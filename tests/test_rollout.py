@@ -733,6 +733,11 @@ def test_a_probe_sent_as_a_reference_is_checked_after_the_load(moe_path, referen
         # took the tag as synced and sampled from weights that failed the check)
         info = ray.get(engine.info.remote())
         assert info["verified_version"] == info["version"] - 1 == report.version
+        # and it samples nothing until a sync verifies: a wb.trainer.step() after the failed wb.sync() trained
+        # tokens of weights that are not the trainer's as current (staleness 0)
+        assert "failed the probe check" in info["torn"]
+        with pytest.raises(Exception, match="failed the probe check"):
+            ray.get(engine.generate.remote([5, 6, 7], SamplingConfig(max_tokens=2)))
         from workbench.loop import engines_version
 
         assert engines_version([engine], newest=False) == report.version < engines_version([engine])

@@ -340,7 +340,17 @@ class RolloutEngine(abc.ABC):
             # a stale engine's growing gap became the noise it was measured against; the smallest: a
             # bf16 engine's gap grows as the fp32 weights leave bf16 values, and the test turned a coin flip)
             noise = float(np.median(self._probe_gaps)) if self._probe_gaps else None
-            diff = check_probe(got, expected_probe, tol, new_version, self._checked_probe, self._checked_expected, noise)
+            try:
+                diff = check_probe(got, expected_probe, tol, new_version, self._checked_probe, self._checked_expected, noise)
+            except WeightSyncError as e:
+                # weights that are not the trainer's, under its version's tag: sampling on, their tokens read
+                # as on-policy (staleness 0) to a wb.trainer.step() after the failed wb.sync(), and
+                # kl_k3_current measured the gap as the forward's. Refused, as torn weights are, until a
+                # sync verifies (the loop syncs again at its next run; a bf16 engine: a larger sync_tol)
+                self.torn = (f"its weights failed the probe check of the sync to version {new_version}: it samples "
+                             f"nothing until a sync verifies (wb.sync(); {e})")
+                await self._fail_in_flight(TornWeights(self.torn))
+                raise
             gaps = np.abs(np.asarray(got) - np.asarray(expected_probe))
             largest = float(gaps.max())
             outlier = largest if largest > diff else None
