@@ -54,7 +54,7 @@ class TrainerConfig:
     # spent on padding, and each row's log-probs equal its padded forward's to fp32 rounding. Checked
     # at setup: off (padded) for a model whose forward mixes packed sequences (packing_leak)
     pack_sequences: bool = True
-    # with pack_sequences: micro-batches of about this many real tokens (a longer row alone), the
+    # with pack_sequences: micro-batches of at most this many real tokens (a longer row alone), the
     # count agreed across ranks; None: micro_batch_size rows each
     micro_batch_tokens: int | None = None
     # optimizer updates per train_step: the batch's rows are cut into this many mini-batches, one
@@ -579,7 +579,7 @@ class TrainerWorker:
 
     def _micro(self, batch: dict):
         """The micro-batches of this rank's rows: micro_batch_size rows each, or (with
-        micro_batch_tokens) about that many real tokens each, as many on every rank."""
+        micro_batch_tokens) at most that many real tokens each (a longer row alone), as many on every rank."""
         n, budget = batch["input_ids"].shape[0], self.cfg.micro_batch_tokens
         if budget is None or not self.pack:
             # padded rows cost the batch's width each: a token budget is that many rows (every rank
