@@ -251,15 +251,18 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
                        # LaTeX and dot operators, and a power, are working too (the operand was read)
                        ("The answer is $36 = 12 \\times 3$", 36), ("Answer: 35 = 5 \\cdot 7", 35), ("Answer: 35 = 5\u00b77", 35),
                        ("Answer: 36 = 6\u00b2", 36), ("The answer is 12 \\times 3", None),
-                       # a markdown heading is no GSM8K marker ("#### Step 2: Verify" was the answer 2), a final
-                       # answer outranks a later check's "the answer" (37 was paid), a negation, hedge or correction
-                       # inside the marked sentence is no one answer (the first number was paid), nor an exponent
+                       # a markdown heading is no GSM8K marker ("#### Step 2: Verify", "#### 2. Check" were the
+                       # answer 2); a negation before the marked number, or a hedge or correction joining two, is no
+                       # one answer (the first number was paid), but a clarification or a conversion is; nor is an
+                       # exponent's digits; a correction after a boxed answer is the answer
                        ("#### Step 1: Multiply\n37 x 45 = 1665. The answer is 1665.\n\n#### Step 2: Verify\n1665 / 45 = 37", 1665),
-                       ("#### Final Answer\n1665", 1665), ("#### -5", -5),
-                       ("Final answer: 1665. To double-check the answer: 1665 / 45 = 37.", 1665),
-                       ("**Final Answer:** 1665. Check: the answer = 1665 / 45 = 37", 1665),
+                       ("#### 1. Compute the total\n3 boxes x 6 = 18 eggs.\n\n#### 2. Check\n18 / 6 = 3.\n\nThe answer is 18.", 18),
+                       ("#### Final Answer\n1665", 1665), ("#### -5", -5), ("#### $1,234", 1234),
                        ("The answer is not 1665; it is 1664.", None), ("The answer is 1665, no wait, 1664.", None),
-                       ("Answer: 18 or 19", None), ("The result is 1.665e3", None), ("18e0", None), ("1e-5 and 7", 7)):
+                       ("Answer: 18 or 19", None), ("The answer is 18, not 20.", 18), ("The answer is 3 hours, or 180 minutes.", 3),
+                       ("Final answer: the mean is 85", 85), ("The answer is 42 (no remainder when 84 is divided by 2)", 42),
+                       ("\\boxed{17}. Wait, I made an error: the answer is 18.", 18),
+                       ("The result is 1.665e3", None), ("18e0", None), ("1e-5 and 7", 7)):
         assert answer_number(text) == want, text
     # the math recipe's reward reads the same way; a list of numbers is no one number ("3,4,5" read 345)
     import sys

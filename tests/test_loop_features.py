@@ -207,6 +207,8 @@ def test_groups_filtered_or_stale_count_with_their_step(tmp_path):
     assert without["identity_mismatch"] == 0 and without["failure_reasons"] == {}
     # the audit: from the step's line alone, and from the run directory's files (untrained/ read)
     assert step_values(m, [])[0]["failed_rate"] == 2 / 6 and step_values(m, [])[0]["identity_mismatch"] == 3
+    # truncations likewise: counted on both sides of the rate (the denominator alone diluted it)
+    assert step_values({**m, "truncated_episodes": 1, "untrained_truncated_episodes": 2}, [])[0]["truncated_rate"] == 3 / 6
     run = tmp_path / "run"
     write_trajectories(groups[0], run / "trajectories" / "step_00000.parquet")
     write_trajectories([t for g in untrained for t in g], run / "untrained" / "step_00000.parquet")

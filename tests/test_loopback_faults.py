@@ -133,10 +133,6 @@ OPENAI_CASES = [
      "must be a JSON string", None),
     ("tool parameters a string", json.dumps({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}),
      "'parameters' an object", "tools"),
-    # a strict tool (openai.pydantic_function_tool's): its arguments unconstrained, the SDK's own validation
-    # raised in the agent and the failed episode was dropped
-    ("a strict tool", json.dumps({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}, "strict": True}}]}),
-     "tools[0].function.strict is not supported", "tools"),
     ("stream_options.include_usage a string", json.dumps({"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}}),
      "include_usage", None),
     ("invalid UTF-8", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "not valid UTF-8", None),
@@ -186,10 +182,6 @@ ANTHROPIC_CASES = [
     ("tool without input_schema", json.dumps({"max_tokens": 4, "messages": USER, "tools": [{"name": "f"}]}), "'input_schema' must be an object", None),
     ("Anthropic's bash tool", json.dumps({"max_tokens": 4, "messages": USER, "tools": [{"type": "bash_20250124", "name": "bash"}]}),
      "Anthropic's 'bash_20250124' tool", None),
-    ("a strict tool", json.dumps({"max_tokens": 4, "messages": USER, "tools": [{"name": "f", "input_schema": {}, "strict": True}]}),
-     "tools[0].strict is not supported", None),
-    ("a deferred tool (rendered anyway)", json.dumps({"max_tokens": 4, "messages": USER, "tools": [{"name": "f", "input_schema": {}, "defer_loading": True}]}),
-     "tools[0].defer_loading is not supported", None),
     ("disable_parallel_tool_use", json.dumps({"max_tokens": 4, "messages": USER, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}),
      "disable_parallel_tool_use is not supported", None),
     ("a prefill", json.dumps({"max_tokens": 4, "messages": USER + [{"role": "assistant", "content": "{"}]}), "(prefill) is not supported", None),

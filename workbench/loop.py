@@ -393,7 +393,7 @@ def sampled_statistics(sampled: list[list[Trajectory]]) -> dict:
 def untrained_statistics(untrained: list[list[Trajectory]]) -> dict:
     """What a step's record adds for the groups it rolled out and did not train (dynamic
     sampling's filter, the async gate's stale groups; their trajectories go to untrained/): their
-    episodes and failed episodes, and their token-identity counts, added to the step's own
+    episodes, failed and truncated episodes, and their token-identity counts, added to the step's own
     (identity_mismatch & co. count every episode the step sampled). Left out, filtering hid both:
     a group whose episodes all failed is zero-variance under on_failed="drop" (filtered: an agent
     crashing on a third of the tasks logged no failure), and a broken record in a group all right
@@ -401,6 +401,7 @@ def untrained_statistics(untrained: list[list[Trajectory]]) -> dict:
     episodes = [t for g in untrained for t in g]
     totals = segment_stats([s for t in episodes for s in t.segments])
     return {"untrained_episodes": len(episodes), "untrained_failed_episodes": sum(t.error is not None for t in episodes),
+            "untrained_truncated_episodes": sum(bool(getattr(t, "truncated", False)) and t.error is None for t in episodes),
             "identity_mismatch": totals["identity_mismatch"], "retokenization_drift": totals["retokenization_drift"],
             "unexpected_seals": sum(n for reason, n in totals["seals"].items() if reason in UNEXPECTED_SEALS)}
 

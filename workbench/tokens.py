@@ -509,16 +509,17 @@ def text_units(fmt: ChatFormat, ids: list[int]) -> list[tuple[int, int, tuple]] 
 def retokenization_drift(fmt: ChatFormat, sampled: list[int]) -> int:
     """How many sampled ids a retokenization of their decoded text would not reproduce: both
     the sampled ids and `encode(decode(sampled))` are cut into character-aligned units
-    (`text_units`), and a sampled token drifts when its unit is not matched, in order, by a unit of
-    the retokenization with the same ids (a merge walk: where the two do not match, the one that
-    ends first, in the sampled text's characters, moves on). Linear in the number of tokens
-    (difflib, used before, was quadratic on repetitive output: ~7 s at 16k tokens, on the server's
-    event loop). Matched by character span instead, a tokenizer that normalizes (Qwen3's NFC: a
-    decomposed accent composed, one character fewer) shifted every later unit, and the reply's
-    whole rest, retokenized alike, counted as drift (97 of 99 tokens where 48 changed)."""
+    (`text_units`), and a sampled token drifts when its unit (character span and ids) is not
+    among the retokenization's units. Linear in the number of tokens (difflib, used before, was
+    quadratic on repetitive output: ~7 s at 16k tokens, on the server's event loop). Where the
+    tokenizer normalizes the text (Qwen3's NFC: a decomposed accent composed, one character
+    fewer), the spans of the two texts no longer line up past the change, and every later unit,
+    retokenized alike, counted as drift (97 of 99 tokens where 48 changed): there the units are
+    matched in order by their ids instead (_drift_walk)."""
     if not sampled:
         return 0
-    again = fmt.encode(fmt.decode(sampled))
+    text = fmt.decode(sampled)
+    again = fmt.encode(text)
     if again == sampled:
         return 0
     mine, theirs = text_units(fmt, sampled), text_units(fmt, again)
@@ -527,6 +528,17 @@ def retokenization_drift(fmt: ChatFormat, sampled: list[int]) -> int:
         head = next((k for k in range(min(n, m)) if sampled[k] != again[k]), min(n, m))
         tail = next((k for k in range(min(n, m) - head) if sampled[n - 1 - k] != again[m - 1 - k]), min(n, m) - head)
         return n - head - tail
+    if fmt.decode(again) != text:
+        return _drift_walk(mine, theirs)
+    theirs = set(theirs)
+    return sum(len(u[2]) for u in mine if u not in theirs)
+
+
+def _drift_walk(mine: list, theirs: list) -> int:
+    """retokenization_drift's count where the retokenized text differs from the sampled one: a merge
+    walk over the two unit lists, a unit matched by the next one of the other with the same ids
+    (where the two differ, the one that ends first, in the sampled text's characters as of the last
+    match, moves on)."""
     end = lambda u: math.inf if u[1] < 0 else u[1]  # noqa: E731 (trailing bytes that never made a character)
     i = j = drift = 0
     shift = 0  # the retokenized text's position minus the sampled one's, at the last match

@@ -51,9 +51,9 @@ _NUMBER = re.compile(r"(?:(?<![\w.-])-)?(?<!\d[eE])(?<!\d[eE][-+])(?:\d{1,3}(?:,
 # first guess, which trained against self-correction)
 # ("is\b": "the answer isn't 5, it's 6" read 5)
 _NEXT = r"(?=\banswer\b[ \t]*(?:is\b|:|=)|####|\\boxed\{|\n|$)"
-# ("####" only before a number, as GSM8K writes its final answer: a markdown heading "#### Step 2:
-# Verify" was the answer 2, a right answer beside it scored 0)
-_MARKED = re.compile(rf"\\boxed\{{((?:[^{{}}]|\{{[^{{}}]*\}})*)\}}|####[ \t]*(?=[-$\d])([^\n]*?){_NEXT}"
+# ("####" only where a number is all the rest of its line, as GSM8K writes its final answer: a markdown
+# heading "#### Step 2: Verify" or "#### 2. Check" was the answer 2, a right answer beside it scored 0)
+_MARKED = re.compile(rf"\\boxed\{{((?:[^{{}}]|\{{[^{{}}]*\}})*)\}}|####[ \t]*(?=\$?-?\d[\d,]*(?:\.\d+)?[ \t]*(?:\n|$))([^\n]*?){_NEXT}"
                      rf"|\banswer\b[ \t]*(?:is\b|:|=)[ \t]*([^\n]*?){_NEXT}", re.I)
 # an unevaluated expression ("37 * 45", "9 x 2", LaTeX's "12 \times 3", "5 \cdot 7", a power "6\u00b2"): a side
 # of an equation that is no result
@@ -66,10 +66,12 @@ _EXPRESSION = re.compile(r"\s*(?:[$(\[]\s*)?-?\d[\d,.]*\s*(?:(?:\*\*|[-+*/\u00d7
 # "The answer is \u201348" read 48, paying a wrong sign (em dash: punctuation, left alone)
 _MINUS = str.maketrans({c: "-" for c in "\u2212\u2010\u2011\u2012\u2013\ufe63\uff0d"})
 _INVISIBLE = re.compile("[\u200b-\u200d\u2060\ufeff]")  # ("7\u200b2" read 7)
-# words that make a marked sentence no one answer: a negation before its number ("the answer is not
-# 1665; it is 1664" paid 1665), a hedge or a correction between its numbers ("18 or 19", "1665, no
-# wait, 1664": the first guess was paid, a right correction scored 0)
-_HEDGE = re.compile(r"\b(?:or|no|not|wait|actually|rather|instead|sorry|mean)\b|n't\b", re.I)
+# what makes a marked sentence no one answer: a negation before its number ("the answer is not 1665;
+# it is 1664" paid 1665), or a hedge or a correction joining two numbers ("18 or 19", "1665, no wait,
+# 1664": the first guess was paid, a right correction scored 0). Only there: "18, not 20", "3 hours, or
+# 180 minutes" and "the mean is 85" are one answer each
+_NEGATED = re.compile(r"\s*(?:not|isn't|never)\b", re.I)
+_HEDGED = re.compile(r"-?\d[\d,.]*\s*,?\s*(?:or|no,?\s*wait|wait|actually|sorry|I mean)\b[\s,:]*-?\d", re.I)
 
 
 def answer_text(text: str | None) -> str | None:
@@ -88,10 +90,6 @@ def answer_text(text: str | None) -> str | None:
     text = re.sub(r"(?<=\d)(?:\\,|[\u2009\u202f\u00a0])(?=\d{3}(?!\d))", ",", text)
     text = re.sub(r"(?<=[A-Za-z])(?:\^\{?\d+\}?|[\u00b2\u00b3])", "", text)
     marked = list(_MARKED.finditer(text))
-    # a final answer (\boxed, GSM8K's "####", "final answer") outranks a later bare "the answer": a
-    # check after it ("Final answer: 1665. To double-check the answer: 1665 / 45 = 37.") was graded
-    strong = [m for m in marked if not m.group().lower().startswith("answer") or text[:m.start()].lower().endswith("final ")]
-    marked = strong or marked
     found: list = []
     # the last marker that gives a number: "\boxed{408}. I hope this answer is helpful." is 408 (the
     # last marker, "answer is helpful", read None); one that ends its line with nothing but markup
@@ -104,7 +102,7 @@ def answer_text(text: str | None) -> str | None:
         span = re.split(r"\.(?:\s|$)|;", body, maxsplit=1)[0]  # the marked sentence
         span = next((side for side in reversed(span.split("=")) if not _EXPRESSION.match(side)), "")
         found = list(_NUMBER.finditer(span))
-        if found and (_HEDGE.search(span[:found[0].start()]) or _HEDGE.search(span[found[0].end():found[-1].start()])):
+        if found and (_NEGATED.match(span[:found[0].start()]) or _HEDGED.search(span)):
             return None
         found = found[:1]
         if found:

@@ -151,13 +151,6 @@ def parse_request(body: dict) -> ChatRequest:
                                     f"as a custom tool with its input_schema", param="tools")
         if not isinstance(t.get("description", ""), str) or not isinstance(t.get("input_schema"), dict):
             raise RequestError(400, f"tools[{j}]: 'input_schema' must be an object and 'description' a string", param="tools")
-        # strict: arguments constrained to the schema, which this server does not do; defer_loading: kept out of
-        # the prompt until a tool search loads it, where this server renders every tool (the policy was trained
-        # on a prompt offering tools the agent meant to hide)
-        for key, why in (("strict", "does not constrain decoding to the schema"),
-                         ("defer_loading", "renders every tool into the prompt (no tool search)")):
-            if t.get(key):
-                raise RequestError(400, f"tools[{j}].{key} is not supported: the loopback server {why}", param="tools")
         specs.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                                        "parameters": t["input_schema"]}})
     choice = want(body, "tool_choice", dict, default={"type": "auto"})

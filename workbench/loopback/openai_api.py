@@ -102,10 +102,6 @@ def parse_request(body: dict) -> ChatRequest:
             f = t["function"]
             if not isinstance(f.get("description", ""), (str, type(None))) or not isinstance(f.get("parameters", {}), (dict, type(None))):
                 raise RequestError(400, f"tools[{j}].function: 'description' must be a string and 'parameters' an object", param="tools")
-            if f.get("strict"):  # (openai.pydantic_function_tool sets it: the SDK then validated the policy's
-                # unconstrained arguments, raised, and the failed episode was dropped, not scored)
-                raise RequestError(400, f"tools[{j}].function.strict is not supported: the loopback server does not "
-                                        f"constrain decoding to the schema", param="tools")
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
         raise RequestError(400, f"tool_choice {choice!r} is not supported (use 'auto' or 'none'): the loopback server does not constrain decoding", param="tool_choice")

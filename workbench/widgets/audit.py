@@ -153,7 +153,10 @@ def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None,
          "is_weight_outside": _hist_outside(m.get("is_weight_hist")),
          "failed_rate": (m["failed_episodes"] + m.get("untrained_failed_episodes", 0) if "failed_episodes" in m
                          else sum(e["failed_rate"] for e in eps.values())) / n,
-         "truncated_rate": m.get("truncated_episodes", sum(e["truncated_rate"] for e in eps.values())) / n}
+         # (the untrained groups' too: the denominator holds their episodes, and filtering half the groups
+         # hid a batch half truncated under the 0.25 limit)
+         "truncated_rate": (m["truncated_episodes"] + m.get("untrained_truncated_episodes", 0) if "truncated_episodes" in m
+                            else sum(e["truncated_rate"] for e in eps.values())) / n}
     for k in ("gate_pass_ratio", "token_keep_ratio", "replay_disagree_rate", "kl_k3", "kl_k3_live", "sync_max_abs_diff",
               "sync_probe_outlier", "replay_unreplayed", "kl_k3_stale"):
         v[k] = m.get(k)
