@@ -151,6 +151,10 @@ def test_a_text_units_and_drift_without_an_hf_backend(fmt):
     # the bytes of '€' sampled one by one retokenize to its single token: those 3 sampled ids drift
     assert fmt.encode("€") != byte_ids and retokenization_drift(fmt, byte_ids) == 3
     assert retokenization_drift(fmt, fmt.encode("Hello, «ça va»?")) == 0
+    # text spelling a control name is text (mistral-common encodes a message's "<s>" so): decoded plainly,
+    # it read back as the control, and a reply's HTML strikethrough counted as drift (6 of 15)
+    html = t.encode("Price: <s>10</s> 8 dollars.", bos=False, eos=False) + [2]
+    assert 1 not in html[:-1] and retokenization_drift(fmt, html) == 0
 
 
 # ------------------------------------------------------------------ (c) accumulation

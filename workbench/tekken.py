@@ -145,7 +145,13 @@ class TekkenFormat(ChatFormat):
         """mistral-common's ids as text: control tokens by name, each text piece between them
         decoded and escaped where it spells a control token (mistral-common's own .text does not
         tell the two apart)."""
-        ids = self.tokenize_request(messages, tools, add_generation_prompt).tokens
+        return self.escaped_decode(self.tokenize_request(messages, tools, add_generation_prompt).tokens)
+
+    def escaped_decode(self, ids: list[int]) -> str:
+        """`ids` as text that encode() reads back as the same ids: control tokens by name, each text
+        piece between them decoded and escaped where it spells a control token (a plain decode
+        writes a sampled "</s>" text and the end of sequence alike, and encode made both the
+        control: tokens.retokenization_drift counted a reply's HTML "<s>10</s>" as drift)."""
         n, out, run = self.tekken.num_special_tokens, [], []
         for i in [*ids, None]:
             if i is not None and i >= n:

@@ -518,7 +518,8 @@ def retokenization_drift(fmt: ChatFormat, sampled: list[int]) -> int:
     matched in order by their ids instead (_drift_walk)."""
     if not sampled:
         return 0
-    text = fmt.decode(sampled)
+    decode = getattr(fmt, "escaped_decode", fmt.decode)  # (Tekken: text spelling a control name stays text)
+    text = decode(sampled)
     again = fmt.encode(text)
     if again == sampled:
         return 0
@@ -528,7 +529,7 @@ def retokenization_drift(fmt: ChatFormat, sampled: list[int]) -> int:
         head = next((k for k in range(min(n, m)) if sampled[k] != again[k]), min(n, m))
         tail = next((k for k in range(min(n, m) - head) if sampled[n - 1 - k] != again[m - 1 - k]), min(n, m) - head)
         return n - head - tail
-    if fmt.decode(again) != text:
+    if decode(again) != text:
         return _drift_walk(mine, theirs)
     theirs = set(theirs)
     return sum(len(u[2]) for u in mine if u not in theirs)
