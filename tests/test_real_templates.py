@@ -481,6 +481,35 @@ def test_c_qwen3_normalizes_a_decomposed_accent_and_drift_counts_only_it(fams):
     assert retokenization_drift(fmt, ids("a") + ids("aaaa")) == 2
 
 
+def test_c_qwen3_keys_the_agent_reordered_seal_as_its_change(fams):
+    """An agent re-serializing its call's arguments or its tools with sorted keys: equal as Python
+    values, rendered otherwise by Qwen3's tojson (key order kept), so the segment seals. It was
+    labelled the template's (template_rewrite, never flagged by the audit); it is the agent's."""
+    from workbench.rollout.engine import Sample
+    from workbench.tokens import UNEXPECTED_SEALS, Accumulator, ChatFormat
+
+    fam = fams["qwen3"]
+    fmt = ChatFormat.for_profile(fam.tokenizer, fam.profile().replace(chat_template_kwargs={"enable_thinking": False}))
+    props = {"to": {"type": "string"}, "from": {"type": "string"}}
+    tools = [{"type": "function", "function": {"name": "book", "description": "Book", "parameters": {"type": "object", "properties": props}}}]
+    acc, msgs = Accumulator(fmt), [{"role": "user", "content": "Book Paris to Rome"}]
+    plan = acc.plan(msgs, tools)
+    ids = fmt.encode('<tool_call>\n{"name": "book", "arguments": {"to": "Rome", "from": "Paris"}}\n</tool_call>') + [fmt.end_of_turn_id]
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "book", "arguments": json.dumps({"to": "Rome", "from": "Paris"})}}]}
+    acc.record(plan, Sample(plan.prompt_ids, ids, [-0.1] * len(ids), [0] * len(ids), "stop"), call)
+    result = {"role": "tool", "tool_call_id": "c1", "content": "booked"}
+    sorted_call = json.loads(json.dumps(call))
+    sorted_call["tool_calls"][0]["function"]["arguments"] = json.dumps({"to": "Rome", "from": "Paris"}, sort_keys=True)
+    assert acc.plan(msgs + [sorted_call, result], tools).seal_reason == "assistant_changed"
+    reordered = [{"type": "function", "function": {"parameters": {"type": "object", "properties": dict(reversed(props.items()))},
+                                                   "description": "Book", "name": "book"}}]
+    assert reordered == tools and acc.plan(msgs + [call, result], reordered).seal_reason == "tools_changed"
+    assert {"assistant_changed", "tools_changed"} <= set(UNEXPECTED_SEALS)
+    # (the call as returned: Qwen3 renders its own call back otherwise, the template's rewrite)
+    assert acc.plan(msgs + [call, result], tools).seal_reason == "template_rewrite"
+
+
 def test_c_gpt_oss_return_rendered_back_as_end(fams):
     fam = fams["gpt-oss"]
     fmt = fam.chat_format()

@@ -697,7 +697,11 @@ class Accumulator:
                 # (the segment's: its last recorded turn's tools, whatever request failed since)
                 # a reply ended by a stop string: the agent holds its text without the string, which the ids hold
                 # (labelled the template's: the audit blamed the template for the agent's stop strings)
-                reason = ("tools_changed" if (seg.tools or None) != (tools or None) else
+                # (as JSON text in the order sent, as templates render it (tojson keeps key order): an agent
+                # re-serializing the tools or its call's arguments with sorted keys sealed as the template's)
+                n = len(self._conversation)
+                reason = ("tools_changed" if _as_sent(seg.tools or None) != _as_sent(tools or None) else
+                          "assistant_changed" if _as_sent(msgs[n - 1]) != _as_sent(self._conversation[n - 1]) else
                           "stop_string" if getattr(self._last_reply, "stop_sequence", None) else "template_rewrite")
         full, ids = self.fmt.prompt(msgs, tools)
         return TurnPlan(ids, msgs, tools, full, len(ids), True, reason, beside=beside and seg is not None)
@@ -1010,6 +1014,11 @@ def json_value(x):
     if isinstance(x, (np.generic, np.ndarray)):
         return x.tolist()
     return str(x)
+
+
+def _as_sent(x) -> str:
+    """JSON text of a message or tools as sent, key order kept (what a template's tojson renders)."""
+    return json.dumps(x, default=str, ensure_ascii=False)
 
 
 def _why_not_extending(conv: list[dict], msgs: list[dict]) -> str | None:
