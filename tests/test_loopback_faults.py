@@ -479,6 +479,8 @@ class Scripted:
         from workbench.rollout.engine import Sample
 
         self.sampling.append(sampling)
+        if isinstance(self.replies[0], BaseException):  # (a failure the test scripts)
+            raise self.replies.pop(0)
         text, finish = self.replies.pop(0)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return Sample(list(prompt_ids), ids, [-0.1] * len(ids), [0] * len(ids), finish)
@@ -559,10 +561,14 @@ def test_a_turn_a_stop_string_ended_seals_as_such_not_as_the_templates():
     with LoopbackServer(engine, tokenizer) as srv:
         sid = srv.open_session()
         client = openai.OpenAI(base_url=srv.base_url(sid), api_key=srv.api_key, max_retries=0)
-        engine.replies += [("Thought: add. Observation:", "stop"), ("42<|im_end|>", "stop")]
+        # (the next request fails once in the engine, and the agent sends it again: the failure cleared
+        # the retry cache, where the stop string was read, and the retry's seal read as the template's)
+        engine.replies += [("Thought: add. Observation:", "stop"), RuntimeError("the engine failed"), ("42<|im_end|>", "stop")]
         r = client.chat.completions.create(model="p", messages=USER, max_tokens=64, stop=["Observation:"])
         assert r.choices[0].message.content == "Thought: add. " and r.choices[0].finish_reason == "stop"
         msgs = USER + [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Observation: 42"}]
+        with pytest.raises(openai.InternalServerError):
+            client.chat.completions.create(model="p", messages=msgs, max_tokens=64)
         client.chat.completions.create(model="p", messages=msgs, max_tokens=64)
         first, second = srv.close_session(sid)
         assert first.seal_reason == "stop_string" and "stop_string" not in UNEXPECTED_SEALS

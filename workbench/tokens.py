@@ -71,7 +71,7 @@ UNEXPECTED_SEALS = ("history_rewritten", "assistant_changed", "tools_changed")
 # What one open conversation of a session holds (Accumulator swaps these when a request extends
 # another open conversation than the last one)
 _CONVERSATION_STATE = ("_segment", "_conversation", "_conversation_text", "_window_start", "_closing_text",
-                       "_last_turn", "_last_turn_moved", "_unrendered", "_last_request", "_last_reply")
+                       "_last_turn", "_last_turn_moved", "_unrendered", "_last_request", "_last_reply", "_last_stop_sequence")
 
 
 @dataclass
@@ -647,6 +647,9 @@ class Accumulator:
         self._rewritten: dict[int, str] = {}
         self._last_request: tuple | None = None
         self._last_reply: Any = None
+        # the stop string that ended the last recorded reply (the seal's label: kept apart from the
+        # retry cache, which a failed request clears, and the retry's seal read as the template's)
+        self._last_stop_sequence: str | None = None
         # set by the server: the last turn was cut by the context (the conversation outgrew
         # max_model_len), or the last recorded reply ran out of the policy's max_tokens (a later
         # reply not cut clears either: the episode went on past the cut, as a multi-turn Env or an
@@ -702,7 +705,7 @@ class Accumulator:
                 n = len(self._conversation)
                 reason = ("tools_changed" if _as_sent(seg.tools or None) != _as_sent(tools or None) else
                           "assistant_changed" if _as_sent(msgs[n - 1]) != _as_sent(self._conversation[n - 1]) else
-                          "stop_string" if getattr(self._last_reply, "stop_sequence", None) else "template_rewrite")
+                          "stop_string" if self._last_stop_sequence else "template_rewrite")
         full, ids = self.fmt.prompt(msgs, tools)
         return TurnPlan(ids, msgs, tools, full, len(ids), True, reason, beside=beside and seg is not None)
 
@@ -835,6 +838,7 @@ class Accumulator:
         self._unrendered = (plan.prompt_text, plan.tools, sampled, getattr(sample, "finish_reason", "stop") == "stop")
         self._last_request = (plan.messages, plan.tools)  # keyed only when a retry comes (request_key)
         self._last_reply = reply
+        self._last_stop_sequence = getattr(reply, "stop_sequence", None)
         seg.messages = list(self._conversation)
         seg.tools = plan.tools
         seg.check()
