@@ -243,9 +243,7 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
             "zero_variance_groups": sum(zero_variance(g, on_failed, on_truncated, overlong) for g in groups)}
     # invariant 1's measurements, over every episode of the step (the audit's, which read them only
     # from trajectories/: a run directory copied without those files audited clean)
-    totals = segment_stats([s for g in groups for t in g for s in t.segments])
-    info.update(identity_mismatch=totals["identity_mismatch"], retokenization_drift=totals["retokenization_drift"],
-                unexpected_seals=sum(n for reason, n in totals["seals"].items() if reason in UNEXPECTED_SEALS))
+    info.update(identity_counts([t for g in groups for t in g]))
     penalties = []
     for gi, group in enumerate(groups):
         for t in group:
@@ -399,10 +397,15 @@ def untrained_statistics(untrained: list[list[Trajectory]]) -> dict:
     crashing on a third of the tasks logged no failure), and a broken record in a group all right
     was never counted."""
     episodes = [t for g in untrained for t in g]
-    totals = segment_stats([s for t in episodes for s in t.segments])
     return {"untrained_episodes": len(episodes), "untrained_failed_episodes": sum(t.error is not None for t in episodes),
             "untrained_truncated_episodes": sum(bool(getattr(t, "truncated", False)) and t.error is None for t in episodes),
-            "identity_mismatch": totals["identity_mismatch"], "retokenization_drift": totals["retokenization_drift"],
+            **identity_counts(episodes)}
+
+
+def identity_counts(episodes: list[Trajectory]) -> dict:
+    """Invariant 1's counts over episodes' segments: identity_mismatch, retokenization_drift, unexpected_seals."""
+    totals = segment_stats([s for t in episodes for s in t.segments])
+    return {"identity_mismatch": totals["identity_mismatch"], "retokenization_drift": totals["retokenization_drift"],
             "unexpected_seals": sum(n for reason, n in totals["seals"].items() if reason in UNEXPECTED_SEALS)}
 
 
