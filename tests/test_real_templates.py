@@ -510,6 +510,19 @@ def test_c_qwen3_keys_the_agent_reordered_seal_as_its_change(fams):
     assert acc.plan(msgs + [call, result], tools).seal_reason == "template_rewrite"
 
 
+def test_gpt_oss_special_ids_as_harmony(fams):
+    """tiktoken's o200k_harmony names id 200018 twice; building one token per name shifted every
+    special from 200018 on by one (<|reserved_201087|> at 201088, past gpt-oss's 201088 rows)."""
+    tok = fams["gpt-oss"].tokenizer
+    assert tok.convert_tokens_to_ids("<|endofprompt|>") == 200018
+    assert [tok.convert_tokens_to_ids(f"<|reserved_{i}|>") for i in (200019, 200100, 201087)] == [200019, 200100, 201087]
+    assert len(tok) == 201088
+    from workbench.real_models import harmony_encoding
+
+    enc = harmony_encoding()
+    assert tok.convert_ids_to_tokens([200019, 201087]) == [enc.decode([200019]), enc.decode([201087])]
+
+
 def test_c_gpt_oss_return_rendered_back_as_end(fams):
     fam = fams["gpt-oss"]
     fmt = fam.chat_format()
