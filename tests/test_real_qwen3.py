@@ -8,6 +8,7 @@ and every seal has a reason the template explains."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import types
 
@@ -64,6 +65,14 @@ async def anthropic_episode(client, turns: int = 3):
         else:
             messages.append({"role": "user", "content": "And 4+5?"})
     return calls
+
+
+def test_tiny_qwen3_stops_as_real_qwen3(tiny_qwen3):
+    # real Qwen3's generation_config names <|endoftext|> besides <|im_end|>: the engine stops on both,
+    # and the profile knows both (a turn ending on <|endoftext|> left out of the reply's text)
+    path, prof, engine = tiny_qwen3
+    assert {"<|im_end|>", "<|endoftext|>"} <= {prof.end_of_turn, *prof.turn_ends, *prof.stop_tokens}
+    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == [151645, 151643]
 
 
 @pytest.mark.parametrize("thinking", [True, False])

@@ -75,7 +75,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "bfloa
 
 
 # ------------------------------------------------------------------ a tiny Qwen3 with the real tokenizer
-TINY_QWEN3_VERSION = "2"  # bump when the build changes: the cache key
+TINY_QWEN3_VERSION = "3"  # bump when the build changes: the cache key
 
 
 def tiny_qwen3_conversations() -> list[tuple[list[dict], bool]]:
@@ -156,6 +156,8 @@ def _build_tiny_qwen3(staged: Path, progress: bool) -> None:
     model.eval()
     model.save_pretrained(str(staged))
     tok.save_pretrained(str(staged))
-    GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=True).save_pretrained(str(staged))
+    # both EOS ids, as real Qwen3's generation_config.json: the engines stop on <|endoftext|> too, and
+    # the profile must know it (workbench.profiles.with_eos_stops) for the tests to cover that path
+    GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, do_sample=True).save_pretrained(str(staged))
     # marks a CPU-sized test model for its profile (fp32, like the toys); the family stays qwen3
     (staged / "workbench_tiny.json").write_text(json.dumps({"name": "tiny-qwen3", "final_loss": loss.item()}))
