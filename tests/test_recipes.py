@@ -191,8 +191,15 @@ def test_the_code_grader_pays_only_right_return_values():
                   # unfenced code with an explanation after it (a SyntaxError: scored 0)
                   f"{label['solution']}\n\nThis function does what was asked.",
                   f"Here it is:\n{label['solution']}\nIt runs in O(1).",
-                  label["solution"] + "\n\n" + "\n".join(f"- note {i}: it works." for i in range(80))):
+                  label["solution"] + "\n\n" + "\n".join(f"- note {i}: it works." for i in range(80)),
+                  # unfenced, with an import / a helper above the function (cut at the def: a NameError)
+                  f"import operator as _op\n\n{label['solution']}\n\n_unused = _op.add",
+                  f"Here it is:\nimport operator as _op\n\ndef _helper():\n    return _op\n\n{label['solution']}\nDone."):
         assert score(reply, label)[0] == 1.0, reply
+    from code_tests import code_of
+
+    assert code_of("Sure.\nimport math\n\ndef f(x):\n    return math.sqrt(x)\n\nIt works.", "f").strip() == \
+        "import math\n\ndef f(x):\n    return math.sqrt(x)"
     # a reply of newlines: the block search was quadratic (\s* from every line start; 3 s at 40,000
     # newlines, in the runner's thread); now linear, and it finds nothing to pass
     from code_tests import code_of

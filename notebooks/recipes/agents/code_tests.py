@@ -73,20 +73,34 @@ def code_of(reply: str, name: str | None = None) -> str:
     if opened:  # the code after the fence, its imports included
         return reply[opened.end():].strip()
     start = re.search(rf"^[ \t]*def\s+{re.escape(name)}\s*\(", reply, re.M) if name else None
-    return _parsable_head((reply[start.start():] if start else reply).strip())
+    if start is None:
+        return _parsable_head(reply.strip())
+    # from the first top-level import, helper or decorator above the function that still parses with
+    # it (cutting at the def alone dropped "import operator" above it: NameError, a right answer 0)
+    above = [m.start() for m in _TOP_LEVEL_CODE.finditer(reply, 0, start.start())][:20]
+    for s in above:
+        code = _parsable_head(reply[s:].strip())
+        if _parses(code) and re.search(rf"^def\s+{re.escape(name)}\s*\(", code, re.M):
+            return code
+    return _parsable_head(reply[start.start():].strip())
+
+
+_TOP_LEVEL_CODE = re.compile(r"^(?:import [\w.]|from [\w.]+ import |def \w|class \w|@\w)", re.M)
+
+
+def _parses(text: str) -> bool:
+    try:
+        ast.parse(text)
+        return True
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
 
 
 def _parsable_head(code: str, tries: int = 50) -> str:
     """`code`, or where it does not parse, its longest head ending before a line at the top level
     that does: unfenced code with an explanation after it ("def f(x): ...\n\nThis function
     returns ...") was a SyntaxError, a right solution scored 0."""
-    def parses(text: str) -> bool:
-        try:
-            ast.parse(text)
-            return True
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
-            return False
-
+    parses = _parses
     try:
         ast.parse(code)
         return code
