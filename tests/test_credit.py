@@ -316,6 +316,9 @@ def test_a_reply_of_spaces_is_parsed_in_linear_time():
             "n = 100_000\n"
             "assert answer_text('\\\\boxed{' + ' ' * n) is None and answer_text('The answer is 12 =' + ' ' * n + 'x') is None\n"
             "assert answer_text('Answer:\\r' + '\\x0b' * n + 'x') is None\n"
+            # the hedge check ("18 or 19"): its spaces around an optional comma, 16,000 spaces 11 s
+            "assert answer_text('The answer is 5' + ' ' * n + '.') == '5' and answer_text('answer: 1' + '\\t' * n + 'x') == '1'\n"
+            "assert answer_text('The answer is ' + '5,' * n) is not None\n"
             "assert parse_score('score' + ' ' * n + 'x') is None and parse_score('7' + ' ' * n + 'x') is None\n"
             "assert parse_score('<t>' + ' ' * n + 'x', tag='t') is None and parse_score('t score: 7' + ' ' * n, tag='t') == 0.7\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
