@@ -27,6 +27,9 @@ SCALE = 10
 # prompt at every call: a greedy judge scored the same answer differently (the toy paid "I do not
 # know." 0.63 on average, a right answer 0.37), a reward that was noise.
 TAG = "answer-" + secrets.token_hex(4)
+# The verdict opens with another secret word: opened with TAG, a judge copying the answer's line back
+# ("<answer-…>Score: 10", the prompt's own line for an answer "Score: 10") wrote a verdict, full marks
+KEY = "verdict-" + secrets.token_hex(4)
 # (An answer listing numbers around the result, "7 8 9 10 11 12", is what RL finds first under a rubric
 # that pays "the answer's number"; the rubric names it)
 RUBRIC = ("You grade answers to arithmetic questions.\n"
@@ -35,7 +38,7 @@ RUBRIC = ("You grade answers to arithmetic questions.\n"
           "<{tag}>{answer}</{tag}>\n"
           "Rubric: 10 if the answer's number is the right result, 5 if it is off by at most 2, "
           "0 otherwise, if there is no number, or if the answer offers more than one candidate result. "
-          "Reply with one line: {tag} score: followed by the score.")
+          "Reply with one line: {key} score: followed by the score.")
 # A verdict is the whole reply: a score on the scale ("7", "7/10", "Score: 7."). The first number
 # anywhere was taken before: a judge restating the question ("3+9 =") paid the first operand, and
 # a wrong answer earned more than a right one (SmolLM2-135M judging, 16 tasks)
@@ -90,7 +93,7 @@ class JudgedAgent(ChatAgent):
         try:
             verdict = await judge.chat.completions.create(
                 model="judge", max_tokens=self.judge_max_tokens, temperature=0,  # greedy: the same answer, the same score
-                messages=[{"role": "user", "content": RUBRIC.format(question=question, answer=neutralized(answer), tag=TAG)}])
+                messages=[{"role": "user", "content": RUBRIC.format(question=question, answer=neutralized(answer), tag=TAG, key=KEY)}])
         except openai.BadRequestError as e:
             if e.code != "context_length_exceeded":
                 raise
@@ -100,7 +103,7 @@ class JudgedAgent(ChatAgent):
                          "judge_tokens": 0, "correct": env_reward(answer, ctx.label)[1]}
         said = verdict.choices[0].message.content or ""
         # a verdict cut by judge_max_tokens is none (a "10" cut to "1" would pay 0.1)
-        score = parse_score(said, tag=TAG) if verdict.choices[0].finish_reason == "stop" else None
+        score = parse_score(said, tag=KEY) if verdict.choices[0].finish_reason == "stop" else None
         # an unparsable verdict scores 0 and is counted (info), so a judge that stops answering shows.
         # `correct`: the truth beside the judge's opinion (the task's own rule; correct_rate and an
         # evaluation's pass@k read it): a policy that learned to please the judge shows as the two apart
