@@ -284,3 +284,18 @@ def test_the_sessions_seed_picks_the_agent_files_tasks():
     assert prompts[0] != prompts[1] != prompts[2] != prompts[0]
     again = _task_source(None, spec, 1)
     assert [t.messages[-1]["content"] for t in again(16, 32)] == prompts[1]  # a function of (seed, position)
+
+
+def test_interactive_rollouts_draw_each_task_of_a_dataset_once():
+    """wb.rollout's draws advanced the cursor before drawing: a smaller draw after a larger one
+    re-served a task and skipped another (groups(4) served q652-q655, then episode() q653)."""
+    import types
+
+    from workbench.agents import Task
+    from workbench.session import RolloutHandle
+
+    ds = TaskDataset([Task([{"role": "user", "content": f"q{i}"}], id=f"q{i}") for i in range(1000)], shuffle=False)
+    handle = RolloutHandle(types.SimpleNamespace(task_source=ds))
+    drawn = [t.id for n in (4, 1, 4, 2) for t in handle._tasks(n)]
+    assert len(drawn) == 11 and len(set(drawn)) == 11
+    assert [int(i[1:]) for i in drawn] == list(range(int(drawn[0][1:]), int(drawn[0][1:]) + 11))

@@ -1306,8 +1306,11 @@ class RolloutHandle:
         return self._wb._rollout
 
     def _tasks(self, n: int) -> list[Task]:
-        self._cursor += n  # (a positional source's next n: a TaskDataset serves the positions from its seed)
-        return list(self._wb.task_source(n, self._cursor))
+        # a positional source's next n (a TaskDataset serves the positions from its seed): drawn from
+        # the cursor, then past them (advanced first, a smaller draw after a larger one re-served a
+        # task and skipped one: groups(4) served q652-q655, then episode() q653)
+        start, self._cursor = self._cursor, self._cursor + n
+        return list(self._wb.task_source(n, start))
 
     def episode(self, task: Task | None = None):
         """One episode; returns its Trajectory."""
