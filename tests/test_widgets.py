@@ -467,6 +467,34 @@ def test_inspector_boxes_tokens_and_a_click_opens_the_journey():
     assert rec["trainer_logprob"] is None and recorded_journey(s, 0)["experts"] is None
 
 
+def test_the_journey_finds_an_episodes_own_row_when_another_holds_the_same_ids():
+    """Two episodes of one task in two groups with the same reply: the same ids and loss mask,
+    each its own group's advantage. The row was found by content, the first one's: the journey of
+    the second showed the other's advantage (of the other sign here)."""
+    from workbench.loop import batch_from_groups
+    from workbench.widgets import find_row
+
+    def ep(eid, reply, reward):
+        return Trajectory([seg([5, 6] + reply, [0, 0] + [1] * len(reply), versions=[0] * (2 + len(reply)))], reward, episode_id=eid)
+
+    groups = [[ep("a", [9, 2], 1.0), ep("b", [7], 0.0)], [ep("c", [9, 2], 0.0), ep("d", [8], 1.0)]]
+    batch, _ = batch_from_groups(groups, "grpo")
+    assert batch["row_keys"] == [("a", 0), ("b", 0), ("c", 0), ("d", 0)]
+    r = {k: batch[k] for k in ("input_ids", "loss_mask", "advantages")} | {"row_keys": batch["row_keys"]}
+    c = groups[1][0]
+    row = find_row(r, c.segments[0], ("c", 0))
+    assert row == 2 and float(r["advantages"][row, 2]) < 0 < float(r["advantages"][0, 2])
+    assert find_row(r, c.segments[0], ("z", 0)) is None and find_row(r, c.segments[0]) == 0  # (by content: the first)
+    report_ = {k: batch[k] for k in ("input_ids", "loss_mask", "advantages", "behaviour_logprobs", "versions")}
+    zeros = torch.zeros_like(batch["behaviour_logprobs"])
+    report_.update(row_keys=batch["row_keys"], trainer_logprobs=batch["behaviour_logprobs"], is_weight=zeros + 1,
+                   gate_keep=zeros.bool(), loss_contribution=zeros)
+    ins = SegmentInspector(c, report=report_)
+    ins.open_token(3)  # c's first sampled token: its own row's journey
+    (view,) = ins.journey.children
+    assert isinstance(view, TokenJourney) and view.row.value == 2
+
+
 def test_monitor_legends_axes_and_a_single_step_as_numbers():
     gate = GateMonitor(HISTORY[:1])
     layout = gate.fig.layout

@@ -234,7 +234,7 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     would be biased (groups from another Rollout, an eval one, an older session). `correction`: the
     trainer's CorrectionConfig; a segment sampled with top_p < 1 (stats["top_ps"]) is refused where it
     (or distillation) needs full-vocabulary log-probs, as loop.run refuses the rollout's sampling."""
-    segments, seg_episode, rewards, group_index = [], [], [], []
+    segments, seg_episode, rewards, group_index, row_keys = [], [], [], [], []
     info = {"episodes": 0, "segments": 0, "failed_episodes": 0, "truncated_episodes": 0, "dropped_episodes": 0,
             "masked_episodes": 0, "sampling_overridden": 0,
             # groups whose rewards are all equal: advantage 0, they teach nothing (with every group
@@ -256,10 +256,11 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
                 info["dropped_episodes"] += 1
                 continue
             info["masked_episodes"] += rule == "mask"  # its reward in its group's statistics, no row of its own
-            for s in t.segments if rule != "mask" else ():
+            for si, s in enumerate(t.segments if rule != "mask" else ()):
                 if any(s.loss_mask):
                     segments.append(s)
                     seg_episode.append(len(rewards))
+                    row_keys.append((t.episode_id, si))
             rewards.append(reward)
             penalties.append(penalty)
             group_index.append(gi)
@@ -313,6 +314,10 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     info["signal_tokens"] = int(((batch["advantages"] != 0) & batch["loss_mask"].bool()).sum())
     tokens = batch["loss_mask"].sum(-1)
     batch["episode_tokens"] = torch.zeros(len(rewards)).index_add_(0, index, tokens)[index]
+    # each row's (episode id, segment index): what the token journey finds a row by (by content, two
+    # episodes of one task with the same reply in two groups matched the first, its advantage shown).
+    # Not a tensor: the trainer's split leaves it with the driver
+    batch["row_keys"] = row_keys
     info.update(episodes=len(rewards), segments=len(segments))
     return batch, info
 

@@ -859,7 +859,8 @@ class Workbench:
             stats = trainer.train_step(batch, report=True)
         finally:
             trainer.shutdown()
-        return Revisit(step, version, logged, step_statistics(stats), stats["report"], trajectories, batch, self.tokenizer)
+        return Revisit(step, version, logged, step_statistics(stats), dict(stats["report"], row_keys=batch["row_keys"]),
+                       trajectories, batch, self.tokenizer)
 
     def stop(self) -> None:
         if self._run is not None:
@@ -1265,7 +1266,7 @@ class Workbench:
         label = None
         if episode is not None:
             traj = next((t for g in self.rollout.last_groups or [] for t in g if t.episode_id == episode), None)
-            row = find_row(report, traj.segments[segment]) if traj and segment < len(traj.segments) else None
+            row = find_row(report, traj.segments[segment], (episode, segment)) if traj and segment < len(traj.segments) else None
             if row is None:
                 raise LookupError(f"episode {episode!r} segment {segment} is not in the last training step "
                                   "(wb.rollout.last_groups trained by wb.trainer.step())")
@@ -1379,8 +1380,9 @@ class TrainerHandle:
             groups = self._wb.rollout.last_groups
             if groups is None:
                 raise LookupError("no groups to train on: run wb.rollout.group() or pass groups=")
-        stats = self.driver.train_step(self.batch(groups), report=True)
-        self.last_report = stats.pop("report")
+        batch = self.batch(groups)
+        stats = self.driver.train_step(batch, report=True)
+        self.last_report = dict(stats.pop("report"), row_keys=batch["row_keys"])  # (find_row's)
         self.last_stats = stats
         return stats
 

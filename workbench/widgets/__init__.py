@@ -307,7 +307,8 @@ class SegmentInspector(W.VBox):
         seg = _segments(self.source)[tok["segment"]]
         episode = getattr(self.source, "episode_id", None)
         where = (f"episode {episode}, " if episode else "") + f"segment {tok['segment']}, token {tok['index']}"
-        row = find_row(self.report, seg) if self.report is not None else None
+        key = (episode, tok["segment"]) if episode else None
+        row = find_row(self.report, seg, key) if self.report is not None else None
         if row is not None and tok["loss_mask"]:
             view = TokenJourney(self.report, row, tok["index"], self.tokenizer, label=where)
         else:
@@ -808,11 +809,16 @@ def recorded_journey(segment: Segment, index: int, tokenizer=None) -> dict:
     return out
 
 
-def find_row(report: dict, segment: Segment) -> int | None:
+def find_row(report: dict, segment: Segment, key: tuple[str, int] | None = None) -> int | None:
     """The row of a training report ([B, T] columns; rows are trainable segments) holding
-    `segment`: the one whose ids and loss mask start with the segment's and that trains nothing
-    after it (padding). A longer segment of another episode that begins with the same turn matched
-    first before, and the journey showed that episode's advantage. None if none does."""
+    `segment`, `key` = (episode id, segment index): by key where the report names its rows
+    (`row_keys`, from loop.batch_from_groups); two episodes of one task in two groups can hold the
+    same ids, each its own group's advantage, and by content the first one's was shown for both.
+    Else by content: the row whose ids and loss mask start with the segment's and that trains
+    nothing after it (padding). None if none does."""
+    keys = report.get("row_keys")
+    if key is not None and keys is not None:
+        return next((r for r, k in enumerate(keys) if tuple(k) == tuple(key)), None)
     n = len(segment)
     ids, mask = report["input_ids"], report["loss_mask"]
     want_ids, want_mask = list(segment.token_ids), [int(m) for m in segment.loss_mask]
