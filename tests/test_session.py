@@ -507,3 +507,24 @@ def test_shutdown_live_ends_every_session_this_process_left_running(monkeypatch)
     # (this process's own registry holds other tests' sessions: a registry of the two alone)
     monkeypatch.setattr(session, "_LIVE_SESSIONS", weakref.WeakValueDictionary({"/tmp/run-a": left[0], "/tmp/run-b": left[1]}))
     assert workbench.shutdown_live() == 2 and ended == left
+
+
+def test_connect_interrupted_while_the_trainer_starts_keeps_it_to_shut_it_down(capsys):
+    """The trainer's ranks and the runners start in threads (connect's longest part): an interrupt
+    there raised out of connect() before either was kept, so shutdown() stopped neither and their
+    actors outlived the session. They are waited for and kept (then shut down); one that failed is not."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workbench.session import Workbench
+
+    wb = object.__new__(Workbench)
+    wb._trainer = wb._rollout = None
+    started = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        trainer = pool.submit(lambda: (started.wait(10), "the trainer")[1])
+        rollout = pool.submit(lambda: 1 / 0)
+        threading.Timer(0.3, started.set).start()
+        wb._adopt_started({"_trainer": trainer, "_rollout": rollout})
+    assert wb._trainer == "the trainer" and wb._rollout is None
+    assert "waiting for them, to shut them down" in capsys.readouterr().err

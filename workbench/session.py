@@ -599,6 +599,7 @@ class Workbench:
         self.placement = None  # workbench.placement.Placement on a GPU cluster (cfg.placement)
         self._frozen_nodes: dict = {}  # field -> placement.NodeSpec each frozen engine is pinned to
         bar = tqdm(total=4 + cfg.num_engines + bool(cfg.judge), desc="connect", unit="part")
+        starting: dict = {}  # attribute -> future of the trainer and the runners, built in threads
         try:
             bar.set_postfix_str("ray"); init_ray(address); bar.update()
             if cfg.placement != "none" and cluster_gpus():  # before any actor takes a GPU
@@ -669,11 +670,11 @@ class Workbench:
             # its actors); both are kept as they come, so a failure of one still shuts down the other.
             bar.set_postfix_str(f"rollout runners, trainer ({cfg.trainer_ranks} ranks)")
             with ThreadPoolExecutor(2, thread_name_prefix="connect") as pool:
-                trainer = pool.submit(Trainer, self.model_path, world_size=cfg.trainer_ranks, profile=self.profile,
+                starting["_trainer"] = trainer = pool.submit(Trainer, self.model_path, world_size=cfg.trainer_ranks, profile=self.profile,
                                       cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature),
                                       actor_options=self.placement and [self.placement.options("trainer", r)
                                                                         for r in range(cfg.trainer_ranks)])
-                rollout = pool.submit(Rollout, cfg.agent, self.engines, self.model_path, num_runners=cfg.num_runners,
+                starting["_rollout"] = rollout = pool.submit(Rollout, cfg.agent, self.engines, self.model_path, num_runners=cfg.num_runners,
                                       sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature),
                                       sampling_mode=cfg.sampling, profile=self.profile, return_routed_experts=capture,
                                       max_request_bytes=cfg.max_request_bytes, side_engine=self.judge_engine)
@@ -703,6 +704,7 @@ class Workbench:
                 self.restore()
         except BaseException:
             bar.close()
+            self._adopt_started(starting)
             self.shutdown()
             raise
         bar.close()
@@ -711,6 +713,27 @@ class Workbench:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_file = self.run_dir / ("config.json" if not cfg.resume else f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.json")
         config_file.write_text(json.dumps({**config_record(cfg), "_routing_replay_off": self.routing_replay_off}, indent=1))
+
+    def _adopt_started(self, starting: dict) -> None:
+        """After connect() failed or was interrupted: the trainer and runners its threads were
+        building, kept so that shutdown() stops them. Interrupted while they started (the longest
+        part of connect), they went on in their threads unowned: their actors outlived the session,
+        and Ray shut down under them could start again on their next call."""
+        from concurrent.futures import wait
+
+        pending = [f for f in starting.values() if not f.done()]
+        if pending:
+            print("workbench: connect() stopped while the trainer's ranks and the rollout runners start; waiting for "
+                  "them, to shut them down (interrupt again to leave them running)", file=sys.stderr)
+            try:
+                wait(pending)
+            except KeyboardInterrupt:
+                print("workbench: not waiting: the trainer's ranks or the runners still starting are left running "
+                      "(ray.shutdown() or a kernel restart stops them)", file=sys.stderr)
+                return
+        for attr, f in starting.items():
+            if f.done() and not f.cancelled() and f.exception() is None and getattr(self, attr) is None:
+                setattr(self, attr, f.result())
 
     def lint(self, target=None, shapes=None, **kw):
         """Lint a chat template for exact accumulation (workbench.lint): the policy's by default,
