@@ -528,3 +528,17 @@ def test_connect_interrupted_while_the_trainer_starts_keeps_it_to_shut_it_down(c
         wb._adopt_started({"_trainer": trainer, "_rollout": rollout})
     assert wb._trainer == "the trainer" and wb._rollout is None
     assert "waiting for them, to shut them down" in capsys.readouterr().err
+
+
+def test_the_teacher_a_run_distills_from_is_not_switched_under_it():
+    """wb.trainer.batch() and wb.revisit() take the session's teacher: with a run distilling from
+    another (wb.run(teacher=...)), they stopped the engine the run held, and its next scoring failed."""
+    import types
+
+    from workbench.session import Workbench
+
+    wb = object.__new__(Workbench)
+    wb._teacher, wb._run = ("the run's", ["its engine"]), types.SimpleNamespace(done=False)
+    with pytest.raises(RuntimeError, match="cannot switch the teacher to 'another' while a run distills from \"the run's\""):
+        wb._teacher_engines("another")
+    assert wb._teacher == ("the run's", ["its engine"]) and wb._teacher_engines("the run's") == ["its engine"]

@@ -943,6 +943,11 @@ class Workbench:
             from .rollout.actor import stop_engine
 
             if self._teacher is not None:
+                # the running loop holds that engine (wb.run(teacher=X) beside the session's teacher
+                # Y): wb.trainer.batch() or wb.revisit() stopped it, and the run's next scoring failed
+                if self._run is not None and not self._run.done:
+                    raise RuntimeError(f"cannot switch the teacher to {name!r} while a run distills from "
+                                       f"{self._teacher[0]!r}: wb.wait() or wb.stop() first")
                 stop_engine(self._teacher[1][0])
                 self._teacher = None
             self._teacher = (name, [self._frozen_engine(name, "loop.teacher", self.cfg.seed + 1000)])
