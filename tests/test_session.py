@@ -454,6 +454,38 @@ def test_a_step_whose_record_cannot_be_written_is_not_trained_again(tmp_path, mo
     assert (wb.next_step, wb.next_position) == (5, 80)
 
 
+def test_a_step_interrupted_while_logged_is_not_trained_again_and_a_cut_line_stays_apart(tmp_path, monkeypatch):
+    """An interrupt inside the loggers' call (wandb.init on a run's first step: seconds) left
+    next_step behind a step trained, synced and recorded: the next wb.run() trained it again (two
+    metrics lines for it). And a line cut by a full disk had the next run's first line glued on:
+    that step read as a torn line (dropped by the audit, set aside by a resume)."""
+    import types
+
+    import workbench.session as session
+    from workbench.loop import LoopConfig
+    from workbench.session import RunHandle, Workbench
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 3, "loss": 0.2}\n{"step": 4, "lo')  # cut mid-line
+    wb = object.__new__(Workbench)
+    wb.run_dir, wb.next_step, wb.next_position, wb.history, wb._run, wb._shut_down, wb._broken = run, 4, 64, [], None, False, None
+    wb._rollout = wb.task_source = wb._teacher = None
+    wb._trainer, wb.engines, wb.eval_tasks = types.SimpleNamespace(version=5), [], None
+
+    def interrupted(m):
+        raise KeyboardInterrupt
+
+    wb._log = interrupted
+    monkeypatch.setattr(session, "run_loop", lambda *a, on_step, **k: on_step({"step": 4, "data_next": 80, "loss": 0.1}))
+    handle = RunHandle(wb, LoopConfig(steps=8), [], False, 0, 4)
+    handle.run()
+    assert handle.done and isinstance(handle.error, KeyboardInterrupt)
+    assert (wb.next_step, wb.next_position) == (5, 80)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert lines[1] == '{"step": 4, "lo' and json.loads(lines[2]) == {"step": 4, "data_next": 80, "loss": 0.1}
+
+
 def test_export_is_written_beside_and_swapped_in_never_over_the_run_or_the_source(short_run, tmp_path):
     """wb.export() wrote in place: a re-export kept an earlier export's files (an index naming
     shards the new one does not have: vLLM refused the directory), a kill mid-write left

@@ -910,7 +910,7 @@ class Workbench:
                                  step=self.next_step - 1)
         record = {"step": self.next_step - 1, "version": self._trainer.version, **metrics}
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "eval.jsonl", "a") as f:
+        with append_lines(self.run_dir / "eval.jsonl") as f:
             f.write(json.dumps(_jsonable(record)) + "\n")
         self._log(record)
         return record
@@ -1470,9 +1470,12 @@ class RunHandle:
                 # wb.run() starts after it (it trained the step again, on weights that held its update)
                 wb.next_step, wb.next_position = m["step"] + 1, m.get("data_next", wb.next_position)
                 raise
-            wb._log(m)  # (before next_step moves: loggers made now write from this step on, TensorBoard's purge)
-            wb.next_step = m["step"] + 1
-            wb.next_position = m.get("data_next", wb.next_position)
+            try:
+                wb._log(m)  # (before next_step moves: loggers made now write from this step on, TensorBoard's purge)
+            finally:  # an interrupt inside it (wandb.init, seconds on a run's first step) left next_step behind
+                # a step trained, synced and recorded: the next wb.run() trained it again, two lines for it
+                wb.next_step = m["step"] + 1
+                wb.next_position = m.get("data_next", wb.next_position)
             self.views.on_step(m)  # guarded: a failing view is detached, training goes on
             if getattr(wb._trainer, "nccl_blocked", False):  # rank 0 stuck in a failed broadcast: a save or
                 return  # a kept policy would queue behind it for ever (the step's record is written)
@@ -1484,10 +1487,10 @@ class RunHandle:
             (wb.run_dir / "trajectories").mkdir(parents=True, exist_ok=True)
             # each wb.run()'s loop settings, its overrides in (advantage="rloo" here was in no record
             # unless keep_policy_every kept a policy): the steps from first_step on trained under them
-            with open(wb.run_dir / "runs.jsonl", "a") as f:
+            with append_lines(wb.run_dir / "runs.jsonl") as f:
                 f.write(json.dumps({"first_step": self.first_step, "steps": self.steps,
                                     "checkpoint_every": self.checkpoint_every, "loop": _jsonable(dataclasses.asdict(self.cfg))}) + "\n")
-            metrics_file = open(wb.run_dir / "metrics.jsonl", "a")
+            metrics_file = append_lines(wb.run_dir / "metrics.jsonl")
             self._keep_policy(wb.next_step, replace=False)
             # progress=False: this run's bar is one of self.views (a bar that fails cannot end the run)
             run_loop(wb._rollout, wb._trainer, wb.engines, wb.task_source, self.cfg, on_step=on_step, progress=False,
@@ -1511,7 +1514,7 @@ class RunHandle:
             if isinstance(e, TrainerRankDied) or getattr(e, "blocked", False):  # this session's trainer is gone
                 wb._broken = _broken_message(e, wb.run_dir)
             try:
-                with open(wb.run_dir / "errors.jsonl", "a") as f:  # the run's record says why it stopped, and where
+                with append_lines(wb.run_dir / "errors.jsonl") as f:  # the run's record says why it stopped, and where
                     f.write(json.dumps({"time": time.time(), "next_step": wb.next_step, "error": f"{type(e).__name__}: {e}"}) + "\n")
             except OSError as write_error:  # (the disk that failed the run): said, not raised over the run's error
                 print(f"workbench: errors.jsonl not written: {write_error}", file=sys.stderr)
@@ -1735,6 +1738,18 @@ def kept_settings(policy: Path, config: dict) -> dict:
     session's."""
     mark = policy_mark(policy) or {}
     return {**config, **{k: mark[k] for k in KEPT_SETTINGS if mark.get(k) is not None}}
+
+
+def append_lines(path: Path):
+    """`path` opened to append JSON lines, after a newline where its last line was cut (a full
+    disk failed a flush mid-line): the next line was glued onto the fragment, and that step's
+    record read as a torn line (dropped by the audit, set aside by a resume)."""
+    with open(path, "a+b") as f:
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+    return open(path, "a")
 
 
 def _jsonable(x):
