@@ -147,6 +147,13 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
         workbench.connect(backend="reference", run_dir=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match="no checkpoint/ to resume from"):
         workbench.connect(backend="reference", run_dir=str(tmp_path / "empty"), resume=True)
+    # a session that stepped by hand and saved, or only evaluated, wrote no metrics.jsonl: taken over
+    # all the same, its config.json was replaced and its checkpoint at the next save
+    for held in ("checkpoint", "eval.jsonl"):
+        (tmp_path / held).mkdir(parents=True)
+        (tmp_path / held / held).mkdir() if held == "checkpoint" else (tmp_path / held / held).write_text("{}\n")
+        with pytest.raises(ConfigError, match=rf"already holds a run \({held}\)"):
+            workbench.connect(backend="reference", run_dir=str(tmp_path / held))
     again = workbench.connect(backend="reference", trainer_ranks=1, run_dir=str(tmp_path / "run"), resume=True,
                               loop={"prompts_per_step": 4, "group_size": 4})
     try:

@@ -566,8 +566,11 @@ class Workbench:
         self.run_dir = self._run_dir_claim.path
         _LIVE_SESSIONS[str(self.run_dir)] = self
         try:  # (a check refusing it lets it go)
-            if (self.run_dir / "metrics.jsonl").exists() and not cfg.resume:  # before anything starts
-                raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run (metrics.jsonl): choose another "
+            # before anything starts; a session that only stepped by hand and saved, or evaluated, has no
+            # metrics.jsonl: taken over, its config.json was replaced and its checkpoint at the next save
+            held = [n for n in ("metrics.jsonl", "checkpoint", "eval.jsonl") if (self.run_dir / n).exists()]
+            if held and not cfg.resume:
+                raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run ({', '.join(held)}): choose another "
                                   f"run_dir, or pass resume=True to continue it")
             # (recover_checkpoint: a driver killed while saving left a complete old or new checkpoint beside it)
             if cfg.resume and not recover_checkpoint(str(self.run_dir / "checkpoint")):
