@@ -461,7 +461,7 @@ def test_a_step_whose_record_cannot_be_written_is_not_trained_again(tmp_path, mo
     assert (wb.next_step, wb.next_position) == (5, 80)
 
 
-def test_a_step_interrupted_while_logged_is_not_trained_again_and_a_cut_line_stays_apart(tmp_path, monkeypatch):
+def test_a_step_interrupted_while_logged_or_retried_is_recorded_once(tmp_path, monkeypatch):
     """An interrupt inside the loggers' call (wandb.init on a run's first step: seconds) left
     next_step behind a step trained, synced and recorded: the next wb.run() trained it again (two
     metrics lines for it). And a line cut by a full disk had the next run's first line glued on:
@@ -484,13 +484,25 @@ def test_a_step_interrupted_while_logged_is_not_trained_again_and_a_cut_line_sta
         raise KeyboardInterrupt
 
     wb._log = interrupted
-    monkeypatch.setattr(session, "run_loop", lambda *a, on_step, **k: on_step({"step": 4, "data_next": 80, "loss": 0.1}))
+    # (and a step retried after its training raised: its first try's untrained/ file was kept, the
+    # audit adding it to the retry's counts)
+    (run / "untrained").mkdir()
+    (run / "untrained" / "step_00004.parquet").write_text("the first try's")
+    written = []
+    monkeypatch.setattr("workbench.tokens.write_trajectories", lambda trajs, path: written.append(path.name))
+
+    def one_step(*a, on_step, on_groups, **k):
+        on_groups(4, [])
+        on_step({"step": 4, "data_next": 80, "loss": 0.1})
+
+    monkeypatch.setattr(session, "run_loop", one_step)
     handle = RunHandle(wb, LoopConfig(steps=8), [], False, 0, 4)
     handle.run()
     assert handle.done and isinstance(handle.error, KeyboardInterrupt)
     assert (wb.next_step, wb.next_position) == (5, 80)
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert lines[1] == '{"step": 4, "lo' and json.loads(lines[2]) == {"step": 4, "data_next": 80, "loss": 0.1}
+    assert written == ["step_00004.parquet"] and not (run / "untrained" / "step_00004.parquet").exists()
 
 
 def test_export_is_written_beside_and_swapped_in_never_over_the_run_or_the_source(short_run, tmp_path):

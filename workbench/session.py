@@ -1486,6 +1486,12 @@ class RunHandle:
                 save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), wb._run_state())
             self._keep_policy(wb.next_step)
 
+        def write_step(step, groups):
+            # (loop: before the step's untrained groups, if any) a step retried in this session after its
+            # training raised kept its first try's untrained/ file, which the audit added to the retry's
+            (wb.run_dir / "untrained" / f"step_{step:05d}.parquet").unlink(missing_ok=True)
+            write_trajectories([t for g in groups for t in g], wb.run_dir / "trajectories" / f"step_{step:05d}.parquet")
+
         try:  # (the set-up too: one that raised, a full disk, left wait() and shutdown() waiting for ever)
             (wb.run_dir / "trajectories").mkdir(parents=True, exist_ok=True)
             # each wb.run()'s loop settings, its overrides in (advantage="rloo" here was in no record
@@ -1501,8 +1507,7 @@ class RunHandle:
                      evaluate=(lambda step: wb._evaluate(wb.eval_tasks, self.cfg.eval_n, self.cfg.eval_greedy, step=step))
                      if self.cfg.eval_every else None,
                      teacher_engines=wb._teacher[1] if wb._teacher and self.cfg.advantage in PER_TOKEN_ADVANTAGES else None,
-                     on_groups=lambda step, groups: write_trajectories([t for g in groups for t in g],
-                                                                       wb.run_dir / "trajectories" / f"step_{step:05d}.parquet"),
+                     on_groups=write_step,
                      # the groups rolled out and not trained (filtered, stale): kept apart, for the audit
                      on_untrained=lambda step, groups: write_trajectories([t for g in groups for t in g],
                                                                           wb.run_dir / "untrained" / f"step_{step:05d}.parquet"))
