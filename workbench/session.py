@@ -715,7 +715,10 @@ class Workbench:
         self.trainer = TrainerHandle(self)  # wb.trainer: one step on a batch, statistics
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_file = self.run_dir / ("config.json" if not cfg.resume else f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.json")
-        config_file.write_text(json.dumps({**config_record(cfg), "_routing_replay_off": self.routing_replay_off}, indent=1))
+        # beside, then swapped in: a kill mid-write left a cut config.json, and resume=True then failed on it
+        staged = config_file.with_name(config_file.name + ".tmp")
+        staged.write_text(json.dumps({**config_record(cfg), "_routing_replay_off": self.routing_replay_off}, indent=1))
+        os.replace(staged, config_file)
 
     def _adopt_started(self, starting: dict) -> None:
         """After connect() failed or was interrupted: the trainer and runners its threads were
