@@ -174,6 +174,12 @@ def test_the_gpu_stack_is_pinned_the_same_everywhere():
         DOCKERFILE.read_text()
 
 
+def test_the_image_has_the_code_sandbox():
+    # without bubblewrap every code-execution episode on the cluster raised SandboxUnavailable
+    [apt] = [line for line in logical_lines(DOCKERFILE.read_text()) if "apt-get install" in line]
+    assert {"bubblewrap", "libseccomp2"} <= set(apt.split())
+
+
 def test_dockerfile_instructions_are_known():
     known = {"FROM", "ARG", "ENV", "RUN", "COPY", "ADD", "WORKDIR", "USER", "LABEL", "EXPOSE", "ENTRYPOINT", "CMD",
              "SHELL", "VOLUME", "HEALTHCHECK", "STOPSIGNAL", "ONBUILD"}

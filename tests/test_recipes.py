@@ -196,6 +196,10 @@ def test_the_code_grader_pays_only_right_return_values():
                   f"import operator as _op\n\n{label['solution']}\n\n_unused = _op.add",
                   f"Here it is:\nimport operator as _op\n\ndef _helper():\n    return _op\n\n{label['solution']}\nDone."):
         assert score(reply, label)[0] == 1.0, reply
+    # a right program logging to stderr past the output cap: its results line on stdout is whole (a cut
+    # in either stream read as a cut run, scored 0)
+    noisy = label["solution"] + "\nimport sys\nsys.stderr.write('log ' * 3000)"
+    assert score(noisy, label)[0] == 1.0
     from code_tests import code_of
 
     assert code_of("Sure.\nimport math\n\ndef f(x):\n    return math.sqrt(x)\n\nIt works.", "f").strip() == \
@@ -372,6 +376,11 @@ def test_the_code_agent_caps_its_sandbox_time_and_calls_so_looping_is_scored_not
     assert reward == 1.0 and len(info["runs"]) == 4
     results = [m["content"] for m in policy.sent[1] if m["role"] == "tool"]
     assert results[:4] == ["5"] * 4 and results[4:] == ["[not run: at most 4 calls a reply]"] * 2
+    # a run that printed, then failed: its traceback too (after any output it was left out)
+    policy = Policy([completion(["print('partial')\n1 / 0"]), completion([], "The answer is 5")])
+    episode(CodeAgent(), policy)
+    [said] = [m["content"] for m in policy.sent[1] if m["role"] == "tool"]
+    assert said.startswith("partial\n") and "ZeroDivisionError" in said and said.endswith("[exit code 1]")
     # the runs have threads of their own: on the event loop's default executor (6 threads on 2 cores,
     # shared with the runner's other blocking work) they queued behind the other episodes' runs, the
     # wait counting against the episode's timeout, not its sandbox budget: looping episodes timed out

@@ -596,7 +596,7 @@ def test_output_flood_is_read_with_bounded_memory():
             for _ in range(6):
                 sys.stdout.buffer.write(chunk)
             sys.stderr.write('e' * (1 << 20))""", timeout_s=30, max_output=4096)
-        assert r.ok and r.truncated and len(r.stdout) == 4096 and len(r.stderr) == 4096
+        assert r.ok and r.truncated and r.stdout_truncated and len(r.stdout) == 4096 and len(r.stderr) == 4096
         t0 = time.monotonic()
         flood = run("""
             import sys
@@ -630,7 +630,10 @@ def test_memory_limit_kills_big_allocations():
 
 def test_output_is_truncated():
     r = run_python("print('x' * 100000)", max_output=100)
-    assert r.truncated and len(r.stdout) == 100
+    assert r.truncated and r.stdout_truncated and len(r.stdout) == 100
+    # stderr alone cut: stdout (a grader's results line) is whole
+    r = run_python("import sys\nsys.stderr.write('e' * 1000)\nprint('RESULTS [1]')", max_output=100)
+    assert r.ok and r.truncated and not r.stdout_truncated and r.stdout == "RESULTS [1]\n"
 
 
 def test_isolated_interpreter_sees_no_site_packages():

@@ -89,7 +89,10 @@ class SandboxResult:
     stderr: str
     exit_code: int | None  # negative: killed by that signal
     timed_out: bool  # wall-clock timeout or CPU limit
-    truncated: bool
+    truncated: bool  # either stream cut at max_output
+    # stdout alone cut (a grader reading stdout checks this one: a right program logging to stderr
+    # past max_output was read as cut, its intact results line scored 0)
+    stdout_truncated: bool = False
 
     @property
     def ok(self) -> bool:
@@ -320,7 +323,7 @@ def check_sandbox() -> None:
 def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 256, max_output: int = 4096,
                stdin: str = "", *, files: Mapping[str, str | bytes] | None = None, disk_mb: int = 64,
                unsafe_no_sandbox: bool | None = None) -> SandboxResult:
-    """Run `code` with `python -I -S -c` in the sandbox (see the module doc) and return its output,
+    """Run `code` (a file, /run/main.py, run by `python -I -S`) in the sandbox (see the module doc) and return its output,
     each stream cut to `max_output` characters. `files` ({relative path: content}) are put
     read-only in the work directory (the code's cwd, /tmp: a tmpfs of `disk_mb` MiB, in memory); nothing the
     code writes survives the call. No subprocesses; threads share the `memory_mb` address space.
@@ -437,7 +440,8 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
     if flooded:  # said where the agent reads (a code agent hands stderr to the model)
         note = f"\n[sandbox: killed after more than {OUTPUT_FLOOD_BYTES >> 20} MiB of output past what is kept]"
         stderr = stderr[:max(0, max_output - len(note))] + note
-    return SandboxResult(stdout[:max_output], stderr, rc, timed_out, truncated)
+    # (a stream dropped past its 4 * max_output + 4 kept bytes decodes to more than max_output characters)
+    return SandboxResult(stdout[:max_output], stderr, rc, timed_out, truncated, len(stdout) > max_output)
 
 
 # output dropped past what is kept (max_output per stream) after which the program is killed: a

@@ -104,8 +104,10 @@ class CodeAgent(ChatAgent):
                 notes = ([f"[timed out after {timeout_s:g} s]"] if res.timed_out else []) + \
                         (["[output truncated]"] if res.truncated else []) + \
                         ([f"[exit code {res.exit_code}]"] if res.exit_code not in (0, None) and not res.timed_out else [])
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": "\n".join([(res.stdout or res.stderr)[-500:], *notes]).strip()})
+                # stderr too where the run failed: after any printed output (even a newline) the traceback
+                # was left out, the model read its partial output and an exit code, never why
+                said = res.stdout[-500:] + ("\n" + res.stderr[-500:] if res.stderr and (not res.ok or not res.stdout) else "")
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": "\n".join([said, *notes]).strip()})
         return float(is_answer(answer, ctx.label)), {"runs": runs, "answer": answer}
 
 

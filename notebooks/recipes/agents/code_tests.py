@@ -144,7 +144,7 @@ def score(code: str, label: dict, timeout_s: float = 5.0) -> tuple[float, dict]:
     got = None
     lines = (res.stdout or "").splitlines()
     # the harness's line is the last one: a line the code printed itself comes earlier
-    if res.exit_code == 0 and not res.timed_out and not res.truncated and lines and lines[-1].startswith(MARKER):
+    if res.exit_code == 0 and not res.timed_out and not res.stdout_truncated and lines and lines[-1].startswith(MARKER):
         try:
             got = json.loads(lines[-1][len(MARKER):])
         except Exception:  # not only ValueError: "[" * 1500 raised RecursionError, failing (dropping) the episode
@@ -154,7 +154,7 @@ def score(code: str, label: dict, timeout_s: float = 5.0) -> tuple[float, dict]:
     passed = sum(isinstance(g, list) and len(g) == 2 and g[0] == "ok" and same(g[1], w) for g, w in zip(got, wanted))
     total = len(wanted)
     return passed / total, {"passed": passed, "tests": total, "exit_code": res.exit_code, "timed_out": res.timed_out,
-                            "truncated": res.truncated, "ran": lines[-1:] != [] and lines[-1].startswith(MARKER)}
+                            "truncated": res.stdout_truncated, "ran": lines[-1:] != [] and lines[-1].startswith(MARKER)}
 
 
 class CodeWithTests(ChatAgent):
