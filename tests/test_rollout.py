@@ -82,6 +82,12 @@ def test_an_agent_without_its_own_run_or_step_is_refused_at_load(tmp_path):
     opening, _ = asyncio.run(Env().reset(task))
     opening[0]["content"].append({"type": "text", "text": "a hint"})
     assert b.messages == task.messages == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    # and its label (an agent popping a test from a structured one changed its siblings' reward rule)
+    task = Task([{"role": "user", "content": "hi"}], label={"tests": [[1, 2], [3, 4]]})
+    a, b = (AgentContext(base_url="", anthropic_base_url="", side_base_url="", side_anthropic_base_url="", api_key="",
+                         model="m", task=task, episode_id=str(i), group_id="g") for i in range(2))
+    a.label["tests"].pop()
+    assert a.label == {"tests": [[1, 2]]} and b.label == task.label == {"tests": [[1, 2], [3, 4]]}
 
 
 def test_examples_load_with_their_tasks():
@@ -441,6 +447,19 @@ def test_each_env_episode_gets_its_own_info(rollout_for):
     seen = [sorted(k for k in t.info if k.startswith("seen_")) for t in group]
     assert all(len(s) == 1 for s in seen) and len({s[0] for s in seen}) == 3, seen
     assert all(t.info["level"] == 1 for t in group)
+
+
+def test_an_env_editing_its_message_or_hiding_tools_leaves_the_record_as_sampled(rollout_for, moe_path):
+    """env.step was handed the history's own message: an Env stripping its content changed the
+    next request, sealed (assistant_changed) at every turn. An Env's `tools = []` showed the task's."""
+    from workbench.toy.models import load_tokenizer
+
+    tool = {"type": "function", "function": {"name": "zebracalc", "description": "d", "parameters": {"type": "object"}}}
+    task = Task([{"role": "user", "content": "Count."}], tools=[tool])
+    rollout = rollout_for(AGENTS / "editing_env.py", sampling=SamplingConfig(max_tokens=4))
+    [t] = rollout.run_groups([task], group_size=1, progress=False)[0]
+    assert t.error is None and [s.seal_reason for s in t.segments] == ["episode_end"], [s.seal_reason for s in t.segments]
+    assert "zebracalc" not in load_tokenizer(str(moe_path)).decode(t.segments[0].token_ids)
 
 
 def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):

@@ -92,7 +92,11 @@ class AgentContext:
 
     @property
     def label(self) -> Any:
-        return self.task.label
+        # this episode's own copy, as tools: an agent popping a test from a structured label changed
+        # its siblings' reward rule, and the label recorded with every episode of the group
+        if "_label" not in self.__dict__:
+            self.__dict__["_label"] = copy.deepcopy(self.task.label)
+        return self.__dict__["_label"]
 
 
 class ChatAgent:

@@ -165,8 +165,11 @@ def run_agent(args, engine, path) -> int:
             s = segment_stats(t.segments)
             print(f"  episode {t.episode_id} group {t.group_id}: reward {t.reward:.2f}, {s['segments']} segment(s), "
                   f"{s['sampled_tokens']} sampled tokens, seals {s['seals']}" + (f", ERROR {t.error.splitlines()[0]}" if t.error else ""))
-    rewards = [t.reward for g in groups for t in g]
-    print(f"\n  mean reward {sum(rewards) / len(rewards):.2f} over {len(rewards)} episodes")
+    # over the episodes that finished, as reward_mean everywhere else (a failed one's 0 is no reward earned)
+    rewards = [t.reward for g in groups for t in g if t.error is None]
+    failed = sum(t.error is not None for g in groups for t in g)
+    print(f"\n  mean reward {sum(rewards) / max(len(rewards), 1):.2f} over {len(rewards)} finished episodes"
+          + (f" ({failed} failed)" if failed else ""))
     return 0
 
 

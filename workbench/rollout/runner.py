@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import copy
 import gc
 import inspect
 import json
@@ -263,7 +264,7 @@ class RolloutRunner:
         partial = {} if partial is None else partial
         partial["info"] = info
         messages = [dict(m) for m in observation]
-        tools = env.tools or task.tools
+        tools = task.tools if env.tools is None else env.tools  # (an Env's [] hides the task's tools)
         total, turns, cut = 0.0, 0, False
         for turns in range(1, env.max_turns + 1):
             reply = await self.server.turn(sid, messages, tools, self.sampling)
@@ -271,7 +272,9 @@ class RolloutRunner:
                 break
             message = reply.assistant_message()
             messages.append(message)
-            observation, reward, terminated, truncated, step_info = await _resolved(env.step(message))
+            # a copy: the Env editing the message it is given (its content stripped) changed the history's,
+            # so the next request differed from the reply recorded: a seal (assistant_changed) every turn
+            observation, reward, terminated, truncated, step_info = await _resolved(env.step(copy.deepcopy(message)))
             total += reward_value(reward, f"the reward {type(env).__name__}.step returned at turn {turns}")
             # the running total is checked before a failed episode may keep it (on_failed="keep" kept a
             # total the final check refused as too large)
