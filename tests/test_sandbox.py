@@ -472,13 +472,23 @@ def test_extended_attributes_are_refused():
         assert r.stdout.split() in (["-1", str(errno.EPERM)],), r.stdout + r.stderr
 
 
-def test_a_bwrap_that_fails_early_is_a_failed_run_not_an_exception(monkeypatch):
+def test_a_bwrap_that_fails_early_is_the_hosts_failure_not_the_codes(monkeypatch):
     """bwrap exiting before it makes PID 1 (here: a bad option; under load: no namespace) closes the
-    pipes of the cgroup handshake: the call raised BrokenPipeError instead of returning bwrap's error."""
+    pipes of the cgroup handshake: the call raised BrokenPipeError instead of bwrap's error. Then it
+    came back as the code's exit 1, which graders scored 0 as the policy's: it is SandboxUnavailable
+    now (the episode fails, counted), and so is a launcher that never reached the code."""
     real = sandbox._bwrap_args
-    monkeypatch.setattr(sandbox, "_bwrap_args", lambda bwrap, *a: real(bwrap, *a)[:1] + ["--uid", "x"] + real(bwrap, *a)[1:])
-    r = sandbox._run(shutil.which("bwrap"), "print(1)", 5.0, 64, 1000, b"", {}, 16)
-    assert r.exit_code == 1 and "Invalid uid" in r.stderr and not r.timed_out, r
+    with monkeypatch.context() as m:
+        m.setattr(sandbox, "_bwrap_args", lambda bwrap, *a: real(bwrap, *a)[:1] + ["--uid", "x"] + real(bwrap, *a)[1:])
+        with pytest.raises(SandboxUnavailable, match=r"did not start the code \(exit 1\): .*Invalid uid"):
+            sandbox._run(shutil.which("bwrap"), "print(1)", 5.0, 64, 1000, b"", {}, 16)
+    with monkeypatch.context() as m:  # the launcher failing before the code (its limits refused)
+        m.setattr(sandbox, "MAX_TASKS", -5)
+        with pytest.raises(SandboxUnavailable, match="did not start the code"):
+            sandbox._run(shutil.which("bwrap"), "print(1)", 5.0, 64, 1000, b"", {}, 16)
+    # the code's own failures stay results, its stderr without the launcher's mark
+    r = sandbox._run(shutil.which("bwrap"), "import sys\nsys.stderr.write('mine')\nraise SystemExit(3)", 5.0, 64, 1000, b"", {}, 16)
+    assert r.exit_code == 3 and r.stderr == "mine"
 
 
 def test_the_sandboxs_pid_1_is_killed_whatever_bwrap_does(monkeypatch):
@@ -493,7 +503,7 @@ def test_the_sandboxs_pid_1_is_killed_whatever_bwrap_does(monkeypatch):
         deadline = time.monotonic() + 10
         while not started and time.monotonic() < deadline:
             started.append(_survivors(token)) if _survivors(token) else time.sleep(0.02)
-        return b"", b"", False, False, False
+        return b"", sandbox.STARTED, False, False, False  # (the launcher's mark: the code ran)
 
     monkeypatch.setattr(sandbox, "_communicate", communicate)
     sandbox._run(shutil.which("bwrap"), _named(token) + "\nimport time; time.sleep(30)", 30.0, 64, 100, b"", {}, 16)

@@ -109,10 +109,17 @@ if uid and os.getuid() == 0:
 for k, v in ((r.RLIMIT_AS, (mem, mem)), (r.RLIMIT_CPU, (cpu, cpu + 1)), (r.RLIMIT_FSIZE, (fsize, fsize)),
              (r.RLIMIT_NOFILE, (256, 256)), (r.RLIMIT_CORE, (0, 0)), (r.RLIMIT_NPROC, (tasks, tasks))):
     r.setrlimit(k, v)
+os.write(2, b"\\0workbench: code starts\\0")  # (STARTED: what the caller tells a set-up failure by)
 # -u: unbuffered, so what the code printed before a timeout kill or os._exit is not lost
 os.execv(sys.executable, [sys.executable, "-I", "-S", "-u", sys.argv[6]])
 """
 CODE_PATH = "/run/main.py"  # where the code is, read-only, inside the sandbox
+# The launcher's last word on stderr before the code's interpreter replaces it. Missing, the code
+# never ran (bwrap or the launcher failed, or the start outlasted the timeout under load): that is
+# the host's failure, raised as SandboxUnavailable, not an exit 1 the grader scored 0 as the
+# policy's (a broken host then never showed as failed episodes). The code can write it too, but
+# only once it runs, which is what it says.
+STARTED = b"\0workbench: code starts\0"
 # Threads (tasks) of the sandbox's uid: RLIMIT_NPROC. Threads are allowed and a raw clone() thread
 # needs no stack, so the memory limit does not bound them: one sandbox made 8,000 host tasks in
 # 0.1 s (pid_max was 32,768). Rootless, the count is the sandbox's own user namespace's; as root,
@@ -431,6 +438,12 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
             tmp.cleanup()
         _uids_in_use.discard(uid)
     rc = proc.returncode
+    started = err.find(STARTED)
+    if started < 0:
+        said = err.decode(errors="replace").strip()[-500:]
+        raise SandboxUnavailable(f"the sandbox did not start the code (exit {rc}"
+                                 f"{f', timed out after {timeout_s:g} s' if timed_out else ''}): {said or 'nothing said'}")
+    err = err[:started] + err[started + len(STARTED):]  # (bwrap's own words before it, none when it worked)
     if bwrap is not None and rc is not None and 128 < rc < 128 + signal.NSIG:
         rc = 128 - rc  # bwrap reports a signal death as 128 + signal
     timed_out = timed_out or rc == -signal.SIGXCPU
