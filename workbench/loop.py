@@ -34,7 +34,7 @@ from .agents import Task
 from .evaluation import is_correct, reports_correct
 from .rollout.actor import sync_weights
 from .rollout.engine import probe_ids
-from .rollout.router import engine_lost
+from .rollout.router import engine_info, engine_lost
 from .tokens import UNEXPECTED_SEALS, Trajectory, segment_stats, training_tensors
 from .trainer.fsdp import PartialUpdate
 from .trainer.losses import ADVANTAGES, EQUAL_REWARDS_TOL, GROUP_ADVANTAGES, PER_TOKEN_ADVANTAGES, AdvantageInput, get_advantage
@@ -503,7 +503,7 @@ def engines_version(engines: list, lost: list | None = None, newest: bool = True
     versions, dead = [], []
     for e, r in zip(list(engines), refs):
         try:
-            info = ray.get(r)
+            info = engine_info(e, r)  # (unavailable: asked again before it is taken as lost)
             versions.append(info["version"] if newest else info.get("verified_version", info["version"]))
         except Exception as err:
             if not engine_lost(err):

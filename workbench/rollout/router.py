@@ -29,6 +29,25 @@ def engine_lost(e: BaseException) -> bool:
     return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)) or _core_dead(e)
 
 
+def engine_info(engine, ref=None, tries: int = 3, timeout: float | None = None) -> dict:
+    """`engine.info()` (`ref`: a call already made), asked again 1 s and 2 s later while Ray says
+    the actor is unavailable: that error is transient (a network blip between nodes), and taken at
+    once as the engine's loss it killed the engine (drop_dead_engines) or broke the NCCL
+    weight-sync group for the rest of the session, at the first blip of a 2-node run."""
+    import time
+
+    import ray
+
+    for attempt in range(tries):
+        try:
+            return ray.get(ref if ref is not None else engine.info.remote(), timeout=timeout)
+        except ray.exceptions.ActorUnavailableError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(2 ** attempt)
+            ref = None
+
+
 def _core_dead(e: BaseException, names: set = CORE_DEAD) -> bool:
     while e is not None:
         if names & {c.__name__ for c in type(e).__mro__}:

@@ -1219,8 +1219,17 @@ class Trainer:
             self.nccl_broken = (f"the NCCL weight-sync group was made with {len(self._nccl_engines)} engine(s) and "
                                 f"{len(engines)} of them are left: an NCCL group cannot lose a member")
             raise WeightSyncBroken(self.nccl_broken)
+        from ..rollout.router import engine_info
+
+        refs = [e.info.remote() for e in engines]
         try:
-            ray.get([e.info.remote() for e in engines], timeout=60)
+            for engine, ref in zip(engines, refs):
+                engine_info(engine, ref, timeout=60)  # (unavailable: asked again first, a blip between nodes)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError) as e:
+            # no NCCL call was made: the group is whole, and the next sync tries again (marked broken,
+            # one blip between nodes ended every later sync of the session)
+            raise RuntimeError(f"an engine of the NCCL weight-sync group did not answer before the broadcast "
+                               f"({type(e).__name__}: {e}); nothing was sent: sync again") from e
         except Exception as e:
             self.nccl_broken = f"an engine of the NCCL weight-sync group did not answer before the broadcast: {type(e).__name__}: {e}"
             raise WeightSyncBroken(self.nccl_broken) from e
