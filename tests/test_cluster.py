@@ -109,6 +109,18 @@ def test_cli_prints_the_plan_and_fails_clearly(capsys, tmp_path):
     assert capsys.readouterr().err.startswith("error: unknown config field(s) ['num_engine', 'trainer_rank']")
     assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--engines", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: num_engines must be an integer >= 1")
+    # what connect() refuses of a config, plan refuses too (the Slurm job's pre-flight check passed them):
+    # a colocated NCCL sync, a colocated engine's unsaid memory share, a frozen TP as a string (a traceback)
+    for text, said in (("placement: colocated\nengine_kwargs: {weight_transfer: nccl, gpu_memory_utilization: 0.4}\n",
+                        "error: placement 'colocated' with engine_kwargs weight_transfer 'nccl'"),
+                       ("placement: colocated\n", "error: placement 'colocated' shares each GPU"),
+                       ("judge: /m/judge\nfrozen_engine_kwargs: {tensor_parallel_size: '2'}\n",
+                        "error: frozen_engine_kwargs tensor_parallel_size must be an integer >= 1, got '2'")):
+        config.write_text(text)
+        assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--config", str(config)]) == 2, text
+        assert capsys.readouterr().err.startswith(said), text
+    config.write_text("placement: colocated\nengine_kwargs: {gpu_memory_utilization: 0.4}\n")
+    assert cluster_main(["plan", "--nodes", "1", "--gpus-per-node", "8", "--config", str(config)]) == 0
     # each on one node (a tensor-parallel engine is one actor): 1 + 1 free GPUs do not hold a 2-GPU teacher;
     # colocated slots ask for half a GPU, but their bundles hold whole ones
     from workbench.placement import ClusterSpec, PlacementError, check_frozen_room, plan_placement

@@ -377,6 +377,19 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not isinstance(inputs["num_engines"], int) or inputs["num_engines"] < 1:  # (as a session: num_engines >= 1)
             raise PlacementError(f"num_engines must be an integer >= 1 (a session has a rollout engine), got {inputs['num_engines']!r}")
+        if config:  # what connect() refuses of it, refused here (a colocated NCCL sync, an unsaid memory share)
+            from .session import WorkbenchConfig, check_colocated_memory
+
+            ek = dict(config.get("engine_kwargs") or {})
+            if inputs["tensor_parallel_size"] != 1:
+                ek["tensor_parallel_size"] = inputs["tensor_parallel_size"]
+            # (its checkpoints stand in by a named model: the paths are the cluster's, not this machine's)
+            checked = {k: v for k, v in config.items() if k != "model"}
+            checked.update(engine_kwargs=ek, placement=inputs["mode"], trainer_ranks=inputs["trainer_ranks"],
+                           num_engines=inputs["num_engines"], **({"judge": "dense"} if config.get("judge") else {}))
+            if isinstance(config.get("loop"), dict) and config["loop"].get("teacher"):
+                checked["loop"] = {**config["loop"], "teacher": "dense"}
+            check_colocated_memory(WorkbenchConfig.from_dict(checked))
         plan = plan_placement(ClusterSpec.uniform(args.nodes, args.gpus_per_node), **inputs)
         check_frozen_room(plan, config)
     except (PlacementError, ValueError, OSError) as e:

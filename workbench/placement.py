@@ -282,6 +282,8 @@ def frozen_engines(config) -> list[tuple[str, int]]:
     config = _as_dict(config)
     loop = _as_dict(config.get("loop"))
     tp = frozen_engine_kwargs(config).get("tensor_parallel_size", 1)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:  # ("2" from a YAML string: a traceback in plan)
+        raise PlacementError(f"frozen_engine_kwargs tensor_parallel_size must be an integer >= 1, got {tp!r}")
     return [(name, tp) for name, value in (("judge", config.get("judge")), ("loop.teacher", loop.get("teacher"))) if value]
 
 
