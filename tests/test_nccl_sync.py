@@ -365,6 +365,40 @@ def test_the_wire_carries_the_checkpoints_names_and_layout(moe_path):
     assert "model.layers.0.block_sparse_moe.experts.1.w3.weight" in names and not any(".mlp." in n for n in names)
 
 
+def test_a_side_failing_to_join_the_nccl_group_is_said_at_once(ray_local):
+    """Both sides of the rendezvous are waited on together: an engine failing to join at once is
+    raised at once, with its own error (a review read ray.get of the list as waiting out rank 0's
+    300 s store timeout first; Ray raises the first failure as it comes)."""
+    import time
+
+    import ray
+
+    from workbench.trainer.fsdp import Trainer
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def nccl_endpoint(self):
+            return "127.0.0.1", 1
+
+        def connect_nccl(self, cfg, world):
+            time.sleep(60)  # (the master's store waiting for members that never come)
+
+    @ray.remote(num_cpus=0)
+    class Engine:
+        def init_nccl(self, cfg, offset, world):
+            raise RuntimeError("this engine cannot join")
+
+    t = object.__new__(Trainer)
+    rank, engine = Rank.remote(), Engine.remote()
+    t.workers = [rank]
+    started = time.monotonic()
+    with pytest.raises(Exception, match="this engine cannot join"):
+        t.init_nccl_sync([engine], [1])
+    assert time.monotonic() - started < 30
+    ray.kill(rank)
+    ray.kill(engine)
+
+
 def test_a_group_that_lost_an_engine_is_refused_before_any_broadcast(ray_local, monkeypatch):
     """An NCCL group cannot lose a member: with an engine dropped (found dead while idle) or dead
     in the list (killed during a rollout), the broadcast waited for it for ever, trainer rank 0

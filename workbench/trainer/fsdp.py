@@ -1198,11 +1198,9 @@ class Trainer:
         if engine_world_sizes is None:
             engine_world_sizes = [int(i.get("workers", 1)) for i in ray.get([e.info.remote() for e in engines])]
         offsets, world = group_layout(engine_world_sizes)
-        # both sides meet in the same rendezvous: launch them together, then wait for all, raising the
-        # first failure as it comes (ray.get of the list waited out the others' 300 s store timeout
-        # first, then said rank 0's timeout, not the engine's error that caused it)
-        _get_all([w.connect_nccl.remote(cfg, world) for w in self.workers]
-                 + [e.init_nccl.remote(cfg, off, world) for e, off in zip(engines, offsets)])
+        # both sides meet in the same rendezvous: launch them together, then wait for all
+        ray.get([w.connect_nccl.remote(cfg, world) for w in self.workers]
+                + [e.init_nccl.remote(cfg, off, world) for e, off in zip(engines, offsets)])
         self.nccl = cfg
         self._nccl_engines = list(engines)  # the group's members: a broadcast needs every one of them
 
