@@ -593,3 +593,22 @@ def test_the_teacher_a_run_distills_from_is_not_switched_under_it():
     with pytest.raises(RuntimeError, match="cannot switch the teacher to 'another' while a run distills from \"the run's\""):
         wb._teacher_engines("another")
     assert wb._teacher == ("the run's", ["its engine"]) and wb._teacher_engines("the run's") == ["its engine"]
+
+
+def test_a_checkpoint_records_its_task_pool_and_a_changed_one_is_said(capsys):
+    """The checkpoint kept only the data position: a data file that gained a row since made the
+    rest of the epoch another shuffle (tasks repeated and skipped), unsaid."""
+    from workbench.agents import Task
+    from workbench.data import TaskDataset
+    from workbench.session import Workbench
+
+    wb = object.__new__(Workbench)
+    wb.next_step, wb.next_position = 6, 60
+    wb.task_source = TaskDataset([Task([{"role": "user", "content": str(i)}]) for i in range(100)])
+    state = wb._run_state()
+    assert state == {"next_step": 6, "data_position": 60, "data_pool": 100}
+    wb._check_data_pool(state)
+    assert capsys.readouterr().err == ""
+    wb.task_source = TaskDataset([Task([{"role": "user", "content": str(i)}]) for i in range(101)])
+    wb._check_data_pool(state)
+    assert "the task pool has 101 tasks; the checkpoint's run drew from 100" in capsys.readouterr().err

@@ -1056,9 +1056,22 @@ class Workbench:
         return save_checkpoint(self._trainer, str(path or self.run_dir / "checkpoint"), self._run_state())
 
     def _run_state(self) -> dict:
-        """What a checkpoint records of the run: the next step and the data position."""
+        """What a checkpoint records of the run: the next step, the data position, and the size of
+        the task pool it is a position in (a TaskDataset's; restore() says when it changed)."""
+        pool = getattr(self.task_source, "tasks", None)
         return {"next_step": self.next_step,
-                **({"data_position": self.next_position} if self.next_position is not None else {})}
+                **({"data_position": self.next_position} if self.next_position is not None else {}),
+                **({"data_pool": len(pool)} if isinstance(pool, list) else {})}
+
+    def _check_data_pool(self, state: dict) -> None:
+        """A data file that gained or lost rows since the checkpoint: each epoch's order is a shuffle
+        over another length, so the rest of the current epoch is no longer the tasks not seen yet
+        (6 of 100 repeated and 6 skipped after one row was appended). Said, not refused."""
+        pool, saved = getattr(self.task_source, "tasks", None), state.get("data_pool")
+        if isinstance(pool, list) and saved is not None and saved != len(pool):
+            print(f"workbench: the task pool has {len(pool)} tasks; the checkpoint's run drew from {saved}: from data "
+                  f"position {state.get('data_position')} on, this epoch's order is another one (tasks of it may "
+                  f"repeat or be skipped)", file=sys.stderr)
 
     def export(self, path: str | None = None, dtype: str | None = None) -> str:
         """The trained policy as a Hugging Face checkpoint directory (default run_dir/export):
@@ -1103,6 +1116,7 @@ class Workbench:
         state = self._trainer.restore(path)
         self.next_step = state["next_step"]
         self.next_position = state.get("data_position")
+        self._check_data_pool(state)
         kept = self._set_aside(self.next_step, self._other_branch_checkpoint(path))
         for logger in self._loggers:  # (made before: TensorBoard's files hide the abandoned steps too)
             if hasattr(logger, "purge_from"):
