@@ -310,6 +310,34 @@ def test_concurrent_sandboxes_never_share_a_uid(monkeypatch):
     assert not sandbox._uids_in_use  # given back
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a user namespace as root")
+def test_root_of_a_user_namespace_runs_the_sandbox_as_a_uid_it_maps():
+    """Root of a user namespace (rootless Docker/Podman, Kubernetes user namespaces) has only the
+    ids its maps name: the launcher's setuid to a host uid of 1,000,000+ failed (EINVAL), and no
+    code ever ran. Here a child maps 0-65535 as such a container does, and runs code."""
+    child = dedent("""
+        import os, sys, ctypes
+        r, w = os.pipe(); r2, w2 = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            assert ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0  # CLONE_NEWUSER
+            os.write(w, b"1"); os.read(r2, 1)
+            os.setgid(0); os.setuid(0)
+            code = ("from workbench.sandbox import run_python, _namespace_uids\\n"
+                    "r = run_python('import os; print(os.getuid())')\\n"
+                    "print('RESULT', r.exit_code, r.stdout.strip(), _namespace_uids().start, _namespace_uids().stop)")
+            os.execv(sys.executable, [sys.executable, "-c", code])
+        os.read(r, 1)
+        for name, text in (("uid_map", "0 0 65536"), ("setgroups", "allow"), ("gid_map", "0 0 65536")):
+            open(f"/proc/{pid}/{name}", "w").write(text + "\\n")
+        os.write(w2, b"1")
+        sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))""")
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rc, uid, lo, hi = map(int, r.stdout.split("RESULT ")[1].split())
+    assert rc == 0 and 0 < lo <= uid < hi <= 65534
+
+
 def test_sysv_and_posix_ipc_and_other_socket_families_are_refused():
     """A SysV shared-memory segment outlives its detach outside RLIMIT_AS (1.5 GiB held under
     a 64 MiB limit in review); AF_VSOCK reaches the hypervisor's port space, which no network

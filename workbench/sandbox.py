@@ -465,12 +465,38 @@ _uids_in_use: set[int] = set()
 _uids_lock = threading.Lock()
 
 
+@functools.lru_cache(maxsize=1)
+def _namespace_uids() -> range | None:
+    """The uids a sandbox may run as, for a root caller: None as the host's root (SANDBOX_UIDS). Root of
+    a user namespace (rootless Docker/Podman, Kubernetes user namespaces, enroot) has only the ids
+    its maps name: the launcher's setuid to 1,000,000+ failed there (EINVAL) and the sandbox never
+    ran. There, the top of the largest range both maps name (below nobody, 65534)."""
+    def spans(path: str) -> list[tuple[int, int]]:
+        with open(path) as f:
+            return [(int(a), int(a) + int(n)) for a, _, n in (line.split() for line in f if line.strip())]
+
+    try:
+        uids, gids = spans("/proc/self/uid_map"), spans("/proc/self/gid_map")
+    except OSError:  # (no /proc: nothing says otherwise)
+        return None
+    if (0, 4294967295) in uids:  # ("0 0 4294967295": the host's own ids)
+        return None
+    both = [(max(a, c, 1), min(b, d, 65534)) for a, b in uids for c, d in gids]
+    lo, hi = max(both, key=lambda s: s[1] - s[0], default=(0, 0))
+    if hi - lo < 16:
+        raise SandboxUnavailable(f"running as root of a user namespace that maps no other uids (uid_map {uids}, "
+                                 f"gid_map {gids}): the sandbox's code cannot run as a uid of its own. Run as a "
+                                 f"non-root user, or map a range of ids into the namespace")
+    return range(max(lo, hi - 20_000), hi)
+
+
 def _take_uid() -> int:
     """A host uid for one sandbox, none of this process's running ones: two that drew the same
     shared one RLIMIT_NPROC (MAX_TASKS), and one could starve the other of threads."""
+    pool = _namespace_uids() or SANDBOX_UIDS
     with _uids_lock:
         while True:
-            uid = secrets.choice(SANDBOX_UIDS)
+            uid = secrets.choice(pool)
             if uid not in _uids_in_use:
                 _uids_in_use.add(uid)
                 return uid
