@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -92,14 +93,18 @@ def _record(out: Path, event: dict) -> None:
         f.write(json.dumps({"t": time.time(), **event}) + "\n")
 
 
-# CPU seconds by role, over every process of this machine (Linux /proc): the local run owns them
-# all. Wall time on a shared machine drifts with its neighbours; where the CPU goes drifts less.
+# CPU seconds by role, over this side's own processes (Linux /proc: the side's process and its
+# descendants, its local Ray's included). Wall time on a shared machine drifts with its
+# neighbours; where the CPU goes drifts less. (Over every process of the machine, another
+# session's Ray workers counted as this side's, on both sides.)
 ROLES = {"ray::EngineHost": "engine", "ray::TrainerWorker": "trainer", "ray::RolloutRunner": "runner"}
 CPU_FROM_STEP = 3  # counted from the end of this step (start-up and the first steps left out) to the last
 
 
-def cpu_by_role() -> dict[str, float]:
-    tick, me, out = os.sysconf("SC_CLK_TCK"), os.getpid(), {}
+def cpu_by_role() -> dict[str, list]:
+    """{pid: [role, CPU seconds]} of this process and its descendants (per process: one that
+    exits between two marks is left out of their difference, not subtracted from it)."""
+    tick, me, procs = os.sysconf("SC_CLK_TCK"), os.getpid(), {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -109,10 +114,26 @@ def cpu_by_role() -> dict[str, float]:
         except OSError:  # gone meanwhile
             continue
         fields = stat[stat.rfind(")") + 2:].split()
-        role = ("driver" if int(pid) == me else next((r for k, r in ROLES.items() if cmd.startswith(k)), None)
-                or ("ray" if "ray" in cmd else None))
-        if role:  # utime + stime
-            out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        procs[int(pid)] = (int(fields[1]), cmd, (int(fields[11]) + int(fields[12])) / tick)  # ppid, cmd, utime + stime
+    out = {}
+    for pid, (ppid, cmd, secs) in procs.items():
+        up = pid
+        while up not in (me, 0, 1) and up in procs:
+            up = procs[up][0]
+        if up != me:
+            continue
+        role = "driver" if pid == me else next((r for k, r in ROLES.items() if cmd.startswith(k)),
+                                                "ray" if "ray" in cmd else "other")
+        out[str(pid)] = [role, secs]
+    return out
+
+
+def cpu_delta(a: dict, b: dict) -> dict[str, float]:
+    """CPU seconds by role between two marks, over the processes alive at the second (a process
+    new since the first counts whole)."""
+    out: dict[str, float] = {}
+    for pid, (role, secs) in b.items():
+        out[role] = out.get(role, 0.0) + secs - (a[pid][1] if pid in a else 0.0)
     return out
 
 
@@ -225,7 +246,7 @@ def summarize(name: str, launch: float, events: list[dict]) -> dict:
     if len(marks) >= 2 and marks[-1]["step"] > marks[0]["step"]:
         a, b = marks[0], marks[-1]
         n, span = b["step"] - a["step"], b["t"] - a["t"]
-        cpu = {k: (b["cpu"][k] - a["cpu"].get(k, 0.0)) / n for k in b["cpu"]}
+        cpu = {k: v / n for k, v in cpu_delta(a["cpu"], b["cpu"]).items()}
         cpu = {"per_step_s": sum(cpu.values()), "cores_busy": sum(cpu.values()) * n / span, "by_role": cpu}
     return {"side": name, "steps": len(steps), "cpu": cpu, "ready_s": ready, "first_step_done_s": ends[0],
             "first_step_after_ready_s": ends[0] - ready if ready is not None else None,
@@ -345,15 +366,25 @@ def report_over_seeds(runs: dict[int, dict]) -> None:
         print(f"{name}: s/step / TRL, per seed "
               + ", ".join(f"{runs[k][name]['s_per_step'] / runs[k]['trl']['s_per_step']:.2f}x" for k in seeds)
               + f"; median {statistics.median(runs[k][name]['s_per_step'] / runs[k]['trl']['s_per_step'] for k in seeds):.2f}x")
-        for level in [round(v, 2) for v in (top * f for f in (0.6, 0.8, 1.0))] if top else []:
+        for level in reward_levels(top) if top else []:
             pairs = [(time_to(runs[k][name], level), time_to(runs[k]["trl"], level)) for k in ok]
-            pairs = [(w, t) for w, t in pairs if w and t]
+            reached = [(w, t) for w, t in pairs if w and t]
+            if len(reached) < len(pairs):  # (said: a median over the seeds both reached it is selected on the outcome)
+                print(f"  reward {level:.2f}: reached by both in {len(reached)} of {len(pairs)} seeds")
+            pairs = reached
             if not pairs:
                 continue
             with_s, after = [w[0] / t[0] for w, t in pairs], [w[1] / t[1] for w, t in pairs]
             print(f"  reward {level:.2f}: {name} / TRL with start-up {', '.join(f'{r:.2f}' for r in with_s)} (median "
                   f"{statistics.median(with_s):.2f}x, target <= 1.5x); after it {', '.join(f'{r:.2f}' for r in after)} "
                   f"(median {statistics.median(after):.2f}x, target <= 1.0x)")
+
+
+def reward_levels(top: float) -> list[float]:
+    """The reward levels compared: 0.6, 0.8 and 1.0 of the lower side's best trailing mean, rounded
+    DOWN to 0.01 (rounded to nearest, 1.0 of 0.4465 was 0.45, which that side never reached: the
+    headline level vanished from the report unsaid)."""
+    return [math.floor(top * f * 100 + 1e-9) / 100 for f in (0.6, 0.8, 1.0)]
 
 
 def report(s: dict, a) -> None:
@@ -394,7 +425,7 @@ def report(s: dict, a) -> None:
         if wb.get("collapsed_at") or trl.get("collapsed_at"):
             continue
         top = min(best_trailing_mean(x["rewards"]) for x in (wb, trl))
-        for level in [round(v, 2) for v in (top * f for f in (0.6, 0.8, 1.0))]:
+        for level in reward_levels(top):
             tw, tt = time_to(wb, level), time_to(trl, level)
             if tw and tt:
                 print(f"  reward {level:.2f}: {name} {tw[0]:5.1f} s / TRL {tt[0]:5.1f} s = {tw[0] / tt[0]:.2f}x with start-up "
