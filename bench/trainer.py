@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -41,6 +42,7 @@ from pathlib import Path
 import torch
 
 from workbench.cluster import init_ray, shutdown_ray
+from workbench.correction import CorrectionConfig
 from workbench.replay import RouterCapture
 from workbench.rollout.actor import launch_engine, stop_engine, sync_weights
 from workbench.rollout.engine import expected_probe_logprobs, probe_ids
@@ -89,6 +91,14 @@ class PlainLoop:
         self.opt.zero_grad(set_to_none=True)
 
 
+def _stepped(trainer, batch: dict) -> dict:
+    """One train_step that updated the weights (a skipped update times no optimizer step)."""
+    stats = trainer.train_step(batch)
+    if stats["updates_skipped"]:
+        raise RuntimeError(f"the trainer skipped {stats['updates_skipped']} update(s): the timing would omit AdamW")
+    return stats
+
+
 def timed(fn, *a) -> float:
     t0 = time.perf_counter()
     fn(*a)
@@ -110,7 +120,11 @@ def bench_trainer(args, path: str, batch: dict) -> dict:
     """Trainer variants vs the plain loop. `trainer_wsN`: the default config (sequences packed,
     trainer/packing.py); `trainer_wsN_padded`: pack_sequences=False, every row computed at the
     batch's padded width as the plain loop does."""
-    cfg = TrainerConfig(micro_batch_size=args.micro, reshard_after_forward=False if args.reshard_after_backward else None)
+    # no correction, no gate: the same batch trains every step, so its behaviour log-probs and version 0
+    # fall out of the default geo band after one update and past max_staleness after four; every row
+    # weighed 0, the update was skipped (no AdamW step) while the plain loop's stepped: a biased ratio
+    cfg = TrainerConfig(micro_batch_size=args.micro, reshard_after_forward=False if args.reshard_after_backward else None,
+                        correction=CorrectionConfig(enabled=False, max_staleness=None))
     variants = {"": cfg, "_padded": dataclasses.replace(cfg, pack_sequences=False)}
     if args.micro_tokens:
         variants["_tokens"] = dataclasses.replace(cfg, micro_batch_tokens=args.micro_tokens)
@@ -120,7 +134,7 @@ def bench_trainer(args, path: str, batch: dict) -> dict:
         for ws in args.world_size:
             for suffix, c in variants.items():
                 trainers[f"trainer_ws{ws}{suffix}"] = Trainer(path, world_size=ws, cfg=c)
-                runs[f"trainer_ws{ws}{suffix}"] = trainers[f"trainer_ws{ws}{suffix}"].train_step
+                runs[f"trainer_ws{ws}{suffix}"] = functools.partial(_stepped, trainers[f"trainer_ws{ws}{suffix}"])
         out = interleaved(runs, batch, args.warmup, args.steps)
         for ws in args.world_size:  # what the loop does before every sync
             out[f"trainer_ws{ws}"]["state_dict_gather_s"] = timed(trainers[f"trainer_ws{ws}"].state_dict)
@@ -249,12 +263,13 @@ def bench_malloc(args) -> dict:
     trainers, faults = {}, {}
     try:
         for keep in (True, False):
-            trainers[keep] = Trainer(path, world_size=1, cfg=TrainerConfig(lr=5e-5, micro_batch_size=rows, keep_freed_memory=keep))
+            trainers[keep] = Trainer(path, world_size=1, cfg=TrainerConfig(lr=5e-5, micro_batch_size=rows, keep_freed_memory=keep,
+                                                                           correction=CorrectionConfig(enabled=False, max_staleness=None)))
 
         def step(keep):
             def run(b):
                 f0 = rank_faults(trainers[keep])[0]
-                trainers[keep].train_step(b)
+                _stepped(trainers[keep], b)
                 faults.setdefault(keep, []).append(rank_faults(trainers[keep])[0] - f0)
             return run
 
