@@ -811,6 +811,43 @@ def test_a_reference_engine_whose_load_fails_part_way_fails_its_requests(moe_pat
     asyncio.run(main())
 
 
+def test_a_request_finishing_before_the_probe_verdict_waits_for_it(moe_path):
+    """The engine resumes before its probe check (the trainer's probe may still be computing): a
+    request finishing in that window came back as a valid Sample from weights that then failed
+    the check, tagged the new version (staleness 0 to a trainer at that version). It waits for
+    the verdict now: returned where the weights verify, TornWeights where they do not."""
+    from workbench.rollout.engine import TornWeights, WeightSyncError
+
+    async def main():
+        e = await start("reference", moe_path)
+        try:
+            model = load_hf_model(moe_path)
+            for good in (False, True):
+                new = perturbed(model, seed=7 + good)
+                trainers = asyncio.get_running_loop().create_future()  # the trainer's probe, still computing
+                update = asyncio.ensure_future(e.update_weights(new, e.version + 1, expected_probe=trainers))
+                while e._verifying is None or (good and e.torn is not None):
+                    await asyncio.sleep(0.01)  # loaded and resumed, the verdict pending
+                request = asyncio.ensure_future(e.generate(prompts(moe_path)[0], SamplingConfig(max_tokens=4, ignore_eos=True)))
+                await asyncio.sleep(0.5)
+                assert not request.done()  # sampled, held for the verdict
+                m = load_hf_model(moe_path)
+                m.load_state_dict(new if good else perturbed(model, seed=99))
+                trainers.set_result(expected_probe_logprobs(m, probe_ids(m.config.vocab_size)))
+                if good:
+                    await update
+                    assert (await request).versions == [2] * 4
+                else:
+                    with pytest.raises(WeightSyncError):
+                        await update
+                    with pytest.raises(TornWeights):
+                        await request
+        finally:
+            await e.shutdown()
+
+    asyncio.run(main())
+
+
 def test_vllm_seeded_requests_with_long_concurrent_prompts_keep_the_engine_alive(vllm_moe):
     """Seeded requests whose prompts together exceed a step's token budget: vLLM's CPU build
     killed its engine core as soon as one such prefill was chunked ("CPU Generator does not use

@@ -13,6 +13,7 @@ top_p == 1 that equals log_softmax(logits / temperature), which a trainer can re
 from __future__ import annotations
 
 import abc
+import asyncio
 import collections
 import inspect
 import sys
@@ -238,11 +239,23 @@ class RolloutEngine(abc.ABC):
         self._checked_expected: list[float] | None = None
         self._probe_gaps: collections.deque = collections.deque(maxlen=16)  # mean probe gaps of recent checked syncs
         self.torn: str | None = None  # why the weights are torn (a load failed part-way), until a sync completes
+        self._verifying: asyncio.Event | None = None  # set once the sync in progress has its probe verdict
 
     def refuse_if_torn(self) -> None:
         """Every backend's request entry calls this: no token is sampled from torn weights."""
         if self.torn is not None:
             raise TornWeights(self.torn)
+
+    async def verified(self, sample: Sample) -> Sample:
+        """Every backend's finished Sample passes here: while a sync's probe check is pending it
+        waits for the verdict, and raises TornWeights where the weights failed it. (The engine
+        resumes before its probe check: a request finishing in between came back as a valid
+        sample from weights that then failed it, tagged the new version: staleness 0.)"""
+        if self._verifying is not None:
+            await self._verifying.wait()
+        if self.torn is not None and max(sample.versions, default=-1) >= self.version:
+            raise TornWeights(self.torn)
+        return sample
 
     async def _fail_in_flight(self, error: TornWeights) -> None:
         """End every request in flight with `error` (called paused, before the engine resumes).
@@ -317,6 +330,9 @@ class RolloutEngine(abc.ABC):
             await load(new_version)
             self.version = new_version
             await self._set_version(new_version)
+            # a request finishing before the probe verdict waits for it (verified()): resumed first, so
+            # the ranks' probe and the engine's own overlap the in-flight requests' decoding
+            self._verifying = asyncio.Event() if expected_probe is not None else None
         except WeightsNotLoaded:  # refused before any copy: the old weights, under their own label
             raise
         except BaseException as e:
@@ -331,6 +347,15 @@ class RolloutEngine(abc.ABC):
         finally:
             await self.resume()
         self.torn = None
+        try:
+            return await self._checked(new_version, t0, nbytes, expected_probe, probe, tol)
+        finally:
+            if self._verifying is not None:
+                self._verifying.set()
+                self._verifying = None
+
+    async def _checked(self, new_version: int, t0: float, nbytes: int, expected_probe, probe, tol) -> WeightSyncReport:
+        """The probe check of a sync's loaded weights, and its report."""
         diff = outlier = None
         if expected_probe is not None:
             got = await self.probe_logprobs(probe or probe_ids(self.vocab_size))

@@ -110,7 +110,7 @@ class ReferenceEngine(RolloutEngine):
     async def generate(self, prompt_ids, sampling=None, request_id=None, return_routed_experts=False) -> Sample:
         req = self._submit(prompt_ids, sampling, request_id, return_routed_experts)
         try:
-            return await req.future
+            return await self.verified(await req.future)
         except asyncio.CancelledError:  # its caller gave up: stop sampling it (it ran on to max_tokens)
             self._abort(req.request_id)
             raise
@@ -130,7 +130,7 @@ class ReferenceEngine(RolloutEngine):
                 done = ids[-1] is None
                 if ids[0] is not None:
                     yield ids[:-1] if done else ids
-            yield await req.future
+            yield await self.verified(await req.future)
         finally:
             if not req.future.done():  # its reader left (cancelled, closed): stop sampling it
                 self._abort(req.request_id)

@@ -413,7 +413,7 @@ class VLLMEngine(RolloutEngine):
                 raise RuntimeError(f"vLLM returned no routed experts for request {request_id} although the engine "
                                    f"was started with enable_return_routed_experts=True")
             experts = compact_experts(o.routed_experts, len(prompt_ids) + len(ids), *self.moe_shape, request_id)
-        yield Sample(
+        yield await self.verified(Sample(
             prompt_ids=list(prompt_ids),
             token_ids=ids,
             logprobs=logprobs,
@@ -421,7 +421,7 @@ class VLLMEngine(RolloutEngine):
             finish_reason=o.finish_reason or "abort",
             request_id=request_id,
             routed_experts=experts,
-        )
+        ))
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
