@@ -135,7 +135,7 @@ def test_reference_stop_length_abort_pause(dense_path):
         assert stopped.finish_reason == "stop" and stopped.token_ids == greedy.token_ids[:1]
         # a stop string longer than 16 tokens stops it too (only the last 16 tokens' text was searched)
         run_on = await e.generate(p, SamplingConfig(max_tokens=40, temperature=0, ignore_eos=True))
-        long_stop = e.tokenizer.decode(run_on.token_ids[2:30])
+        long_stop = e.tokenizer.decode(run_on.token_ids[2:30], skip_special_tokens=True)  # (as vLLM reads text)
         by_text = await e.generate(p, SamplingConfig(max_tokens=40, temperature=0, ignore_eos=True, stop=[long_stop]))
         assert by_text.finish_reason == "stop" and len(by_text.token_ids) <= 30, (len(by_text.token_ids), long_stop)
         # abort mid-flight
@@ -155,6 +155,31 @@ def test_reference_stop_length_abort_pause(dense_path):
         await e.shutdown()
 
     asyncio.run(main())
+
+
+def test_reference_stop_strings_read_the_text_as_vllm_does():
+    """The reference engine decoded the last tokens alone: a SentencePiece reply's first piece lost
+    its space (" Observation" at a reply's start never stopped it, the record ran on past what the
+    server cut), and a stop string spelling a special token stopped it where vLLM (its text without
+    special tokens) does not."""
+    from workbench.real_models import load_family
+    from workbench.rollout.reference import ReferenceEngine, _Request
+
+    e = object.__new__(ReferenceEngine)
+    e.tokenizer, e.eos_ids = load_family("mistral-v3").tokenizer, set()
+    prompt = e.tokenizer.encode("[INST] Go [/INST]", add_special_tokens=False)
+    reply = e.tokenizer.encode("[INST] Go [/INST] Observation: x", add_special_tokens=False)[len(prompt):]
+
+    def reason(stop, ids):
+        r = _Request(prompt, SamplingConfig(max_tokens=100, stop=stop), "r", False, None, None)
+        r.token_ids = ids
+        return e._stop_reason(r, ids[-1])
+
+    assert reason([" Observation"], reply) == "stop" and reason([" Thought"], reply) is None
+    eos = e.tokenizer.convert_tokens_to_ids("</s>")
+    assert reason(["</s>"], reply + [eos]) is None and reason([": x"], reply + [eos]) == "stop"
+    long_reply = reply + e.tokenizer.encode(" and on" * 30, add_special_tokens=False) + reply  # (a window mid-reply)
+    assert reason([" Observation"], long_reply) == "stop"
 
 
 def test_wire_weights_round_trip_every_dtype_and_map_the_object_store(ray_local):

@@ -309,7 +309,15 @@ class ReferenceEngine(RolloutEngine):
             # the last tokens, enough to hold the longest stop string (a character may take up to 4
             # byte-level tokens; a fixed 16 never stopped on a longer one, which the server then cut
             # from the text while the record ran on past it)
-            tail = self.tokenizer.decode(r.token_ids[-(16 + 4 * max(len(x) for x in s.stop)):])
+            # Decoded as vLLM's detokenizer does: special tokens left out, and in context (the few ids before
+            # the window, their text cut off): alone, a SentencePiece window's first piece lost its space,
+            # and " Observation" at a reply's start never stopped it; a stop string spelling a special
+            # token stopped here and not on vLLM
+            n = 16 + 4 * max(len(x) for x in s.stop)
+            whole = r.prompt_ids[-4:] + r.token_ids if len(r.token_ids) <= n else r.token_ids[-n - 4:]
+            context = len(whole) - min(n, len(r.token_ids))
+            text = self.tokenizer.decode(whole, skip_special_tokens=True)
+            tail = text[len(self.tokenizer.decode(whole[:context], skip_special_tokens=True)):]
             if any(stop in tail for stop in s.stop):
                 return "stop"
         if len(r.token_ids) >= s.max_tokens:
