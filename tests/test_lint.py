@@ -38,7 +38,9 @@ EXPECTED = {
     # and a tool call's analysis message is dropped once a final answer follows it. A cut reply
     # extends: rendered as the last message it closes with <|return|>, as history with <|end|>, and
     # the next request continues the cut ids' very text with <|end|> (the accumulator's second test).
-    "gpt-oss": {"plain": (TR, 2), "tool_one": (TR, 3), "tool_many": (TR, 3), "reasoning_on": (TR, 3),
+    # Two calls in one turn: the template renders the first alone and the server returns one, so no
+    # agent can send the second result (graded on results for calls it never got, the shape passed)
+    "gpt-oss": {"plain": (TR, 2), "tool_one": (TR, 3), "tool_many": ("error", 2), "reasoning_on": (TR, 3),
                 "reasoning_off": (TR, 3), "system_changed": (HR, 2), "max_tokens_cut": ("extends", None)},
     # DeepSeek V3.1: its template concatenates tool-call arguments as a string, which canonical
     # messages keep as JSON text (the profile's tool_arguments): everything extends.
@@ -107,6 +109,12 @@ def test_lint_a_tokenizer_directory_and_the_cli(tmp_path, capsys):
         lint(str(d), ["plain"], end_of_turn="<nonexistent>")
     assert main([str(d), "--shape", "plain", "--end-of-turn", "<nonexistent>"]) == 2
     assert "is no token of the tokenizer" in capsys.readouterr().err
+    # a SentencePiece tokenizer maps an unknown name to <unk>'s id: linted as id 0, its traps read wrong
+    assert main(["mistral-v3", "--shape", "plain", "--end-of-turn", "</S>"]) == 2
+    assert "the end of turn '</S>' is no token of the tokenizer" in capsys.readouterr().err
+    # a shape that errs exits 1 (a script or CI job gates on it), whatever else passed
+    assert main(["llama3.1", "--shape", "plain", "--shape", "tool_many"]) == 1
+    capsys.readouterr()
     # a saved family's directory is linted with its model profile, as the server runs it: Mistral's
     # tool turns errored there ("Tool call IDs should be alphanumeric strings with length 9")
     m = rm.load_family("mistral-v3").save(tmp_path / "mistral")

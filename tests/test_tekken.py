@@ -306,6 +306,18 @@ def test_lint_tekken_directory(ckpt):
     from workbench.lint import lint
 
     report = lint(str(ckpt))
+    # a Tekken directory with a generation_config.json (NeMo's, eos 2): its stop ids read as a list
+    # (MistralTokenizer takes no int: the linter raised TypeError, wb.lint() too); an unknown end of
+    # turn is the linter's error line, not a KeyError's traceback
+    import shutil
+
+    from workbench.lint import main
+
+    with_gc = ckpt.parent / "nemo_gc"
+    shutil.copytree(ckpt, with_gc, symlinks=True, dirs_exist_ok=True)
+    (with_gc / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    assert lint(str(with_gc), ["plain"]).stops == ["</s>"]
+    assert main([str(with_gc), "--shape", "plain", "--end-of-turn", "</S>"]) == 2
     assert report.verdicts() == {"plain": "seal:template_rewrite", "tool_one": "seal:template_rewrite",
                                  "tool_many": "seal:template_rewrite", "reasoning_on": "seal:template_rewrite",
                                  "reasoning_off": "seal:template_rewrite", "system_changed": "seal:history_rewritten",

@@ -15,7 +15,9 @@ first token where the recorded ids and a fresh render of the request part, shown
     extends*    it extends (token identity holds), but a fresh render of the same messages tokenizes
                 differently: the policy is trained on a context the template itself would not produce
     seal:R      the segment is sealed with reason R (tokens.SEAL_REASONS) and a new one starts
-    error       the template cannot render the conversation (the loopback would answer 400)
+    error       the template cannot render the conversation, or the server cannot make it (its
+                parse returned fewer tool calls than the model made: no agent can answer them all);
+                the command line then exits 1
 
 Plus retokenization traps of the tokenizer (TRAPS): BOS doubling, text after a control token that
 tokenizes differently from running text (leading spaces), merged boundaries, control-token strings in text,
@@ -326,7 +328,16 @@ def run_shape(fmt: ChatFormat, name: str, stops: list[str], reasoning_in_content
         if incoming and incoming[0]["role"] == "system" and msgs:
             msgs = [incoming[0]] + [m for m in msgs if m["role"] != "system"] + incoming[1:]
         else:  # tool results answer the calls the server returned, by their ids (as an agent does)
-            ids_back = iter([c["id"] for c in (msgs[-1].get("tool_calls") or [])] if msgs else [])
+            returned = [c["id"] for c in (msgs[-1].get("tool_calls") or [])] if msgs else []
+            answered = sum(m["role"] == "tool" for m in incoming)
+            if answered and len(returned) < answered:
+                # the server returned fewer calls than the model made (its parser missed them, or the
+                # template renders one call of several): no agent can send these results, and grading
+                # accumulation on them passed a conversation the server never makes
+                res.turns.append(TurnResult(turn, "error", f"the server returned {len(returned)} of the "
+                                            f"{answered} tool calls the model made: their results cannot be sent"))
+                break
+            ids_back = iter(returned)
             msgs = msgs + [{**m, "tool_call_id": next(ids_back, m["tool_call_id"])} if m["role"] == "tool" else m
                            for m in incoming]
         before = list(acc.open_segment.token_ids) if acc.open_segment is not None else None
@@ -443,7 +454,9 @@ def _known_end(name: str, fmt):
     """`fmt`, where its end of turn is a token of its tokenizer: one that is not (a misspelt
     --end-of-turn) passed, and the checks that count it read "no" (a message's text spelling the end
     of turn counted None ids), where a session refuses it (profiles: the tokenizer has no token)."""
-    if getattr(fmt, "end_of_turn_id", 0) is None:
+    unk = getattr(getattr(fmt, "tokenizer", None), "unk_token_id", None)
+    # (a SentencePiece tokenizer maps an unknown name to <unk>'s id: a misspelt '</S>' linted as id 0)
+    if getattr(fmt, "end_of_turn_id", 0) is None or (unk is not None and fmt.end_of_turn_id == unk):
         raise ValueError(f"{name}: the end of turn {fmt.end_of_turn!r} is no token of the tokenizer")
     return fmt
 
@@ -496,7 +509,7 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
         if not stops and (path / "generation_config.json").is_file():  # the engine's stop ids
             eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
             eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-            stops = [tok.convert_ids_to_tokens(i) for i in eos]
+            stops = [tok.convert_ids_to_tokens([i])[0] for i in eos]  # (a list: Tekken's MistralTokenizer takes no int)
     else:
         name, tok = type(target).__name__, target
     if not getattr(tok, "chat_template", None) and getattr(profile, "chat_format", "template") != "tekken":
@@ -565,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([r.to_dict() for r in reports], indent=1))
     else:
         print("\n\n".join(r.table() for r in reports))
-    return 0
+    # 1 where a shape errs (a conversation the server refuses or cannot make): a script or CI job can gate on it
+    return 1 if any(s.verdict == "error" for r in reports for s in r.shapes) else 0
 
 
 if __name__ == "__main__":

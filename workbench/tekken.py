@@ -119,8 +119,11 @@ class TekkenFormat(ChatFormat):
         self._special = {self.tekken.id_to_piece(i): i for i in range(n)}
         self._special_re = re.compile("(" + "|".join(map(re.escape, sorted(self._special, key=len, reverse=True))) + ")")
         self.end_of_turn = end_of_turn or "</s>"
-        self.end_of_turn_id = self._special[self.end_of_turn]
         self.turn_end_tokens = tuple(dict.fromkeys((self.end_of_turn, *turn_ends)))
+        unknown = [t for t in self.turn_end_tokens if t not in self._special]
+        if unknown:  # (a KeyError: a traceback from the linter's CLI, not its error line)
+            raise ValueError(f"{unknown} is no control token of this Tekken tokenizer")
+        self.end_of_turn_id = self._special[self.end_of_turn]
         self.turn_end_ids = tuple(self._special[t] for t in self.turn_end_tokens)
         self.special_ids = frozenset(self._special.values())  # (as ChatFormat's: a turn ended on one)
         self.template_kwargs = dict(template_kwargs or {})  # mistral-common takes none; kept for the interface
