@@ -299,3 +299,17 @@ def test_interactive_rollouts_draw_each_task_of_a_dataset_once():
     drawn = [t.id for n in (4, 1, 4, 2) for t in handle._tasks(n)]
     assert len(drawn) == 11 and len(set(drawn)) == 11
     assert [int(i[1:]) for i in drawn] == list(range(int(drawn[0][1:]), int(drawn[0][1:]) + 11))
+
+
+def test_interactive_rollouts_keep_their_newest_trajectories_only():
+    """wb.rollout kept every trajectory it ran for the session's life: a hand-written loop of
+    groups and steps grew it without end (an MoE segment's recorded experts each)."""
+    import types
+
+    from workbench.session import RolloutHandle
+
+    handle = RolloutHandle(types.SimpleNamespace(task_source=None))
+    handle.keep = 5
+    for k in range(4):
+        handle._kept([f"t{k}a", f"t{k}b"])
+    assert handle.trajectories == ["t1b", "t2a", "t2b", "t3a", "t3b"] and handle.last == "t3b"

@@ -1338,8 +1338,11 @@ class Workbench:
 
 class RolloutHandle:
     """`wb.rollout`: run one episode, one group, or N, on the session's engines, outside the RL
-    loop (tasks from the session's task source, at their own data position). Everything run is
-    kept in `.trajectories` (newest last)."""
+    loop (tasks from the session's task source, at their own data position). What was run is
+    kept in `.trajectories` (newest last), the newest `keep` of them (a hand-written loop of groups
+    and steps grew it for the session's life, each MoE segment's recorded experts included)."""
+
+    keep = 2000
 
     def __init__(self, wb: Workbench):
         self._wb = wb
@@ -1367,7 +1370,7 @@ class RolloutHandle:
 
     def episodes(self, n: int, tasks: list[Task] | None = None, progress: bool = True) -> list:
         out = self.driver.run_episodes(tasks or self._tasks(n), progress=progress)
-        self.trajectories += out
+        self._kept(out)
         return out
 
     def group(self, task: Task | None = None, size: int | None = None) -> list:
@@ -1376,9 +1379,13 @@ class RolloutHandle:
 
     def groups(self, n: int, size: int | None = None, tasks: list[Task] | None = None, progress: bool = True) -> list[list]:
         out = self.driver.run_groups(tasks or self._tasks(n), size or self._wb.cfg.loop.group_size, progress=progress)
-        self.trajectories += [t for g in out for t in g]
+        self._kept([t for g in out for t in g])
         self.last_groups = out
         return out
+
+    def _kept(self, trajectories: list) -> None:
+        self.trajectories += trajectories
+        del self.trajectories[:-self.keep or None]
 
     @property
     def last(self):
