@@ -867,6 +867,19 @@ def test_a_request_finishing_before_the_probe_verdict_waits_for_it(moe_path):
                         await update
                     with pytest.raises(TornWeights):
                         await request
+            # a sync failing after the load in another way (its resume raised, the trainer's probe failed):
+            # a request held for the verdict is failed, not left waiting for ever
+            trainers = asyncio.get_running_loop().create_future()
+            update = asyncio.ensure_future(e.update_weights(perturbed(model, seed=11), e.version + 1, expected_probe=trainers))
+            while e._verifying is None or e.torn is not None:
+                await asyncio.sleep(0.01)
+            request = asyncio.ensure_future(e.generate(prompts(moe_path)[0], SamplingConfig(max_tokens=4, ignore_eos=True)))
+            await asyncio.sleep(0.5)
+            trainers.set_exception(RuntimeError("a trainer rank died (put in by the test)"))
+            with pytest.raises(RuntimeError, match="rank died"):
+                await update
+            with pytest.raises(TornWeights, match="did not complete its probe check"):
+                await asyncio.wait_for(request, 10)
         finally:
             await e.shutdown()
 

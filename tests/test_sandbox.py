@@ -672,6 +672,9 @@ def test_output_is_truncated():
     # stderr alone cut: stdout (a grader's results line) is whole
     r = run_python("import sys\nsys.stderr.write('e' * 1000)\nprint('RESULTS [1]')", max_output=100)
     assert r.ok and r.truncated and not r.stdout_truncated and r.stdout == "RESULTS [1]\n"
+    # the launcher's mark takes none of the code's room: a tiny max_output read as a sandbox that never started
+    r = run_python("import sys\nprint('hi')\nsys.stderr.write('\U0001F600' * 3)", max_output=3)
+    assert r.ok and r.stdout == "hi\n" and r.stderr == "\U0001F600" * 3 and not r.truncated
 
 
 def test_isolated_interpreter_sees_no_site_packages():

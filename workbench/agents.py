@@ -110,7 +110,8 @@ class Env:
     """Subclass and implement `reset` and `step`, async or plain (a plain one runs on the
     runner's event loop: keep it quick; one that blocks it over a second is reported, see
     rollout/loop_watch.py). `max_turns` bounds the framework's loop (the episode is
-    truncated there); `tools` (OpenAI function specs) are shown to the model."""
+    truncated there); `tools` (OpenAI function specs) are shown to the model (None: the task's;
+    [] shows none)."""
 
     max_turns: int = 8
     tools: list[dict] | None = None

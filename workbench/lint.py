@@ -17,7 +17,7 @@ first token where the recorded ids and a fresh render of the request part, shown
     seal:R      the segment is sealed with reason R (tokens.SEAL_REASONS) and a new one starts
     error       the template cannot render the conversation, or the server cannot make it (its
                 parse returned fewer tool calls than the model made: no agent can answer them all);
-                the command line then exits 1
+                `--strict` makes the command line exit 1 on one
 
 Plus retokenization traps of the tokenizer (TRAPS): BOS doubling, text after a control token that
 tokenizes differently from running text (leading spaces), merged boundaries, control-token strings in text,
@@ -334,8 +334,9 @@ def run_shape(fmt: ChatFormat, name: str, stops: list[str], reasoning_in_content
                 # the server returned fewer calls than the model made (its parser missed them, or the
                 # template renders one call of several): no agent can send these results, and grading
                 # accumulation on them passed a conversation the server never makes
-                res.turns.append(TurnResult(turn, "error", f"the server returned {len(returned)} of the "
-                                            f"{answered} tool calls the model made: their results cannot be sent"))
+                res.turns.append(TurnResult(turn, "error", f"the server returned {len(returned)} tool call(s) where the "
+                                            f"shape's turn makes {answered} (a stop token or the parser ended it "
+                                            f"first): their results cannot all be sent"))
                 break
             ids_back = iter(returned)
             msgs = msgs + [{**m, "tool_call_id": next(ids_back, m["tool_call_id"])} if m["role"] == "tool" else m
@@ -454,9 +455,12 @@ def _known_end(name: str, fmt):
     """`fmt`, where its end of turn is a token of its tokenizer: one that is not (a misspelt
     --end-of-turn) passed, and the checks that count it read "no" (a message's text spelling the end
     of turn counted None ids), where a session refuses it (profiles: the tokenizer has no token)."""
-    unk = getattr(getattr(fmt, "tokenizer", None), "unk_token_id", None)
-    # (a SentencePiece tokenizer maps an unknown name to <unk>'s id: a misspelt '</S>' linted as id 0)
-    if getattr(fmt, "end_of_turn_id", 0) is None or (unk is not None and fmt.end_of_turn_id == unk):
+    tok = getattr(fmt, "tokenizer", None)
+    unk, unk_name = getattr(tok, "unk_token_id", None), getattr(tok, "unk_token", None)
+    # (a SentencePiece tokenizer maps an unknown name to <unk>'s id: a misspelt '</S>' linted as id 0;
+    # where <unk> is itself the end of turn, GPT-2's and SmolLM2's <|endoftext|>, it is one)
+    if getattr(fmt, "end_of_turn_id", 0) is None or (unk is not None and fmt.end_of_turn_id == unk
+                                                     and fmt.end_of_turn != unk_name):
         raise ValueError(f"{name}: the end of turn {fmt.end_of_turn!r} is no token of the tokenizer")
     return fmt
 
@@ -568,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--end-of-turn", default=None, help="the ChatFormat's end-of-turn token (default: eos_token)")
     p.add_argument("--stop", action="append", default=None, help="an engine stop token (repeatable)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
+    p.add_argument("--strict", action="store_true", help="exit 1 where a shape errs (a script or CI job gates on it)")
     a = p.parse_args(argv)
     try:
         reports = [lint(t, a.shape, end_of_turn=a.end_of_turn, stops=a.stop) for t in a.target]
@@ -578,8 +583,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([r.to_dict() for r in reports], indent=1))
     else:
         print("\n\n".join(r.table() for r in reports))
-    # 1 where a shape errs (a conversation the server refuses or cannot make): a script or CI job can gate on it
-    return 1 if any(s.verdict == "error" for r in reports for s in r.shapes) else 0
+    # --strict: 1 where a shape errs (a conversation the server refuses or cannot make), for a script or
+    # CI job to gate on (not by default: some families cannot make some shapes, Llama 3.1 two calls)
+    return 1 if a.strict and any(s.verdict == "error" for r in reports for s in r.shapes) else 0
 
 
 if __name__ == "__main__":

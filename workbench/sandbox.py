@@ -419,7 +419,7 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
                     raise SandboxUnavailable(f"cannot put the sandbox into its memory cgroup {cgroup}: {e}") from e
                 with contextlib.suppress(BrokenPipeError):  # bwrap died meanwhile: _communicate reads why
                     os.write(block_write, b"1")
-            out, err, dropped, timed_out, flooded = _communicate(proc, stdin, deadline, 4 * max_output + 4,
+            out, err, dropped, timed_out, flooded = _communicate(proc, stdin, deadline, 4 * max_output + 4 + len(STARTED),
                                                                  OUTPUT_FLOOD_BYTES)
         except BaseException:
             with contextlib.suppress(ProcessLookupError):

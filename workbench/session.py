@@ -571,7 +571,8 @@ class Workbench:
             held = [n for n in ("metrics.jsonl", "checkpoint", "eval.jsonl") if (self.run_dir / n).exists()]
             if held and not cfg.resume:
                 raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run ({', '.join(held)}): choose another "
-                                  f"run_dir, or pass resume=True to continue it")
+                                  + ("run_dir, or pass resume=True to continue it" if held != ["eval.jsonl"] else
+                                     "run_dir (it has no checkpoint/ to resume from: its evaluations alone)"))
             # (recover_checkpoint: a driver killed while saving left a complete old or new checkpoint beside it)
             if cfg.resume and not recover_checkpoint(str(self.run_dir / "checkpoint")):
                 raise ConfigError(f"resume=True, but {str(self.run_dir)!r} has no checkpoint/ to resume from "

@@ -327,6 +327,19 @@ class RolloutEngine(abc.ABC):
         t0, old_version = time.perf_counter(), self.version
         await self.pause()
         try:
+            return await self._loaded_and_checked(load, nbytes, new_version, old_version, t0, expected_probe, probe, tol)
+        finally:
+            if self._verifying is not None and not self._verifying.is_set():
+                # whatever failed after the load (a resume, the trainer's probe): those weights are
+                # unverified, and a request held for their verdict is failed rather than kept waiting
+                if self.verified_version != self.version and self.torn is None:
+                    self.torn = (f"the sync to version {new_version} did not complete its probe check: it samples "
+                                 f"nothing until a sync verifies")
+                self._verifying.set()
+            self._verifying = None
+
+    async def _loaded_and_checked(self, load, nbytes, new_version, old_version, t0, expected_probe, probe, tol):
+        try:
             await load(new_version)
             self.version = new_version
             await self._set_version(new_version)
@@ -347,12 +360,10 @@ class RolloutEngine(abc.ABC):
         finally:
             await self.resume()
         self.torn = None
-        try:
-            return await self._checked(new_version, t0, nbytes, expected_probe, probe, tol)
-        finally:
-            if self._verifying is not None:
-                self._verifying.set()
-                self._verifying = None
+        report = await self._checked(new_version, t0, nbytes, expected_probe, probe, tol)
+        if self._verifying is not None:  # verified: what it held goes out
+            self._verifying.set()
+        return report
 
     async def _checked(self, new_version: int, t0: float, nbytes: int, expected_probe, probe, tol) -> WeightSyncReport:
         """The probe check of a sync's loaded weights, and its report."""
