@@ -339,6 +339,7 @@ class RolloutEngine(abc.ABC):
             self._verifying = None
 
     async def _loaded_and_checked(self, load, nbytes, new_version, old_version, t0, expected_probe, probe, tol):
+        """_update's body, the engine paused: load, set the version, resume, check the probe."""
         try:
             await load(new_version)
             self.version = new_version
