@@ -362,6 +362,36 @@ def test_a_ctrl_c_after_the_update_began_records_the_step_before_it_stops_the_ru
         assert [m["step"] for m in seen] == [7], interrupted_at
 
 
+def test_a_step_whose_every_update_was_skipped_is_not_synced(monkeypatch):
+    """Every update skipped (a zero or non-finite gradient): the weights and the version stayed,
+    so the engines, which hold them, are not synced again (a full state-dict transfer and probe
+    check of the same weights, under a new number that made every earlier token read stale). The
+    step records the version it trained from, which the audit and wb.revisit read."""
+    import workbench.loop as loop_mod
+    from workbench.loop import _train_on
+
+    groups = [[episode(1.0, task="a"), episode(0.0, task="a")]]
+    synced = []
+    monkeypatch.setattr(loop_mod, "sync_engines", lambda *a, **k: synced.append(a) or [])
+    monkeypatch.setattr(loop_mod, "step_statistics", lambda stats: {})  # (the fake's stats hold none)
+
+    class Trainer:
+        version = 5
+
+        def __init__(self, skipped):
+            self.skipped = skipped
+
+        def train_step(self, batch):  # as Trainer.train_step: the version moves with the weights only
+            trained = self.version
+            self.version += self.skipped == 0
+            return {"version": self.version, "trained_version": trained, "updates": 1, "updates_skipped": self.skipped}
+
+    m, error = _train_on(Trainer(skipped=1), [object()], groups, LoopConfig(), 7, 0.0, 1.0)
+    assert error is None and not synced and (m["version"], m["trained_version"]) == (5, 5)
+    m, error = _train_on(Trainer(skipped=0), [object()], groups, LoopConfig(), 7, 0.0, 1.0)
+    assert error is None and len(synced) == 1 and (m["version"], m["trained_version"]) == (6, 5)
+
+
 def test_the_trainers_version_moves_with_an_interrupted_update_only(monkeypatch):
     """Trainer.train_step: a Ctrl-C in ray.get leaves the ranks updating, so the version moves (left
     behind, the next sync was skipped and the engines served old weights under the new label); a

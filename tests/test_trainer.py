@@ -647,10 +647,13 @@ def test_a_non_finite_gradient_is_no_update(trainer, samples):
     b = batch_of(samples)
     b["advantages"][0] = float("nan") * b["loss_mask"][0]
     probe_ids = list(range(3, 19))
-    before = trainer.probe(probe_ids)
+    before, version = trainer.probe(probe_ids), trainer.version
     stats = trainer.train_step(b)
     assert math.isnan(stats["grad_norm"]) and stats["updates_skipped"] == 1, stats
     assert trainer.probe(probe_ids) == before
+    # the weights did not move, so neither does the version (bumped, the engines took a sync of the
+    # same weights and every token sampled before read one version stale)
+    assert trainer.version == stats["version"] == stats["trained_version"] == version, stats
     # and it trained no token: counted, the skipped update's tokens read as trained (the no-signal
     # warning, which reads signal_tokens_trained, stayed quiet over steps that moved nothing)
     assert stats["signal_tokens_trained"] == 0, stats

@@ -1292,7 +1292,8 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         print(f"workbench: step {step} had no trainable episode ({sum(reasons.values())} failed: "
               f"{next(iter(reasons), 'none')}): recorded without an update", file=sys.stderr)
         now = time.time()
-        return {**record, "version": trainer.version, **_with_untrained(e.info, untrained), "engines": len(engines), "engines_lost": 0, "signal_tokens": 0,
+        return {**record, "version": trainer.version, "trained_version": trainer.version, **_with_untrained(e.info, untrained),
+                "engines": len(engines), "engines_lost": 0, "signal_tokens": 0,
                 "signal_tokens_trained": 0, "updates_skipped": 1, **timed(now, now)}, None
     info = _with_untrained(info, untrained)
     tb = time.time()
@@ -1309,12 +1310,16 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
     t2 = time.time()
     lost: list = []
     try:
-        reports, sync_error = sync_engines(trainer, engines, cfg.sync_tol, lost), None
+        # every update skipped: the weights and the version stayed, and the engines hold them already
+        moved = stats.get("trained_version", stats["version"] - 1) != stats["version"]
+        reports, sync_error = (sync_engines(trainer, engines, cfg.sync_tol, lost) if moved else []), None
     except BaseException as e:  # (a Ctrl-C too: the step trained, it is recorded first)
         reports, sync_error = [], e
     return {
         # (the engines left after the sync, which drops a dead one from `engines`)
-        **record, "version": stats["version"], **info, "engines": len(engines), "engines_lost": len(lost),
+        # trained_version: the weights the step trained from (its tokens' staleness is against it);
+        # version: those it left (one more, unless every update was skipped)
+        **record, "version": stats["version"], "trained_version": stats.get("trained_version", stats["version"] - 1), **info, "engines": len(engines), "engines_lost": len(lost),
         **step_statistics(stats),
         "sync_max_abs_diff": max((r.probe_max_abs_diff for r in reports), default=None),
         # a probe position excused as a router near-tie: its gap, apart (it read as a clean sync)

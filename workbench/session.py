@@ -884,7 +884,8 @@ class Workbench:
         trainer = Trainer(str(policy), world_size=world_size or cfg.trainer_ranks,
                           cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature,
                                                   ref_model_path=cfg.trainer.ref_model_path or self.model_path))
-        version = trainer.version = logged["version"] - 1  # a step logs the version its update made
+        # the version the step trained from (a step logs it; older runs' steps: the version its update made - 1)
+        version = trainer.version = logged.get("trained_version", logged["version"] - 1)
         try:
             stats = trainer.train_step(batch, report=True)
         finally:

@@ -1146,8 +1146,14 @@ class Trainer:
             # own error, an OOM before the optimizer step, updated nothing: the version stays.)
             self.version += 1
             raise
-        self.version += 1
-        out = {"version": self.version, "loss": sum(s["loss"] for s in stats), "grad_norm": stats[0]["grad_norm"],
+        trained = self.version
+        # every update skipped (a zero or non-finite gradient: the gate dropped every row, every
+        # advantage 0): the weights did not move, so neither does the version. Bumped, the engines
+        # took a full sync of the same weights, and every token sampled before read one version
+        # stale (at max_staleness 1 in a run of flat groups the gate dropped fresh samples)
+        if stats[0]["updates_skipped"] < stats[0]["updates"]:
+            self.version += 1
+        out = {"version": self.version, "trained_version": trained, "loss": sum(s["loss"] for s in stats), "grad_norm": stats[0]["grad_norm"],
                "correction": merge_stats([s["correction"] for s in stats]),
                "replay": replay_summary([s["replay"] for s in stats]),
                "signal_tokens_trained": stats[0]["signal_tokens_trained"], "updates": stats[0]["updates"], "updates_skipped": stats[0]["updates_skipped"]}

@@ -137,8 +137,10 @@ def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None,
     `rules`: the run's on_failed / on_truncated, for which episodes trained; `untrained`: the
     episodes of the groups it rolled out and did not train, untrained/step_*.parquet: their
     failures and token-identity breaks count with the step's)."""
-    eps = {t.episode_id: _episode(t, m.get("version", 1) - 1, rules) for t in trajs}  # the step trains version - 1
-    eps.update({t.episode_id: _episode(t, m.get("version", 1) - 1, trained=False) for t in untrained})
+    # the version the step trained from (logged since a skipped update left the version; before, version - 1)
+    trained = m.get("trained_version", m.get("version", 1) - 1)
+    eps = {t.episode_id: _episode(t, trained, rules) for t in trajs}
+    eps.update({t.episode_id: _episode(t, trained, trained=False) for t in untrained})
     # every episode, dropped and untrained ones too
     n = max(m.get("episodes", 0) + m.get("dropped_episodes", 0), len(trajs), 1) + m.get("untrained_episodes", len(untrained))
     # invariant 1 from the trajectories (each episode's share), else from the step's line (logged
