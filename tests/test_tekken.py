@@ -389,3 +389,16 @@ def test_a_tekken_checkpoint_runs_through_a_rollout_runner_and_its_session_lint(
     agent = Path(__file__).resolve().parents[1] / "workbench" / "examples" / "calculator_openai.py"
     runner = RolloutRunner(str(agent), [object()], str(ckpt))
     assert isinstance(runner.server.fmt, TekkenFormat) and runner.sampling.stop_token_ids == [2]
+
+
+def test_a_tool_result_without_its_call_id_is_refused_by_name(fmt):
+    """A tool result without tool_call_id (an agent that forgot it): mistral-common's from_openai
+    raised a bare KeyError, which the loopback answered "cannot render these messages:
+    'tool_call_id'" and counted as its own unexpected error. It is Mistral's refusal now, naming
+    the message and the field (the loopback answers it 400, uncounted)."""
+    msgs = [{"role": "user", "content": "Weather in Paris?"}, CALL, {"role": "tool", "content": "21 degrees"}]
+    with pytest.raises(Exception, match=r"messages\[2\] is a tool result without a tool_call_id") as e:
+        fmt.render(msgs, TOOLS, add_generation_prompt=True)
+    assert fmt.is_refusal(e.value)
+    msgs[2]["tool_call_id"] = "abcDEF123"  # with it, it renders
+    assert fmt.render(msgs, TOOLS, add_generation_prompt=True).count("[TOOL_RESULTS]") == 1

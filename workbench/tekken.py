@@ -138,6 +138,15 @@ class TekkenFormat(ChatFormat):
         from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
         msgs = [canonical_message(m, **self.message_form) for m in messages]
+        for i, m in enumerate(msgs):
+            if m.get("role") == "tool" and not isinstance(m.get("tool_call_id"), str):
+                # mistral-common's from_openai raised a bare KeyError: an agent read "cannot render these
+                # messages: 'tool_call_id'", and the loopback counted it as its own unexpected error
+                from mistral_common.exceptions import InvalidToolMessageException
+
+                raise InvalidToolMessageException(
+                    f"messages[{i}] is a tool result without a tool_call_id: Mistral's encoding pairs every "
+                    f"tool result with the id of the call it answers (the assistant's tool_calls[].id)")
         if not self._both_or_neither:
             msgs = [_renderable(m) for m in msgs]
         final_reply = bool(msgs) and msgs[-1]["role"] == "assistant" and not add_generation_prompt
