@@ -179,3 +179,23 @@ def test_a_generation_prompt_that_opens_think_gets_a_whole_reply_after_its_reaso
     [shape] = lint(str(d), ["tool_one"]).shapes
     assert shape.verdict == "seal:template_rewrite"  # the history render drops the reasoning block
     assert "recorded '<think>\\n' vs render '<tool_call>\\n'" in shape.first.context, shape.first.context
+
+
+def test_an_error_after_a_seal_is_the_shapes_verdict():
+    """The shape's verdict was its first break: a seal at turn 2 hid an error at turn 3 (the
+    table, wb.lint() and --strict read the verdict, and passed a conversation that cannot be
+    carried). An error anywhere is the verdict, its turn the one shown."""
+    from workbench.tokens import Accumulator
+
+    class FailsThirdTurn(Accumulator):
+        plans = 0
+
+        def plan(self, *a, **k):
+            FailsThirdTurn.plans += 1
+            if FailsThirdTurn.plans == 3:
+                raise ValueError("injected: the third request cannot be rendered")
+            return super().plan(*a, **k)
+
+    s = lint("qwen3", ["plain"], accumulator_cls=FailsThirdTurn).shapes[0]
+    assert [t.verdict for t in s.turns] == ["start", TR, "error"]
+    assert s.verdict == "error" and s.first.turn == 3 and "injected" in s.first.detail

@@ -109,7 +109,7 @@ class TurnResult:
 class ShapeResult:
     shape: str
     description: str
-    verdict: str  # the first non-"extends" turn verdict, or "extends"
+    verdict: str  # "error" if a turn errs, else the first non-"extends" turn verdict, or "extends"
     turns: list[TurnResult] = field(default_factory=list)
     segments: int = 0
 
@@ -374,7 +374,10 @@ def run_shape(fmt: ChatFormat, name: str, stops: list[str], reasoning_in_content
         last_ids, last_cut = ids, bool(reply["cut"])
         msgs = msgs + [msg]
     bad = [t for t in res.turns if t.verdict not in ("start", "extends")]
-    res.verdict = bad[0].verdict if bad else "extends"
+    # an error anywhere is the shape's verdict (a seal or extends* before it hid it, and --strict
+    # passed a conversation the template or the server cannot carry); else the first break
+    errors = [t for t in bad if t.verdict == "error"]
+    res.verdict = (errors or bad)[0].verdict if bad else "extends"
     res.segments = len(acc.segments)
     return res
 
