@@ -51,7 +51,8 @@ EXPECTED = {
 TRAPS = {  # the traps found per template
     "qwen3": {"special_in_text"}, "qwen3-nothink": {"special_in_text"},
     "llama3.1": {"bos_doubling", "special_in_text"}, "mistral-v3": {"bos_doubling", "special_in_text"},
-    "gpt-oss": {"special_in_text"}, "deepseek-v3.1": {"special_in_text"},
+    # DeepSeek V3.1's template ignores tools= (the tool shapes extend, on a prompt without the schemas)
+    "gpt-oss": {"special_in_text"}, "deepseek-v3.1": {"special_in_text", "tools_unrendered"},
 }
 
 

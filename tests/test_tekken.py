@@ -332,6 +332,7 @@ def test_lint_tekken_directory(ckpt):
     # mistral-common keeps a control name in text as text (the render escapes it: no id 2), and it
     # encodes the request's BOS itself: neither was a trap (both read as one, or as "no BOS token")
     assert not found["special_in_text"] and not found["bos_doubling"]
+    assert not found["tools_unrendered"]  # ([AVAILABLE_TOOLS])
     assert "mistral-common encodes the request" in next(t.detail for t in report.traps if t.name == "bos_doubling")
 
 

@@ -447,6 +447,15 @@ def traps(fmt: ChatFormat, shapes: list[ShapeResult], renders: list[str]) -> lis
                     f"a message's text 'say {eot} now' renders to the control id {fmt.end_of_turn_id}: a model writing "
                     f"the marker as text and a retokenizer disagree" if spelled else
                     "control-token strings in text stay text"))
+    # a template that ignores tools= prompts the policy without the schemas of the tools the agent
+    # passes (the server warns once and counts such requests, tools_unrendered): the tool shapes
+    # still extend, so only this says the model never saw them
+    probe = [{"role": "user", "content": "."}]
+    unrendered = fmt.render(probe, TOOLS, True, refuse_dropped=False) == fmt.render(probe, None, True, refuse_dropped=False)
+    out.append(Trap("tools_unrendered", unrendered,
+                    "a request's tools= leave the prompt unchanged: the policy never sees the tools' schemas "
+                    "(describe them in the system message, or give a template that renders them)" if unrendered else
+                    "tools= are rendered into the prompt"))
     bad = next((r for r in renders if fmt.decode(fmt.encode(r)) != r), None)
     out.append(Trap("roundtrip", bad is not None, "decode(encode(render)) != render" if bad is not None else
                     "decode(encode(render)) == render for every shape"))
