@@ -60,7 +60,11 @@ def main() -> None:
     path = toy_model_path("moe")
     init_ray()
     engine = launch_engine("vllm", model_path=str(path), keep_log=True, env={"VLLM_LOGGING_LEVEL": "WARNING"})
-    rollout = Rollout(str(AGENT), [engine], str(path), num_runners=args.runners)
+    # the policy's sampling runs on past the end of turn (ignore_eos: the runner then adds no stop
+    # tokens; the agent's own ignore_eos leaves the family's turn ends stopping, by design): every
+    # turn is --reply-tokens long (it was the toy's ~7-token reply while the docs said 128)
+    rollout = Rollout(str(AGENT), [engine], str(path), num_runners=args.runners,
+                      sampling=SamplingConfig(max_tokens=args.reply_tokens, ignore_eos=True))
     info = {"turns": args.turns, "reply_tokens": args.reply_tokens}
     tasks = [Task([{"role": "user", "content": f"Say something about topic {k}."}], info=info) for k in range(args.prompts)]
     try:
@@ -75,10 +79,15 @@ def main() -> None:
         trajs = [t for g in groups for t in g]
         errors = [t.error for t in trajs if t.error]
         full_tokens = sum(s.stats["sampled_tokens"] for t in trajs for s in t.segments)
+        if errors:  # (a ratio over fewer episodes compares other work)
+            print(f"rollout: {len(errors)} of {len(trajs)} episodes failed: {errors[0].splitlines()[0]}")
         episodes = group_episodes(ray.get(engine.sample_log.remote())[seen:])
-        sampling = SamplingConfig(max_tokens=args.reply_tokens, ignore_eos=True)
         procs = cpu_by_process(pids)
-        direct_tokens, direct_s = asyncio.run(replay_direct(engine, episodes, lambda call: sampling))
+        # each call generates as many tokens as the full stack's did (call[1]: its sampled ids): the
+        # policy's sampling stops at <|im_end|>, so a fixed max_tokens with ignore_eos made every
+        # direct call longer than its full-stack twin (fewer requests a token: a ratio of other work)
+        direct_tokens, direct_s = asyncio.run(replay_direct(
+            engine, episodes, lambda call: SamplingConfig(max_tokens=max(1, len(call[1])), ignore_eos=True)))
         cpu_direct = {k: v - procs[k] for k, v in cpu_by_process(pids).items() if k in procs}
     finally:
         rollout.shutdown()

@@ -227,7 +227,15 @@ def test_held_out_tasks_and_prompt_columns(tmp_path):
         t = load_tasks(sft, **kwargs)[0]
         assert [m["role"] for m in t.messages] == ["user"] and "7" not in t.messages[0]["content"], kwargs
         assert t.label == "7" and t.info["messages"][1]["role"] == "assistant"
-    assert [m["role"] for m in load_tasks(sft)[0].messages] == ["user", "assistant"]  # no mapping: the columns are the fields
+    # no mapping: the columns are the fields, and the messages end with the worked answer: the policy
+    # was shown the answer it is rewarded for (every reward and pass@k inflated, silently). Refused
+    with pytest.raises(ValueError, match=r"sft.jsonl\[0\]: the task's messages end with an assistant turn \('3 \+ 4 = 7"):
+        load_tasks(sft)
+    sft.write_text(json.dumps({"prompt": "Tom?", "messages": [{"role": "user", "content": "Tom?"},
+                                                            {"role": "assistant", "content": "#### 7"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"has a 'prompt' column too: map it, fields=\{'prompt': 'prompt'\}"):
+        load_tasks(sft)
+    assert load_tasks(sft, fields={"prompt": "prompt"})[0].messages == [{"role": "user", "content": "Tom?"}]
 
 
 def test_tools_in_columnar_files_and_as_json_text(tmp_path):

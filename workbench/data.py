@@ -45,6 +45,15 @@ def task_from_record(record: dict, where: str = "record") -> Task:
             raise ValueError(f"{where}: 'prompt' must be a string or a list of chat messages, got {type(prompt).__name__}")
     else:
         raise ValueError(f"{where}: a task needs 'messages' or 'prompt' (got keys {sorted(r)})")
+    if messages and messages[-1].get("role") == "assistant":
+        # an SFT record (the conversation with its worked answer): the policy was shown the answer it
+        # is rewarded for, every reward and pass@k inflated, silently. A prompt ends with the user's
+        # (or a tool's) turn; where the record also has a prompt column, that is the prompt
+        said = str(messages[-1].get("content"))[:60]
+        hint = (" The record has a 'prompt' column too: map it, fields={'prompt': 'prompt'}." if "prompt" in r else
+                " Drop that turn, or map the prompt's column with fields={'prompt': ...}.")
+        raise ValueError(f"{where}: the task's messages end with an assistant turn ({said!r}): a training prompt "
+                         f"holding its answer (an SFT record?); a prompt ends with the user's or a tool's turn.{hint}")
     # (the default of pop("label", ...) is evaluated first: it dropped "answer" even beside a label)
     label = r.pop("label") if "label" in r else r.pop("answer", None)
     tools = _tools(r.pop("tools", None), where)

@@ -1,5 +1,7 @@
-"""Benchmark agent: a fixed number of turns through the stock OpenAI SDK; each reply is exactly
-task.info["reply_tokens"] tokens long (ignore_eos), so both benchmark paths generate the same."""
+"""Benchmark agent: a fixed number of turns through the stock OpenAI SDK, each asking for
+task.info["reply_tokens"] tokens with ignore_eos. (The loopback still stops a turn at the family's
+turn-ending tokens unless the policy's own sampling ignores EOS: bench/rollout.py's does, so every
+reply is that long; its direct replay generates as many tokens per call as each call did.)"""
 
 from workbench.agents import ChatAgent
 
