@@ -136,6 +136,7 @@ def test_dynamic_sampling_filters_and_replaces_up_to_the_limit():
     cfg0 = LoopConfig(prompts_per_step=2, group_size=2, dynamic_sampling=True, dynamic_sampling_rounds=0)
     groups, stats, _ = collect_groups(ConstructedRollout(), source, cfg0, position=8)
     assert [g[0].info["task_id"] for g in groups] == ["t8", "t9"] and stats["ds_kept_groups"] == 0
+    assert stats["ds_filtered_groups"] == 0  # (the groups it trains are not filtered out: counted so, they were 2)
     assert batch_from_groups(groups, "grpo")[0]["advantages"].abs().sum() == 0
     # switched off: the first draw, whatever its variance, and no ds_ statistics
     groups, stats, nxt = collect_groups(ConstructedRollout(), source, LoopConfig(prompts_per_step=3, group_size=2), 0)
@@ -145,6 +146,13 @@ def test_dynamic_sampling_filters_and_replaces_up_to_the_limit():
     groups, stats, _ = collect_groups(ConstructedRollout(), pool([ones, zeros, ones, ones]), cfg1, 0)
     assert [g[0].info["task_id"] for g in groups] == ["t0", "t1"]
     assert [g[0].info["task_id"] for g in stats["_untrained"]] == ["t2", "t3"]
+    assert stats["ds_filtered_groups"] == 2  # those two: trained and untrained add up to what rolled out
+    # a finite positional source that runs out: an error naming it (sync steps trained fewer groups,
+    # then recorded steps of nothing; the async loop raised 'pop from empty list')
+    finite = types.SimpleNamespace(take=lambda position, n: pool([mixed] * 5).tasks[position: position + n])
+    with pytest.raises(ValueError, match=r"take\(3, 3\) gave 2 task\(s\): take\(position, n\) must return n tasks"):
+        collect_groups(ConstructedRollout(), finite, LoopConfig(prompts_per_step=3, group_size=2), 3)
+    assert math.isnan(reward_statistics([])["reward_mean"])  # (no episode measured nothing: it read 0.0)
     # no episode finished (every one failed): the sampled mean measured nothing, NaN as reward_mean
     # (it read 0.0, a reward nobody earned, plotted beside reward_mean's gap)
     failing = types.SimpleNamespace(run_groups=lambda tasks, group_size, progress=False: [

@@ -337,6 +337,11 @@ def draw_tasks(source, n: int, position: int, chunk: int) -> tuple[list[tuple[in
     hold no task: the draw goes on at the next chunk."""
     if hasattr(source, "take"):
         tasks = list(source.take(position, n))
+        if len(tasks) < n:
+            # a finite source of the user's that ran out: sync steps trained fewer groups, then none
+            # (recorded as steps with no trainable episode), and the async loop raised 'pop from empty list'
+            raise ValueError(f"the task source's take({position}, {n}) gave {len(tasks)} task(s): take(position, n) must "
+                             f"return n tasks (data.TaskDataset cycles its epochs; a finite source has run out)")
         return list(enumerate(tasks, position)), position + len(tasks)
     out: list[tuple[int, Task]] = []
     while len(out) < n:
@@ -378,6 +383,8 @@ def collect_groups(rollout, source, cfg: "LoopConfig", position: int) -> tuple[l
         filtered += len(more) - len(good)
         kept += good
     trained = kept or groups
+    if not kept:  # the first draw trains after all: its groups are not filtered out (async counts them so too)
+        filtered -= len(groups)
     stats = {"ds_filtered_groups": filtered, "ds_rounds": rounds, "ds_kept_groups": len(kept), "ds_short": n - len(kept),
              **sampled_statistics(sampled), "_untrained": [g for g in sampled if not any(g is t for t in trained)]}
     return trained, stats, position
@@ -1230,7 +1237,7 @@ def reward_statistics(groups: list[list[Trajectory]]) -> dict:
     notebooks' sums over the history raised); plots leave a gap, `failed_episodes` says why."""
     episodes = [t for g in groups for t in g]
     rewards = [t.reward for t in episodes if t.error is None]
-    if episodes and not rewards:
+    if not rewards:  # (no episode at all measured nothing either: it read 0.0)
         return {"reward_mean": math.nan, "correct_rate": math.nan}
     # where any episode reports it, every episode scored by evaluation's rule (is_correct: a failed one,
     # or one without the key, wrong): an Env episode cut by max_turns or the context never reached the
