@@ -556,6 +556,12 @@ def test_zero_variance_follows_the_episode_rules():
     group = [episode(1.0), episode(0.0, error="boom")]
     assert zero_variance(group)  # the failed episode is dropped (on_failed="drop"): one reward left
     assert not zero_variance(group, on_failed="zero") and zero_variance([episode(0.5), episode(0.5)])
+    # the only reward off the mean is a kept episode's without a token to train (a runner that died
+    # before its first turn), the other masked (a run-on): no row carries an advantage. It read as signal
+    truncated, died = episode(1.0), episode(0.5, error="runner died")
+    truncated.truncated, died.segments = True, []
+    assert zero_variance([truncated, died], on_failed="keep", on_truncated="mask")
+    assert not zero_variance([episode(1.0), died], on_failed="keep")  # (the trainable one's advantage is +0.25)
 
 
 def test_plain_callable_sources_are_one_stream_of_chunks():

@@ -198,14 +198,16 @@ def zero_variance(group: list[Trajectory], on_failed: str = "drop", on_truncated
     """True when the group teaches nothing: the rewards the batch would train it on (episode_reward)
     are all equal (or fewer than two are kept), so every advantage is 0; or no episode it trains on
     (not masked) has a reward off the group's mean, so every trained advantage is 0 (a group of
-    masked run-ons with rewards 0, 0.5, 1 has variance but no row to train)."""
-    kept = [(rule, r) for rule, r, _ in (episode_reward(t, on_failed, on_truncated, overlong) for t in group)
+    masked run-ons with rewards 0, 0.5, 1 has variance but no row to train; nor has a kept episode
+    without a trainable token: a runner that died before the first turn, kept with on_failed="keep")."""
+    kept = [(rule, r, t) for t in group for rule, r, _ in [episode_reward(t, on_failed, on_truncated, overlong)]
             if r is not None]
-    rewards = [r for _, r in kept]
+    rewards = [r for _, r, _ in kept]
     if len(rewards) < 2 or max(rewards) - min(rewards) <= tol:
         return True
     mean = sum(rewards) / len(rewards)
-    return all(abs(r - mean) <= tol for rule, r in kept if rule != "mask")
+    return all(abs(r - mean) <= tol for rule, r, t in kept
+               if rule != "mask" and any(any(s.loss_mask) for s in t.segments))
 
 
 class NothingToTrain(RuntimeError):
