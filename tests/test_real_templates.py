@@ -355,6 +355,26 @@ def test_c_qwen3_answer_without_think_reaches_the_agent_as_content(fams):
     assert rp.parse("still thinking", [], opened=True).content in ("", None)  # inside the opened block
 
 
+def test_b_hermes_reads_calls_whose_markers_are_special_tokens(fams):
+    """A tokenizer marking <tool_call> special (vLLM's hermes parser keeps special tokens for this):
+    our hermes path decoded without them, the markers went, and every call came back as content
+    (no tool run, parser_failures 0). The real Qwen3 tokenizer with the markers made special."""
+    import copy
+
+    from tokenizers import AddedToken
+
+    from workbench.loopback.parsing import ReplyParser
+
+    tok = copy.deepcopy(fams["qwen3"].tokenizer)
+    assert ReplyParser(tok, "hermes", None).skip_special_tokens  # (not special there: skipped, as before)
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken("<tool_call>", special=True),
+                                                          AddedToken("</tool_call>", special=True)]})
+    rp = ReplyParser(tok, "hermes", None)
+    ids = tok.encode('<tool_call>\n{"name": "calc", "arguments": {"e": "6*7"}}\n</tool_call>', add_special_tokens=False)
+    p = rp.parse(tok.decode(ids, skip_special_tokens=rp.skip_special_tokens), ids)
+    assert p.calls == [{"name": "calc", "arguments": {"e": "6*7"}}] and not p.content, p
+
+
 def test_b_a_call_the_agent_could_not_send_back_keeps_its_reasoning(fams):
     """A tool call with NaN or a number past the body's bound is left as the model's text (the
     agent could not send it back), with the reasoning split off as for any reply: it went down

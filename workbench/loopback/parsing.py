@@ -108,6 +108,13 @@ def sampled_call_ids(text: str, calls: list[dict]) -> list[str | None]:
     return out
 
 
+def _special(tokenizer, token: str) -> bool:
+    """Whether `token` is one of the tokenizer's special tokens (decoding skips it)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return token in (getattr(tokenizer, "all_special_tokens", None) or []) or any(
+        str(t) == token and getattr(t, "special", False) for t in added.values())
+
+
 class ReplyParser:
     """`parse(text, ids, parse_tools)` -> Parsed. `text`: the reply decoded as `skip_special_tokens`
     says (the server decodes it so). `template_kwargs`: the profile's chat-template kwargs (Qwen3's
@@ -134,6 +141,11 @@ class ReplyParser:
                 if reasoning_parser in HARMONY_PARSERS:
                     raise ValueError(f"reasoning parser {reasoning_parser!r} is harmony's: use tool parser 'openai'")
                 self.skip_special_tokens = self._skip_special(self._reasoning_cls(tokenizer, chat_template_kwargs=self.template_kwargs))
+            if self.skip_special_tokens and _special(tokenizer, "<tool_call>"):
+                # a tokenizer marking the call markers special (vLLM's hermes parser keeps special tokens
+                # for a request with tools for this): decoded without them, every call read as content,
+                # the agent ran no tool, and parser_failures stayed 0
+                self.skip_special_tokens = False
         else:  # vLLM's composition of its tool and reasoning parsers, as its OpenAI server runs them
             from vllm.parser.parser_manager import ParserManager
 
