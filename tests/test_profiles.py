@@ -81,6 +81,10 @@ def test_every_eos_of_the_checkpoints_configs_is_a_stop_token(tmp_path):
     assert prof.stop_tokens == ("<|endoftext|>",) and prof.end_of_turn == "<|im_end|>"
     # an override adds to the EOS stops, never drops them (the engines stop on them all the same)
     assert profile_for(d, {"stop_tokens": ("</tool_call>",)}).stop_tokens == ("</tool_call>", "<|endoftext|>")
+    # as a list (a JSON/YAML config, config.json read back): list + tuple raised a bare TypeError
+    assert profile_for(d, {"stop_tokens": ["</tool_call>"]}).stop_tokens == ("</tool_call>", "<|endoftext|>")
+    with pytest.raises(ProfileError, match="stop_tokens must be a list of token strings, got '</tool_call>'"):
+        profile_for(d, {"stop_tokens": "</tool_call>"})  # (a string's characters each a stop token)
     (d / "generation_config.json").unlink()
     assert profile_for(d).stop_tokens == ()
     # the real tokenizer: the reply's text without it, as vLLM's detokenizer leaves a stop token out

@@ -98,6 +98,12 @@ class ModelProfile:
         for name, allowed in MESSAGE_FORMS.items():
             if getattr(self, name) not in allowed:
                 raise ProfileError(f"profile {self.family!r}: {name}={getattr(self, name)!r}; one of {list(allowed)}")
+        for name in ("turn_ends", "stop_tokens"):  # a list (a JSON/YAML config, config.json read back) or
+            # a single name: tuples, as the code adds to them (list + tuple raised TypeError in profile_for)
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
+                raise ProfileError(f"profile {self.family!r}: {name} must be a list of token strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
         if self.chat_format not in ("template", "tekken"):
             raise ProfileError(f"profile {self.family!r}: chat_format={self.chat_format!r}; one of ['template', 'tekken']")
 
