@@ -448,6 +448,11 @@ def test_parquet_round_trip_and_training_tensors(tmp_path):
     short_first = training_tensors([b, a], pad_id=9)  # each row's tokens stay in its own row, in order
     assert short_first["input_ids"].tolist() == [[5, 6, 9, 9], [1, 2, 3, 4]]
     assert short_first["versions"].tolist() == [[-1, 4, -1, -1], [-1, -1, 3, 4]]
+    # two episodes of one id (hand-built, episode_id ''): read back as one, the second's reward gone.
+    # Refused, naming the id, before anything is written
+    with pytest.raises(ValueError, match=r"episode ids must be unique in a trajectories file: \[''\]"):
+        write_trajectories([Trajectory([b], reward=1.0), Trajectory([b], reward=0.0)], tmp_path / "dup.parquet")
+    assert not (tmp_path / "dup.parquet").exists()
 
 
 def test_malformed_segment_is_refused(tmp_path):

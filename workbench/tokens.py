@@ -162,6 +162,13 @@ def write_trajectories(trajectories: list[Trajectory], path: str | Path) -> Path
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    ids = [t.episode_id for t in trajectories]
+    if len(set(ids)) < len(ids):
+        # read back by episode id: two episodes of one id became one (the second's reward, error and
+        # info gone, its segments the first's), and a revisited group's baseline changed
+        twice = sorted({i for i in ids if ids.count(i) > 1})[:3]
+        raise ValueError(f"episode ids must be unique in a trajectories file: {twice} appear more than once "
+                         f"(a Trajectory built by hand keeps episode_id '' unless given one)")
     rows = []
     for t in trajectories:
         episode = {"episode_id": t.episode_id, "group_id": t.group_id, "reward": float(t.reward), "error": t.error,
