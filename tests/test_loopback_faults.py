@@ -751,6 +751,19 @@ def test_replies_without_tools_aborts_defaults_and_anthropic_edges(tokenizer):
         assert "billing" not in tokenizer.decode(srv.sessions[a].segments[0].token_ids)
         assert len(srv.close_session(a)) == 1  # the second turn extended the first
         srv.close_session(o)
+    # the policy's stop string (LoopConfig's, merged into a recorded turn's sampling) ends the text, but
+    # is no stop_sequence of a request that sent none: it read stop_sequence '</answer>', one it never had
+    with LoopbackServer(engine, tokenizer, policy_sampling=SamplingConfig(max_tokens=30, stop=["</answer>"])) as srv:
+        s = srv.open_session()
+        ac = anthropic.Anthropic(base_url=srv.base_url(s, "anthropic"), api_key=srv.api_key, max_retries=0)
+        engine.replies += [("<answer>5</answer> more<|im_end|>", "stop")] * 2
+        m = ac.messages.create(model="p", max_tokens=30, messages=[{"role": "user", "content": "2+3?"}])
+        assert (m.stop_reason, m.stop_sequence, m.content[0].text) == ("end_turn", None, "<answer>5")
+        m = ac.messages.create(model="p", max_tokens=30, stop_sequences=["</answer>"],  # its own: said
+                               messages=[{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "<answer>5"},
+                                         {"role": "user", "content": "again"}])
+        assert (m.stop_reason, m.stop_sequence, m.content[0].text) == ("stop_sequence", "</answer>", "<answer>5")
+        srv.close_session(s)
 
 
 def test_anthropic_empty_text_blocks_are_skipped_as_vllm_does():
@@ -846,3 +859,39 @@ def test_a_closed_sessions_turns_stop_and_answer_404(tokenizer):
         assert not srv._engine_waits and srv.summary()["unexpected_errors"] == {}
     finally:
         srv.stop()
+
+
+def test_a_bounded_close_is_bounded_when_a_turn_is_queued_behind_a_released_lock(tokenizer):
+    """close_session(wait=s) with the session's lock just released and a turn queued for it (a
+    woken waiter that has not run yet): the lock read unlocked, the close took the unbounded path,
+    queued behind that turn and waited out its whole engine call (3 s here), then recorded the
+    turn its agent had left. It returns within its bound. (And a session id of dots alone is refused.)"""
+    srv = LoopbackServer(object(), tokenizer)  # (not started: _close driven on this test's loop)
+    for dots in (".", ".."):  # (path segments a client removes: /s/../v1 reached /v1, every request 404)
+        with pytest.raises(ValueError, match="not dots alone"):
+            srv.open_session(dots)
+
+    async def main():
+        sid = srv.open_session()
+        lock, took = srv.sessions[sid].lock, {}
+
+        async def close():
+            t = time.perf_counter()
+            await srv._close(sid, 0.2)
+            took["s"] = time.perf_counter() - t
+
+        async def turn(hold, then=None):
+            async with lock:
+                await asyncio.sleep(hold)
+                if then:
+                    took["close"] = asyncio.ensure_future(then())  # the close arrives as the turn releases
+
+        a = asyncio.ensure_future(turn(0.05, close))
+        await asyncio.sleep(0.01)
+        b = asyncio.ensure_future(turn(3.0))  # a turn the agent left behind, queued on the lock
+        await a
+        await took["close"]
+        b.cancel()
+        return took["s"]
+
+    assert asyncio.run(main()) < 1.0

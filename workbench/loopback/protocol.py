@@ -167,6 +167,10 @@ class ChatRequest:
     # () -> bool, or an awaitable of one: whether the client has gone (the server asks before it
     # records the reply: one the agent never received must not train); None: never asked
     client_gone: object = None
+    # the request's own stop strings, where the server merged the policy's into `sampling` (a recorded
+    # turn); None: every stop string in `sampling` is the request's. A policy's stop string ends the
+    # text, but is no stop_sequence the agent sent (Anthropic's stop_sequence is one of the request's)
+    own_stop: tuple | None = None
 
 
 @dataclass

@@ -397,8 +397,9 @@ class LoopbackServer:
     # ------------------------------------------------------------------ sessions
     def open_session(self, session_id: str | None = None) -> str:
         sid = session_id or uuid.uuid4().hex
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", sid):
-            raise ValueError(f"session id {sid!r} must be 1-128 of [A-Za-z0-9_.-]")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", sid) or not sid.strip("."):
+            # ('.' and '..' are path segments an HTTP client removes: /s/../v1 reached /v1, every request 404)
+            raise ValueError(f"session id {sid!r} must be 1-128 of [A-Za-z0-9_.-], not dots alone")
         if sid in self.sessions:
             raise ValueError(f"session {sid!r} is already open")
         # turns of large requests are planned in worker threads; new segments' prompts are memoized
@@ -429,8 +430,10 @@ class LoopbackServer:
         if wait is False:
             return self._finish(session_id)
         lock = self.sessions[session_id].lock
-        try:  # (a free lock is taken at once: wait_for with a timeout of 0 gave it no chance)
-            await (lock.acquire() if not lock.locked() or wait is True else asyncio.wait_for(lock.acquire(), max(0.0, float(wait))))
+        try:  # (a free lock is taken at once within the bound: wait_for with a timeout of 0 gave it no chance.
+            # An unlocked lock was taken unbounded, but it can be unlocked with a woken turn queued ahead:
+            # the close waited out that turn's whole engine call, and recorded a turn its agent had left)
+            await (lock.acquire() if wait is True else asyncio.wait_for(lock.acquire(), max(1e-3, float(wait))))
         except asyncio.TimeoutError:  # a turn its agent left behind: not recorded (as a timed-out episode's)
             return self._finish(session_id)
         try:
@@ -723,6 +726,7 @@ class LoopbackServer:
                 raise RequestError(404, f"session {sid!r} was closed")
             # strict mode refuses here: nothing recorded
             sampling, differing = self._policy_sampling(req, sid, acc.engine_calls)
+            req.own_stop = tuple(req.sampling.stop)
             req.sampling = sampling  # stop strings are applied to the reply from here
             held = self._undelivered.pop(sid, None)
             if held is not None:  # a reply sampled for a client that had gone (below)
@@ -876,8 +880,12 @@ class LoopbackServer:
         finish, stop_seq = sample.finish_reason, None
         hits = [(text.find(s), s) for s in req.sampling.stop if s and s in text]
         if hits:  # a stop string ends the text (the ids that produced it stay recorded)
-            cut, stop_seq = min(hits)
-            text, finish = text[:cut], "stop_sequence"
+            cut, hit = min(hits)
+            text = text[:cut]
+            # the request's own: its stop_sequence; the policy's (LoopConfig's stop strings) ends the turn as a
+            # plain stop (Anthropic's stop_sequence names one the agent sent: it read one it never had)
+            own = hit in (req.sampling.stop if req.own_stop is None else req.own_stop)
+            stop_seq, finish = (hit, "stop_sequence") if own else (None, "stop")
             ids = ids_before(self.fmt, ids, cut, parser.skip_special_tokens)  # (a parser that reads the ids)
         # a reply cut by max_tokens is not read for tool calls (its last may be half written: vLLM's
         # qwen3_coder parser returned a cut call with {} arguments, which an Env then ran): its markup
