@@ -432,7 +432,7 @@ class ChatFormat:
                 logging.getLogger(__name__).warning(
                     "this chat template does not render tools= (%s): the policy is prompted without the tools' "
                     "schemas; describe them in the system message, or give a chat template that renders them "
-                    "(the server's summary counts these requests: tools_unrendered)", [t.get("function", t).get("name") for t in tools])
+                    "(the server's summary counts these renders: tools_unrendered)", [t.get("function", t).get("name") for t in tools])
         return self._tools_rendered[key]
 
     def prompt(self, messages: list[dict], tools: list | None) -> tuple[str, list[int]]:
