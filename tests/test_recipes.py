@@ -194,7 +194,10 @@ def test_the_code_grader_pays_only_right_return_values():
                   label["solution"] + "\n\n" + "\n".join(f"- note {i}: it works." for i in range(80)),
                   # unfenced, with an import / a helper above the function (cut at the def: a NameError)
                   f"import operator as _op\n\n{label['solution']}\n\n_unused = _op.add",
-                  f"Here it is:\nimport operator as _op\n\ndef _helper():\n    return _op\n\n{label['solution']}\nDone."):
+                  f"Here it is:\nimport operator as _op\n\ndef _helper():\n    return _op\n\n{label['solution']}\nDone.",
+                  # ... and 80 lines of prose after it (the head search gave up past 50: the import went)
+                  "import operator as _op\n\n" + label["solution"].replace("return ", "return _op.pos(") + ")\n" +
+                  "\n".join(f"- note {i}" for i in range(80))):
         assert score(reply, label)[0] == 1.0, reply
     # a right program logging to stderr past the output cap: its results line on stdout is whole (a cut
     # in either stream read as a cut run, scored 0)

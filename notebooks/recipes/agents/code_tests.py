@@ -76,13 +76,16 @@ def code_of(reply: str, name: str | None = None) -> str:
     if start is None:
         return _parsable_head(reply.strip())
     # from the first top-level import, helper or decorator above the function that still parses with
-    # it (cutting at the def alone dropped "import operator" above it: NameError, a right answer 0)
+    # it (cutting at the def alone dropped "import operator" above it: NameError, a right answer 0).
+    # The text above is joined to the function's own parsable head (cut from the whole reply, the
+    # head search gave up past 50 lines of prose after the function, and the import went again)
+    head = _parsable_head(reply[start.start():].strip())
     above = [m.start() for m in _TOP_LEVEL_CODE.finditer(reply, 0, start.start())][:20]
     for s in above:
-        code = _parsable_head(reply[s:].strip())
-        if _parses(code) and re.search(rf"^def\s+{re.escape(name)}\s*\(", code, re.M):
-            return code
-    return _parsable_head(reply[start.start():].strip())
+        code = reply[s:start.start()] + head
+        if _parses(code):
+            return code.strip()
+    return head
 
 
 _TOP_LEVEL_CODE = re.compile(r"^(?:import [\w.]|from [\w.]+ import |def \w|class \w|@\w)", re.M)
