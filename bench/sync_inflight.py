@@ -58,13 +58,15 @@ async def main_async(args) -> dict:
         first, _ = await batch(engine, [[rng.randrange(5, vocab) for _ in range(args.prompt)] for _ in range(args.requests)],
                                args.tokens, None, 0)  # warm-up, and the batch's length for --at
         at = args.at if args.at is not None else first / 2
-        for _ in tqdm(range(args.rounds), desc="pairs (no sync, sync)"):
-            prompts = [[rng.randrange(5, vocab) for _ in range(args.prompt)] for _ in range(args.requests)]
-            wall, _ = await batch(engine, prompts, args.tokens, None, 0)
-            plain.append(wall)
-            wall, sync_s = await batch(engine, prompts, args.tokens, weights, at)
-            synced.append(wall)
-            syncs.append(sync_s)
+        for k in tqdm(range(args.rounds), desc="pairs (no sync, sync)"):
+            # each batch its own prompts (the synced batch re-sent the plain one's: its prefill hit the
+            # prefix cache, and the sync's cost read smaller), and the pair's order alternates
+            fresh = [[[rng.randrange(5, vocab) for _ in range(args.prompt)] for _ in range(args.requests)] for _ in "ab"]
+            for with_sync, prompts in sorted(zip((False, True), fresh), reverse=bool(k % 2)):
+                wall, sync_s = await batch(engine, prompts, args.tokens, weights if with_sync else None, at)
+                (synced if with_sync else plain).append(wall)
+                if with_sync:
+                    syncs.append(sync_s)
     finally:
         await engine.shutdown()
     return {"backend": args.backend, "requests": args.requests, "prompt": args.prompt, "tokens": args.tokens,
