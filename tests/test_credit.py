@@ -262,7 +262,21 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
                        ("Answer: 18 or 19", None), ("The answer is 18, not 20.", 18), ("The answer is 3 hours, or 180 minutes.", 3),
                        ("Final answer: the mean is 85", 85), ("The answer is 42 (no remainder when 84 is divided by 2)", 42),
                        ("\\boxed{17}. Wait, I made an error: the answer is 18.", 18),
-                       ("The result is 1.665e3", None), ("18e0", None), ("1e-5 and 7", 7)):
+                       ("The result is 1.665e3", None), ("18e0", None), ("1e-5 and 7", 7),
+                       # a check of the answer after it is no answer (it was: checking one's work scored 0); a
+                       # "####" line ending in a full stop is a marker; a marker without a number leaves the
+                       # last number (read None); "which equals" is an "="; a minus apart from its number or
+                       # before a currency sign keeps its sign; a restatement is no hedge, a list, a range
+                       # or a hedge in brackets is
+                       ("\\boxed{72}\nTo double-check the answer: 9 * 8 = 72 and 72 - 2 = 70.", 72),
+                       ("#### 72\nCheck answer: 72 - 67 = 5", 72), ("The answer is 72.\nLet's verify the answer: 72 / 8 = 9.", 72),
+                       ("The answer is probably 70 apples.\n#### 72.", 72),
+                       ("Answer: Let's think step by step.\n8 * 9 = 72\nShe has 72 apples.", 72),
+                       ("I'm not sure what the answer is. 72", 72), ("The answer is 8 times 9, which equals 72.", 72),
+                       ("The answer is 72, which equals 8 times 9.", 72), ("The answer is \u2212 5", -5), ("The answer is -$5", -5),
+                       ("The answer is 72, or 72 apples in total.", 72), ("The answer is 72 (or 73).", None),
+                       ("Answer: 72 or possibly 73", None), ("Answer: 72, 73, 74", None), ("The answer is 70 to 75", None),
+                       ("The answer is between 70 and 75", None)):
         assert answer_number(text) == want, text
     # the math recipe's reward reads the same way; a list of numbers is no one number ("3,4,5" read 345)
     import sys
@@ -319,6 +333,8 @@ def test_a_reply_of_spaces_is_parsed_in_linear_time():
             # the hedge check ("18 or 19"): its spaces around an optional comma, 16,000 spaces 11 s
             "assert answer_text('The answer is 5' + ' ' * n + '.') == '5' and answer_text('answer: 1' + '\\t' * n + 'x') == '1'\n"
             "assert answer_text('The answer is ' + '5,' * n) is not None\n"
+            # "which equals" read as "=": a leading ",?\\s*" tried every start in a run of spaces (40 s at 50k)
+            "assert answer_text('Answer: 1' + ' ' * n + ', x') == '1' and answer_text('Answer: 1' + ' ' * n + 'equals 2') == '2'\n"
             "assert parse_score('score' + ' ' * n + 'x') is None and parse_score('7' + ' ' * n + 'x') is None\n"
             "assert parse_score('<t>' + ' ' * n + 'x', tag='t') is None and parse_score('t score: 7' + ' ' * n, tag='t') == 0.7\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -341,3 +357,16 @@ def test_the_shipped_agents_grade_a_data_files_text_labels():
     for not_a_number in ("", "twelve", "3/4", "12.5", True, None, 12.5, float("nan")):
         with pytest.raises(ValueError, match="no whole number"):
             label_number(not_a_number)
+    # the math recipe's reward on labels a CSV or a field mapping writes (float("1,234") raised: every
+    # episode of the task failed, dropped unscored), and the tool recipes' text labels (compared with
+    # ==, '19' against 19: every right answer 0)
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks" / "recipes" / "agents"))
+    import search_calc_openai
+    from math_answer import reward as math_reward
+
+    assert math_reward("The answer is 1234.", "1,234") == math_reward("The answer is $18.", "$18") == (1.0, True)
+    with pytest.raises(ValueError, match="label 'twelve' is no number"):
+        math_reward("12", "twelve")
+    assert search_calc_openai.is_answer("The answer is 19.", "19")

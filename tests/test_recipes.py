@@ -203,6 +203,12 @@ def test_the_code_grader_pays_only_right_return_values():
     # in either stream read as a cut run, scored 0)
     noisy = label["solution"] + "\nimport sys\nsys.stderr.write('log ' * 3000)"
     assert score(noisy, label)[0] == 1.0
+    # a right solution with its own tests run under __main__ (unittest.main() exits), or ending with
+    # exit() (not defined under python -S) or sys.exit(): it scored 0, and RL learned to stop testing
+    tested = (label["solution"] + "\n\nimport unittest\n\nclass T(unittest.TestCase):\n    def test(self):\n"
+              "        self.assertTrue(True)\n\nif __name__ == '__main__':\n    unittest.main()\n")
+    for ending in (tested, label["solution"] + "\nexit()", label["solution"] + "\nimport sys\nsys.exit(0)"):
+        assert score(ending, label)[0] == 1.0, ending
     from code_tests import code_of
 
     assert code_of("Sure.\nimport math\n\ndef f(x):\n    return math.sqrt(x)\n\nIt works.", "f").strip() == \

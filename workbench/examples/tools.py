@@ -53,14 +53,17 @@ _NUMBER = re.compile(r"(?:(?<![\w.-])-)?(?<!\d[eE])(?<!\d[eE][-+])(?:\d{1,3}(?:,
 _NEXT = r"(?=\banswer\b[ \t]*(?:is\b|:|=)|####|\\boxed\{|\n|$)"
 # ("####" only where a number is all the rest of its line, as GSM8K writes its final answer: a markdown
 # heading "#### Step 2: Verify" or "#### 2. Check" was the answer 2, a right answer beside it scored 0)
-_MARKED = re.compile(rf"\\boxed\{{((?:[^{{}}]|\{{[^{{}}]*\}})*)\}}|####[ \t]*(?=\$?-?\d[\d,]*(?:\.\d+)?[ \t]*(?:\n|$))([^\n]*?){_NEXT}"
+# ("#### 72." too: its full stop made it no marker, and a guess in prose before it was the answer)
+_MARKED = re.compile(rf"\\boxed\{{((?:[^{{}}]|\{{[^{{}}]*\}})*)\}}|####[ \t]*(?=\$?-?\d[\d,]*(?:\.\d+)?\.?[ \t]*(?:\n|$))([^\n]*?){_NEXT}"
                      rf"|\banswer\b[ \t]*(?:is\b|:|=)[ \t]*([^\n]*?){_NEXT}", re.I)
 # an unevaluated expression ("37 * 45", "9 x 2", LaTeX's "12 \times 3", "5 \cdot 7", a power "6\u00b2"): a side
 # of an equation that is no result
 # (no two \s* around an optional character: "\s*[(]?\s*" before text that fails to match tried every
 # split of a run of spaces, time the square of its length with the GIL held: a reply of "\boxed{"
 # and 255 of Qwen3's 128-space tokens froze the runner, its server and every episode's timeout 11 s)
-_EXPRESSION = re.compile(r"\s*(?:[$(\[]\s*)?-?\d[\d,.]*\s*(?:(?:\*\*|[-+*/\u00d7\u00f7^\u00b7\u22c5]|\\times|\\cdot|\\div|x(?=\s*\d))"
+# (and in words: "8 times 9, which equals 72" is 72)
+_EXPRESSION = re.compile(r"\s*(?:[$(\[]\s*)?-?\d[\d,.]*\s*(?:(?:\*\*|[-+*/\u00d7\u00f7^\u00b7\u22c5]|\\times|\\cdot|\\div|x(?=\s*\d)"
+                         r"|(?:times|plus|minus|multiplied\s+by|divided\s+by)(?=\s+\d))"
                          r"\s*(?:[(\[{]\s*)?-?\d|[\u00b2\u00b3\u00b9\u2070\u2074-\u2079])")
 # dashes a model writes as a minus (en dash, figure dash, hyphens, full-width and small hyphen-minus):
 # "The answer is \u201348" read 48, paying a wrong sign (em dash: punctuation, left alone)
@@ -73,7 +76,25 @@ _INVISIBLE = re.compile("[\u200b-\u200d\u2060\ufeff]")  # ("7\u200b2" read 7)
 _NEGATED = re.compile(r"\s*(?:not|isn't|never)\b", re.I)
 # (possessive, and from a number's first digit only: "\s*,?\s*" tried every split of a run of spaces,
 # "The answer is 5" and 16,000 spaces took 11 s with the GIL held, as _EXPRESSION's note above)
-_HEDGED = re.compile(r"(?<![\d,.])-?\d[\d,.]*+\s*+,?\s*+(?:or|no,?\s*wait|wait|actually|sorry|I mean)\b[\s,:]*+-?\d", re.I)
+# Also a list or a range of numbers ("72, 73, 74", "70 to 75") and a hedge in brackets or with a
+# softener ("72 (or 73)", "72 or possibly 73"): each paid its first number
+_HEDGED = re.compile(r"(?<![\d,.])-?\d[\d,.]*+(?:\s*+[,(]?\s*+(?:or|maybe|possibly|perhaps|no,?\s*wait|wait|actually|sorry|I mean)\b"
+                     r"[\s,:]*+(?:(?:possibly|maybe|perhaps)\s++)?|(?<=,)\s++|\s++to\s++)-?\d", re.I)
+
+
+_CHECKING = re.compile(r"\b(?:check|verify|double-check|confirm)", re.I)
+
+
+def _hedged(span: str) -> bool:
+    """Whether a marked sentence gives more than one answer: a hedge between two different numbers
+    ("72 or 73"; "72, or 72 apples in total" restates one), or a range ("between 70 and 75")."""
+    if re.match(r"[^\d]*?\bbetween\b", span, re.I) and len(_NUMBER.findall(span)) > 1:
+        return True
+    for h in _HEDGED.finditer(span):
+        pair = [n.replace(",", "") for n in _NUMBER.findall(span[h.start(): h.end() + 40])[:2]]
+        if len(pair) < 2 or pair[0] != pair[1]:
+            return True
+    return False
 
 
 def answer_text(text: str | None) -> str | None:
@@ -87,29 +108,47 @@ def answer_text(text: str | None) -> str | None:
     thousands separators; an exponent after a unit ("18 m^2") is no number; a unicode minus is a
     minus ("-12" read 12). Of an equation the last side that is not an unevaluated expression
     ("Answer: 18 = 9 * 2" is 18: it read 9); a marked expression with no result is no answer
-    ("The answer is 1665. Note: answer = 37*45" read 37)."""
-    text = _INVISIBLE.sub("", (text or "").translate(_MINUS)).replace("{,}", ",")
+    ("The answer is 1665. Note: answer = 37*45" read 37). A marker in a check of the answer ("To
+    verify the answer: 72 - 67 = 5") is skipped; where no marked sentence holds a number ("Answer:
+    Let's think step by step."), the reply's last number; "which equals" is an "="; two different
+    numbers hedged ("72 (or 73)"), listed ("72, 73") or as a range ("70 to 75") are no one answer."""
+    # a minus apart from its number ("\u2212 5") or before a currency sign ("-$5"): the sign was lost
+    text = re.sub(r"(?<![\w.-])-\$(?=\d)", "$-", re.sub("[\u2212\u2013]\\s+(?=\\d)", "\u2212", text or ""))
+    text = _INVISIBLE.sub("", text.translate(_MINUS)).replace("{,}", ",")
     text = re.sub(r"(?<=\d)(?:\\,|[\u2009\u202f\u00a0])(?=\d{3}(?!\d))", ",", text)
     text = re.sub(r"(?<=[A-Za-z])(?:\^\{?\d+\}?|[\u00b2\u00b3])", "", text)
     marked = list(_MARKED.finditer(text))
     found: list = []
+    numbered = False  # whether a marked sentence holds a number at all
     # the last marker that gives a number: "\boxed{408}. I hope this answer is helpful." is 408 (the
     # last marker, "answer is helpful", read None); one that ends its line with nothing but markup
     # ("**Answer:**\n408", "The answer is:\n408") gives the next line's
     for m in reversed(marked):
+        if m.group(3) is not None:
+            # a prose marker in a check of the answer given ("\boxed{72}. To double-check the answer:
+            # 72 - 2 = 70") is no answer: read as one (70), checking one's work scored 0
+            start = max(text.rfind("\n", 0, m.start()), text.rfind(". ", 0, m.start())) + 1
+            if _CHECKING.search(text, start, m.start()):
+                continue
         body = next(g for g in m.groups() if g is not None)
         if not re.search(r"[^\W_]", body) and not m.group().startswith("\\boxed"):
             following = re.match(r"[ \t]*\n\s*([^\n]*)", text[m.end():])
             body = following.group(1) if following else body
         span = re.split(r"\.(?:\s|$)|;", body, maxsplit=1)[0]  # the marked sentence
+        numbered = numbered or bool(re.search(r"\d", span))
+        # "which equals 72" is "= 72" ("The answer is 8 times 9, which equals 72" read 8)
+        # (anchored at the word: a leading ",?\s*" tried every start in a run of spaces, quadratic)
+        span = re.sub(r"\b(?:(?:which|that)\s++)?(?:equals|gives|makes)\b(?=\s*+-?\$?\d)", "=", span, flags=re.I)
         span = next((side for side in reversed(span.split("=")) if not _EXPRESSION.match(side)), "")
         found = list(_NUMBER.finditer(span))
-        if found and (_NEGATED.match(span[:found[0].start()]) or _HEDGED.search(span)):
+        if found and (_NEGATED.match(span[:found[0].start()]) or _hedged(span)):
             return None
         found = found[:1]
         if found:
             break
-    if not marked:
+    if not marked or not found and not numbered:
+        # no marker, or none with a number in its sentence ("Answer: Let's think step by step." and
+        # the work after it read None, a right answer 0): the reply's last number
         span = text
         found = list(_NUMBER.finditer(text))[-1:]
     if not found:

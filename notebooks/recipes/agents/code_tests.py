@@ -42,12 +42,20 @@ def tasks(n: int, seed: int = 0) -> list[Task]:
 # episode is dropped, not scored 0). Returned values are compared as JSON, so an object can only
 # pass by being the right value. Each test reports ["ok", value] or ["error", its type]: when an
 # exception read as None, code that raised (or defined nothing) passed every test expecting None.
+# The policy's code runs as a module of its own, not __main__, and may end with sys.exit() or
+# exit(): a right solution with its own `if __name__ == "__main__": unittest.main()` (unittest exits)
+# or a final exit() (not defined under `python -S`) scored 0, and RL learned to stop testing.
 HARNESS = """
-import json
+import json, sys
+solution = {{"__name__": "solution", "exit": sys.exit, "quit": sys.exit}}
+try:
+    exec(compile({code!r}, "solution.py", "exec"), solution)
+except SystemExit:
+    pass
 out = []
 for x in json.loads({inputs!r}):
     try:
-        out.append(["ok", json.loads(json.dumps({name}(x)))])
+        out.append(["ok", json.loads(json.dumps(solution[{name!r}](x)))])
     except BaseException as e:
         out.append(["error", type(e).__name__])
 print("\\n" + {marker!r} + json.dumps(out))
@@ -141,7 +149,7 @@ def score(code: str, label: dict, timeout_s: float = 5.0) -> tuple[float, dict]:
     # the expected values as JSON gives them back (a tuple is a list, a dict's keys strings): a right
     # function returning a tuple never matched a tuple reference
     inputs, wanted = [x for x, _ in label["tests"]], json.loads(json.dumps([w for _, w in label["tests"]]))
-    program = code + "\n" + HARNESS.format(inputs=json.dumps(inputs), name=label["name"], marker=MARKER)
+    program = HARNESS.format(code=code, inputs=json.dumps(inputs), name=label["name"], marker=MARKER)
     # room for the right answers' JSON (a 2,000-character cap scored a right list-returning function 0)
     res = run_python(program, timeout_s, 256, 4000 + 2 * len(json.dumps(wanted)))
     got = None

@@ -15,9 +15,14 @@ def reward(reply: str, label: str) -> tuple[float, bool]:
     group of samples carries signal while exact answers are rare."""
     # (every comma was dropped: "3,4,5" read 345, paid as one number)
     found = answer_text(reply)
+    # the label as a data file writes it ("1,234", "$18": float() raised, every episode of the task
+    # failed and was dropped unscored), read as a reply's answer is
+    want = answer_text(str(label)) if isinstance(label, str) else label
+    if want is None:
+        raise ValueError(f"the task's label {label!r} is no number: this reward grades a number")
     if found is None:
         return 0.0, False
-    got, want = float(found), float(label)
+    got, want = float(found), float(want)
     if got == want:
         return 1.0, True
     return 0.5 * max(0.0, 1.0 - abs(got - want) / max(10.0, abs(want))), False

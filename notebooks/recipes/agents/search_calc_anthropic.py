@@ -5,7 +5,7 @@ opens with the agent's own search call (SEARCH_FIRST; see search_calc_openai.py 
 from __future__ import annotations
 
 from workbench.agents import ChatAgent
-from workbench.examples.tools import calc, document_tasks, answer_number, search
+from workbench.examples.tools import calc, document_tasks, is_answer, search
 
 MAX_TURNS = 4
 SEARCH_FIRST = True
@@ -48,7 +48,7 @@ class SearchCalcAgent(ChatAgent):
                 {"type": "tool_result", "tool_use_id": u.id,
                  "content": TOOLS[u.name](u.input if isinstance(u.input, dict) else {}) if u.name in TOOLS
                  else "error: unknown tool"} for u in uses]})
-        return float(answer_number(answer) == ctx.label), {
+        return float(is_answer(answer, ctx.label)), {  # (a text label: '19' == 19 was False)
             "tool_calls": calls["calc"] + calls["search"], "calc_calls": calls["calc"], "search_calls": calls["search"],
             "agent_search_calls": calls["agent_search"], "answer": answer}
 

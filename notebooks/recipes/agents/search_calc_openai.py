@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from workbench.agents import ChatAgent
-from workbench.examples.tools import calc, document_tasks, answer_number, search
+from workbench.examples.tools import calc, document_tasks, is_answer, search
 
 MAX_TURNS = 4
 SEARCH_FIRST = True
@@ -58,7 +58,7 @@ class SearchCalcAgent(ChatAgent):
                 calls[call.function.name] = calls.get(call.function.name, 0) + 1
                 messages.append({"role": "tool", "tool_call_id": call.id,
                                  "content": run_tool(call.function.name, call.function.arguments)})
-        return float(answer_number(answer) == ctx.label), {
+        return float(is_answer(answer, ctx.label)), {  # (a text label: '19' == 19 was False)
             "tool_calls": calls["calc"] + calls["search"], "calc_calls": calls["calc"], "search_calls": calls["search"],
             "agent_search_calls": calls["agent_search"], "answer": answer}
 
