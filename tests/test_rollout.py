@@ -439,14 +439,18 @@ def test_the_loop_watch_counts_a_blocked_loop_not_an_idle_one():
 
 def test_each_env_episode_gets_its_own_info(rollout_for):
     """An Env whose reset returns task.info itself: the group's episodes (one Task) updated one
-    dict, each sibling's step info ending in the others' trajectories, and in the task."""
-    task = Task([{"role": "user", "content": "Count."}], info={"level": 1})
+    dict, each sibling's step info ending in the others' trajectories, and in the task. And an Env
+    popping a test from the task's label in reset changed its siblings' reward rule (rewards 6, 4, 2
+    for the same replies) and the label recorded: each episode gets its own copy of the task."""
+    task = Task([{"role": "user", "content": "Count."}], info={"level": 1}, label={"tests": [1, 2, 3, 4]})
     rollout = rollout_for(AGENTS / "shared_info_env.py", sampling=SamplingConfig(max_tokens=4))
     group = rollout.run_groups([task], group_size=3, progress=False)[0]
     assert all(t.error is None for t in group), [t.error for t in group]
     seen = [sorted(k for k in t.info if k.startswith("seen_")) for t in group]
     assert all(len(s) == 1 for s in seen) and len({s[0] for s in seen}) == 3, seen
     assert all(t.info["level"] == 1 for t in group)
+    assert [t.reward for t in group] == [6.0] * 3 and all(t.info["task_label"] == {"tests": [1, 2, 3, 4]} for t in group)
+    assert task.label == {"tests": [1, 2, 3, 4]}
 
 
 def test_an_env_editing_its_message_or_hiding_tools_leaves_the_record_as_sampled(rollout_for, moe_path):

@@ -119,6 +119,10 @@ class RolloutRunner:
             if self._loop_watch is not None:
                 self._loop_watch.stop()
             self._loop_watch = LoopWatch(loop, self.spec.path)
+        # each episode its own copy of the task: a group's episodes shared one, and an Env whose reset
+        # popped a test from task.label (or an agent changing ctx.task.info) changed its siblings'
+        # reward rule (identical replies, different rewards: advantages for nothing) and the label recorded
+        own = copy.deepcopy(task)
         async with self._sem:
             started = loop.time()
             episode_id = uuid.uuid4().hex[:16]
@@ -128,7 +132,7 @@ class RolloutRunner:
             # the reward it got; a chat agent's crash returned none, so its reward is 0)
             partial = {"reward": 0.0, "info": {}}
             episode = asyncio.ensure_future(_exit_is_failure(
-                self._env_episode(task, sid, partial) if self.spec.kind == "env" else self._chat_episode(task, sid, group_id)))
+                self._env_episode(own, sid, partial) if self.spec.kind == "env" else self._chat_episode(own, sid, group_id)))
             try:
                 # asyncio.wait, not wait_for: wait_for waits out an agent that swallows its cancellation
                 # (its retry loop: recorded as a success 5 s past a 0.5 s timeout), and read the agent's
