@@ -307,12 +307,13 @@ class TornEngine:
         return {"version": 2, "verified_version": 2, "torn": "a weight sync to version 3 failed part-way"}
 
 
-def test_a_torn_engine_is_passed_over_for_a_while_not_taken_as_dead(reference_engines, run):
+def test_a_torn_engine_is_passed_over_for_a_while_not_taken_as_dead(reference_engines, run, monkeypatch):
     """A torn engine refuses at once, so it had the fewest outstanding requests and drew most new
     sessions, each failing its episode. Its refusal sampled nothing: the request goes to another
     engine, and the torn one is left out for a while (the next sync repairs it), not marked dead."""
     from workbench.rollout import router as router_mod
 
+    monkeypatch.setattr(router_mod, "TORN_RETRY_S", 0.05)  # (a lone torn engine is asked again TRANSIENT_RETRIES times)
     torn = TornEngine.remote()
     router = router_mod.EngineRouter([torn, reference_engines[0]])
     s = SamplingConfig(max_tokens=4)
@@ -331,7 +332,9 @@ def test_a_torn_engine_is_passed_over_for_a_while_not_taken_as_dead(reference_en
 def test_an_engine_ray_calls_unavailable_is_tried_again_later(monkeypatch):
     """Ray's ActorUnavailableError is temporary (a network blip): the router marked the engine
     dead for good, so a healthy engine the driver went on syncing was never asked again by that
-    runner (with one engine every later episode failed). It is left out for a while, then asked."""
+    runner (with one engine every later episode failed). It is left out for a while, then asked;
+    and the request in flight at the blip waits for that (with one engine it failed, its episode
+    with it), up to TRANSIENT_RETRIES times. failovers counts attempts that started."""
     import concurrent.futures
 
     from workbench.rollout import router as router_mod
@@ -358,12 +361,13 @@ def test_an_engine_ray_calls_unavailable_is_tried_again_later(monkeypatch):
     async def ask(sid):
         return await router.generate([5, 6], SamplingConfig(max_tokens=2), session_id=sid)
 
+    t0 = time.monotonic()  # the request at the blip waits for the retry (failing at once, its episode failed)
+    assert asyncio.run(ask("a")).token_ids == [7] and engine.calls == 2 and router.state()["unavailable"] == []
+    assert time.monotonic() - t0 >= 0.15 and router.state()["dead"] == [] and router.state()["failovers"] == 1
+    engine.fail_next = 10  # unavailable for longer: the request fails, saying so, after 1 + TRANSIENT_RETRIES tries
     with pytest.raises(router_mod.EngineUnavailable, match="unavailable for now"):
-        asyncio.run(ask("a"))
-    assert router.state()["dead"] == [] and router.state()["unavailable"] == [0]
-    t0 = time.monotonic()  # the next request waits for the retry (failing at once, every request of it failed)
-    assert asyncio.run(ask("b")).token_ids == [7] and engine.calls == 2 and router.state()["unavailable"] == []
-    assert time.monotonic() - t0 >= 0.15
+        asyncio.run(ask("b"))
+    assert engine.calls == 2 + 1 + router_mod.TRANSIENT_RETRIES and router.state()["dead"] == []
 
 
 def test_sync_agents_stuck_past_their_threads_say_so(monkeypatch, moe_path):

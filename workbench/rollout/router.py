@@ -62,6 +62,10 @@ UNAVAILABLE_RETRY_S = 10.0  # an engine Ray called unavailable is tried again af
 # sampled nothing, so the request goes to another engine; left in the pick, the torn engine, failing
 # at once, had the fewest outstanding and drew most new sessions
 TORN_RETRY_S = 1.0
+# a request's attempts on engines left out for a while (unavailable, torn) besides one per engine: each
+# waits for an engine to be asked again (_pick_or_wait). Counted against the engines, one blip on a
+# lone engine failed every request in flight at it, although the engine was asked again 10 s later
+TRANSIENT_RETRIES = 3
 
 
 class EngineRouter:
@@ -135,9 +139,11 @@ class EngineRouter:
         is the caller's (ids were already sent on). One that does not answer in time fails."""
         import ray
 
-        last_error = None
-        for _ in range(len(self.engines)):
+        last_error, attempts, transient = None, 0, 0
+        while attempts - transient < len(self.engines) and transient <= TRANSIENT_RETRIES:
             i = await self._pick_or_wait(session_id)
+            self.failovers += attempts > 0  # (counted as another attempt starts: one that never did was counted)
+            attempts += 1
             self.outstanding[i] += 1
             started = False
             try:
@@ -149,18 +155,18 @@ class EngineRouter:
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                 if isinstance(e, ray.exceptions.ActorUnavailableError):
                     self.unavailable_until[i] = time.monotonic() + UNAVAILABLE_RETRY_S
+                    transient += 1
                 else:
                     self.dead.add(i)
                 if started:
                     raise
-                self.failovers += 1
                 last_error = e
             except asyncio.TimeoutError:
                 raise EngineUnavailable(f"engine {i} did not answer within {self.request_timeout_s} s") from None
             except Exception as e:
                 if _core_dead(e, {"TornWeights"}) and not started:
                     self.unavailable_until[i] = time.monotonic() + TORN_RETRY_S
-                    self.failovers += 1
+                    transient += 1
                     last_error = e
                     continue
                 if not _core_dead(e):
@@ -168,7 +174,6 @@ class EngineRouter:
                 self.dead.add(i)
                 if started:
                     raise
-                self.failovers += 1
                 last_error = e
             finally:
                 self.outstanding[i] -= 1
