@@ -322,8 +322,23 @@ def test_a_run_directory_is_held_by_one_session(tmp_path, monkeypatch):
     finally:
         other.kill()
         other.wait()
-    taken = claim_run_dir(first)  # its process gone: a stale lock, taken over
+    # another host's lock: live while its session's heartbeat touches it (it was taken over at once:
+    # a second node's session moved a live run's steps aside and wrote into its checkpoint)
+    import os
+    import time
+
+    from workbench.session import LOCK_STALE_S, touch_held_locks
+
+    (first / RUN_DIR_LOCK).write_text(json.dumps({**lock, "pid": 12345, "host": "gpu-node-2"}))
+    with pytest.raises(ConfigError, match=r"process 12345 on host 'gpu-node-2', its lock touched 0 s ago"):
+        claim_run_dir(first)
+    old = time.time() - LOCK_STALE_S - 10
+    os.utime(first / RUN_DIR_LOCK, (old, old))
+    taken = claim_run_dir(first)  # its process gone (here), or not touched for LOCK_STALE_S (there): taken over
     assert taken.path == first and not taken.created
+    os.utime(first / RUN_DIR_LOCK, (old, old))
+    touch_held_locks()  # the heartbeat keeps this session's lock fresh
+    assert time.time() - (first / RUN_DIR_LOCK).stat().st_mtime < 5
     release_run_dir(first_claim)  # (an earlier claim of this process: the later one's lock stays)
     assert json.loads((first / RUN_DIR_LOCK).read_text())["token"] == taken.token
     (first / "metrics.jsonl").write_text("{}\n")

@@ -439,6 +439,26 @@ def _short(x) -> str:
 
 
 RUN_DIR_LOCK = ".session.lock"  # in a run directory while a session writes it: {"pid", "host", "token"}
+# A live session touches its lock every LOCK_HEARTBEAT_S (a daemon thread); a lock of another host
+# is that session's while touched within LOCK_STALE_S. (Another host's process cannot be asked: its
+# lock counted stale at once, and a second session on another node of a shared run directory took
+# over a live one, moved its steps aside and wrote into its checkpoint: the live one's steps lost)
+LOCK_HEARTBEAT_S, LOCK_STALE_S = 30.0, 120.0
+_held_locks: dict = {}  # lock path -> this process's token in it (the heartbeat touches those still its own)
+_heartbeat: list = []  # the heartbeat thread, once started
+
+
+def touch_held_locks() -> None:
+    """The heartbeat: this process's run-directory locks touched (their mtime is the liveness another host reads)."""
+    for lock in list(_held_locks):
+        with contextlib.suppress(OSError):
+            os.utime(lock)
+
+
+def _heartbeat_loop() -> None:
+    while True:
+        time.sleep(LOCK_HEARTBEAT_S)
+        touch_held_locks()
 
 
 def new_run_dir(parent: Path) -> Path:
@@ -498,24 +518,34 @@ def claim_run_dir(run_dir) -> RunDirClaim:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         pid = None
+        where = "this machine"
         try:
             holder = json.loads(lock.read_text())
             pid, alive = int(holder["pid"]), holder.get("host") == host
             if alive and pid != os.getpid():
                 os.kill(pid, 0)  # ProcessLookupError: it ended without releasing it
+            elif not alive:  # another host's: live while its heartbeat touches the lock
+                age = time.time() - lock.stat().st_mtime
+                alive = age < LOCK_STALE_S
+                where = (f"host {holder.get('host')!r}, its lock touched {age:.0f} s ago; one not touched for "
+                         f"{LOCK_STALE_S:g} s is taken over")
         except PermissionError:  # (another user's live process)
             alive = True
         except (ValueError, KeyError, TypeError, OSError):
             alive = False  # unreadable, or its session's process is gone: a stale lock, taken over
         # (a session of this process holding it too: the later one takes it, as a notebook re-running
         # its connect cell does; the earlier one's release leaves the later one's lock alone)
-        if alive and pid != os.getpid():
-            raise ConfigError(f"run_dir {str(path)!r} is in use by another session (process {pid or '?'} on this machine): "
+        if alive and (pid != os.getpid() or where != "this machine"):
+            raise ConfigError(f"run_dir {str(path)!r} is in use by another session (process {pid or '?'} on {where}): "
                               f"choose another run_dir, or shut that session down (if that process is no session "
                               f"of this run, delete {str(lock)!r})") from None
         fd = os.open(lock, os.O_WRONLY | os.O_TRUNC)
     with os.fdopen(fd, "w") as f:
         json.dump({"pid": os.getpid(), "host": host, "token": token}, f)
+    _held_locks[lock] = token
+    if not _heartbeat:
+        _heartbeat.append(threading.Thread(target=_heartbeat_loop, name="workbench-run-dir-lock", daemon=True))
+        _heartbeat[0].start()
     return RunDirClaim(path, token, created)
 
 
@@ -525,6 +555,8 @@ def release_run_dir(claim: RunDirClaim | None) -> None:
     if claim is None:
         return
     lock = claim.path / RUN_DIR_LOCK
+    if _held_locks.get(lock) == claim.token:
+        del _held_locks[lock]
     try:
         if json.loads(lock.read_text()).get("token") == claim.token:
             lock.unlink()
