@@ -184,3 +184,8 @@ def test_surrogate_arguments_are_checked_when_the_config_is_made():
     with pytest.raises(ValueError, match=r"do not fit surrogate 'ppo_clip' .* it takes \['eps_low', 'eps_high'\]"):
         TrainerConfig(surrogate_kwargs={"eps": 0.2})
     assert TrainerConfig(surrogate="gspo", surrogate_kwargs={"eps_low": 1e-3}).surrogate_kwargs == {"eps_low": 1e-3}
+    # their values as numbers: YAML reads 3e-4 as text, which failed in the ranks at the first step
+    assert TrainerConfig(surrogate="gspo", surrogate_kwargs={"eps_low": "3e-4"}).surrogate_kwargs == {"eps_low": 3e-4}
+    for bad in ("wide", True, None):
+        with pytest.raises(ValueError, match=r"surrogate_kwargs\['eps_high'\] must be a number \(surrogate 'ppo_clip'\)"):
+            TrainerConfig(surrogate_kwargs={"eps_high": bad})

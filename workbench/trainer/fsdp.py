@@ -165,6 +165,20 @@ class TrainerConfig:
         except TypeError as e:
             raise ValueError(f"surrogate_kwargs {self.surrogate_kwargs} do not fit surrogate {self.surrogate!r} ({e}); "
                              f"it takes {list(inspect.signature(surrogate).parameters)[5:]}") from None
+        # numbers where the surrogate's default is one: YAML reads 3e-4 (no dot) as text, and the run
+        # failed in the ranks at its first step ("unsupported operand ... 'int' and 'str'"), after its start-up
+        kwargs = dict(self.surrogate_kwargs)
+        for name, value in kwargs.items():
+            default = inspect.signature(surrogate).parameters[name].default
+            if isinstance(default, (int, float)) and not isinstance(default, bool) and \
+                    (isinstance(value, bool) or not isinstance(value, (int, float))):
+                try:
+                    kwargs[name] = float(value) if not isinstance(value, bool) else None
+                except (TypeError, ValueError):
+                    kwargs[name] = None
+                if kwargs[name] is None or not math.isfinite(kwargs[name]):
+                    raise ValueError(f"surrogate_kwargs[{name!r}] must be a number (surrogate {self.surrogate!r}), got {value!r}")
+        self.surrogate_kwargs = kwargs
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"TrainerConfig.kl_estimator {self.kl_estimator!r} unknown: {sorted(KL_ESTIMATORS)}")
         if self.kl_coef > 0 and self.kl_estimator == "k1":
