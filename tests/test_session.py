@@ -21,6 +21,20 @@ def test_config_errors_name_the_field():
         WorkbenchConfig(backend="sglang")
     with pytest.raises(ConfigError, match=r"neither a named model \(\['dense', 'moe', 'smollm2', 'tiny-qwen3'\]\)"):
         WorkbenchConfig(model="/nonexistent/model")
+    # the KL reference too (it failed in every trainer rank, after the engines had started); a Path is
+    # kept as text, so config.json holds the trainer's settings (it kept them out: a resume asked again)
+    with pytest.raises(ConfigError, match=r"trainer.ref_model_path '/no/such/dir' is neither a named model"):
+        WorkbenchConfig.from_dict({"trainer": {"ref_model_path": "/no/such/dir", "kl_coef": 0.1}})
+    from pathlib import Path as _Path
+
+    from workbench.session import config_record
+
+    here = _Path(__file__).parent
+    cfg = WorkbenchConfig.from_dict({"trainer": {"ref_model_path": here}, "loop": {"teacher": here}})
+    assert (cfg.trainer.ref_model_path, cfg.loop.teacher) == (str(here), str(here)) and config_record(cfg)["_unsaved"] == []
+    from workbench.session import model_path, trainer_config  # (a named reference: the ranks get its directory)
+
+    assert trainer_config(WorkbenchConfig.from_dict({"trainer": {"ref_model_path": "dense"}})).ref_model_path == model_path("dense")
     with pytest.raises(ConfigError, match="sampling 'loose' unknown"):
         WorkbenchConfig(sampling="loose")
     with pytest.raises(ConfigError, match="Duplicate GPU detected"):  # NCCL refuses two group ranks on one GPU

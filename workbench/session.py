@@ -219,11 +219,28 @@ class WorkbenchConfig:
         check_model(self.model, "model")
         if self.judge is not None:  # before anything starts
             check_model(self.judge, "judge")
+        # the KL reference and the distillation teacher: paths as text (a pathlib.Path kept its whole
+        # config out of config.json, and a resume asked for it again), the reference checked now (a
+        # typo or a missing directory failed in every trainer rank, after the engines had started)
+        if isinstance(self.trainer, TrainerConfig) and isinstance(self.trainer.ref_model_path, os.PathLike):
+            self.trainer = dataclasses.replace(self.trainer, ref_model_path=os.fspath(self.trainer.ref_model_path))
+        if isinstance(self.loop, LoopConfig) and isinstance(self.loop.teacher, os.PathLike):
+            self.loop = dataclasses.replace(self.loop, teacher=os.fspath(self.loop.teacher))
+        if isinstance(self.trainer, TrainerConfig) and self.trainer.ref_model_path:
+            check_model(self.trainer.ref_model_path, "trainer.ref_model_path")
         if not (self.profile is None or isinstance(self.profile, (str, dict))):
             raise ConfigError(f"profile must be None, a family name or a dict of profile fields, got {type(self.profile).__name__}")
         if not isinstance(self.trainer, TrainerConfig) or not isinstance(self.loop, LoopConfig):
             raise ConfigError("trainer must be a TrainerConfig and loop a LoopConfig (or dicts, via from_dict)")
         _check_loggers(self.loggers)
+
+
+def trainer_config(cfg: WorkbenchConfig) -> TrainerConfig:
+    """The trainer's settings as its ranks get them: the session's temperature, and the KL reference
+    as the driver resolves it (a named model, "dense" or "smollm2": the ranks read the name as a
+    Hugging Face Hub id, offline, and failed after the engines had started)."""
+    ref = cfg.trainer.ref_model_path
+    return dataclasses.replace(cfg.trainer, temperature=cfg.temperature, ref_model_path=model_path(ref) if ref else None)
 
 
 def default_max_tokens(profile) -> int:
@@ -707,7 +724,7 @@ class Workbench:
             bar.set_postfix_str(f"rollout runners, trainer ({cfg.trainer_ranks} ranks)")
             with ThreadPoolExecutor(2, thread_name_prefix="connect") as pool:
                 starting["_trainer"] = trainer = pool.submit(Trainer, self.model_path, world_size=cfg.trainer_ranks, profile=self.profile,
-                                      cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature),
+                                      cfg=trainer_config(cfg),
                                       actor_options=self.placement and [self.placement.options("trainer", r)
                                                                         for r in range(cfg.trainer_ranks)])
                 starting["_rollout"] = rollout = pool.submit(Rollout, cfg.agent, self.engines, self.model_path, num_runners=cfg.num_runners,
@@ -914,8 +931,7 @@ class Workbench:
         batch, _ = batch_from_groups(list(groups.values()), loop.advantage, **loop.episode_rules(), teacher=teacher,
                                      temperature=cfg.temperature)
         trainer = Trainer(str(policy), world_size=world_size or cfg.trainer_ranks,
-                          cfg=dataclasses.replace(cfg.trainer, temperature=cfg.temperature,
-                                                  ref_model_path=cfg.trainer.ref_model_path or self.model_path))
+                          cfg=dataclasses.replace(trainer_config(cfg), ref_model_path=trainer_config(cfg).ref_model_path or self.model_path))
         # the version the step trained from (a step logs it; older runs' steps: the version its update made - 1)
         version = trainer.version = logged.get("trained_version", logged["version"] - 1)
         try:
