@@ -331,6 +331,8 @@ def resolved_config(config: WorkbenchConfig | dict | None = None, **overrides) -
         base = dict(config or {})
     given = _merged(base, overrides)
     given.update({k: os.fspath(given[k]) for k in PATH_FIELDS if isinstance(given.get(k), os.PathLike)})
+    if "resume" in given:  # as a bool before it decides (the text "false" read the old run's settings in)
+        given["resume"] = _number(given["resume"], "bool", "resume")
     saved = _saved_config(given.get("run_dir")) if given.get("resume") else None
     if saved is not None:
         if not _same_model(given.get("model", saved.get("model")), saved.get("model")):
