@@ -392,14 +392,18 @@ def test_a_resumed_sessions_first_run_says_how_its_loop_differs_from_the_runs_la
 
     with pytest.raises(ConfigError, match=r"\['stepz'\] are no loop settings"):
         short_run.run(1, stepz=3)
+    # (a string failed after the first step had trained)
+    with pytest.raises(ConfigError, match=r"wb.run: checkpoint_every must be a number, got 'often'"):
+        short_run.run(1, checkpoint_every="often")
     wb = object.__new__(Workbench)
     wb.cfg, wb.run_dir, wb._resume_loop_said = WorkbenchConfig(resume=True, run_dir=str(tmp_path)), tmp_path, False
     last = dataclasses.asdict(LoopConfig(mode="async", async_lag=2, advantage="rloo"))
-    (tmp_path / "runs.jsonl").write_text(json.dumps({"first_step": 0, "steps": 4, "loop": last}) + "\n")
-    wb._say_resumed_loop_changes(LoopConfig(steps=9))
+    (tmp_path / "runs.jsonl").write_text(json.dumps({"first_step": 0, "steps": 4, "checkpoint_every": 10, "loop": last}) + "\n")
+    wb._say_resumed_loop_changes(LoopConfig(steps=9), {"checkpoint_every": 0, "keep_policy_every": 0})
     err = capsys.readouterr().err
     assert "differ from the resumed run's last wb.run(): " in err and "mode: 'async' -> 'sync'" in err and "steps" not in err
     assert "advantage: 'rloo' -> 'grpo'" in err
+    assert "checkpoint_every: 10 -> 0" in err  # (a resumed plain wb.run(N) saved no checkpoint, unsaid)
     wb._say_resumed_loop_changes(LoopConfig(steps=9))  # once
     assert capsys.readouterr().err == ""
 

@@ -848,7 +848,13 @@ class Workbench:
         # read and checked as connect() reads its loop settings (_build: "4" is 4; a bad value a ConfigError naming it)
         cfg = _build(LoopConfig, {**_fields(self.cfg.loop), **loop_overrides, "steps": self.next_step + steps,
                                   "initial_sync": False}, "wb.run")
-        self._say_resumed_loop_changes(cfg)
+        # (a string failed after the first step had trained, at the first checkpoint's check)
+        checkpoint_every, keep_policy_every = (_number(v, "int", f"wb.run: {n}") for n, v in
+                                               (("checkpoint_every", checkpoint_every), ("keep_policy_every", keep_policy_every)))
+        if checkpoint_every < 0 or keep_policy_every < 0:
+            raise ConfigError(f"wb.run: checkpoint_every and keep_policy_every must be >= 0 (0: never), got "
+                              f"{checkpoint_every}, {keep_policy_every}")
+        self._say_resumed_loop_changes(cfg, {"checkpoint_every": checkpoint_every, "keep_policy_every": keep_policy_every})
         check_staleness(self._trainer, cfg)  # here, not in the background thread where it would only be stored
         check_sampling(self._rollout, self._trainer, self.engines)
         teachers = self._teacher_engines(cfg.teacher) if cfg.advantage in PER_TOKEN_ADVANTAGES else None
@@ -866,21 +872,25 @@ class Workbench:
     def wait(self, timeout: float | None = None) -> list[dict]:
         return self._run.wait(timeout) if self._run else []
 
-    def _say_resumed_loop_changes(self, cfg: LoopConfig) -> None:
+    def _say_resumed_loop_changes(self, cfg: LoopConfig, saving: dict | None = None) -> None:
         """A resumed session's first run: the loop settings that differ from the run's last wb.run()
         (runs.jsonl), on stderr. That run's overrides (mode="async", advantage="rloo") are in no config
-        file: a plain wb.run() after the resume trained otherwise than the run it continues, unsaid."""
+        file: a plain wb.run() after the resume trained otherwise than the run it continues, unsaid.
+        `saving`: this run's checkpoint_every / keep_policy_every, said too (a resumed wb.run(N)
+        without checkpoint_every saved no checkpoint, unsaid: a second crash lost every step since)."""
         if not self.cfg.resume or self._resume_loop_said:
             return
         self._resume_loop_said = True
         try:
             lines = (self.run_dir / "runs.jsonl").read_text().splitlines()
-            last = json.loads(lines[-1])["loop"] if lines else None
+            line = json.loads(lines[-1]) if lines else {}
+            last = line["loop"] if lines else None
         except (OSError, ValueError, KeyError, IndexError):
             return
         now = _jsonable(dataclasses.asdict(cfg))
         changed = {k: (last[k], now[k]) for k in now if k in (last or {}) and k not in ("steps", "initial_sync")
                    and last[k] != now[k]}
+        changed.update({k: (line[k], v) for k, v in (saving or {}).items() if k in line and line[k] != v})
         if changed:
             print("workbench: this run's loop settings differ from the resumed run's last wb.run(): "
                   + "; ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, (a, b) in changed.items())
@@ -1574,7 +1584,8 @@ class RunHandle:
             # unless keep_policy_every kept a policy): the steps from first_step on trained under them
             with append_lines(wb.run_dir / "runs.jsonl") as f:
                 f.write(json.dumps({"first_step": self.first_step, "steps": self.steps,
-                                    "checkpoint_every": self.checkpoint_every, "loop": _jsonable(dataclasses.asdict(self.cfg))}) + "\n")
+                                    "checkpoint_every": self.checkpoint_every, "keep_policy_every": self.keep_policy_every,
+                                    "loop": _jsonable(dataclasses.asdict(self.cfg))}) + "\n")
             metrics_file = append_lines(wb.run_dir / "metrics.jsonl")
             self._keep_policy(wb.next_step, replace=False)
             # progress=False: this run's bar is one of self.views (a bar that fails cannot end the run)
