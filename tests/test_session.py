@@ -255,6 +255,10 @@ def test_a_resume_takes_the_runs_own_settings_where_not_given(tmp_path, capsys):
     assert 'trainer: {"lr": 0.0003} -> {"lr": 0.0001}' in said, said
     resolved_config(run_dir=str(tmp_path / "run"), resume=True, loop={"steps": 7})  # the same value: nothing said
     assert capsys.readouterr().err == ""
+    # a correction field, named at its depth (one level deep, it was cut off behind the unchanged fields)
+    resolved_config(run_dir=str(tmp_path / "run"), resume=True, trainer={"correction": {"max_staleness": 8}})
+    said = capsys.readouterr().err
+    assert '-> {"correction": {"max_staleness": 8}}' in said and "level" not in said, said
     # resume "false" (a YAML or papermill string) is no resume: the run's settings were read in, for a fresh session
     fresh = resolved_config(run_dir=str(tmp_path / "run"), resume="false")
     assert fresh.resume is False and (fresh.model, fresh.seed, fresh.trainer.lr) == ("moe", 0, 1e-3)

@@ -349,20 +349,28 @@ def resolved_config(config: WorkbenchConfig | dict | None = None, **overrides) -
         if "max_model_len" in (given.get("engine_kwargs") or {}):
             restored.pop("max_model_len", None)
         unsaved = set(saved.get("_unsaved", []))  # (what the file could not hold reads changed whatever it was)
-        merged, changed = _merged(restored, given), {}
+        merged = _merged(restored, given)
+        cfg = WorkbenchConfig.from_dict(merged)
+        # the settings the session gets (after from_dict: naming a correction level resets its band),
+        # against the run's, where given: the fields that changed at any depth (one level deep, a
+        # changed trainer.correction field was cut off at 80 characters of the unchanged ones)
+        now, changed = config_record(cfg), {}
         for k in restored:
-            before, after = restored[k], _jsonable(_plain(merged.get(k)))
-            if k in given and k not in unsaved and after != before:
-                if isinstance(before, dict) and isinstance(after, dict):  # (a dict given names some fields:
-                    # those that changed, not the whole saved dict as if replaced)
-                    keys = [kk for kk in {**before, **after} if before.get(kk) != after.get(kk)]
-                    before, after = {kk: before.get(kk) for kk in keys}, {kk: after.get(kk) for kk in keys}
-                changed[k] = (before, after)
-        given = merged
+            if k in given and k not in unsaved and now.get(k) != restored[k]:
+                changed[k] = _changed_parts(restored[k], now.get(k))
         if changed:
-            print(f"workbench: resuming {given['run_dir']} with settings of its own: "
+            print(f"workbench: resuming {merged['run_dir']} with settings of its own: "
                   + "; ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, (a, b) in changed.items()), file=sys.stderr)
+        return cfg
     return WorkbenchConfig.from_dict(given)
+
+
+def _changed_parts(before, after) -> tuple:
+    """(before, after) cut to the fields that differ, at any depth of nested dicts."""
+    if not (isinstance(before, dict) and isinstance(after, dict)):
+        return before, after
+    parts = {k: _changed_parts(before.get(k), after.get(k)) for k in {**before, **after} if before.get(k) != after.get(k)}
+    return {k: a for k, (a, _) in parts.items()}, {k: b for k, (_, b) in parts.items()}
 
 
 def _eval_step(path: Path) -> int | None:
