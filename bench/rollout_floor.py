@@ -164,7 +164,8 @@ def engine_ray(reps: int) -> tuple[list[float], list[int]]:
     try:
         for _ in range(reps):
             t = time.perf_counter()
-            ray.get([actor.generate_n.remote(p, sampling, GROUP) for p in prompts])
+            calls = [actor.generate_n.options(num_returns="streaming").remote(p, sampling, GROUP) for p in prompts]
+            [ray.get(item) for call in calls for item in call]  # (each streams its samples back as they finish)
             times.append(time.perf_counter() - t)
     finally:
         stop_engine(actor)

@@ -249,6 +249,65 @@ def test_a_request_given_up_stops_sampling(reference_engines, run, moe_path):
 
 
 @ray.remote(num_cpus=0)
+class SlowLastHost:
+    """A real EngineHost's methods over a fake engine whose 4th request takes 5 s, the others 0.05 s."""
+
+    def __init__(self):
+        import asyncio
+
+        from workbench.rollout.actor import EngineHost
+        from workbench.rollout.engine import Sample
+
+        class SlowLast:  # (defined here: Ray ships it by value; the test module is not importable there)
+            calls = 0
+
+            async def generate(self, prompt_ids, sampling, request_id=None, return_routed_experts=False):
+                self.calls += 1
+                await asyncio.sleep(5.0 if self.calls % 4 == 0 else 0.05)
+                return Sample(list(prompt_ids), [7], [-0.1], [0], "stop")
+
+        self.host = object.__new__(EngineHost)
+        self.host.engine, self.host.log, self.host.streams = SlowLast(), None, 0
+
+    async def generate(self, *args):
+        return await self.host.generate(*args)
+
+    async def generate_n(self, *args):
+        async for item in self.host.generate_n(*args):
+            yield item
+
+
+def test_a_coalesced_groups_fast_requests_are_not_held_for_its_slowest(ray_local, run):
+    """A single-turn group's same-prompt requests go as one engine call (EngineHost.generate_n),
+    which answered with its slowest: one long sample and every sibling waited for it, and past the
+    episodes' timeout the whole group failed (dropped: prompts with one long sample never trained).
+    The call streams its requests back as they finish (a real EngineHost over a fake, timed engine)."""
+    from workbench.rollout.router import EngineRouter
+
+    host = SlowLastHost.remote()
+    router = EngineRouter([host])
+    router.single_turn.update(f"s{i}" for i in range(4))
+    s = SamplingConfig(max_tokens=2)
+
+    async def group():
+        t0, done = time.monotonic(), []
+
+        async def one(sid):
+            await router.generate([5, 6], s, sid)
+            done.append(time.monotonic() - t0)
+        await asyncio.gather(*[one(f"s{i}") for i in range(4)])
+        return sorted(done)
+
+    try:
+        done = run(group())
+        assert router.state()["coalesced"] == 3  # (one call)
+        # the three fast ones back well before the slow one (held for it, all four came back together)
+        assert done[3] - done[2] > 2.0 and done[3] >= 4.9, done
+    finally:
+        ray.kill(host)
+
+
+@ray.remote(num_cpus=0)
 class DeadCore:
     """An engine actor alive while its core is dead (a fake: vLLM's core crashing inside a live
     actor, which the in-process engine then reports for every request as EngineCoreDead)."""
@@ -258,8 +317,9 @@ class DeadCore:
 
         raise EngineCoreDead("the in-process vLLM engine has stopped")
 
-    async def generate_n(self, *args):
+    async def generate_n(self, *args):  # (a streaming generator, as EngineHost's)
         await self.generate()
+        yield []
 
     async def update_weights(self, *args):
         await self.generate()
@@ -313,7 +373,6 @@ def test_a_torn_engine_is_passed_over_for_a_while_not_taken_as_dead(reference_en
     engine, and the torn one is left out for a while (the next sync repairs it), not marked dead."""
     from workbench.rollout import router as router_mod
 
-    monkeypatch.setattr(router_mod, "TORN_RETRY_S", 0.05)  # (a lone torn engine is asked again TRANSIENT_RETRIES times)
     torn = TornEngine.remote()
     router = router_mod.EngineRouter([torn, reference_engines[0]])
     s = SamplingConfig(max_tokens=4)
@@ -322,6 +381,7 @@ def test_a_torn_engine_is_passed_over_for_a_while_not_taken_as_dead(reference_en
         state = router.state()
         assert first.token_ids and state["dead"] == [] and state["unavailable"] == [0] and state["failovers"] == 1
         assert run(router.generate([5, 6, 7], s, session_id="b")).token_ids and router.state()["requests"] == {1: 2}
+        monkeypatch.setattr(router_mod, "TORN_RETRY_S", 0.05)  # (a lone torn engine is asked again TRANSIENT_RETRIES times)
         alone = router_mod.EngineRouter([torn])
         with pytest.raises(router_mod.EngineUnavailable, match="TornWeights"):  # one engine, torn: said so
             run(alone.generate([5, 6, 7], s))

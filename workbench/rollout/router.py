@@ -201,8 +201,9 @@ class EngineRouter:
         128 episodes). `share` requests (single-turn sessions) for the same engine, prompt and
         sampling made in one pass go as one EngineHost.generate_n call; each is still its own
         engine request with its own Sample (or its own exception). Requests that differ are never
-        held back, and a coalesced call answers when its last request finishes: only a
-        single-turn group's requests share one, whose rewards wait for all of it anyway."""
+        held back; a coalesced call streams its requests back as they finish (batched within
+        actor.GENERATE_N_HOLD_S: answered only with its slowest, every sibling timed out with it).
+        Only a single-turn group's requests share one."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not share:
@@ -221,8 +222,9 @@ class EngineRouter:
             ref = engine.generate.remote(prompt_ids, sampling, None, return_routed_experts)
         else:
             self.coalesced += len(futures) - 1
-            ref = engine.generate_n.remote(prompt_ids, sampling, len(futures), return_routed_experts)
-        task = asyncio.ensure_future(self._deliver(ref, futures))
+            ref = engine.generate_n.options(num_returns="streaming").remote(prompt_ids, sampling, len(futures),
+                                                                             return_routed_experts)
+        task = asyncio.ensure_future(self._deliver(ref, futures) if len(futures) == 1 else self._deliver_n(ref, futures))
         self._deliveries.add(task)
         task.add_done_callback(self._deliveries.discard)
 
@@ -252,6 +254,25 @@ class EngineRouter:
                 future.set_exception(result)
             else:
                 future.set_result(result)
+
+    @staticmethod
+    async def _deliver_n(gen, futures: list) -> None:
+        """A coalesced call's results as its stream gives them (EngineHost.generate_n)."""
+        error = None
+        try:
+            async for ref in gen:
+                for i, result in await ref:
+                    if futures[i].done():  # its request timed out or was cancelled meanwhile
+                        continue
+                    if isinstance(result, BaseException):
+                        futures[i].set_exception(result)
+                    else:
+                        futures[i].set_result(result)
+        except BaseException as e:  # the call failed (a dead engine, ...): every request not answered fails so
+            error = e
+        for future in futures:
+            if not future.done():
+                future.set_exception(error or RuntimeError("the engine's group call ended without this request's result"))
 
     def state(self) -> dict:
         return {"engines": len(self.engines), "dead": sorted(self.dead), "outstanding": list(self.outstanding),
