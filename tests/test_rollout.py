@@ -443,6 +443,9 @@ def test_sync_agents_stuck_past_their_threads_say_so(monkeypatch, moe_path):
     try:
         first = [asyncio.run(runner.run_episode(task)) for _ in range(2)]  # each holds one of the 2 threads
         assert all(t.error == "episode timed out after 0.4 s" for t in first)
+        # counted as orphaned (a sync agent's episode task ended at once: the counter read 0 while
+        # stuck threads piled up)
+        assert runner.stats()["orphaned_episodes"] == 2
         t0 = time.monotonic()
         third = asyncio.run(runner.run_episode(task))
         assert time.monotonic() - t0 < 0.3 and "all 2 threads for synchronous agents are held" in third.error

@@ -86,6 +86,9 @@ class RolloutRunner:
         self._sync_pool = None
         self._loop_watch = None  # LoopWatch: agent code blocking the episodes' event loop, reported
         self._orphans: set = set()  # timed-out episodes still running (cancelled; held: the loop keeps weak references)
+        # synchronous agents' runs still going in their threads after their episodes ended (timed out: a
+        # thread cannot be cancelled; the episode's task ended at once, so _orphans never held them)
+        self._sync_orphans: set = set()
         self._sync_busy, self._sync_lock = 0, threading.Lock()  # sync agents' threads running an agent
         # What is alive now (torch, Ray, the SDKs, the tokenizer: ~300,000 objects) lives as long as the
         # runner: out of the collector's walk. A full collection walked it all while every in-flight
@@ -103,7 +106,8 @@ class RolloutRunner:
         # orphaned_episodes: timed out, cancelled, still running (an agent that ignores its cancellation)
         # loop_stalls: times agent code blocked the episodes' event loop over STALL_WARN_S, and where
         stalls = self._loop_watch.stats() if self._loop_watch is not None else {"count": 0, "longest_s": 0.0, "where": {}}
-        return {"router": self.router.state(), "server": self.server.summary(), "orphaned_episodes": len(self._orphans),
+        return {"router": self.router.state(), "server": self.server.summary(),
+                "orphaned_episodes": len(self._orphans) + len(self._sync_orphans),
                 "loop_stalls": stalls}
 
     async def run_group(self, task: Task, n: int, group_id: str | None = None) -> list[Trajectory]:
@@ -248,7 +252,14 @@ class RolloutRunner:
             # queued (a count decremented by the call itself leaked then)
             work = pool.submit(contextvars.copy_context().run, agent.run, ctx)
             work.add_done_callback(self._sync_done)
-            result = await _resolved(await asyncio.wrap_future(work))
+            try:
+                result = await asyncio.wrap_future(work)
+            except asyncio.CancelledError:  # the episode timed out: its thread runs on, counted until it ends
+                if not work.done():
+                    self._sync_orphans.add(work)
+                    work.add_done_callback(self._sync_orphans.discard)
+                raise
+            result = await _resolved(result)
         return (*as_reward(result), False)
 
     async def _env_episode(self, task: Task, sid: str, partial: dict | None = None):
