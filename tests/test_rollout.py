@@ -475,7 +475,7 @@ def test_an_agent_blocking_the_event_loop_is_reported_where_it_blocks(moe_path, 
         asyncio.run(runner.shutdown())
 
 
-def test_the_loop_watch_counts_a_blocked_loop_not_an_idle_one():
+def test_the_loop_watch_counts_a_blocked_loop_not_an_idle_one(capsys):
     """In-process use runs the loop now and then: a heartbeat posted while it was idle counted
     the idle time as a stall, blamed on whatever the main thread did. Idle is no stall; a closed
     loop ends the watcher; a block outside the agent's file is said as such."""
@@ -502,6 +502,24 @@ def test_the_loop_watch_counts_a_blocked_loop_not_an_idle_one():
     loop.close()
     watch._thread.join(2)
     assert not watch._thread.is_alive()
+    # a loop blocked for long is said while it lasts (said once it ended, one blocked for good hung silently)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(asyncio.sleep(0))
+
+    async def make_still():
+        return LoopWatch(asyncio.get_running_loop(), "/nonexistent/agent.py", warn_s=0.3, beat_s=0.05, still_s=0.4)
+
+    watch, said = loop.run_until_complete(make_still()), []
+    capsys.readouterr()
+
+    async def hung():
+        time.sleep(1.2)
+        said.append(capsys.readouterr().err)  # (still blocked here)
+
+    loop.run_until_complete(hung())
+    assert "event loop has been blocked for" in said[0] and "in hung (time.sleep(1.2))" in said[0], said
+    loop.close()
+    watch._thread.join(2)
 
 
 def test_each_env_episode_gets_its_own_info(rollout_for):

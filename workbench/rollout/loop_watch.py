@@ -19,6 +19,9 @@ import traceback
 
 STALL_WARN_S = 1.0  # a heartbeat this late is a stall (a quick sync Env step is far below it)
 BEAT_S = 0.25  # how often the watcher posts a heartbeat (4 wake-ups a second on the loop)
+# a stall still going this long is said from the watcher's thread, while it lasts: said only once it
+# ended, a loop blocked for good (a hung synchronous call, a deadlock) hung the run without a word
+STILL_BLOCKED_S = 10.0
 
 
 class LoopWatch:
@@ -26,8 +29,9 @@ class LoopWatch:
     from its heartbeat's posting, so it reads up to `beat_s` short."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, agent_path: str | None = None,
-                 warn_s: float = STALL_WARN_S, beat_s: float = BEAT_S):
-        self.loop, self.agent_path, self.warn_s, self.beat_s = loop, agent_path, warn_s, beat_s
+                 warn_s: float = STALL_WARN_S, beat_s: float = BEAT_S, still_s: float = STILL_BLOCKED_S):
+        self.loop, self.agent_path, self.warn_s, self.beat_s, self.still_s = loop, agent_path, warn_s, beat_s, still_s
+        self._still_said = None  # the heartbeat whose stall was said while it lasted
         self.loop_thread = threading.get_ident()
         self.stalls, self.longest_s, self.where = 0, 0.0, {}  # where: location -> stalls there
         self._sent = None  # (number, when posted) of the heartbeat now pending
@@ -68,6 +72,12 @@ class LoopWatch:
                 with self._lock:
                     if self._sent is sent:
                         self._seen_at = where
+            elif self._still_said != sent[0] and time.monotonic() - sent[1] > self.still_s:
+                self._still_said = sent[0]
+                where, _ = self._blocking_code()
+                print(f"workbench: the runner's event loop has been blocked for {time.monotonic() - sent[1]:.0f} s, now at "
+                      f"{where}: every episode on this runner waits, and their timeouts cannot fire until it returns",
+                      file=sys.stderr, flush=True)
 
     def _beat(self, number: int) -> None:
         """On the loop: the heartbeat arrived; a late one was a stall."""
