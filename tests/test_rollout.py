@@ -430,6 +430,43 @@ def test_an_engine_ray_calls_unavailable_is_tried_again_later(monkeypatch):
     assert engine.calls == 2 + 1 + router_mod.TRANSIENT_RETRIES and router.state()["dead"] == []
 
 
+def test_a_runner_ray_calls_unavailable_for_a_moment_is_kept(monkeypatch):
+    """Ray's ActorUnavailableError may be transient (a blip between nodes): the runner was taken as
+    dead and killed, all its groups lost, and with one runner the run ended (RunnersLost). Asked
+    again and answering, it is kept: only that group's episodes fail. One that does not answer is lost."""
+    import threading
+
+    from workbench.rollout import runner as runner_mod
+
+    blip = ray.exceptions.ActorUnavailableError("a network blip", b"\0" * 16)
+    answers = {"alive": True}
+
+    class Runner:  # as a runner actor handle: info.remote() answers while alive
+        info = types.SimpleNamespace(remote=lambda: "info-ref")
+
+    def get(ref, timeout=None):
+        if ref == "group-ref":
+            raise blip
+        if not answers["alive"]:
+            raise ray.exceptions.GetTimeoutError("no answer")
+        return {}
+
+    monkeypatch.setattr(runner_mod.ray, "get", get)
+    monkeypatch.setattr(runner_mod.ray, "kill", lambda actor: None)
+    monkeypatch.setattr(runner_mod.time, "sleep", lambda s: None)
+    runner = Runner()
+    rollout = object.__new__(Rollout)
+    rollout.runners, rollout.lost, rollout._lock = [runner], [], threading.Lock()
+    rollout._names, rollout.outstanding = {id(runner): "runner 0"}, {id(runner): 2}
+    group = rollout.finish_group("group-ref", runner, Task([{"role": "user", "content": "?"}]), 2)
+    assert all("unreachable for a moment" in t.error and not t.info["runner_lost"] for t in group)
+    assert rollout.runners == [runner] and rollout.lost == []
+    answers["alive"] = False
+    rollout.outstanding[id(runner)] = 2
+    group = rollout.finish_group("group-ref", runner, Task([{"role": "user", "content": "?"}]), 2)
+    assert all("runner 0 died" in t.error and t.info["runner_lost"] for t in group) and rollout.runners == []
+
+
 def test_sync_agents_stuck_past_their_threads_say_so(monkeypatch, moe_path):
     """Agents stuck past their episodes keep their threads; once every thread of the pool was held,
     each later episode waited for one and timed out saying only "timed out" (every one after

@@ -468,6 +468,12 @@ class Rollout:
         try:
             return ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            if isinstance(e, ray.exceptions.ActorUnavailableError) and _answers(runner):
+                # a blip (Ray's temporary error), the runner alive: this group's episodes are lost, the
+                # runner is kept (killed, all its groups went, and with one runner the run ended)
+                cause = " ".join(str(e).split())[:300]
+                return _failed_group(task, group_size, f"{self._names[id(runner)]} was unreachable for a moment while "
+                                     f"running this episode (the runner is kept): {cause}", runner_lost=False)
             with self._lock:
                 return _failed_group(task, group_size, self._lose(runner, e))
         except ray.exceptions.RayTaskError as e:  # the group failed in a live runner (its return not sendable, a
@@ -539,6 +545,18 @@ class Rollout:
             finally:
                 ray.kill(r)
         self.runners = []
+
+
+def _answers(runner, waits=(1.0, 2.0)) -> bool:
+    """Whether a runner Ray called unavailable answers again, asked after each of `waits` seconds."""
+    for wait in waits:
+        time.sleep(wait)
+        try:
+            ray.get(runner.info.remote(), timeout=10)
+            return True
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            pass
+    return False
 
 
 def _failed_group(task: Task, n: int, reason: str, runner_lost: bool = True) -> list[Trajectory]:
