@@ -895,3 +895,23 @@ def test_a_bounded_close_is_bounded_when_a_turn_is_queued_behind_a_released_lock
         return took["s"]
 
     assert asyncio.run(main()) < 1.0
+
+
+def test_an_env_turns_requests_and_engine_failures_are_counted(tokenizer):
+    """The framework's Env loop calls LoopbackServer.turn directly: its turns and their engine
+    failures were in no counter (an Env run's summary read no requests and no errors while every
+    engine call failed). Counted as a request's are, and the engine's own exception reaches the loop."""
+    from workbench.rollout.engine import TornWeights
+
+    engine = Scripted(tokenizer)
+    with LoopbackServer(engine, tokenizer) as srv:
+        sid = srv.open_session()
+        engine.replies += [("7<|im_end|>", "stop"), TornWeights("a sync failed part-way (put in by the test)")]
+        msgs = [{"role": "user", "content": "3+4?"}]
+        assert asyncio.run(srv.turn(sid, msgs, None, SamplingConfig(max_tokens=4))).content == "7"
+        with pytest.raises(TornWeights):
+            asyncio.run(srv.turn(sid, msgs + [{"role": "assistant", "content": "7"}, {"role": "user", "content": "5+5?"}],
+                                 None, SamplingConfig(max_tokens=4)))
+        summary = srv.summary()
+        assert summary["requests"] == {"env:session": 2} and sum(summary["errors"].values()) == 1, summary
+        srv.close_session(sid)

@@ -710,10 +710,16 @@ class LoopbackServer:
         req = ChatRequest(messages=messages, tools=tools, sampling=copy.copy(sampling), max_tokens=sampling.max_tokens,
                           sent={"temperature": sampling.temperature, "top_p": sampling.top_p}, parse_tools=bool(tools),
                           size=sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 1024 for m in messages))
+        # counted and logged as a request's are (an Env run's summary read no requests and no errors,
+        # every engine call failing included)
+        self.stats.requests["env:session"] += 1
         fut = asyncio.run_coroutine_threadsafe(self._session_turn(session_id, req), self.loop)
         try:
             reply, _ = await asyncio.wrap_future(fut)
         except EngineCallFailed as e:
+            mapped = engine_error(e.error, self.retry_after_s)
+            self.stats.errors[mapped.status if mapped is not None else 500] += 1
+            log.warning("loopback Env turn: engine call failed (session %s)", session_id, exc_info=e.error)
             raise e.error from None  # the framework's own loop sees the engine's exception
         return reply
 
