@@ -116,6 +116,19 @@ def fmt(moe_path):
     return ChatFormat(load_tokenizer(moe_path))
 
 
+def test_a_token_is_shown_by_its_own_bytes(fmt):
+    """Each token decoded alone: a character split over byte tokens read U+FFFD in every view (the
+    audit page, the segment inspector, the token journey), a SentencePiece piece lost its space.
+    Shown by its vocabulary bytes (ChatFormat.token_bytes): a part of a character as its bytes."""
+    from workbench.widgets import token_spans, token_texts
+
+    ids = fmt.encode("Hi \U0001F600 ok")
+    s = Segment(ids, [1] * len(ids), [-0.1] * len(ids), [0] * len(ids))
+    texts = [x["text"] for x in token_spans(s, "loss_mask", fmt) if x["kind"] == "token"]
+    assert "\ufffd" not in "".join(texts) and "\\xf0" in "".join(texts) and texts == token_texts(fmt, ids)
+    assert b"".join(fmt.token_bytes(ids)).decode() == "Hi \U0001F600 ok"
+
+
 def sampled_reply(fmt, digits_one_by_one: bool):
     """A one-turn segment whose reply "12" was sampled digit by digit (drift) or canonically."""
     prompt = fmt.encode(fmt.render([SYS, USER], None, True))

@@ -41,6 +41,17 @@ def _fmt(tokenizer) -> ChatFormat | None:
     return tokenizer if tokenizer is None or isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
 
 
+def token_texts(fmt: ChatFormat, ids: list[int]) -> list[str]:
+    """Each token's own text, from its vocabulary bytes (ChatFormat.token_bytes): decoded alone, a
+    SentencePiece piece lost its leading space (words ran together) and a character split over
+    byte tokens read U+FFFD; such a part is shown as its bytes (\\xf0\\x9f), the whole character
+    once its bytes are joined."""
+    try:
+        return [b.decode("utf-8", "backslashreplace") for b in fmt.token_bytes(list(ids))]
+    except Exception:  # (a tokenizer whose pieces cannot be read so: decoded one by one)
+        return [fmt.decode([i]) for i in ids]
+
+
 def _segments(obj) -> list[Segment]:
     return obj.segments if isinstance(obj, Trajectory) else [obj]
 
@@ -175,11 +186,12 @@ def token_spans(segment_or_trajectory, color_by: str = "loss_mask", tokenizer=No
     fmt, out = _fmt(tokenizer), []
     for si, seg in enumerate(_segments(segment_or_trajectory)):
         drift = set(drift_positions(seg, fmt, tools)) if fmt else set()
+        texts = token_texts(fmt, seg.token_ids) if fmt else None
         ex = seg.routed_experts
         for i, tid in enumerate(seg.token_ids):
             m, lp, v = seg.loss_mask[i], seg.logprobs[i], seg.versions[i]
             e = [int(x) for x in ex[i, layer]] if ex is not None and layer < ex.shape[1] else None
-            text = fmt.decode([tid]) if fmt else f"{tid} "
+            text = texts[i] if fmt else f"{tid} "
             title = f"#{i} id {tid}" + (f" {text!r}" if fmt else "") + f"\nloss_mask {m}  logprob {lp:.4f}  version {v}"
             if ex is not None:
                 title += "\nexperts " + (" ".join(f"L{j}{ex[i, j].tolist()}" for j in range(ex.shape[1]))
@@ -786,7 +798,7 @@ def journey(report: dict, row: int, col: int, tokenizer=None) -> dict:
     out = {"row": row, "col": col}
     out.update({name: _at(report[key], row, col) for name, key, _ in JOURNEY if key})
     out["token_id"], out["version"], out["gate_keep"] = int(out["token_id"]), int(out["version"]), bool(out["gate_keep"])
-    out["text"] = _fmt(tokenizer).decode([out["token_id"]]) if tokenizer is not None else None
+    out["text"] = token_texts(_fmt(tokenizer), [out["token_id"]])[0] if tokenizer is not None else None
     ex = report.get("routed_experts")
     out["experts"] = None if ex is None else [[int(e) for e in layer] for layer in ex[row][col]]
     # the ratio the IS weight derives from, so a reader can check the weight against it
@@ -804,7 +816,7 @@ def recorded_journey(segment: Segment, index: int, tokenizer=None) -> dict:
     ex = segment.routed_experts
     out.update(token_id=int(segment.token_ids[index]), version=int(segment.versions[index]),
                behaviour_logprob=float(segment.logprobs[index]) if sampled else None,
-               text=_fmt(tokenizer).decode([segment.token_ids[index]]) if tokenizer is not None else None,
+               text=token_texts(_fmt(tokenizer), [segment.token_ids[index]])[0] if tokenizer is not None else None,
                experts=[[int(e) for e in layer] for layer in ex[index]] if ex is not None and (ex[index] >= 0).all() else None)
     return out
 
