@@ -356,3 +356,40 @@ def test_an_audit_plot_of_a_non_finite_value_keeps_the_rest_drawn():
     points = re.findall(r"points='([^']*)'", html)
     assert points and "nan" not in " ".join(points) and "cy='nan'" not in html
     assert "href='#v-0-kl_k3'" in html and "step 0: nan" in html and ">0.001</text>" in html
+
+
+def _synthetic_run(d, lines, trajs):
+    """A run directory written by hand: config.json, metrics.jsonl, trajectories/."""
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"loop": {"sync_tol": 1e-3}, "trainer": {"correction": {"max_staleness": 4}}}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    for s, ts in trajs.items():
+        write_trajectories(ts, d / "trajectories" / f"step_{s:05d}.parquet")
+    return d
+
+
+def test_an_identity_break_keeps_its_token_view_and_its_logged_count(tmp_path):
+    """A step of 20 timed-out episodes and one with an identity mismatch: the failed ones took
+    every token view (16), the mismatch's link went nowhere. And a copy with trajectories/ but
+    without untrained/ read the breaks from the trajectories alone: the logged count (which holds
+    the untrained groups') was ignored, and the page read clean."""
+    from workbench.tokens import Segment, Trajectory
+    from workbench.widgets.audit import audit_html
+
+    def traj(ep, err=None):
+        s = Segment([1, 2, 3, 4], [0, 1, 1, 1], [0.0, -0.5, -0.5, -0.5], [-1, 0, 0, 0],
+                    messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "hi"}])
+        s.seal_reason = "episode_end"
+        return Trajectory([s], 1.0, "g0", ep, {}, err)
+
+    base = {"step": 0, "version": 1, "trained_version": 0, "mode": "sync", "gate_pass_ratio": 1.0, "token_keep_ratio": 1.0,
+            "kl_k3": 1e-5, "max_staleness_kept": 0, "sync_max_abs_diff": 1e-4, "retokenization_drift": 0, "sync_tol": 1e-3}
+    ts = [traj(f"f{i:02d}", err="episode timed out") for i in range(20)] + [traj("bad")]
+    ts[-1].segments[0].stats["identity_mismatch"] = 2
+    html = audit_html(_synthetic_run(tmp_path / "a", [{**base, "episodes": 1, "dropped_episodes": 20, "failed_episodes": 20,
+                                                       "identity_mismatch": 2, "unexpected_seals": 0}], {0: ts}))
+    assert "href='#t-0-bad'" in html and "id='t-0-bad'" in html
+    html = audit_html(_synthetic_run(tmp_path / "b", [{**base, "episodes": 4, "failed_episodes": 0, "identity_mismatch": 3,
+                                                       "unexpected_seals": 1, "untrained_episodes": 2}],
+                                     {0: [traj(f"e{i}") for i in range(4)]}))
+    assert "id='v-0-identity_mismatch'" in html and "id='v-0-unexpected_seals'" in html

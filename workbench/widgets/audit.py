@@ -146,7 +146,9 @@ def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None,
     # invariant 1 from the trajectories (each episode's share), else from the step's line (logged
     # since batch_from_groups counts them), else not recorded (None): a run directory copied without
     # its trajectories/ audited 0, clean
-    identity = {k: (sum(e[k] for e in eps.values()) if trajs else m.get(k))
+    # (the larger of the two where both are there: a copy with trajectories/ but without untrained/ lost
+    # the breaks of the filtered or stale groups, which the logged count holds, and audited clean)
+    identity = {k: (max(sum(e[k] for e in eps.values()), m.get(k) or 0) if trajs else m.get(k))
                 for k in ("identity_mismatch", "retokenization_drift", "unexpected_seals")}
     v = {**identity,
          # the oldest token trained on (the gate's bound); runs before it logged only the histogram (before the gate)
@@ -326,8 +328,14 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
            f"{sum(counts.values())} episode(s) in trajectories/. Read from {escape(str(run_dir))}.</p>",
            f"<section id='violations'><h2>Violations: {len(violations)}</h2><ul>"]
     by_step: dict[int, list] = {}
+    # which episodes get the step's token views first: invariant 1's breaches, then the others (in a
+    # step of many timeouts, the failed episodes took every view: the mismatch's link went nowhere)
+    first = ("identity_mismatch", "retokenization_drift", "unexpected_seals")
+    rank: dict = {}
     for s, key, value, eps, limit in violations:
         by_step.setdefault(s, []).extend(eps)
+        for ep in eps:
+            rank[s, ep] = min(rank.get((s, ep), len(first)), first.index(key) if key in first else len(first))
         links = (", ".join(f"<a href='#{_id('t', s, ep)}'>{escape(ep)}</a>" for ep in eps[:max_views_per_step]) if eps else
                  f"<a href='#{_id('step', s)}'>a sample of the step's trajectories</a> (per-token values: wb.revisit(run_dir, {s}))")
         out.append(f"<li class='v' id='{_id('v', s, key)}'>step {s}: <a href='#{_id('stat', key)}'>{escape(dict((k, t) for k, t, _ in CHECKS)[key])}</a> "
@@ -379,7 +387,8 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
         trajs = read_trajectories(step_file(s)) if counts[s] else []
         not_trained = untrained(s)
         skipped = {t.episode_id for t in not_trained}
-        order = [t for t in trajs + not_trained if t.episode_id in by_step[s]][:max_views_per_step] or trajs[:sample_per_step]
+        order = sorted((t for t in trajs + not_trained if t.episode_id in by_step[s]),
+                       key=lambda t: rank.get((s, t.episode_id), len(first)))[:max_views_per_step] or trajs[:sample_per_step]
         out.append(f"<div id='{_id('step', s)}'><h3>step {s}</h3>")
         for t in order:
             if view_bytes >= max_view_bytes:  # (one step's long views alone could pass it several times)
