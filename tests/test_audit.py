@@ -393,3 +393,7 @@ def test_an_identity_break_keeps_its_token_view_and_its_logged_count(tmp_path):
                                                        "unexpected_seals": 1, "untrained_episodes": 2}],
                                      {0: [traj(f"e{i}") for i in range(4)]}))
     assert "id='v-0-identity_mismatch'" in html and "id='v-0-unexpected_seals'" in html
+    # a step that trained nothing (every episode failed) is said so, not as an async step's
+    nothing = {**base, "kl_k3": None, "episodes": 0, "dropped_episodes": 4, "failed_episodes": 4, "updates_skipped": 1}
+    html = audit_html(_synthetic_run(tmp_path / "c", [nothing], {}))
+    assert "1 step(s) trained nothing (0)" in html and "an async run" not in html

@@ -272,6 +272,9 @@ def test_static_rendering_and_titled_pages(tmp_path):
     # every value NaN (a diverged run): its markers and a note, not "no data" as if unmeasured
     diverged = RewardMonitor([{"step": s, "reward_mean": math.nan} for s in range(3)]).static().svg
     assert "not finite: nan" in diverged and diverged.count("step 1: nan") == 1
+    # the step axis in whole steps (read 1.23e+03 for step 1234)
+    long_run = RewardMonitor([{"step": s, "reward_mean": 0.5} for s in (0, 1005, 1234)]).static().svg
+    assert ">1234</text>" in long_run and "e+03" not in long_run
     fig = reward.view.outputs[0]["data"]["application/vnd.plotly.v1+json"]
     assert {t["meta"]: t.get("connectgaps") for t in fig["data"]}["reward_mean"] is not True
     page = gate.write_html(tmp_path / "plots" / "gate.html", include_plotlyjs="directory", title="IS gate <per step>")

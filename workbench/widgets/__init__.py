@@ -695,8 +695,9 @@ def svg(monitor: _Monitor, width: int = 900) -> str:
                     if _finite(b) else f"<text x='{X(a):.1f}' y='{y0 + h - 3:.1f}' text-anchor='middle' fill='{colour}' "
                     f"font-size='9'>{b}<title>step {a}: {b}</title></text>" for a, b in pts]
             out.append(f"<text x='{x0 + 4:.0f}' y='{y0 + 12 + 12 * j:.0f}' fill='{colour}'>{escape(key)}</text>")
-            out.append(f"<text x='{x0:.0f}' y='{y0 + h + 14:.0f}'>step {_tick(xlo)}</text>"
-                       f"<text x='{x0 + w:.0f}' y='{y0 + h + 14:.0f}' text-anchor='end'>{_tick(max(sx))}</text>")
+            # (steps as integers: the y ticks' 3 significant digits read step 1234 as 1.23e+03)
+            out.append(f"<text x='{x0:.0f}' y='{y0 + h + 14:.0f}'>step {int(xlo)}</text>"
+                       f"<text x='{x0 + w:.0f}' y='{y0 + h + 14:.0f}' text-anchor='end'>{int(max(sx))}</text>")
     return "".join(out) + "</svg>"
 
 

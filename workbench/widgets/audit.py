@@ -343,11 +343,15 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
     missing = [st for st in steps if not counts[st]]
     # the forward check on a step with no current-version tokens measured nothing (an async run bound by
     # training samples every token a version behind: from step 1 on, every step): said, not read as within
-    unforward = [st for st, (_, v, _) in zip(steps, rows) if v["kl_k3"] is None]
+    # (a step that trained nothing, every episode failed or dropped, is said as such: it read as async)
+    idle = [st for st, (m, v, _) in zip(steps, rows) if v["kl_k3"] is None and not m.get("episodes")]
+    unforward = [st for st, (_, v, _) in zip(steps, rows) if v["kl_k3"] is None and st not in idle]
     out.append("</ul>" + ("" if violations else "<p>Every statistic of every step is within its threshold.</p>")
                + (f"<p class='na'>k3 with replay (forward consistency) not measured on {len(unforward)} of {len(steps)} "
                   f"step(s) ({_ranges(unforward)}): no token of the trained version (an async run's tokens were all "
                   f"sampled a version behind); there the sync probe difference is its check.</p>" if unforward else "")
+               + (f"<p class='na'>{len(idle)} step(s) trained nothing ({_ranges(idle)}): no episode of theirs reached "
+                  f"the batch (failed or dropped; failure_reasons in metrics.jsonl says why).</p>" if idle else "")
                + (f"<p class='na'>No trajectories/step_*.parquet for {len(missing)} step(s) ({_ranges(missing)}): their "
                   f"token-identity checks read the step's logged totals, or are not recorded (–) where it has none.</p>"
                   if missing else "") + "</section>")
