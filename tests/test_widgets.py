@@ -66,6 +66,10 @@ def test_stepper_keeps_and_shows_episodes_and_groups():
                       seg([2], [1], seal="episode_end", messages=[{"role": "user", "content": "Summarize it."}])])
     html = trajectory_html(two)
     assert html.index("conversation 1 of 2") < html.index("What is 6+6?") < html.index("conversation 2 of 2") < html.index("Summarize it.")
+    # the reasoning a record keeps is shown (folded, escaped): it was dropped, a reader saw only the answer
+    thinking = {"role": "assistant", "content": "5", "reasoning_content": "2 plus 3 is 5, and <b>I</b> will lie"}
+    html = trajectory_html(Trajectory([seg([1], [1], seal="episode_end", messages=[USER, thinking])]))
+    assert "<summary>reasoning</summary>" in html and "2 plus 3 is 5, and &lt;b&gt;I&lt;/b&gt; will lie" in html
 
 
 def test_stepper_button_shows_a_failing_step():

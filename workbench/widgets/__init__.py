@@ -21,7 +21,7 @@ import anywidget
 import ipywidgets as W
 import traitlets
 
-from ..tokens import SEAL_REASONS, ChatFormat, Segment, Trajectory, canonical_message, text_units
+from ..tokens import REASONING_KEYS, SEAL_REASONS, ChatFormat, Segment, Trajectory, canonical_message, text_units
 
 GREY = "#e6e6e6"
 PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462",
@@ -74,11 +74,16 @@ def trajectory_html(t: Trajectory) -> str:
     for k, seg in enumerate(ends):
         if len(ends) > 1:
             out.append(f"<div style='margin:4px 0;color:#666'>conversation {k + 1} of {len(ends)}</div>")
-        for m in map(canonical_message, seg.messages):
+        for raw, m in zip(seg.messages, map(canonical_message, seg.messages)):
+            # the reasoning the record keeps (canonical_message's default form drops it: a reader checking a
+            # reward hack saw only the final answer), folded
+            thought = next((raw[k] for k in REASONING_KEYS if isinstance(raw.get(k), str) and raw[k]), None)
+            thought = (f"<details style='color:#666'><summary>reasoning</summary><span style='white-space:pre-wrap'>"
+                       f"{escape(thought)}</span></details>" if thought else "")
             calls = "".join(f"<div>&rarr; tool call <code>{escape(tc['function']['name'])}"
                             f"({escape(json.dumps(tc['function']['arguments']))})</code></div>" for tc in m.get("tool_calls", []))
             out.append(f"<div style='margin:2px 0 2px 8px'><b style='color:{ROLE_COLOR.get(m['role'], '#000')}'>{escape(m['role'])}</b> "
-                       f"<span style='white-space:pre-wrap'>{escape(m['content'])}</span>{calls}</div>")
+                       f"{thought}<span style='white-space:pre-wrap'>{escape(m['content'])}</span>{calls}</div>")
     return "".join(out) + "</div>"
 
 
