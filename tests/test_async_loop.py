@@ -86,7 +86,7 @@ def test_continuous_async_trains_within_the_bound_and_keeps_per_token_versions(t
     # the steps follow one another: their step_s add up to at most the run (from their groups' starts, they overlapped)
     assert sum(h["step_s"] for h in hist) <= wall
     for h in hist:
-        version = h["version"] - 1  # the version the step trained from
+        version = h["trained_version"]  # the version the step trained from
         assert set(h["tokens_per_version"]) <= set(range(version - 2, version + 1)), h["tokens_per_version"]
         assert max(h["staleness_hist"]) <= 2 and h["stale_dropped"] == 0 and h["gate_pass_ratio"] == 1.0
         assert sum(h["groups_per_version"].values()) == 2 and h["groups_dropped_stale"] == 0

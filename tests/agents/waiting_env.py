@@ -2,7 +2,9 @@
 info["wait_for"] exists (tasks without it go on at once): a test holds an episode between its
 turns while the loop trains and syncs (its turns are then sampled by two versions), or while
 other groups overtake it (the continuous async loop's staleness bound). With info["done_dir"],
-each episode leaves a file there as it ends."""
+each episode leaves a file there as it ends. Its reward varies with the replies (their length), so
+that groups carry a gradient and the loop's steps update and sync (a step whose every update is
+skipped keeps its version)."""
 import asyncio
 import os
 
@@ -21,7 +23,11 @@ class AgentRunner(Env):
         if self.turns == 1:
             while self.wait_for and not os.path.exists(self.wait_for):
                 await asyncio.sleep(0.05)
-            return [{"role": "user", "content": "Go on."}], 0.25, False, False, {}
+            return [{"role": "user", "content": "Go on."}], _reward(message), False, False, {}
         if self.done_dir:  # the test sees which episodes have ended
             open(os.path.join(self.done_dir, f"{id(self)}"), "w").close()
-        return [], 0.25, True, False, {}
+        return [], _reward(message), True, False, {}
+
+
+def _reward(message) -> float:
+    return 0.25 * (len(message.get("content") or "") % 4)
