@@ -840,3 +840,34 @@ def test_a_profile_whose_replay_rule_the_models_routers_lack_is_refused_at_start
     profile = ModelProfile("qwen2.5", moe=True, capture_experts=True, replay_rule="Qwen3MoeTopKRouter")
     with pytest.raises(ValueError, match=r"no rule for this model's router class\(es\) \['Qwen2MoeTopKRouter'\]"):
         Trainer(str(tmp_path), world_size=1, profile=profile, cfg=TrainerConfig(micro_batch_size=2))
+
+
+def test_a_step_failing_on_one_rank_stops_the_group(ray_local, moe_path, samples):
+    """A rank failing a step the other did not (an OOM on the rank with the longest rows): the
+    survivor waited in a collective the failed rank never entered, and the next step's collectives
+    paired with this one's (an update from two batches' gradients, then a hang until gloo's
+    timeout, and a process group no save could use). The group is stopped at once and said so.
+    (The fault is injected into one real rank: an OOM on one rank cannot be caused on demand.)"""
+    import ray
+
+    from workbench.trainer.fsdp import TrainerOutOfStep
+
+    t = Trainer(str(moe_path), world_size=2, cfg=TrainerConfig(lr=1e-3, micro_batch_size=2))
+    try:
+        def fail_once(worker):  # rank 1 only, before its first collective
+            real = worker._train_step
+
+            def boom(*a, **k):
+                worker._train_step = real
+                raise RuntimeError("injected: out of memory on rank 1")
+            worker._train_step = boom
+
+        ray.get(t.workers[1].__ray_call__.remote(fail_once))
+        b = batch_of(samples)
+        b["versions"] = torch.where(b["loss_mask"].bool(), t.version, b["versions"])
+        with pytest.raises(TrainerOutOfStep, match=r"rank\(s\) \[1\] of 2 failed a train step .* injected: out of memory"):
+            t.train_step(b)
+        with pytest.raises(ray.exceptions.RayActorError):  # stopped: no call pairs with the lost one
+            ray.get(t.workers[0].__ray_ready__.remote(), timeout=30)
+    finally:
+        t.shutdown()

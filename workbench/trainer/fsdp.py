@@ -369,6 +369,19 @@ class PartialUpdate(RuntimeError):
     """A train step that raised after some of its optimizer updates were applied."""
 
 
+class TrainerOutOfStep(RuntimeError):
+    """A train step failed on some ranks while others went on (or finished): the ranks' collectives
+    are out of step (a survivor's next collective pairs with the failed rank's next step), so the
+    trainer group was stopped. `blocked`: no call can reach the trainer again (the session says so)."""
+
+    blocked = True
+
+
+# how long a failed step's other ranks are given to fail too (ranks failing together, at one point,
+# stay in step: the next step starts clean); past it, the group is out of step
+RANKS_AGREE_S = 10.0
+
+
 class WeightSyncBroken(RuntimeError):
     """The NCCL weight-sync group lost a member: it can never sync again. `blocked`: a broadcast
     failed part-way and trainer rank 0 is stuck inside it for good (NCCL has no timeout), so no
@@ -1040,6 +1053,7 @@ class Trainer:
         self.nccl = None  # NcclSyncConfig once init_nccl_sync ran (GPU weight sync)
         self.nccl_broken: str | None = None  # why the NCCL group can sync no more (WeightSyncBroken)
         self.nccl_blocked = False  # rank 0 stuck in a failed broadcast: no rank answers any call
+        self.stopped = False  # the group was stopped (a step failed on some ranks only: TrainerOutOfStep)
         from ..cluster import cluster_gpus
 
         if actor_options is not None and len(actor_options) != world_size:
@@ -1150,8 +1164,11 @@ class Trainer:
         refs = [wk.train_step.remote(p, self.version, report, live) for wk, p in zip(self.workers, parts)]
         try:
             stats = ray.get(refs)
-        except PartialUpdate:  # (Ray's error is an instance of the rank's) the weights moved: so does the version
-            self.version += 1
+        except Exception as error:
+            if not isinstance(error, ray.exceptions.RayActorError):  # (a dead rank: the loop's TrainerWatch says so)
+                self._stop_if_out_of_step(refs, error)
+            if isinstance(error, PartialUpdate):  # (Ray's error is an instance of the rank's) the weights moved: so does the version
+                self.version += 1
             raise
         except (KeyboardInterrupt, SystemExit):
             # submitted, the ranks update whatever the driver does (Ctrl-C in ray.get): the version moves
@@ -1223,6 +1240,33 @@ class Trainer:
                 + [e.init_nccl.remote(cfg, off, world) for e, off in zip(engines, offsets)])
         self.nccl = cfg
         self._nccl_engines = list(engines)  # the group's members: a broadcast needs every one of them
+
+    def _stop_if_out_of_step(self, refs: list, error: BaseException) -> None:
+        """A step raised on some rank: where every rank raised too (within RANKS_AGREE_S) the group is in
+        step and the error is the caller's; where a rank went on (waiting in a collective the failed rank
+        never entered) or finished, the next call's collectives would pair with this one's (an update
+        from two batches' gradients, then a hang until the collective timeout and a process group no
+        save could use): the group is stopped and TrainerOutOfStep raised."""
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=RANKS_AGREE_S)
+        went_on = list(pending)
+        for ref in done:
+            try:
+                ray.get(ref)
+                went_on.append(ref)
+            except Exception:
+                pass
+        if not went_on:
+            return
+        self.stopped = True
+        for w in self.workers:  # the whole group (a rank waiting in a collective would wait out its timeout)
+            with contextlib.suppress(Exception):
+                ray.kill(w, no_restart=True)
+        ranks = [i for i, r in enumerate(refs) if r not in went_on]
+        raise TrainerOutOfStep(
+            f"trainer rank(s) {ranks} of {len(refs)} failed a train step that the other ranks did not (their collectives "
+            f"would pair with the next step's): the trainer group was stopped. What was recorded stays recorded; resume "
+            f"from the last checkpoint (a session: workbench.connect(run_dir=..., resume=True)). Cause: "
+            f"{(str(error).strip().splitlines() or ['?'])[-1][:400]}") from error  # (its last line: a Ray error's is the rank's)
 
     def sync_weights_nccl(self, engines: list, version: int, expected_probe=None, tol: float = 1e-3) -> list:
         """Broadcast the weights to the engines (each pauses, receives, bumps its version, resumes
@@ -1354,7 +1398,8 @@ class Trainer:
 
     def shutdown(self) -> None:
         try:
-            if not self.nccl_blocked:  # (rank 0 stuck in a broadcast: its call would wait 60 s in vain)
+            if not self.nccl_blocked and not self.stopped:  # (rank 0 stuck in a broadcast: its call would wait 60 s in vain;
+                # a group stopped out of step: killed already)
                 ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
         finally:
             for w in self.workers:
