@@ -276,7 +276,13 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
                        ("The answer is 72, which equals 8 times 9.", 72), ("The answer is \u2212 5", -5), ("The answer is -$5", -5),
                        ("The answer is 72, or 72 apples in total.", 72), ("The answer is 72 (or 73).", None),
                        ("Answer: 72 or possibly 73", None), ("Answer: 72, 73, 74", None), ("The answer is 70 to 75", None),
-                       ("The answer is between 70 and 75", None)):
+                       ("The answer is between 70 and 75", None),
+                       # a correction after a check is the answer (not the first guess); an en dash with spaces
+                       # is punctuation; "which makes" a conversion, no "="; a hedge after a marker without a number
+                       ("Initially I thought the answer is 71.\nAfter checking my work, the answer is 72.", 72),
+                       ("The answer is 71.\nDouble-checking the arithmetic, I confirm the answer is 72.", 72),
+                       ("Final answer \u2013 72", 72), ("The answer is 24 eggs, which makes 2 dozen.", 24),
+                       ("Answer: I cannot say; maybe 71, maybe 72 (or 73).", None)):
         assert answer_number(text) == want, text
     # the math recipe's reward reads the same way; a list of numbers is no one number ("3,4,5" read 345)
     import sys
@@ -335,6 +341,8 @@ def test_a_reply_of_spaces_is_parsed_in_linear_time():
             "assert answer_text('The answer is ' + '5,' * n) is not None\n"
             # "which equals" read as "=": a leading ",?\\s*" tried every start in a run of spaces (40 s at 50k)
             "assert answer_text('Answer: 1' + ' ' * n + ', x') == '1' and answer_text('Answer: 1' + ' ' * n + 'equals 2') == '2'\n"
+            # the check-of-the-answer look back, from each of many markers on one line (20 s at 100k)
+            "assert answer_text('answer is ' * (n // 10)) is None and answer_text('answer: ' * (n // 8)) is None\n"
             "assert parse_score('score' + ' ' * n + 'x') is None and parse_score('7' + ' ' * n + 'x') is None\n"
             "assert parse_score('<t>' + ' ' * n + 'x', tag='t') is None and parse_score('t score: 7' + ' ' * n, tag='t') == 0.7\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -367,6 +375,9 @@ def test_the_shipped_agents_grade_a_data_files_text_labels():
     from math_answer import reward as math_reward
 
     assert math_reward("The answer is 1234.", "1,234") == math_reward("The answer is $18.", "$18") == (1.0, True)
+    # labels float() reads as before (".5" read as 5 paid a wrong answer; "1e3" was refused)
+    assert math_reward("The answer is 0.5", ".5") == (1.0, True) and math_reward("The answer is 5", ".5")[1] is False
+    assert math_reward("The answer is 1000", "1e3") == (1.0, True)
     with pytest.raises(ValueError, match="label 'twelve' is no number"):
         math_reward("12", "twelve")
     assert search_calc_openai.is_answer("The answer is 19.", "19")

@@ -207,7 +207,10 @@ def test_the_code_grader_pays_only_right_return_values():
     # exit() (not defined under python -S) or sys.exit(): it scored 0, and RL learned to stop testing
     tested = (label["solution"] + "\n\nimport unittest\n\nclass T(unittest.TestCase):\n    def test(self):\n"
               "        self.assertTrue(True)\n\nif __name__ == '__main__':\n    unittest.main()\n")
-    for ending in (tested, label["solution"] + "\nexit()", label["solution"] + "\nimport sys\nsys.exit(0)"):
+    # and a solution using a dataclass under postponed annotations (it looks its module up: none was registered)
+    dataclassed = ("from __future__ import annotations\nfrom dataclasses import dataclass\n\n@dataclass\nclass K:\n"
+                   "    k: int\n\n" + label["solution"])
+    for ending in (tested, label["solution"] + "\nexit()", label["solution"] + "\nimport sys\nsys.exit(0)", dataclassed):
         assert score(ending, label)[0] == 1.0, ending
     from code_tests import code_of
 

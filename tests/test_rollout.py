@@ -261,9 +261,15 @@ class SlowLastHost:
         class SlowLast:  # (defined here: Ray ships it by value; the test module is not importable there)
             calls = 0
 
+            cancelled = 0
+
             async def generate(self, prompt_ids, sampling, request_id=None, return_routed_experts=False):
                 self.calls += 1
-                await asyncio.sleep(5.0 if self.calls % 4 == 0 else 0.05)
+                try:
+                    await asyncio.sleep(5.0 if self.calls % 4 == 0 else 0.05)
+                except asyncio.CancelledError:  # (the engine stops a request given up)
+                    self.cancelled += 1
+                    raise
                 return Sample(list(prompt_ids), [7], [-0.1], [0], "stop")
 
         self.host = object.__new__(EngineHost)
@@ -275,6 +281,9 @@ class SlowLastHost:
     async def generate_n(self, *args):
         async for item in self.host.generate_n(*args):
             yield item
+
+    async def cancelled(self):
+        return self.host.engine.cancelled
 
 
 def test_a_coalesced_groups_fast_requests_are_not_held_for_its_slowest(ray_local, run):
@@ -303,6 +312,20 @@ def test_a_coalesced_groups_fast_requests_are_not_held_for_its_slowest(ray_local
         assert router.state()["coalesced"] == 3  # (one call)
         # the three fast ones back well before the slow one (held for it, all four came back together)
         assert done[3] - done[2] > 2.0 and done[3] >= 4.9, done
+        # the slow one given up (its request timed out) is stopped in the engine, its siblings answered:
+        # only a call whose every request was cancelled was, and the engine sampled it to max_tokens
+        router = EngineRouter([host], request_timeout_s=1.5)
+        router.single_turn.update(f"t{i}" for i in range(4))
+
+        async def timed_out():
+            return await asyncio.gather(*[router.generate([5, 6], s, f"t{i}") for i in range(4)], return_exceptions=True)
+
+        got = run(timed_out())
+        assert sum(isinstance(x, Exception) for x in got) == 1
+        deadline = time.monotonic() + 10
+        while ray.get(host.cancelled.remote()) == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ray.get(host.cancelled.remote()) == 1
     finally:
         ray.kill(host)
 

@@ -83,6 +83,7 @@ _HEDGED = re.compile(r"(?<![\d,.])-?\d[\d,.]*+(?:\s*+[,(]?\s*+(?:or|maybe|possib
 
 
 _CHECKING = re.compile(r"\b(?:check|verify|double-check|confirm)", re.I)
+_CHECK_ARITHMETIC = re.compile(r"\d\s*[-+*/\u00d7\u00f7x]\s*\d")  # "72 - 67 = 5": the check's working
 
 
 def _hedged(span: str) -> bool:
@@ -113,7 +114,8 @@ def answer_text(text: str | None) -> str | None:
     Let's think step by step."), the reply's last number; "which equals" is an "="; two different
     numbers hedged ("72 (or 73)"), listed ("72, 73") or as a range ("70 to 75") are no one answer."""
     # a minus apart from its number ("\u2212 5") or before a currency sign ("-$5"): the sign was lost
-    text = re.sub(r"(?<![\w.-])-\$(?=\d)", "$-", re.sub("[\u2212\u2013]\\s+(?=\\d)", "\u2212", text or ""))
+    # (the minus sign alone: an en dash with spaces is punctuation, "Final answer \u2013 72" is 72)
+    text = re.sub(r"(?<![\w.-])-\$(?=\d)", "$-", re.sub("\u2212\\s+(?=\\d)", "\u2212", text or ""))
     text = _INVISIBLE.sub("", text.translate(_MINUS)).replace("{,}", ",")
     text = re.sub(r"(?<=\d)(?:\\,|[\u2009\u202f\u00a0])(?=\d{3}(?!\d))", ",", text)
     text = re.sub(r"(?<=[A-Za-z])(?:\^\{?\d+\}?|[\u00b2\u00b3])", "", text)
@@ -126,9 +128,12 @@ def answer_text(text: str | None) -> str | None:
     for m in reversed(marked):
         if m.group(3) is not None:
             # a prose marker in a check of the answer given ("\boxed{72}. To double-check the answer:
-            # 72 - 2 = 70") is no answer: read as one (70), checking one's work scored 0
-            start = max(text.rfind("\n", 0, m.start()), text.rfind(". ", 0, m.start())) + 1
-            if _CHECKING.search(text, start, m.start()):
+            # 72 - 2 = 70") is no answer: read as one (70), checking one's work scored 0. Only a check's
+            # arithmetic: "After checking my work, the answer is 72" is a correction, the answer.
+            # (The look back is bounded: from each of many markers on one line, quadratic)
+            lo = max(0, m.start() - 200)
+            start = max(text.rfind("\n", lo, m.start()), text.rfind(". ", lo, m.start()), lo - 1) + 1
+            if _CHECKING.search(text, start, m.start()) and _CHECK_ARITHMETIC.search(m.group(3)[:200]):
                 continue
         body = next(g for g in m.groups() if g is not None)
         if not re.search(r"[^\W_]", body) and not m.group().startswith("\\boxed"):
@@ -136,9 +141,10 @@ def answer_text(text: str | None) -> str | None:
             body = following.group(1) if following else body
         span = re.split(r"\.(?:\s|$)|;", body, maxsplit=1)[0]  # the marked sentence
         numbered = numbered or bool(re.search(r"\d", span))
-        # "which equals 72" is "= 72" ("The answer is 8 times 9, which equals 72" read 8)
+        # "which equals 72" is "= 72" ("The answer is 8 times 9, which equals 72" read 8); not "makes" or
+        # "gives" ("24 eggs, which makes 2 dozen" is 24)
         # (anchored at the word: a leading ",?\s*" tried every start in a run of spaces, quadratic)
-        span = re.sub(r"\b(?:(?:which|that)\s++)?(?:equals|gives|makes)\b(?=\s*+-?\$?\d)", "=", span, flags=re.I)
+        span = re.sub(r"\b(?:(?:which|that)\s++)?(?:equals|is\s+equal\s+to)\b(?=\s*+-?\$?\d)", "=", span, flags=re.I)
         span = next((side for side in reversed(span.split("=")) if not _EXPRESSION.match(side)), "")
         found = list(_NUMBER.finditer(span))
         if found and (_NEGATED.match(span[:found[0].start()]) or _hedged(span)):
@@ -148,7 +154,10 @@ def answer_text(text: str | None) -> str | None:
             break
     if not marked or not found and not numbered:
         # no marker, or none with a number in its sentence ("Answer: Let's think step by step." and
-        # the work after it read None, a right answer 0): the reply's last number
+        # the work after it read None, a right answer 0): the reply's last number, unless the text
+        # after the last marker hedges ("Answer: I cannot say; maybe 71, maybe 72 (or 73)")
+        if marked and _hedged(text[marked[-1].start():]):
+            return None
         span = text
         found = list(_NUMBER.finditer(text))[-1:]
     if not found:

@@ -233,7 +233,9 @@ class EngineRouter:
             # left): the engine stops sampling them. Not cancelled, Ray ran the call on, sampling to
             # max_tokens, holding its batch slot and KV, re-prefilled at every sync, while this
             # router's outstanding count (least-outstanding placement) read the engine as idle
-            if all(f.cancelled() for f in futures):
+            # (a coalesced call's answered requests are done, not cancelled: its last one timing out
+            # left the engine sampling it to max_tokens)
+            if all(f.done() for f in futures) and any(f.cancelled() for f in futures):
                 import ray
 
                 ray.cancel(ref)

@@ -46,8 +46,10 @@ def tasks(n: int, seed: int = 0) -> list[Task]:
 # exit(): a right solution with its own `if __name__ == "__main__": unittest.main()` (unittest exits)
 # or a final exit() (not defined under `python -S`) scored 0, and RL learned to stop testing.
 HARNESS = """
-import json, sys
-solution = {{"__name__": "solution", "exit": sys.exit, "quit": sys.exit}}
+import json, sys, types
+module = sys.modules["solution"] = types.ModuleType("solution")  # (dataclasses and pickle look it up)
+solution = module.__dict__
+solution.update(exit=sys.exit, quit=sys.exit)
 try:
     exec(compile({code!r}, "solution.py", "exec"), solution)
 except SystemExit:

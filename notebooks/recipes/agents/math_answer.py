@@ -17,7 +17,7 @@ def reward(reply: str, label: str) -> tuple[float, bool]:
     found = answer_text(reply)
     # the label as a data file writes it ("1,234", "$18": float() raised, every episode of the task
     # failed and was dropped unscored), read as a reply's answer is
-    want = answer_text(str(label)) if isinstance(label, str) else label
+    want = _label_number(label)
     if want is None:
         raise ValueError(f"the task's label {label!r} is no number: this reward grades a number")
     if found is None:
@@ -26,6 +26,17 @@ def reward(reply: str, label: str) -> tuple[float, bool]:
     if got == want:
         return 1.0, True
     return 0.5 * max(0.0, 1.0 - abs(got - want) / max(10.0, abs(want))), False
+
+
+def _label_number(label):
+    """A label's number: float() of its text without separators or a currency/percent sign (".5",
+    "1e3" as float reads them), else as a reply's answer is read; None for none."""
+    if not isinstance(label, str):
+        return label
+    try:
+        return float(label.strip().replace(",", "").lstrip("$").rstrip("%"))
+    except ValueError:
+        return answer_text(label)
 
 
 class MathAnswer(Env):
