@@ -389,6 +389,8 @@ def test_an_identity_break_keeps_its_token_view_and_its_logged_count(tmp_path):
     html = audit_html(_synthetic_run(tmp_path / "a", [{**base, "episodes": 1, "dropped_episodes": 20, "failed_episodes": 20,
                                                        "identity_mismatch": 2, "unexpected_seals": 0}], {0: ts}))
     assert "href='#t-0-bad'" in html and "id='t-0-bad'" in html
+    # every link has its view (the failed episodes' links, cut in another order, went nowhere)
+    assert all(f"id='{h}'" in html for h in re.findall(r"href='#(t-[^']*)'", html)) and "more without a token view" in html
     html = audit_html(_synthetic_run(tmp_path / "b", [{**base, "episodes": 4, "failed_episodes": 0, "identity_mismatch": 3,
                                                        "unexpected_seals": 1, "untrained_episodes": 2}],
                                      {0: [traj(f"e{i}") for i in range(4)]}))

@@ -336,7 +336,16 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
         by_step.setdefault(s, []).extend(eps)
         for ep in eps:
             rank[s, ep] = min(rank.get((s, ep), len(first)), first.index(key) if key in first else len(first))
-        links = (", ".join(f"<a href='#{_id('t', s, ep)}'>{escape(ep)}</a>" for ep in eps[:max_views_per_step]) if eps else
+    # the episodes each step's views show (invariant 1's first, then in the violations' order), and the
+    # links only to those (links cut in another order went nowhere)
+    shown = {}
+    for s, eps in by_step.items():
+        at = {ep: i for i, ep in reversed(list(enumerate(eps)))}
+        shown[s] = set(sorted(at, key=lambda ep: (rank[s, ep], at[ep]))[:max_views_per_step])
+    for s, key, value, eps, limit in violations:
+        linked = [ep for ep in eps if ep in shown[s]]
+        links = (", ".join(f"<a href='#{_id('t', s, ep)}'>{escape(ep)}</a>" for ep in linked)
+                 + (f" (and {len(eps) - len(linked)} more without a token view)" if len(linked) < len(eps) else "") if eps else
                  f"<a href='#{_id('step', s)}'>a sample of the step's trajectories</a> (per-token values: wb.revisit(run_dir, {s}))")
         out.append(f"<li class='v' id='{_id('v', s, key)}'>step {s}: <a href='#{_id('stat', key)}'>{escape(dict((k, t) for k, t, _ in CHECKS)[key])}</a> "
                    f"= {_fmt(value)} ({'min' if key in MINIMA else 'max'} {_fmt(limit)}) &rarr; {links}</li>")
@@ -391,8 +400,8 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
         trajs = read_trajectories(step_file(s)) if counts[s] else []
         not_trained = untrained(s)
         skipped = {t.episode_id for t in not_trained}
-        order = sorted((t for t in trajs + not_trained if t.episode_id in by_step[s]),
-                       key=lambda t: rank.get((s, t.episode_id), len(first)))[:max_views_per_step] or trajs[:sample_per_step]
+        order = sorted((t for t in trajs + not_trained if t.episode_id in shown[s]),
+                       key=lambda t: rank.get((s, t.episode_id), len(first))) or trajs[:sample_per_step]
         out.append(f"<div id='{_id('step', s)}'><h3>step {s}</h3>")
         for t in order:
             if view_bytes >= max_view_bytes:  # (one step's long views alone could pass it several times)
