@@ -88,6 +88,17 @@ def test_a_quantized_checkpoint_is_refused_by_the_sharded_load(tmp_path):
     model = types.SimpleNamespace(config=types.SimpleNamespace(quantization_config={"quant_method": "fp8"}))
     with pytest.raises(ValueError, match=r"the checkpoint is quantized \(fp8\).*dequantized"):
         load_own_shards(model, str(tmp_path), torch.bfloat16)
+    # a rank FSDP gave no slice of a parameter (4 experts on 3 ranks: 2, 2, 0): refused by name (the fused
+    # experts' merge raised on that rank alone, the others waiting in their next collective)
+    class Shard(torch.nn.Parameter):
+        def to_local(self):
+            return self[:0]
+
+    experts = torch.nn.Module()
+    experts.gate_up_proj = Shard(torch.zeros(4, 2))
+    experts.config = types.SimpleNamespace()
+    with pytest.raises(ValueError, match=r"this rank holds no slice of \['gate_up_proj'\].*load='rank0'"):
+        load_own_shards(experts, str(tmp_path), torch.bfloat16)
 
 
 def test_unknown_load_mode_is_refused():

@@ -104,6 +104,14 @@ def load_own_shards(model, path: str, dtype: torch.dtype) -> int:
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else getattr(quantized, "quant_method", "?")
         raise ValueError(f"load='sharded' of {path!r}: the checkpoint is quantized ({method}); it reads the tensors as "
                          f"stored. Train from a dequantized (bf16) checkpoint of the same model")
+    # a rank FSDP gave no slice of a parameter (dim 0 split as torch.chunk splits it: 4 experts on 3
+    # ranks are 2, 2, 0): transformers' fused-expert merge stacked nothing and raised on that rank
+    # alone, the others waiting in their next collective
+    empty = [n for n, p in model.named_parameters() if hasattr(p, "to_local") and p.dim() and p.shape[0] and not p.to_local().shape[0]]
+    if empty:
+        raise ValueError(f"load='sharded' of {path!r}: this rank holds no slice of {empty[:3]} (dim 0 of "
+                         f"{model.get_parameter(empty[0]).shape[0]} split over the ranks leaves the last ones none): "
+                         f"use load='rank0', or a number of ranks that divides it")
     local = next(p.to_local() for p in model.parameters())  # the device the shards live on
     read = [0]
     with contextlib.ExitStack() as stack:
