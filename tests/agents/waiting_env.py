@@ -2,11 +2,12 @@
 info["wait_for"] exists (tasks without it go on at once): a test holds an episode between its
 turns while the loop trains and syncs (its turns are then sampled by two versions), or while
 other groups overtake it (the continuous async loop's staleness bound). With info["done_dir"],
-each episode leaves a file there as it ends. Its reward varies with the replies (their length), so
-that groups carry a gradient and the loop's steps update and sync (a step whose every update is
-skipped keeps its version)."""
+each episode leaves a file there as it ends. Its reward is drawn at random per turn (never equal
+in a group), so that every group carries a gradient and the loop's steps update and sync (a step
+whose every update is skipped keeps its version: the tests' versions would not move)."""
 import asyncio
 import os
+import random
 
 from workbench.agents import Env
 
@@ -30,4 +31,4 @@ class AgentRunner(Env):
 
 
 def _reward(message) -> float:
-    return 0.25 * (len(message.get("content") or "") % 4)
+    return random.random()
