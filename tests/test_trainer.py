@@ -457,7 +457,9 @@ def test_async_loop_overlaps_rollout_with_training_and_corrects_staleness(ray_lo
         trainer.shutdown()
         sync_weights([vllm_moe], original)
     assert [h["step"] for h in hist] == [0, 1, 2, 3]  # the stop event ended the run after step 3
-    assert all(h["failed_episodes"] == 0 and h["sync_max_abs_diff"] <= 1e-3 for h in hist)
+    # (a step whose every update was skipped keeps its version and is not synced: no probe difference)
+    assert all(h["failed_episodes"] == 0 and (h["sync_max_abs_diff"] <= 1e-3 if h["version"] != h["trained_version"]
+                                              else h["sync_max_abs_diff"] is None) for h in hist)
     # overlap: step k+1's rollout started before step k's training ended
     assert any(b["rollout_start"] < a["train_end"] for a, b in zip(hist, hist[1:]))
     stale = [h["staleness_hist"] for h in hist[1:]]
