@@ -51,7 +51,9 @@ def test_quickstart_trains_and_leaves_a_run_directory(tmp_path, capsys, ray_addr
     assert results["top_answer_share_last"] > results["top_answer_share_first"] + 0.2, results
     assert 0.35 < results["constant_answer_reward"] < 0.42
     # every step trained on the weights it sampled with, and every sync passed its probe check
-    assert all(m["failed_episodes"] == 0 and m["sync_max_abs_diff"] <= 1e-3 for m in metrics)
+    # (a step whose every update was skipped is not synced: no probe difference)
+    assert all(m["failed_episodes"] == 0 and (m["sync_max_abs_diff"] <= 1e-3 if m["version"] != m.get("trained_version")
+                                              else m["sync_max_abs_diff"] is None) for m in metrics)
     assert results["first_step_kl_k3"] < 1e-6 and all(m["gate_pass_ratio"] == 1.0 for m in metrics)
     versions = [m["version"] for m in metrics]
     assert versions == list(range(versions[0], versions[0] + 24))  # one version per step, no gaps
