@@ -167,9 +167,9 @@ class TrainerConfig:
                              f"it takes {list(inspect.signature(surrogate).parameters)[5:]}") from None
         # numbers where the surrogate's default is one: YAML reads 3e-4 (no dot) as text, and the run
         # failed in the ranks at its first step ("unsupported operand ... 'int' and 'str'"), after its start-up
-        kwargs = dict(self.surrogate_kwargs)
+        kwargs, params = dict(self.surrogate_kwargs), inspect.signature(surrogate).parameters
         for name, value in kwargs.items():
-            default = inspect.signature(surrogate).parameters[name].default
+            default = params[name].default
             if isinstance(default, (int, float)) and not isinstance(default, bool) and \
                     (isinstance(value, bool) or not isinstance(value, (int, float))):
                 try:
