@@ -276,7 +276,8 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
                        ("The answer is 72, which equals 8 times 9.", 72), ("The answer is \u2212 5", -5), ("The answer is -$5", -5),
                        ("The answer is 72, or 72 apples in total.", 72), ("The answer is 72 (or 73).", None),
                        ("Answer: 72 or possibly 73", None), ("Answer: 72, 73, 74", None), ("The answer is 70 to 75", None),
-                       ("The answer is between 70 and 75", None),
+                       ("The answer is between 70 and 75", None), ("The answer is 72 and 73.", None),
+                       ("The answer is 72 and 72 apples.", 72), ("The answer is 72 and the remainder is 2.", 72),
                        # a correction after a check is the answer (not the first guess); an en dash with spaces
                        # is punctuation; "which makes" a conversion, no "="; a hedge after a marker without a number
                        ("Initially I thought the answer is 71.\nAfter checking my work, the answer is 72.", 72),

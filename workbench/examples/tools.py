@@ -76,10 +76,10 @@ _INVISIBLE = re.compile("[\u200b-\u200d\u2060\ufeff]")  # ("7\u200b2" read 7)
 _NEGATED = re.compile(r"\s*(?:not|isn't|never)\b", re.I)
 # (possessive, and from a number's first digit only: "\s*,?\s*" tried every split of a run of spaces,
 # "The answer is 5" and 16,000 spaces took 11 s with the GIL held, as _EXPRESSION's note above)
-# Also a list or a range of numbers ("72, 73, 74", "70 to 75") and a hedge in brackets or with a
+# Also a list or a range of numbers ("72, 73, 74", "72 and 73", "70 to 75") and a hedge in brackets or with a
 # softener ("72 (or 73)", "72 or possibly 73"): each paid its first number
 _HEDGED = re.compile(r"(?<![\d,.])-?\d[\d,.]*+(?:\s*+[,(]?\s*+(?:or|maybe|possibly|perhaps|no,?\s*wait|wait|actually|sorry|I mean)\b"
-                     r"[\s,:]*+(?:(?:possibly|maybe|perhaps)\s++)?|(?<=,)\s++|\s++to\s++)-?\d", re.I)
+                     r"[\s,:]*+(?:(?:possibly|maybe|perhaps)\s++)?|(?<=,)\s++|\s++(?:to|and)\s++)-?\d", re.I)
 
 
 _CHECKING = re.compile(r"\b(?:check|verify|double-check|confirm)", re.I)
