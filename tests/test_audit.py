@@ -107,7 +107,12 @@ def test_the_audit_holds_a_step_to_the_settings_its_run_used(short_run, tmp_path
     for m in lines:
         m["sync_max_abs_diff"], m["sync_tol"] = 0.02, 0.1
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
-    assert "Violations: 0" in audit_html(run)
+    html = audit_html(run)
+    # the plot's line and the heading say the tolerance the steps were held to (they drew config.json's)
+    assert "Violations: 0" in html and "weight sync; max 0.1; 0 step(s) flagged" in html
+    lines[0]["sync_tol"] = 0.05
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    assert "weight sync; max 0.1 (the last step's; per step 0.05 to 0.1); 0 step(s) flagged" in audit_html(run)
     for m in lines:
         del m["sync_tol"]  # a run from before: config.json's tolerance
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))

@@ -377,9 +377,16 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
                    f"<td>{escape(' '.join(str(c) for c in hist.get('counts', [])))}</td></tr>")
     edges = next((m["is_weight_hist"]["edges"] for m in metrics if m.get("is_weight_hist")), None)
     out.append("</table>" + (f"<p>IS-weight bins: edges {escape(str(edges))}</p>" if edges else "") + "</section>")
+    # the tolerance the steps' syncs were held to (wb.run(sync_tol=...) overrides config.json's): the
+    # plot's line and its heading drew config.json's beside steps checked against another
+    step_tols = [m["sync_tol"] for m in metrics if m.get("sync_tol") is not None]
+    if not tol_given and step_tols:
+        limits["sync_max_abs_diff"] = step_tols[-1]
     for key, name, what in CHECKS:
         bad = {s for s, k in flagged if k == key}
         per_step = " (the cap; per step: 0 sync, its async_lag async)" if key == "max_staleness" and not staleness_given else ""
+        if key == "sync_max_abs_diff" and not tol_given and len(set(step_tols)) > 1:
+            per_step = f" (the last step's; per step {_fmt(min(step_tols))} to {_fmt(max(step_tols))})"
         unmeasured = [s for s, (_, v, _) in zip(steps, rows) if v[key] is None]
         out.append(f"<section class='stat' id='{_id('stat', key)}'><h2>{escape(name)}</h2><p>{escape(what)}; "
                    f"{'min' if key in MINIMA else 'max'} {_fmt(limits[key])}{per_step}; {len(bad)} step(s) flagged"
