@@ -307,9 +307,11 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
         batch["teacher_logprobs"], batch["per_token_advantage"] = lp_teacher * m, get_advantage(advantage)
         info["distill_reverse_kl"] = float(((batch["behaviour_logprobs"] - lp_teacher) * m).sum() / m.sum().clamp(min=1))
     else:
-        # one row per episode (an episode without trainable tokens still counts in its group's baseline)
+        # one row per episode (an episode without trainable tokens still counts in its group's baseline),
+        # with the trainable tokens its advantage lands on (a batch-wide scale is over tokens)
         x = AdvantageInput(torch.tensor(rewards, dtype=torch.float64), torch.tensor(group_index),
-                           torch.ones(len(rewards), 1))
+                           torch.ones(len(rewards), 1),
+                           tokens=torch.zeros(len(rewards)).index_add_(0, index, batch["loss_mask"].sum(-1).float()))
         per_episode = get_advantage(advantage)(x).float()[:, 0]
         batch["advantages"] = per_episode[index][:, None] * batch["loss_mask"]
     # trainable tokens whose advantage is not 0: none, and the rewards moved nothing this step

@@ -88,6 +88,9 @@ class AdvantageInput:
     loss_mask: torch.Tensor  # [N, T]
     logprobs: torch.Tensor | None = None  # [N, T] the student's log-probs (the trainer's pi_old: TrainerWorker.train_step)
     teacher_logprobs: torch.Tensor | None = None  # [N, T] a teacher's log-probs of the same tokens
+    # [N] the trainable tokens each row's advantage lands on (loop.batch_from_groups: the episode's,
+    # 0 for one masked or without a trainable token); None: loss_mask's per row
+    tokens: torch.Tensor | None = None
 
 
 EQUAL_REWARDS_TOL = 1e-9  # rewards of a group this close are one value (here and in loop.zero_variance)
@@ -140,13 +143,23 @@ def rloo(x: AdvantageInput) -> torch.Tensor:
 
 @register_advantage("reinforce_pp_baseline", group=True)
 def reinforce_pp_baseline(x: AdvantageInput, eps: float = 1e-6) -> torch.Tensor:
-    """REINFORCE++ with baseline: subtract the group mean, then whiten over the whole batch.
-    Group-centred rewards have batch mean 0 exactly, so whitening only divides by their std;
-    subtracting the computed mean (~1e-17 of rounding) gave a group of equal rewards a nonzero
-    advantage, counted as signal_tokens."""
+    """REINFORCE++ with baseline (Hu et al. 2025): subtract the group mean, then divide by the
+    std over the batch's trainable tokens, each episode's centred reward counted once per token it
+    trains (the paper's, OpenRLHF's and verl's masked whitening). Over episodes instead, a batch
+    whose wrong answers ran long got advantages 1.5x too small, and episodes that train nothing
+    (masked as truncated: their reward still in their group's mean) inflated every advantage.
+    The paper also shifts by the token mean; that is a constant baseline (unbiased), left out so
+    that a group of equal rewards keeps advantage 0 exactly, as every other estimator here gives it
+    (loop.zero_variance, dynamic sampling and the no-signal warning read such a group as teaching
+    nothing; with the shift it pushed every one of its tokens one way, set by the other groups)."""
     mean, _, _ = _group_stats(x.rewards, x.groups)
     a = x.rewards.double() - mean
-    return _per_token(a / (a.std(unbiased=False) + eps), x.loss_mask)
+    w = (x.tokens if x.tokens is not None else x.loss_mask.sum(-1)).double()
+    if w.sum() <= 0:
+        return _per_token(torch.zeros_like(a), x.loss_mask)
+    mu = (w * a).sum() / w.sum()
+    std = torch.sqrt((w * (a - mu) ** 2).sum() / w.sum())
+    return _per_token(a / (std + eps), x.loss_mask)
 
 
 @register_advantage("distill", per_token=True)
