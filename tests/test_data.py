@@ -93,6 +93,27 @@ def test_field_mapping_errors_name_what_is_wrong(tmp_path):
     (tmp_path / "x.txt").write_text("{}")
     with pytest.raises(ValueError, match="unsupported data file"):
         load_records(tmp_path / "x.txt")
+    # a template's literal braces, positional fields or a torn field are named by row (an IndexError or a
+    # bare "expected '}'" escaped, naming neither; a literal brace read as a missing column)
+    path.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
+    for template in ('Reply as {"answer": n}. {question}', "{question} {0}", "{question"):
+        with pytest.raises(ValueError, match=r"bad.jsonl\[0\]: template .*literal brace is written \{\{ or \}\}"):
+            load_tasks(path, fields="gsm8k", template=template)
+    assert load_tasks(path, fields="gsm8k", template='Reply as {{"answer": n}}. {question}')[0].messages[0]["content"] == \
+        'Reply as {"answer": n}. 2+2?'
+    # a negative limit dropped the last rows, silently; a split of a plain file was ignored (the
+    # "test" split read the training file)
+    with pytest.raises(ValueError, match="limit must be a whole number >= 0"):
+        load_tasks(path, fields="gsm8k", limit=-1)
+    with pytest.raises(ValueError, match="is one file, without splits: split='test'"):
+        load_tasks(path, fields="gsm8k", split="test")
+    # a CSV row with more cells than the header (an unquoted "1,000") or fewer: the prompt was cut, the
+    # label shifted, a task left without its label
+    bad_csv = tmp_path / "bad.csv"
+    for body in ("What is 2+2?,4\nWhat is 1,000 + 2?,1002\n", "What is 2+2?,4\nWhat is 3+3\n"):
+        bad_csv.write_text("prompt,label\n" + body)
+        with pytest.raises(ValueError, match=r"bad.csv:3: [13] cell\(s\) for the header's 2 columns"):
+            load_tasks(bad_csv)
 
 
 def test_seeded_shuffle_per_epoch_and_positions():
@@ -213,6 +234,14 @@ def test_held_out_tasks_and_prompt_columns(tmp_path):
                           "other": datasets.Dataset.from_list(rows("other", 2))}).save_to_disk(str(three))
     with pytest.raises(ConfigError, match="name the held-out one"):
         _eval_tasks({"path": str(three), "fields": "gsm8k"})
+    only_train = tmp_path / "only_train"  # its one split is the training problems: no held-out split by default
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows("train", 2))}).save_to_disk(str(only_train))
+    with pytest.raises(ConfigError, match="name the held-out one"):
+        _eval_tasks({"path": str(only_train), "fields": "gsm8k"})
+    one_file = tmp_path / "gsm.jsonl"
+    one_file.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n")
+    with pytest.raises(ConfigError, match="is one file, without splits"):
+        _eval_tasks({"path": str(one_file), "fields": "gsm8k", "split": "test"})
     # training reads "train" as before
     assert [t.messages[0]["content"] for t in TaskDataset.from_file(two, fields="gsm8k", shuffle=False).tasks][0] == "train q0"
     # ... and a split's tasks are named with it: train and test were both two:0, two:1, ...
@@ -255,6 +284,11 @@ def test_tools_in_columnar_files_and_as_json_text(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "tools.parquet")
     tasks = load_tasks(tmp_path / "tools.parquet")
     assert [t.tools for t in tasks] == [r["tools"] for r in rows] and [t.messages for t in tasks] == [r["messages"] for r in rows]
+    # the same through a field mapping (the nulls were dropped only in columns named like task fields)
+    pq.write_table(pa.Table.from_pylist([{"q": r["messages"][0]["content"], "functions": r["tools"]} for r in rows]),
+                   tmp_path / "mapped.parquet")
+    assert [t.tools for t in load_tasks(tmp_path / "mapped.parquet", fields={"prompt": "q", "tools": "functions"})] == \
+        [r["tools"] for r in rows]
     csv_file = tmp_path / "tools.csv"
     with open(csv_file, "w", newline="") as f:
         w = csv.writer(f)

@@ -172,10 +172,15 @@ def load_records(path: str | Path, split: str = "train") -> list[dict]:
     array of objects), .parquet
     (pyarrow), .csv (every field the text the file holds), .arrow (through `datasets`), or a
     directory written by `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk` (`split`
-    picks the split)."""
+    picks the split; a file has none: any split but "train" is refused). A CSV row of more or fewer
+    cells than the header is refused by line."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such data file: {path}")
+    if not path.is_dir() and split != "train":  # (it was ignored: the "test" split of a file read its rows, the
+        # training problems an evaluation scored)
+        raise ValueError(f"{path} is one file, without splits: split={split!r} names none of it; give the "
+                         f"held-out file's own path")
     if path.is_dir():
         import datasets
 
@@ -214,7 +219,17 @@ def load_records(path: str | Path, split: str = "train") -> list[dict]:
         # (utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark, which named the first column
         # '\ufeffprompt')
         with open(path, newline="", encoding="utf-8-sig") as f:
-            return [dict(r) for r in csv.DictReader(f)]
+            reader, rows = csv.DictReader(f), []
+            for r in reader:
+                # a row of more cells than columns (an unquoted comma: "1,000") or fewer: DictReader put
+                # the extra under None and filled the missing with None, a prompt cut and a label shifted
+                if None in r or None in r.values():
+                    cells = sum(v is not None for k, v in r.items() if k is not None) + len(r.get(None) or ())
+                    raise ValueError(f"{path}:{reader.line_num}: {cells} "
+                                     f"cell(s) for the header's {len(reader.fieldnames)} columns (a comma in a "
+                                     f"cell needs the cell in double quotes)")
+                rows.append(r)
+            return rows
     if path.suffix == ".arrow":
         import datasets
 
@@ -226,7 +241,8 @@ def load_records(path: str | Path, split: str = "train") -> list[dict]:
 def held_out_split(path: str | Path) -> str:
     """The split held-out tasks are read from when none is named: a `datasets` directory of several
     splits gives its "test" split (its "train" split was read: the held-out evaluation ran on the
-    training problems), one of a single split that split; a file has no splits ("train", unread)."""
+    training problems), one of a single split other than "train" that split; a file has no splits
+    ("train", unread)."""
     path = Path(path)
     meta = path / "dataset_dict.json"
     if not (path.is_dir() and meta.is_file()):
@@ -234,7 +250,7 @@ def held_out_split(path: str | Path) -> str:
     splits = json.loads(meta.read_text()).get("splits") or []
     if "test" in splits:
         return "test"
-    if len(splits) == 1:
+    if len(splits) == 1 and splits[0] != "train":  # (a lone "train" split is the training problems)
         return splits[0]
     raise ValueError(f"{path} holds the splits {splits}: name the held-out one, e.g. "
                      f"{{'path': {str(path)!r}, 'split': {splits[-1]!r}}}")
@@ -253,7 +269,10 @@ def load_tasks(path: str | Path, fields: str | dict | None = None, template: str
     if mapped, else `<file stem>:<row>` (a directory's `<name>/<split>:<row>`), so the same file gives the same ids in every process
     (a resumed run names its tasks as the first one did)."""
     path = Path(path)
+    if limit is not None and not (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0):
+        raise ValueError(f"limit must be a whole number >= 0 (the first rows read) or None, got {limit!r}")
     records = load_records(path, split)
+    columnar = path.is_dir() or path.suffix in (".parquet", ".arrow")
     if limit is not None:
         records = records[:limit]
     mapping = FIELD_PRESETS.get(fields) if isinstance(fields, str) else fields
@@ -279,11 +298,17 @@ def load_tasks(path: str | Path, fields: str | dict | None = None, template: str
         aside = {k: record.pop(k) for k in ("messages", "prompt") if k in record and k not in mapping and (
             template is not None or {"messages", "prompt"} & set(mapping))}
         record.update({field: row[col] for field, col in mapping.items()})
+        if columnar:  # a mapped column's leftover nulls (_columnar read the columns named like task fields only)
+            record.update(_columnar([{f: record[f] for f in ("tools", "messages", "prompt") if f in mapping}])[0])
         if template is not None:
             try:
                 record["prompt"] = template.format(**row)
             except KeyError as e:
-                raise ValueError(f"{where}: template names column {e} that the row lacks (has {sorted(row)})") from None
+                raise ValueError(f"{where}: template names column {e} that the row lacks (has {sorted(row)}); "
+                                 f"a literal brace is written {{{{ or }}}}") from None
+            except (IndexError, ValueError, AttributeError) as e:  # ("{0}", "{question", "{q.x}": unnamed otherwise)
+                raise ValueError(f"{where}: template {template[:80]!r} does not format: {e}; a literal brace is "
+                                 f"written {{{{ or }}}}") from None
         if marker is not None and "label" not in record and "answer" in record:
             # the label task_from_record takes from an unmapped `answer` column: the marker applies
             # to it too (it was skipped, the whole worked solution the label, every episode scored 0)
