@@ -778,7 +778,20 @@ def test_a_resumed_session_writes_the_same_wandb_run(tmp_path, monkeypatch):
     assert w.branch == 2 and any(b"branch" in r.read_bytes() for r in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     [w] = make_loggers(["wandb"], tmp_path, {"lr": 1e-3}, next_step=2)  # the next session, from step 2
     assert w.branch == 2
+    # the branch file is replaced whole: a write cut part-way (a kill) left the previous one, not an
+    # empty file read as a fresh run's (branch 0, last step -1: no new branch for steps trained again)
+    kept = (tmp_path / "wandb" / "workbench_branch.json").read_text()
+    import os
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", cut)
+    with pytest.raises(KeyboardInterrupt):
+        w.purge_from(1)
+    monkeypatch.undo()
     w.close()
+    assert (tmp_path / "wandb" / "workbench_branch.json").read_text() == kept
 
 
 def test_a_config_files_numbers_are_numbers(monkeypatch):

@@ -123,7 +123,7 @@ class WandbLogger:
 
     def _keep(self) -> None:
         self._branch_file.parent.mkdir(parents=True, exist_ok=True)
-        self._branch_file.write_text(json.dumps({"branch": self.branch, "last_step": self.last_step}))
+        _replace_text(self._branch_file, json.dumps({"branch": self.branch, "last_step": self.last_step}))
 
     def on_step(self, metrics: dict) -> None:
         self.log(metrics, int(metrics["step"]))
@@ -139,6 +139,17 @@ class WandbLogger:
         wandb.teardown()
 
 
+def _replace_text(path: Path, text: str) -> None:
+    """`path` holds `text`, whole or as before: write_text truncates, then writes, and a kill between
+    left it empty (the branch file then read as a fresh run: branch 0 again, a re-trained step's
+    lines under the abandoned branch's number; the run id file, a new W&B run)."""
+    import os
+
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def wandb_run_id(run_dir: str | Path) -> str:
     """The run directory's W&B run id, made on first use and kept in wandb/workbench_run_id: every
     session of the run (a resume) writes the same W&B run."""
@@ -149,7 +160,7 @@ def wandb_run_id(run_dir: str | Path) -> str:
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True)
     run_id = uuid.uuid4().hex[:12]
-    path.write_text(run_id + "\n")
+    _replace_text(path, run_id + "\n")
     return run_id
 
 
