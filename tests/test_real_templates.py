@@ -373,6 +373,11 @@ def test_b_hermes_reads_calls_whose_markers_are_special_tokens(fams):
     ids = tok.encode('<tool_call>\n{"name": "calc", "arguments": {"e": "6*7"}}\n</tool_call>', add_special_tokens=False)
     p = rp.parse(tok.decode(ids, skip_special_tokens=rp.skip_special_tokens), ids)
     assert p.calls == [{"name": "calc", "arguments": {"e": "6*7"}}] and not p.content, p
+    # a copy given a new token finds it by get_vocab() (vLLM's parsers' lookup), the family's own does not:
+    # the kept vocabulary was the original's, shared by every copy, and never renewed
+    tok.add_special_tokens({"additional_special_tokens": ["<my_marker>"]})
+    assert "<my_marker>" in tok.get_vocab() and "<my_marker>" not in fams["qwen3"].tokenizer.get_vocab()
+    assert tok.get_vocab()["<my_marker>"] == tok.convert_tokens_to_ids("<my_marker>")
 
 
 def test_b_a_call_the_agent_could_not_send_back_keeps_its_reasoning(fams):

@@ -27,6 +27,7 @@ import gzip
 import hashlib
 import json
 import os
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -286,8 +287,19 @@ def load_family(name: str) -> Family:
     if spec.build == "gpt_oss":  # harmony's encoding (vLLM's HarmonyParser loads it) from bpe-openai's file, offline
         harmony_encoding()
     # vLLM's parsers call get_vocab() on every construction (0.2 s for 150k tokens): compute it once
-    tok.get_vocab = functools.lru_cache(maxsize=1)(tok.get_vocab)
+    tok.get_vocab = types.MethodType(get_vocab, tok)
     return Family(spec, tok)
+
+
+def get_vocab(tok) -> dict:
+    """A family tokenizer's get_vocab, kept until its length changes (tokens added). Bound to the
+    tokenizer as a method, so that a deep copy's is bound to the copy (an lru_cache of the bound
+    method was shared: a copy given special tokens read the original's vocabulary, and vLLM's
+    parsers, which find their markers by get_vocab(), missed them)."""
+    kept = tok.__dict__.get("_vocab_kept")
+    if kept is None or kept[0] != len(tok):
+        kept = tok.__dict__["_vocab_kept"] = (len(tok), type(tok).get_vocab(tok))
+    return kept[1]
 
 
 @functools.lru_cache(maxsize=1)
