@@ -148,6 +148,31 @@ def test_code_agent(execute, tmp_path):
     assert results["episodes"] == 4 and results["failed_episodes"] == 0 and results["reward_is_share_passed"]
 
 
+def test_the_code_grader_waits_in_the_sandbox_pool(monkeypatch):
+    """The grader's sandbox runs wait in the sandbox's own threads (code_agent.sandbox_pool), as
+    CodeAgent's do: on the event loop's default executor (6 threads on 2 cores) a runner's looping
+    programs queued 5 s each, the wait counted against episode_timeout_s, and episodes timed out and
+    were dropped (not scored 0), right answers with them. (A fake client: the policy's reply.)"""
+    import asyncio
+    import sys
+    import threading
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(RECIPES / "agents"))
+    import code_tests
+
+    seen = []
+    monkeypatch.setattr(code_tests, "score", lambda code, label: (seen.append(threading.current_thread().name), (1.0, {}))[1])
+
+    async def create(**kw):
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content="def f(x): return x"))])
+
+    client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+    ctx = SimpleNamespace(openai=lambda: client, model="m", messages=[{"role": "user", "content": "?"}], label={})
+    assert asyncio.run(code_tests.CodeWithTests().run(ctx))[0] == 1.0
+    assert seen and seen[0].startswith("sandbox"), seen
+
+
 def test_the_code_grader_pays_only_right_return_values():
     """RL learns whatever earns reward. The grader used to count passes inside the sandbox and read
     'PASSED n' from the code's output: printing it earned 1.0 ('PASSED 400': 100), a return value

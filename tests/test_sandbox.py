@@ -527,7 +527,7 @@ def test_the_sandboxs_pid_1_is_killed_whatever_bwrap_does(monkeypatch):
     token = _token()
     started = []
 
-    def communicate(proc, *a):  # returns once the code runs, without waiting for bwrap
+    def communicate(proc, *a, **k):  # returns once the code runs, without waiting for bwrap
         deadline = time.monotonic() + 10
         while not started and time.monotonic() < deadline:
             started.append(_survivors(token)) if _survivors(token) else time.sleep(0.02)
@@ -654,6 +654,19 @@ def test_output_flood_is_read_with_bounded_memory():
 def test_wall_clock_timeout_kills():
     r = run_python("import time\nwhile True: time.sleep(0.1)", timeout_s=1.0)
     assert r.timed_out and not r.ok
+
+
+def test_a_tiny_timeout_times_the_code_out_not_the_sandbox():
+    """The timeout runs from the code's start, the set-up has its own START_S: from Popen, a code
+    agent's last milliseconds of budget (or a busy runner's start-up) ran out before the code began,
+    read as a broken sandbox (SandboxUnavailable: the episode failed and was dropped, not scored 0)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:  # a busy runner: set-ups of several at once
+        results = list(pool.map(lambda t: run_python("import time\ntime.sleep(1)", timeout_s=t), [0.001, 0.01] * 4))
+    assert all(r.timed_out and not r.ok for r in results)
+    r = run_python("print('hi')", timeout_s=0.2)
+    assert r.ok and r.stdout == "hi\n"
 
 
 def test_cpu_spin_is_killed():

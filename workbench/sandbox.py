@@ -120,6 +120,7 @@ CODE_PATH = "/run/main.py"  # where the code is, read-only, inside the sandbox
 # policy's (a broken host then never showed as failed episodes). The code can write it too, but
 # only once it runs, which is what it says.
 STARTED = b"\0workbench: code starts\0"
+START_S = 10.0  # what the sandbox's set-up may take before its code starts (its own timeout runs from there)
 # Threads (tasks) of the sandbox's uid: RLIMIT_NPROC. Threads are allowed and a raw clone() thread
 # needs no stack, so the memory limit does not bound them: one sandbox made 8,000 host tasks in
 # 0.1 s (pid_max was 32,768). Rootless, the count is the sandbox's own user namespace's; as root,
@@ -409,7 +410,11 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
         for fd in fds:
             os.close(fd)
         fds = []
-        deadline = time.monotonic() + timeout_s
+        # the set-up (bwrap's namespaces, the launcher's Python) has START_S; the code's timeout_s runs
+        # from its start (STARTED): from Popen, a short timeout (a code agent's last 10 ms of budget, a
+        # busy runner) ran out before the code began, read as a broken sandbox (SandboxUnavailable, the
+        # episode failed and dropped, not scored 0), and a program that exited 0 as timed out
+        deadline = time.monotonic() + START_S
         pid1 = _sandbox_pid1(info_read, deadline) if info_read is not None else None
         try:
             if block_write is not None and pid1 is not None:  # (None: bwrap failed first; _communicate reads why)
@@ -420,7 +425,7 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
                 with contextlib.suppress(BrokenPipeError):  # bwrap died meanwhile: _communicate reads why
                     os.write(block_write, b"1")
             out, err, dropped, timed_out, flooded = _communicate(proc, stdin, deadline, 4 * max_output + 4 + len(STARTED),
-                                                                 OUTPUT_FLOOD_BYTES)
+                                                                 OUTPUT_FLOOD_BYTES, started=(STARTED, timeout_s))
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -442,7 +447,7 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
     if started < 0:
         said = err.decode(errors="replace").strip()[-500:]
         raise SandboxUnavailable(f"the sandbox did not start the code (exit {rc}"
-                                 f"{f', timed out after {timeout_s:g} s' if timed_out else ''}): {said or 'nothing said'}")
+                                 f"{f', not started within {START_S:g} s' if timed_out else ''}): {said or 'nothing said'}")
     err = err[:started] + err[started + len(STARTED):]  # (bwrap's own words before it, none when it worked)
     if bwrap is not None and rc is not None and 128 < rc < 128 + signal.NSIG:
         rc = 128 - rc  # bwrap reports a signal death as 128 + signal
@@ -647,12 +652,14 @@ def _kill_pid1(pid: int, pidfd: int | None) -> None:
             os.close(pidfd)
 
 
-def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: int, flood: int = 1 << 62):
+def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: int, flood: int = 1 << 62,
+                 started: tuple[bytes, float] | None = None):
     """Like Popen.communicate with a deadline, but keeping at most `keep` bytes per stream (the
     rest is read and dropped, so a flood costs time, not memory). At the deadline it kills the
     process group and drains for at most a second more; so it does once `flood` bytes were
     dropped (a program printing in a loop held the caller's thread reading until its timeout).
-    (out, err, dropped, timed_out, flooded)."""
+    `started` (marker, seconds): once stderr holds the marker, the deadline is that many seconds
+    from then. (out, err, dropped, timed_out, flooded)."""
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     sel = selectors.DefaultSelector()
     for f in bufs:
@@ -696,6 +703,8 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: in
                     dropped = dropped or len(chunk) > room
                     dropped_bytes += max(0, len(chunk) - room)
                     buf += chunk[:room]
+                    if started is not None and f is proc.stderr and started[0] in buf:
+                        deadline, started = time.monotonic() + started[1], None
                 continue
             if left > 0:  # both streams closed: wait for the exit
                 try:

@@ -13,6 +13,7 @@ import random
 import re
 
 from workbench.agents import ChatAgent, Task
+from workbench.examples.code_agent import sandbox_pool
 from workbench.sandbox import run_python
 
 # the function each task asks for: (name, operator); its reference solution returns `x <op> k`
@@ -175,7 +176,10 @@ class CodeWithTests(ChatAgent):
         # no max_tokens: the policy's (the recipe's max_tokens parameter) applies
         r = await ctx.openai().chat.completions.create(model=ctx.model, messages=ctx.messages)
         code = r.choices[0].message.content or ""
-        share, info = await asyncio.to_thread(score, code, ctx.label)
+        # in the sandbox's own thread pool (code_agent.sandbox_pool): on the loop's default executor (6
+        # threads on 2 cores) a runner's looping programs queued, 5 s each, and the wait counted against
+        # episode_timeout_s: episodes timed out, were dropped (escaping their 0), right answers with them
+        share, info = await asyncio.get_running_loop().run_in_executor(sandbox_pool(), score, code, ctx.label)
         return share, {**info, "code": code}
 
 
