@@ -318,7 +318,7 @@ def test_connect_merges_trainer_and_correction_settings_field_by_field():
     assert (t.lr, t.micro_batch_size) == (3e-4, 4)
 
 
-def test_a_run_directory_is_held_by_one_session(tmp_path, monkeypatch):
+def test_a_run_directory_is_held_by_one_session(tmp_path, monkeypatch, capsys):
     """Two sessions started in one second (a sweep, parallel papermill runs) shared the default
     runs/<date-time>: config.json overwritten, metrics.jsonl interleaved, one checkpoint/ for both.
     The default is made new (-2, ...); a directory another live session holds is refused; a lock
@@ -360,6 +360,26 @@ def test_a_run_directory_is_held_by_one_session(tmp_path, monkeypatch):
     os.utime(first / RUN_DIR_LOCK, (old, old))
     touch_held_locks()  # the heartbeat keeps this session's lock fresh
     assert time.time() - (first / RUN_DIR_LOCK).stat().st_mtime < 5
+    # a lock's age is read on the file system's clock, not this host's: a node whose clock ran ahead of
+    # the file server's by more than LOCK_STALE_S took over a lock touched just now
+    claimed = json.loads((first / RUN_DIR_LOCK).read_text())
+    (first / RUN_DIR_LOCK).write_text(json.dumps({**claimed, "pid": 12345, "host": "gpu-node-2"}))
+    real_time = time.time
+    try:
+        time.time = lambda: real_time() + LOCK_STALE_S + 60  # this host's clock ahead
+        with pytest.raises(ConfigError, match=r"on host 'gpu-node-2', its lock touched 0 s ago"):
+            claim_run_dir(first)
+    finally:
+        time.time = real_time
+    assert not [p for p in first.iterdir() if p.name.startswith(".clock-")]
+    (first / RUN_DIR_LOCK).write_text(json.dumps(claimed))
+    # a held lock the heartbeat cannot touch is said (silent, another host's session took the run over)
+    (first / RUN_DIR_LOCK).unlink()
+    touch_held_locks()
+    assert "cannot touch this session's run-directory lock" in capsys.readouterr().err
+    touch_held_locks()
+    assert "cannot touch" not in capsys.readouterr().err  # (once)
+    (first / RUN_DIR_LOCK).write_text(json.dumps(claimed))
     release_run_dir(first_claim)  # (an earlier claim of this process: the later one's lock stays)
     assert json.loads((first / RUN_DIR_LOCK).read_text())["token"] == taken.token
     (first / "metrics.jsonl").write_text("{}\n")

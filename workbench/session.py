@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -473,13 +474,34 @@ RUN_DIR_LOCK = ".session.lock"  # in a run directory while a session writes it: 
 LOCK_HEARTBEAT_S, LOCK_STALE_S = 30.0, 120.0
 _held_locks: dict = {}  # lock path -> this process's token in it (the heartbeat touches those still its own)
 _heartbeat: list = []  # the heartbeat thread, once started
+_untouched: set = set()  # held locks the heartbeat could not touch (said once each)
 
 
 def touch_held_locks() -> None:
-    """The heartbeat: this process's run-directory locks touched (their mtime is the liveness another host reads)."""
+    """The heartbeat: this process's run-directory locks touched (their mtime is the liveness another
+    host reads). One it cannot touch (deleted, the shared disk gone) is said, once: silent, another
+    node's session took the live run over two minutes later. (Tried again at each beat.)"""
     for lock in list(_held_locks):
-        with contextlib.suppress(OSError):
+        try:
             os.utime(lock)
+            _untouched.discard(lock)
+        except OSError as e:
+            if lock not in _untouched:
+                _untouched.add(lock)
+                print(f"workbench: cannot touch this session's run-directory lock {str(lock)!r} ({e}): a session on "
+                      f"another host may take the run directory over after {LOCK_STALE_S:g} s", file=sys.stderr)
+
+
+def _file_system_now(directory: Path) -> float:
+    """The time as `directory`'s file system stamps it (a new file's mtime): another host's lock is
+    judged by its age on the one clock that stamped it too. By this host's clock, a node whose clock
+    ran 2 minutes ahead of the file server took a live lock over (and one behind it kept a dead one)."""
+    fd, name = tempfile.mkstemp(prefix=".clock-", dir=directory)
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        os.unlink(name)
 
 
 def _heartbeat_loop() -> None:
@@ -552,7 +574,7 @@ def claim_run_dir(run_dir) -> RunDirClaim:
             if alive and pid != os.getpid():
                 os.kill(pid, 0)  # ProcessLookupError: it ended without releasing it
             elif not alive:  # another host's: live while its heartbeat touches the lock
-                age = time.time() - lock.stat().st_mtime
+                age = _file_system_now(path) - lock.stat().st_mtime
                 alive = age < LOCK_STALE_S
                 where = (f"host {holder.get('host')!r}, its lock touched {age:.0f} s ago; one not touched for "
                          f"{LOCK_STALE_S:g} s is taken over")
