@@ -102,8 +102,12 @@ class WireWeights:
     def of(cls, tensors: dict) -> "WireWeights":
         import torch
 
-        arrays, dtypes = {}, {}
+        arrays, dtypes, made = {}, {}, {}
         for name, t in tensors.items():
+            if id(t) in made:  # one tensor under two names (tied embeddings): one array, which pickle writes once
+                arrays[name], dtypes[name] = arrays[made[id(t)]], dtypes[made[id(t)]]
+                continue
+            made[id(t)] = name
             t = t.detach().cpu().contiguous()
             dtypes[name] = str(t.dtype).removeprefix("torch.")
             try:
@@ -315,7 +319,8 @@ class RolloutEngine(abc.ABC):
         the new version, so one completion can span two versions (partial rollout). The load
         drops the old weights' K/V (in-flight requests re-encode their context under the new
         ones), so each token is exactly its version's policy on its whole context."""
-        nbytes = sum(v.numel() * v.element_size() for v in state_dict.values())
+        # (a tensor under two names, tied embeddings, crossed once: counted once)
+        nbytes = sum({v.data_ptr(): v.numel() * v.element_size() for v in state_dict.values()}.values())
         return await self._update(lambda v: self._load_weights(state_dict), nbytes, version, expected_probe, probe, tol)
 
     async def _update(self, load, nbytes: int, version, expected_probe, probe, tol) -> WeightSyncReport:

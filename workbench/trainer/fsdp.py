@@ -895,9 +895,15 @@ class TrainerWorker:
         tensor cast to its dtype here, before it leaves the rank (an export's)."""
         from ..rollout.engine import WireWeights
 
-        full = gather_full_tensors(self.model.state_dict(), self.rank, self.world_size)
+        state = self.model.state_dict()
+        # a tied weight (lm_head = embed_tokens) gathered once and sent once under both names: it was
+        # gathered twice and put in the object store twice (SmolLM2's 113 MB embedding, tiny Qwen3's
+        # 39 MB, at every sync). Decided from the model's parameters, the same on every rank
+        tied = tied_names(self.model)
+        full = gather_full_tensors({k: v for k, v in state.items() if k not in tied}, self.rank, self.world_size)
         if self.rank != 0:
             return None
+        full = {k: full[tied.get(k, k)] for k in state}
         if dtypes:
             full = {k: v.to(dtypes.get(k, v.dtype)) for k, v in full.items()}
         return WireWeights.of(full) if wire else full
@@ -947,6 +953,17 @@ class TrainerWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def tied_names(model: torch.nn.Module) -> dict:
+    """Each parameter name that is another's parameter (tied embeddings), to the first name of it."""
+    first, tied = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
 
 
 def gather_full_tensors(state: dict, rank: int, world_size: int) -> dict | None:
