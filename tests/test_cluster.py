@@ -131,6 +131,12 @@ def test_cli_prints_the_plan_and_fails_clearly(capsys, tmp_path):
     # the node each goes to (the session pins its engine there): one free GPU on each node, one each
     where = check_frozen_room(split, {"judge": "j", "loop": {"teacher": "t"}})
     assert {k: n.name for k, n in where.items()} == {"judge": "node0", "loop.teacher": "node1"}
+    # a teacher named after connect() (wb.run(teacher=...)) is placed beside the pinned judge: the GPU the
+    # judge took is no longer free (it was left unpinned, and a cluster-wide count of free GPUs passed it)
+    judge_only = check_frozen_room(split, {"judge": "j"})
+    assert check_frozen_room(split, {"loop": {"teacher": "t"}}, placed=judge_only)["loop.teacher"].name == "node1"
+    with pytest.raises(PlacementError, match="leaves node0: 0, node1: 0 free"):
+        check_frozen_room(split, {"loop": {"teacher": "t"}}, placed={**judge_only, "other": where["loop.teacher"]})
     colocated = plan_placement(ClusterSpec.uniform(1, 4), trainer_ranks=4, num_engines=2, mode="colocated")
     with pytest.raises(PlacementError, match="leaves node0: 0 free"):
         check_frozen_room(colocated, {"judge": "j"})

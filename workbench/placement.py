@@ -287,7 +287,7 @@ def frozen_engines(config) -> list[tuple[str, int]]:
     return [(name, tp) for name, value in (("judge", config.get("judge")), ("loop.teacher", loop.get("teacher"))) if value]
 
 
-def check_frozen_room(plan: PlacementPlan, config) -> dict[str, NodeSpec]:
+def check_frozen_room(plan: PlacementPlan, config, placed: dict | None = None) -> dict[str, NodeSpec]:
     """The node each frozen engine (judge, teacher) goes to ({field: node}; the session pins it
     there), from the GPUs the plan leaves free, each on one node (a tensor-parallel engine is one
     actor); PlacementError where they do not fit. A plan that takes every GPU left the judge's
@@ -295,11 +295,15 @@ def check_frozen_room(plan: PlacementPlan, config) -> dict[str, NodeSpec]:
     distillation step failed); unpinned, a judge Ray put on the node the teacher's two GPUs were
     counted on left the teacher waiting for ever. Largest first, each on the fullest node it fits.
     Free is what the plan's bundles do not reserve: colocated slots ask for half a GPU each, but
-    their bundle holds the whole one."""
+    their bundle holds the whole one. `placed`: frozen engines already pinned ({field: node}, a
+    session's), their GPUs taken too (a teacher first named in wb.run(teacher=...) was left unpinned,
+    and with free GPUs on two nodes but not enough on either its engine waited for ever)."""
     free = {n.name: n.gpus for n in plan.cluster.nodes}
     for g in plan.groups:
         for bundle, node in zip(g.bundles, g.nodes):
             free[node] -= bundle.get("GPU", 0)
+    for node in (placed or {}).values():
+        free[node.name] -= frozen_engine_kwargs(config).get("tensor_parallel_size", 1)
     by_name, where = {n.name: n for n in plan.cluster.nodes}, {}
     for name, gpus in sorted(frozen_engines(config), key=lambda x: -x[1]):
         node = min((n for n in free if free[n] >= gpus), key=lambda n: free[n], default=None)

@@ -751,6 +751,14 @@ class Workbench:
                 bar.set_postfix_str("judge engine")
                 self.judge_engine = self._frozen_engine(cfg.judge, "judge", cfg.seed + 2000)
                 bar.update()
+            if self.placement is not None and cfg.placement == "colocated":
+                # an engine and a trainer rank share each GPU: vLLM sizes its K/V cache by the GPU memory
+                # that went between two readings at its start, device-wide, so a rank loading beside it
+                # meanwhile shrank the cache (by a different amount each run) or failed vLLM's start.
+                # The engines load first there (the overlap below is CPU's and split placement's)
+                for i, loaded in enumerate(loading):
+                    bar.set_postfix_str(f"{cfg.backend} engine {i + 1}/{cfg.num_engines} (before the colocated ranks)")
+                    ray.get(loaded)
             # The runners and the trainer's ranks start together (each constructor mostly waits on
             # its actors); both are kept as they come, so a failure of one still shuts down the other.
             bar.set_postfix_str(f"rollout runners, trainer ({cfg.trainer_ranks} ranks)")
@@ -1096,6 +1104,15 @@ class Workbench:
                               f"{ray.available_resources().get('GPU', 0):g} free (the placement plan reserves the "
                               f"rest): lower num_engines or trainer_ranks to leave it room")
         node = self._frozen_nodes.get(field)
+        if node is None and self.placement is not None:  # (named after connect(): wb.run(teacher=...))
+            from .placement import PlacementError, check_frozen_room
+
+            frozen = {"engine_kwargs": self.cfg.engine_kwargs, "frozen_engine_kwargs": self.cfg.frozen_engine_kwargs,
+                      "loop": {"teacher": name}}
+            try:
+                node = self._frozen_nodes[field] = check_frozen_room(self.placement.plan, frozen, self._frozen_nodes)[field]
+            except PlacementError as e:
+                raise ConfigError(f"{field} {name!r}: {e}") from None
         options = None
         if node is not None and node.node_id:  # the node check_frozen_room counted its GPUs on
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
