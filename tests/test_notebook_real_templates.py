@@ -1,6 +1,6 @@
 """notebooks/04_real_templates.ipynb under papermill: it lints Qwen3's and Llama 3.1's real templates
 offline and records the verdicts in results.json; its exercise check runs both ways (the committed
-extend-or-seal rule always extends: extends*; the solution seals)."""
+extend-or-seal rule always extends: extends*; the solution seals; a rule that always seals fails too)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from workbench.notebooks import run_notebook
 
 def test_04_real_templates_shows_the_think_seal_and_llama_extending(tmp_path):
     subprocess.run([sys.executable, "-m", "workbench.kernels", "--sys-prefix"], check=True, capture_output=True)
-    run_notebook("04_real_templates", tmp_path, progress=False, timeout_s=600, exercise=["yours", "solution"])
+    run_notebook("04_real_templates", tmp_path, progress=False, timeout_s=600, exercise=["yours", "solution", "always_seals"])
     r = json.loads((tmp_path / "results.json").read_text())
     q, llama = r["qwen3"], r["llama3.1"]
     assert q["verdicts"]["reasoning_on"] == "seal:template_rewrite" and "recorded '<think>" in q["first_diff"]["reasoning_on"]
@@ -25,3 +25,6 @@ def test_04_real_templates_shows_the_think_seal_and_llama_extending(tmp_path):
     assert not yours["holds"] and yours["verdict"] == "extends*" and yours["segments"] == 1 and "FAILS" in yours["line"]
     assert solution["holds"] and solution["verdict"] == "seal:template_rewrite" and solution["segments"] == 2
     assert solution["verdict"] == q["verdicts"]["reasoning_on"]  # the solution is the accumulator's own rule
+    # sealing at every turn keeps each segment exact but cuts where nothing was rewritten: no answer (it passed)
+    seals = r["exercise"]["always_seals"]
+    assert not seals["holds"] and seals["segments"] == 3 and "seals where the render extends" in seals["line"]
