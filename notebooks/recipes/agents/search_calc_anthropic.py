@@ -50,7 +50,8 @@ class SearchCalcAgent(ChatAgent):
                  else "error: unknown tool"} for u in uses]})
         return float(is_answer(answer, ctx.label)), {  # (a text label: '19' == 19 was False)
             "tool_calls": calls["calc"] + calls["search"], "calc_calls": calls["calc"], "search_calls": calls["search"],
-            "agent_search_calls": calls["agent_search"], "answer": answer}
+            "agent_search_calls": calls["agent_search"], "answer": answer,
+            "document_task": "query" in ctx.task.info}  # (what the notebook tells the two kinds of task by)
 
 
 AgentRunner = SearchCalcAgent
