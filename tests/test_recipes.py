@@ -126,6 +126,7 @@ def test_math_grpo(execute, tmp_path):
     trained = trajectories(tmp_path)
     assert len(trained) == 4 and all(t.info["task_id"].startswith("word_problems_train:") for t in trained)
     assert results["eval_episodes"] == 2 * 2 * (2 + 1)  # 2 problems x (2 samples + 1 greedy), twice
+    assert results["eval_best_constant_pass@1"] in (0.5, 1.0)  # a constant answer's, on the 2 held-out problems
 
 
 @pytest.mark.parametrize("sdk", ["openai", "anthropic"])
