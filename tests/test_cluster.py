@@ -137,6 +137,16 @@ def test_cli_prints_the_plan_and_fails_clearly(capsys, tmp_path):
     assert check_frozen_room(split, {"loop": {"teacher": "t"}}, placed=judge_only)["loop.teacher"].name == "node1"
     with pytest.raises(PlacementError, match="leaves node0: 0, node1: 0 free"):
         check_frozen_room(split, {"loop": {"teacher": "t"}}, placed={**judge_only, "other": where["loop.teacher"]})
+    # placement "none" (Ray places the actors) is checked for fitting at all (its actors waited for ever)
+    from workbench.placement import check_fits
+
+    with pytest.raises(PlacementError, match="4 GPU\\(s\\) short"):
+        check_fits(ClusterSpec.uniform(2, 8), 12, 8)
+    with pytest.raises(PlacementError, match="tensor_parallel_size 16: its GPUs must be on one node"):
+        check_fits(ClusterSpec.uniform(2, 8), 1, 1, 16)
+    check_fits(ClusterSpec.uniform(2, 8), 8, 8)
+    with pytest.raises(PlacementError, match="engine 3 needs 3 GPUs on one node"):
+        plan_placement(ClusterSpec.uniform(2, 8), trainer_ranks=4, num_engines=4, tensor_parallel_size=3)
     colocated = plan_placement(ClusterSpec.uniform(1, 4), trainer_ranks=4, num_engines=2, mode="colocated")
     with pytest.raises(PlacementError, match="leaves node0: 0 free"):
         check_frozen_room(colocated, {"judge": "j"})

@@ -169,20 +169,11 @@ class PlacementPlan:
                                       if self.tensor_parallel_size > 1 else "")
 
 
-def plan_placement(cluster: ClusterSpec, trainer_ranks: int, num_engines: int, tensor_parallel_size: int = 1,
-                   mode: str = "split") -> PlacementPlan:
-    """The placement of `trainer_ranks` FSDP2 ranks and `num_engines` engines of
-    `tensor_parallel_size` GPUs on `cluster`; PlacementError says why a shape cannot fit."""
-    if mode not in MODES:
-        raise PlacementError(f"placement mode {mode!r} unknown: {' or '.join(MODES)}")
-    # num_engines 0: a trainer alone (its engines elsewhere, or none)
-    for name, v, least in (("trainer_ranks", trainer_ranks, 1), ("num_engines", num_engines, 0),
-                           ("tensor_parallel_size", tensor_parallel_size, 1)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < least:
-            raise PlacementError(f"{name} must be an integer >= {least}, got {v!r}")
+def check_fits(cluster: ClusterSpec, trainer_ranks: int, num_engines: int, tensor_parallel_size: int = 1) -> None:
+    """PlacementError where a GPU each rank and `tensor_parallel_size` on one node each engine cannot
+    fit on `cluster` at all, whatever places them (split's plan, or Ray alone under placement
+    "none": there the actors waited for GPUs for ever, and connect() with them)."""
     biggest = max(n.gpus for n in cluster.nodes)
-    if mode == "colocated":
-        return _colocated(cluster, trainer_ranks, num_engines, tensor_parallel_size)
     need = trainer_ranks + num_engines * tensor_parallel_size
     shape = (f"{trainer_ranks} trainer rank(s) x 1 GPU + {num_engines} engine(s) x tensor_parallel_size "
              f"{tensor_parallel_size} = {need} GPUs")
@@ -194,6 +185,22 @@ def plan_placement(cluster: ClusterSpec, trainer_ranks: int, num_engines: int, t
         raise PlacementError(f"cannot place {shape} on {cluster.describe()}: {need - cluster.total_gpus} GPU(s) short. "
                              f"Use fewer trainer_ranks or num_engines, a smaller tensor_parallel_size, or "
                              f"placement='colocated' (trainer and engines share GPUs)")
+
+
+def plan_placement(cluster: ClusterSpec, trainer_ranks: int, num_engines: int, tensor_parallel_size: int = 1,
+                   mode: str = "split") -> PlacementPlan:
+    """The placement of `trainer_ranks` FSDP2 ranks and `num_engines` engines of
+    `tensor_parallel_size` GPUs on `cluster`; PlacementError says why a shape cannot fit."""
+    if mode not in MODES:
+        raise PlacementError(f"placement mode {mode!r} unknown: {' or '.join(MODES)}")
+    # num_engines 0: a trainer alone (its engines elsewhere, or none)
+    for name, v, least in (("trainer_ranks", trainer_ranks, 1), ("num_engines", num_engines, 0),
+                           ("tensor_parallel_size", tensor_parallel_size, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise PlacementError(f"{name} must be an integer >= {least}, got {v!r}")
+    if mode == "colocated":
+        return _colocated(cluster, trainer_ranks, num_engines, tensor_parallel_size)
+    check_fits(cluster, trainer_ranks, num_engines, tensor_parallel_size)
     free = {n.name: n.gpus for n in cluster.nodes}
     order = [n.name for n in cluster.nodes]
     # trainer: on one node when a node holds them all (the fewest GPUs left over beside it), else
@@ -216,6 +223,8 @@ def plan_placement(cluster: ClusterSpec, trainer_ranks: int, num_engines: int, t
         node = next((n for n in engine_order if free[n] >= tensor_parallel_size), None)
         if node is None:
             left = ", ".join(f"{n}: {free[n]}" for n in order)
+            shape = (f"{trainer_ranks} trainer rank(s) x 1 GPU + {num_engines} engine(s) x tensor_parallel_size "
+                     f"{tensor_parallel_size}")
             raise PlacementError(f"cannot place {shape} on {cluster.describe()}: engine {e} needs "
                                  f"{tensor_parallel_size} GPUs on one node, and the GPUs left after the trainer and "
                                  f"engines 0-{e - 1} are split ({left}). Use a tensor_parallel_size that divides the "

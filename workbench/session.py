@@ -687,20 +687,26 @@ class Workbench:
         starting: dict = {}  # attribute -> future of the trainer and the runners, built in threads
         try:
             bar.set_postfix_str("ray"); init_ray(address); bar.update()
-            if cfg.placement != "none" and cluster_gpus():  # before any actor takes a GPU
-                from .placement import ClusterSpec, Placement, check_frozen_room, plan_inputs, plan_placement
+            if cluster_gpus():  # before any actor takes a GPU
+                from .placement import ClusterSpec, Placement, check_fits, check_frozen_room, plan_inputs, plan_placement
 
-                plan = plan_placement(ClusterSpec.from_ray(), **plan_inputs(cfg))
-                check_colocated_memory(cfg)
-                # the judge's / teacher's GPUs: refused now, not once the run starts; the node each goes to
-                self._frozen_nodes = check_frozen_room(plan, cfg)
-                self.placement = Placement.create(plan)
-                # ranks write checkpoint shards on their own nodes, the driver reads them back
+                if cfg.placement == "none":  # Ray places each actor (nothing reserved): a shape that cannot fit
+                    # at all left its actors pending and connect() waiting for them for ever
+                    shape = plan_inputs(cfg)
+                    check_fits(ClusterSpec.from_ray(), shape["trainer_ranks"], shape["num_engines"], shape["tensor_parallel_size"])
+                else:
+                    plan = plan_placement(ClusterSpec.from_ray(), **plan_inputs(cfg))
+                    check_colocated_memory(cfg)
+                    # the judge's / teacher's GPUs: refused now, not once the run starts; the node each goes to
+                    self._frozen_nodes = check_frozen_room(plan, cfg)
+                    self.placement = Placement.create(plan)
+                # ranks write checkpoint shards on their own nodes, the driver reads them back (unplaced,
+                # Ray may put a rank on any node: the same check)
                 from .cluster import check_shared_path
 
                 check_shared_path(str(self.run_dir))
             self.model_path = model_path(cfg.model)
-            if self.placement is not None:  # (a GPU cluster: actors on other nodes are handed these paths)
+            if cluster_gpus():  # (a GPU cluster: actors on other nodes are handed these paths)
                 from .cluster import check_checkpoints_everywhere
 
                 check_checkpoints_everywhere({"model": self.model_path, **{what: model_path(name) for what, name in (
