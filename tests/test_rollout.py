@@ -59,6 +59,25 @@ def test_agent_loading_errors(name, match):
         load_agent(AGENTS / name)
 
 
+def test_an_agent_file_is_one_module_until_it_changes(tmp_path):
+    """connect() loads the agent file for its tasks() and the rollout loads it again: the second run
+    of the file replaced the first's classes, so a task label of the file's own class pickled from the
+    first reached the runners as a class of no module (every isinstance and == False: reward 0,
+    silently). A dot in the file's name made its classes unpicklable. An edited file loads anew."""
+    import pickle
+    import sys
+
+    agent = tmp_path / "agent.v2.py"
+    agent.write_text("import enum\nfrom workbench.agents import ChatAgent\nclass Op(enum.Enum):\n    ADD = 1\n"
+                     "class AgentRunner(ChatAgent):\n    async def run(self, ctx):\n        return 0.0, {}\n")
+    first, again = load_agent(agent), load_agent(agent)
+    module = sys.modules[first.runner.__module__]
+    assert again.runner is first.runner and "." not in first.runner.__module__
+    assert pickle.loads(pickle.dumps(module.Op.ADD)) is sys.modules[again.runner.__module__].Op.ADD
+    agent.write_text(agent.read_text() + "# edited\n")
+    assert load_agent(agent).runner is not first.runner
+
+
 def test_an_agent_without_its_own_run_or_step_is_refused_at_load(tmp_path):
     """The base classes define run and step (raising NotImplementedError), so a check for the name
     always passed: an agent with a typo loaded, and every episode of the run failed."""

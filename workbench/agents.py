@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import inspect
 import math
+import re
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -153,14 +154,26 @@ def load_agent(path: str | Path) -> AgentSpec:
     # named by the path's digest, the same in every process: cloudpickle pickles the file's classes
     # by module name, and hash(str) is salted per process, so an object of the agent's own class
     # (an Enum in info) pickled on a runner could not be unpickled on the driver
-    name = f"workbench_agent_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:16]}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling need the module registered
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        raise AgentLoadError(f"importing agent file {str(path)!r} failed: {type(e).__name__}: {e}") from e
+    # (a dot in the stem, "agent.v2.py", read as a package path: its classes could not be pickled)
+    stem = re.sub(r"\W", "_", path.stem)
+    name = f"workbench_agent_{stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:16]}"
+    # the file's module once per content in a process: connect() loads it for its tasks() and the
+    # rollout again, and a second run replaced the first's classes, so a task label of the file's own
+    # class (an Enum, a dataclass) pickled from the first copy reached the runners as a class of no
+    # module there: every isinstance and == False, every reward 0, silently. An edited file loads anew
+    source = path.read_bytes()
+    digest = hashlib.sha1(source).hexdigest()
+    module = sys.modules.get(name)
+    if module is None or getattr(module, "__workbench_source__", None) != digest:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        module.__workbench_source__ = digest
+        sys.modules[name] = module  # dataclasses and pickling need the module registered
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[name]  # (a failed load is not kept: the next call runs the file again)
+            raise AgentLoadError(f"importing agent file {str(path)!r} failed: {type(e).__name__}: {e}") from e
     runner = getattr(module, "AgentRunner", None)
     if runner is None:
         raise AgentLoadError(f"agent file {str(path)!r} defines no AgentRunner")
