@@ -601,6 +601,16 @@ def test_the_loop_watch_counts_a_blocked_loop_not_an_idle_one(capsys):
     watch._thread.join(2)
 
 
+def test_an_env_reset_returning_its_messages_alone_is_named():
+    from workbench.rollout.runner import _reset_pair
+
+    two = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    for wrong in (two, two[:1], tuple(two + two[:1])):
+        with pytest.raises(TypeError, match=r"E.reset must return \(messages, info\), as Gymnasium's"):
+            _reset_pair(wrong, "E.reset")
+    assert _reset_pair((two, {}), "E.reset") == (two, {})
+
+
 def test_each_env_episode_gets_its_own_info(rollout_for):
     """An Env whose reset returns task.info itself: the group's episodes (one Task) updated one
     dict, each sibling's step info ending in the others' trajectories, and in the task. And an Env

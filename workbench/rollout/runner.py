@@ -271,7 +271,7 @@ class RolloutRunner:
         env = self.spec.make()
         if env.max_turns == 1:  # its group's first turns may go as one engine call (EngineRouter._call)
             self.router.single_turn.add(sid)
-        observation, info = await _resolved(env.reset(task))
+        observation, info = _reset_pair(await _resolved(env.reset(task)), f"{type(env).__name__}.reset")
         _check_env_messages(observation, f"{type(env).__name__}.reset")
         # its own copy: an Env whose reset returns task.info itself had every episode of the group
         # (one Task, run concurrently) update one dict, each sibling's step info in the others'
@@ -361,6 +361,16 @@ def _agent_info(info: dict) -> dict:
         raise TypeError(f"the agent's info cannot be recorded ({type(e).__name__}: {e}); keep it to JSON values "
                         f"with string keys") from None
     return info
+
+
+def _reset_pair(reset, where: str) -> tuple:
+    """An Env's reset result as (messages, info), as Gymnasium's (observation, info). The messages
+    alone were unpacked: two of them as the pair (the error then said a dict was no list of
+    messages), one or three a bare unpacking error."""
+    if not (isinstance(reset, tuple) and len(reset) == 2):
+        raise TypeError(f"{where} must return (messages, info), as Gymnasium's reset returns (observation, info); "
+                        f"got {type(reset).__name__}" + (f" of {len(reset)}" if isinstance(reset, (list, tuple)) else ""))
+    return reset
 
 
 def _check_env_messages(messages, where: str) -> None:
