@@ -325,6 +325,24 @@ def test_notebooks_list_shows_every_notebook_with_parameters_and_time(capsys, mo
     assert got["families"] == ["qwen3"]
     main(["04_real_templates", "-p", "families", "qwen3, gpt-oss", "--run-dir", str(tmp_path / "g")])
     assert got["families"] == ["qwen3", "gpt-oss"]
+    # "[a, b]" ('[a' and 'b]'), "a b" (one name) and a tuple (papermill passes its text on) are lists too
+    for i, given in enumerate(("[qwen3, gpt-oss]", "qwen3 gpt-oss", "('qwen3', 'gpt-oss')")):
+        main(["04_real_templates", "-p", "families", given, "--run-dir", str(tmp_path / f"g{i}")])
+        assert got["families"] == ["qwen3", "gpt-oss"], given
+    # a negative number in exponent form is a value, not an option (argparse: "expected 2 arguments")
+    main(["recipes/distillation", "-p", "lr", "-1e-3", "--run-dir", str(tmp_path / "n")])
+    assert got["lr"] == -1e-3
+    # a run directory holding a run is refused before papermill writes its notebook over the last one's;
+    # a mistyped notebook name leaves no empty run directory behind
+    (tmp_path / "n" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit):
+        main(["recipes/distillation", "--run-dir", str(tmp_path / "n")])
+    assert "holds a run already (metrics.jsonl)" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["00_quickstrat"])
+    assert "no notebook '00_quickstrat'; the notebooks: 00_quickstart" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
     # the run directory is --run-dir's (-p run_dir reached papermill twice: a TypeError, an empty directory made)
     with pytest.raises(SystemExit):
         main(["00_quickstart", "-p", "run_dir", str(tmp_path / "h")])

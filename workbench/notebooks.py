@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -92,7 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel", default="workbench-local")
     p.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                    help="a notebook parameter (VALUE is parsed as a Python literal when it is one)")
+    # a VALUE starting with "-" that is no plain number ("-1e-3") read as an option: argparse refused it
+    # ("expected 2 arguments"); marked here, unmarked below
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i in range(len(argv) - 2):
+        if argv[i] in ("-p", "--param") and argv[i + 2].startswith("-"):
+            argv[i + 2] = "\0" + argv[i + 2]
     a = p.parse_args(argv)
+    a.param = [(k, v.removeprefix("\0")) for k, v in a.param]
     if a.list:
         for name in notebooks():
             d = describe(name)
@@ -102,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.name is None:
         p.error("a notebook name, or --list")
+    if not (NOTEBOOK_DIR / f"{a.name}.ipynb").is_file():  # (before a run directory is made for it: an empty one
+        # was left behind, with a traceback)
+        p.error(f"no notebook {a.name!r}; the notebooks: {', '.join(notebooks())}")
     import ast
 
     params = {}
@@ -110,27 +122,30 @@ def main(argv: list[str] | None = None) -> int:
             params[k] = ast.literal_eval(v)
         except (ValueError, SyntaxError):
             params[k] = v
-    if (NOTEBOOK_DIR / f"{a.name}.ipynb").is_file():
-        known = describe(a.name)["parameters"]
-        unknown = sorted(set(params) - set(known))
-        if unknown:  # papermill only warns, and the notebook ran on its defaults
-            p.error(f"{a.name} has no parameter(s) {unknown}; its parameters: {sorted(k for k in known if k != 'run_dir')}")
-        if "run_dir" in params:  # (given twice to papermill: a TypeError after an empty run directory was made)
-            p.error("give the run directory as --run-dir, not -p run_dir")
-        for k, v in params.items():  # a bool parameter given as text: "false" (no Python literal) was a true value
-            try:
-                default = ast.literal_eval(str(known[k]))
-            except (ValueError, SyntaxError):
-                continue
-            if isinstance(default, (list, tuple)) and isinstance(v, str):  # "-p families qwen3": a list of one
-                # (the string reached the notebook, which walked it letter by letter); "a,b" a list of two
-                params[k] = [x.strip() for x in v.split(",") if x.strip()]
-            if isinstance(default, bool) and isinstance(v, str):
-                from .session import BOOL_TEXT
+    known = describe(a.name)["parameters"]
+    unknown = sorted(set(params) - set(known))
+    if unknown:  # papermill only warns, and the notebook ran on its defaults
+        p.error(f"{a.name} has no parameter(s) {unknown}; its parameters: {sorted(k for k in known if k != 'run_dir')}")
+    if "run_dir" in params:  # (given twice to papermill: a TypeError after an empty run directory was made)
+        p.error("give the run directory as --run-dir, not -p run_dir")
+    for k, v in params.items():  # a bool parameter given as text: "false" (no Python literal) was a true value
+        try:
+            default = ast.literal_eval(str(known[k]))
+        except (ValueError, SyntaxError):
+            continue
+        if isinstance(default, (list, tuple)) and isinstance(v, str):  # "-p families qwen3": a list of one
+            # (the string reached the notebook, which walked it letter by letter); "a,b", "a b" and "[a, b]"
+            # a list of two ("[a, b]" read as '[a' and 'b]')
+            v = v.strip().removeprefix("[").removesuffix("]")
+            params[k] = [x for x in re.split(r"[,\s]+" if "," not in v else r"\s*,\s*", v.strip()) if x]
+        elif isinstance(default, (list, tuple)) and isinstance(v, (tuple, set)):  # (papermill passes a tuple
+            params[k] = list(v)  # on as its text: the notebook walked "('a', 'b')" letter by letter)
+        if isinstance(default, bool) and isinstance(v, str):
+            from .session import BOOL_TEXT
 
-                if v.strip().lower() not in BOOL_TEXT:
-                    p.error(f"{a.name}: parameter {k} is true or false, got {v!r}")
-                params[k] = BOOL_TEXT[v.strip().lower()]
+            if v.strip().lower() not in BOOL_TEXT:
+                p.error(f"{a.name}: parameter {k} is true or false, got {v!r}")
+            params[k] = BOOL_TEXT[v.strip().lower()]
     # a new directory each run (a session refuses one that holds a run: a second run of the same
     # notebook failed at connect(), after its kernel had started)
     if a.run_dir is None:
@@ -138,7 +153,16 @@ def main(argv: list[str] | None = None) -> int:
 
         run_dir = new_run_dir(Path("runs") / a.name)
     else:
-        run_dir = a.run_dir
+        from .session import RUN_MARKS
+
+        run_dir = Path(a.run_dir)
+        # papermill writes the executed notebook there before its first cell: a second run into one
+        # directory replaced the first run's notebook with one that failed at connect() (the session
+        # refuses a directory holding a run)
+        held = [n for n in (*RUN_MARKS, f"{Path(a.name).name}.ipynb") if (run_dir / n).exists()]
+        if held:
+            p.error(f"--run-dir {str(run_dir)!r} holds a run already ({', '.join(held)}): give a new directory, or "
+                    f"leave --run-dir out (runs/{a.name}/<date-time>)")
     out = run_notebook(a.name, run_dir, a.kernel, **params)
     print(f"executed notebook: {out}\nrun directory:     {out.parent}")
     for f in sorted(out.parent.iterdir()):

@@ -466,6 +466,7 @@ def _short(x) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+RUN_MARKS = ("metrics.jsonl", "checkpoint", "eval.jsonl")  # what a run directory holding a run holds
 RUN_DIR_LOCK = ".session.lock"  # in a run directory while a session writes it: {"pid", "host", "token"}
 # A live session touches its lock every LOCK_HEARTBEAT_S (a daemon thread); a lock of another host
 # is that session's while touched within LOCK_STALE_S. (Another host's process cannot be asked: its
@@ -649,7 +650,7 @@ class Workbench:
         try:  # (a check refusing it lets it go)
             # before anything starts; a session that only stepped by hand and saved, or evaluated, has no
             # metrics.jsonl: taken over, its config.json was replaced and its checkpoint at the next save
-            held = [n for n in ("metrics.jsonl", "checkpoint", "eval.jsonl") if (self.run_dir / n).exists()]
+            held = [n for n in RUN_MARKS if (self.run_dir / n).exists()]
             if held and not cfg.resume:
                 raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run ({', '.join(held)}): choose another "
                                   + ("run_dir, or pass resume=True to continue it" if held != ["eval.jsonl"] else
