@@ -154,7 +154,7 @@ def run_agent(args, engine, path) -> int:
     spec = load_agent(args.agent)
     if spec.tasks is None:
         raise SystemExit(f"{args.agent} defines no tasks(n, seed) function to draw prompts from")
-    print(f"[4/4] {args.agent} ({spec.kind}): {args.prompts} tasks x {args.group} episodes")
+    print(f"[4/4] {args.agent} ({spec.kind}): {args.prompts} tasks x {args.group} episodes (instead of steps 4-6)")
     rollout = Rollout(args.agent, [engine], str(path), sampling=SamplingConfig(max_tokens=64, temperature=args.temperature))
     try:
         groups = rollout.run_groups(spec.tasks(args.prompts, seed=args.seed), group_size=args.group)
@@ -170,7 +170,8 @@ def run_agent(args, engine, path) -> int:
     failed = sum(t.error is not None for g in groups for t in g)
     print(f"\n  mean reward {sum(rewards) / max(len(rewards), 1):.2f} over {len(rewards)} finished episodes"
           + (f" ({failed} failed)" if failed else ""))
-    return 0
+    # (a script or CI checking an agent file read success where every episode failed)
+    return 1 if failed and not rewards else 0
 
 
 if __name__ == "__main__":
