@@ -67,13 +67,14 @@ def main() -> None:
         hs = steps[label]
         trained = len(hs) * args.prompts  # groups
         dropped = sum(h.get("groups_dropped_stale", 0) for h in hs)
-        sequences = sum(h["segments"] for h in hs)  # the gate's unit: a training row
+        # (a step with nothing to train logs no gate statistics: it counts no sequence)
+        sequences = sum(h["segments"] for h in hs if h.get("gate_pass_ratio") is not None)  # the gate's unit: a row
         table[label] = {
             "s_per_step": statistics.median(wall[label]), "vs_sync": statistics.median(wall[label]) / sync_s,
-            "gate_pass_ratio": sum(h["gate_pass_ratio"] * h["segments"] for h in hs) / max(sequences, 1),
+            "gate_pass_ratio": sum((h.get("gate_pass_ratio") or 0.0) * h["segments"] for h in hs) / max(sequences, 1),
             "admitted_ratio": trained / (trained + dropped) if trained + dropped else 1.0,
             "groups_dropped_stale": dropped,
-            "staleness_hist": dict(sorted(sum((Counter({int(k): v for k, v in h["staleness_hist"].items()})
+            "staleness_hist": dict(sorted(sum((Counter({int(k): v for k, v in (h.get("staleness_hist") or {}).items()})
                                                 for h in hs), Counter()).items())),
             "episodes_spanning_versions": sum(h.get("episodes_spanning_versions", 0) for h in hs),
             "reward_mean": sum(h["reward_mean"] for h in hs) / len(hs)}

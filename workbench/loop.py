@@ -1083,6 +1083,19 @@ class GroupStream:
             self._next += 1
         return self._held.pop(self._next - 1)
 
+    def drain(self) -> list:
+        """The finished groups no step took (call once stopped and the producer joined): recorded as
+        untrained (a stop threw them away uncounted; in finish order their tasks are not drawn again)."""
+        groups = [held[0] for _, held in sorted(self._held.items())]
+        self._held.clear()
+        while True:
+            try:
+                item = self.finished.get_nowait()
+            except queue.Empty:
+                return groups
+            if not isinstance(item, BaseException):
+                groups.append(item[1])
+
     def data_next(self) -> int:
         """Where a run continued after the groups taken so far starts: in start order the data
         position of the next group to take (started or not: the groups taken are the ones started
@@ -1095,13 +1108,13 @@ class GroupStream:
             return self.unstarted
 
 
-def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
+def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int, leftover: list | None = None):
     """The groups of one async step, trained from `version`: the next prompts_per_step groups
     (GroupStream.take: in start order, or the first to finish) whose oldest token is at most
     cfg.async_lag versions behind (older ones are not admitted: groups_dropped_stale); with
     dynamic sampling, zero-variance groups are filtered too,
     up to dynamic_sampling_rounds x prompts_per_step of them per step. (groups, r0, r1, extra,
-    teacher log-probs), or None once stopped."""
+    teacher log-probs), or None once stopped (the groups taken so far then go to `leftover`)."""
     n, groups, teacher, starts, ends, positions = cfg.prompts_per_step, [], {}, [], [], []
     stale = filtered = 0
     rule = cfg.episode_rules()
@@ -1114,6 +1127,8 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int):
     while len(groups) + len(flat) < n:
         item = stream.take()
         if item is None:
+            if leftover is not None:
+                leftover += groups + flat + untrained
             return None
         if isinstance(item, BaseException):
             raise RuntimeError(f"the rollout failed: {item}") from item
@@ -1172,10 +1187,14 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
     stream = GroupStream(rollout, task_source, cfg, first, position, stop, teacher_engines)
     history = [] if history is None else history  # (the steps before this run first: the warnings read them)
     step_start = time.time()
+    # the finished groups no step took when the run stops (a step's worth and more start ahead of it):
+    # recorded with the last step's untrained groups, not thrown away uncounted
+    leftover: list = []
+    last = (first, [])  # the last step recorded and its untrained groups
     try:
         for step in tqdm(range(first, cfg.steps), desc="RL steps (async)", initial=first, total=cfg.steps,
                          disable=not progress):
-            got = _async_batch(stream, cfg, trainer.version)
+            got = _async_batch(stream, cfg, trainer.version, leftover)
             if got is None:
                 break
             groups, r0, r1, extra, teacher = got
@@ -1184,6 +1203,7 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
             untrained = extra.pop("_untrained")
             if on_untrained is not None and untrained:
                 on_untrained(step, untrained)
+            last = (step, untrained)
             trained_metrics, sync_error = _train_on(trainer, engines, groups, cfg, step, r0, r1, teacher, step_start, untrained)
             metrics = {**trained_metrics, **extra}
             if sync_error is None:
@@ -1195,6 +1215,9 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
     finally:
         stop.set()
         stream.thread.join()
+    leftover += stream.drain()
+    if on_untrained is not None and leftover:
+        on_untrained(last[0], last[1] + leftover)
     checkpoint_at_end(trainer, checkpoint_dir, checkpoint_every, history, first)
     return history
 

@@ -1,0 +1,101 @@
+"""A stopped continuous-async run records every finished group it did not train.
+
+A step's worth of groups and more start ahead of the step that takes them; when the run stops
+(wb.stop(), its last step), the finished ones no step took were thrown away uncounted (their
+failures and identity counts unread, and in finish order their tasks never drawn again). They are
+recorded as the last step's untrained groups. The rollout, trainer and engines are fakes: the
+stop's timing against groups finishing is what the test needs to control."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import workbench.loop as loop
+from workbench.agents import Task
+from workbench.correction import CorrectionConfig, correction_weights, merge_stats
+from workbench.tokens import Segment, Trajectory
+
+
+class _Started:  # one group's rollout, finished by a thread after `delay`
+    def __init__(self, task, group_size, delay):
+        self.group, self.task = None, task
+
+        def run():
+            time.sleep(delay)
+            eps = []
+            for i in range(group_size):
+                s = Segment()
+                s.append([1, 2], False)
+                s.append([3, 4, 5], True, [-1.0] * 3, [1] * 3)
+                eps.append(Trajectory([s], reward=float(i % 2), group_id=task.id, episode_id=f"{task.id}-{i}"))
+            self.group = eps
+
+        threading.Thread(target=run, daemon=True).start()
+
+
+class _Rollout:
+    sampling = None
+
+    def __init__(self):
+        self.finished = []
+
+    def submit_group(self, task, group_size):
+        return _Started(task, group_size, 0.002), None
+
+    def finish_group(self, ref, runner, task, group_size):
+        self.finished.append(task.id)
+        return ref.group
+
+    def abandon_groups(self, *args):
+        pass
+
+
+class _Trainer:
+    def __init__(self):
+        self.version = 1
+        self.cfg = type("Cfg", (), {"correction": CorrectionConfig(), "temperature": None})()
+
+    def train_step(self, batch):
+        c = correction_weights(batch["behaviour_logprobs"], batch["behaviour_logprobs"], batch["loss_mask"],
+                               batch["versions"], self.version, self.cfg.correction)
+        v, self.version = self.version, self.version  # (no update: no version to outrun)
+        return {"version": v, "trained_version": v, "loss": 0.0, "grad_norm": 0.0, "correction": merge_stats([c.stats]),
+                "replay": {"disagree_rate": None, "disagree_rate_per_layer": [], "fallback": [], "replayed": []},
+                "signal_tokens_trained": 1, "updates": 1, "updates_skipped": 1, "kl_k3_live": None, "kl_ref": None}
+
+
+class _Tasks:
+    def take(self, position, n):
+        return [Task([{"role": "user", "content": "x"}], id=f"t{position + i}") for i in range(n)]
+
+
+def test_a_stopped_async_run_records_the_finished_groups_no_step_took(monkeypatch):
+    def wait(refs, num_returns=1, timeout=None):
+        t0 = time.time()
+        while True:
+            done = [r for r in refs if r.group is not None]
+            if done or time.time() - t0 > (timeout or 0):
+                return done[:num_returns], [r for r in refs if r not in done]
+            time.sleep(0.0005)
+
+    monkeypatch.setattr(loop.ray, "wait", wait)
+    monkeypatch.setattr(loop, "sync_engines", lambda *a, **k: [])
+    for order in ("finish", "start"):
+        rollout, stop, trained, untrained = _Rollout(), threading.Event(), [], []
+
+        def on_step(m):
+            if m["step"] == 0:
+                time.sleep(0.3)  # the next groups finish meanwhile
+            else:
+                stop.set()
+
+        cfg = loop.LoopConfig(mode="async", async_lag=1, async_order=order, steps=10, prompts_per_step=4, group_size=2)
+        history = loop._run_async(rollout, _Trainer(), [], _Tasks(), cfg, on_step, False, None, 0, stop,
+                                  lambda step, groups: trained.extend(g[0].group_id for g in groups), 0, 0, None, None,
+                                  on_untrained=lambda step, groups: untrained.append((step, [g[0].group_id for g in groups])))
+        assert [m["step"] for m in history] == [0, 1]
+        # every group that finished is trained or recorded untrained (under the last step), once
+        recorded = trained + [gid for _, ids in untrained for gid in ids]
+        assert sorted(recorded) == sorted(rollout.finished) and len(rollout.finished) > 8, (order, recorded, rollout.finished)
+        assert untrained[-1][0] == 1
