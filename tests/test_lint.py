@@ -133,6 +133,16 @@ def test_lint_a_tokenizer_directory_and_the_cli(tmp_path, capsys):
     # tool turns errored there ("Tool call IDs should be alphanumeric strings with length 9")
     m = rm.load_family("mistral-v3").save(tmp_path / "mistral")
     assert lint(str(m), ["tool_one"]).verdicts() == lint("mistral-v3", ["tool_one"]).verdicts() == {"tool_one": TR}
+    # a checkpoint directory whose generation_config names one EOS (a base Qwen3's <|endoftext|>): the
+    # engine stops on the profile's <|im_end|> too; linted on the EOS alone, every reply ran on to
+    # <|endoftext|> and a seal the engine never makes was reported
+    q = rm.load_family("qwen3").save(tmp_path / "qwen3dir")
+    (q / "lint.json").unlink()
+    (q / "config.json").write_text(json.dumps({"model_type": "qwen3", "max_position_embeddings": 32768}))
+    (q / "generation_config.json").write_text(json.dumps({"eos_token_id": 151643}))
+    report = lint(str(q), ["tool_one"])
+    assert set(report.stops) == {"<|im_end|>", "<|endoftext|>"}
+    assert report.verdicts() == lint("qwen3", ["tool_one"]).verdicts() and report.shapes[0].turns[1].verdict == "extends"
 
 
 def test_lint_with_a_profile_plays_the_server(dense_path):

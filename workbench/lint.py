@@ -494,7 +494,7 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
         return (target, fmt, list(stops or spec.stops),
                 spec.reasoning_in_content if reasoning_in_content is None else reasoning_in_content,
                 ReplyParser(fam.tokenizer, prof.tool_parser, prof.reasoning_parser, kw))
-    extra = {}
+    extra, eos_stops = {}, []
     if isinstance(target, (str, Path)):
         from .toy.models import load_tokenizer as load_hf_tokenizer
 
@@ -525,7 +525,7 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
         if not stops and (path / "generation_config.json").is_file():  # the engine's stop ids
             eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
             eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-            stops = [tok.convert_ids_to_tokens([i])[0] for i in eos]  # (a list: Tekken's MistralTokenizer takes no int)
+            eos_stops = [tok.convert_ids_to_tokens([i])[0] for i in eos]  # (a list: Tekken's MistralTokenizer takes no int)
     else:
         name, tok = type(target).__name__, target
     if not getattr(tok, "chat_template", None) and getattr(profile, "chat_format", "template") != "tekken":
@@ -539,10 +539,13 @@ def _resolve(target, end_of_turn=None, stops=None, template_kwargs=None, reasoni
                                **({"end_of_turn": end_of_turn} if end_of_turn else {}))
         fmt = ChatFormat.for_profile(tok, prof)
         parser = ReplyParser(tok, prof.tool_parser, prof.reasoning_parser, prof.chat_template_kwargs)
-        stops = stops or [*fmt.turn_end_tokens, *prof.stop_tokens]
+        # the engine stops on every id the profile names and the checkpoint's EOS ids (generation_config's
+        # alone, a base checkpoint's <|endoftext|>, dropped Qwen3's <|im_end|>: every reply ran to
+        # <|endoftext|>, and a seal the engine never makes was reported)
+        stops = stops or list(dict.fromkeys([*eos_stops, *fmt.turn_end_tokens, *prof.stop_tokens]))
     else:
         fmt = ChatFormat(tok, end_of_turn, kw)
-    stops = list(stops or extra.get("stops") or [fmt.end_of_turn])
+    stops = list(stops or eos_stops or extra.get("stops") or [fmt.end_of_turn])
     if fmt.end_of_turn in stops:  # the ChatFormat's end of turn first: what a plain stop samples
         stops = [fmt.end_of_turn] + [s for s in stops if s != fmt.end_of_turn]
     _known_end(name, fmt)
