@@ -160,6 +160,25 @@ def test_lint_with_a_profile_plays_the_server(dense_path):
     assert toy.verdicts() == lint(tok, end_of_turn="<|im_end|>").verdicts()
 
 
+def test_a_reply_cut_inside_a_character_is_told_by_its_bytes(monkeypatch):
+    """A reply cut between the byte tokens of one character: the recorded ids hold its first bytes,
+    the history render U+FFFD. Both decode to U+FFFD, so the report said "same text, other ids
+    (retokenization)", showed one string on both sides, and the merged-boundary trap fired."""
+    import workbench.lint as wl
+
+    text = "東京の天気は晴れです。🌞 とても暖かい。"
+    fmt = wl._resolve("llama3.1")[1]
+    ids = fmt.encode(text)
+    cut = next(k for k in range(1, len(ids)) if "\ufffd" in fmt.decode(ids[:k]))
+    monkeypatch.setitem(wl.SHAPES, "cut_multibyte", ("a reply cut inside a character", None, [
+        ([wl._user("Tell me about Tokyo.")], wl._reply(text, cut=cut)), ([wl._user("Go on.")], wl._reply("OK."))]))
+    report = lint("llama3.1", ["cut_multibyte"])
+    turn = report.shapes[0].turns[1]
+    assert turn.verdict == "extends*" and "retokenization" not in turn.detail, turn
+    assert "recorded b'\\xf0\\x9f" in turn.context and "render b'\\xef\\xbf\\xbd" in turn.context, turn.context
+    assert not next(t for t in report.traps if t.name == "merged_boundary").found
+
+
 def test_the_merged_boundary_trap_shows_the_retokenized_turn_itself():
     """A shape that seals before its retokenized turn: the trap showed the seal's diff (the
     shape's first verdict) as the evidence of a merged boundary."""

@@ -212,7 +212,18 @@ def diff_context(fmt: ChatFormat, a: list[int], b: list[int], k: int = 5) -> tup
     before = fmt.decode(a[max(0, i - k):i])
     mine = fmt.decode(a[i:i + 2]) or "<end>"
     theirs = fmt.decode(b[i:i + 2]) or "<end>"
+    if mine == theirs:  # (a character cut between byte tokens decodes to U+FFFD on both sides: the bytes differ)
+        mine, theirs = text_bytes(fmt, a[i:i + 2]), text_bytes(fmt, b[i:i + 2])
     return i, f"{before!r} then recorded {mine!r} vs render {theirs!r}"
+
+
+def text_bytes(fmt: ChatFormat, ids: list[int]) -> bytes:
+    """The bytes `ids` stand for (their vocabulary pieces: a character split over byte tokens is its
+    bytes, where a decode gives U+FFFD for each part); a decode's UTF-8 where the format has no pieces."""
+    try:
+        return b"".join(fmt.token_bytes(ids))
+    except (AttributeError, NotImplementedError, KeyError, ValueError):
+        return fmt.decode(ids).encode()
 
 
 class _Model:
@@ -365,7 +376,9 @@ def run_shape(fmt: ChatFormat, name: str, stops: list[str], reasoning_in_content
             tr = TurnResult(turn, "extends", f"+{plan.delta_len} template ids")
         else:
             i, ctx = diff_context(fmt, plan.prompt_ids, fresh)
-            same_text = fmt.decode(plan.prompt_ids) == fmt.decode(fresh)
+            # (by bytes: a reply cut inside a character decodes to U+FFFD, as does the render's replacement
+            # character for it, and "same text" was said of two texts)
+            same_text = text_bytes(fmt, plan.prompt_ids) == text_bytes(fmt, fresh)
             tr = TurnResult(turn, "extends*", "same text, other ids (retokenization)" if same_text else
                             "the template renders the earlier turn differently from what was sampled", i, ctx)
         res.turns.append(tr)
