@@ -302,8 +302,8 @@ def _mistral(ck: Checkpoint):
         return None
     moe = ck.model_type == "mixtral"
     # a Tekken checkpoint (tekken.json, e.g. NeMo) is rendered by mistral-common, not by a template; it
-    # drops tool calls and results before the last user turn and moves tools and the system prompt
-    # there: a new user turn seals (template_rewrite) unless the chat is plain. The SentencePiece v3
+    # moves tools and the system prompt to the last user turn (workbench.tekken): a new user turn
+    # seals (template_rewrite) unless the chat is plain. The SentencePiece v3
     # tokenizer puts a space after [TOOL_CALLS] that the model did not sample (a retokenization trap;
     # Tekken does not). Templates refuse tool-call ids other than 9 alphanumeric characters: alnum9
     tekken = (ck.path / "tekken.json").is_file()

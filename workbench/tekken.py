@@ -13,10 +13,10 @@ ones vLLM would build, and gives the accumulator what it needs from any ChatForm
 - `decode` / `text_units`: from the Tekkenizer's byte pieces (there is no HF `tokenizers` backend).
 
 What this does to accumulation (the v3 instruct encoding of both Tekken files mistral-common ships,
-the NeMo tokenizer): tool calls and tool results before the last user message are dropped, and
-[AVAILABLE_TOOLS] and the system prompt sit in front of the last user message; so a new user turn
-rewrites the history (template_rewrite) whenever there are tools, a system prompt or a tool call,
-while tool results after a tool call extend the exact sampled ids. Tekken has no leading-space trap
+the NeMo tokenizer): [AVAILABLE_TOOLS] and the system prompt sit in front of the last user message
+(mistral-common 1.13 keeps earlier tool calls and results in the history; older versions dropped
+them), so a new user turn rewrites the history (template_rewrite) whenever there are tools or a
+system prompt, while tool results after a tool call extend the exact sampled ids. Tekken has no leading-space trap
 after [TOOL_CALLS] (the SentencePiece v3 tokenizer has).
 
 `tokenizer` is vLLM's MistralTokenizer (the loopback's tool parser, `mistral`, reads Tekken's
