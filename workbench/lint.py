@@ -22,6 +22,12 @@ first token where the recorded ids and a fresh render of the request part, shown
 Plus retokenization traps of the tokenizer (TRAPS): BOS doubling, text after a control token that
 tokenizes differently from running text (leading spaces), merged boundaries, control-token strings in text,
 and decode/encode round trips.
+
+The model played writes the template's own form of each reply. A real model may not: from recorded
+outputs, gpt-oss writes its call header `<|channel|>commentary to=functions.f <|constrain|>json`
+(the template renders ` to=functions.f<|channel|>commentary json`) and Mistral-7B-v0.3 writes no
+call id, so their tool results are `extends*` (30 of 35, and every one) where the linter says
+`extends`: docs/ARCHITECTURE.md's table of recorded outputs has the real verdicts.
 """
 
 from __future__ import annotations
