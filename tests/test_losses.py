@@ -24,22 +24,21 @@ def test_group_estimators():
     assert torch.allclose(adv("rloo", r, g)[:, 0], torch.tensor([1.0, -1.0, -2.0, 2.0]))
     rpp = adv("reinforce_pp_baseline", r, g)[:, 0]
     centred, tokens = torch.tensor([0.5, -0.5, -1.0, 1.0]), MASK.sum(-1).float()
-    # divided by the std over the trainable tokens (each row's centred reward once per token), not over rows
-    mu = (centred * tokens).sum() / tokens.sum()
-    assert torch.allclose(rpp, centred / ((tokens * (centred - mu) ** 2).sum() / tokens.sum()).sqrt(), atol=1e-4)
+    # divided by the root mean square over the trainable tokens (each row's centred reward once per token)
+    assert torch.allclose(rpp, centred / ((tokens * centred ** 2).sum() / tokens.sum()).sqrt(), atol=1e-4)
 
 
 def test_reinforce_pp_baseline_whitens_over_trainable_tokens():
     """REINFORCE++-baseline's batch std is over tokens (the paper's, OpenRLHF's, verl's): over
-    episodes, long wrong answers made every advantage 1.5x too small, and episodes that train
+    episodes, long wrong answers made every advantage 1.2x too small, and episodes that train
     nothing (masked as truncated, their reward still in their group's mean) inflated them."""
     rewards, groups = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0]), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     lengths = torch.tensor([10.0, 100, 100, 100, 20, 30, 60, 80])
     a = get_advantage("reinforce_pp_baseline")(AdvantageInput(rewards, groups, torch.ones(8, 1), tokens=lengths))[:, 0]
     centred = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5], dtype=torch.float64)
     per_token = centred.repeat_interleave(lengths.long())
-    assert torch.allclose(a.double(), centred / per_token.std(unbiased=False), atol=1e-5)
-    assert a[0] > 2.4  # (over episodes: 1.60)
+    assert torch.allclose(a.double(), centred / per_token.pow(2).mean().sqrt(), atol=1e-5)
+    assert a[0] > 1.95  # (over episodes: 1.60)
     # six masked episodes (no token) with the two trained ones in a group: the same advantages as without them
     # in the std (their rewards only in the group's mean)
     rewards, groups = torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 0, 1, 0]), torch.tensor([0] * 8 + [1, 1])
@@ -47,7 +46,12 @@ def test_reinforce_pp_baseline_whitens_over_trainable_tokens():
     a = get_advantage("reinforce_pp_baseline")(AdvantageInput(rewards, groups, torch.ones(10, 1), tokens=tokens))[:, 0]
     centred = torch.tensor([0.875, -0.125, 0.5, -0.5], dtype=torch.float64)
     trained = a[[0, 1, 8, 9]].double()
-    assert torch.allclose(trained, centred / centred.std(unbiased=False), atol=1e-5)
+    assert torch.allclose(trained, centred / centred.pow(2).mean().sqrt(), atol=1e-5)
+    # one trained episode among masked ones: its centred reward alone, scaled to 1 (the std about the
+    # token mean was 0 there, and its advantage 1 / eps)
+    one = get_advantage("reinforce_pp_baseline")(AdvantageInput(torch.tensor([1.0, 0, 0, 0]), torch.tensor([0] * 4),
+                                                                torch.ones(4, 1), tokens=torch.tensor([5.0, 0, 0, 0])))
+    assert one[0, 0] == pytest.approx(1.0, abs=1e-5)
     # nothing trainable at all: no advantage (no NaN)
     assert (get_advantage("reinforce_pp_baseline")(AdvantageInput(rewards, groups, torch.ones(10, 1),
                                                                    tokens=torch.zeros(10))) == 0).all()

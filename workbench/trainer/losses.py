@@ -143,23 +143,24 @@ def rloo(x: AdvantageInput) -> torch.Tensor:
 
 @register_advantage("reinforce_pp_baseline", group=True)
 def reinforce_pp_baseline(x: AdvantageInput, eps: float = 1e-6) -> torch.Tensor:
-    """REINFORCE++ with baseline (Hu et al. 2025): subtract the group mean, then divide by the
-    std over the batch's trainable tokens, each episode's centred reward counted once per token it
-    trains (the paper's, OpenRLHF's and verl's masked whitening). Over episodes instead, a batch
-    whose wrong answers ran long got advantages 1.5x too small, and episodes that train nothing
-    (masked as truncated: their reward still in their group's mean) inflated every advantage.
+    """REINFORCE++ with baseline (Hu et al. 2025): subtract the group mean, then scale over the
+    batch's trainable tokens, each episode's centred reward counted once per token it trains (the
+    paper's, OpenRLHF's and verl's masked whitening). Over episodes instead, a batch whose wrong
+    answers ran long got advantages 1.2x too small, and episodes that train nothing (masked as
+    truncated: their reward still in their group's mean) inflated every advantage.
     The paper also shifts by the token mean; that is a constant baseline (unbiased), left out so
     that a group of equal rewards keeps advantage 0 exactly, as every other estimator here gives it
     (loop.zero_variance, dynamic sampling and the no-signal warning read such a group as teaching
-    nothing; with the shift it pushed every one of its tokens one way, set by the other groups)."""
+    nothing; with the shift it pushed every one of its tokens one way, set by the other groups).
+    Without the shift the scale is the root mean square about 0 (the std about the token mean, with
+    one trained episode among masked ones, was 0: its advantage 1/eps, ~750,000)."""
     mean, _, _ = _group_stats(x.rewards, x.groups)
     a = x.rewards.double() - mean
     w = (x.tokens if x.tokens is not None else x.loss_mask.sum(-1)).double()
     if w.sum() <= 0:
         return _per_token(torch.zeros_like(a), x.loss_mask)
-    mu = (w * a).sum() / w.sum()
-    std = torch.sqrt((w * (a - mu) ** 2).sum() / w.sum())
-    return _per_token(a / (std + eps), x.loss_mask)
+    rms = torch.sqrt((w * a ** 2).sum() / w.sum())
+    return _per_token(a / (rms + eps), x.loss_mask)
 
 
 @register_advantage("distill", per_token=True)
