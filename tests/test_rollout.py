@@ -76,6 +76,14 @@ def test_an_agent_file_is_one_module_until_it_changes(tmp_path):
     assert pickle.loads(pickle.dumps(module.Op.ADD)) is sys.modules[again.runner.__module__].Op.ADD
     agent.write_text(agent.read_text() + "# edited\n")
     assert load_agent(agent).runner is not first.runner
+    # a file that exits while it runs (an argparse at import) is not kept half-run under its content
+    exits = tmp_path / "exits.py"
+    exits.write_text("import pathlib\nmark = pathlib.Path(__file__).with_suffix('.ran')\nif not mark.exists():\n"
+                     "    mark.write_text('1')\n    raise SystemExit(3)\nfrom workbench.agents import ChatAgent\n"
+                     "class AgentRunner(ChatAgent):\n    async def run(self, ctx):\n        return 0.0, {}\n")
+    with pytest.raises(SystemExit):
+        load_agent(exits)
+    assert load_agent(exits).kind == "chat"
 
 
 def test_an_agent_without_its_own_run_or_step_is_refused_at_load(tmp_path):

@@ -20,6 +20,7 @@ import inspect
 import math
 import re
 import sys
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +145,9 @@ class AgentSpec:
         return self.runner()
 
 
+_loading = threading.Lock()
+
+
 def load_agent(path: str | Path) -> AgentSpec:
     """Import the user's file and find `AgentRunner` (a subclass of Env or ChatAgent)."""
     path = Path(path).expanduser().resolve()
@@ -161,19 +165,21 @@ def load_agent(path: str | Path) -> AgentSpec:
     # rollout again, and a second run replaced the first's classes, so a task label of the file's own
     # class (an Enum, a dataclass) pickled from the first copy reached the runners as a class of no
     # module there: every isinstance and == False, every reward 0, silently. An edited file loads anew
-    source = path.read_bytes()
-    digest = hashlib.sha1(source).hexdigest()
-    module = sys.modules.get(name)
-    if module is None or getattr(module, "__workbench_source__", None) != digest:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        module.__workbench_source__ = digest
-        sys.modules[name] = module  # dataclasses and pickling need the module registered
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[name]  # (a failed load is not kept: the next call runs the file again)
-            raise AgentLoadError(f"importing agent file {str(path)!r} failed: {type(e).__name__}: {e}") from e
+    digest = hashlib.sha1(path.read_bytes()).hexdigest()
+    with _loading:  # (one load at a time: another thread saw a module still running its file)
+        module = sys.modules.get(name)
+        if module is None or getattr(module, "__workbench_source__", None) != digest:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module  # dataclasses and pickling need the module registered
+            try:
+                spec.loader.exec_module(module)
+            except BaseException as e:  # (an interrupt or SystemExit too: a half-run module was kept)
+                sys.modules.pop(name, None)  # (a failed load is not kept: the next call runs the file again)
+                if not isinstance(e, Exception):
+                    raise
+                raise AgentLoadError(f"importing agent file {str(path)!r} failed: {type(e).__name__}: {e}") from e
+            module.__workbench_source__ = digest  # (marked once whole)
     runner = getattr(module, "AgentRunner", None)
     if runner is None:
         raise AgentLoadError(f"agent file {str(path)!r} defines no AgentRunner")
