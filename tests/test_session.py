@@ -372,6 +372,17 @@ def test_a_run_directory_is_held_by_one_session(tmp_path, monkeypatch, capsys):
     finally:
         time.time = real_time
     assert not [p for p in first.iterdir() if p.name.startswith(".clock-")]
+    # no file can be made there (a quota, a full disk): this host's clock, not a stale lock taken over
+    import errno
+    import tempfile
+
+    def no_room(*a, **k):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    with monkeypatch.context() as m:
+        m.setattr(tempfile, "mkstemp", no_room)
+        with pytest.raises(ConfigError, match=r"on host 'gpu-node-2', its lock touched 0 s ago"):
+            claim_run_dir(first)
     (first / RUN_DIR_LOCK).write_text(json.dumps(claimed))
     # a held lock the heartbeat cannot touch is said (silent, another host's session took the run over)
     (first / RUN_DIR_LOCK).unlink()

@@ -269,8 +269,15 @@ def load_tasks(path: str | Path, fields: str | dict | None = None, template: str
     if mapped, else `<file stem>:<row>` (a directory's `<name>/<split>:<row>`), so the same file gives the same ids in every process
     (a resumed run names its tasks as the first one did)."""
     path = Path(path)
-    if limit is not None and not (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0):
-        raise ValueError(f"limit must be a whole number >= 0 (the first rows read) or None, got {limit!r}")
+    if limit is not None:  # (numpy's integers too: operator.index)
+        import operator
+
+        try:
+            if isinstance(limit, bool) or operator.index(limit) < 0:
+                raise TypeError
+        except TypeError:
+            raise ValueError(f"limit must be a whole number >= 0 (the first rows read) or None, got {limit!r}") from None
+        limit = operator.index(limit)
     records = load_records(path, split)
     columnar = path.is_dir() or path.suffix in (".parquet", ".arrow")
     if limit is not None:

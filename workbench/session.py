@@ -496,8 +496,13 @@ def touch_held_locks() -> None:
 def _file_system_now(directory: Path) -> float:
     """The time as `directory`'s file system stamps it (a new file's mtime): another host's lock is
     judged by its age on the one clock that stamped it too. By this host's clock, a node whose clock
-    ran 2 minutes ahead of the file server took a live lock over (and one behind it kept a dead one)."""
-    fd, name = tempfile.mkstemp(prefix=".clock-", dir=directory)
+    ran 2 minutes ahead of the file server took a live lock over (and one behind it kept a dead one).
+    This host's clock where no file can be made there (a full disk, a quota): a failed probe read as
+    a stale lock took a live one over."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".clock-", dir=directory)
+    except OSError:
+        return time.time()
     try:
         return os.fstat(fd).st_mtime
     finally:
