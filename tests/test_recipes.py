@@ -338,6 +338,10 @@ def test_notebooks_list_shows_every_notebook_with_parameters_and_time(capsys, mo
     with pytest.raises(SystemExit):
         main(["recipes/distillation", "--run-dir", str(tmp_path / "n")])
     assert "holds a run already (metrics.jsonl)" in capsys.readouterr().err
+    # ... unless its config resumes that run
+    (tmp_path / "resume.yaml").write_text("resume: true\n")
+    main(["recipes/math_grpo", "-p", "config", str(tmp_path / "resume.yaml"), "--run-dir", str(tmp_path / "n")])
+    assert got["config"] == str(tmp_path / "resume.yaml")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit):
         main(["00_quickstrat"])

@@ -86,6 +86,21 @@ def describe(name: str) -> dict:
     return {"name": name, "cpu_minutes": meta.get("cpu_minutes"), "parameters": params}
 
 
+def _resumes(params: dict) -> bool:
+    """Whether a run's parameters continue the run in its directory: a `resume` parameter, or a
+    session config file (`config`) saying resume (the session then takes the directory's run on)."""
+    if params.get("resume"):
+        return True
+    if isinstance(params.get("config"), str):
+        from .cluster import load_config_file
+
+        try:
+            return bool(load_config_file(params["config"]).get("resume"))
+        except (OSError, ValueError):
+            return False
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workbench.notebooks", description=__doc__.split("\n\n")[0])
     p.add_argument("name", nargs="?", help="notebook name without .ipynb, e.g. 00_quickstart or recipes/math_grpo")
@@ -160,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         # directory replaced the first run's notebook with one that failed at connect() (the session
         # refuses a directory holding a run)
         held = [n for n in (*RUN_MARKS, f"{Path(a.name).name}.ipynb") if (run_dir / n).exists()]
-        if held:
+        if held and not _resumes(params):
             p.error(f"--run-dir {str(run_dir)!r} holds a run already ({', '.join(held)}): give a new directory, or "
                     f"leave --run-dir out (runs/{a.name}/<date-time>)")
     out = run_notebook(a.name, run_dir, a.kernel, **params)
