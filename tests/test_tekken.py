@@ -403,3 +403,8 @@ def test_a_tool_result_without_its_call_id_is_refused_by_name(fmt):
     assert fmt.is_refusal(e.value)
     msgs[2]["tool_call_id"] = "abcDEF123"  # with it, it renders
     assert fmt.render(msgs, TOOLS, add_generation_prompt=True).count("[TOOL_RESULTS]") == 1
+    # an id of the wrong shape: Mistral's refusal named the id, not the message
+    bad = [msgs[0], {**CALL, "tool_calls": [{**CALL["tool_calls"][0], "id": "call_0"}]}, {**msgs[2], "tool_call_id": "call_0"}]
+    with pytest.raises(Exception, match=r"messages\[1\]: Tool call id was call_0") as e:
+        fmt.render(bad, TOOLS, add_generation_prompt=True)
+    assert fmt.is_refusal(e.value)

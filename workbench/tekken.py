@@ -151,7 +151,21 @@ class TekkenFormat(ChatFormat):
             msgs = [_renderable(m) for m in msgs]
         final_reply = bool(msgs) and msgs[-1]["role"] == "assistant" and not add_generation_prompt
         req = ChatCompletionRequest.from_openai(msgs, tools or None)
-        return (self._history if final_reply else self.mistral).encode_chat_completion(req)
+        try:
+            return (self._history if final_reply else self.mistral).encode_chat_completion(req)
+        except Exception as e:  # mistral-common's refusal of a call id names the id, not the message
+            import re
+
+            from mistral_common.exceptions import InvalidFunctionCallException, InvalidToolMessageException
+
+            said = re.search(r"[Tt]ool call id was (\S+?)[,:.]? but", str(e))
+            if not isinstance(e, (InvalidFunctionCallException, InvalidToolMessageException)) or said is None:
+                raise
+            at = [i for i, m in enumerate(msgs) if m.get("tool_call_id") == said.group(1)
+                  or any(c.get("id") == said.group(1) for c in m.get("tool_calls") or [])]
+            if not at:
+                raise
+            raise type(e)(f"messages[{at[0]}]: {e}") from e
 
     def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool, refuse_dropped: bool = True) -> str:
         """mistral-common's ids as text: control tokens by name, each text piece between them
