@@ -50,7 +50,9 @@ EXPECTED = {
 }
 TRAPS = {  # the traps found per template
     "qwen3": {"special_in_text"}, "qwen3-nothink": {"special_in_text"},
-    "llama3.1": {"bos_doubling", "special_in_text"}, "mistral-v3": {"bos_doubling", "special_in_text"},
+    "llama3.1": {"bos_doubling", "special_in_text"},
+    # Mistral v3 renders the system prompt only before the last user message: none after a tool result
+    "mistral-v3": {"bos_doubling", "special_in_text", "system_dropped"},
     # DeepSeek V3.1's template ignores tools= (the tool shapes extend, on a prompt without the schemas)
     "gpt-oss": {"special_in_text"}, "deepseek-v3.1": {"special_in_text", "tools_unrendered"},
 }

@@ -21,7 +21,8 @@ first token where the recorded ids and a fresh render of the request part, shown
 
 Plus retokenization traps of the tokenizer (TRAPS): BOS doubling, text after a control token that
 tokenizes differently from running text (leading spaces), merged boundaries, control-token strings in text,
-and decode/encode round trips.
+and decode/encode round trips; and two of the template: tools= it does not render, and a system
+prompt it drops from the request after a tool result (Mistral v3).
 
 The model played writes the template's own form of each reply. A real model may not: from recorded
 outputs, gpt-oss writes its call header `<|channel|>commentary to=functions.f <|constrain|>json`
@@ -475,6 +476,22 @@ def traps(fmt: ChatFormat, shapes: list[ShapeResult], renders: list[str]) -> lis
                     "a request's tools= leave the prompt unchanged: the policy never sees the tools' schemas "
                     "(describe them in the system message, or give a template that renders them)" if unrendered else
                     "tools= are rendered into the prompt"))
+    # a template that renders the system prompt only before the last user message (Mistral v3's): the
+    # request after a tool call's result has none, so the policy answers tool results, and is trained
+    # on those turns, without the agent's instructions (the model's own format: not refused, said here)
+    instructions = "Answer in French, always."
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "abcDEF123", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    after_tool = [{"role": "system", "content": instructions}, {"role": "user", "content": "Weather in Paris?"},
+                  fmt.canonical(call), {"role": "tool", "tool_call_id": "abcDEF123", "content": "sunny, 21 C"}]
+    try:
+        dropped = instructions not in fmt.render(after_tool, TOOLS, True, refuse_dropped=False)
+    except Exception:  # (a template that cannot render a tool turn: the tool shapes say so)
+        dropped = False
+    out.append(Trap("system_dropped", dropped,
+                    "the request after a tool result has no system prompt (the template renders it only before the "
+                    "last user message): the policy answers tool results without the agent's instructions" if dropped else
+                    "the system prompt stays in the request after a tool result"))
     bad = next((r for r in renders if fmt.decode(fmt.encode(r)) != r), None)
     out.append(Trap("roundtrip", bad is not None, "decode(encode(render)) != render" if bad is not None else
                     "decode(encode(render)) == render for every shape"))
