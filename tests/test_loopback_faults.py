@@ -497,10 +497,12 @@ def test_a_tool_call_the_agent_could_not_send_back_is_left_as_text(tokenizer):
     big = "1" * (MAX_NUMBER_CHARS + 20)
     engine = Scripted(tokenizer)
     with LoopbackServer(engine, tokenizer) as srv:
-        for bad in (big, "NaN"):
+        # (and a name with a JSON-escaped lone surrogate: it could not be encoded, the recorded turn's reply
+        # was a plain-text 500 the SDK retried into the same 500)
+        for name, bad in (("calc", big), ("calc", "NaN"), ("calc\\ud800", '"1"')):
             sid = srv.open_session()
             client = openai.OpenAI(base_url=srv.base_url(sid), api_key=srv.api_key, max_retries=0)
-            call = '<tool_call>\n{"name": "calc", "arguments": {"expression": %s}}\n</tool_call>' % bad
+            call = '<tool_call>\n{"name": "%s", "arguments": {"expression": %s}}\n</tool_call>' % (name, bad)
             engine.replies += [(call + "<|im_end|>", "stop"), ("2<|im_end|>", "stop")]
             failures = srv.summary()["parser_failures"]
             r = client.chat.completions.create(model="p", messages=USER, tools=[CALC_TOOL], max_tokens=200)

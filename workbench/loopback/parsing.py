@@ -216,7 +216,7 @@ class ReplyParser:
                     args = json.loads(c.arguments or "{}")
                 except json.JSONDecodeError:
                     args = None
-                if not isinstance(args, dict) or not self._sendable(args):  # as hermes: a call we cannot read
+                if not isinstance(args, dict) or not self._sendable(c.name, args):  # as hermes: a call we cannot read
                     return self.as_text(text, ids, tools)  # leaves the text as written
                 out.append({"name": c.name, "arguments": args})
             if out and not _one_call_list(text):
@@ -233,7 +233,7 @@ class ReplyParser:
             reasoning, rest = _closed_where_written(text, reasoning, rest, markers)
             text = rest or ""
         content, calls = self._ours(text) if parse_tools else (text, [])
-        if not all(self._sendable(c["arguments"]) for c in calls):
+        if not all(self._sendable(c["name"], c["arguments"]) for c in calls):
             return Parsed(reasoning or None, text, [])  # the reasoning kept, as streaming sent it
         return Parsed(reasoning or None, content, calls)
 
@@ -253,12 +253,16 @@ class ReplyParser:
                                                          model_output_token_ids=list(ids))
         return Parsed(reasoning or None, ("" if self._harmony else text) if content is None else content, [])
 
-    def _sendable(self, arguments) -> bool:
+    def _sendable(self, name, arguments) -> bool:
         """Whether the agent can send this call back: its history's next request is held to the
         body's bounds (a 120-digit number, NaN, nesting past MAX_JSON_DEPTH: a 400 at every later
-        turn of the episode). A call that is not is left as the text the model wrote (counted)."""
+        turn of the episode). A call that is not is left as the text the model wrote (counted).
+        The name too: a JSON-escaped lone surrogate in it ("calc\\ud800") could not be encoded, the
+        recorded turn's reply was a 500 the SDK retried into the same 500."""
         try:
-            loads(json.dumps(arguments), what="the tool call's arguments")
+            if not isinstance(name, str):
+                raise TypeError
+            loads(json.dumps({"name": name, "arguments": arguments}), what="the tool call")
             return True
         except (RequestError, ValueError, TypeError):
             self.failures += 1

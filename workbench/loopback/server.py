@@ -607,8 +607,10 @@ class LoopbackServer:
     async def _changed(feed: TokenFeed, turn) -> None:
         feed.changed.clear()
         waiter = asyncio.ensure_future(feed.changed.wait())
-        await asyncio.wait([turn, waiter], return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
+        try:
+            await asyncio.wait([turn, waiter], return_when=asyncio.FIRST_COMPLETED)
+        finally:  # (cancelled here, a client gone mid-stream: the waiter was left pending, logged at its end)
+            waiter.cancel()
 
     async def _stream_parts(self, req: ChatRequest, turn, sid, t0):
         """("reasoning" | "content", text) deltas as the ids arrive, the rest once the turn is

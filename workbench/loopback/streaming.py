@@ -40,13 +40,18 @@ class TokenFeed:
 
 
 def _partial(text: str, markers) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of one of `markers`."""
+    """Length of the longest tail of `text` that is a proper prefix of one of `markers`. Only the
+    tail's places holding the marker's first character are tried (every length was, each a slice:
+    64 stop strings of 1,024 characters cost 7.5 ms a streamed token on the server's loop)."""
     best = 0
     for m in markers:
-        for k in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:k]):
-                best = k
+        tail = text[-(len(m) - 1):] if len(m) > 1 else ""
+        i = tail.find(m[0]) if tail else -1
+        while i != -1 and len(tail) - i > best:
+            if m.startswith(tail[i:]):
+                best = len(tail) - i
                 break
+            i = tail.find(m[0], i + 1)
     return best
 
 
