@@ -22,7 +22,7 @@ import real_fixtures as rf
 from workbench import real_models as rm
 from workbench.lint import diff_context, sample_of
 from workbench.loopback.toolcalls import parse_hermes
-from workbench.tokens import Accumulator, ChatFormat, retokenization_drift
+from workbench.tokens import Accumulator, ChatFormat, retokenization_drift, text_units
 
 FAMILIES = ["qwen3", "llama3.1", "mistral-v3", "gpt-oss", "deepseek-v3.1"]
 
@@ -504,6 +504,25 @@ def test_c_qwen3_normalizes_a_decomposed_accent_and_drift_counts_only_it(fams):
     # where the text is not normalized the spans decide: in repetitive text both tokens of "aaaaa" as
     # [a, aaaa] against the retokenized [aaaa, a] drift (matched by ids alone, one read as kept)
     assert retokenization_drift(fmt, ids("a") + ids("aaaa")) == 2
+
+
+def test_c_a_sentencepiece_byte_run_tokenizers_stream_refuses_is_recorded_whole(fams):
+    """Mistral's byte fallback: "\n" as <0x0A>, a cut character (F0 9F), then a word: tokenizers'
+    DecodeStream raises "Invalid prefix", which escaped the drift measurement in the middle of
+    record(): the sampled ids were in the segment, the conversation not, the turn answered 500, and
+    the SDK's retry extended a context holding a reply the agent never got (trained)."""
+    from workbench.rollout.engine import Sample
+
+    fmt = fams["mistral-v3"].chat_format()
+    byte = lambda h: fmt.tokenizer.convert_tokens_to_ids(f"<0x{h}>")  # noqa: E731
+    sampled = fmt.encode(" Sure:") + [byte("0A"), byte("F0"), byte("9F")] + fmt.encode(" ok") + [fmt.end_of_turn_id]
+    assert text_units(fmt, sampled) is None  # (the stream cannot be cut at characters: not measured that way)
+    acc, msgs = Accumulator(fmt), [{"role": "user", "content": "Draw an emoji"}]
+    plan = acc.plan(msgs)
+    seg = acc.record(plan, Sample(plan.prompt_ids, sampled, [-0.1] * len(sampled), [1] * len(sampled), "stop"),
+                     {"role": "assistant", "content": "Sure:\n\ufffd ok"})
+    assert seg.token_ids[len(plan.prompt_ids):] == sampled and sum(seg.loss_mask) == seg.stats["sampled_tokens"] == len(sampled)
+    assert acc._conversation[-1]["role"] == "assistant"  # the turn recorded whole
 
 
 def test_c_qwen3_keys_the_agent_reordered_seal_as_its_change(fams):

@@ -40,6 +40,7 @@ import copy
 import datetime
 import functools
 import json
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -493,7 +494,11 @@ def text_units(fmt: ChatFormat, ids: list[int]) -> list[tuple[int, int, tuple]] 
     step = DecodeStream(skip_special_tokens=False).step
     units, pos, start = [], 0, 0
     for k, i in enumerate(ids):
-        chunk = step(fmt._backend, i)
+        try:
+            chunk = step(fmt._backend, i)
+        except Exception:  # tokenizers' stream refuses some byte runs (SentencePiece's byte fallback: "\n" as
+            # <0x0A>, then a cut character, then a word: "Invalid prefix encountered"): not cut this way
+            return None
         if chunk is None:  # an incomplete character: the unit goes on
             if k + 1 - start > _MAX_PENDING:
                 return None
@@ -827,7 +832,10 @@ class Accumulator:
         # the append reports: a broken append that returns the engine's ids is caught too
         sampled = seg.token_ids[start:]
         seg.stats["identity_mismatch"] += _mismatch(sampled, list(sample.token_ids))
-        seg.stats["retokenization_drift"] += retokenization_drift(self.fmt, sampled)
+        try:  # (a measurement that raised left the turn half recorded: its ids in, the conversation not)
+            seg.stats["retokenization_drift"] += retokenization_drift(self.fmt, sampled)
+        except Exception:
+            logging.getLogger(__name__).warning("retokenization drift not measured for a turn", exc_info=True)
         seg.stats["sampled_tokens"] += len(sampled)
         seg.stats["turns"] += 1
         seg.stats["sampling_overridden"] = seg.stats.get("sampling_overridden", 0) + int(bool(sampling_overridden))
