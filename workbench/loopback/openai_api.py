@@ -183,7 +183,11 @@ async def stream_events(head: Reply, parts, req: ChatRequest, model: str):
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
+    # the role alone first: a content "" there made a call-only reply's content '' in the SDK's assembled
+    # message where the unstreamed reply (and OpenAI's stream) has None; "" is sent at the end where
+    # the reply has neither text nor a call, as the unstreamed one has
+    yield chunk({"role": "assistant"})
+    content = False
     async for part in parts:
         if isinstance(part, Reply):
             r = part
@@ -191,8 +195,12 @@ async def stream_events(head: Reply, parts, req: ChatRequest, model: str):
         if part[0] == "error":
             yield f"data: {json.dumps(error_body(part[1], part[2]))}\n\n"
             return
+        content = content or part[0] == "content"
         yield chunk(dict.fromkeys(REASONING_FIELDS, part[1]) if part[0] == "reasoning" else {"content": part[1]})
-    for i, tc in enumerate(_tool_calls(r)):  # a call whole, in one delta
+    calls = _tool_calls(r)
+    if not calls and not content:
+        yield chunk({"content": ""})
+    for i, tc in enumerate(calls):  # a call whole, in one delta
         yield chunk({"tool_calls": [{"index": i, **tc}]})
     yield chunk({}, finish=_finish(r), logprobs=_logprobs(r) if req.logprobs else None)
     if req.include_usage:
