@@ -169,14 +169,17 @@ class PlacementPlan:
                                       if self.tensor_parallel_size > 1 else "")
 
 
+def _shape(trainer_ranks: int, num_engines: int, tensor_parallel_size: int) -> str:
+    return f"{trainer_ranks} trainer rank(s) x 1 GPU + {num_engines} engine(s) x tensor_parallel_size {tensor_parallel_size}"
+
+
 def check_fits(cluster: ClusterSpec, trainer_ranks: int, num_engines: int, tensor_parallel_size: int = 1) -> None:
     """PlacementError where a GPU each rank and `tensor_parallel_size` on one node each engine cannot
     fit on `cluster` at all, whatever places them (split's plan, or Ray alone under placement
     "none": there the actors waited for GPUs for ever, and connect() with them)."""
     biggest = max(n.gpus for n in cluster.nodes)
     need = trainer_ranks + num_engines * tensor_parallel_size
-    shape = (f"{trainer_ranks} trainer rank(s) x 1 GPU + {num_engines} engine(s) x tensor_parallel_size "
-             f"{tensor_parallel_size} = {need} GPUs")
+    shape = f"{_shape(trainer_ranks, num_engines, tensor_parallel_size)} = {need} GPUs"
     if tensor_parallel_size > biggest:
         raise PlacementError(f"cannot place an engine with tensor_parallel_size {tensor_parallel_size}: its GPUs must be "
                              f"on one node (vLLM's workers run inside the engine's actor), and the largest node has "
@@ -223,9 +226,7 @@ def plan_placement(cluster: ClusterSpec, trainer_ranks: int, num_engines: int, t
         node = next((n for n in engine_order if free[n] >= tensor_parallel_size), None)
         if node is None:
             left = ", ".join(f"{n}: {free[n]}" for n in order)
-            shape = (f"{trainer_ranks} trainer rank(s) x 1 GPU + {num_engines} engine(s) x tensor_parallel_size "
-                     f"{tensor_parallel_size}")
-            raise PlacementError(f"cannot place {shape} on {cluster.describe()}: engine {e} needs "
+            raise PlacementError(f"cannot place {_shape(trainer_ranks, num_engines, tensor_parallel_size)} on {cluster.describe()}: engine {e} needs "
                                  f"{tensor_parallel_size} GPUs on one node, and the GPUs left after the trainer and "
                                  f"engines 0-{e - 1} are split ({left}). Use a tensor_parallel_size that divides the "
                                  f"nodes' GPUs, or fewer engines")
