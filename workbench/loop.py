@@ -283,6 +283,9 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
         correction.check_sampling(top_p=top_p)
     batch = training_tensors(segments, pad_id)
     index = torch.tensor(seg_episode)
+    # each episode's trainable tokens (its rows' together): a batch-wide advantage scale and the
+    # sequence-level aggregations count by them
+    tokens_per_episode = torch.zeros(len(rewards)).index_add_(0, index, batch["loss_mask"].sum(-1).float())
     if advantage in PER_TOKEN_ADVANTAGES:  # per token, per row: the teacher's log-probs of the row's tokens
         # here, not only where a run starts: wb.trainer.step() / batch() build their batches here too
         for t in sorted({t for s in segments for t in s.stats.get("temperatures", ())} |
@@ -311,13 +314,12 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
         # with the trainable tokens its advantage lands on (a batch-wide scale is over tokens)
         x = AdvantageInput(torch.tensor(rewards, dtype=torch.float64), torch.tensor(group_index),
                            torch.ones(len(rewards), 1),
-                           tokens=torch.zeros(len(rewards)).index_add_(0, index, batch["loss_mask"].sum(-1).float()))
+                           tokens=tokens_per_episode)
         per_episode = get_advantage(advantage)(x).float()[:, 0]
         batch["advantages"] = per_episode[index][:, None] * batch["loss_mask"]
     # trainable tokens whose advantage is not 0: none, and the rewards moved nothing this step
     info["signal_tokens"] = int(((batch["advantages"] != 0) & batch["loss_mask"].bool()).sum())
-    tokens = batch["loss_mask"].sum(-1)
-    batch["episode_tokens"] = torch.zeros(len(rewards)).index_add_(0, index, tokens)[index]
+    batch["episode_tokens"] = tokens_per_episode[index]
     # each row's (episode id, segment index): what the token journey finds a row by (by content, two
     # episodes of one task with the same reply in two groups matched the first, its advantage shown).
     # Not a tensor: the trainer's split leaves it with the driver
