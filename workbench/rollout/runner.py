@@ -562,7 +562,7 @@ def _answers(runner, waits=(1.0, 2.0)) -> bool:
     for wait in waits:
         time.sleep(wait)
         try:
-            ray.get(runner.info.remote(), timeout=10)
+            ray.get(runner.stats.remote(), timeout=10)  # (any of RolloutRunner's methods: a cheap one)
             return True
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
             pass
