@@ -99,3 +99,51 @@ def test_a_stopped_async_run_records_the_finished_groups_no_step_took(monkeypatc
         recorded = trained + [gid for _, ids in untrained for gid in ids]
         assert sorted(recorded) == sorted(rollout.finished) and len(rollout.finished) > 8, (order, recorded, rollout.finished)
         assert untrained[-1][0] == 1
+
+
+class _SyncRollout:
+    """Rollout.run_groups for the sync loop: groups finish one by one; a set `stop` ends the wait
+    (RolloutStopped with those finished), as the real one does."""
+    sampling = None
+
+    def __init__(self):
+        self.finished, self.stopped = [], 0
+
+    def run_groups(self, tasks, group_size, progress=False, stop=None):
+        out = []
+        for task in tasks:
+            if stop is not None and stop.is_set():
+                self.stopped += 1
+                raise loop.RolloutStopped(out)
+            time.sleep(0.05)
+            started = _Started(task, group_size, 0.0)
+            while started.group is None:
+                time.sleep(0.001)
+            self.finished.append(task.id)
+            out.append(started.group)
+        return out
+
+
+def test_a_stopped_sync_run_stops_waiting_and_records_the_next_rollouts_groups(monkeypatch):
+    """The sync loop starts step k+1's rollout once step k is synced, while step k is recorded
+    (evaluation, on_step, a checkpoint). A stop then waited out that whole rollout (up to its
+    episodes' timeouts) and threw it away unrecorded. The wait ends at the stop, and the groups
+    finished by then are recorded with the last step's untrained ones."""
+    monkeypatch.setattr(loop, "sync_engines", lambda *a, **k: [])
+    monkeypatch.setattr(loop, "engines_version", lambda engines, lost=None, newest=True: 1)
+    rollout, stop, trained, untrained = _SyncRollout(), threading.Event(), [], []
+
+    def on_step(m):  # wb.stop() while step 0 is recorded: step 1's rollout runs meanwhile
+        time.sleep(0.3)
+        stop.set()
+
+    cfg = loop.LoopConfig(steps=5, prompts_per_step=40, group_size=2)
+    history = loop._run(rollout, _Trainer(), [], _Tasks(), cfg, on_step, False, None, 0, stop,
+                        lambda step, groups: trained.extend(g[0].group_id for g in groups), 0,
+                        on_untrained=lambda step, groups: untrained.append((step, [g[0].group_id for g in groups])))
+    assert [m["step"] for m in history] == [0]
+    assert rollout.stopped == 1  # step 1's rollout stopped waiting (its 40 groups take 2 s)
+    assert len(trained) == 40 and 40 < len(rollout.finished) < 80
+    # every group that finished is trained or recorded untrained (under step 0), once
+    assert untrained and {step for step, _ in untrained} == {0}
+    assert sorted(trained + [gid for _, ids in untrained for gid in ids]) == sorted(rollout.finished)

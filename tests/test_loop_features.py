@@ -97,7 +97,7 @@ class ConstructedRollout:
     def __init__(self):
         self.calls: list[list[str]] = []
 
-    def run_groups(self, tasks, group_size, progress=False):
+    def run_groups(self, tasks, group_size, progress=False, stop=None):
         self.calls.append([t.id for t in tasks])
         out = [[episode(r, task=t.id) for r in t.label[:group_size]] for t in tasks]
         for t in (t for g in out for t in g):  # an exact answer earns 1 (as the agents report it)
@@ -155,7 +155,7 @@ def test_dynamic_sampling_filters_and_replaces_up_to_the_limit():
     assert math.isnan(reward_statistics([])["reward_mean"])  # (no episode measured nothing: it read 0.0)
     # no episode finished (every one failed): the sampled mean measured nothing, NaN as reward_mean
     # (it read 0.0, a reward nobody earned, plotted beside reward_mean's gap)
-    failing = types.SimpleNamespace(run_groups=lambda tasks, group_size, progress=False: [
+    failing = types.SimpleNamespace(run_groups=lambda tasks, group_size, progress=False, stop=None: [
         [episode(0.0, error="timed out", task=t.id) for _ in range(group_size)] for t in tasks])
     _, stats, _ = collect_groups(failing, source, LoopConfig(prompts_per_step=2, group_size=2, dynamic_sampling=True,
                                                              dynamic_sampling_rounds=0, on_failed="zero"), 0)
@@ -201,7 +201,7 @@ def test_groups_filtered_or_stale_count_with_their_step(tmp_path):
     right = [episode(1.0, task="t2") for _ in range(2)]
     right[0].segments[0].stats["identity_mismatch"] = 3  # a broken record in a group the filter drops
     tasks = {"t0": crashed, "t1": [episode(0.0, task="t1"), episode(1.0, task="t1")], "t2": right}
-    rollout = types.SimpleNamespace(run_groups=lambda ts, n, progress=False: [tasks[t.id] for t in ts])
+    rollout = types.SimpleNamespace(run_groups=lambda ts, n, progress=False, stop=None: [tasks[t.id] for t in ts])
     source = TaskDataset([Task([{"role": "user", "content": i}], id=i) for i in tasks], shuffle=False)
     cfg = LoopConfig(prompts_per_step=3, group_size=2, dynamic_sampling=True, dynamic_sampling_rounds=0)
     groups, stats, _ = collect_groups(rollout, source, cfg, 0)

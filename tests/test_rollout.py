@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import types
 from pathlib import Path
@@ -751,6 +752,13 @@ def test_an_interrupted_rollout_gives_its_slots_back_when_its_groups_finish(roll
     time.sleep(6)  # the episodes time out (3 s) and the groups finish
     rollout.run_groups([task], group_size=2, progress=False)  # releases the finished ones, then runs
     assert sum(rollout.outstanding.values()) == 0 and not rollout._abandoned
+    # a stop (the loop's, wb.stop()) while it waits: it waits no more (it waited out the episodes'
+    # timeouts to throw the rollout away), the groups still running keep their slots as above
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    with pytest.raises(runner_mod.RolloutStopped) as stopped:
+        rollout.run_groups([task, task], group_size=2, progress=False, stop=stop)
+    assert stopped.value.groups == [] and sum(rollout.outstanding.values()) == 4 and len(rollout._abandoned) == 2
 
 
 def test_a_runner_dropped_as_unavailable_is_killed(rollout_for):

@@ -35,6 +35,7 @@ from .evaluation import is_correct, reports_correct
 from .rollout.actor import sync_weights
 from .rollout.engine import probe_ids
 from .rollout.router import engine_info, engine_lost
+from .rollout.runner import RolloutStopped
 from .tokens import UNEXPECTED_SEALS, Trajectory, segment_stats, training_tensors
 from .trainer.fsdp import PartialUpdate
 from .trainer.losses import ADVANTAGES, EQUAL_REWARDS_TOL, GROUP_ADVANTAGES, PER_TOKEN_ADVANTAGES, AdvantageInput, get_advantage
@@ -364,17 +365,19 @@ def draw_tasks(source, n: int, position: int, chunk: int) -> tuple[list[tuple[in
     return out, position
 
 
-def collect_groups(rollout, source, cfg: "LoopConfig", position: int) -> tuple[list, dict, int]:
+def collect_groups(rollout, source, cfg: "LoopConfig", position: int,
+                   stop: threading.Event | None = None) -> tuple[list, dict, int]:
     """The groups a step trains on, drawn from data position `position`: (groups, stats,
     next position). With cfg.dynamic_sampling, groups of zero reward variance (zero_variance)
     are filtered and replaced by the groups of freshly drawn tasks, up to
     cfg.dynamic_sampling_rounds more rollouts; a step still short trains on the groups it kept
     (ds_short counts the missing ones), and one left with none trains on its first draw (every
     advantage 0: no signal, but the step and its statistics happen). The groups filtered out are
-    stats["_untrained"] (untrained_statistics counts them with the step)."""
+    stats["_untrained"] (untrained_statistics counts them with the step). A `stop` set meanwhile
+    raises RolloutStopped holding every group finished so far."""
     n = cfg.prompts_per_step
     drawn, position = draw_tasks(source, n, position, n)
-    groups = rollout.run_groups([t for _, t in drawn], cfg.group_size, progress=False)
+    groups = rollout.run_groups([t for _, t in drawn], cfg.group_size, progress=False, stop=stop)
     if not cfg.dynamic_sampling:
         return groups, {}, position
     rule = cfg.episode_rules()
@@ -383,7 +386,10 @@ def collect_groups(rollout, source, cfg: "LoopConfig", position: int) -> tuple[l
     while len(kept) < n and rounds < cfg.dynamic_sampling_rounds:
         rounds += 1
         drawn, position = draw_tasks(source, n - len(kept), position, n)
-        more = rollout.run_groups([t for _, t in drawn], cfg.group_size, progress=False)
+        try:
+            more = rollout.run_groups([t for _, t in drawn], cfg.group_size, progress=False, stop=stop)
+        except RolloutStopped as e:
+            raise RolloutStopped(sampled + e.groups) from None
         sampled += more
         good = [g for g in more if not zero_variance(g, **rule)]
         filtered += len(more) - len(good)
@@ -808,6 +814,7 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     # sync: the rollout of step k starts once step k-1 is trained and synced
     trained = threading.Semaphore(0)
     batches: queue.Queue = queue.Queue()
+    stopped: list = []  # groups a stop left untaken: the rollout's that had finished (RolloutStopped)
 
     def produce():
         nonlocal position
@@ -820,10 +827,13 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
                 return
             try:
                 t0, start = time.time(), position
-                groups, extra, position = collect_groups(rollout, task_source, cfg, position)
+                groups, extra, position = collect_groups(rollout, task_source, cfg, position, stop)
                 if cfg.advantage in PER_TOKEN_ADVANTAGES:  # scored here: overlaps training in async mode
                     extra["_teacher"] = teacher_logprobs(teacher_engines, teacher_segments(groups, cfg))
                 batches.put((step, groups, t0, time.time(), {"data_position": start, "data_next": position, **extra}))
+            except RolloutStopped as e:
+                stopped.extend(e.groups)
+                return
             except BaseException as e:  # surfaced in the training thread
                 batches.put((step, e, 0.0, 0.0, {}))
                 return
@@ -831,6 +841,7 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     producer = threading.Thread(target=produce, name="workbench-rollout", daemon=True)
     producer.start()
     history = [] if history is None else history  # (the steps before this run first: the warnings read them)
+    last = (first, [])  # the last step recorded and its untrained groups
     try:
         for step in tqdm(range(first, cfg.steps), desc=f"RL steps ({cfg.mode})", initial=first, total=cfg.steps,
                          disable=not progress):
@@ -845,6 +856,7 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
             teacher, untrained = extra.pop("_teacher", None), extra.pop("_untrained", [])
             if on_untrained is not None and untrained:
                 on_untrained(step, untrained)
+            last = (step, untrained)
             trained_metrics, sync_error = _train_on(trainer, engines, groups, cfg, step, r0, r1, teacher, untrained=untrained)
             metrics = {**trained_metrics, **extra}
             if sync_error is None:
@@ -853,8 +865,19 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
                            stop, sync_error):  # (raises sync_error once the step is recorded)
                 break
     finally:
-        stop.set()
-        producer.join()  # an in-flight rollout finishes (episodes have timeouts); its batch is dropped
+        stop.set()  # the next step's rollout (started once this step synced) waits no more: RolloutStopped
+        producer.join()
+    # its finished groups, and a batch done but not taken, are recorded with the last step's untrained
+    # ones (they were thrown away unrecorded; their tasks are drawn again from the last step's data_next)
+    while True:
+        try:
+            _, groups, *_, extra = batches.get_nowait()
+        except queue.Empty:
+            break
+        if not isinstance(groups, BaseException):
+            stopped += groups + extra.get("_untrained", [])
+    if on_untrained is not None and stopped:
+        on_untrained(last[0], last[1] + stopped)
     checkpoint_at_end(trainer, checkpoint_dir, checkpoint_every, history, first)
     return history
 

@@ -397,6 +397,15 @@ class RunnersLost(RuntimeError):
     """Every rollout runner actor of a Rollout is dead."""
 
 
+class RolloutStopped(Exception):
+    """run_groups' `stop` was set while it waited: `groups`, those finished by then (the others
+    are left to finish on their runners, abandon_groups)."""
+
+    def __init__(self, groups: list):
+        super().__init__(f"the rollout was stopped with {len(groups)} group(s) finished")
+        self.groups = groups
+
+
 class Rollout:
     """Driver-side handle: `num_runners` runner actors over the given engine actors.
 
@@ -494,10 +503,13 @@ class Rollout:
             with self._lock:
                 self.outstanding[id(runner)] -= group_size
 
-    def run_groups(self, tasks: list[Task], group_size: int = 1, progress: bool = True) -> list[list[Trajectory]]:
+    def run_groups(self, tasks: list[Task], group_size: int = 1, progress: bool = True,
+                   stop: threading.Event | None = None) -> list[list[Trajectory]]:
         """`group_size` episodes per task; returns one list of trajectories per task, in order.
         Each group goes to the runner with the fewest outstanding episodes that has room
-        (submit_group); the others wait until one has."""
+        (submit_group); the others wait until one has. Once `stop` is set it waits no more:
+        RolloutStopped, holding the groups finished (a stopped run waited out a whole rollout,
+        up to its episodes' timeouts, to throw it away)."""
         from tqdm.auto import tqdm
 
         waiting = list(range(len(tasks)))[::-1]  # pop() takes the next task
@@ -515,11 +527,13 @@ class Rollout:
             submit()
             with tqdm(total=len(tasks), desc=f"rollout ({group_size}/group)", disable=not progress) as bar:
                 while inflight or waiting:
+                    if stop is not None and stop.is_set():
+                        raise RolloutStopped([g for g in out if g is not None])
                     if not inflight:  # every runner is full with another caller's groups
                         time.sleep(0.05)
                         submit()
                         continue
-                    done, _ = ray.wait(list(inflight), num_returns=1)
+                    done, _ = ray.wait(list(inflight), num_returns=1, timeout=None if stop is None else 0.1)
                     for ref in done:
                         i, r = inflight.pop(ref)
                         out[i] = self.finish_group(ref, r, tasks[i], group_size)
