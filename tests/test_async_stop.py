@@ -147,3 +147,35 @@ def test_a_stopped_sync_run_stops_waiting_and_records_the_next_rollouts_groups(m
     # every group that finished is trained or recorded untrained (under step 0), once
     assert untrained and {step for step, _ in untrained} == {0}
     assert sorted(trained + [gid for _, ids in untrained for gid in ids]) == sorted(rollout.finished)
+
+
+def test_a_run_ending_on_an_error_still_records_the_finished_groups_no_step_took(monkeypatch):
+    """The groups recorded at a stop were lost when the run ended on an error instead (a failed
+    sync, an evaluation's, a rank's): recorded in the run's `finally`, the error still raised."""
+    import pytest
+
+    def wait(refs, num_returns=1, timeout=None):
+        t0 = time.time()
+        while True:
+            done = [r for r in refs if r.group is not None]
+            if done or time.time() - t0 > (timeout or 0):
+                return done[:num_returns], [r for r in refs if r not in done]
+            time.sleep(0.0005)
+
+    monkeypatch.setattr(loop.ray, "wait", wait)
+    monkeypatch.setattr(loop, "sync_engines", lambda *a, **k: [])
+    monkeypatch.setattr(loop, "engines_version", lambda engines, lost=None, newest=True: 1)
+
+    def on_step(m):
+        time.sleep(0.3)  # the next groups finish meanwhile
+        raise RuntimeError("the step's evaluation failed")
+
+    for mode, rollout in (("async", _Rollout()), ("sync", _SyncRollout())):
+        trained, untrained = [], []
+        cfg = loop.LoopConfig(mode=mode, async_lag=1, steps=10, prompts_per_step=40 if mode == "sync" else 4, group_size=2)
+        with pytest.raises(RuntimeError, match="evaluation failed"):
+            loop._run(rollout, _Trainer(), [], _Tasks(), cfg, on_step, False, None, 0, threading.Event(),
+                      lambda step, groups: trained.extend(g[0].group_id for g in groups), 0,
+                      on_untrained=lambda step, groups: untrained.append((step, [g[0].group_id for g in groups])))
+        recorded = trained + [gid for _, ids in untrained for gid in ids]
+        assert untrained and sorted(recorded) == sorted(rollout.finished) and len(rollout.finished) > len(trained), mode

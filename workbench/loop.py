@@ -867,19 +867,34 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     finally:
         stop.set()  # the next step's rollout (started once this step synced) waits no more: RolloutStopped
         producer.join()
-    # its finished groups, and a batch done but not taken, are recorded with the last step's untrained
-    # ones (they were thrown away unrecorded; their tasks are drawn again from the last step's data_next)
-    while True:
-        try:
-            _, groups, *_, extra = batches.get_nowait()
-        except queue.Empty:
-            break
-        if not isinstance(groups, BaseException):
-            stopped += groups + extra.get("_untrained", [])
-    if on_untrained is not None and stopped:
-        on_untrained(last[0], last[1] + stopped)
+        # its finished groups, and a batch done but not taken, are recorded with the last step's untrained
+        # ones (they were thrown away unrecorded; their tasks are drawn again from the last step's data_next)
+        while True:
+            try:
+                _, groups, *_, extra = batches.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(groups, BaseException):
+                stopped += groups + extra.get("_untrained", [])
+        _record_untaken(on_untrained, last, stopped)
     checkpoint_at_end(trainer, checkpoint_dir, checkpoint_every, history, first)
     return history
+
+
+def _record_untaken(on_untrained, last: tuple[int, list], groups: list) -> None:
+    """The finished groups no step took when a run ends, stopped or failing, recorded with the last
+    step's untrained ones (`last`: that step and its own). Called in the run's `finally`: a failure of
+    its own while the run's error propagates is said, not raised over that error."""
+    if on_untrained is None or not groups:
+        return
+    if sys.exc_info()[0] is None:  # (inside a finally, the exception on its way out, if any)
+        on_untrained(last[0], last[1] + groups)
+        return
+    try:
+        on_untrained(last[0], last[1] + groups)
+    except Exception as e:
+        print(f"workbench: the {len(groups)} finished group(s) no step took could not be recorded "
+              f"({type(e).__name__}: {e})", file=sys.stderr)
 
 
 def checkpoint_at_end(trainer, checkpoint_dir, checkpoint_every: int, history: list[dict], first: int) -> None:
@@ -1240,9 +1255,7 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
     finally:
         stop.set()
         stream.thread.join()
-    leftover += stream.drain()
-    if on_untrained is not None and leftover:
-        on_untrained(last[0], last[1] + leftover)
+        _record_untaken(on_untrained, last, leftover + stream.drain())  # (an error ending the run: they went too)
     checkpoint_at_end(trainer, checkpoint_dir, checkpoint_every, history, first)
     return history
 
