@@ -219,3 +219,15 @@ def test_surrogate_arguments_are_checked_when_the_config_is_made():
     for bad in ("wide", True, None):
         with pytest.raises(ValueError, match=r"surrogate_kwargs\['eps_high'\] must be a number \(surrogate 'ppo_clip'\)"):
             TrainerConfig(surrogate_kwargs={"eps_high": bad})
+    # clip widths out of range: a negative eps_low left every negative-advantage token on clamp's
+    # constant (no gradient: a run learning from its successes alone); CISPO's eps_high < -1 reversed all
+    for surrogate, kwargs in (("ppo_clip", {"eps_low": -0.2}), ("ppo_clip", {"eps_high": -0.3}), ("gspo", {"eps_low": 1.0}),
+                              ("cispo", {"eps_high": -1.5}), ("ppo_clip", {"eps_low": "-0.2"})):
+        name = next(iter(kwargs))
+        with pytest.raises(ValueError, match=rf"surrogate_kwargs\['{name}'\] is a clip width: it must be >= 0"):
+            TrainerConfig(surrogate=surrogate, surrogate_kwargs=kwargs)
+    assert TrainerConfig(surrogate_kwargs={"eps_low": 0, "eps_high": 10}).surrogate_kwargs == {"eps_low": 0, "eps_high": 10}
+    # a NaN kl_coef passed `< 0` and read as 0 (the penalty off without a word); the trainer's temperature divides
+    for field, bad in (("kl_coef", float("nan")), ("kl_coef", float("inf")), ("temperature", -0.7), ("temperature", 0.0)):
+        with pytest.raises(ValueError, match=rf"TrainerConfig.{field} must be a finite number"):
+            TrainerConfig(**{field: bad})

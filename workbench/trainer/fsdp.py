@@ -4,9 +4,11 @@ transformers causal LM, dense or MoE.
 Each rank shards every decoder layer and the root with `fully_shard`. A step, on one batch
 (rows = segments, see tokens.training_tensors), split evenly over ranks:
 
-    old log-probs (no grad, routing replayed)  ->  correction weights (workbench.correction)
-    -> per micro-batch: log-probs (grad, routing replayed) -> surrogate -> backward
-    -> clip grad norm -> optimizer step
+    per micro-batch: log-probs (grad, routing replayed) -> correction weights (workbench.correction)
+    -> surrogate -> backward;  then clip grad norm -> optimizer step
+
+pi_old is the gradient forward's own log-probs, detached, with one update a step (the default);
+with updates_per_step > 1 a no-grad forward first computes it (the ratio then moves between updates).
 
 Log-probs are of the sampled tokens under logits / sampling temperature (what the engine's
 processed log-probs are, for top_p = 1), aligned per token: column i is token i's log-prob
@@ -50,8 +52,9 @@ class TrainerConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8
-    # pack each micro-batch's rows into one padding-free row (trainer/packing.py): no compute is
-    # spent on padding, and each row's log-probs equal its padded forward's to fp32 rounding. Checked
+    # pack each micro-batch's rows, first-fit, into as few rows of its longest row's width as hold them
+    # (trainer/packing.py): only the packed rows' tails are padding, and each row's log-probs equal its
+    # padded forward's to fp32 rounding. Checked
     # at setup: off (padded) for a model whose forward mixes packed sequences (packing_leak)
     pack_sequences: bool = True
     # with pack_sequences: micro-batches of at most this many real tokens (a longer row alone), the
@@ -178,6 +181,15 @@ class TrainerConfig:
                     kwargs[name] = None
                 if kwargs[name] is None or not math.isfinite(kwargs[name]):
                     raise ValueError(f"surrogate_kwargs[{name!r}] must be a number (surrogate {self.surrogate!r}), got {value!r}")
+        # clip widths (the built-in surrogates' and any registered one's of the same names): a negative
+        # eps_low put clamp's min above its max, every token read 1 + eps_high, and negative-advantage tokens
+        # trained nothing (a run learning from its successes alone, looking healthy); a negative eps_high did
+        # the same to the positive ones, and CISPO's below -1 reversed every gradient
+        for name, high in (("eps_low", 1.0), ("eps_high", math.inf)):
+            v = kwargs.get(name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 <= v < high:
+                raise ValueError(f"surrogate_kwargs[{name!r}] is a clip width: it must be >= 0"
+                                 f"{' and < 1' if high == 1.0 else ''} (surrogate {self.surrogate!r}), got {v!r}")
         self.surrogate_kwargs = kwargs
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"TrainerConfig.kl_estimator {self.kl_estimator!r} unknown: {sorted(KL_ESTIMATORS)}")
@@ -189,8 +201,13 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.shard_unit {self.shard_unit!r} unknown: 'layer', 'model' or None (by device)")
         if self.load not in ("full", "rank0", "sharded"):
             raise ValueError(f"TrainerConfig.load {self.load!r} unknown: 'full', 'rank0' or 'sharded'")
-        if self.kl_coef < 0:
-            raise ValueError(f"TrainerConfig.kl_coef must be >= 0, got {self.kl_coef}")
+        # (NaN passed `< 0` and read as 0: no reference model, the KL penalty off without a word)
+        if isinstance(self.kl_coef, bool) or not isinstance(self.kl_coef, (int, float)) or not 0 <= self.kl_coef < math.inf:
+            raise ValueError(f"TrainerConfig.kl_coef must be a finite number >= 0, got {self.kl_coef!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
+                not 0 < self.temperature < math.inf:  # the trainer's log-probs are of logits / temperature
+            raise ValueError(f"TrainerConfig.temperature must be a finite number > 0 (the sampling temperature), "
+                             f"got {self.temperature!r}")
         # torch refused a bad lr or weight decay only inside the ranks, after every process had started;
         # max_grad_norm it took as given: clip_grad_norm_ scales by max_norm / norm, so a negative one
         # reversed every gradient (gradient ascent, grad_norm reading as usual), 0 zeroed them (an update
