@@ -85,6 +85,24 @@ def test_steps_without_learning_signal_are_reported_once_a_streak(capsys):
     assert "every episode failed (32 in the last step" in capsys.readouterr().err
     assert warn_no_signal([{**silent, "step": s} for s in range(NO_SIGNAL_STEPS)])
     assert "every group's rewards were equal" in capsys.readouterr().err
+    # every episode truncated and masked (rewards 0 and 1): the step's record, from batch_from_groups'
+    # refusal, counted no episodes, and the warning said "every group's rewards were equal"
+    from workbench.loop import NothingToTrain
+
+    truncated = [episode(r) for r in (0.0, 1.0, 0.0, 1.0)]
+    for t in truncated:
+        t.truncated = True
+    with pytest.raises(NothingToTrain) as refused:
+        batch_from_groups([truncated], "grpo", on_truncated="mask")
+    masked = {**refused.value.info, "signal_tokens": 0, "signal_tokens_trained": 0, "updates_skipped": 1, "reward_mean": 0.5}
+    assert masked["episodes"] == 4 and masked["masked_episodes"] == 4
+    assert warn_no_signal([{**masked, "step": s} for s in range(NO_SIGNAL_STEPS)])
+    assert "every episode kept was masked (4 in the last step; 4 truncated" in capsys.readouterr().err
+    # a non-finite gradient skipped every update: it blamed the gate, beside a gate_pass_ratio of 1.0
+    nan = {"signal_tokens": 120, "signal_tokens_trained": 0, "grad_norm": float("nan"), "gate_pass_ratio": 1.0,
+           "updates_skipped": 1, "episodes": 8, "segments": 8}
+    assert warn_no_signal([{**nan, "step": s} for s in range(NO_SIGNAL_STEPS)])
+    assert "the gradient was not finite (grad_norm nan)" in capsys.readouterr().err
 
 
 def test_a_streak_without_signal_spans_runs(capsys, monkeypatch):

@@ -639,6 +639,9 @@ def test_pass_at_k_is_the_unbiased_estimator():
 
     with pytest.raises(ValueError, match=r"got k = \[0\]"):
         evaluate(None, [object()], n=4, ks=[1, 0])
+    for bad in ("1", None, float("nan"), True):  # text failed after every episode had run; NaN scored all wrong
+        with pytest.raises(ValueError, match=r"success_reward is the reward an episode must reach"):
+            evaluate(None, [object()], n=4, success_reward=bad)
     # a reward nobody earned is no measured 0: every episode failed, the mean is None
     failed = [[episode(0.0, error="boom"), episode(0.0, error="boom")]]
     assert summarize(failed)["eval_reward_mean"] is None and summarize(failed)["eval_failed"] == 2

@@ -427,6 +427,12 @@ def test_a_resumed_sessions_first_run_says_how_its_loop_differs_from_the_runs_la
 
     with pytest.raises(ConfigError, match=r"\['stepz'\] are no loop settings"):
         short_run.run(1, stepz=3)
+    # (0 or fewer ran nothing and wrote a runs.jsonl line a resume then read as the run's last wb.run())
+    lines = (short_run.run_dir / "runs.jsonl").read_text()
+    for bad in (0, -2, True, 1.5, "many"):
+        with pytest.raises(ConfigError, match=r"wb.run: steps"):
+            short_run.run(bad)
+    assert (short_run.run_dir / "runs.jsonl").read_text() == lines
     # (a string failed after the first step had trained)
     with pytest.raises(ConfigError, match=r"wb.run: checkpoint_every must be a number, got 'often'"):
         short_run.run(1, checkpoint_every="often")

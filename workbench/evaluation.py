@@ -17,6 +17,7 @@ never trains (asserted there, and tested end to end).
 
 from __future__ import annotations
 
+import math
 import numbers
 import time
 from math import comb
@@ -114,6 +115,10 @@ def evaluate(rollout, tasks: list[Task], n: int = 4, greedy_rollout=None, ks: li
         raise ValueError("nothing to evaluate: no tasks")
     if ks:  # before any episode runs (after them, the whole evaluation was lost)
         check_ks(ks, n)
+    # (text failed in is_correct after every episode had run, unrecorded; NaN scored every one wrong)
+    if isinstance(success_reward, bool) or not isinstance(success_reward, (int, float)) or not math.isfinite(success_reward):
+        raise ValueError(f"success_reward is the reward an episode must reach to count as correct, a finite number, "
+                         f"got {success_reward!r}")
     t0 = time.time()
     sampled = _mark(rollout.run_groups(tasks, n, progress=False))
     metrics = summarize(sampled, ks, success_reward)

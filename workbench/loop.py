@@ -270,7 +270,8 @@ def batch_from_groups(groups: list[list[Trajectory]], advantage: str, pad_id: in
     if overlong:
         info["overlong_penalized"] = sum(p > 0 for p in penalties)
         info["overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
-    if not segments:
+    if not segments:  # (its episodes counted as a trained step's are: masked ones too)
+        info.update(episodes=len(rewards))
         raise NothingToTrain(f"no trainable segment in this batch: every episode was dropped, masked or sampled nothing "
                              f"({info})", info)
     if temperature is not None:
@@ -957,9 +958,20 @@ def warn_no_signal(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> bool:
     last = history[-1]
     # why, from the last step's own record: the cause decides the advice (the gate is a fix for one
     # and the culprit of another; a step whose every episode failed has no rewards at all)
+    grad_norm = last.get("grad_norm")
     if last.get("updates_skipped") and not last.get("episodes") and last.get("failed_episodes"):
         why = (f"every episode failed ({last['failed_episodes']} in the last step: see failure_reasons in "
                f"metrics.jsonl), so there was nothing to train on")
+    elif last.get("updates_skipped") and not last.get("segments") and last.get("masked_episodes"):
+        # (read as "every group's rewards were equal", with the rewards differing)
+        why = (f"every episode kept was masked ({last['masked_episodes']} in the last step; "
+               f"{last.get('truncated_episodes', 0)} truncated, their replies out of max_tokens or context, and "
+               f"{last.get('failed_episodes', 0)} failed: the rules on_truncated / on_failed = 'mask' train none of them), so "
+               f"there was nothing to train on: a larger max_tokens or context, or another rule (loop.EPISODE_RULES)")
+    elif isinstance(grad_norm, (int, float)) and not math.isfinite(grad_norm):
+        # (read as "the gate dropped every row", beside a gate_pass_ratio of 1.0)
+        why = (f"the gradient was not finite (grad_norm {grad_norm}): every update was skipped. Look for a NaN "
+               f"or inf in the batch's log-probs or advantages (behaviour_logprobs, rewards), or lower the lr")
     elif (last.get("signal_tokens") or 0) > 0:
         why = (f"the correction's gate dropped every row that had an advantage (gate_pass_ratio "
                f"{last.get('gate_pass_ratio')}, token_keep_ratio {last.get('token_keep_ratio')}): the samples are too far "

@@ -891,6 +891,12 @@ class Workbench:
         if prev is not None and not prev.done:
             raise RuntimeError("a run is already in progress: wait for it (wb.wait()) or stop it (wb.stop())")
         self._idle("run")
+        # (0 or fewer ran nothing, yet wrote a runs.jsonl line that a resumed session then compared its
+        # settings against as the run's last wb.run())
+        count = None if isinstance(steps, bool) else _number(steps, "int", "wb.run: steps")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError(f"wb.run: steps is how many more RL steps to run, an integer >= 1, got {steps!r}")
+        steps = count
         known = {f.name for f in dataclasses.fields(LoopConfig)} - {"steps", "initial_sync"}
         if set(loop_overrides) - known:  # (a TypeError from dataclasses.replace named no way out)
             raise ConfigError(f"wb.run: {sorted(set(loop_overrides) - known)} are no loop settings a run takes "
