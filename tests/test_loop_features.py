@@ -234,6 +234,16 @@ def test_groups_filtered_or_stale_count_with_their_step(tmp_path):
     got, _, _, extra, _ = _async_batch(FakeStream([old, fresh]), LoopConfig(prompts_per_step=1, group_size=2, mode="async"),
                                        version=5)
     assert got == [fresh] and extra["_untrained"] == [old] and extra["groups_dropped_stale"] == 1
+    # and in what the step rolled out: its first data position (0, the stale group's: it read 1, where a
+    # sync step records its draw's start) and the sampled rewards (the stale group's 1.0 was left out)
+    assert extra["data_position"] == 0
+    flat = [episode(1.0, task="t7"), episode(1.0, task="t7")]
+    for t in flat:
+        t.segments[0].versions = [-1, -1, 5, 5, 5]
+    _, _, _, extra, _ = _async_batch(FakeStream([flat, old, fresh]),
+                                     LoopConfig(prompts_per_step=1, group_size=2, mode="async", dynamic_sampling=True),
+                                     version=5)
+    assert extra["ds_filtered_groups"] == 1 and extra["ds_reward_mean_sampled"] == pytest.approx(4 / 5)  # (the failed one not scored)
 
 
 def test_async_dynamic_sampling_past_its_budget_trains_what_a_sync_step_trains():

@@ -1188,13 +1188,16 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int, leftover: l
         # over the episodes the batch trains on: a timed-out episode (kept with its segments, then
         # dropped by on_failed) holding old tokens rejected its whole group, so the long, hard
         # prompts where timeouts cluster were filtered out of training
+        # every group taken counts in the rolled-out statistics and the step's first data position, as a
+        # sync step's draw does (the stale ones were left out of both)
+        sampled.append(group)
+        positions.append(at)
         oldest = oldest_version(trained_episodes(group, rule))
         if oldest is not None and version - oldest > cfg.async_lag:
             stale += 1
             untrained.append(group)
             stream.allow(replace=1)
             continue
-        sampled.append(group)
         no_signal = cfg.dynamic_sampling and zero_variance(group, **rule)
         if no_signal and filtered < cfg.dynamic_sampling_rounds * n:
             filtered += 1
@@ -1203,7 +1206,6 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int, leftover: l
             continue
         starts.append(t0)
         ends.append(t1)
-        positions.append(at)
         if no_signal:
             flat.append(group)
             continue
