@@ -535,6 +535,13 @@ def test_a_call_qwen3_only_drafted_in_its_thinking_is_not_made():
     # ... a </think> inside that call's arguments is no end of the reasoning (the call was made)
     strip = '<tool_call>\n{"name": "calc", "arguments": {"code": "s.split(\'</think>\')[-1]"}}\n</tool_call>'
     assert [c["name"] for c in parse("<think>\nI need calc.\n" + strip).calls] == ["calc"]
+    # ... with its arguments as written: vLLM's parser deletes every later </think> from the rest, and
+    # the agent ran s.split('') (a ValueError) where the tokens trained say s.split('</think>')
+    code = {"code": "s.split('</think>')[-1]"}
+    for reply in ("<think>\nI need calc.\n" + strip, "<think>\nI need calc.\n</think>\n\n" + strip, strip):
+        assert parse(reply).calls == [{"name": "calc", "arguments": code}], reply
+    named = parse("<think>\nR\n</think>\n\nIt writes </think> after its thinking.")
+    assert (named.reasoning, named.content) == ("\nR\n", "\n\nIt writes </think> after its thinking.")
 
 
 def test_b_qwen3_streams_only_what_the_finished_reply_holds():

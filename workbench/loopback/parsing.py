@@ -231,7 +231,7 @@ class ReplyParser:
             rp = self._reasoning_cls(self.tokenizer, chat_template_kwargs=dict(self.template_kwargs))
             reasoning, rest = rp.extract_reasoning(text, _request(tools))
             reasoning, rest = _closed_where_written(text, reasoning, rest, markers)
-            text = rest or ""
+            text = _rest_as_written(text, reasoning, rest, markers) or ""
         content, calls = self._ours(text) if parse_tools else (text, [])
         if not all(self._sendable(c["name"], c["arguments"]) for c in calls):
             return Parsed(reasoning or None, text, [])  # the reasoning kept, as streaming sent it
@@ -290,6 +290,27 @@ def _closed_where_written(text: str, reasoning: str | None, rest: str | None, ma
     if len(reasoning) < len(head) and head.startswith(reasoning):  # (cut sooner: the same text's prefix)
         return head, text[end + len(markers[1]):]
     return reasoning, rest
+
+
+def _rest_as_written(text: str, reasoning: str | None, rest: str | None, markers) -> str | None:
+    """The reply after its reasoning as the model wrote it. vLLM's qwen3 parser deletes every later
+    end marker from the rest: an answer that names `</think>`, or a call whose code splits on it
+    (`s.split("</think>")` handed out as `s.split("")`, a ValueError), reached the agent otherwise
+    than the tokens trained say, unsealed and uncounted. The rest is taken from the text after the
+    reasoning (and its end marker) wherever the parser's equals it but for those deletions."""
+    if rest is None or markers is None:
+        return rest
+    start, end = markers
+    if reasoning is None:  # (none found: the whole reply, `</think>` in a call's code deleted all the same)
+        after = text
+    else:
+        base = text.find(start) + len(start) if text.lstrip().startswith(start) else 0
+        at = text.find(reasoning, base)
+        if at < 0:
+            return rest
+        after = text[at + len(reasoning):]
+        after = after[len(end):] if after.startswith(end) else after
+    return after if after != rest and after.replace(end, "") == rest.replace(end, "") else rest
 
 
 def _one_call_list(text: str, marker: str = "[TOOL_CALLS]") -> bool:
