@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .protocol import RequestError, loads
@@ -229,7 +230,9 @@ class ReplyParser:
                 if not isinstance(args, dict) or not self._sendable(c.name, args):  # as hermes: a call we cannot read
                     return self.as_text(text, ids, tools)  # leaves the text as written
                 out.append({"name": c.name, "arguments": args})
-            if out and not _one_call_list(text):
+            # (read after the reasoning: a call only drafted there is no call the reply makes)
+            after = text[text.find(reasoning) + len(reasoning):] if reasoning and reasoning in text else text
+            if out and not COVERAGE.get(self.tool_parser, lambda text, calls: True)(after, out):
                 self.failures += 1  # (counted as a reply no call of which is handed out)
                 return self.as_text(text, ids, tools)
             return Parsed(reasoning or None, (content or "").strip() if out else (content or ""), out)
@@ -323,7 +326,24 @@ def _rest_as_written(text: str, reasoning: str | None, rest: str | None, markers
     return after if after != rest and after.replace(end, "") == rest.replace(end, "") else rest
 
 
-def _one_call_list(text: str, marker: str = "[TOOL_CALLS]") -> bool:
+# Whether vLLM's parse of a reply with calls covers all of it, per tool parser: vLLM's parsers hand
+# out the calls they find and drop what else the reply holds (text after the calls, a second call
+# block, a parameter whose value holds the closing tag), while the trained context holds it all: the
+# agent then answers calls, or text, other than the tokens say, unsealed and uncounted. A reply that
+# is not covered is handed out as the text the model wrote (ReplyParser.as_text), counted.
+COVERAGE: dict[str, Callable[[str, list[dict]], bool]] = {}
+
+
+def _covers(*names: str):
+    def register(fn):
+        for name in names:
+            COVERAGE[name] = fn
+        return fn
+    return register
+
+
+@_covers("mistral")
+def _one_call_list(text: str, calls: list[dict] | None = None, marker: str = "[TOOL_CALLS]") -> bool:
     """False for a Mistral v3 reply whose [TOOL_CALLS] JSON list is followed by more than
     whitespace: vLLM's mistral parser hands out the first list's calls alone, a second
     [TOOL_CALLS] block or text after the list dropped, while the trained context holds them all
@@ -338,3 +358,58 @@ def _one_call_list(text: str, marker: str = "[TOOL_CALLS]") -> bool:
     except ValueError:
         return True  # (the parser's own reading decides)
     return not rest[end:].strip()
+
+
+@_covers("llama3_json")
+def _json_calls_only(text: str, calls: list[dict]) -> bool:
+    """Llama 3's JSON calls: the reply is `<|python_tag|>`? then its calls' objects, `;` between
+    them, and nothing else (vLLM's llama3_json parser drops text before, between and after them:
+    "Here: {...}", "{...} and then I will delete it")."""
+    rest = text.strip()
+    rest = rest[len("<|python_tag|>"):].lstrip() if rest.startswith("<|python_tag|>") else rest
+    found, decoder = 0, json.JSONDecoder()
+    while rest:
+        try:
+            _, end = decoder.raw_decode(rest)
+        except ValueError:
+            return False
+        found, rest = found + 1, rest[end:].lstrip()
+        if rest.startswith(";"):
+            rest = rest[1:].lstrip()
+        elif rest:
+            return False
+    return found == len(calls)
+
+
+@_covers("deepseek_v3", "deepseek_v31")
+def _deepseek_blocks_only(text: str, calls: list[dict]) -> bool:
+    """DeepSeek V3 / V3.1: after the content, one calls block of complete calls, and nothing after it
+    (vLLM's parsers drop text after the block, a second block, and a call the reply cut)."""
+    begin, end, call, call_end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+    at = text.find(begin)
+    if at < 0:
+        return True
+    body, found = text[at + len(begin):], 0
+    while True:
+        body = body.lstrip()
+        if not body or body.startswith(end):
+            return found == len(calls) and not body[len(end):].strip()
+        closed = body.find(call_end)
+        if not body.startswith(call) or closed < 0:
+            return False
+        found, body = found + 1, body[closed + len(call_end):]
+
+
+@_covers("qwen3_coder")
+def _xml_calls_only(text: str, calls: list[dict]) -> bool:
+    """Qwen3-Coder's XML calls: one `<function=` per call handed out, one `<parameter=` ... `</parameter>`
+    per argument (its `</parameter>` may be missing: the parser ends it at the next tag, as the model
+    meant), nothing but whitespace between and after the call blocks (vLLM's qwen3_coder parser cut a
+    value holding `</parameter>`, kept a repeated parameter's last value, made a call of a
+    `<function=` written inside a value, and dropped the text after the calls)."""
+    params, opened = sum(len(c["arguments"]) for c in calls), text.count("<parameter=")
+    if text.count("<function=") != len(calls) or opened != params or text.count("</parameter>") > opened:
+        return False
+    first = text.find("<tool_call>")
+    blocks = text[first:] if first >= 0 else ""
+    return not re.sub(r"<tool_call>.*?</tool_call>", "", blocks, flags=re.S).strip()

@@ -302,6 +302,11 @@ class LoopbackServer:
         self.engine, self.side_engine = engine, side_engine or engine
         # what recorded turns are sampled with; its max_tokens is theirs where the agent sends none
         self.policy_sampling = policy_sampling or SamplingConfig(max_tokens=default_max_tokens)
+        if profile is not None:  # its stop tokens (Llama's <|eom_id|>), as a runner's sampling has them: a
+            # reply ending on one is read without it (parsing.reply_text), not with it as the text's end
+            stops = [i for i in profile.stop_token_ids(tokenizer) if i not in self.policy_sampling.stop_token_ids]
+            self.policy_sampling = dataclasses.replace(self.policy_sampling,
+                                                       stop_token_ids=[*self.policy_sampling.stop_token_ids, *stops])
         self.sampling_mode = check_sampling_mode(sampling_mode)
         self.profile = profile
         self.fmt = ChatFormat(tokenizer) if profile is None else ChatFormat.for_profile(tokenizer, profile)
