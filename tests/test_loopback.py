@@ -198,16 +198,21 @@ def test_anthropic_tool_use_and_two_tool_results(server):
     if r.stop_reason == "tool_use":
         assert uses and uses[0].name == "calc" and isinstance(uses[0].input, dict) and uses[0].id.startswith("toolu_")
     msgs.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]})
+    second = {"type": "tool_result", "tool_use_id": "y", "content": [{"type": "text", "text": "409"}]}
     msgs.append({"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": uses[0].id if uses else "x", "content": "408"},
-        {"type": "tool_result", "tool_use_id": "y", "content": [{"type": "text", "text": "409"}]}]})
+        {"type": "tool_result", "tool_use_id": uses[0].id if uses else "x", "content": "408"}, second]})
+    if uses:  # results match calls by id, as Anthropic's: one for no call of the turn's is refused, recording nothing
+        with pytest.raises(anthropic.BadRequestError, match=r"results for no call of it: \['y'\]"):
+            client.messages.create(model="policy", max_tokens=24, system=TOOL_SYSTEM_PROMPT, messages=msgs, tools=[ANTHROPIC_CALC])
+        msgs[-1]["content"][1] = {"type": "text", "text": "409"}  # (text after the results: a user turn after them)
     r2 = client.messages.create(model="policy", max_tokens=24, system=TOOL_SYSTEM_PROMPT, messages=msgs, tools=[ANTHROPIC_CALC])
     assert r2.role == "assistant" and r2.type == "message"
     seg, = server.close_session(sid)
     assert seg.stats["turns"] == 2 and seg.seal_reason == "episode_end"
     assert runs(seg, True) == [s.token_ids for s in server.engine.samples[n0:]]
     delta = server.fmt.decode(runs(seg, False)[1])
-    assert "<|im_start|>tool\n408<|im_end|>\n<|im_start|>tool\n409<|im_end|>\n<|im_start|>assistant\n" in delta
+    after = "user" if uses else "tool"
+    assert f"<|im_start|>tool\n408<|im_end|>\n<|im_start|>{after}\n409<|im_end|>\n<|im_start|>assistant\n" in delta
 
 
 def test_anthropic_async_streaming_events(server):

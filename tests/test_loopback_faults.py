@@ -918,3 +918,44 @@ def test_an_env_turns_requests_and_engine_failures_are_counted(tokenizer):
         summary = srv.summary()
         assert summary["requests"] == {"env:session": 2} and sum(summary["errors"].values()) == 1, summary
         srv.close_session(sid)
+
+
+def test_tool_results_are_matched_to_their_calls_by_id():
+    """OpenAI and Anthropic match a tool result to its call by id, in any order; templates render
+    results in the order sent, with no id: results sent as they finished gave each call the other's
+    result in the trained context (1+1 -> 9). They are put in call order; a call left unanswered, a
+    result for no call or a call answered twice is refused (both APIs refuse them); results without
+    ids keep their places. An Anthropic text block before a tool_result is refused, as Anthropic does
+    (it rendered as a user turn between the calls and their results)."""
+    from workbench.loopback import anthropic_api, openai_api
+    from workbench.loopback.protocol import RequestError
+
+    def call(cid, expr):
+        return {"id": cid, "type": "function", "function": {"name": "calc", "arguments": json.dumps({"expr": expr})}}
+
+    def body(*results, ids=True):
+        return {"messages": [{"role": "user", "content": "?"},
+                             {"role": "assistant", "content": None, "tool_calls": [call("A", "1+1"), call("B", "3*3")]},
+                             *[{"role": "tool", "content": c, **({"tool_call_id": i} if ids else {})} for i, c in results],
+                             {"role": "user", "content": "and?"}]}
+
+    got = openai_api.parse_request(body(("B", "9"), ("A", "2"))).messages
+    assert [(m["role"], m["content"]) for m in got[2:]] == [("tool", "2"), ("tool", "9"), ("user", "and?")]
+    assert [m["content"] for m in openai_api.parse_request(body(("B", "9"), ("A", "2"), ids=False)).messages[2:4]] == ["9", "2"]
+    for results, said in (((("B", "9"),), r"calls left unanswered: \['A'\]"),
+                          ((("A", "2"), ("x", "9")), r"results for no call of it: \['x'\]"),
+                          ((("A", "2"), ("A", "2"), ("B", "9")), r"calls answered twice: \['A'\]")):
+        with pytest.raises(RequestError, match=said) as refused:
+            openai_api.parse_request(body(*results))
+        assert refused.value.status == 400
+    # Anthropic: the same rule over tool_use / tool_result ids
+    uses = [{"type": "tool_use", "id": "toolu_A", "name": "calc", "input": {"expr": "1+1"}},
+            {"type": "tool_use", "id": "toolu_B", "name": "calc", "input": {"expr": "3*3"}}]
+    results = [{"type": "tool_result", "tool_use_id": "toolu_B", "content": "9"},
+               {"type": "tool_result", "tool_use_id": "toolu_A", "content": "2"}]
+    an = {"max_tokens": 8, "messages": [{"role": "user", "content": "?"}, {"role": "assistant", "content": uses},
+                                        {"role": "user", "content": results}]}
+    assert [m["content"] for m in anthropic_api.parse_request(an).messages[2:]] == ["2", "9"]
+    an["messages"][2]["content"] = [{"type": "text", "text": "here you go"}, *results]
+    with pytest.raises(RequestError, match=r"a tool_result after a text block"):
+        anthropic_api.parse_request(an)

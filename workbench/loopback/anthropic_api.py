@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .protocol import ChatRequest, Reply, RequestError, number, sampling_from, short, stop_strings, want
+from .protocol import ChatRequest, Reply, RequestError, order_tool_results, number, sampling_from, short, stop_strings, want
 
 # Tool-use ids are the reply's tool-call ids behind this prefix; requests map them back (a template
 # that renders ids, Mistral's, sees the same id on both protocols).
@@ -120,9 +120,10 @@ def _messages(messages: list, system) -> list[dict]:
                 if b.get("text"):  # (skipped when empty, as vLLM does)
                     pending.append(b["text"])
             elif b["type"] == "tool_result":
-                if pending:
-                    out.append({"role": "user", "content": "\n".join(pending)})
-                    pending = []
+                if pending:  # (rendered as a user turn between the calls and their results: a context neither
+                    # Anthropic, which refuses it, nor vLLM's server, which puts the results first, gives)
+                    raise RequestError(400, f"{where}.content[{j}]: a tool_result after a text block; a message's "
+                                            f"tool_result blocks come first, as Anthropic's API requires")
                 content = b.get("content", "")
                 if not isinstance(b.get("tool_use_id", ""), (str, type(None))):
                     raise RequestError(400, f"{where}.content[{j}].tool_use_id must be a string")
@@ -167,7 +168,7 @@ def parse_request(body: dict) -> ChatRequest:
                                 "new assistant turn", param="messages")
     stop = stop_strings(want(body, "stop_sequences", list, default=[]), "stop_sequences")
     sampling, sent = sampling_from(body, max_tokens, stop)
-    return ChatRequest(messages=_messages(messages, system), tools=specs or None,
+    return ChatRequest(messages=order_tool_results(_messages(messages, system)), tools=specs or None,
                        sampling=sampling, max_tokens=max_tokens, sent=sent,
                        stream=want(body, "stream", bool, default=False),
                        parse_tools=bool(specs) and choice.get("type") != "none")  # (no tools: text, as openai_api)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from .protocol import ChatRequest, Reply, RequestError, loads, number, sampling_from, short, stop_strings, want
+from .protocol import ChatRequest, Reply, RequestError, order_tool_results, loads, number, sampling_from, short, stop_strings, want
 
 # ipython: Llama 3.1's role for a tool's output (Meta's docs send it; its template renders it as a tool
 # result). A template that does not render it is refused by ChatFormat.render, naming the role
@@ -120,7 +120,7 @@ def parse_request(body: dict) -> ChatRequest:
     # vLLM's OpenAI server accepts ignore_eos as an extra field (SDK: extra_body); so do we
     sampling.ignore_eos = want(body, "ignore_eos", bool, default=False)
     return ChatRequest(
-        messages=msgs, tools=tools or None, sampling=sampling, max_tokens=max_tokens, sent=sent,
+        messages=order_tool_results(msgs), tools=tools or None, sampling=sampling, max_tokens=max_tokens, sent=sent,
         stream=want(body, "stream", bool, default=False), include_usage=bool(opts.get("include_usage")),
         # a request without tools gets its reply as text, tool-call syntax included, as from vLLM
         # (an agent describing its tools in the prompt parses them itself)

@@ -215,6 +215,37 @@ def pieces(text: str, n: int = PIECE_CHARS) -> list[str]:
     return [text[i:i + n] for i in range(0, len(text), n)]
 
 
+def order_tool_results(messages: list[dict]) -> list[dict]:
+    """Each assistant turn's tool results in the order of its calls, matched by id. OpenAI and
+    Anthropic match a result to its call by id, in any order; templates render results in the
+    order sent, with no id: results sent as they finished (parallel tools) gave each call the other's
+    result in the trained context. Where the calls and their results all carry ids, the results
+    are put in call order (a stable rule: later requests extend the same text), and a call left
+    unanswered, a result for no call or a call answered twice is refused, as both APIs refuse it.
+    Results without ids keep their places (matched by position, as the template renders them)."""
+    out, i = list(messages), 0
+    while i < len(out):
+        calls = out[i].get("tool_calls") if out[i].get("role") == "assistant" else None
+        j = i + 1
+        while j < len(out) and out[j].get("role") == "tool":
+            j += 1
+        ids = [c.get("id") for c in calls or ()]
+        got = [r.get("tool_call_id") for r in out[i + 1:j]]
+        if calls and got and all(isinstance(x, str) for x in ids + got) and len(set(ids)) == len(ids):
+            unknown = [x for x in got if x not in ids]
+            twice = sorted({x for x in got if got.count(x) > 1})
+            missing = [x for x in ids if x not in got]
+            if unknown or twice or missing:
+                what = "; ".join(f"{label} {xs}" for label, xs in (("results for no call of it:", unknown),
+                                 ("calls answered twice:", twice), ("calls left unanswered:", missing)) if xs)
+                raise RequestError(400, f"the tool results after the assistant turn calling {ids} do not answer its "
+                                        f"calls one each ({what}): each call needs exactly one result with its id",
+                                   param="messages")
+            out[i + 1:j] = sorted(out[i + 1:j], key=lambda r: ids.index(r["tool_call_id"]))
+        i = j if calls else i + 1
+    return out
+
+
 def want(body: dict, name: str, types, required: bool = False, default=None):
     """body[name] checked against `types`, or a RequestError naming the field."""
     if name not in body or body[name] is None:

@@ -45,7 +45,7 @@ from ..tokens import (Accumulator, ChatFormat, Segment, SEGMENT_TOTALS, canonica
                       segment_stats)
 from . import anthropic_api, openai_api
 from .parsing import ReplyParser, ids_before, reply_text, sampled_call_ids
-from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, check_template_controls, differs, loads, policy_value
+from .protocol import ChatRequest, Reply, RequestError, check_sampling_mode, check_template_controls, differs, loads, order_tool_results, policy_value
 from .streaming import ReplyStream, TokenFeed
 
 PROTOCOLS = {"openai": openai_api, "anthropic": anthropic_api}
@@ -714,7 +714,7 @@ class LoopbackServer:
         its temperature and top_p meet the policy's like a request's). Callable from any loop."""
         if session_id not in self.sessions:
             raise KeyError(f"unknown session {session_id!r}")
-        req = ChatRequest(messages=messages, tools=tools, sampling=copy.copy(sampling), max_tokens=sampling.max_tokens,
+        req = ChatRequest(messages=order_tool_results(messages), tools=tools, sampling=copy.copy(sampling), max_tokens=sampling.max_tokens,
                           sent={"temperature": sampling.temperature, "top_p": sampling.top_p}, parse_tools=bool(tools),
                           size=sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 1024 for m in messages))
         # counted and logged as a request's are (an Env run's summary read no requests and no errors,
