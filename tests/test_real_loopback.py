@@ -630,3 +630,28 @@ def test_a_reply_a_parser_reads_only_in_part_is_handed_out_as_written():
                    xml(("path", "x.md"), ("content", "Close with </function> then </tool_call>; open with <function=x>.")),
                    xml(("path", "x.md")) + "after the call"):
         assert parsed(tok, rp, partly, files) == ([], 1), partly
+
+
+def test_b_a_reply_a_stop_string_ended_seals_where_the_template_cannot_continue_it():
+    """A ReAct agent's stop=["Observation:"] on Llama 3.1: the ids hold "Observation:", the message
+    sent back does not; the next request extended the ids with the template's end of turn, a
+    context ("calc(2+2)\\nObservation:<|eot_id|>") no server builds, under every later turn. It seals
+    (stop_string), the agent's stop string or the policy's."""
+    from workbench.rollout.engine import SamplingConfig
+
+    fam = rm.load_family("llama3.1")
+    for own in (True, False):
+        engine = Replay()
+        policy = SamplingConfig(max_tokens=64, stop=[] if own else ["Observation:"])
+        with LoopbackServer(engine, fam.tokenizer, profile=fam.profile(), policy_sampling=policy, max_model_len=1 << 20) as server:
+            sid = server.open_session()
+            client = openai.OpenAI(base_url=server.base_url(sid), api_key=server.api_key, max_retries=0)
+            msgs = [{"role": "user", "content": "What is 2+2?"}]
+            for k in range(3):
+                engine.push(fam.tokenizer.encode(f"Thought: step {k}.\nAction: calc(2+2)\nObservation:", add_special_tokens=False))
+                r = client.chat.completions.create(model="policy", messages=msgs, **({"stop": ["Observation:"]} if own else {}))
+                assert r.choices[0].message.content == f"Thought: step {k}.\nAction: calc(2+2)\n"
+                msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "Observation: 4"}]
+            segs = server.close_session(sid)
+        assert [s.seal_reason for s in segs] == ["stop_string", "stop_string", "episode_end"], own
+        assert not any("Observation:<|eot_id|>" in fam.tokenizer.decode(s.token_ids) for s in segs), own

@@ -9,19 +9,23 @@ session with messages M (DESIGN.md, "Token identity"):
    the template text the new messages add (ALL messages after the last assistant turn),
    preceded by the template's closing text after the sampled end-of-turn token (e.g. "\n").
 2. Otherwise, where M rewrites the conversation (its first non-system message is one of the
-   conversation's), its segment is sealed with a reason and a new one starts from the full
-   render of M; where M opens otherwise (a summarizer or sub-agent called through the same
+   conversation's), a new segment starts from the full render of M, and the old one is set aside
+   open: a later request that extends it again goes on with it, else it is sealed with the
+   rewrite's reason at the episode's end or eviction; where M opens otherwise (a summarizer or sub-agent called through the same
    client, under its own system prompt or the agent's), it starts a conversation of its own beside the open ones, and a
    later request extends whichever open conversation it extends (`Accumulator.open_conversations`).
 3. A reply cut by max_tokens has no end-of-turn token: the template's closing tokens
-   (end-of-turn included) enter the next delta as non-trainable tokens.
+   (end-of-turn included) enter the next delta as non-trainable tokens. A reply a stop string
+   ended holds the string's text, which the message sent back does not: unless the template
+   renders the sampled text back (Qwen3's `</tool_call>`), the next request re-renders
+   (`stop_string`); closed by an end of turn, the text stood in a context no server builds.
 4. A retry returns the cached reply and records nothing twice. A request is a retry when it
    repeats the last request's messages and tools AND the client says it is one: the stock
    Stainless-generated SDKs (openai, anthropic) send `x-stainless-retry-count` on every request,
    0 on the first attempt and k on their k-th retry (timeouts, 5xx, lost connections). An
    identical request without that (count 0 or no header) is a new sample: it does not extend the
-   conversation, so the open segment is sealed (`history_rewritten`) and the sample starts a new
-   one; n identical requests give n samples. Turns of one session are serialised by a lock, so a
+   conversation, so the sample starts a new segment (the open one set aside as in rule 2,
+   `history_rewritten`); n identical requests give n samples. Turns of one session are serialised by a lock, so a
    retry sent while its original is still in flight waits for it and gets its reply.
 
 Measured per segment: `identity_mismatch` (trainable ids that differ from the engine's sampled
@@ -56,8 +60,8 @@ SEAL_REASONS = {
     "template_rewrite": "the chat template renders earlier turns differently once new messages are added",
     "tools_changed": "the request's tools differ from the previous request's, and the template renders them before the history",
     "stop_string": "the last reply ended on a stop string: the recorded ids hold its text, the message sent back "
-                   "does not, and the template's render cannot extend them (on Qwen3 an agent's "
-                   "stop=['Observation:'] seals every turn)",
+                   "does not, and the template's render cannot extend them (an agent's stop=['Observation:'] "
+                   "seals every turn; a stop string the template renders back, Qwen3's '</tool_call>', does not)",
     "episode_end": "the session was closed (normal end of an episode)",
     "evicted": "the session opened more conversations than the accumulator keeps open "
                "(Accumulator.open_conversations): the least recently extended one was closed",
@@ -659,8 +663,9 @@ class Accumulator:
         self._rewritten: dict[int, str] = {}
         self._last_request: tuple | None = None
         self._last_reply: Any = None
-        # the stop string that ended the last recorded reply (the seal's label: kept apart from the
-        # retry cache, which a failed request clears, and the retry's seal read as the template's)
+        # the stop string that ended the last recorded reply, "" for one it does not name (the policy's;
+        # the seal's label: kept apart from the retry cache, which a failed request clears, and the
+        # retry's seal read as the template's)
         self._last_stop_sequence: str | None = None
         # set by the server: the last turn was cut by the context (the conversation outgrew
         # max_model_len), or the last recorded reply ran out of the policy's max_tokens (a later
@@ -717,7 +722,7 @@ class Accumulator:
                 n = len(self._conversation)
                 reason = ("tools_changed" if _as_sent(seg.tools or None) != _as_sent(tools or None) else
                           "assistant_changed" if _as_sent(msgs[n - 1]) != _as_sent(self._conversation[n - 1]) else
-                          "stop_string" if self._last_stop_sequence else "template_rewrite")
+                          "stop_string" if self._last_stop_sequence is not None else "template_rewrite")
         full, ids = self.fmt.prompt(msgs, tools)
         return TurnPlan(ids, msgs, tools, full, len(ids), True, reason, beside=beside and seg is not None)
 
@@ -913,6 +918,13 @@ class Accumulator:
             if kept and turn_text.startswith(kept):
                 rest = turn_text[len(kept):]
                 self._closing_text = rest[min(len(rest) - len(rest.lstrip("\n")), len(text) - len(kept)):]
+            elif stopped:  # ended on a stop string, whose text the ids hold and the message sent back does not:
+                # the next request re-renders (stop_string). Extended, the stop text stood in the context closed
+                # by an end of turn the model never sampled ("calc(2+2)\nObservation:<|eot_id|>"), a context no
+                # server builds, under every later turn of a ReAct agent's episode
+                self._conversation_text, self._closing_text = "\0", ""
+                if self._last_stop_sequence is None:  # (the policy's own stop string: the reply names none)
+                    self._last_stop_sequence = ""
             else:
                 self._closing_text = turn_text[cut:]
         self._move_window(tools)
