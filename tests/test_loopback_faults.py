@@ -959,3 +959,34 @@ def test_tool_results_are_matched_to_their_calls_by_id():
     an["messages"][2]["content"] = [{"type": "text", "text": "here you go"}, *results]
     with pytest.raises(RequestError, match=r"a tool_result after a text block"):
         anthropic_api.parse_request(an)
+
+
+def test_a_side_call_whose_client_left_stops_sampling(tokenizer):
+    """A judge call (the side route: no session) whose client gave up (its episode timed out, its
+    SDK's timeout): uvicorn does not cancel the handler, and no session's end cancels it, so the
+    engine sampled on to its max_tokens (the room left in the context) beside the live episodes.
+    The call is cancelled once the client has gone."""
+
+    class Held(Slow):
+        def __init__(self, tokenizer):
+            super().__init__(tokenizer, 0.0)
+            self.ended = None  # "cancelled" or "finished"
+
+        async def generate(self, prompt_ids, sampling):
+            try:
+                await asyncio.sleep(30)  # a long judge reply
+            except asyncio.CancelledError:
+                self.ended = "cancelled"
+                raise
+            self.ended = "finished"
+            return await super().generate(prompt_ids, sampling)
+
+    engine = Held(tokenizer)
+    with LoopbackServer(engine, tokenizer) as srv:
+        impatient = openai.OpenAI(base_url=srv.base_url(None), api_key=srv.api_key, max_retries=0, timeout=0.3)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model="judge", messages=USER, max_tokens=1024)
+        deadline = time.time() + 10
+        while engine.ended is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert engine.ended == "cancelled"

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 
 
 TIMINGS_KEPT = 100_000
+# how often a side call's handler asks whether its client has gone (_side_turn)
+CLIENT_POLL_S = 0.25
 
 
 @dataclass
@@ -880,10 +882,21 @@ class LoopbackServer:
             raise RequestError(400, f"the prompt is {len(ids)} tokens, but the context is {self.max_model_len} tokens",
                                param="messages", code="context_length_exceeded")
         t = time.perf_counter()
+        # a task, cancelled once its client has gone (uvicorn does not cancel a handler whose client left, and a
+        # side call has no session whose end cancels it): a judge call of an episode that timed out sampled on to
+        # its max_tokens (the room left in the context), holding a batch slot beside the live episodes
+        call = asyncio.ensure_future(call_engine(self.side_engine, ids, req.sampling, feed=req.feed))
         try:
-            sample = finished(await call_engine(self.side_engine, ids, req.sampling, feed=req.feed))
+            while not (await asyncio.wait([call], timeout=CLIENT_POLL_S))[0]:
+                if await self._client_gone(req):
+                    raise RequestError(499, "the client disconnected before the reply was done")
+            sample = finished(call.result())
         except Exception as e:
+            if isinstance(e, RequestError):
+                raise
             raise EngineCallFailed(e) from e
+        finally:
+            call.cancel()
         return self._reply(sample, req, ids), time.perf_counter() - t
 
     def _reply(self, sample, req: ChatRequest, prompt_ids: list[int]) -> Reply:

@@ -79,7 +79,11 @@ class RolloutRunner:
         self.server = LoopbackServer(self.router, tokenizer, max_model_len=max_model_len,
                                      tool_parser=tool_parser, return_routed_experts=return_routed_experts,
                                      policy_sampling=self.sampling, sampling_mode=sampling_mode, profile=self.profile,
-                                     max_request_bytes=max_request_bytes, side_engine=side_engine).start()
+                                     max_request_bytes=max_request_bytes,
+                                     # a judge behind a router of its own: its calls get request_timeout_s, and one
+                                     # nobody waits for any more is cancelled in the engine (ray.cancel), as the
+                                     # policy's are (awaited on its actor handle, they sampled on to max_tokens)
+                                     side_engine=EngineRouter([side_engine], request_timeout_s) if side_engine else None).start()
         self._slots = max_concurrent_episodes
         self._sem = None
         self._clients = None
