@@ -1376,7 +1376,8 @@ def _train_on(trainer, engines, groups, cfg: LoopConfig, step: int, r0: float, r
         # update or a sync (the weights did not change); it stopped the whole run, a dead runner's
         # groups too, which run() says fail only their episodes
         print(f"workbench: step {step} had no trainable episode ({sum(reasons.values())} failed: "
-              f"{next(iter(reasons), 'none')}): recorded without an update", file=sys.stderr)
+              f"{next(iter(reasons), 'none')}; {e.info.get('masked_episodes', 0)} masked): recorded without an update",
+              file=sys.stderr)
         now = time.time()
         return {**record, "version": trainer.version, "trained_version": trainer.version, **_with_untrained(e.info, untrained),
                 "engines": len(engines), "engines_lost": 0, "signal_tokens": 0,
