@@ -401,6 +401,13 @@ def test_an_identity_break_keeps_its_token_view_and_its_logged_count(tmp_path):
                                      {0: [traj(f"e{i}") for i in range(4)]}))
     assert "id='v-0-identity_mismatch'" in html and "id='v-0-unexpected_seals'" in html
     # a step that trained nothing (every episode failed) is said so, not as an async step's
-    nothing = {**base, "kl_k3": None, "episodes": 0, "dropped_episodes": 4, "failed_episodes": 4, "updates_skipped": 1}
+    nothing = {**base, "kl_k3": None, "episodes": 0, "segments": 0, "dropped_episodes": 4, "failed_episodes": 4, "updates_skipped": 1}
     html = audit_html(_synthetic_run(tmp_path / "c", [nothing], {}))
-    assert "1 step(s) trained nothing (0)" in html and "an async run" not in html
+    assert "1 step(s) measured nothing of the forward (0)" in html and "an async run" not in html
+    # ... every episode masked (counted as episodes, trained nothing), and a step whose training was
+    # interrupted after an update (no sync: it read clean, its weights moved and the engines not synced)
+    masked = {**nothing, "step": 1, "episodes": 4, "masked_episodes": 4, "dropped_episodes": 0}
+    interrupted = {**base, "step": 2, "kl_k3": None, "episodes": 4, "segments": 4, "train_interrupted": "PartialUpdate"}
+    html = audit_html(_synthetic_run(tmp_path / "d", [{**nothing, "failed_episodes": 0}, masked, interrupted], {}))
+    assert "3 step(s) measured nothing of the forward (0..2)" in html and "an async run" not in html
+    assert "id='v-2-sync_failed'" in html and "Every statistic of every step is within" not in html

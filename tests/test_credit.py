@@ -98,6 +98,11 @@ def test_steps_without_learning_signal_are_reported_once_a_streak(capsys):
     assert masked["episodes"] == 4 and masked["masked_episodes"] == 4
     assert warn_no_signal([{**masked, "step": s} for s in range(NO_SIGNAL_STEPS)])
     assert "every episode kept was masked (4 in the last step; 4 truncated" in capsys.readouterr().err
+    with pytest.raises(NothingToTrain) as refused:  # ... and dropped: "no episode reached the batch"
+        batch_from_groups([truncated], "grpo", on_truncated="drop")
+    dropped = {**refused.value.info, "signal_tokens": 0, "signal_tokens_trained": 0, "updates_skipped": 1, "reward_mean": 0.5}
+    assert warn_no_signal([{**dropped, "step": s} for s in range(NO_SIGNAL_STEPS)])
+    assert "no episode reached the batch (4 dropped in the last step, 4 of them truncated" in capsys.readouterr().err
     # a non-finite gradient skipped every update: it blamed the gate, beside a gate_pass_ratio of 1.0
     nan = {"signal_tokens": 120, "signal_tokens_trained": 0, "grad_norm": float("nan"), "gate_pass_ratio": 1.0,
            "updates_skipped": 1, "episodes": 8, "segments": 8}

@@ -543,6 +543,12 @@ def test_a_monitor_names_a_non_finite_value():
     reward = RewardMonitor([{"step": 0, "reward_mean": 0.5, "correct_rate": 0.5}])
     reward.on_step({"step": 1, "reward_mean": float("nan"), "correct_rate": float("nan"), "failed_episodes": 8})
     assert reward.fig.layout.title.text == "no episode finished at step 1 (failed_episodes says why)"
+    # non-finite IS weights are said by the monitor that draws their histogram, not by the reward one
+    odd = {"step": 2, "reward_mean": 0.5, "correct_rate": 0.5, "is_weight_hist": {"edges": [0.0, 1.0], "counts": [1], "nonfinite": 2}}
+    reward.on_step(odd)
+    assert "IS weight" not in (reward.fig.layout.title.text or "")
+    gate.on_step({**HISTORY[1], **odd})
+    assert "2 IS weight(s) at step 2" in gate.fig.layout.title.text
 
 
 def test_drift_views_render_the_tools_the_segment_declared(fmt, tmp_path):

@@ -842,7 +842,7 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     producer = threading.Thread(target=produce, name="workbench-rollout", daemon=True)
     producer.start()
     history = [] if history is None else history  # (the steps before this run first: the warnings read them)
-    last = (first, [])  # the last step recorded and its untrained groups
+    last = None  # the last step recorded and its untrained groups (none: the leftovers are not recorded)
     try:
         for step in tqdm(range(first, cfg.steps), desc=f"RL steps ({cfg.mode})", initial=first, total=cfg.steps,
                          disable=not progress):
@@ -882,11 +882,14 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
     return history
 
 
-def _record_untaken(on_untrained, last: tuple[int, list], groups: list) -> None:
+def _record_untaken(on_untrained, last: tuple[int, list] | None, groups: list) -> None:
     """The finished groups no step took when a run ends, stopped or failing, recorded with the last
     step's untrained ones (`last`: that step and its own). Called in the run's `finally`: a failure of
-    its own while the run's error propagates is said, not raised over that error."""
-    if on_untrained is None or not groups:
+    its own while the run's error propagates is said, not raised over that error. A run that took no
+    step records none (`last` None): filed under its first step, which has no record, they were
+    deleted as a retried step's first try when the next run took that step (their tasks are drawn
+    again there, as that step's)."""
+    if on_untrained is None or not groups or last is None:
         return
     if sys.exc_info()[0] is None:  # (inside a finally, the exception on its way out, if any)
         on_untrained(last[0], last[1] + groups)
@@ -962,6 +965,11 @@ def warn_no_signal(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> bool:
     if last.get("updates_skipped") and not last.get("episodes") and last.get("failed_episodes"):
         why = (f"every episode failed ({last['failed_episodes']} in the last step: see failure_reasons in "
                f"metrics.jsonl), so there was nothing to train on")
+    elif last.get("updates_skipped") and not last.get("episodes") and last.get("dropped_episodes"):
+        # (read as "every group's rewards were equal", with nothing in the batch)
+        why = (f"no episode reached the batch ({last['dropped_episodes']} dropped in the last step, "
+               f"{last.get('truncated_episodes', 0)} of them truncated: the rules on_truncated / on_failed = 'drop'), so "
+               f"there was nothing to train on: a larger max_tokens or context, or another rule (loop.EPISODE_RULES)")
     elif last.get("updates_skipped") and not last.get("segments") and last.get("masked_episodes"):
         # (read as "every group's rewards were equal", with the rewards differing)
         why = (f"every episode kept was masked ({last['masked_episodes']} in the last step; "
@@ -1244,7 +1252,7 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
     # the finished groups no step took when the run stops (a step's worth and more start ahead of it):
     # recorded with the last step's untrained groups, not thrown away uncounted
     leftover: list = []
-    last = (first, [])  # the last step recorded and its untrained groups
+    last = None  # the last step recorded and its untrained groups (none: the leftovers are not recorded)
     try:
         for step in tqdm(range(first, cfg.steps), desc="RL steps (async)", initial=first, total=cfg.steps,
                          disable=not progress):

@@ -463,8 +463,9 @@ class _Monitor(W.VBox):
                if isinstance(m.get(key), float) and not math.isfinite(m[key]) and not unmeasured(key, m)]
         idle = sorted({s for key, *_ in self.LINES for s, m in zip(steps, self.history)
                        if isinstance(m.get(key), float) and unmeasured(key, m)})
+        # (in no bin of the histogram; on the monitor that draws it: the reward and replay ones said it too)
         bad += [f"{(m.get('is_weight_hist') or {}).get('nonfinite')} IS weight(s) at step {s}" for s, m in zip(steps, self.history)
-                if (m.get("is_weight_hist") or {}).get("nonfinite")]  # (in no bin of the histogram)
+                if (m.get("is_weight_hist") or {}).get("nonfinite") and any(k == "is_weight_hist" for k, *_ in self.BARS)]
         title = [("<span style='color:#c00'>not finite: " + "; ".join(bad[:4])
                   + (f" (+{len(bad) - 4})" if len(bad) > 4 else "") + "</span>")] if bad else []
         if idle:

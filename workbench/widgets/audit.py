@@ -79,7 +79,8 @@ CHECKS = (
     ("sync_max_abs_diff", "sync probe difference", "max |engine - trainer| probe log-prob after the step's weight sync"),
     ("sync_probe_outlier", "excused probe position", "the gap at the one probe position a sync excused as a router "
      "near-tie (left out of the probe difference; a weight row the sync corrupted looks the same)"),
-    ("sync_failed", "failed weight sync", "the step trained, then its weight sync raised (a probe mismatch, an engine lost): "
+    ("sync_failed", "failed weight sync", "the step trained, then its weight sync raised (a probe mismatch, an engine lost), "
+     "or its training was interrupted (train_interrupted: Ctrl-C, a rank failed after an update) before any sync: "
      "the engines may not serve the trained weights"),
     ("failed_rate", "failed episodes", "share of the step's episodes that failed (agent error, timeout, dead engine)"),
     ("truncated_rate", "truncated episodes", "share of the step's episodes cut by the context, the policy's max_tokens or an Env's truncation (its step, max_turns)"),
@@ -172,7 +173,9 @@ def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None,
     # None there means its tokens were stale, which the check on all of them then shows
     if "kl_k3_current" in m and (m["kl_k3_current"] is not None or m.get("mode") != "sync"):
         v["kl_k3"] = m["kl_k3_current"]
-    v["sync_failed"] = int(bool(m.get("sync_error")))
+    # (an interrupted step's record, train_interrupted, has no sync at all: the weights moved, the engines
+    # were not synced, and the page read it clean)
+    v["sync_failed"] = int(bool(m.get("sync_error") or m.get("train_interrupted")))
     return v, {k: {ep: e[k] for ep, e in eps.items()} for k in PER_EPISODE} | {"seals": {ep: e["seals"] for ep, e in eps.items()}}
 
 
@@ -353,14 +356,17 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
     # the forward check on a step with no current-version tokens measured nothing (an async run bound by
     # training samples every token a version behind: from step 1 on, every step): said, not read as within
     # (a step that trained nothing, every episode failed or dropped, is said as such: it read as async)
-    idle = [st for st, (m, v, _) in zip(steps, rows) if v["kl_k3"] is None and not m.get("episodes")]
+    # (by segments, not episodes: masked episodes count as episodes and train nothing; an interrupted step's
+    # statistics were never computed)
+    idle = [st for st, (m, v, _) in zip(steps, rows) if v["kl_k3"] is None and (not m.get("segments") or "train_interrupted" in m)]
     unforward = [st for st, (_, v, _) in zip(steps, rows) if v["kl_k3"] is None and st not in idle]
     out.append("</ul>" + ("" if violations else "<p>Every statistic of every step is within its threshold.</p>")
                + (f"<p class='na'>k3 with replay (forward consistency) not measured on {len(unforward)} of {len(steps)} "
                   f"step(s) ({_ranges(unforward)}): no token of the trained version (an async run's tokens were all "
                   f"sampled a version behind); there the sync probe difference is its check.</p>" if unforward else "")
-               + (f"<p class='na'>{len(idle)} step(s) trained nothing ({_ranges(idle)}): no episode of theirs reached "
-                  f"the batch (failed or dropped; failure_reasons in metrics.jsonl says why).</p>" if idle else "")
+               + (f"<p class='na'>{len(idle)} step(s) measured nothing of the forward ({_ranges(idle)}): no episode of "
+                  f"theirs reached the batch (failed, dropped or masked; failure_reasons in metrics.jsonl says why), or "
+                  f"their training was interrupted (train_interrupted).</p>" if idle else "")
                + (f"<p class='na'>No trajectories/step_*.parquet for {len(missing)} step(s) ({_ranges(missing)}): their "
                   f"token-identity checks read the step's logged totals, or are not recorded (–) where it has none.</p>"
                   if missing else "") + "</section>")
@@ -450,8 +456,11 @@ def main(argv=None) -> None:
     p.add_argument("-o", "--out", help="the page's path (default RUN_DIR/audit.html)")
     p.add_argument("--tokenizer", help="a checkpoint directory whose tokenizer shows tokens as text")
     for f in fields(Thresholds):
+        # (the two the run bounds itself read "none" as its bound, and still flag: they said "not flagged")
+        said = ("none: the run's own bound (its max_staleness, its loop's sync_tol)" if f.name in ("max_staleness", "sync_max_abs_diff")
+                else "none: shown, not flagged")
         p.add_argument(f"--{f.name.replace('_', '-')}", type=_threshold, default=f.default,
-                       help=f"threshold (default {f.default}; none: shown, not flagged)")
+                       help=f"threshold (default {f.default}; {said})")
     a = p.parse_args(argv)
     th = Thresholds(**{f.name: getattr(a, f.name) for f in fields(Thresholds)})
     path = write_audit(a.run_dir, a.out, _tokenizer(Path(a.run_dir), a.tokenizer), th)
