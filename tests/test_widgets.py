@@ -587,3 +587,24 @@ def test_a_long_runs_monitor_redraws_at_most_every_few_seconds_and_at_the_end():
     mon.on_step({"step": 5, "gate_pass_ratio": 0.5})  # fed without a run's end: a saved view draws it anyway
     mon.static()
     assert list(mon.trace("gate_pass_ratio").y)[-1] == 0.5
+
+
+def test_token_views_re_render_with_the_profiles_format():
+    """The inspector, the audit page and wb.revisit re-rendered a segment's messages with the bare
+    tokenizer: Llama 3's date_string (the profile's template kwargs) fell back to the template's own
+    date, and every segment's date tokens showed as retokenization drift that was not there. The
+    session's views render with its profile's ChatFormat (Workbench._view_format)."""
+    from workbench.real_models import load_family
+    from workbench.session import Workbench
+    from workbench.tokens import ChatFormat, Segment
+
+    fam = load_family("llama3.1")
+    profile = fam.profile().replace(chat_template_kwargs={"date_string": "01 Jan 2025"})  # (profiles.py's llama3 sets one)
+    server_fmt = ChatFormat.for_profile(fam.tokenizer, profile)  # what the loopback server renders with
+    msgs = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}]
+    ids = server_fmt.encode(server_fmt.render(msgs, None, add_generation_prompt=False))
+    seg = Segment(ids, [0] * len(ids), [0.0] * len(ids), [-1] * len(ids), messages=msgs, seal_reason="episode_end")
+    assert drift_positions(seg, fam.tokenizer) != []  # (the bare tokenizer's render: the template's own date)
+    wb = object.__new__(Workbench)
+    wb.tokenizer, wb.profile = fam.tokenizer, profile
+    assert drift_positions(seg, wb._view_format()) == []

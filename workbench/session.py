@@ -958,7 +958,7 @@ class Workbench:
         (widgets.audit.Thresholds fields, e.g. kl_k3=1e-4), violations linked to token views."""
         from .widgets.audit import Thresholds, write_audit
 
-        return write_audit(run_dir or self.run_dir, path, self.tokenizer, Thresholds(**thresholds))
+        return write_audit(run_dir or self.run_dir, path, self._view_format(), Thresholds(**thresholds))
 
     def revisit(self, run_dir=None, step: int = 0, world_size: int | None = None):
         """Step time travel: step `step` of the run in `run_dir` (default: this session's) again, on
@@ -1007,7 +1007,18 @@ class Workbench:
         finally:
             trainer.shutdown()
         return Revisit(step, version, logged, step_statistics(stats), dict(stats["report"], row_keys=batch["row_keys"]),
-                       trajectories, batch, self.tokenizer)
+                       trajectories, batch, self._view_format())
+
+    def _view_format(self):
+        """What the token views re-render with: the profile's ChatFormat (its template kwargs and message
+        form), as the loopback server rendered the prompts. With the bare tokenizer, Llama 3's
+        date_string fell back to the template's own date, and every segment's date tokens showed as
+        retokenization drift that was not there."""
+        from .tokens import ChatFormat
+
+        if getattr(self, "profile", None) is None or self.tokenizer is None:
+            return self.tokenizer
+        return ChatFormat.for_profile(self.tokenizer, self.profile)
 
     def stop(self) -> None:
         if self._run is not None:
@@ -1421,7 +1432,7 @@ class Workbench:
         (from the last wb.trainer.step() when that step trained on it)."""
         from .widgets import SegmentInspector
 
-        return SegmentInspector(trajectory if trajectory is not None else self.rollout.last, self.tokenizer,
+        return SegmentInspector(trajectory if trajectory is not None else self.rollout.last, self._view_format(),
                                 color_by=color_by, layer=layer, report=self.trainer.last_report)
 
     def monitors(self) -> tuple:

@@ -437,12 +437,20 @@ def write_audit(run_dir, path=None, tokenizer=None, thresholds: Thresholds | Non
 
 
 def _tokenizer(run_dir: Path, given: str | None):
-    """--tokenizer, else a kept policy's (wb.run(keep_policy_every=N) copies tokenizer files), else None."""
+    """--tokenizer, else a kept policy's (wb.run(keep_policy_every=N) copies tokenizer files), else None;
+    as its profile's ChatFormat where the directory has one (its template kwargs: Llama 3's date_string
+    re-rendered as the template's default showed drift that was not there)."""
+    from ..profiles import profile_for
+    from ..tokens import ChatFormat
     from ..toy.models import load_tokenizer
 
     for d in ([Path(given)] if given else sorted((run_dir / "policies").glob("step_*"))):
         if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
-            return load_tokenizer(str(d))
+            tokenizer = load_tokenizer(str(d))
+            try:
+                return ChatFormat.for_profile(tokenizer, profile_for(d))
+            except Exception:  # (no config.json, an unknown family: the bare tokenizer's render)
+                return tokenizer
     return None
 
 
