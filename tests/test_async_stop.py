@@ -179,3 +179,39 @@ def test_a_run_ending_on_an_error_still_records_the_finished_groups_no_step_took
                       on_untrained=lambda step, groups: untrained.append((step, [g[0].group_id for g in groups])))
         recorded = trained + [gid for _, ids in untrained for gid in ids]
         assert untrained and sorted(recorded) == sorted(rollout.finished) and len(rollout.finished) > len(trained), mode
+
+
+def test_leftovers_of_a_run_whose_training_raised_go_to_the_last_recorded_step(monkeypatch):
+    """A step whose training raised (a rank died) is not recorded, and the next run retries it,
+    replacing its untrained/ file: the finished groups no step took were filed there and deleted.
+    They go with the last step recorded."""
+    import pytest
+
+    def wait(refs, num_returns=1, timeout=None):
+        t0 = time.time()
+        while True:
+            done = [r for r in refs if r.group is not None]
+            if done or time.time() - t0 > (timeout or 0):
+                return done[:num_returns], [r for r in refs if r not in done]
+            time.sleep(0.0005)
+
+    class Dying(_Trainer):
+        steps = 0
+
+        def train_step(self, batch):
+            Dying.steps += 1
+            if Dying.steps == 2:
+                time.sleep(0.3)  # the next groups finish meanwhile
+                raise RuntimeError("a trainer rank died")
+            return super().train_step(batch)
+
+    monkeypatch.setattr(loop.ray, "wait", wait)
+    monkeypatch.setattr(loop, "sync_engines", lambda *a, **k: [])
+    monkeypatch.setattr(loop, "engines_version", lambda engines, lost=None, newest=True: 1)
+    # (async: groups run ahead of training; a sync run's next rollout starts once a step has trained)
+    untrained = []
+    cfg = loop.LoopConfig(mode="async", async_lag=1, steps=10, prompts_per_step=4, group_size=2)
+    with pytest.raises(RuntimeError, match="rank died"):
+        loop._run(_Rollout(), Dying(), [], _Tasks(), cfg, None, False, None, 0, threading.Event(), None, 0,
+                  on_untrained=lambda step, groups: untrained.append(step))
+    assert untrained and set(untrained) == {0}, untrained

@@ -103,6 +103,15 @@ def test_steps_without_learning_signal_are_reported_once_a_streak(capsys):
     dropped = {**refused.value.info, "signal_tokens": 0, "signal_tokens_trained": 0, "updates_skipped": 1, "reward_mean": 0.5}
     assert warn_no_signal([{**dropped, "step": s} for s in range(NO_SIGNAL_STEPS)])
     assert "no episode reached the batch (4 dropped in the last step, 4 of them truncated" in capsys.readouterr().err
+    # every episode failed before its first turn (no segments) and kept or zeroed by on_failed: counted as
+    # episodes, and read as "every group's rewards were equal"
+    for rule in ("zero", "keep"):
+        crashed = [Trajectory([], 0.0, "g", f"e{i}", {}, "ConnectionError: no server") for i in range(4)]
+        with pytest.raises(NothingToTrain) as refused:
+            batch_from_groups([crashed], "grpo", on_failed=rule)
+        rec = {**refused.value.info, "signal_tokens": 0, "signal_tokens_trained": 0, "updates_skipped": 1, "reward_mean": 0.0}
+        assert warn_no_signal([{**rec, "step": s} for s in range(NO_SIGNAL_STEPS)])
+        assert "every episode failed (4 in the last step" in capsys.readouterr().err, rule
     # a non-finite gradient skipped every update: it blamed the gate, beside a gate_pass_ratio of 1.0
     nan = {"signal_tokens": 120, "signal_tokens_trained": 0, "grad_norm": float("nan"), "gate_pass_ratio": 1.0,
            "updates_skipped": 1, "episodes": 8, "segments": 8}

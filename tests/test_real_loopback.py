@@ -579,6 +579,25 @@ def test_b_qwen3_streams_only_what_the_finished_reply_holds():
                 assert sent == {"reasoning": reply.reasoning or "", "content": reply.content or ""}, (opened, text, with_tools)
 
 
+def test_a_server_stops_on_its_profiles_stop_tokens_unless_told_to_run_on():
+    """A server made with a profile stops on the profile's stop tokens (Llama's <|eom_id|>), as a runner's
+    sampling does; with ignore_eos (a policy told to run on) it adds none, as the runner adds none."""
+    from workbench.rollout.engine import SamplingConfig
+
+    fam = rm.load_family("llama3.1")
+    stops = fam.profile().stop_token_ids(fam.tokenizer)
+    assert stops and set(LoopbackServer(Replay(), fam.tokenizer, profile=fam.profile()).policy_sampling.stop_token_ids) == set(stops)
+    running_on = LoopbackServer(Replay(), fam.tokenizer, profile=fam.profile(), policy_sampling=SamplingConfig(ignore_eos=True))
+    assert running_on.policy_sampling.stop_token_ids == []
+    # without a profile, a Llama reply read with special tokens kept still ends before its <|eom_id|>
+    from workbench.loopback.parsing import reply_text
+    from workbench.tokens import ChatFormat
+
+    fmt = ChatFormat(fam.tokenizer, "<|eot_id|>")
+    ids = fam.tokenizer.encode('{"name": "f", "parameters": {}}<|eom_id|>', add_special_tokens=False)
+    assert reply_text(fmt, ids, "stop", False)[0] == '{"name": "f", "parameters": {}}'
+
+
 def test_a_reply_a_parser_reads_only_in_part_is_handed_out_as_written():
     """vLLM's llama3_json, deepseek_v31 and qwen3_coder parsers hand out the calls they find and drop
     the rest of the reply (text after the calls, a value holding the closing tag, a repeated
@@ -626,6 +645,9 @@ def test_a_reply_a_parser_reads_only_in_part_is_handed_out_as_written():
 
     assert parsed(tok, rp, xml(("path", "x.md"), ("content", "hi")), files) == (
         [{"name": "write_file", "arguments": {"path": "x.md", "content": "hi"}}], 0)
+    # a reply a stop string cut at "</tool_call>" (the server cuts before parsing): its call is read
+    cut = xml(("path", "x.md"), ("content", "hi"))[: -len("</tool_call>")]
+    assert parsed(tok, rp, cut, files) == ([{"name": "write_file", "arguments": {"path": "x.md", "content": "hi"}}], 0)
     for partly in (xml(("path", "x.md"), ("content", "a</parameter>b")), xml(("path", "x.md"), ("path", "y.md")),
                    xml(("path", "x.md"), ("content", "Close with </function> then </tool_call>; open with <function=x>.")),
                    xml(("path", "x.md")) + "after the call"):

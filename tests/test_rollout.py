@@ -1072,3 +1072,31 @@ def test_rollout_keeps_the_policy_sampling_and_applies_it(rollout_for, vllm_moe)
     assert strict.sampling is policy and strict.sampling_mode == "strict"
     t = strict.run_episodes(spec.tasks(1, seed=1), progress=False)[0]
     assert "BadRequestError" in t.error and "top_p" in t.error and not t.segments
+
+
+def test_a_stopped_rollout_hands_back_every_group_finished_by_then(monkeypatch):
+    """run_groups collects one finished group per wait: a stop arriving while finished ones were
+    still uncollected abandoned them (finished, never recorded). They are collected first."""
+    import threading
+
+    from workbench.rollout import runner as runner_mod
+
+    runner = types.SimpleNamespace(run_group=types.SimpleNamespace(remote=lambda task, n: ("ref", task.id)))
+    rollout = object.__new__(Rollout)
+    rollout.runners, rollout._slots, rollout.outstanding, rollout._lock = [runner], 100, {id(runner): 0}, threading.Lock()
+    rollout._abandoned, rollout._names, rollout.lost = {}, {id(runner): "runner 0"}, []
+    stop, collected = threading.Event(), []
+    monkeypatch.setattr(runner_mod.ray, "wait", lambda refs, num_returns=1, timeout=None: (list(refs)[:num_returns], list(refs)[num_returns:]))
+
+    def finish_group(ref, r, task, n):  # every group of the rollout has finished; wb.stop() comes at the second
+        rollout.outstanding[id(r)] -= n
+        collected.append(task.id)
+        if len(collected) == 2:
+            stop.set()
+        return [task.id]
+
+    rollout.finish_group = finish_group
+    tasks = [Task([{"role": "user", "content": "x"}], id=f"t{i}") for i in range(6)]
+    with pytest.raises(runner_mod.RolloutStopped) as stopped:
+        rollout.run_groups(tasks, 1, progress=False, stop=stop)
+    assert len(stopped.value.groups) == 6 and not rollout._abandoned

@@ -857,8 +857,8 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
             teacher, untrained = extra.pop("_teacher", None), extra.pop("_untrained", [])
             if on_untrained is not None and untrained:
                 on_untrained(step, untrained)
-            last = (step, untrained)
             trained_metrics, sync_error = _train_on(trainer, engines, groups, cfg, step, r0, r1, teacher, untrained=untrained)
+            last = (step, untrained)  # (recorded by _after_step; a training that raised is retried, its files replaced)
             metrics = {**trained_metrics, **extra}
             if sync_error is None:
                 trained.release()
@@ -962,7 +962,9 @@ def warn_no_signal(history: list[dict], steps: int = NO_SIGNAL_STEPS) -> bool:
     # why, from the last step's own record: the cause decides the advice (the gate is a fix for one
     # and the culprit of another; a step whose every episode failed has no rewards at all)
     grad_norm = last.get("grad_norm")
-    if last.get("updates_skipped") and not last.get("episodes") and last.get("failed_episodes"):
+    # (by failures, not episodes: a failed episode with no segments counts as an episode where
+    # on_failed keeps or zeroes it, and the step read as "every group's rewards were equal")
+    if last.get("updates_skipped") and not last.get("segments") and last.get("failed_episodes") and not last.get("masked_episodes"):
         why = (f"every episode failed ({last['failed_episodes']} in the last step: see failure_reasons in "
                f"metrics.jsonl), so there was nothing to train on")
     elif last.get("updates_skipped") and not last.get("episodes") and last.get("dropped_episodes"):
@@ -1265,8 +1267,8 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
             untrained = extra.pop("_untrained")
             if on_untrained is not None and untrained:
                 on_untrained(step, untrained)
-            last = (step, untrained)
             trained_metrics, sync_error = _train_on(trainer, engines, groups, cfg, step, r0, r1, teacher, step_start, untrained)
+            last = (step, untrained)  # (recorded by _after_step; a training that raised is retried, its files replaced)
             metrics = {**trained_metrics, **extra}
             if sync_error is None:
                 stream.allow(cfg.prompts_per_step)  # trained and synced: a step's worth more may start

@@ -69,6 +69,9 @@ def reply_text(fmt, ids: list[int], finish: str, skip_special_tokens: bool, stop
     if not skip_special_tokens and ids and finish == "stop":
         ends = set(getattr(fmt, "turn_end_ids", (fmt.end_of_turn_id,))) | set(stop_ids)
         ends.add(getattr(fmt.tokenizer, "eos_token_id", None))
+        # any special token a stopped reply ends on: an engine stops on its generation_config's EOS ids too
+        # (Llama's <|eom_id|>), which a server made without a profile does not name (kept, a call read as text)
+        ends |= set(getattr(fmt, "special_ids", ()))
         ids = ids[:-1] if ids[-1] in ends else ids
     return fmt.decode(ids, skip_special_tokens=skip_special_tokens), ids
 
@@ -412,4 +415,6 @@ def _xml_calls_only(text: str, calls: list[dict]) -> bool:
         return False
     first = text.find("<tool_call>")
     blocks = text[first:] if first >= 0 else ""
-    return not re.sub(r"<tool_call>.*?</tool_call>", "", blocks, flags=re.S).strip()
+    # (the last block may be unclosed: a stop string the agent set at "</tool_call>" cut it, and vLLM's parser
+    # reads that call, as vLLM's server hands it out)
+    return not re.sub(r"<tool_call>.*?(?:</tool_call>|\Z)", "", blocks, flags=re.S).strip()

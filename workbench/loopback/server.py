@@ -304,7 +304,8 @@ class LoopbackServer:
         self.engine, self.side_engine = engine, side_engine or engine
         # what recorded turns are sampled with; its max_tokens is theirs where the agent sends none
         self.policy_sampling = policy_sampling or SamplingConfig(max_tokens=default_max_tokens)
-        if profile is not None:  # its stop tokens (Llama's <|eom_id|>), as a runner's sampling has them: a
+        if profile is not None and not self.policy_sampling.ignore_eos:  # its stop tokens (Llama's <|eom_id|>), as a
+            # runner's sampling has them (unless told to run on: ignore_eos): a
             # reply ending on one is read without it (parsing.reply_text), not with it as the text's end
             stops = [i for i in profile.stop_token_ids(tokenizer) if i not in self.policy_sampling.stop_token_ids]
             self.policy_sampling = dataclasses.replace(self.policy_sampling,

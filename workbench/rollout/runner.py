@@ -531,7 +531,11 @@ class Rollout:
             submit()
             with tqdm(total=len(tasks), desc=f"rollout ({group_size}/group)", disable=not progress) as bar:
                 while inflight or waiting:
-                    if stop is not None and stop.is_set():
+                    if stop is not None and stop.is_set():  # (the groups finished meanwhile first: left, they went
+                        ready, _ = ray.wait(list(inflight), num_returns=len(inflight), timeout=0) if inflight else ([], [])
+                        for ref in ready:  # unrecorded with the ones still running)
+                            i, r = inflight.pop(ref)
+                            out[i] = self.finish_group(ref, r, tasks[i], group_size)
                         raise RolloutStopped([g for g in out if g is not None])
                     if not inflight:  # every runner is full with another caller's groups
                         time.sleep(0.05)
