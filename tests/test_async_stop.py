@@ -65,21 +65,23 @@ class _Trainer:
                 "signal_tokens_trained": 1, "updates": 1, "updates_skipped": 1, "kl_k3_live": None, "kl_ref": None}
 
 
+def _wait(refs, num_returns=1, timeout=None):
+    """ray.wait over _Started groups."""
+    t0 = time.time()
+    while True:
+        done = [r for r in refs if r.group is not None]
+        if done or time.time() - t0 > (timeout or 0):
+            return done[:num_returns], [r for r in refs if r not in done]
+        time.sleep(0.0005)
+
+
 class _Tasks:
     def take(self, position, n):
         return [Task([{"role": "user", "content": "x"}], id=f"t{position + i}") for i in range(n)]
 
 
 def test_a_stopped_async_run_records_the_finished_groups_no_step_took(monkeypatch):
-    def wait(refs, num_returns=1, timeout=None):
-        t0 = time.time()
-        while True:
-            done = [r for r in refs if r.group is not None]
-            if done or time.time() - t0 > (timeout or 0):
-                return done[:num_returns], [r for r in refs if r not in done]
-            time.sleep(0.0005)
-
-    monkeypatch.setattr(loop.ray, "wait", wait)
+    monkeypatch.setattr(loop.ray, "wait", _wait)
     monkeypatch.setattr(loop, "sync_engines", lambda *a, **k: [])
     for order in ("finish", "start"):
         rollout, stop, trained, untrained = _Rollout(), threading.Event(), [], []
@@ -154,15 +156,7 @@ def test_a_run_ending_on_an_error_still_records_the_finished_groups_no_step_took
     sync, an evaluation's, a rank's): recorded in the run's `finally`, the error still raised."""
     import pytest
 
-    def wait(refs, num_returns=1, timeout=None):
-        t0 = time.time()
-        while True:
-            done = [r for r in refs if r.group is not None]
-            if done or time.time() - t0 > (timeout or 0):
-                return done[:num_returns], [r for r in refs if r not in done]
-            time.sleep(0.0005)
-
-    monkeypatch.setattr(loop.ray, "wait", wait)
+    monkeypatch.setattr(loop.ray, "wait", _wait)
     monkeypatch.setattr(loop, "sync_engines", lambda *a, **k: [])
     monkeypatch.setattr(loop, "engines_version", lambda engines, lost=None, newest=True: 1)
 
@@ -187,14 +181,6 @@ def test_leftovers_of_a_run_whose_training_raised_go_to_the_last_recorded_step(m
     They go with the last step recorded."""
     import pytest
 
-    def wait(refs, num_returns=1, timeout=None):
-        t0 = time.time()
-        while True:
-            done = [r for r in refs if r.group is not None]
-            if done or time.time() - t0 > (timeout or 0):
-                return done[:num_returns], [r for r in refs if r not in done]
-            time.sleep(0.0005)
-
     class Dying(_Trainer):
         steps = 0
 
@@ -205,7 +191,7 @@ def test_leftovers_of_a_run_whose_training_raised_go_to_the_last_recorded_step(m
                 raise RuntimeError("a trainer rank died")
             return super().train_step(batch)
 
-    monkeypatch.setattr(loop.ray, "wait", wait)
+    monkeypatch.setattr(loop.ray, "wait", _wait)
     monkeypatch.setattr(loop, "sync_engines", lambda *a, **k: [])
     monkeypatch.setattr(loop, "engines_version", lambda engines, lost=None, newest=True: 1)
     # (async: groups run ahead of training; a sync run's next rollout starts once a step has trained)
