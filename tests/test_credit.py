@@ -321,7 +321,16 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
                        ("Initially I thought the answer is 71.\nAfter checking my work, the answer is 72.", 72),
                        ("The answer is 71.\nDouble-checking the arithmetic, I confirm the answer is 72.", 72),
                        ("Final answer \u2013 72", 72), ("The answer is 24 eggs, which makes 2 dozen.", 24),
-                       ("Answer: I cannot say; maybe 71, maybe 72 (or 73).", None)):
+                       ("Answer: I cannot say; maybe 71, maybe 72 (or 73).", None),
+                       # markdown around a marker, a heading (the last number, a check's, was read: a right answer
+                       # 0, a wrong one paid), \dfrac (read its numerator), a decimal part alone (".5" read 5),
+                       # more hedges between two numbers (each paid its first)
+                       ("**Final Answer**: 18\n\nVerification: 18 / 2 = 9 eggs.", 18), ("**Final Answer**: 17\n\nCheck: 9 * 2 = 18", 17),
+                       ("### Final Answer\n18\n\nCheck: 18 / 2 = 9.", 18), ("__Answer__: 1665\n\nCheck: 1665 / 45 = 37", 1665),
+                       ("\\boxed{\\dfrac{18}{5}}", None), ("The answer is \\tfrac{36}{2}", None), ("The answer is .5", None),
+                       ("The answer is 72 | 73", None), ("The answer is 72 vs 73", None), ("The answer is 72 \u00b1 1", None),
+                       ("The answer is 72 through 75", None), ("Answer: 71 (alternatively 72)", None),
+                       ("\\boxed{71 \\text{ or } 72}", None), ("The answer is 2**10", None)):
         assert answer_number(text) == want, text
     # the math recipe's reward reads the same way; a list of numbers is no one number ("3,4,5" read 345)
     import sys
@@ -332,6 +341,15 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
     assert reward("The sides are 3,4,5.", "345")[1] is False
     assert reward("The answer is 18. Check: 18 / 2 = 9", "18") == (1.0, True)
     assert reward("\\boxed{1{,}234}", "1234") == (1.0, True) and reward("no number", "3") == (0.0, False)
+    # commas only as thousands groups in a label ("1,5" read 15 here and 5 by label_number)
+    from workbench.examples.tools import label_number
+
+    for bad in ("1,5", "12,34", "1,2,3"):
+        with pytest.raises(ValueError, match="no number"):
+            reward("The answer is 15", bad)
+        with pytest.raises(ValueError, match="no whole number"):
+            label_number(bad)
+    assert reward("The answer is 1234", "1,234") == (1.0, True) and label_number("9,801") == 9801
     env = ArithmeticEnv()
     asyncio.run(env.reset(type("T", (), {"label": 7, "messages": []})()))
     for text, reward in (("7", 1.0), ("9" * 5000, 0.0), ("8", 0.45)):

@@ -44,7 +44,8 @@ MAX_ANSWER_DIGITS = 30  # int() refuses over 4300 digits (a ValueError failed, s
 # a number as a model writes one: thousands separated by commas (9,801), a decimal part (12.0); a
 # minus only where no word or digit comes before it ("2-3 days" is 2 and 3, not 2 and -3)
 # (not an exponent's digits: "The result is 1.665e3" read 3)
-_NUMBER = re.compile(r"(?:(?<![\w.-])-)?(?<!\d[eE])(?<!\d[eE][-+])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+# (nor a decimal part alone: "The answer is .5" read 5, paid for a label 5)
+_NUMBER = re.compile(r"(?:(?<![\w.-])-)?(?<!\d[eE])(?<!\d[eE][-+])(?<![\d.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 # where a reply says which number is its answer: the last of these, its first number. A marker's
 # text ends at the line's end or the next marker (to the line's end, the first marker hid the later
 # ones on its line: "The answer is 71. Wait, the answer is 72." was 71, a correction graded by its
@@ -78,8 +79,10 @@ _NEGATED = re.compile(r"\s*(?:not|isn't|never)\b", re.I)
 # "The answer is 5" and 16,000 spaces took 11 s with the GIL held, as _EXPRESSION's note above)
 # Also a list or a range of numbers ("72, 73, 74", "72 and 73", "70 to 75") and a hedge in brackets or with a
 # softener ("72 (or 73)", "72 or possibly 73"): each paid its first number
-_HEDGED = re.compile(r"(?<![\d,.])-?\d[\d,.]*+(?:\s*+[,(]?\s*+(?:or|maybe|possibly|perhaps|no,?\s*wait|wait|actually|sorry|I mean)\b"
-                     r"[\s,:]*+(?:(?:possibly|maybe|perhaps)\s++)?|(?<=,)\s++|\s++(?:to|and)\s++)-?\d", re.I)
+# ("72 | 73", "72 vs 73", "72 ± 1", "72 through 75", "71 (alternatively 72)", "71 \text{ or } 72": each paid its first)
+_HEDGED = re.compile(r"(?<![\d,.])-?\d[\d,.]*+(?:\s*+[,(]?\s*+(?:or|maybe|possibly|perhaps|alternatively|no,?\s*wait|wait|actually|sorry|I mean)\b"
+                     r"[\s,:]*+(?:(?:possibly|maybe|perhaps)\s++)?|(?<=,)\s++|\s++(?:to|and|through|thru|vs\.?|versus)\s++"
+                     r"|\s*+(?:\||±|\+/-|\\pm|\\text\{\s*or\s*\})\s*+)-?\d", re.I)
 
 
 _CHECKING = re.compile(r"\b(?:check|verify|double-check|confirm)", re.I)
@@ -119,6 +122,10 @@ def answer_text(text: str | None) -> str | None:
     text = _INVISIBLE.sub("", text.translate(_MINUS)).replace("{,}", ",")
     text = re.sub(r"(?<=\d)(?:\\,|[\u2009\u202f\u00a0])(?=\d{3}(?!\d))", ",", text)
     text = re.sub(r"(?<=[A-Za-z])(?:\^\{?\d+\}?|[\u00b2\u00b3])", "", text)
+    # markdown around a marker: "**Final Answer**: 18", "__Answer__ = 18" were no markers, and the last
+    # number (a check's, "18 / 2 = 9") was read; a heading "### Final Answer" gives the next line's number
+    text = re.sub(r"(?<=[A-Za-z])(?:\*\*|__)|(?:\*\*|__)(?=[A-Za-z])", "", text)
+    text = re.sub(r"(?im)^[ \t]*#{1,6}[ \t]*((?:final[ \t]+)?answer)[ \t]*:?[ \t]*$", r"\1:", text)
     marked = list(_MARKED.finditer(text))
     found: list = []
     numbered = False  # whether a marked sentence holds a number at all
@@ -163,7 +170,8 @@ def answer_text(text: str | None) -> str | None:
     if not found:
         return None
     m = found[0]
-    if (re.match(r"\s*(?:/\s*\d|\^|\*\*\s*\d|[eE][-+]?\d)|[\u00b2\u00b3\u00b9\u2070\u2074-\u2079]", span[m.end():]) or "\\frac" in span[:m.start()]
+    if (re.match(r"\s*(?:/\s*\d|\^|\*\*\s*\d|[eE][-+]?\d)|[\u00b2\u00b3\u00b9\u2070\u2074-\u2079]", span[m.end():])
+            or re.search(r"\\[dt]?frac", span[:m.start()])  # (\dfrac{18}{5}, Qwen's and DeepSeek's boxed form, read 18)
             or re.search(r"\d\s*(?:/|\*\*|\^)\s*$", span[:m.start()])):
         return None  # a fraction or a power, not the whole number it starts or ends with ("3/4" read 4, "7\u00b2" 7)
     return m.group().replace(",", "")
@@ -191,7 +199,8 @@ def label_number(label) -> int:
     if isinstance(label, numbers.Real) and not isinstance(label, bool) and math.isfinite(label) and float(label).is_integer():
         return int(label)  # (18.0: a pandas int column with a missing value is float)
     number = answer_number(label) if isinstance(label, str) and label.strip() else None
-    if number is None or not re.fullmatch(r"\s*-?[\d,]+(?:\.0*)?\s*", label):
+    # (commas only as thousands groups: "1,2,3", "1,5", "12,34" read 3, 5 and 34)
+    if number is None or not re.fullmatch(r"\s*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.0*)?\s*", label):
         raise ValueError(f"the task's label {label!r} is no whole number: these agents grade a number")
     return number
 
