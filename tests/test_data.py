@@ -326,6 +326,19 @@ def test_the_sessions_seed_picks_the_agent_files_tasks():
     assert prompts[0] != prompts[1] != prompts[2] != prompts[0]
     again = _task_source(None, spec, 1)
     assert [t.messages[-1]["content"] for t in again(16, 32)] == prompts[1]  # a function of (seed, position)
+    # records (dicts) an agent file's tasks() returns are made Tasks, as a tasks= list's are (they went on
+    # as they were: every episode failed on task.id and the dead group's record ended the run)
+    import types
+
+    from workbench.agents import Task
+
+    records = types.SimpleNamespace(path="x.py", tasks=lambda n, s: [{"messages": [{"role": "user", "content": "2+5?"}],
+                                                                      "label": 7} for _ in range(n)])
+    for seed in (0, 3):
+        made = _task_source(None, records, seed)(2, 5)
+        assert all(isinstance(t, Task) and t.label == 7 for t in made) and len({t.id for t in made}) == 2
+    with pytest.raises(ValueError, match=r"tasks\(1, 0\)\[0\]: a task must be an object"):
+        _task_source(None, types.SimpleNamespace(path="x.py", tasks=lambda n, s: ["2+5?"]), 0)(1, 0)
 
 
 def test_interactive_rollouts_draw_each_task_of_a_dataset_once():

@@ -85,6 +85,17 @@ def test_an_agent_file_is_one_module_until_it_changes(tmp_path):
     with pytest.raises(SystemExit):
         load_agent(exits)
     assert load_agent(exits).kind == "chat"
+    # a file that loads another agent file (its base class): the load lock held it, connect() hung
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(f"from workbench.agents import load_agent\nBase = load_agent({str(agent)!r}).runner\n"
+                       f"class AgentRunner(Base):\n    pass\n")
+    import threading
+
+    loaded = []
+    thread = threading.Thread(target=lambda: loaded.append(load_agent(wrapper)), daemon=True)
+    thread.start()
+    thread.join(30)
+    assert loaded and loaded[0].kind == "chat"
 
 
 def test_an_agent_without_its_own_run_or_step_is_refused_at_load(tmp_path):
@@ -664,7 +675,7 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
                               ("hanging.py", {"episode_timeout_s": 5}), ("failing_env.py", {}), ("cancelling.py", {}),
                               ("slow_sync_own_types.py", {"episode_timeout_s": 3.5}), ("overflowing_env.py", {}),
                               ("dict_content_env.py", {}), ("exiting.py", {}), ("misbehaving.py", {"episode_timeout_s": 1.5}),
-                              ("sync_env.py", {})]))
+                              ("sync_env.py", {}), ("contract_env.py", {})]))
     # first, so the engine has served a request: a fresh vLLM engine's first one takes seconds (warm-up),
     # and the hanging agent's 5 s must cover its one recorded turn
     ok = made[0].run_groups([task], group_size=2, progress=False)[0]
@@ -724,9 +735,21 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     assert errors["stubborn"] == "episode timed out after 1.5 s", errors
     assert "cannot be recorded" in errors["tuple_key"] and "cannot be recorded" in errors["lock"], errors
     assert "reserved key 'eval'" in errors["eval"] and errors["fine"] is None and got[-1][0].reward == 1.0
+    # an info that cannot be recorded fails the episode, not the reward it returned (it read 0)
+    assert got[hows.index("lock")][0].reward == 1.0 and got[hows.index("tuple_key")][0].reward == 1.0
     assert made[10].stats()[0]["server"]["open_sessions"] == 0
     plain = made[11].run_groups([task], group_size=1, progress=False)[0][0]  # a synchronous Env's reset and step
     assert (plain.error, plain.reward, plain.info["sync"]) == (None, 0.5, True)
+    # an Env breaking Gymnasium's contract fails its episode naming why (each was taken silently or unnamed)
+    bare = [{"name": "calc", "description": "", "parameters": {"type": "object", "properties": {}}}]
+    hows = ["role", "four_tuple", "text_flag", "tools", "fine"]
+    got = made[12].run_groups([Task([{"role": "user", "content": "?"}], info={"how": h}, tools=bare if h == "tools" else None)
+                               for h in hows], 1, progress=False)
+    errors = {h: (g[0].error or "").splitlines()[0] if g[0].error else None for h, g in zip(hows, got)}
+    assert "message 0 has role 'function'" in errors["role"], errors
+    assert "step must return (observation, reward, terminated, truncated, info)" in errors["four_tuple"], errors
+    assert "step must return" in errors["text_flag"] and "tools[0] must be {'type': 'function'" in errors["tools"], errors
+    assert errors["fine"] is None and got[-1][0].reward == 1.0
 
 
 def test_an_interrupted_rollout_gives_its_slots_back_when_its_groups_finish(rollout_for, monkeypatch):

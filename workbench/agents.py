@@ -145,7 +145,7 @@ class AgentSpec:
         return self.runner()
 
 
-_loading = threading.Lock()
+_loading = threading.RLock()  # (re-entrant: an agent file may load another agent file, load_agent("base.py"))
 
 
 def load_agent(path: str | Path) -> AgentSpec:

@@ -1778,6 +1778,19 @@ class RunHandle:
         return f"RunHandle({state}, {self.progress_text()})"
 
 
+def _as_tasks(fn: Callable) -> Callable[[int, int], list[Task]]:
+    """An agent file's tasks(n, seed), its records made Tasks as a tasks= list's are (a dict went on as
+    it was: every episode failed on task.id, and the dead group's record ended the run)."""
+    from .data import task_from_record
+
+    def tasks(n: int, seed: int) -> list[Task]:
+        return [t if isinstance(t, Task) else task_from_record(
+                    {**t, "id": f"task-{seed}-{i}"} if isinstance(t, dict) and t.get("id") in (None, "") else t,
+                    f"the agent file's tasks({n}, {seed})[{i}]") for i, t in enumerate(fn(n, seed))]
+
+    return tasks
+
+
 def _task_source(tasks, spec, seed: int = 0) -> Callable[[int, int], list[Task]]:
     """`source(n, seed)`: n tasks, deterministic in seed (the data position)."""
     from .data import tasks_from_list
@@ -1785,12 +1798,12 @@ def _task_source(tasks, spec, seed: int = 0) -> Callable[[int, int], list[Task]]
     if tasks is None:
         if spec.tasks is None:
             raise ConfigError(f"agent file {spec.path!r} has no tasks(n, seed) function: pass tasks= (a list or a callable)")
+        agent_tasks = _as_tasks(spec.tasks)
         if not seed:
-            return spec.tasks
+            return agent_tasks
         # the session's seed picks the agent's tasks as it does a data file's shuffle (every seed drew
         # the same tasks: a seed sweep varied the sampling only); still positional, the same at seed 0,
         # below 2**32 (numpy's RandomState takes no larger seed)
-        agent_tasks = spec.tasks
 
         def seeded_tasks(n: int, position: int) -> list[Task]:
             return agent_tasks(n, (position + seed * 0x9E3779B1) % (1 << 32))

@@ -85,6 +85,19 @@ def _message(m, i: int) -> dict:
     return out
 
 
+def check_tools(tools: list | None) -> None:
+    """OpenAI function specs, as the chat template renders them (a RequestError naming the first that is
+    not). Also an Env's tools (RolloutRunner): a bare {"name", "parameters"} or an Anthropic spec
+    (input_schema) was rendered as it was, a tool block no server shows the policy."""
+    for j, t in enumerate(tools or ()):
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str)):
+            raise RequestError(400, f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
+        f = t["function"]
+        if not isinstance(f.get("description", ""), (str, type(None))) or not isinstance(f.get("parameters", {}), (dict, type(None))):
+            raise RequestError(400, f"tools[{j}].function: 'description' must be a string and 'parameters' an object", param="tools")
+
+
 def parse_request(body: dict) -> ChatRequest:
     messages = want(body, "messages", list, required=True)
     if not messages:
@@ -94,14 +107,7 @@ def parse_request(body: dict) -> ChatRequest:
     if n != 1:
         raise RequestError(400, "n > 1 is not supported: send n separate requests (each is its own sample)", param="n")
     tools = want(body, "tools", list)
-    if tools:
-        for j, t in enumerate(tools):
-            if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-                    and isinstance(t["function"].get("name"), str)):
-                raise RequestError(400, f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
-            f = t["function"]
-            if not isinstance(f.get("description", ""), (str, type(None))) or not isinstance(f.get("parameters", {}), (dict, type(None))):
-                raise RequestError(400, f"tools[{j}].function: 'description' must be a string and 'parameters' an object", param="tools")
+    check_tools(tools)
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
         raise RequestError(400, f"tool_choice {choice!r} is not supported (use 'auto' or 'none'): the loopback server does not constrain decoding", param="tool_choice")

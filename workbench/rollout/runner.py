@@ -148,6 +148,7 @@ class RolloutRunner:
                 done, _ = await asyncio.wait({episode}, timeout=self.episode_timeout_s)
                 if episode in done:
                     reward, info, cut = episode.result()
+                    partial["reward"] = reward  # (an info that cannot be recorded fails the episode, not its reward)
                     info = _agent_info(info)
                 else:
                     error = f"episode timed out after {self.episode_timeout_s:g} s"
@@ -272,7 +273,14 @@ class RolloutRunner:
         max_turns ran out first, so that LoopConfig.on_truncated applies to it as to an episode
         cut by the context (it trained on a partial reward as if finished). `partial` follows the
         reward and info so far, for an episode that fails part-way."""
+        from ..loopback.openai_api import check_tools
+        from ..loopback.protocol import RequestError
+
         env = self.spec.make()
+        name = type(env).__name__
+        if isinstance(env.max_turns, bool) or not isinstance(env.max_turns, int) or env.max_turns < 1:
+            # (0 ran no turn, every episode reward 0 with no tokens, silently; None failed each one on an addition)
+            raise TypeError(f"{name}.max_turns must be an integer >= 1 (the turns an episode may take), got {env.max_turns!r}")
         if env.max_turns == 1:  # its group's first turns may go as one engine call (EngineRouter._call)
             self.router.single_turn.add(sid)
         observation, info = _reset_pair(await _resolved(env.reset(task)), f"{type(env).__name__}.reset")
@@ -284,6 +292,10 @@ class RolloutRunner:
         partial["info"] = info
         messages = [dict(m) for m in observation]
         tools = task.tools if env.tools is None else env.tools  # (an Env's [] hides the task's tools)
+        try:
+            check_tools(tools)  # as a request's are (HTTP: a 400)
+        except RequestError as e:
+            raise TypeError(f"{name}'s tools (Env.tools, else the task's): {e.message}") from None
         total, turns, cut = 0.0, 0, False
         for turns in range(1, env.max_turns + 1):
             reply = await self.server.turn(sid, messages, tools, self.sampling)
@@ -293,7 +305,13 @@ class RolloutRunner:
             messages.append(message)
             # a copy: the Env editing the message it is given (its content stripped) changed the history's,
             # so the next request differed from the reply recorded: a seal (assistant_changed) every turn
-            observation, reward, terminated, truncated, step_info = await _resolved(env.step(copy.deepcopy(message)))
+            step = await _resolved(env.step(copy.deepcopy(message)))
+            if not (isinstance(step, tuple) and len(step) == 5) or not all(
+                    type(flag).__name__ in ("bool", "bool_") for flag in step[2:4]):
+                # (an old Gym 4-tuple failed on unpacking, unnamed; terminated="False" ended the episode)
+                raise TypeError(f"{name}.step must return (observation, reward, terminated, truncated, info), as "
+                                f"Gymnasium's step, the two flags bools; got {step!r:.120}")
+            observation, reward, terminated, truncated, step_info = step
             total += reward_value(reward, f"the reward {type(env).__name__}.step returned at turn {turns}")
             # the running total is checked before a failed episode may keep it (on_failed="keep" kept a
             # total the final check refused as too large)
@@ -384,9 +402,15 @@ def _check_env_messages(messages, where: str) -> None:
     trained on an empty tool result, silently: the episode fails naming it instead."""
     if not isinstance(messages, (list, tuple)):
         raise TypeError(f"{where} must return a list of chat messages, got {type(messages).__name__}")
+    from ..loopback.openai_api import ROLES
+
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise TypeError(f"{where}: message {i} must be a dict with a 'role', got {m!r:.80}")
+        if m["role"] not in ROLES - {"developer"}:  # (as a request's: a template drops a role it does not know, and an
+            # observation in "function" or "observation" left the prompt silently, its reply trained as if seen)
+            raise TypeError(f"{where}: message {i} has role {m['role']!r}; an Env's messages take "
+                            f"{sorted(ROLES - {'developer'})} (a tool's result: 'tool')")
         c = m.get("content")
         if not (c is None or isinstance(c, str) or (isinstance(c, list) and all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c))):
