@@ -36,5 +36,6 @@ class AgentRunner(ChatAgent):
                 except asyncio.CancelledError:
                     pass
             return 1.0
-        info = {"tuple_key": {(1, 2): 3}, "lock": {"lock": threading.Lock()}, "eval": {"eval": True}}.get(how, {})
+        info = {"tuple_key": {(1, 2): 3}, "lock": {"lock": threading.Lock()}, "eval": {"eval": True},
+                "task_id": {"task_id": "mine"}}.get(how, {})
         return 1.0, info

@@ -324,6 +324,9 @@ class RolloutRunner:
             messages += [dict(m) for m in observation]
         else:  # max_turns ran out before the Env ended the episode
             cut = True
+        if "turns" in info:
+            raise ValueError(f"{name}'s info uses the reserved key 'turns' (set by workbench: the episode's turns); "
+                             f"name it otherwise")
         return (*as_reward((total, {**info, "turns": turns})), cut)  # a non-finite total fails the episode
 
     async def shutdown(self) -> None:
@@ -363,8 +366,9 @@ async def _exit_is_failure(episode):
 
 
 # keys of an episode's info the framework writes: an agent's "eval" made its training episode an
-# evaluation one, which batch_from_groups refuses (the whole step failed); its "task_id" replaced the task's
-RESERVED_INFO = ("eval", "eval_greedy")
+# evaluation one, which batch_from_groups refuses (the whole step failed); its "task_id" / "task_label"
+# were replaced by the task's, silently (an Env's "turns" too: _env_episode)
+RESERVED_INFO = ("eval", "eval_greedy", "task_id", "task_label")
 
 
 def _agent_info(info: dict) -> dict:
