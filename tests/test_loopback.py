@@ -104,9 +104,10 @@ def tool_turns(server, client, temperature, seed, turns=3):
         msgs.append(m.model_dump(exclude_none=True))  # sent back exactly as the SDK gave it
         for call in m.tool_calls or []:
             assert call.function.name and isinstance(json.loads(call.function.arguments), dict)
-        # two tool results after one assistant turn: both must reach the next prompt
-        msgs += [{"role": "tool", "tool_call_id": "a", "content": f"{84 + t}"},
-                 {"role": "tool", "tool_call_id": "b", "content": f"{90 + t}"}]
+        # two tool results after one assistant turn: both must reach the next prompt (without ids, whatever
+        # calls the toy made: matched by position; results with ids answer the turn's calls one each,
+        # protocol.order_tool_results, tests/test_loopback_faults.py)
+        msgs += [{"role": "tool", "content": f"{84 + t}"}, {"role": "tool", "content": f"{90 + t}"}]
     return msgs
 
 
