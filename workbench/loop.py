@@ -891,12 +891,12 @@ def _record_untaken(on_untrained, last: tuple[int, list] | None, groups: list) -
     again there, as that step's)."""
     if on_untrained is None or not groups or last is None:
         return
-    if sys.exc_info()[0] is None:  # (inside a finally, the exception on its way out, if any)
-        on_untrained(last[0], last[1] + groups)
-        return
+    failing = sys.exc_info()[0] is not None  # (inside a finally: the exception on its way out, if any)
     try:
         on_untrained(last[0], last[1] + groups)
     except Exception as e:
+        if not failing:
+            raise
         print(f"workbench: the {len(groups)} finished group(s) no step took could not be recorded "
               f"({type(e).__name__}: {e})", file=sys.stderr)
 
