@@ -973,3 +973,20 @@ def test_vllm_abort_stop_strings_and_top_p(vllm_moe, moe_path):
     model = load_hf_model(moe_path)
     tf, _ = teacher_forced(model, nucleus)
     assert all(lp >= t - 1e-4 for lp, t in zip(nucleus.logprobs, tf))
+
+
+def test_a_tied_weight_is_written_for_a_core_process_under_both_names(tmp_path):
+    """The trainer's gathered state dict holds a tied weight once under both names (lm_head =
+    embed_tokens); safetensors refuses two names of one storage, so every sync of a tied model to
+    vLLM's core process (the GPU path) failed with nothing loaded. vLLM needs both names (without
+    lm_head its reload kept the old output embedding): the second is written as a copy."""
+    from safetensors.torch import load_file, save_file
+
+    from workbench.rollout.vllm_engine import file_tensors
+
+    embed = torch.randn(8, 4)
+    state = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(4), "lm_head.weight": embed}
+    save_file(file_tensors(state), tmp_path / "w.safetensors")
+    back = load_file(tmp_path / "w.safetensors")
+    assert list(back) == sorted(state) and all(torch.equal(back[k], v) for k, v in state.items())
+    assert file_tensors(state)["model.norm.weight"].data_ptr() == state["model.norm.weight"].data_ptr()  # no copy of the rest

@@ -80,6 +80,23 @@ def _dynamo_off() -> None:
     torch._dynamo.config.disable = True
 
 
+def file_tensors(state_dict: dict) -> dict:
+    """A sync's tensors as safetensors can write them: a tied weight's second name (lm_head =
+    embed_tokens, one tensor in the trainer's gathered state dict) gets a copy of its own.
+    safetensors refuses two names of one storage, and every sync of a tied model (the small
+    Qwen3s, Llama 3.2, SmolLM2) to a core process (GPUs) failed there, nothing loaded. Both
+    names stay: without lm_head, vLLM's layerwise reload left the old output embedding in place
+    (tiny Qwen3's probe 1.97 nats off)."""
+    out, seen = {}, set()
+    for name, t in state_dict.items():
+        t = t.detach().cpu().contiguous()
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
 def token_versions(n: int, spans, request_id: str = "") -> list[int]:
     """The policy version of each of n sampled tokens from vLLM's `weight_versions` spans. vLLM
     returns None when no version label was ever set (update_weight_version not called) and a
@@ -454,7 +471,7 @@ class VLLMEngine(RolloutEngine):
             check_meta(sent_meta(self.model_path, state_dict), hf_meta(self.model_path))
             path = os.path.join(self._shm, f"v{self.version + 1}.safetensors")
             try:
-                save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, path)
+                save_file(file_tensors(state_dict), path)
             except Exception as e:  # (a full /dev/shm: safetensors' own error type): nothing reached the model
                 with contextlib.suppress(OSError):
                     os.unlink(path)
