@@ -461,3 +461,29 @@ def test_the_code_agent_caps_its_sandbox_time_and_calls_so_looping_is_scored_not
 
     reward, info = asyncio.run(with_default_executor_held())
     assert reward == 1.0 and [r["exit_code"] for r in info["runs"]] == [0]
+
+
+def test_the_search_recipes_own_call_renders_in_every_real_template():
+    """The search recipes open a document task with the agent's own search call. Its id was
+    'search0' ('toolu_search0'): Mistral's template refuses any id but 9 letters and digits, so on
+    a Mistral model every document task was a 400, failed and dropped (half the recipe's tasks)."""
+    import importlib
+    import sys
+
+    from workbench import real_models
+    from workbench.examples.tools import document_tasks, search
+    from workbench.tokens import Accumulator, ChatFormat
+
+    sys.path.insert(0, str(RECIPES / "agents"))
+    task = document_tasks(1)[0]
+    query = task.info["query"]
+    for module in ("search_calc_openai", "search_calc_anthropic"):
+        call_id = importlib.import_module(module).SEARCH_CALL_ID
+        opening = [dict(m) for m in task.messages] + [
+            {"role": "assistant", "content": "", "tool_calls": [{"id": call_id, "type": "function",
+             "function": {"name": "search", "arguments": json.dumps({"query": query})}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": search(query)}]
+        for name in real_models.FAMILIES:
+            family = real_models.load_family(name)
+            plan = Accumulator(ChatFormat.for_profile(family.tokenizer, family.profile())).plan(opening, task.tools)
+            assert plan.prompt_ids, (module, name)

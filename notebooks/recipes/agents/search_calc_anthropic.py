@@ -9,6 +9,7 @@ from workbench.examples.tools import calc, document_tasks, is_answer, search
 
 MAX_TURNS = 4
 SEARCH_FIRST = True
+SEARCH_CALL_ID = "search000"  # 9 letters and digits: every template takes it (search_calc_openai.py)
 TOOLS = {"calc": lambda args: calc(args.get("expression", "")), "search": lambda args: search(args.get("query", ""))}
 
 
@@ -30,9 +31,9 @@ class SearchCalcAgent(ChatAgent):
         if SEARCH_FIRST and "query" in ctx.task.info:
             query = ctx.task.info["query"]
             messages.append({"role": "assistant", "content": [
-                {"type": "tool_use", "id": "toolu_search0", "name": "search", "input": {"query": query}}]})
+                {"type": "tool_use", "id": SEARCH_CALL_ID, "name": "search", "input": {"query": query}}]})
             messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "toolu_search0", "content": search(query)}]})
+                {"type": "tool_result", "tool_use_id": SEARCH_CALL_ID, "content": search(query)}]})
             calls["agent_search"] += 1
         for _ in range(MAX_TURNS):
             r = await client.messages.create(model=ctx.model, system=system, messages=messages,

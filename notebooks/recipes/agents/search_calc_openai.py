@@ -20,6 +20,9 @@ from workbench.examples.tools import calc, document_tasks, is_answer, search
 
 MAX_TURNS = 4
 SEARCH_FIRST = True
+# the agent's own call's id: 9 letters and digits, the one form every template takes (Mistral's
+# refuses any other: "search0" failed every document task on a Mistral model, a 400 each)
+SEARCH_CALL_ID = "search000"
 TOOLS = {"calc": lambda args: calc(args.get("expression", "")), "search": lambda args: search(args.get("query", ""))}
 
 
@@ -42,9 +45,9 @@ class SearchCalcAgent(ChatAgent):
         if SEARCH_FIRST and "query" in ctx.task.info:
             query = ctx.task.info["query"]
             messages.append({"role": "assistant", "content": "", "tool_calls": [{
-                "id": "search0", "type": "function",
+                "id": SEARCH_CALL_ID, "type": "function",
                 "function": {"name": "search", "arguments": json.dumps({"query": query})}}]})
-            messages.append({"role": "tool", "tool_call_id": "search0", "content": search(query)})
+            messages.append({"role": "tool", "tool_call_id": SEARCH_CALL_ID, "content": search(query)})
             calls["agent_search"] += 1
         for _ in range(MAX_TURNS):
             # no max_tokens: the policy's (the recipe's max_tokens parameter) applies
