@@ -435,6 +435,24 @@ def test_parquet_round_trip_and_training_tensors(tmp_path):
     assert back.truncated and not other.truncated
     pq.write_table(pq.read_table(path).drop(["truncated"]), tmp_path / "old.parquet")  # a file from before the column
     assert [x.truncated for x in read_trajectories(tmp_path / "old.parquet")] == [False, False, False]
+    # a rewrite cut short (a kill, a full disk) leaves the file as it was, not a cut one every later
+    # audit of the run failed on (a step's untrained file is rewritten at a run's end)
+    real_write = pq.write_table
+
+    def cut(table, where, **kw):
+        real_write(table, where, **kw)
+        with open(where, "r+b") as f:
+            f.truncate(100)
+        raise OSError(28, "No space left on device")
+
+    pq.write_table = cut
+    try:
+        with pytest.raises(OSError, match="No space"):
+            write_trajectories([t], path)
+    finally:
+        pq.write_table = real_write
+    assert [x.episode_id for x in read_trajectories(path)] == ["e", "f", "crashed"] and sorted(tmp_path.iterdir()) == [
+        tmp_path / "old.parquet", path]
     assert back.reward == 1.5 and back.info == {"k": 1} and [s.seal_reason for s in back.segments] == ["episode_end", "history_rewritten"]
     assert back.segments[0].token_ids == a.token_ids and np.array_equal(back.segments[0].routed_experts, a.routed_experts)
     assert np.allclose(back.segments[0].logprobs, a.logprobs) and back.segments[1].routed_experts is None

@@ -46,6 +46,7 @@ import functools
 import json
 import logging
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,7 +200,15 @@ def write_trajectories(trajectories: list[Trajectory], path: str | Path) -> Path
             })
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=_schema()), path)
+    # written beside, then renamed: a step's untrained file is rewritten at a run's end (its
+    # leftovers added), and a kill or a full disk mid-write left a cut file that failed every later
+    # audit of the run; now the old file or the new one
+    staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        pq.write_table(pa.Table.from_pylist(rows, schema=_schema()), staged)
+        os.replace(staged, path)
+    finally:
+        staged.unlink(missing_ok=True)
     return path
 
 
