@@ -759,6 +759,20 @@ def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
     assert b"reward_mean" in data and b"0.5" in data  # the history records, as `wandb sync` would upload them
     # W&B keeps only increasing steps of its own: the evaluation at step -1 and the re-run step were dropped
     assert b"eval_pass@1" in data and b"0.125" in data and b"0.75" in data and b"rl_step" in data
+    # closing a logger leaves the process's other W&B runs alive (its teardown of the wandb service
+    # broke the user's own run at its next log, and another session's logger)
+    import wandb
+
+    user = wandb.init(mode="offline", dir=str(tmp_path / "user"), project="mine", settings=wandb.Settings(silent=True))
+    a, b = WandbLogger(tmp_path / "a", name="a"), WandbLogger(tmp_path / "b", name="b")
+    a.on_step({"step": 0, "reward_mean": 0.25})
+    a.close()
+    b.on_step({"step": 0, "reward_mean": 0.5})
+    user.log({"mine": 1.0})
+    b.close()
+    user.log({"mine": 2.0})
+    user.finish()
+    wandb.teardown()
 
 
 def test_a_resumed_session_writes_the_same_wandb_run(tmp_path, monkeypatch):

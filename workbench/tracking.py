@@ -74,6 +74,7 @@ class WandbLogger:
     """A Weights & Biases run in offline mode, written under `directory` (its wandb/ folder)."""
 
     name = "wandb"
+    _open: set = set()  # this process's WandbLoggers not closed yet (close() leaves their service running)
 
     def __init__(self, directory: str | Path, config: dict | None = None, project: str = "workbench",
                  name: str | None = None, run_id: str | None = None, next_step: int = 0):
@@ -108,6 +109,7 @@ class WandbLogger:
         self.run.define_metric(WANDB_STEP)
         self.run.define_metric("*", step_metric=WANDB_STEP)
         self.directory = str(directory)
+        WandbLogger._open.add(self)
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log({**scalars(metrics), WANDB_STEP: step, "branch": self.branch})
@@ -132,11 +134,16 @@ class WandbLogger:
         import wandb
 
         self.run.finish()
+        WandbLogger._open.discard(self)
         # finish() can return before wandb-core has written the run file (seen under load: the
         # file held only its header); teardown waits for the service to end, so the record is
-        # complete on disk when close() returns. (It ends the process's wandb service: a later
-        # WandbLogger starts a new one.)
-        wandb.teardown()
+        # complete on disk when close() returns. It ends the process's wandb service, and with it
+        # every run still live in the process: a user's own wandb.init() run raised at its next
+        # log, another session's logger was dropped. Only when no other run is live (else that
+        # run's own finish or teardown completes the file)
+        others = WandbLogger._open or (wandb.run is not None and wandb.run is not self.run)
+        if not others:
+            wandb.teardown()
 
 
 def _replace_text(path: Path, text: str) -> None:
