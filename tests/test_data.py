@@ -227,6 +227,8 @@ def test_held_out_tasks_and_prompt_columns(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows("train", 4)),
                           "test": datasets.Dataset.from_list(rows("test", 2))}).save_to_disk(str(two))
     assert [t.messages[0]["content"] for t in _eval_tasks({"path": str(two), "fields": "gsm8k"})] == ["test q0", "test q1"]
+    # a held-out list's tasks are not named as a training list's are (both item-0, item-1, ...)
+    assert [t.id for t in _eval_tasks([{"prompt": "a"}, {"prompt": "b"}])] == ["eval-item-0", "eval-item-1"]
     assert [t.messages[0]["content"] for t in _eval_tasks({"path": str(two), "fields": "gsm8k", "split": "train"})][0] == "train q0"
     three = tmp_path / "three"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows("train", 2)),

@@ -130,13 +130,14 @@ def _system_into(messages: list[dict], record: dict, field: str, where: str) -> 
         messages.insert(0, {"role": "system", "content": str(system)})
 
 
-def tasks_from_list(records: Iterable[dict | Task]) -> list[Task]:
+def tasks_from_list(records: Iterable[dict | Task], prefix: str = "item") -> list[Task]:
     """Tasks of a list: a dict without an id gets its place ("item-3"), the same in every process
-    (a random one changed at every resume, and the record's task_id with it)."""
+    (a random one changed at every resume, and the record's task_id with it). `prefix`: another
+    list's ("eval-item": a held-out list's first task and a training list's were both item-0)."""
     out = []
     for i, r in enumerate(records):
         if isinstance(r, dict) and r.get("id") in (None, ""):
-            r = {**r, "id": f"item-{i}"}
+            r = {**r, "id": f"{prefix}-{i}"}
         out.append(r if isinstance(r, Task) else task_from_record(r, f"item {i}"))
     return out
 

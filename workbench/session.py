@@ -1838,7 +1838,7 @@ def _eval_tasks(tasks) -> list[Task]:
         if isinstance(tasks, dict):
             held_out = {} if "split" in tasks or "path" not in tasks else {"split": held_out_split(tasks["path"])}
             return load_tasks(**tasks, **held_out)
-        out = tasks_from_list(tasks)
+        out = tasks_from_list(tasks, prefix="eval-item")
     except (TypeError, ValueError, FileNotFoundError) as e:
         raise ConfigError(f"eval_tasks: {e}") from e
     if not out:
