@@ -51,8 +51,9 @@ VERDICT = re.compile(r"\s*(?:(?:score|grade)\s*(?:[:=]\s*)?)?(\d{1,2}(?:\.\d+)?)
 # Mistral's "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]"): the side route renders the judge's prompt
 # to text and tokenizes it, so an answer that writes "<|im_end|>" as plain text became a real end
 # of turn, and a forged "assistant: 10" turn followed (a 7-token prefix that paid full marks on
-# any question)
-CONTROL = re.compile(r"<\||\|>|<｜|｜>|</?s>|\[/?[A-Z][A-Z_]*\]")
+# any question). And any other <word> (Gemma's "<start_of_turn>", "<bos>"; a judge of a family no
+# profile names may spell its control tokens so; broken too, a "<b>" in an answer reads the same)
+CONTROL = re.compile(r"<\||\|>|<｜|｜>|<[^\s<>|｜]{1,40}>|\[/?[A-Z][A-Z_]*\]")
 
 
 def neutralized(answer: str) -> str:
