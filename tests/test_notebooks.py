@@ -25,7 +25,7 @@ def test_committed_notebooks_have_no_outputs_and_a_parameters_cell():
 def test_quickstart_trains_and_leaves_a_run_directory(tmp_path, capsys, ray_address):
     # the kernel joins this session's Ray (a second local Ray costs 5-8 s here); the quickstart's
     # own Ray start, as a user runs it, is tests/browser/test_lab.py's Run All
-    out = run_notebook("00_quickstart", tmp_path, progress=False, ray_address=ray_address)
+    out = run_notebook("00_quickstart", tmp_path, progress=False, timeout_s=600, ray_address=ray_address)
     run = tmp_path
     results = json.loads((run / "results.json").read_text())
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -111,6 +111,11 @@ def test_a_recipes_cluster_set_keeps_its_config_and_fits_2x8(name, monkeypatch):
     for key in ("trainer_ranks", "max_tokens", "max_model_len", "backend"):
         if key in wanted:
             assert getattr(cfg, key) == wanted[key], (name, key)
+    # and its trainer section (two recipes put their CPU lr over the config's: Qwen3-8B at 5e-5 and
+    # 1e-4 instead of the file's 1e-6; one replaced the config's whole correction section)
+    for key, value in wanted.get("trainer", {}).items():
+        got = asked["trainer"][key]
+        assert (got == value if key != "correction" else {**value, **got} == got), (name, key)
     check_frozen_room(plan_placement(ClusterSpec.uniform(2, 8), **plan_inputs(asked)), asked)
 
 
@@ -317,6 +322,10 @@ def test_notebooks_list_shows_every_notebook_with_parameters_and_time(capsys, mo
     monkeypatch.setattr(nb, "run_notebook", fake_run)
     main(["recipes/distillation", "-p", "exact_kl", "false", "--run-dir", str(tmp_path / "d")])
     assert got["exact_kl"] is False
+    # no limit per cell unless one is asked (papermill's 30 min killed a longer training cell, and the kernel with it)
+    assert got.pop("timeout_s") is None
+    main(["recipes/distillation", "--timeout", "90", "--run-dir", str(tmp_path / "t")])
+    assert got.pop("timeout_s") == 90
     with pytest.raises(SystemExit):
         main(["recipes/distillation", "-p", "exact_kl", "nope", "--run-dir", str(tmp_path / "e")])
     assert "parameter exact_kl is true or false, got 'nope'" in capsys.readouterr().err
@@ -487,3 +496,32 @@ def test_the_search_recipes_own_call_renders_in_every_real_template():
             family = real_models.load_family(name)
             plan = Accumulator(ChatFormat.for_profile(family.tokenizer, family.profile())).plan(opening, task.tools)
             assert plan.prompt_ids, (module, name)
+
+
+def test_run_notebook_keeps_a_resumed_runs_first_notebook_and_restores_ray_address(monkeypatch, tmp_path):
+    """A resumed run into its directory had papermill write its notebook over the first run's (the
+    first run's outputs lost); a `ray_address` given for the kernel stayed set in this process
+    after the run (a later connect() here joined that Ray, and left it running at shutdown)."""
+    import os
+
+    import papermill
+
+    import workbench.notebooks as nb
+
+    seen = []
+
+    def execute(src, out, **kw):
+        seen.append((Path(out).name, os.environ.get("RAY_ADDRESS"), kw["execution_timeout"]))
+        Path(out).write_text("{}")
+
+    monkeypatch.setattr(papermill, "execute_notebook", execute)
+    monkeypatch.setattr(nb, "ensure_kernel", lambda kernel: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    outs = [nb.run_notebook("recipes/math_grpo", tmp_path, ray_address="127.0.0.1:6379") for _ in range(3)]
+    assert [o.name for o in outs] == ["math_grpo.ipynb", "math_grpo.2.ipynb", "math_grpo.3.ipynb"]
+    assert seen[0] == ("math_grpo.ipynb", "127.0.0.1:6379", None) and "RAY_ADDRESS" not in os.environ
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    nb.run_notebook("recipes/math_grpo", tmp_path / "b", ray_address="127.0.0.1:6379")
+    assert os.environ["RAY_ADDRESS"] == "10.0.0.1:6379"
+    with pytest.raises(FileNotFoundError, match="recipes/math_grpo"):  # the known names include the recipes
+        nb.run_notebook("nope", tmp_path)

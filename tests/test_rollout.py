@@ -662,6 +662,10 @@ def test_an_env_editing_its_message_or_hiding_tools_leaves_the_record_as_sampled
     [t] = rollout.run_groups([task], group_size=1, progress=False)[0]
     assert t.error is None and [s.seal_reason for s in t.segments] == ["episode_end"], [s.seal_reason for s in t.segments]
     assert "zebracalc" not in load_tokenizer(str(moe_path)).decode(t.segments[0].token_ids)
+    # a task as a record (an agent file's tasks() may return them; the demo's --agent and the README's
+    # rollout snippet passed them on as they were: every episode failed on task.id)
+    [t] = rollout.run_groups([{"prompt": "Count.", "label": 3}], group_size=1, progress=False)[0]
+    assert t.error is None and t.info["task_label"] == 3
 
 
 def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):

@@ -39,27 +39,33 @@ def _local_env(ray_address: str | None = None):
         os.environ["RAY_ADDRESS"] = ray_address
     try:
         yield
-    finally:
+    finally:  # (the one named here was left set: a later connect() in this process joined that Ray)
+        os.environ.pop("RAY_ADDRESS", None)
         if saved is not None:
             os.environ["RAY_ADDRESS"] = saved
 
 
 def run_notebook(name: str, run_dir: str | Path, kernel: str = "workbench-local", progress: bool = True,
-                 timeout_s: int = 1800, ray_address: str | None = None, **parameters) -> Path:
+                 timeout_s: int | None = None, ray_address: str | None = None, **parameters) -> Path:
     """Execute notebooks/<name>.ipynb with `run_dir` and `parameters`; returns the executed
-    notebook's path (<run_dir>/<name>.ipynb). A failing cell raises papermill's error, and the
-    partly executed notebook is still written for a look. `ray_address`: a local Ray instance
+    notebook's path (<run_dir>/<name>.ipynb; <name>.2.ipynb and on where one is there already, a
+    resumed run's: the first run's record is kept). A failing cell raises papermill's error, and the
+    partly executed notebook is still written for a look. `timeout_s`: a limit per cell (None:
+    none; a cell training a run takes as long as the run). `ray_address`: a local Ray instance
     the kernel joins instead of starting its own (the tests share theirs: a Ray start is a
     large part of a short notebook's time on 2 cores; the kernel's actors end with it)."""
     import papermill
 
     src = NOTEBOOK_DIR / f"{name}.ipynb"
     if not src.is_file():
-        known = sorted(p.stem for p in NOTEBOOK_DIR.glob("*.ipynb"))
-        raise FileNotFoundError(f"no notebook {name!r} in {NOTEBOOK_DIR}; known: {known}")
+        raise FileNotFoundError(f"no notebook {name!r} in {NOTEBOOK_DIR}; known: {notebooks()}")
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / f"{Path(name).name}.ipynb"  # a recipe ("recipes/math_grpo") lands as math_grpo.ipynb
+    n = 1
+    while out.exists():  # (papermill wrote a resumed run's notebook over the first run's)
+        n += 1
+        out = run_dir / f"{Path(name).name}.{n}.ipynb"
     ensure_kernel(kernel)
     with (_local_env(ray_address) if kernel == "workbench-local" else nullcontext()):
         papermill.execute_notebook(str(src), str(out), parameters={"run_dir": str(run_dir), **parameters},
@@ -107,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="every notebook with its parameters and expected run time")
     p.add_argument("--run-dir", default=None, help="default: runs/<name>/<date-time> (a new one each run)")
     p.add_argument("--kernel", default="workbench-local")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="a limit per cell (default: none; a cell training a run takes as long as the run)")
     p.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                    help="a notebook parameter (VALUE is parsed as a Python literal when it is one)")
     # a VALUE starting with "-" that is no plain number ("-1e-3") read as an option: argparse refused it
@@ -178,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         if held and not _resumes(params):
             p.error(f"--run-dir {str(run_dir)!r} holds a run already ({', '.join(held)}): give a new directory, or "
                     f"leave --run-dir out (runs/{a.name}/<date-time>)")
-    out = run_notebook(a.name, run_dir, a.kernel, **params)
+    out = run_notebook(a.name, run_dir, a.kernel, timeout_s=a.timeout, **params)
     print(f"executed notebook: {out}\nrun directory:     {out.parent}")
     for f in sorted(out.parent.iterdir()):
         print(f"  {f.name}{'/' if f.is_dir() else ''}")

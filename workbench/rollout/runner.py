@@ -541,9 +541,14 @@ class Rollout:
         Each group goes to the runner with the fewest outstanding episodes that has room
         (submit_group); the others wait until one has. Once `stop` is set it waits no more:
         RolloutStopped, holding the groups finished (a stopped run waited out a whole rollout,
-        up to its episodes' timeouts, to throw it away)."""
+        up to its episodes' timeouts, to throw it away). `tasks`: Tasks, or records as a data file
+        holds them (an agent file's tasks() may return either; connect() takes both)."""
         from tqdm.auto import tqdm
 
+        from ..data import task_from_record
+
+        # (a dict went on as it was: every episode failed on task.id)
+        tasks = [t if isinstance(t, Task) else task_from_record(t, f"tasks[{i}]") for i, t in enumerate(tasks)]
         waiting = list(range(len(tasks)))[::-1]  # pop() takes the next task
         inflight: dict = {}  # ref -> (task index, runner)
         out: list = [None] * len(tasks)
