@@ -1128,3 +1128,19 @@ def test_a_stopped_rollout_hands_back_every_group_finished_by_then(monkeypatch):
     with pytest.raises(runner_mod.RolloutStopped) as stopped:
         rollout.run_groups(tasks, 1, progress=False, stop=stop)
     assert len(stopped.value.groups) == 6 and not rollout._abandoned
+
+
+def test_an_in_process_runner_serves_sdk_agents_on_a_second_event_loop(vllm_moe, moe_path):
+    """In-process use runs a loop per asyncio.run: the SDK clients shared by a runner's episodes
+    were made on the first loop, and every episode on a later one failed on their closed loop."""
+    from workbench.rollout.runner import RolloutRunner
+
+    runner = RolloutRunner(str(EXAMPLES / "calculator_openai.py"), [vllm_moe], str(moe_path), episode_timeout_s=60,
+                           sampling=SamplingConfig(max_tokens=16))
+    task = load_agent(EXAMPLES / "calculator_openai.py").tasks(1, seed=0)[0]
+    try:
+        for _ in range(2):
+            group = asyncio.run(runner.run_group(task, 2))
+            assert all(t.error is None and t.segments for t in group), [t.error for t in group]
+    finally:
+        asyncio.run(runner.shutdown())

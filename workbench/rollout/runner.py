@@ -120,13 +120,12 @@ class RolloutRunner:
         return list(await asyncio.gather(*[self.run_episode(task, group_id) for _ in range(n)]))
 
     async def run_episode(self, task: Task, group_id: str = "") -> Trajectory:
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self._slots)
         loop = asyncio.get_running_loop()
         if self._loop_watch is None or self._loop_watch.loop is not loop:  # (in-process use: a loop per asyncio.run)
             if self._loop_watch is not None:
                 self._loop_watch.stop()
             self._loop_watch = LoopWatch(loop, self.spec.path)
+            self._sem = asyncio.Semaphore(self._slots)  # (one that waited is bound to its loop)
         # each episode its own copy of the task: a group's episodes shared one, and an Env whose reset
         # popped a test from task.label (or an agent changing ctx.task.info) changed its siblings'
         # reward rule (identical replies, different rewards: advantages for nothing) and the label recorded
@@ -210,7 +209,12 @@ class RolloutRunner:
 
     def _shared_clients(self):
         """One OpenAI and one Anthropic SDK client per runner (made on its event loop); agents get
-        per-episode copies through ctx.openai() / ctx.anthropic() that share their connection pool."""
+        per-episode copies through ctx.openai() / ctx.anthropic() that share their connection pool.
+        Made again on another event loop (in-process use, asyncio.run per call: the first loop's
+        clients held sessions of a closed loop, and every later episode failed on them)."""
+        loop = asyncio.get_running_loop()
+        if self._clients is not None and self._clients.loop is not loop:
+            self._clients = None  # (their sessions went with their loop; nothing left to close on this one)
         if self._clients is None:
             import types
 
@@ -224,6 +228,7 @@ class RolloutRunner:
             # their types and their errors are the stock ones either way.
             s = self.server
             self._clients = types.SimpleNamespace(
+                loop=loop,
                 openai=openai.AsyncOpenAI(base_url=s.base_url(None), api_key=s.api_key, max_retries=0,
                                           http_client=openai.DefaultAioHttpClient()),
                 anthropic=anthropic.AsyncAnthropic(base_url=s.base_url(None, "anthropic"), api_key=s.api_key, max_retries=0,
@@ -335,8 +340,9 @@ class RolloutRunner:
         for episode in list(self._orphans):  # timed-out episodes still running: cancelled again, not awaited
             episode.cancel()
         if self._clients is not None:  # their connection pools (aiohttp sessions), on the loop they live on
-            await self._clients.openai.close()
-            await self._clients.anthropic.close()
+            if self._clients.loop is asyncio.get_running_loop():  # (another loop's went with it)
+                await self._clients.openai.close()
+                await self._clients.anthropic.close()
             self._clients = None
         if self._sync_pool is not None:  # (a stuck sync agent's thread is left to die with the process)
             self._sync_pool.shutdown(wait=False, cancel_futures=True)
