@@ -102,6 +102,13 @@ def test_cli_prints_the_plan_and_fails_clearly(capsys, tmp_path):
                                               "plan, which leaves node0: 0, node1: 1 free")
     assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--config", str(config), "--engines", "4"]) == 0
     assert "loop.teacher: its frozen engine takes 2 of the GPUs the plan leaves free" in capsys.readouterr().out
+    # --tensor-parallel-size is the config's as it runs: a judge's engine takes it too (the file's 1 was
+    # checked, and a plan connect() refuses passed)
+    config.write_text("trainer_ranks: 7\nnum_engines: 4\njudge: /m/judge\nengine_kwargs: {tensor_parallel_size: 1}\n")
+    args = ["plan", "--nodes", "2", "--gpus-per-node", "8", "--config", str(config)]
+    assert cluster_main(args) == 0 and "judge: its frozen engine takes 1 of" in capsys.readouterr().out
+    assert cluster_main([*args, "--tensor-parallel-size", "2"]) == 2
+    assert capsys.readouterr().err.startswith("error: judge's engine needs 2 GPU(s) on one node")
     # a misspelt field printed the default plan (connect() refuses the same file), and --engines 0 a plan
     # no session has
     config.write_text("num_engine: 8\ntrainer_rank: 8\n")

@@ -377,12 +377,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not isinstance(inputs["num_engines"], int) or inputs["num_engines"] < 1:  # (as a session: num_engines >= 1)
             raise PlacementError(f"num_engines must be an integer >= 1 (a session has a rollout engine), got {inputs['num_engines']!r}")
+        if config and args.tensor_parallel_size is not None:  # the config as it runs: a judge's or teacher's
+            # engine takes the policy engines' tensor_parallel_size (the file's was checked: a plan it refuses passed)
+            config = {**config, "engine_kwargs": {**(config.get("engine_kwargs") or {}),
+                                                  "tensor_parallel_size": args.tensor_parallel_size}}
         if config:  # what connect() refuses of it, refused here (a colocated NCCL sync, an unsaid memory share)
             from .session import WorkbenchConfig, check_colocated_memory
 
             ek = dict(config.get("engine_kwargs") or {})
-            if inputs["tensor_parallel_size"] != 1:
-                ek["tensor_parallel_size"] = inputs["tensor_parallel_size"]
             # (its checkpoints stand in by a named model: the paths are the cluster's, not this machine's)
             checked = {k: v for k, v in config.items() if k != "model"}
             checked.update(engine_kwargs=ek, placement=inputs["mode"], trainer_ranks=inputs["trainer_ranks"],
