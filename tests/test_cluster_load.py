@@ -200,6 +200,16 @@ def test_sharded_load_of_tied_embeddings_with_bf16_compute_and_cpu_offload(ray_l
         ray.get(ranks)
         assert wire.arrays["lm_head.weight"] is wire.arrays["model.embed_tokens.weight"]
         assert torch.equal(wire.tensors()["lm_head.weight"], expected["lm_head.weight"])
+        # for bf16 engines the sync goes in their dtype (it went as the fp32 master weights: twice the bytes in
+        # the object store and each engine's /dev/shm file), the tied weight still one tensor
+        trainer.sync_dtype = "bfloat16"
+        weights, _, ranks = trainer.weights_and_probe(probe_ids(trainer.vocab_size))
+        half = ray.get(weights)
+        ray.get(ranks)
+        trainer.sync_dtype = None
+        assert {t.dtype for t in half.tensors().values()} == {torch.bfloat16}
+        assert half.arrays["lm_head.weight"] is half.arrays["model.embed_tokens.weight"]
+        assert torch.equal(half.tensors()["model.norm.weight"], expected["model.norm.weight"].bfloat16())
         total = checkpoint_bytes(path)  # the tied weight is stored once
         ranks = trainer.footprint()
         assert sum(r["checkpoint_bytes_read"] for r in ranks) == 2 * total  # policy + reference, each once

@@ -794,13 +794,14 @@ class Workbench:
                 ray.get(loaded)
                 bar.update()
             bar.set_postfix_str("weight sync")
+            # the engines' dtype on the wire (bf16 on GPU: half the bytes of the trainer's fp32 master
+            # weights; vLLM's loader casts to it anyway), by NCCL or through Ray's object store
+            # (the engines' own dtype: an engine_kwargs dtype over the profile's; an fp32 engine sent
+            # bf16-rounded weights failed its probe, and a tolerance raised for it hid the rounding)
+            engine_dtype = engine_kwargs.get("dtype", self.profile.dtype)
+            wire = engine_dtype if engine_dtype in ("bfloat16", "float16") else None
+            self._trainer.sync_dtype = wire
             if cfg.engine_kwargs.get("weight_transfer") == "nccl":  # GPU: join the engines' NCCL group once
-                # the engines' dtype on the wire (bf16 on GPU: half the bytes of the trainer's fp32 master
-                # weights; vLLM's loader casts to it anyway)
-                # (the engines' own dtype: an engine_kwargs dtype over the profile's; an fp32 engine sent
-                # bf16-rounded weights failed its probe, and a tolerance raised for it hid the rounding)
-                engine_dtype = engine_kwargs.get("dtype", self.profile.dtype)
-                wire = engine_dtype if engine_dtype in ("bfloat16", "float16") else None
                 self._trainer.init_nccl_sync(self.engines, [cfg.engine_kwargs.get("tensor_parallel_size", 1)] * len(self.engines),
                                              wire_dtype=wire)
             self.sync()  # the engines serve the trainer's weights from the first rollout on

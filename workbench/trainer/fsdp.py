@@ -906,10 +906,11 @@ class TrainerWorker:
 
         return self._tx.send(full_tensors(self.model), TransferMeta(**meta))
 
-    def full_state_dict(self, wire: bool = False, dtypes: dict | None = None):
+    def full_state_dict(self, wire: bool = False, dtypes: dict | None = None, cast: str | None = None):
         """HF-named full tensors on CPU, on rank 0 (every rank must call: it is a collective);
         `wire`: as WireWeights, the weight sync's form in Ray's object store; `dtypes`: each
-        tensor cast to its dtype here, before it leaves the rank (an export's)."""
+        tensor cast to its dtype here, before it leaves the rank (an export's); `cast`: the
+        engines' half dtype, every floating tensor but what the model keeps in fp32 (a sync's)."""
         from ..rollout.engine import WireWeights
 
         state = self.model.state_dict()
@@ -923,6 +924,15 @@ class TrainerWorker:
         full = {k: full[tied.get(k, k)] for k in state}
         if dtypes:
             full = {k: v.to(dtypes.get(k, v.dtype)) for k, v in full.items()}
+        if cast:  # (once per tensor: a tied weight stays one tensor under its two names)
+            from ..rollout.nccl_sync import wire_dtype
+            from .loading import kept_fp32
+
+            keep, made = kept_fp32(self.model, getattr(torch, cast)), {}
+            for k, v in full.items():
+                if id(v) not in made:
+                    made[id(v)] = v if any(p in k for p in keep) else v.to(wire_dtype(v.dtype, cast))
+            full = {k: made[id(v)] for k, v in full.items()}
         return WireWeights.of(full) if wire else full
 
     def save(self, path: str) -> None:
@@ -1085,6 +1095,10 @@ class Trainer:
         self.steps_done = 0  # train_step calls of this Trainer: the live-routing forward's cadence
         self.model_path = str(model_path)
         self.nccl = None  # NcclSyncConfig once init_nccl_sync ran (GPU weight sync)
+        # the object-store sync's dtype (weights_and_probe): the engines' half dtype, where they hold one
+        # and the trainer fp32 master weights (half the bytes in Ray's object store and each engine's
+        # /dev/shm file; vLLM's loader casts to it anyway); None: the trainer's own
+        self.sync_dtype: str | None = None
         self.nccl_broken: str | None = None  # why the NCCL group can sync no more (WeightSyncBroken)
         self.nccl_blocked = False  # rank 0 stuck in a failed broadcast: no rank answers any call
         self.stopped = False  # the group was stopped (a step failed on some ranks only: TrainerOutOfStep)
@@ -1248,7 +1262,7 @@ class Trainer:
         (the CPU weight sync). The third item holds every rank's part of both but rank 0's weights:
         ray.get it for the ranks' errors (rank 0's gather fails the engines reading its weights; with
         it in, the driver fetched the whole model at every sync, over the network from another node)."""
-        weights = [w.full_state_dict.remote(True) for w in self.workers]
+        weights = [w.full_state_dict.remote(True, None, self.sync_dtype) for w in self.workers]
         probes = [w.probe.remote(ids) for w in self.workers]
         return weights[0], probes[0], weights[1:] + probes
 
