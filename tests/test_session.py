@@ -468,6 +468,18 @@ def test_a_context_past_the_checkpoints_is_refused(ray_local, tmp_path):
     assert checkpoint_positions(llama31) == 131072 and checkpoint_positions(yarn) == 40960
     assert checkpoint_positions({"max_position_embeddings": 2048, "rope_scaling": {"type": "linear", "factor": 2.0}}) == 4096
     assert checkpoint_positions({"model_type": "custom"}) is None
+    # a quantized checkpoint as the policy: its engines hold quantized weights no dense sync replaces
+    # (the names passed the check, the first sync's probe failed, blamed on its tolerance)
+    import shutil
+
+    from workbench.toy.models import toy_model_path
+
+    quantized = tmp_path / "fp8"
+    shutil.copytree(toy_model_path("moe"), quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ConfigError, match=r"is a quantized checkpoint \(fp8\).*dequantized \(bf16\) checkpoint"):
+        workbench.connect(backend="reference", model=str(quantized), run_dir=str(tmp_path / "run"))
 
 
 def test_a_run_whose_set_up_fails_ends_and_a_logger_that_cannot_start_loses_no_step(tmp_path, monkeypatch):

@@ -723,7 +723,17 @@ class Workbench:
             overrides.update({k: v for k, v in (("max_model_len", cfg.max_model_len), ("tool_parser", cfg.tool_parser))
                               if v is not None})
             self.profile = profile_for(self.model_path, overrides)
-            context = checkpoint_positions(Checkpoint.read(self.model_path).config)
+            checkpoint_config = Checkpoint.read(self.model_path).config
+            quantized = checkpoint_config.get("quantization_config") or checkpoint_config.get("text_config", {}).get(
+                "quantization_config")
+            if quantized:  # (the engines load the quantized weights, which no sync of the trainer's dense ones
+                # can replace: its names were checked against the dense model and passed, the probe failed at
+                # the first sync, blamed on its tolerance; only load='sharded' refused it)
+                method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+                raise ConfigError(f"model {self.model_path!r} is a quantized checkpoint ({method}): the engines would hold "
+                                  f"quantized weights the trainer's dense ones cannot replace at a sync. Train from a "
+                                  f"dequantized (bf16) checkpoint of the same model")
+            context = checkpoint_positions(checkpoint_config)
             if not isinstance(self.profile.max_model_len, int) or self.profile.max_model_len < 1 or (
                     context is not None and self.profile.max_model_len > context):
                 # (vLLM refused it late, naming an environment variable; the reference engine sampled past
