@@ -88,12 +88,15 @@ def run():
 def short_run(ray_local, moe_path, tmp_path_factory):
     """One short real run, shared by the audit and revisit tests (the page's browser test too):
     reference engine (it records MoE experts), one trainer rank, 3 steps of 2 x 2 episodes, the
-    policy kept every 2 steps, the KL without replay measured every step (revisit compares it).
+    policy kept every 2 steps, the KL without replay measured every step (revisit compares it),
+    at lr 1e-4: a healthy run, which its audit flags nothing of (at the default 1e-3, 2 steps of
+    4 episodes collapsed the toy on some machines' builds: reward 0, 3 of step 2's 4 episodes
+    run out to max_tokens, a truncation breach).
     Yields the live session (wb.run_dir holds the run)."""
     import workbench
 
     wb = workbench.connect(backend="reference", trainer_ranks=1, run_dir=str(tmp_path_factory.mktemp("short") / "run"),
-                           loop={"prompts_per_step": 2, "group_size": 2}, trainer={"measure_live_routing": True})
+                           loop={"prompts_per_step": 2, "group_size": 2}, trainer={"measure_live_routing": True, "lr": 1e-4})
     try:
         wb.run(3, background=False, progress=False, keep_policy_every=2)
         yield wb
