@@ -874,12 +874,21 @@ def test_a_request_finishing_before_the_probe_verdict_waits_for_it(moe_path):
             while e._verifying is None or e.torn is not None:
                 await asyncio.sleep(0.01)
             request = asyncio.ensure_future(e.generate(prompts(moe_path)[0], SamplingConfig(max_tokens=4, ignore_eos=True)))
+            # and one still sampling then is ended too: it sampled on from the unverified weights, and a
+            # later sync that verified cleared the refusal, so it came back whole, those tokens included
+            long = asyncio.ensure_future(e.generate(prompts(moe_path)[1], SamplingConfig(max_tokens=900, ignore_eos=True)))
             await asyncio.sleep(0.5)
             trainers.set_exception(RuntimeError("a trainer rank died (put in by the test)"))
             with pytest.raises(RuntimeError, match="rank died"):
                 await update
             with pytest.raises(TornWeights, match="did not complete its probe check"):
                 await asyncio.wait_for(request, 10)
+            good = perturbed(model, seed=12)
+            m = load_hf_model(moe_path)
+            m.load_state_dict(good)
+            await e.update_weights(good, e.version + 1, expected_probe=expected_probe_logprobs(m, probe_ids(m.config.vocab_size)))
+            with pytest.raises(TornWeights, match="did not complete its probe check"):
+                await asyncio.wait_for(long, 30)
         finally:
             await e.shutdown()
 

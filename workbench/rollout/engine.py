@@ -340,6 +340,9 @@ class RolloutEngine(abc.ABC):
                 if self.verified_version != self.version and self.torn is None:
                     self.torn = (f"the sync to version {new_version} did not complete its probe check: it samples "
                                  f"nothing until a sync verifies")
+                    # (the requests still sampling went on from the unverified weights, and a later sync
+                    # that verified let them through whole)
+                    await self._fail_in_flight(TornWeights(self.torn))
                 self._verifying.set()
             self._verifying = None
 
