@@ -490,6 +490,17 @@ def test_an_engine_ray_calls_unavailable_is_tried_again_later(monkeypatch):
     with pytest.raises(router_mod.EngineUnavailable, match="unavailable for now"):
         asyncio.run(ask("b"))
     assert engine.calls == 2 + 1 + router_mod.TRANSIENT_RETRIES and router.state()["dead"] == []
+    # an engine's own TimeoutError, at once, is its error (a RayTaskError(TimeoutError) is a TimeoutError:
+    # it read as "did not answer within 600 s", this router's request timeout)
+    try:
+        raise TimeoutError("a KV transfer timed out (put in by the test)")
+    except TimeoutError as e:
+        own = ray.exceptions.RayTaskError("generate", "tb", e).as_instanceof_cause()
+    engine.fail_next, engine.generate = 0, types.SimpleNamespace(remote=lambda *a: types.SimpleNamespace(
+        future=lambda: (f := concurrent.futures.Future(), f.set_exception(own))[0]))
+    with pytest.raises(TimeoutError) as raised:
+        asyncio.run(ask("c"))
+    assert raised.value is own and not isinstance(raised.value, router_mod.EngineUnavailable)
 
 
 def test_a_runner_ray_calls_unavailable_for_a_moment_is_kept(monkeypatch):

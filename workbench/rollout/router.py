@@ -83,7 +83,8 @@ class EngineRouter:
         self.unavailable_until: dict[int, float] = {}
         self.sticky: dict[str, int] = {}
         self.requests = Counter()  # per engine index: requests served
-        self.failovers = 0  # requests whose engine died under them and that were retried on another
+        self.failovers = 0  # retries: a request asked again after its engine died, was unavailable or torn (on another
+        # engine, or on the same one after its wait)
         self.request_timeout_s = request_timeout_s
         # same-prompt requests to one engine within one event-loop pass, waiting to go as one call
         self._same_prompt: dict[tuple, tuple] = {}
@@ -161,7 +162,9 @@ class EngineRouter:
                 if started:
                     raise
                 last_error = e
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError as e:
+                if isinstance(e, ray.exceptions.RayTaskError):  # (RayTaskError(TimeoutError) is one: the engine's
+                    raise  # own error, at once, read as this router's timeout of request_timeout_s)
                 raise EngineUnavailable(f"engine {i} did not answer within {self.request_timeout_s} s") from None
             except Exception as e:
                 if _core_dead(e, {"TornWeights"}) and not started:
