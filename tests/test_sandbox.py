@@ -857,3 +857,22 @@ def test_refuses_without_the_sandbox_unless_opted_out(monkeypatch):
     with pytest.warns(RuntimeWarning):
         r = run_python("while True: pass", timeout_s=1.0)
     assert r.timed_out
+
+
+def test_rootless_sandboxes_warn_of_a_process_limit_they_share(monkeypatch):
+    """Rootless, the kernel charges a sandbox's tasks to the caller's uid too (Linux 5.14+): under a
+    common `ulimit -u` of 4096, 64 sandboxes of up to 66 tasks each starved one another of threads
+    and the runner's user of processes. Said once, where the limit is that low."""
+    import resource
+    import warnings
+
+    from workbench import sandbox
+
+    for limit, warned in ((4096, True), (resource.RLIM_INFINITY, False), (1 << 20, False)):
+        sandbox._warn_low_nproc.cache_clear()
+        monkeypatch.setattr(resource, "getrlimit", lambda k, limit=limit: (limit, limit))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sandbox._warn_low_nproc()
+        assert any("ulimit -u: 4096" in str(w.message) for w in caught) == warned, limit
+    sandbox._warn_low_nproc.cache_clear()

@@ -123,8 +123,10 @@ STARTED = b"\0workbench: code starts\0"
 START_S = 10.0  # what the sandbox's set-up may take before its code starts (its own timeout runs from there)
 # Threads (tasks) of the sandbox's uid: RLIMIT_NPROC. Threads are allowed and a raw clone() thread
 # needs no stack, so the memory limit does not bound them: one sandbox made 8,000 host tasks in
-# 0.1 s (pid_max was 32,768). Rootless, the count is the sandbox's own user namespace's; as root,
-# that of the host uid the sandbox runs as, drawn for it from SANDBOX_UIDS (no account has them).
+# 0.1 s (pid_max was 32,768). As root, the count is that of the host uid the sandbox runs as, drawn
+# for it from SANDBOX_UIDS (no account has them). Rootless, the sandbox's own user namespace's, and
+# (Linux 5.14+ charges every level) the caller's uid's too: concurrent sandboxes share the runner
+# user's `ulimit -u` with its own processes (checked once: _warn_low_nproc).
 MAX_TASKS = 64
 SANDBOX_UIDS = range(1_000_000, 2_000_000)
 
@@ -373,6 +375,8 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
     tmp = info_read = block_write = cgroup = None
     try:
         if bwrap is not None:
+            if os.geteuid() != 0:
+                _warn_low_nproc()
             fds.append(_data_fd(_seccomp_program()))
             fds.append(_data_fd(source))
             file_fds = {name: _data_fd(data) for name, data in files.items()}
@@ -508,6 +512,22 @@ def _take_uid() -> int:
 
 
 @functools.lru_cache(maxsize=1)
+def _warn_low_nproc(concurrent: int = 64) -> None:
+    """Once a process, rootless: the sandboxes' tasks count against the caller's RLIMIT_NPROC (the
+    kernel charges a user namespace's tasks to its owner too), so a low limit (4096 is common) lets
+    concurrent sandboxes starve each other of threads and the runner's user of processes (EAGAIN)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    need = concurrent * (MAX_TASKS + 2)
+    if soft != resource.RLIM_INFINITY and soft < 4 * need:
+        warnings.warn(f"workbench.sandbox: this user's process limit (ulimit -u: {soft}) is shared by every rootless "
+                      f"sandbox's tasks (up to {MAX_TASKS} each) and the user's own processes: {concurrent} sandboxes "
+                      f"at once may take {need}. Raise it (limits.conf nproc) where code agents run many episodes at "
+                      f"once", RuntimeWarning, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=1)
 def _warn_no_cgroup() -> None:
     """Once a process: as root without a memory cgroup (no controller, or cgroup v2 refusing to
     enable it under a cgroup that holds processes) the kernel's memory for the sandbox (inodes,
@@ -537,7 +557,8 @@ def _sandbox_pid1(info_fd: int, deadline: float) -> tuple[int, int | None] | Non
         return None
     try:
         return pid, os.pidfd_open(pid)
-    except OSError:  # no pidfds (EMFILE, an old kernel): by pid, still ours (bwrap has not reaped it)
+    except OSError:  # no pidfds (EMFILE, an old kernel): by pid (once bwrap has exited, pid 1 is init's
+        # child, not ours: a pid reused in that moment is the one risk, which a pidfd has not)
         return pid, None
 
 
