@@ -477,6 +477,8 @@ def test_an_engine_ray_calls_unavailable_is_tried_again_later(monkeypatch):
             return types.SimpleNamespace(future=lambda: f)
 
     monkeypatch.setattr(router_mod, "UNAVAILABLE_RETRY_S", 0.2)
+    cancelled = []  # the call at the blip may be running still: cancelled (it sampled on, unread, to max_tokens)
+    monkeypatch.setattr(ray, "cancel", lambda ref, **kw: cancelled.append(ref))
     engine = Flaky()
     router = router_mod.EngineRouter([engine])
 
@@ -486,6 +488,7 @@ def test_an_engine_ray_calls_unavailable_is_tried_again_later(monkeypatch):
     t0 = time.monotonic()  # the request at the blip waits for the retry (failing at once, its episode failed)
     assert asyncio.run(ask("a")).token_ids == [7] and engine.calls == 2 and router.state()["unavailable"] == []
     assert time.monotonic() - t0 >= 0.15 and router.state()["dead"] == [] and router.state()["failovers"] == 1
+    assert len(cancelled) == 1
     engine.fail_next = 10  # unavailable for longer: the request fails, saying so, after 1 + TRANSIENT_RETRIES tries
     with pytest.raises(router_mod.EngineUnavailable, match="unavailable for now"):
         asyncio.run(ask("b"))

@@ -237,10 +237,14 @@ class EngineRouter:
             # max_tokens, holding its batch slot and KV, re-prefilled at every sync, while this
             # router's outstanding count (least-outstanding placement) read the engine as idle
             # (a coalesced call's answered requests are done, not cancelled: its last one timing out
-            # left the engine sampling it to max_tokens)
-            if all(f.done() for f in futures) and any(f.cancelled() for f in futures):
-                import ray
+            # left the engine sampling it to max_tokens). Ray's ActorUnavailableError too: the call may be
+            # running still, and the request goes to another engine (the first sampled it on unread)
+            import ray
 
+            def abandoned(f) -> bool:
+                return f.cancelled() or isinstance(f.exception(), ray.exceptions.ActorUnavailableError)
+
+            if all(f.done() for f in futures) and any(abandoned(f) for f in futures):
                 ray.cancel(ref)
         for f in futures:
             f.add_done_callback(given_up)
