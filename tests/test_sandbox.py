@@ -302,7 +302,7 @@ def test_concurrent_sandboxes_never_share_a_uid(monkeypatch):
     two at once get both, every time."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(sandbox, "SANDBOX_UIDS", range(1_500_000, 1_500_002))
+    monkeypatch.setattr(sandbox, "_own_uids", lambda: range(1_500_000, 1_500_002))  # (this process's slice)
     for _ in range(3):
         with ThreadPoolExecutor(2) as pool:
             outs = list(pool.map(lambda _: run("import os, time\nprint(os.getuid())\ntime.sleep(0.5)"), range(2)))
@@ -876,3 +876,24 @@ def test_rootless_sandboxes_warn_of_a_process_limit_they_share(monkeypatch):
             sandbox._warn_low_nproc()
         assert any("ulimit -u: 4096" in str(w.message) for w in caught) == warned, limit
     sandbox._warn_low_nproc.cache_clear()
+
+
+def test_each_process_draws_sandbox_uids_from_its_own_slice():
+    """A runner's sandbox uids were unique among its own sandboxes only: 8 runners drew the same uid
+    now and then, two sandboxes sharing one RLIMIT_NPROC. Each process holds a slice of the pool."""
+    import subprocess
+    import sys
+
+    child = ("import sys; from workbench import sandbox; r = sandbox._own_uids(); "
+             "print(r.start, r.step, flush=True); sys.stdin.read()")
+    procs = [subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    try:
+        got = [tuple(map(int, p.stdout.readline().split())) for p in procs]
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(30)
+    from workbench.sandbox import UID_SLICES
+
+    assert len({start for start, _ in got}) == 3 and {step for _, step in got} == {UID_SLICES}, got

@@ -499,10 +499,39 @@ def _namespace_uids() -> range | None:
     return range(max(lo, hi - 20_000), hi)
 
 
-def _take_uid() -> int:
-    """A host uid for one sandbox, none of this process's running ones: two that drew the same
-    shared one RLIMIT_NPROC (MAX_TASKS), and one could starve the other of threads."""
+UID_SLICES = 64  # a process's uids: one slice of the pool, none of another process's (UID_SLICES of them)
+
+
+@functools.lru_cache(maxsize=1)
+def _own_uids() -> range:
+    """This process's slice of the uid pool, held by an flock on the slice's file for the process's
+    life: a runner's uids were unique among its own sandboxes only, and 8 runners of 64 sandboxes
+    drew the same one now and then (~6 pairs at any moment from a user namespace's 20,000), two
+    sandboxes then sharing one RLIMIT_NPROC. The whole pool where every slice is held."""
+    import fcntl
+    import tempfile
+
     pool = _namespace_uids() or SANDBOX_UIDS
+    where = os.path.join(tempfile.gettempdir(), "workbench-sandbox-uids")
+    try:
+        os.makedirs(where, mode=0o700, exist_ok=True)
+        for k in range(UID_SLICES):
+            fd = os.open(os.path.join(where, f"slice-{k}"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (released by the kernel when the process ends)
+                return pool[k::UID_SLICES]  # (the fd stays open: the slice stays this process's)
+            except BlockingIOError:
+                os.close(fd)
+    except OSError:
+        pass
+    return pool
+
+
+def _take_uid() -> int:
+    """A host uid for one sandbox, none of this process's running ones (nor another process's: its
+    slice of the pool, _own_uids): two that drew the same shared one RLIMIT_NPROC (MAX_TASKS), and
+    one could starve the other of threads."""
+    pool = _own_uids()
     with _uids_lock:
         while True:
             uid = secrets.choice(pool)
