@@ -1149,8 +1149,9 @@ def test_an_in_process_runner_serves_sdk_agents_on_a_second_event_loop(vllm_moe,
     were made on the first loop, and every episode on a later one failed on their closed loop."""
     from workbench.rollout.runner import RolloutRunner
 
+    # (one slot: the group's second episode waits on the semaphore, which binds it to its loop)
     runner = RolloutRunner(str(EXAMPLES / "calculator_openai.py"), [vllm_moe], str(moe_path), episode_timeout_s=60,
-                           sampling=SamplingConfig(max_tokens=16))
+                           sampling=SamplingConfig(max_tokens=16), max_concurrent_episodes=1)
     task = load_agent(EXAMPLES / "calculator_openai.py").tasks(1, seed=0)[0]
     try:
         for _ in range(2):

@@ -468,6 +468,16 @@ def test_a_context_past_the_checkpoints_is_refused(ray_local, tmp_path):
     assert checkpoint_positions(llama31) == 131072 and checkpoint_positions(yarn) == 40960
     assert checkpoint_positions({"max_position_embeddings": 2048, "rope_scaling": {"type": "linear", "factor": 2.0}}) == 4096
     assert checkpoint_positions({"model_type": "custom"}) is None
+    # a sync is sent in the engines' half dtype (the object-store path sent the fp32 master weights), never
+    # rounded for an fp32 engine (its probe failed); an engine_kwargs dtype over the profile's
+    import types
+
+    from workbench.session import sync_wire_dtype
+
+    bf16, fp32 = types.SimpleNamespace(dtype="bfloat16"), types.SimpleNamespace(dtype="float32")
+    assert sync_wire_dtype({}, bf16) == "bfloat16" and sync_wire_dtype({}, fp32) is None
+    assert sync_wire_dtype({"dtype": "float32"}, bf16) is None and sync_wire_dtype({"dtype": "float16"}, fp32) == "float16"
+    assert sync_wire_dtype({"dtype": "auto"}, bf16) is None
     # a quantized checkpoint as the policy: its engines hold quantized weights no dense sync replaces
     # (the names passed the check, the first sync's probe failed, blamed on its tolerance)
     import shutil

@@ -40,11 +40,12 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="vllm", choices=["vllm", "reference"])
     ap.add_argument("--model", default="moe", choices=["moe", "dense"])
     # (the RL run at the end keeps its own: 16 prompts x 8, temperature 1, the tasks seeded by step)
-    ap.add_argument("--prompts", type=int, default=3, help="prompts of steps 4-5 (or of --agent's rollout)")
-    ap.add_argument("--group", type=int, default=4, help="samples per prompt in steps 4-5 (or --agent's)")
-    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of steps 4-5 (or --agent's); "
-                    "the RL run samples at 1, the temperature its trainer computes log-probs at")
-    ap.add_argument("--seed", type=int, default=0, help="seed of steps 4-5's prompts (or --agent's tasks)")
+    ap.add_argument("--prompts", type=int, default=3, help="prompts of step 4 (or of --agent's rollout)")
+    ap.add_argument("--group", type=int, default=4, help="samples per prompt in step 4 (or --agent's)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of step 4 (or --agent's); "
+                    "step 5 and the RL run sample at 1, the temperature the trainer computes log-probs at")
+    ap.add_argument("--seed", type=int, default=0, help="seed of step 4's prompts (or --agent's tasks) and of the "
+                    "engine's sampling")
     ap.add_argument("--agent", help="an agent file (defines AgentRunner and tasks(n, seed)) to roll out instead")
     ap.add_argument("--rl-steps", type=int, default=16, help="steps of the short RL run at the end (0 skips it)")
     args = ap.parse_args(argv)

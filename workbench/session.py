@@ -449,6 +449,16 @@ def _restorable(x) -> bool:
     return isinstance(x, (str, int, float, bool, type(None)))
 
 
+def sync_wire_dtype(engine_kwargs: dict, profile) -> str | None:
+    """The dtype a weight sync sends, by NCCL or through Ray's object store: the engines' own where
+    it is a half one (bf16 on GPU: half the bytes of the trainer's fp32 master weights; vLLM's loader
+    casts to it anyway), else None (the trainer's). The engines' own: an engine_kwargs dtype over the
+    profile's (an fp32 engine sent bf16-rounded weights failed its probe, and a tolerance raised for
+    it hid the rounding)."""
+    engine_dtype = engine_kwargs.get("dtype", profile.dtype)
+    return engine_dtype if engine_dtype in ("bfloat16", "float16") else None
+
+
 def checkpoint_positions(config: dict) -> float | None:
     """The positions a checkpoint's config says it was trained on, as vLLM counts them (a linear or
     dynamic rope scaling: x its factor; YaRN, llama3 and longrope configs state the scaled length);
@@ -804,13 +814,7 @@ class Workbench:
                 ray.get(loaded)
                 bar.update()
             bar.set_postfix_str("weight sync")
-            # the engines' dtype on the wire (bf16 on GPU: half the bytes of the trainer's fp32 master
-            # weights; vLLM's loader casts to it anyway), by NCCL or through Ray's object store
-            # (the engines' own dtype: an engine_kwargs dtype over the profile's; an fp32 engine sent
-            # bf16-rounded weights failed its probe, and a tolerance raised for it hid the rounding)
-            engine_dtype = engine_kwargs.get("dtype", self.profile.dtype)
-            wire = engine_dtype if engine_dtype in ("bfloat16", "float16") else None
-            self._trainer.sync_dtype = wire
+            wire = self._trainer.sync_dtype = sync_wire_dtype(engine_kwargs, self.profile)
             if cfg.engine_kwargs.get("weight_transfer") == "nccl":  # GPU: join the engines' NCCL group once
                 self._trainer.init_nccl_sync(self.engines, [cfg.engine_kwargs.get("tensor_parallel_size", 1)] * len(self.engines),
                                              wire_dtype=wire)
@@ -1196,6 +1200,8 @@ class Workbench:
                 logger.log(metrics, int(metrics["step"]))
             except Exception as e:
                 self._loggers.remove(logger)
+                with contextlib.suppress(Exception):  # (what it holds closed: a wandb run left open kept every
+                    logger.close()  # later WandbLogger.close() from completing its files)
                 print(f"workbench: logger {type(logger).__name__} failed and was dropped: {type(e).__name__}: {e}",
                       file=sys.stderr)
 

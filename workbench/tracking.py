@@ -175,14 +175,23 @@ def make_loggers(names: list, run_dir: str | Path, config: dict | None = None, n
     """Loggers for `names` (LOGGERS; an object with log/on_step/close passes through), writing from
     `next_step` on (TensorBoard hides what its files hold from there: a resumed run's abandoned steps)."""
     out = []
-    for n in names:
-        if not isinstance(n, str):
-            out.append(n)
-        elif n == "tensorboard":
-            out.append(TensorBoardLogger(Path(run_dir) / "tensorboard", next_step))
-        elif n == "wandb":
-            out.append(WandbLogger(Path(run_dir), config, name=Path(run_dir).name, run_id=wandb_run_id(run_dir),
-                                   next_step=next_step))
-        else:
-            raise ValueError(f"unknown logger {n!r}; known: {LOGGERS}")
+    try:
+        for n in names:
+            if not isinstance(n, str):
+                out.append(n)
+            elif n == "tensorboard":
+                out.append(TensorBoardLogger(Path(run_dir) / "tensorboard", next_step))
+            elif n == "wandb":
+                out.append(WandbLogger(Path(run_dir), config, name=Path(run_dir).name, run_id=wandb_run_id(run_dir),
+                                       next_step=next_step))
+            else:
+                raise ValueError(f"unknown logger {n!r}; known: {LOGGERS}")
+    except BaseException:  # the ones already started are closed (a wandb run left open kept every later
+        for logger in out:  # WandbLogger.close() from completing its files)
+            if isinstance(logger, (TensorBoardLogger, WandbLogger)):
+                try:
+                    logger.close()
+                except Exception:
+                    pass
+        raise
     return out

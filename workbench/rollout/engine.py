@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import contextlib
 import inspect
 import sys
 import time
@@ -341,8 +342,10 @@ class RolloutEngine(abc.ABC):
                     self.torn = (f"the sync to version {new_version} did not complete its probe check: it samples "
                                  f"nothing until a sync verifies")
                     # (the requests still sampling went on from the unverified weights, and a later sync
-                    # that verified let them through whole)
-                    await self._fail_in_flight(TornWeights(self.torn))
+                    # that verified let them through whole). A failing abort (a dead core) does not
+                    # replace the sync's own error, nor leave the held requests waiting for a verdict
+                    with contextlib.suppress(Exception):
+                        await self._fail_in_flight(TornWeights(self.torn))
                 self._verifying.set()
             self._verifying = None
 
