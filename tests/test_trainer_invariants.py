@@ -196,7 +196,23 @@ def test_training_uses_replayed_routing_and_checkpoint_recompute_replays_too(moe
     s_on = on.train_step(dict(b), report=True)
     trained = s_off["report"]["trainer_logprobs"]
     assert float((trained - replayed)[m].abs().max()) < 1e-5, "the training forward did not replay the recorded experts"
-    assert s_off["correction"]["kl_k3"] < s_off["kl_k3_live"]
+    # each KL is its own forward's (replayed, live) against the sampler's log-probs, and where the live
+    # routing differs from the recorded one, the replayed forward is the closer to the sampler. (Over
+    # every token, kl_k3 < kl_k3_live held for one toy build and not another, where bf16 noise elsewhere
+    # outweighed the few flips: 2.75e-5 against 2.63e-5.)
+    behaviour = b["behaviour_logprobs"].double()
+
+    def k3(lp):
+        d = lp.double() - behaviour
+        return float((d.exp() - 1 - d)[m].mean())
+
+    assert s_off["correction"]["kl_k3"] == pytest.approx(k3(replayed), rel=1e-3)
+    assert s_off["kl_k3_live"] == pytest.approx(k3(live), rel=1e-3)
+    flips = m & ((replayed - live).abs() > 1e-4)
+    gap = lambda lp: float((lp.double() - behaviour)[flips].abs().mean())  # noqa: E731
+    print(f"\n[measured] {int(flips.sum())} tokens off the recorded routing live: |replayed - sampler| "
+          f"{gap(replayed):.2e}, |live - sampler| {gap(live):.2e}")
+    assert gap(replayed) < gap(live)
     assert s_on["loss"] == pytest.approx(s_off["loss"], rel=1e-5, abs=1e-7)
     assert s_on["grad_norm"] == pytest.approx(s_off["grad_norm"], rel=1e-4)
     after_off, after_on = off.logprobs(b), on.logprobs(b)
