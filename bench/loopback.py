@@ -105,7 +105,9 @@ async def latencies(server, n_sessions: int, turns: int, reply_tokens: int, stre
     out = []
 
     async def episode(k: int):
-        sid = server.open_session()
+        # (named by k: the server mixes the session id into the seed, and a random one made the streamed
+        # and the unstreamed pass sample different replies)
+        sid = server.open_session(f"bench-{k}")
         client = openai.AsyncOpenAI(base_url=server.base_url(sid), api_key=server.api_key, http_client=http, max_retries=0)
         msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"What is {k % 10}+{(k * 7) % 10}?"}]
         for t in range(turns):

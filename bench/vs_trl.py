@@ -16,7 +16,9 @@ end time and mean reward. Printed: start-up (launch -> first step done), s/step 
 steps after the first two), reward per wall-clock second and per step, and for each reward level
 both sides reach (trailing mean of 5 steps) the time to reach it, with and without start-up, as
 a workbench / TRL ratio. And the CPU a step takes, by role (engine, trainer ranks, runner, driver,
-Ray's own processes; every process of the machine, from /proc, from step 3 to the last) and the
+Ray's own processes; the side's own processes, its local Ray's included, from /proc, from step 3 to
+the last: until 2026-12-06 every process of the machine, another session's Ray workers counted as
+the side's, so CPU figures quoted from before then may hold them) and the
 cores it kept busy: wall time drifts with a shared machine's neighbours, the CPU split less, and
 it tells work from waiting. Targets (issue 13): first step done under 20 s after connect(); s/step
 at most 1.0x TRL's; time to a reward level at most 1.5x TRL's with start-up, 1.0x without.
@@ -251,7 +253,7 @@ def summarize(name: str, launch: float, events: list[dict]) -> dict:
     return {"side": name, "steps": len(steps), "cpu": cpu, "ready_s": ready, "first_step_done_s": ends[0],
             "first_step_after_ready_s": ends[0] - ready if ready is not None else None,
             "connect_to_first_step_s": next((ends[0] + launch - e["t"] for e in events if e["event"] == "connect"), None),
-            "s_per_step": statistics.median(gaps[2:] or gaps or [float("nan")]),
+            "s_per_step": statistics.median(gaps[1:] or gaps or [float("nan")]),  # (gaps[i]: step i+1's)
             "rewards": [e["reward"] for e in steps], "ends": ends,
             "reward_per_s": sum(e["reward"] for e in steps) / ends[-1], "reward_per_step": statistics.mean(e["reward"] for e in steps),
             "collapsed_at": collapsed_at([e["reward"] for e in steps])}
@@ -277,7 +279,7 @@ def time_to(s: dict, level: float, window: int = 5) -> tuple[float, float] | Non
     """(seconds from launch, seconds from the first step's start) at which the trailing mean reward first reaches level."""
     r = s.get("rewards") or []
     for i in range(window - 1, len(r)):
-        if statistics.mean(r[i - window + 1:i + 1]) >= level:
+        if _window_mean(r[i - window + 1:i + 1]) >= level:
             return s["ends"][i], s["ends"][i] - (s["ends"][0] - s["s_per_step"])
     return None
 
@@ -308,6 +310,11 @@ def main() -> None:
     results_dir = HERE / "results"
     results_dir.mkdir(exist_ok=True)
     runs: dict[int, dict] = {}  # seed -> side -> summary
+
+    def save() -> None:  # after each side: a side failing later loses none of the earlier ones
+        (results_dir / "vs_trl.json").write_text(json.dumps({"args": vars(a), "runs": {str(k): v for k, v in runs.items()}},
+                                                            indent=1))
+
     for seed in a.seeds:
         summaries = runs[seed] = {}
         for side in a.sides:
@@ -316,24 +323,32 @@ def main() -> None:
             out.unlink(missing_ok=True)
             launch = time.time()
             print(f"{side}, seed {seed}: {a.budget:.0f} s from launch ...", flush=True)
-            subprocess.run([py, __file__, "--child", side, "--out", str(out), "--budget-end", str(launch + a.budget),
+            child = subprocess.run([py, __file__, "--child", side, "--out", str(out), "--budget-end", str(launch + a.budget),
                             "--backend", a.backend, "--seed", str(seed),
-                            *(["--trainer-ranks", str(a.trainer_ranks)] if a.trainer_ranks else [])], check=True,
+                            *(["--trainer-ranks", str(a.trainer_ranks)] if a.trainer_ranks else [])],
                            stdout=subprocess.DEVNULL if not os.environ.get("BENCH_VERBOSE") else None,
                            stderr=subprocess.DEVNULL if not os.environ.get("BENCH_VERBOSE") else None)
+            if child.returncode:  # (its steps up to the failure are still reported, marked)
+                print(f"{side}, seed {seed}: its process exited with {child.returncode} (BENCH_VERBOSE=1 shows why)", flush=True)
             events = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-            summaries[side] = summarize(side, launch, events)
+            summaries[side] = {**summarize(side, launch, events), **({"exit_code": child.returncode} if child.returncode else {})}
             if side != "trl" and (results_dir / f"{side}-run" / "metrics.jsonl").exists():
                 summaries[side]["breakdown"] = step_breakdown(results_dir / f"{side}-run")
+            save()
         print(f"-- seed {seed}")
         report(summaries, a)
     if len(a.seeds) > 1:
         report_over_seeds(runs)
-    (results_dir / "vs_trl.json").write_text(json.dumps({"args": vars(a), "runs": {str(k): v for k, v in runs.items()}}, indent=1))
+
+
+def _window_mean(rewards: list[float]) -> float:
+    """A window's mean reward; -inf where a step of it has none (NaN: no episode finished), which no
+    level is reached by (max() of a NaN first window was NaN, and the report failed on floor(nan))."""
+    return statistics.mean(rewards) if all(math.isfinite(x) for x in rewards) else -math.inf
 
 
 def best_trailing_mean(rewards: list[float], window: int = 5) -> float:
-    return max(statistics.mean(rewards[i:i + window]) for i in range(max(1, len(rewards) - window + 1)))
+    return max(_window_mean(rewards[i:i + window]) for i in range(max(1, len(rewards) - window + 1)))
 
 
 def report_over_seeds(runs: dict[int, dict]) -> None:
