@@ -952,6 +952,61 @@ def test_in_process_engine_that_fails_a_step_fails_its_requests_and_later_calls(
     assert engine.shut
 
 
+def test_in_process_engine_adds_the_requests_of_one_pass_before_it_steps():
+    """Requests made in one pass of the event loop (a rollout's batch) reach vLLM's engine before
+    its first step (InprocLLM._add): added one call each, the engine's thread woke at the first and
+    stepped with what had arrived while the loop made the rest (a prefill of a few, the others a
+    step later; here each request's maker lets the GIL go, as a loop's other work does). A request
+    vLLM refuses gets its own error; the others run."""
+    import time as _time
+
+    from workbench.rollout.vllm_inproc import InprocLLM
+
+    class Out:
+        def __init__(self, rid):
+            self.request_id, self.finished, self.outputs = rid, True, []
+
+    class CountingEngine:
+        vllm_config = model_config = None
+
+        def __init__(self):
+            self.waiting, self.steps = [], []
+            self.engine_core = self
+
+        def add_request(self, request_id, prompt, params):
+            if request_id == "bad":
+                raise ValueError("prompt too long")
+            self.waiting.append(request_id)
+
+        def has_unfinished_requests(self):
+            return bool(self.waiting)
+
+        def step(self):
+            self.steps.append(len(self.waiting))
+            done, self.waiting = self.waiting, []
+            return [Out(r) for r in done]
+
+        def shutdown(self):
+            pass
+
+    async def scenario():
+        llm = InprocLLM.__new__(InprocLLM)
+        llm._serve(engine := CountingEngine())
+
+        async def one(rid):
+            _time.sleep(0.002)  # the loop's own work between two requests: the GIL goes to the engine's thread
+            return [o.request_id async for o in llm.generate({"prompt_token_ids": [1, 2]}, None, rid)]
+
+        got = await asyncio.wait_for(asyncio.gather(*[one(r) for r in [f"r{i}" for i in range(8)] + ["bad"]],
+                                                    return_exceptions=True), 10)
+        llm.shutdown()
+        return got, engine
+
+    got, engine = asyncio.run(scenario())
+    assert engine.steps == [8], engine.steps  # one step with all of them
+    assert got[:8] == [[f"r{i}"] for i in range(8)] and isinstance(got[8], ValueError), got
+
+
 def test_vllm_abort_stop_strings_and_top_p(vllm_moe, moe_path):
     p = prompts(moe_path)[2]
     long = vllm_moe.generate.remote(p, SamplingConfig(max_tokens=600, ignore_eos=True), "to-abort")

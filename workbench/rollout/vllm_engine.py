@@ -401,6 +401,9 @@ class VLLMEngine(RolloutEngine):
             # stop strings: without it its output processing takes ~25% less CPU
             detokenize=bool(s.stop),
             output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE,
+            # made for this request alone: vLLM may take it as it is rather than deep-copy it (its
+            # ~45 fields, ~22 us a request: ~3 ms of a quickstart rollout's 128)
+            skip_clone=True,
         )
         final, n = None, 0
         self._in_flight.add(request_id)
