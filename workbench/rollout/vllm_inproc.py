@@ -167,11 +167,11 @@ class InprocLLM:
 
     def _add(self, request_id: str, prompt, params) -> asyncio.Future:
         """engine.add_request, with every other request made in this pass of the event loop: one
-        call to the thread for all. Why: a rollout's requests are made together (a step's 128 in one
-        pass), and added one call each, the thread woke at the first and stepped with what had
-        arrived, while the loop was still adding: a prefill of a few, another of the rest a step
-        later, ~4.6 engine steps a quickstart batch where 3 do (bench/rollout_floor.py), and the two
-        threads trading the GIL at every add. Each request still gets its own error."""
+        call to the thread for all. Why: a rollout's requests are made together (a coalesced group's
+        in one pass), and added one call each, the thread woke at the first and could step with what
+        had arrived while the loop was still adding (a prefill of a few, the rest a forward later:
+        tests/test_engines.py), the two threads trading the GIL at every add. Each request still
+        gets its own error."""
         fut = self._loop.create_future()
         if not self._adds:
             self._loop.call_soon(self._send_adds)  # after every request of this pass
@@ -183,7 +183,10 @@ class InprocLLM:
 
         def add_all() -> list:
             errors = []
-            for request_id, prompt, params, _ in adds:
+            for request_id, prompt, params, fut in adds:
+                if fut.cancelled():  # its caller left before it was sent: not added (its abort, queued
+                    errors.append(None)  # before this call, found nothing to abort)
+                    continue
                 try:
                     self.engine.add_request(request_id, prompt, params)
                     errors.append(None)
