@@ -96,7 +96,8 @@ def short_run(ray_local, moe_path, tmp_path_factory):
     import workbench
 
     wb = workbench.connect(backend="reference", trainer_ranks=1, run_dir=str(tmp_path_factory.mktemp("short") / "run"),
-                           loop={"prompts_per_step": 2, "group_size": 2}, trainer={"measure_live_routing": True, "lr": 1e-4})
+                           loop={"prompts_per_step": 2, "group_size": 2}, trainer={"measure_live_routing": True, "lr": 1e-4},
+                           episode_timeout_s=120, request_timeout_s=90)  # (test_session.py: they reach the runners)
     try:
         wb.run(3, background=False, progress=False, keep_policy_every=2)
         yield wb

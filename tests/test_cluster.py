@@ -109,6 +109,10 @@ def test_cli_prints_the_plan_and_fails_clearly(capsys, tmp_path):
     assert cluster_main(args) == 0 and "judge: its frozen engine takes 1 of" in capsys.readouterr().out
     assert cluster_main([*args, "--tensor-parallel-size", "2"]) == 2
     assert capsys.readouterr().err.startswith("error: judge's engine needs 2 GPU(s) on one node")
+    # the KL reference's checkpoint is the cluster's too (refused here as a missing directory)
+    config.write_text("trainer_ranks: 8\nnum_engines: 4\ntrainer: {kl_coef: 0.01, ref_model_path: /shared/m/ref}\n")
+    assert cluster_main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--config", str(config)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
     # a misspelt field printed the default plan (connect() refuses the same file), and --engines 0 a plan
     # no session has
     config.write_text("num_engine: 8\ntrainer_rank: 8\n")

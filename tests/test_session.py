@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -161,6 +162,9 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
         workbench.connect(backend="reference", run_dir=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match="no checkpoint/ to resume from"):
         workbench.connect(backend="reference", run_dir=str(tmp_path / "empty"), resume=True)
+    # a KL reference that tokenizes otherwise (the real Qwen3 tokenizer under the toy's ids), before anything starts
+    with pytest.raises(ConfigError, match="trainer.ref_model_path 'tiny-qwen3' tokenizes differently from the policy"):
+        workbench.connect(backend="reference", run_dir=str(tmp_path / "kl"), trainer={"kl_coef": 0.05, "ref_model_path": "tiny-qwen3"})
     # a session that stepped by hand and saved, or only evaluated, wrote no metrics.jsonl: taken over
     # all the same, its config.json was replaced and its checkpoint at the next save
     for held in ("checkpoint", "eval.jsonl"):
@@ -316,6 +320,54 @@ def test_connect_merges_trainer_and_correction_settings_field_by_field():
     # a dict config's trainer and a trainer override: merged (the override replaced it whole)
     t = resolved_config({"trainer": {"lr": 3e-4}}, trainer={"micro_batch_size": 4}).trainer
     assert (t.lr, t.micro_batch_size) == (3e-4, 4)
+    # the engines' kwargs, the frozen engines', a profile dict and the surrogate's kwargs too: a cluster
+    # file's tensor_parallel_size and weight_transfer went with an override of the memory share
+    import yaml
+
+    file = yaml.safe_load((Path(__file__).parents[1] / "cluster" / "qwen3-30b-a3b.yaml").read_text())
+    file["model"] = "moe"  # (the cluster's checkpoint is not here)
+    c = resolved_config(file, engine_kwargs={"gpu_memory_utilization": 0.9})
+    assert c.engine_kwargs == {**file["engine_kwargs"], "gpu_memory_utilization": 0.9}
+    assert c.engine_kwargs["tensor_parallel_size"] == 2 and c.engine_kwargs["weight_transfer"] == "nccl"
+    c = resolved_config({"frozen_engine_kwargs": {"tensor_parallel_size": 2}, "profile": {"tool_parser": "hermes"},
+                         "trainer": {"surrogate": "ppo_clip", "surrogate_kwargs": {"eps_low": 0.1}}},
+                        frozen_engine_kwargs={"max_model_len": 512}, profile={"chat_template_kwargs": {"enable_thinking": False}},
+                        trainer={"surrogate_kwargs": {"eps_high": 0.3}})
+    assert c.frozen_engine_kwargs == {"tensor_parallel_size": 2, "max_model_len": 512}
+    assert c.profile == {"tool_parser": "hermes", "chat_template_kwargs": {"enable_thinking": False}}
+    assert c.trainer.surrogate_kwargs == {"eps_low": 0.1, "eps_high": 0.3}
+    # another surrogate does not take the file's kwargs (PPO's clip widths are not GSPO's)
+    c = resolved_config({"trainer": {"surrogate": "ppo_clip", "surrogate_kwargs": {"eps_low": 0.1}}}, trainer={"surrogate": "gspo"})
+    assert c.trainer.surrogate == "gspo" and c.trainer.surrogate_kwargs == {}
+
+
+def test_the_sessions_timeouts_reach_its_runners(short_run):
+    import ray
+
+    times = ray.get(short_run._rollout.runners[0].__ray_call__.remote(lambda self: (self.episode_timeout_s, self.router.request_timeout_s)))
+    assert times == (120, 90)
+
+
+def test_episode_and_request_timeouts_are_session_settings():
+    """The runners' episode and request timeouts were their constructors' defaults (300 s / 600 s)
+    with no session field: long replies on a cluster timed out and left the batch (the longest
+    episodes: a length bias), with no setting to change."""
+    import inspect
+
+    from workbench.rollout.runner import RolloutRunner
+    from workbench.session import ConfigError, resolved_config
+
+    defaults = inspect.signature(RolloutRunner).parameters
+    c = resolved_config()
+    assert (c.episode_timeout_s, c.request_timeout_s) == (defaults["episode_timeout_s"].default, defaults["request_timeout_s"].default)
+    c = resolved_config({"episode_timeout_s": "1800"}, request_timeout_s=900)
+    assert (c.episode_timeout_s, c.request_timeout_s) == (1800.0, 900)
+    assert resolved_config(episode_timeout_s=None).episode_timeout_s is None  # no limit
+    for bad in (0, -5, float("nan"), True):
+        with pytest.raises(ConfigError, match="episode_timeout_s"):
+            resolved_config(episode_timeout_s=bad)
+    with pytest.raises(ConfigError, match="request_timeout_s"):
+        resolved_config(request_timeout_s=None)
 
 
 def test_a_run_directory_is_held_by_one_session(tmp_path, monkeypatch, capsys):

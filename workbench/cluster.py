@@ -391,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                            num_engines=inputs["num_engines"], **({"judge": "dense"} if config.get("judge") else {}))
             if isinstance(config.get("loop"), dict) and config["loop"].get("teacher"):
                 checked["loop"] = {**config["loop"], "teacher": "dense"}
+            if isinstance(config.get("trainer"), dict) and config["trainer"].get("ref_model_path"):  # (the KL reference's)
+                checked["trainer"] = {**config["trainer"], "ref_model_path": "dense"}
             check_colocated_memory(WorkbenchConfig.from_dict(checked))
         plan = plan_placement(ClusterSpec.uniform(args.nodes, args.gpus_per_node), **inputs)
         check_frozen_room(plan, config)

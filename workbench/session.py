@@ -48,6 +48,16 @@ def check_model(name: str, field: str) -> None:
         raise ConfigError(f"{field} {name!r} is neither a named model ({sorted(NAMED_MODELS)}) nor a checkpoint directory")
 
 
+def check_same_vocab(name: str, field: str, policy_vocab: dict) -> None:
+    """A model that reads the policy's token ids (a judge, a teacher, the KL reference) must
+    tokenize exactly as the policy does."""
+    from .toy.models import load_tokenizer
+
+    if load_tokenizer(model_path(name)).get_vocab() != policy_vocab:
+        raise ConfigError(f"{field} {name!r} tokenizes differently from the policy: it would read other tokens than "
+                          f"the policy's")
+
+
 def model_path(name: str) -> str:
     """The checkpoint directory of a named model (built or fetched once) or of a path."""
     if name in ("moe", "dense"):
@@ -122,6 +132,13 @@ class WorkbenchConfig:
     tool_parser: str | None = None
     # the largest request body an agent may send its loopback server (a larger one gets a 413)
     max_request_bytes: int = 4 * 2**20
+    # an episode's wall-clock limit, counted from its start (its time queued in the engine and the
+    # weight syncs it waits out included): one past it fails (LoopConfig.on_failed; failure_reasons
+    # says so). None: no limit. Long replies (thousands of tokens, many turns, a busy engine) need
+    # more than the default: timed out, the longest episodes left the batch, a length bias
+    episode_timeout_s: float | None = 300.0
+    # the wait for one engine reply (a streamed one: for each of its items) before the request fails
+    request_timeout_s: float = 600.0
     seed: int = 0
     run_dir: str | None = None  # None: runs/<date-time> under the current directory
     # a run_dir that already holds a run (metrics.jsonl) is refused unless resume=True, which
@@ -212,6 +229,12 @@ class WorkbenchConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             # (numpy's seeded shuffle refused it at the first draw, inside the run's thread)
             raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
+        for name in ("episode_timeout_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if not (value is None and name == "episode_timeout_s") and (
+                    isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ConfigError(f"{name} must be a number of seconds > 0{' or None (no limit)' if name == 'episode_timeout_s' else ''}, "
+                                  f"got {value!r}")
         for name in ("num_engines", "num_runners", "trainer_ranks", "max_tokens", "max_model_len", "max_request_bytes"):
             if name in ("max_model_len", "max_tokens") and getattr(self, name) is None:
                 continue
@@ -397,14 +420,26 @@ def _merged(base: dict, over: dict) -> dict:
     dict config's trainer was replaced whole: connect(config={"trainer": {"lr": 3e-4}},
     trainer={"micro_batch_size": 4}) trained at the default lr), trainer.correction too. A
     correction naming its level or mode gets that mode's band unless it names one (the base's
-    band was kept: {"level": "geo", "mode": "mask"} over the session's TIS got [0, 2])."""
+    band was kept: {"level": "geo", "mode": "mask"} over the session's TIS got [0, 2]). The dicts
+    of engine_kwargs, frozen_engine_kwargs, profile and trainer.surrogate_kwargs merge key by key
+    too: connect(config=<cluster yaml>, engine_kwargs={"gpu_memory_utilization": 0.9}) dropped the
+    file's tensor_parallel_size and weight_transfer (4 engines of TP 1 each holding the whole model,
+    the sync through the object store), saying nothing."""
     out = {**base, **over}
+    for key in ("engine_kwargs", "frozen_engine_kwargs", "profile"):
+        if isinstance(base.get(key), dict) and isinstance(over.get(key), dict):
+            out[key] = {**base[key], **over[key]}
     for key in ("trainer", "loop"):
         b, o = base.get(key), over.get(key)
         if not isinstance(o, dict) or b is None:
             continue
         b = _fields(b) if dataclasses.is_dataclass(b) else dict(b)
         merged = {**b, **o}
+        if key == "trainer" and "surrogate" in o and o["surrogate"] != b.get("surrogate"):
+            # another surrogate: the base's kwargs were its own (PPO's clip widths given to CISPO)
+            merged["surrogate_kwargs"] = o.get("surrogate_kwargs", {})
+        elif isinstance(b.get("surrogate_kwargs"), dict) and isinstance(o.get("surrogate_kwargs"), dict):
+            merged["surrogate_kwargs"] = {**b["surrogate_kwargs"], **o["surrogate_kwargs"]}
         bc, oc = b.get("correction"), o.get("correction")
         if key == "trainer" and isinstance(oc, dict) and bc is not None:
             bc = _fields(bc) if dataclasses.is_dataclass(bc) else dict(bc)
@@ -676,6 +711,13 @@ class Workbench:
                                   f"(wb.save() writes one; wb.run(..., checkpoint_every=N) too)")
             address = address or os.environ.get("RAY_ADDRESS")  # the cluster kernel sets it
             check_ray_address(address)  # a non-local cluster only with its token, refused before anything starts
+            if cfg.trainer.ref_model_path:
+                # the KL reference reads the policy's token ids: another vocabulary (SmolLM2's under the toy's
+                # ids) pulled every token toward an unrelated distribution, unchecked (a judge's and a
+                # teacher's tokenizers are checked as their engines start)
+                from .toy.models import load_tokenizer
+
+                check_same_vocab(cfg.trainer.ref_model_path, "trainer.ref_model_path", load_tokenizer(model_path(cfg.model)).get_vocab())
         except BaseException:
             _LIVE_SESSIONS.pop(str(self.run_dir), None)
             release_run_dir(self._run_dir_claim)
@@ -802,7 +844,8 @@ class Workbench:
                 starting["_rollout"] = rollout = pool.submit(Rollout, cfg.agent, self.engines, self.model_path, num_runners=cfg.num_runners,
                                       sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature),
                                       sampling_mode=cfg.sampling, profile=self.profile, return_routed_experts=capture,
-                                      max_request_bytes=cfg.max_request_bytes, side_engine=self.judge_engine)
+                                      max_request_bytes=cfg.max_request_bytes, side_engine=self.judge_engine,
+                                      episode_timeout_s=cfg.episode_timeout_s, request_timeout_s=cfg.request_timeout_s)
             for attr, started in (("_rollout", rollout), ("_trainer", trainer)):
                 if started.exception() is None:
                     setattr(self, attr, started.result())
@@ -1108,7 +1151,6 @@ class Workbench:
         never synced: it stays the checkpoint it was. It must tokenize exactly like the policy (the
         teacher scores the policy's tokens; the loopback renders the judge's prompts)."""
         from .rollout.actor import launch_engine
-        from .toy.models import load_tokenizer
 
         check_model(name, field)
         path = model_path(name)
@@ -1117,9 +1159,7 @@ class Workbench:
             from .cluster import check_checkpoints_everywhere
 
             check_checkpoints_everywhere({field: path})
-        if load_tokenizer(path).get_vocab() != self.tokenizer.get_vocab():
-            raise ConfigError(f"{field} {name!r} tokenizes differently from the policy: it would read other tokens than "
-                              f"the policy's")
+        check_same_vocab(name, field, self.tokenizer.get_vocab())
         from .placement import frozen_engine_kwargs
 
         kwargs = frozen_engine_kwargs(self.cfg)
@@ -1178,7 +1218,8 @@ class Workbench:
             self._greedy_rollout = Rollout(cfg.agent, self.engines, self.model_path, num_runners=1,
                                            sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=0.0),
                                            sampling_mode="override", profile=self.profile,
-                                           max_request_bytes=cfg.max_request_bytes, side_engine=self.judge_engine)
+                                           max_request_bytes=cfg.max_request_bytes, side_engine=self.judge_engine,
+                                           episode_timeout_s=cfg.episode_timeout_s, request_timeout_s=cfg.request_timeout_s)
         return self._greedy_rollout
 
     def _log(self, metrics: dict) -> None:
