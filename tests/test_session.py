@@ -341,6 +341,17 @@ def test_connect_merges_trainer_and_correction_settings_field_by_field():
     assert c.trainer.surrogate == "gspo" and c.trainer.surrogate_kwargs == {}
 
 
+def test_a_real_model_at_the_toys_lr_is_warned_of(moe_path):
+    from workbench.checkpoints import smollm2_path
+    from workbench.profiles import profile_for
+    from workbench.session import TOY_LR, resolved_config, toy_lr_warning
+
+    assert resolved_config().trainer.lr == TOY_LR
+    real = profile_for(str(smollm2_path()))
+    assert "is the toy models' default" in toy_lr_warning(real, TOY_LR)
+    assert toy_lr_warning(real, 1e-6) is None and toy_lr_warning(profile_for(str(moe_path)), TOY_LR) is None
+
+
 def test_the_sessions_timeouts_reach_its_runners(short_run):
     import ray
 

@@ -78,8 +78,11 @@ class ConfigError(ValueError):
 PATH_FIELDS = ("model", "agent", "judge", "run_dir", "tasks", "eval_tasks")  # (a pathlib.Path is taken too)
 
 
+TOY_LR = 1e-3  # the session's default lr: the toy models' (connect() says so of a real model trained at it)
+
+
 def _default_trainer() -> TrainerConfig:
-    return TrainerConfig(lr=1e-3, micro_batch_size=64, correction=CorrectionConfig.tis())
+    return TrainerConfig(lr=TOY_LR, micro_batch_size=64, correction=CorrectionConfig.tis())
 
 
 @dataclass
@@ -271,6 +274,16 @@ def default_max_tokens(profile) -> int:
     """A turn's budget where the session names none: 8 for the toy models, else 1024, at most
     half the context."""
     return 8 if profile.family == "toy" else max(1, min(1024, profile.max_model_len // 2))
+
+
+def toy_lr_warning(profile, lr: float) -> str | None:
+    """What connect() says of a real model trained at the toy's lr (the session's default): at it a
+    real model's policy comes apart within a few steps."""
+    if profile.family == "toy" or lr < TOY_LR:
+        return None
+    return (f"workbench: lr {lr:g} is the toy models' default; a real model's RL runs at ~1e-6 to 1e-5 "
+            f"(trainer={{'lr': 1e-6}}, as the cluster configs; notebooks/recipes/real_model_grpo.ipynb: 1e-4 "
+            f"destabilised SmolLM2 within 4 steps)")
 
 
 def _fields(obj) -> dict:
@@ -794,6 +807,8 @@ class Workbench:
                                   f"checkpoint's context, {context:g} positions (its max_position_embeddings)")
             if cfg.max_tokens is None:  # (the resolved value is the one config.json records)
                 self.cfg = cfg = dataclasses.replace(cfg, max_tokens=default_max_tokens(self.profile))
+            if toy_lr_warning(self.profile, cfg.trainer.lr):
+                bar.write(toy_lr_warning(self.profile, cfg.trainer.lr), file=sys.stderr)
             # record experts for routing replay where the profile asks, the trainer replays and the
             # engine can: the reference backend, or vLLM on GPUs (its CPU build cannot return them)
             from .rollout.vllm_engine import routing_off_reason, wants_routed_experts
