@@ -246,6 +246,24 @@ def test_groups_filtered_or_stale_count_with_their_step(tmp_path):
     assert extra["ds_filtered_groups"] == 1 and extra["ds_reward_mean_sampled"] == pytest.approx(4 / 5)  # (the failed one not scored)
 
 
+def test_groups_an_async_step_took_before_the_rollout_failed_are_kept_as_leftovers():
+    """The rollout thread failed (every runner dead) after the step had taken some groups: they were
+    referenced nowhere, not recorded with the run's end as a stop's are."""
+    from workbench.loop import _async_batch
+
+    class Failing(FakeStream):
+        def __init__(self, groups):
+            super().__init__(groups)
+            self.items.append(RuntimeError("RunnersLost: every rollout runner died"))
+
+    first, second = [episode(0.0), episode(1.0)], [episode(1.0), episode(0.0)]
+    leftover: list = []
+    with pytest.raises(RuntimeError, match="the rollout failed: RunnersLost"):
+        _async_batch(Failing([first, second]), LoopConfig(prompts_per_step=3, group_size=2, mode="async"), version=0,
+                     leftover=leftover)
+    assert leftover == [first, second]
+
+
 def test_async_dynamic_sampling_past_its_budget_trains_what_a_sync_step_trains():
     """Past the filter's budget a sync step trains only the groups it kept (ds_short counts the
     rest); an async step admitted the zero-variance groups to fill its count, and under

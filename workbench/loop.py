@@ -751,7 +751,9 @@ def run(rollout, trainer, engines: list, task_source: Callable[[int, int], list[
     every `checkpoint_every` steps. `stop` (an Event) ends the loop after the current step.
     `on_groups(step, groups)` sees each step's trajectories, `on_untrained(step, groups)` those
     of the groups it rolled out and did not train (dynamic sampling's filter, the async gate's stale
-    groups; called only where there are some). `start_step`: the first step's
+    groups; called only where there are some). At the run's end the last step's is called again
+    with those and the finished groups no step took (_record_untaken): the later call for a step
+    replaces the earlier. `start_step`: the first step's
     index (a session continuing earlier steps); `start_position`: its data position (default
     start_step * prompts_per_step; a checkpoint's `data_position` wins). `evaluate(step)` runs
     every cfg.eval_every steps after the step's sync; its dict joins the step's metrics.
@@ -1193,6 +1195,8 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int, leftover: l
                 leftover += groups + flat + untrained
             return None
         if isinstance(item, BaseException):
+            if leftover is not None:  # the groups this step took are recorded with the run's end, as on a stop
+                leftover += groups + flat + untrained
             raise RuntimeError(f"the rollout failed: {item}") from item
         group, at, t0, t1, lp = item
         # over the episodes the batch trains on: a timed-out episode (kept with its segments, then
