@@ -286,6 +286,11 @@ def test_the_audit_flags_a_failed_sync_nan_and_unreplayed_routing():
     assert flagged({**base, "kl_k3": float("nan"), "kl_k3_current": float("nan")}) == ["kl_k3"]
     assert flagged({**base, "gate_pass_ratio": float("nan")}) == ["gate_pass_ratio"]
     assert flagged({**base, "replay_unreplayed": 12}) == ["replay_unreplayed"]
+    # a step whose gradient was NaN (its update skipped: the weights stood still) read clean; a zero one
+    # (every advantage 0: nothing to learn) is not a breach
+    assert flagged({**base, "grad_norm": float("nan"), "updates_skipped": 1}) == ["nonfinite_gradient"]
+    assert flagged({**base, "grad_norm": float("inf")}) == ["nonfinite_gradient"]
+    assert flagged({**base, "grad_norm": 0.0, "updates_skipped": 1}) == [] and flagged({**base, "grad_norm": 0.7}) == []
     # async: the stale tokens' KL is the staleness; the check reads the trained version's own tokens
     assert flagged({**base, "kl_k3": 0.3}) == [] and flagged({**base, "kl_k3_current": 0.3}) == ["kl_k3"]
     assert step_values({**base, "replay_positions": 0}, [])[0]["replay_disagree_rate"] is None

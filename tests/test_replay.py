@@ -148,11 +148,46 @@ def test_replay_disagreement_is_none_where_nothing_was_replayed():
     the loggers and the audit's fallback. None now, and per layer where that layer replayed nothing."""
     from workbench.trainer.fsdp import replay_summary
 
-    none = replay_summary([{"replayed": [0, 0], "fallback": [40, 40], "disagree": [0, 0], "unreplayed": [0, 0]}])
+    none = replay_summary([{"replayed": [0, 0], "fallback": [40, 40], "disagree": [0, 0], "unreplayed": [0, 0], "compared": [0, 0]}])
     assert none["disagree_rate"] is None and none["disagree_rate_per_layer"] == [None, None]
-    some = replay_summary([{"replayed": [10, 0], "fallback": [0, 8], "disagree": [1, 0], "unreplayed": [0, 0]},
-                           {"replayed": [10, 0], "fallback": [0, 8], "disagree": [3, 0], "unreplayed": [0, 0]}])
+    some = replay_summary([{"replayed": [10, 0], "fallback": [0, 8], "disagree": [1, 0], "unreplayed": [0, 0], "compared": [10, 0]},
+                           {"replayed": [10, 0], "fallback": [0, 8], "disagree": [3, 0], "unreplayed": [0, 0], "compared": [10, 0]}])
     assert some["disagree_rate"] == 0.2 and some["disagree_rate_per_layer"] == [0.2, None]
+    # the rate is over the positions compared (the trainer's current rows), not every replayed one
+    part = replay_summary([{"replayed": [10, 10], "fallback": [0, 0], "disagree": [1, 0], "unreplayed": [0, 0], "compared": [4, 0]}])
+    assert part["disagree_rate"] == 0.25 and part["disagree_rate_per_layer"] == [0.25, None]
+
+
+def test_disagreement_is_compared_where_asked_and_the_trainer_asks_its_versions_rows():
+    """routing_replay's `compare` leaves positions out of the disagreement (not out of replay or its
+    coverage counts), packed or not; the trainer compares only rows its trained version sampled
+    whole (current_rows): a stale row's record is an older router's."""
+    from workbench.trainer.fsdp import current_rows, replayed_logprobs
+
+    model = tiny("qwen3_moe")
+    ids = torch.randint(0, 64, (2, 12))
+    mask = torch.ones_like(ids)
+    cap = RouterCapture(model)
+    cap.active = True
+    with torch.no_grad():
+        model(ids)
+    cap.active = False
+    experts = cap.pop().view(2, 12, len(moe_routers(model)), 2)
+    cap.remove()
+    with torch.no_grad():
+        for r in moe_routers(model):  # (a training step's move)
+            r.weight.add_(0.3 * torch.randn_like(r.weight))
+        for packed in (False, True):
+            with replayed_logprobs(model, ids, mask, 1.0, experts, positions=mask, packed=packed) as (_, every):
+                pass
+            only_first = torch.tensor([[1], [0]]) * mask
+            with replayed_logprobs(model, ids, mask, 1.0, experts, positions=mask, packed=packed, compare=only_first) as (_, first):
+                pass
+            assert every.replayed == first.replayed and every.fallback == first.fallback  # coverage counts unchanged
+            assert sum(first.compared) == 12 * len(first.compared) and sum(every.compared) == 24 * len(every.compared)
+            assert 0 < sum(first.disagree) < sum(every.disagree), (first.disagree, every.disagree)
+    versions = torch.tensor([[-1, -1, 3, 3], [-1, -1, 2, 3], [-1, -1, -1, -1]])
+    assert current_rows({"versions": versions}, 3).flatten().tolist() == [True, False, True]
 
 
 def test_a_per_decoder_layer_record_replays_each_router_its_own_layer():

@@ -341,6 +341,24 @@ def test_connect_merges_trainer_and_correction_settings_field_by_field():
     assert c.trainer.surrogate == "gspo" and c.trainer.surrogate_kwargs == {}
 
 
+def test_another_runs_audit_reads_its_tokens_with_that_runs_tokenizer(tmp_path):
+    """wb.audit(run_dir=OTHER) / wb.revisit(run_dir=OTHER) re-rendered another model's tokens with
+    this session's tokenizer (other text, nearly all of it drift): that run's kept policy's tokenizer
+    (as the CLI reads it), else none; a run of this session's model keeps this session's."""
+    import types
+
+    from workbench.session import Workbench
+
+    me = types.SimpleNamespace(cfg=WorkbenchConfig(), run_dir=tmp_path / "mine", profile=None, tokenizer="this session's")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model": "smollm2"}))
+    assert Workbench._view_format(me, other) is None  # (no kept policy with tokenizer files)
+    assert Workbench._view_format(me, None) == Workbench._view_format(me, me.run_dir) == "this session's"
+    (other / "config.json").write_text(json.dumps({"model": "moe"}))
+    assert Workbench._view_format(me, other) == "this session's"
+
+
 def test_a_real_model_at_the_toys_lr_is_warned_of(moe_path):
     from workbench.checkpoints import smollm2_path
     from workbench.profiles import profile_for

@@ -188,6 +188,23 @@ def test_train_step_moves_the_policy_and_sync_reaches_an_engine(trainer, samples
     assert report.checked and report.version == 1
 
 
+def test_replay_disagreement_is_compared_on_the_trained_versions_rows_only(ray_local, moe_path, samples):
+    """A stale row's record is an older router's: live routing there differs by the optimizer's
+    moves, and an async run read ~0.24 disagreement at every step (the audit's limit 0.05) with
+    replay working. The trainer compares the rows its trained version sampled; a step of stale
+    rows replays as before (its coverage counted) and measures no disagreement."""
+    b = batch_of(samples)
+    b["routed_experts"] = torch.where(b["routed_experts"] >= 0, (b["routed_experts"] + 3) % 8, b["routed_experts"])
+    t = Trainer(str(moe_path), world_size=1, cfg=TrainerConfig(lr=1e-4, micro_batch_size=4, correction=CorrectionConfig.tis()))
+    try:
+        fresh = t.train_step(b)["replay"]  # (the batch's tokens are version 0's, the trainer's)
+        stale = t.train_step(b)["replay"]  # (now at version 1: every row one version stale)
+    finally:
+        t.shutdown()
+    assert fresh["disagree_rate"] > 0.5 and sum(fresh["compared"]) == sum(fresh["replayed"]) > 0
+    assert stale["replayed"] == fresh["replayed"] and sum(stale["compared"]) == 0 and stale["disagree_rate"] is None
+
+
 def test_one_fsdp_unit_trains_exactly_as_a_unit_per_layer(ray_local, moe_path, samples):
     """TrainerConfig.shard_unit and reshard_after_forward: the whole model as one FSDP2 unit (the
     CPU default: fewer gloo collectives) and a unit per decoder layer (the GPU default), the root

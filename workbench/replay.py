@@ -183,7 +183,9 @@ class ReplayStats:
     """Per MoE layer: positions replayed, positions that fell back to live routing (-1),
     positions where the live top-k set differs from the recorded one (router disagreement), and
     recorded positions the forward did not route as recorded while replay applied (`unreplayed`:
-    0 unless the replay rule is broken; the disagreement cannot show that, it is about the router).
+    0 unless the replay rule is broken; the disagreement cannot show that, it is about the router),
+    and the replayed positions the disagreement was compared over (`compared`: routing_replay's
+    `compare`; every replayed one by default).
 
     The forwards' counts stay tensors on the model's device (`pending`) until one of the three
     lists is first read: then all of them in one transfer. On a GPU each read waits for the
@@ -191,12 +193,12 @@ class ReplayStats:
     H200, and the trainer reads a step's counts once, after its last micro-batch."""
 
     layers: int = 0
-    pending: list = field(default_factory=list)  # (layer, tensor [replayed, fallback, disagree, unreplayed])
-    _counts: list | None = None  # [replayed, fallback, disagree, unreplayed], each a list per layer
+    pending: list = field(default_factory=list)  # (layer, tensor [replayed, fallback, disagree, unreplayed, compared])
+    _counts: list | None = None  # [replayed, fallback, disagree, unreplayed, compared], each a list per layer
 
     def _read(self) -> list:
         if self._counts is None:
-            self._counts = [[0] * self.layers for _ in range(4)]
+            self._counts = [[0] * self.layers for _ in range(5)]
         if self.pending:
             for (layer, _), values in zip(self.pending, torch.stack([c for _, c in self.pending]).tolist()):
                 for counts, v in zip(self._counts, values):
@@ -211,10 +213,11 @@ class ReplayStats:
     fallback = property(lambda self: self._read()[1])
     disagree = property(lambda self: self._read()[2])
     unreplayed = property(lambda self: self._read()[3])
+    compared = property(lambda self: self._read()[4])
 
     @property
     def disagreement_rate(self) -> float:
-        n = sum(self.replayed)
+        n = sum(self.compared)
         return sum(self.disagree) / n if n else 0.0
 
 
@@ -226,7 +229,7 @@ def _in_backward() -> bool:
 
 @contextmanager
 def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: bool = True,
-                  positions: torch.Tensor | None = None):
+                  positions: torch.Tensor | None = None, compare: torch.Tensor | None = None):
     """Within this context, every forward of `model` routes with the recorded `experts`.
 
     `experts`: [B, S, layers, top_k] or [S, layers, top_k] matching the next forward's
@@ -234,7 +237,10 @@ def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: 
     replayed (live routing) and nothing is counted. `apply=False` observes only: live routing
     runs, and the statistics count where it disagrees with `experts` (what replay would have
     changed). `positions` ([B, S] or [S], e.g. the attention mask): count only these positions
-    (padding is neither a replay nor a fallback). With activation checkpointing, run the
+    (padding is neither a replay nor a fallback). `compare` (the same shape): where the
+    disagreement is counted, among those (default: all of them); the trainer leaves out rows whose
+    tokens an older version sampled, whose recorded routing differs from the trained weights' by
+    the optimizer's moves, not by replay. With activation checkpointing, run the
     backward inside the context too: its recompute forwards must replay the same experts.
     The statistics are read when first used (ReplayStats): each layer's counts stay tensors on
     the model's device until then.
@@ -257,6 +263,7 @@ def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: 
     experts = _per_router(model, torch.as_tensor(experts), len(routers))
     flat = experts.reshape(-1, experts.shape[-2], experts.shape[-1]).long()
     counted = None if positions is None else torch.as_tensor(positions).reshape(-1).bool()
+    compared_at = None if compare is None else torch.as_tensor(compare).reshape(-1).bool()
     on_device = {}  # device -> what every layer's hook reads there, made once per context
 
     def prepared(device):
@@ -270,7 +277,8 @@ def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: 
             counted_captured = captured & real[:, None]
             replayed = counted_captured.sum(0)
             base = torch.stack([replayed, real.sum() - replayed], dim=1)  # [layers, 2]
-            on_device[device] = (rec_all, captured, counted_captured, base)
+            comparing = counted_captured if compared_at is None else counted_captured & compared_at.to(device)[:, None]
+            on_device[device] = (rec_all, captured, counted_captured, base, comparing, comparing.sum(0))
         return on_device[device]
 
     def hook_for(layer: int):
@@ -281,7 +289,7 @@ def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: 
                     f"routing replay: forward routes {logits.shape[0]} positions, "
                     f"recorded experts cover {flat.shape[0]}"
                 )
-            rec_all, captured, counted_captured, base = prepared(live_ids.device)
+            rec_all, captured, counted_captured, base, comparing, compared = prepared(live_ids.device)
             rec = rec_all[:, layer, :]
             if _choice[0] is recorded_experts:  # its where, with the captured mask already made
                 ids = torch.where(captured[:, layer, None], rec, live_ids)
@@ -295,10 +303,11 @@ def routing_replay(model: torch.nn.Module, experts: torch.Tensor | None, apply: 
                 # id is not among them; a pairwise compare, not two sorts). Against the record, not
                 # the ids routed: a rule that routes live would make those agree with live routing
                 here = counted_captured[:, layer]
-                differs = ~(live_ids[:, :, None] == rec[:, None, :]).any(-1).all(-1) & here
+                differs = ~(live_ids[:, :, None] == rec[:, None, :]).any(-1).all(-1) & comparing[:, layer]
                 # the routed set is not the recorded one where replay applies: the rule is broken
                 unreplayed = ~(ids[:, :, None] == rec[:, None, :]).any(-1).all(-1) & here if apply else torch.zeros_like(here)
-                stats.pending.append((layer, torch.cat([base[layer], differs.sum()[None], unreplayed.sum()[None]])))
+                stats.pending.append((layer, torch.cat([base[layer], differs.sum()[None], unreplayed.sum()[None],
+                                                        compared[layer, None]])))
             if not apply:
                 return None  # keep the router's own output
             return logits, _gate_weights(module, logits, ids), ids.to(live_ids.dtype)

@@ -1031,7 +1031,7 @@ class Workbench:
         (widgets.audit.Thresholds fields, e.g. kl_k3=1e-4), violations linked to token views."""
         from .widgets.audit import Thresholds, write_audit
 
-        return write_audit(run_dir or self.run_dir, path, self._view_format(), Thresholds(**thresholds))
+        return write_audit(run_dir or self.run_dir, path, self._view_format(run_dir), Thresholds(**thresholds))
 
     def revisit(self, run_dir=None, step: int = 0, world_size: int | None = None):
         """Step time travel: step `step` of the run in `run_dir` (default: this session's) again, on
@@ -1080,15 +1080,23 @@ class Workbench:
         finally:
             trainer.shutdown()
         return Revisit(step, version, logged, step_statistics(stats), dict(stats["report"], row_keys=batch["row_keys"]),
-                       trajectories, batch, self._view_format())
+                       trajectories, batch, self._view_format(run_dir))
 
-    def _view_format(self):
+    def _view_format(self, run_dir=None):
         """What the token views re-render with: the profile's ChatFormat (its template kwargs and message
         form), as the loopback server rendered the prompts. With the bare tokenizer, Llama 3's
         date_string fell back to the template's own date, and every segment's date tokens showed as
-        retokenization drift that was not there."""
+        retokenization drift that was not there. Another session's run (`run_dir`) with its own
+        model: its kept policy's (as the CLI reads it), else none (this session's tokenizer showed
+        another model's tokens as other text, nearly all of it as drift)."""
         from .tokens import ChatFormat
 
+        if run_dir is not None and not _same_model(run_dir, self.run_dir):
+            from .widgets.audit import _tokenizer
+
+            saved = _saved_config(run_dir) or {}
+            if not _same_model(saved.get("model"), self.cfg.model):
+                return _tokenizer(Path(run_dir), None)
         if getattr(self, "profile", None) is None or self.tokenizer is None:
             return self.tokenizer
         return ChatFormat.for_profile(self.tokenizer, self.profile)

@@ -236,24 +236,36 @@ def _routing_layout(model) -> list:
                     [tuple(getattr(r, "weight", torch.empty(0)).shape) for r in routers]))
 
 
+def current_rows(batch: dict, version: int) -> torch.Tensor:
+    """[rows, 1]: the rows whose every sampled token (version >= 0) was sampled by `version`,
+    where routing replay's disagreement is compared. A token an older version sampled (an async
+    run's stale groups; a second update's rows, on weights the first moved) was routed by that
+    version's router: live routing there differs from the record by the optimizer's moves, and
+    flagged a healthy async run at every step (0.24 of the toy's routings after one update at
+    lr 1e-3, against the audit's 0.05)."""
+    versions = batch["versions"]
+    return ((versions < 0) | (versions == version)).all(-1, keepdim=True)
+
+
 @contextlib.contextmanager
 def replayed_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, experts=None, apply_replay: bool = True,
-                      positions=None, chunk_mb: float | None = 256.0, packed: bool = False, host_mask=None):
+                      positions=None, chunk_mb: float | None = 256.0, packed: bool = False, host_mask=None, compare=None):
     """Yields (log-probs [B, T] with column 0 = 0, ReplayStats) of one forward of `model`, with
     routing replay when `experts` ([B, T, layers, k]) is given; run the backward inside the
     context (activation-checkpoint recomputes must replay too). `apply_replay=False` routes live
     but still counts where live routing disagrees with `experts`. `positions`: where replay
-    statistics count (default: the attention mask). `chunk_mb`: the largest fp32 logits chunk
+    statistics count (default: the attention mask), `compare` where the disagreement does (default:
+    there; routing_replay). `chunk_mb`: the largest fp32 logits chunk
     (trainer/logprobs.py; None: full logits). `packed`: the rows' attended tokens as one row
     (trainer/packing.py); padding positions then get log-prob 0; `host_mask`: the attention mask's
     copy on the host, where the packing plan is made (None: read from the device)."""
     positions = attention_mask if positions is None else positions
     if not packed:
-        with routing_replay(model, experts, apply=apply_replay, positions=positions) as stats:
+        with routing_replay(model, experts, apply=apply_replay, positions=positions, compare=compare) as stats:
             yield forward_logprobs(model, input_ids, attention_mask, temperature, chunk_mb), stats
         return
-    p = pack(input_ids, attention_mask, experts, positions, host_mask)
-    with routing_replay(model, p.experts, apply=apply_replay, positions=p.counted) as stats:
+    p = pack(input_ids, attention_mask, experts, positions, host_mask, compare)
+    with routing_replay(model, p.experts, apply=apply_replay, positions=p.counted, compare=p.compared) as stats:
         with logprob_head(model, p.input_ids, temperature, chunk_mb) as swapped:
             out = packed_forward(model, p).logits
         yield unpack(out if swapped else sampled_logprobs(out, p.input_ids, temperature), p), stats
@@ -297,7 +309,7 @@ def complete_optimizer_state(optimizer) -> None:
 
 def _sum_replay(parts: list) -> dict:
     """Per-layer replayed / fallback / disagree / unreplayed counts (ReplayStats or their dicts), summed."""
-    keys = ("replayed", "fallback", "disagree", "unreplayed")
+    keys = ("replayed", "fallback", "disagree", "unreplayed", "compared")
     parts = [{k: getattr(p, k) for k in keys} if isinstance(p, ReplayStats) else p for p in parts]
     return {k: [sum(col) for col in zip(*(p[k] for p in parts))] for k in keys}
 
@@ -308,8 +320,8 @@ def replay_summary(parts: list[dict]) -> dict:
     where nothing was replayed (no routing captured: every position fell back, or no MoE layer),
     which read 0.0, a perfect agreement nobody measured, in the monitors and loggers."""
     acc = _sum_replay(parts)
-    acc["disagree_rate"] = sum(acc["disagree"]) / sum(acc["replayed"]) if sum(acc["replayed"]) else None
-    acc["disagree_rate_per_layer"] = [d / r if r else None for d, r in zip(acc["disagree"], acc["replayed"])]
+    acc["disagree_rate"] = sum(acc["disagree"]) / sum(acc["compared"]) if sum(acc["compared"]) else None
+    acc["disagree_rate_per_layer"] = [d / r if r else None for d, r in zip(acc["disagree"], acc["compared"])]
     return acc
 
 
@@ -751,10 +763,12 @@ class TrainerWorker:
             carried = torch.zeros((), device=self.device, dtype=torch.float64)  # kept tokens with an advantage
             for mb in self._micro(ub):
                 # the replay context spans backward: activation-checkpoint recompute must replay too
+                counted = self._counted(mb)
                 with replayed_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
                                        mb.get("routed_experts"), apply_replay=self.cfg.routing_replay,
-                                       positions=self._counted(mb), chunk_mb=self.cfg.logprob_chunk_mb,
-                                       packed=self.pack, host_mask=mb["attention_mask_host"]) as (lp, rstats):
+                                       positions=counted, chunk_mb=self.cfg.logprob_chunk_mb,
+                                       packed=self.pack, host_mask=mb["attention_mask_host"],
+                                       compare=counted * current_rows(mb, trainer_version) * (u == 0)) as (lp, rstats):
                     old = lp.detach() if updates == 1 else mb["old_logprobs"]
                     corr = correction_weights(old, mb["behaviour_logprobs"], mb["loss_mask"], mb["versions"],
                                               trainer_version, self.cfg.correction)

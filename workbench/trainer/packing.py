@@ -23,12 +23,14 @@ class Packed:
     position_ids: torch.Tensor  # [packed rows, width]: 0.. within each packed sequence (a row's tail too)
     experts: torch.Tensor | None  # [packed rows, width, layers, k] (-1 in tails: live routing) or None
     counted: torch.Tensor | None  # [packed rows, width]: where replay statistics count (never in tails)
+    compared: torch.Tensor | None  # [packed rows, width]: where its disagreement counts (routing_replay's compare)
     valid: torch.Tensor  # [rows, width] bool: the positions that were packed
     index: torch.Tensor  # [rows, width] long: each valid position's flat index in the packed rows (0 elsewhere)
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, experts: torch.Tensor | None = None,
-         counted: torch.Tensor | None = None, host_mask: torch.Tensor | None = None) -> Packed:
+         counted: torch.Tensor | None = None, host_mask: torch.Tensor | None = None,
+         compared: torch.Tensor | None = None) -> Packed:
     """The attended positions of [rows, width] tensors (any padding side), first-fit decreasing
     into as few packed rows as hold them, each as wide as the longest row.
 
@@ -63,7 +65,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, experts: torch.T
 
     return Packed(input_ids=moved(input_ids, 0), position_ids=pos.view(len(fill), width),
                   experts=None if experts is None else moved(experts, -1),
-                  counted=None if counted is None else moved(counted, 0), valid=valid, index=index)
+                  counted=None if counted is None else moved(counted, 0),
+                  compared=None if compared is None else moved(compared, 0), valid=valid, index=index)
 
 
 def _to_device(device: torch.device, *host: torch.Tensor) -> list[torch.Tensor]:

@@ -47,6 +47,7 @@ class Thresholds:
     sync_max_abs_diff: float | None = None
     sync_probe_outlier: float | None = None  # shown: a router near-tie, or one corrupted row
     sync_failed: float | None = 0  # a step whose weight sync raised
+    nonfinite_gradient: float | None = 0  # a step whose gradient was NaN or inf: no update, the weights stood still
     failed_rate: float | None = 0.0
     truncated_rate: float | None = 0.25
 
@@ -82,6 +83,8 @@ CHECKS = (
     ("sync_failed", "failed weight sync", "the step trained, then its weight sync raised (a probe mismatch, an engine lost), "
      "or its training was interrupted (train_interrupted: Ctrl-C, a rank failed after an update) before any sync: "
      "the engines may not serve the trained weights"),
+    ("nonfinite_gradient", "non-finite gradient", "the step's gradient norm was NaN or infinite (an inf log-prob, a NaN "
+     "advantage): its update was skipped and the weights did not move; a run of such steps trains nothing"),
     ("failed_rate", "failed episodes", "share of the step's episodes that failed (agent error, timeout, dead engine)"),
     ("truncated_rate", "truncated episodes", "share of the step's episodes cut by the context, the policy's max_tokens or an Env's truncation (its step, max_turns)"),
 )
@@ -176,6 +179,8 @@ def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None,
     # (an interrupted step's record, train_interrupted, has no sync at all: the weights moved, the engines
     # were not synced, and the page read it clean)
     v["sync_failed"] = int(bool(m.get("sync_error") or m.get("train_interrupted")))
+    norm = m.get("grad_norm")
+    v["nonfinite_gradient"] = int(isinstance(norm, (int, float)) and not math.isfinite(norm))
     return v, {k: {ep: e[k] for ep, e in eps.items()} for k in PER_EPISODE} | {"seals": {ep: e["seals"] for ep, e in eps.items()}}
 
 
