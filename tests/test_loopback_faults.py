@@ -576,6 +576,20 @@ def test_a_turn_a_stop_string_ended_seals_as_such_not_as_the_templates():
         first, second = srv.close_session(sid)
         assert first.seal_reason == "stop_string" and "stop_string" not in UNEXPECTED_SEALS
         assert second.seal_reason == "episode_end"
+    # a stop string of newlines alone: the allowance for a reasoning cut by max_tokens (the template
+    # strips its trailing newlines) took it off, and the turn extended as "4.\n\n<|eot_id|>", an end of
+    # turn after the stop text that no server builds
+    for family in ("llama3.1", "qwen3-nothink"):
+        tokenizer = load_family(family).tokenizer
+        engine = Scripted(tokenizer)
+        with LoopbackServer(engine, tokenizer) as srv:
+            sid = srv.open_session()
+            client = openai.OpenAI(base_url=srv.base_url(sid), api_key=srv.api_key, max_retries=0)
+            engine.replies += [("The answer is 4.\n\n", "stop"), ("Yes.", "length")]
+            r = client.chat.completions.create(model="p", messages=USER, max_tokens=64, stop=["\n\n"])
+            msgs = USER + [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+            client.chat.completions.create(model="p", messages=msgs, max_tokens=64)
+            assert [s.seal_reason for s in srv.close_session(sid)] == ["stop_string", "episode_end"], family
 
 
 class Slow(Scripted):

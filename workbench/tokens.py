@@ -922,8 +922,9 @@ class Accumulator:
             # context read "<think>...I am thin<|im_end|>", a block no render or server ever closes so)
             text = self.fmt.decode(sampled) if sampled else ""
             # (a cut after a paragraph break: the template strips the reasoning's trailing newlines, which
-            # the sampled text holds; the rest of the render after them)
-            kept = text.rstrip("\n")
+            # the sampled text holds; the rest of the render after them. Not for a stop string: one of
+            # newlines alone ("\n\n") was taken off so, and the turn extended as "4.\n\n<|eot_id|>")
+            kept = text if stopped else text.rstrip("\n")
             if kept and turn_text.startswith(kept):
                 rest = turn_text[len(kept):]
                 self._closing_text = rest[min(len(rest) - len(rest.lstrip("\n")), len(text) - len(kept)):]
