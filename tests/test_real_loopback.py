@@ -677,3 +677,40 @@ def test_b_a_reply_a_stop_string_ended_seals_where_the_template_cannot_continue_
             segs = server.close_session(sid)
         assert [s.seal_reason for s in segs] == ["stop_string", "stop_string", "episode_end"], own
         assert not any("Observation:<|eot_id|>" in fam.tokenizer.decode(s.token_ids) for s in segs), own
+
+
+def test_a_template_control_that_renders_as_the_profile_is_served():
+    """reasoning_effort / chat_template_kwargs the profile does not set were refused whatever they
+    rendered: gpt-oss's template writes "Reasoning: medium" unasked and Qwen3's ignores the effort,
+    so agents sending them failed every episode. Served where the render (as vLLM makes it: an
+    effort sets enable_thinking = effort != "none") is the profile's; refused where it is not."""
+    cases = [("gpt-oss", {"reasoning_effort": "medium"}, True), ("gpt-oss", {"reasoning_effort": "high"}, False),
+             ("qwen3", {"reasoning_effort": "medium"}, True), ("qwen3", {"reasoning_effort": "none"}, False),
+             ("qwen3", {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}, True),
+             ("qwen3-nothink", {"reasoning_effort": "none"}, True), ("qwen3-nothink", {"reasoning_effort": "medium"}, False),
+             ("qwen3-nothink", {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}, False)]
+    for name, control, served in cases:
+        fam = rm.load_family(name)
+        engine = Replay()
+        with _server(fam, engine) as server:
+            client = openai.OpenAI(base_url=server.base_url(server.open_session()), api_key=server.api_key, max_retries=0)
+            engine.push(fam.tokenizer.encode("ok", add_special_tokens=False), "length")
+            ask = lambda: client.chat.completions.create(model="p", messages=[{"role": "user", "content": "Hi"}],  # noqa: E731
+                                                         max_tokens=4, **control)
+            if served:
+                assert ask().choices[0].finish_reason == "length", (name, control)
+            else:
+                with pytest.raises(openai.BadRequestError, match="but the policy's profile"):
+                    ask()
+    # Anthropic's output_config.effort is the same control
+    fam = rm.load_family("gpt-oss")
+    engine = Replay()
+    with _server(fam, engine) as server:
+        import httpx
+
+        for effort, status in (("medium", 200), ("high", 400)):
+            engine.push(fam.tokenizer.encode("ok", add_special_tokens=False), "length")
+            r = httpx.post(server.base_url(server.open_session()) + "/messages", headers={"x-api-key": server.api_key},
+                           json={"model": "p", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+                                 "output_config": {"effort": effort}})
+            assert r.status_code == status, (effort, r.text[:200])

@@ -385,6 +385,7 @@ class ChatFormat:
         # episode looking healthy. Counted per prompt render (the server's summary) and said once
         self.tools_unrendered = 0
         self._tools_rendered: dict[str, bool] = {}  # per tools list (its JSON): does the template show them?
+        self._same_with: dict[str, bool] = {}  # per extra template kwargs (their JSON): same render as the profile's?
 
     @classmethod
     def for_profile(cls, tokenizer, profile) -> "ChatFormat":
@@ -448,6 +449,28 @@ class ChatFormat:
                     "schemas; describe them in the system message, or give a chat template that renders them "
                     "(the server's summary counts these renders: tools_unrendered)", [t.get("function", t).get("name") for t in tools])
         return self._tools_rendered[key]
+
+    def renders_the_same_with(self, extra: dict) -> bool:
+        """Whether template kwargs `extra` over the profile's render a conversation as the profile's
+        do (a probe of two user turns around an assistant turn with reasoning, with the generation
+        prompt; once per `extra`). A request asking for them asks for nothing else: gpt-oss's template
+        writes "Reasoning: medium" whether or not the profile says so, Qwen3's ignores
+        reasoning_effort; refused, every such agent's episodes failed."""
+        key = json.dumps(extra, sort_keys=True, default=str)
+        if key not in self._same_with:
+            if len(self._same_with) >= 256:
+                self._same_with.clear()
+            probe = [{"role": "user", "content": "."}, {"role": "assistant", "content": ".", "reasoning_content": "."},
+                     {"role": "user", "content": "."}]
+
+            def render(kwargs: dict) -> str:
+                return self.tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False,
+                                                          strftime_now=_template_strftime, **kwargs)
+            try:
+                self._same_with[key] = render(self.template_kwargs) == render({**self.template_kwargs, **extra})
+            except Exception:  # (a template refusing the value: not the same)
+                self._same_with[key] = False
+        return self._same_with[key]
 
     def prompt(self, messages: list[dict], tools: list | None) -> tuple[str, list[int]]:
         """A new segment's prompt: the whole conversation rendered with the generation prompt,

@@ -374,13 +374,15 @@ def check_decoding_controls(body: dict) -> None:
                                 "not constrain decoding (ask for JSON in the prompt and parse the reply)", param="response_format")
 
 
-def check_template_controls(body: dict, template_kwargs: dict, thinks: bool = False) -> None:
+def check_template_controls(body: dict, template_kwargs: dict, thinks: bool = False, same_render=None) -> None:
     """vLLM's request extras that change how the prompt renders (the SDKs send them through
     extra_body), and Anthropic's thinking and effort. Every turn renders with the profile's
     template and kwargs, so the prompt the policy is trained on is one template's: a request
     asking for another gets a 400 naming the field, where it used to be ignored (an agent
     turning Qwen3's thinking off got thinking). `thinks`: whether the policy's turns carry
-    reasoning as the profile renders them (ModelProfile.thinks)."""
+    reasoning as the profile renders them (ModelProfile.thinks). `same_render(kwargs)`: whether those
+    template kwargs over the profile's render as the profile's do (ChatFormat.renders_the_same_with):
+    such a request asks for the render it gets, and is served."""
     check_decoding_controls(body)
     thinking = want(body, "thinking", dict)
     if thinking is not None:
@@ -398,7 +400,7 @@ def check_template_controls(body: dict, template_kwargs: dict, thinks: bool = Fa
                            param="output_config")
     kwargs = want(body, "chat_template_kwargs", dict, default={}) or {}
     other = {k: v for k, v in kwargs.items() if k not in template_kwargs or template_kwargs[k] != v}
-    if other:
+    if other and not (same_render is not None and same_render(other)):
         k = next(iter(other))
         have = f"renders with {template_kwargs[k]!r}" if k in template_kwargs else "does not set it"
         raise RequestError(400, f"chat_template_kwargs.{k} is {other[k]!r}, but the policy's profile {have}: every turn "
@@ -412,7 +414,11 @@ def check_template_controls(body: dict, template_kwargs: dict, thinks: bool = Fa
     # (Anthropic's output_config.effort is the same control)
     name = "reasoning_effort" if body.get("reasoning_effort") is not None else "output_config.effort"
     effort = body.get("reasoning_effort", output.get("effort"))
-    if effort is not None and template_kwargs.get("reasoning_effort") != effort:
+    # (vLLM renders an effort with enable_thinking = effort != "none" where the request's kwargs do not
+    # set it: "none" turns Qwen3's thinking off, "medium" on)
+    as_vllm = {"reasoning_effort": effort, **({} if "enable_thinking" in kwargs else {"enable_thinking": effort != "none"})}
+    if effort is not None and template_kwargs.get("reasoning_effort") != effort and not (
+            same_render is not None and same_render(as_vllm)):
         have = (f"renders with {template_kwargs['reasoning_effort']!r}" if "reasoning_effort" in template_kwargs
                 else "does not set it")
         raise RequestError(400, f"{name} is {short(effort)}, but the policy's profile {have} (reasoning_effort): every "

@@ -498,7 +498,8 @@ class LoopbackServer:
         (it depends on nothing else): a 400, logged and counted (unexpected_errors["parse"])."""
         try:
             req = api.parse_request(body)
-            check_template_controls(body, self.fmt.template_kwargs, self.profile is not None and self.profile.thinks())
+            check_template_controls(body, self.fmt.template_kwargs, self.profile is not None and self.profile.thinks(),
+                                    getattr(self.fmt, "renders_the_same_with", None))
             return req
         except RequestError:
             raise
