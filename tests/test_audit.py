@@ -74,6 +74,10 @@ def test_a_breach_is_flagged_and_linked_to_its_token_view(short_run, tmp_path):
     capped = audit_html(run, max_view_bytes=1)
     assert "Violations: 3" in capped and capped.count("<div class='traj'") == 1  # (the first view spends it)
     assert "token views left out" in capped and "trajectories/step_00002.parquet" in capped and "<div id='step-2'>" in capped
+    # every link goes somewhere: a view left out keeps its id on the note that says so (they went nowhere)
+    ids = set(re.findall(r"id='([^']+)'", capped))
+    assert not [h for h in re.findall(r"href='#([^']+)'", capped) if h not in ids]
+    assert f"id='t-2-{bad}'>{bad}: token view left out" in capped
 
 
 def test_a_run_copied_without_its_trajectories_is_not_audited_clean(short_run, tmp_path):

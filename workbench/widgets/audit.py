@@ -410,9 +410,12 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
     view_bytes = 0
     for s in sorted(by_step):
         if view_bytes >= max_view_bytes:
+            # (each linked episode's id on its note: the violation list's links to them went nowhere)
             out.append(f"<div id='{_id('step', s)}'><h3>step {s}</h3><p class='na'>token views left out: the page's "
                        f"{max_view_bytes >> 20} MiB of them are spent (trajectories/step_{s:05d}.parquet; "
-                       f"wb.revisit(run_dir, {s}) for its per-token values)</p></div>")
+                       f"wb.revisit(run_dir, {s}) for its per-token values)</p>"
+                       + "".join(f"<p class='na' id='{_id('t', s, ep)}'>{escape(ep)}: token view left out</p>"
+                                 for ep in sorted(shown.get(s, ()))) + "</div>")
             continue
         # the offending episodes; for a per-token statistic (no episode to blame) a sample of the step's
         trajs = read_trajectories(step_file(s)) if counts[s] else []
@@ -423,7 +426,8 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
         out.append(f"<div id='{_id('step', s)}'><h3>step {s}</h3>")
         for t in order:
             if view_bytes >= max_view_bytes:  # (one step's long views alone could pass it several times)
-                out.append(f"<p class='na'>{t.episode_id}: token view left out (the page's budget is spent)</p>")
+                out.append(f"<p class='na' id='{_id('t', s, t.episode_id)}'>{escape(t.episode_id)}: token view left out "
+                           f"(the page's budget is spent)</p>")
                 continue
             out.append(f"<div class='traj' id='{_id('t', s, t.episode_id)}'>"
                        + ("<p class='na'>not trained: its group was filtered (no reward variance) or stale "
