@@ -195,9 +195,12 @@ def test_leftovers_of_a_run_whose_training_raised_go_to_the_last_recorded_step(m
     monkeypatch.setattr(loop, "sync_engines", lambda *a, **k: [])
     monkeypatch.setattr(loop, "engines_version", lambda engines, lost=None, newest=True: 1)
     # (async: groups run ahead of training; a sync run's next rollout starts once a step has trained)
-    untrained = []
+    untrained, untaken = [], []
     cfg = loop.LoopConfig(mode="async", async_lag=1, steps=10, prompts_per_step=4, group_size=2)
     with pytest.raises(RuntimeError, match="rank died"):
         loop._run(_Rollout(), Dying(), [], _Tasks(), cfg, None, False, None, 0, threading.Event(), None, 0,
-                  on_untrained=lambda step, groups: untrained.append(step))
+                  on_untrained=lambda step, groups: (untrained.append(step), untaken.extend(
+                      t.info.get("untaken") for g in groups for t in g)))
     assert untrained and set(untrained) == {0}, untrained
+    # marked as taken by no step (the audit page said "filtered or stale" of them)
+    assert untaken and all(untaken), untaken

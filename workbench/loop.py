@@ -893,6 +893,9 @@ def _record_untaken(on_untrained, last: tuple[int, list] | None, groups: list) -
     again there, as that step's)."""
     if on_untrained is None or not groups or last is None:
         return
+    for group in groups:  # (the audit page says why they did not train: not filtered, not stale)
+        for t in group:
+            t.info["untaken"] = True
     failing = sys.exc_info()[0] is not None  # (inside a finally: the exception on its way out, if any)
     try:
         on_untrained(last[0], last[1] + groups)

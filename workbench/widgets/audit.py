@@ -430,8 +430,10 @@ def audit_html(run_dir, tokenizer=None, thresholds: Thresholds | None = None, ma
                            f"(the page's budget is spent)</p>")
                 continue
             out.append(f"<div class='traj' id='{_id('t', s, t.episode_id)}'>"
-                       + ("<p class='na'>not trained: its group was filtered (no reward variance) or stale "
-                          f"(untrained/step_{s:05d}.parquet)</p>" if t.episode_id in skipped else "")
+                       + (("<p class='na'>not trained: the run ended before a step took its group (recorded with "
+                           f"the last step: untrained/step_{s:05d}.parquet)</p>" if t.info.get("untaken") else
+                           "<p class='na'>not trained: its group was filtered (no reward variance) or stale "
+                           f"(untrained/step_{s:05d}.parquet)</p>") if t.episode_id in skipped else "")
                        + f"{trajectory_html(t)}{spans_html(token_spans(t, 'logprob', tokenizer))}</div>")
             view_bytes += len(out[-1])
         out.append("</div>")
