@@ -688,7 +688,13 @@ def test_a_template_control_that_renders_as_the_profile_is_served():
              ("qwen3", {"reasoning_effort": "medium"}, True), ("qwen3", {"reasoning_effort": "none"}, False),
              ("qwen3", {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}, True),
              ("qwen3-nothink", {"reasoning_effort": "none"}, True), ("qwen3-nothink", {"reasoning_effort": "medium"}, False),
-             ("qwen3-nothink", {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}, False)]
+             ("qwen3-nothink", {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}, False),
+             # a kwarg that changes only a render with tools (tools to the system turn): refused
+             ("llama3.1", {"extra_body": {"chat_template_kwargs": {"tools_in_user_message": False}}}, False),
+             # a template of the client's own, smuggled as a kwarg: refused unrendered (two nested loops of
+             # 1e5 ran on the server's event loop for minutes, every session waiting)
+             ("qwen3", {"extra_body": {"chat_template_kwargs": {"chat_template": "{% for i in range(100000) %}{% for j in "
+                                                                                  "range(100000) %}{% endfor %}{% endfor %}"}}}, False)]
     for name, control, served in cases:
         fam = rm.load_family(name)
         engine = Replay()

@@ -356,6 +356,25 @@ def new_tool_call_id(style: str | None = None) -> str:
 TEMPLATE_DATE = datetime.datetime(2026, 1, 1)
 
 
+# apply_chat_template's own parameters: a request's template kwargs must not name them (a
+# `chat_template` of its own would run the client's Jinja on the server's loop)
+_TEMPLATE_CALL_PARAMETERS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                                       "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                                       "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                                       "strftime_now"})
+_PROBE_TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}
+# conversations ChatFormat.renders_the_same_with renders both ways: (messages, tools)
+TEMPLATE_PROBES = (
+    ([{"role": "user", "content": "."}, {"role": "assistant", "content": ".", "reasoning_content": "."},
+      {"role": "user", "content": "."}], None),
+    ([{"role": "system", "content": "."}, {"role": "user", "content": "."}], [_PROBE_TOOL]),
+    ([{"role": "user", "content": "."}, {"role": "assistant", "content": "", "tool_calls": [{"id": "call00001", "type": "function",
+      "function": {"name": "lookup", "arguments": {"word": "a"}}}]},
+      {"role": "tool", "tool_call_id": "call00001", "name": "lookup", "content": "."}], [_PROBE_TOOL]),
+)
+
+
 def _template_strftime(fmt: str) -> str:
     return TEMPLATE_DATE.strftime(fmt)
 
@@ -386,6 +405,7 @@ class ChatFormat:
         self.tools_unrendered = 0
         self._tools_rendered: dict[str, bool] = {}  # per tools list (its JSON): does the template show them?
         self._same_with: dict[str, bool] = {}  # per extra template kwargs (their JSON): same render as the profile's?
+        self._variables: set | None = None  # the names the chat template reads (_template_variables)
 
     @classmethod
     def for_profile(cls, tokenizer, profile) -> "ChatFormat":
@@ -451,26 +471,43 @@ class ChatFormat:
         return self._tools_rendered[key]
 
     def renders_the_same_with(self, extra: dict) -> bool:
-        """Whether template kwargs `extra` over the profile's render a conversation as the profile's
-        do (a probe of two user turns around an assistant turn with reasoning, with the generation
-        prompt; once per `extra`). A request asking for them asks for nothing else: gpt-oss's template
-        writes "Reasoning: medium" whether or not the profile says so, Qwen3's ignores
-        reasoning_effort; refused, every such agent's episodes failed."""
-        key = json.dumps(extra, sort_keys=True, default=str)
+        """Whether template kwargs `extra` (a request's) over the profile's render conversations as
+        the profile's do. A request asking for them asks for nothing else: gpt-oss's template writes
+        "Reasoning: medium" whether or not the profile says so, Qwen3's reads no reasoning_effort;
+        refused, every such agent's episodes failed. A key that is one of apply_chat_template's own
+        parameters (`chat_template`: a template of the client's, run on the server's loop) is never
+        the same; a variable the template does not read renders nothing (not rendered); the others
+        are rendered on probe conversations both ways (with and without tools, a tool call and its
+        result: Llama 3.1's tools_in_user_message changes only a render with tools), once per `extra`."""
+        if set(extra) & _TEMPLATE_CALL_PARAMETERS or not isinstance(self.tokenizer.chat_template, str):
+            return False
+        read = {k: v for k, v in extra.items() if k in self._template_variables()}
+        if not read:
+            return True
+        key = json.dumps(read, sort_keys=True, default=str)
         if key not in self._same_with:
             if len(self._same_with) >= 256:
                 self._same_with.clear()
-            probe = [{"role": "user", "content": "."}, {"role": "assistant", "content": ".", "reasoning_content": "."},
-                     {"role": "user", "content": "."}]
-
-            def render(kwargs: dict) -> str:
-                return self.tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False,
-                                                          strftime_now=_template_strftime, **kwargs)
-            try:
-                self._same_with[key] = render(self.template_kwargs) == render({**self.template_kwargs, **extra})
-            except Exception:  # (a template refusing the value: not the same)
-                self._same_with[key] = False
+            self._same_with[key] = all(self._probe_render(p, t, self.template_kwargs) ==
+                                       self._probe_render(p, t, {**self.template_kwargs, **read}) for p, t in TEMPLATE_PROBES)
         return self._same_with[key]
+
+    def _template_variables(self) -> set:
+        """The names the chat template reads from its context (jinja2's undeclared variables)."""
+        if self._variables is None:
+            import jinja2
+            from jinja2 import meta
+
+            self._variables = meta.find_undeclared_variables(jinja2.Environment().parse(self.tokenizer.chat_template))
+        return self._variables
+
+    def _probe_render(self, messages: list, tools: list | None, kwargs: dict) -> str:
+        """A probe's render, or the kind of error the template raised on it (the same either way: the same)."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                      strftime_now=_template_strftime, **kwargs)
+        except Exception as e:  # noqa: BLE001  (a template refusing the shape, or the value)
+            return f"\0{type(e).__name__}"
 
     def prompt(self, messages: list[dict], tools: list | None) -> tuple[str, list[int]]:
         """A new segment's prompt: the whole conversation rendered with the generation prompt,
