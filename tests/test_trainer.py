@@ -188,6 +188,31 @@ def test_train_step_moves_the_policy_and_sync_reaches_an_engine(trainer, samples
     assert report.checked and report.version == 1
 
 
+def test_a_surrogate_registered_in_the_driver_trains_in_the_ranks(ray_local, moe_path, samples):
+    """A rank imports the losses afresh: a surrogate registered in a notebook passed the config's
+    check in the driver, and the ranks' first step raised "unknown surrogate" after a whole rollout
+    (a sequence-level one got token_mean there). The ranks get the driver's registries."""
+    from workbench.trainer.losses import SEQUENCE_SURROGATES, SURROGATES, gspo, register_surrogate
+
+    def halved_gspo(logprobs, old_logprobs, advantages, weights, mask, eps_low=3e-4, eps_high=4e-4):
+        return 0.5 * gspo(logprobs, old_logprobs, advantages, weights, mask, eps_low, eps_high)
+
+    register_surrogate("test-halved-gspo", sequence_level=True)(halved_gspo)
+    try:
+        t = Trainer(str(moe_path), world_size=1, cfg=TrainerConfig(lr=1e-4, micro_batch_size=4, surrogate="test-halved-gspo",
+                                                                   correction=CorrectionConfig.tis()))
+        try:
+            stats = t.train_step(batch_of(samples))
+            aggregation = ray.get(t.workers[0].__ray_call__.remote(lambda self: self.cfg.loss_aggregation))
+        finally:
+            t.shutdown()
+    finally:
+        SURROGATES.pop("test-halved-gspo")
+        SEQUENCE_SURROGATES.discard("test-halved-gspo")
+    assert np.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    assert aggregation == "seq_mean_token_mean"
+
+
 def test_replay_disagreement_is_compared_on_the_trained_versions_rows_only(ray_local, moe_path, samples):
     """A stale row's record is an older router's: live routing there differs by the optimizer's
     moves, and an async run read ~0.24 disagreement at every step (the audit's limit 0.05) with

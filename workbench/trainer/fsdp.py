@@ -33,7 +33,7 @@ from ..correction import CorrectionConfig, correction_weights, kl_k3_sum, merge_
 from ..replay import ReplayStats, routing_replay
 from .logprobs import forward_logprobs, logprob_head, sampled_logprobs
 from .packing import micro_batches_by_tokens, pack, packed_forward, packing_leak, packing_mixes, unpack
-from .losses import (KL_ESTIMATORS, SEQUENCE_SURROGATES, AdvantageInput, aggregation_weights, episode_units,
+from .losses import (KL_ESTIMATORS, SEQUENCE_SURROGATES, SURROGATES, AdvantageInput, aggregation_weights, episode_units,
                      get_surrogate, kl_to_reference)
 
 # A CPU trainer step frees and re-allocates the same large buffers (activations, logits,
@@ -888,11 +888,15 @@ class TrainerWorker:
 
         return sorted({type(r).__name__ for r in moe_routers(self.model)})
 
-    def add_replay_rules(self, rules: dict) -> None:
-        """The driver's replay rules, in this rank's process (see Trainer.__init__)."""
+    def add_registries(self, replay_rules: dict, surrogates: dict, sequence_surrogates: set, kl_estimators: dict) -> None:
+        """The driver's registered replay rules, surrogates and KL estimators, in this rank's process
+        (see Trainer.__init__)."""
         from ..replay import REPLAY_RULES
 
-        REPLAY_RULES.update(rules)
+        REPLAY_RULES.update(replay_rules)
+        SURROGATES.update(surrogates)
+        SEQUENCE_SURROGATES.update(sequence_surrogates)
+        KL_ESTIMATORS.update(kl_estimators)
 
     # GPU weight sync by NCCL broadcast (rollout/nccl_sync.py); rank 0 joins the engines' group
     def nccl_endpoint(self) -> tuple[str, int]:
@@ -1130,10 +1134,12 @@ class Trainer:
         try:
             self.rendezvous = tuple(ray.get(self.workers[0].rendezvous.remote()))
             _get_all([w.setup.remote(*self.rendezvous) for w in self.workers])
-            if self.cfg.routing_replay:  # the rules as the driver holds them: a rank imports workbench.replay
-                # afresh, so a rule registered in a notebook passed the checks here and the rank's first
-                # replayed step raised NotImplementedError, after a whole rollout
-                _get_all([w.add_replay_rules.remote(dict(REPLAY_RULES)) for w in self.workers])
+            # the registries as the driver holds them: a rank imports workbench.replay and the losses afresh,
+            # so a replay rule or a surrogate registered in a notebook passed the checks here and the rank's
+            # first step raised (after a whole rollout), and a sequence-level surrogate of the user's got
+            # token_mean in the ranks (its length weighting, what GSPO's default aggregation avoids)
+            _get_all([w.add_registries.remote(dict(REPLAY_RULES) if self.cfg.routing_replay else {}, dict(SURROGATES),
+                                              set(SEQUENCE_SURROGATES), dict(KL_ESTIMATORS)) for w in self.workers])
             if profile is not None and profile.capture_experts and self.cfg.routing_replay:
                 # the model's own routers, not the profile's name for their rule: replay looks a rule up by
                 # the router's class, and a profile naming another (an override) failed the first step
