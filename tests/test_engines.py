@@ -1006,6 +1006,54 @@ def test_in_process_engine_adds_the_requests_of_one_pass_before_it_steps():
     assert engine.steps == [8], engine.steps  # one step with all of them
     assert got[:8] == [[f"r{i}"] for i in range(8)] and isinstance(got[8], ValueError), got
 
+    # an abort by id (a torn weight load's) reaching the thread before the request's add: it found
+    # nothing, and the add after it ran the request on; now the request is aborted once added
+    class Aborting(CountingEngine):
+        def __init__(self):
+            super().__init__()
+            self.log, self.states = [], {}
+            self.output_processor = self
+
+        @property
+        def request_states(self):
+            return self.states
+
+        @property
+        def external_req_ids(self):
+            return {r: [r] for r in self.states}
+
+        def add_request(self, request_id, prompt, params):
+            self.log.append(("add", request_id))
+            self.states[request_id] = type("State", (), {"make_request_output": lambda s, *a: Out(request_id)})()
+
+        def abort_request(self, ids):
+            self.log.append(("abort", *ids))
+            self.states = {r: s for r, s in self.states.items() if r not in ids}
+
+        def has_unfinished_requests(self):
+            return False  # (never steps: only the abort ends the stream)
+
+    class Out:  # noqa: F811  (with the outputs an abort's final output has)
+        def __init__(self, rid):
+            self.request_id, self.finished = rid, True
+            self.outputs = [type("O", (), {"token_ids": []})()]
+
+    async def aborted_first():
+        llm = InprocLLM.__new__(InprocLLM)
+        llm._serve(engine := Aborting())
+
+        async def drain():
+            return [o.finished async for o in llm.generate({"prompt_token_ids": [1, 2]}, None, "a")]
+
+        streamed = asyncio.ensure_future(drain())
+        abort = asyncio.ensure_future(llm.abort("a"))  # (queued to the thread in the pass that makes the request)
+        got = await asyncio.wait_for(asyncio.gather(streamed, abort), 10)
+        llm.shutdown()
+        return got[0], engine.log
+
+    finished, log = asyncio.run(aborted_first())
+    assert log == [("add", "a"), ("abort", "a")] and finished == [True], log
+
 
 def test_vllm_abort_stop_strings_and_top_p(vllm_moe, moe_path):
     p = prompts(moe_path)[2]

@@ -256,12 +256,14 @@ def test_groups_an_async_step_took_before_the_rollout_failed_are_kept_as_leftove
             super().__init__(groups)
             self.items.append(RuntimeError("RunnersLost: every rollout runner died"))
 
-    first, second = [episode(0.0), episode(1.0)], [episode(1.0), episode(0.0)]
+    first, second, flat = [episode(0.0), episode(1.0)], [episode(1.0), episode(0.0)], [episode(1.0), episode(1.0)]
     leftover: list = []
     with pytest.raises(RuntimeError, match="the rollout failed: RunnersLost"):
-        _async_batch(Failing([first, second]), LoopConfig(prompts_per_step=3, group_size=2, mode="async"), version=0,
-                     leftover=leftover)
-    assert leftover == [first, second]
+        _async_batch(Failing([first, flat, second]), LoopConfig(prompts_per_step=3, group_size=2, mode="async",
+                                                                dynamic_sampling=True), version=0, leftover=leftover)
+    assert leftover == [first, second, flat]
+    # the audit page's label: taken by no step; the filtered one keeps its own
+    assert all(t.info.get("untaken") for t in first + second) and not any(t.info.get("untaken") for t in flat)
 
 
 def test_async_dynamic_sampling_past_its_budget_trains_what_a_sync_step_trains():

@@ -689,6 +689,9 @@ def test_a_template_control_that_renders_as_the_profile_is_served():
              ("qwen3", {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}, True),
              ("qwen3-nothink", {"reasoning_effort": "none"}, True), ("qwen3-nothink", {"reasoning_effort": "medium"}, False),
              ("qwen3-nothink", {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}, False),
+             # 0 is not the profile's False to a template (`is false`: thinking on), and a kwarg's megabytes are not probed
+             ("qwen3-nothink", {"extra_body": {"chat_template_kwargs": {"enable_thinking": 0}}}, False),
+             ("qwen3", {"extra_body": {"chat_template_kwargs": {"enable_thinking": "x" * 5000}}}, False),
              # a kwarg that changes only a render with tools (tools to the system turn): refused
              ("llama3.1", {"extra_body": {"chat_template_kwargs": {"tools_in_user_message": False}}}, False),
              # a template of the client's own, smuggled as a kwarg: refused unrendered (two nested loops of
@@ -708,6 +711,17 @@ def test_a_template_control_that_renders_as_the_profile_is_served():
             else:
                 with pytest.raises(openai.BadRequestError, match="but the policy's profile"):
                     ask()
+    # a template using jinja's loop controls (Qwen3.5's {% break %}) parses as transformers renders it
+    # (a plain environment's TemplateSyntaxError refused every such request as malformed)
+    import copy
+
+    from workbench.tokens import ChatFormat
+
+    tok = copy.deepcopy(rm.load_family("qwen3").tokenizer)
+    tok.chat_template = ("{%- for m in messages %}{%- if loop.index > 1 %}{%- break %}{%- endif %}{%- endfor %}"
+                         + tok.chat_template)
+    fmt = ChatFormat(tok)
+    assert fmt.renders_the_same_with({"enable_thinking": True}) and not fmt.renders_the_same_with({"enable_thinking": False})
     # Anthropic's output_config.effort is the same control
     fam = rm.load_family("gpt-oss")
     engine = Replay()

@@ -336,6 +336,13 @@ def test_connect_merges_trainer_and_correction_settings_field_by_field():
     assert c.frozen_engine_kwargs == {"tensor_parallel_size": 2, "max_model_len": 512}
     assert c.profile == {"tool_parser": "hermes", "chat_template_kwargs": {"enable_thinking": False}}
     assert c.trainer.surrogate_kwargs == {"eps_low": 0.1, "eps_high": 0.3}
+    # a family name under profile fields, nested template kwargs, the default surrogate named
+    c = resolved_config({"profile": "qwen3", "trainer": {"surrogate_kwargs": {"eps_high": 0.28}}},
+                        profile={"tool_parser": "hermes"}, trainer={"surrogate": "ppo_clip"})
+    assert c.profile == {"family": "qwen3", "tool_parser": "hermes"} and c.trainer.surrogate_kwargs == {"eps_high": 0.28}
+    c = resolved_config({"profile": {"chat_template_kwargs": {"enable_thinking": False, "x": 1}}},
+                        profile={"chat_template_kwargs": {"x": 2}})
+    assert c.profile == {"chat_template_kwargs": {"enable_thinking": False, "x": 2}}
     # another surrogate does not take the file's kwargs (PPO's clip widths are not GSPO's)
     c = resolved_config({"trainer": {"surrogate": "ppo_clip", "surrogate_kwargs": {"eps_low": 0.1}}}, trainer={"surrogate": "gspo"})
     assert c.trainer.surrogate == "gspo" and c.trainer.surrogate_kwargs == {}

@@ -223,9 +223,14 @@ def test_replay_disagreement_is_compared_on_the_trained_versions_rows_only(ray_l
     t = Trainer(str(moe_path), world_size=1, cfg=TrainerConfig(lr=1e-4, micro_batch_size=4, correction=CorrectionConfig.tis()))
     try:
         fresh = t.train_step(b)["replay"]  # (the batch's tokens are version 0's, the trainer's)
-        stale = t.train_step(b)["replay"]  # (now at version 1: every row one version stale)
+        stale_step = t.train_step(b)  # (now at version 1: every row one version stale)
+        stale = stale_step["replay"]
     finally:
         t.shutdown()
+    from workbench.loop import step_statistics
+
+    logged = step_statistics(stale_step)  # (metrics.jsonl: the audit tells "not compared" from "not captured")
+    assert logged["replay_compared"] == 0 and logged["replay_positions"] > 0 and logged["replay_disagree_rate"] is None
     assert fresh["disagree_rate"] > 0.5 and sum(fresh["compared"]) == sum(fresh["replayed"]) > 0
     assert stale["replayed"] == fresh["replayed"] and sum(stale["compared"]) == 0 and stale["disagree_rate"] is None
 

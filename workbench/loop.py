@@ -835,7 +835,7 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
                     extra["_teacher"] = teacher_logprobs(teacher_engines, teacher_segments(groups, cfg))
                 batches.put((step, groups, t0, time.time(), {"data_position": start, "data_next": position, **extra}))
             except RolloutStopped as e:
-                stopped.extend(e.groups)
+                stopped.extend(untaken(e.groups))
                 return
             except BaseException as e:  # surfaced in the training thread
                 batches.put((step, e, 0.0, 0.0, {}))
@@ -877,11 +877,20 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
                 _, groups, *_, extra = batches.get_nowait()
             except queue.Empty:
                 break
-            if not isinstance(groups, BaseException):
-                stopped += groups + extra.get("_untrained", [])
+            if not isinstance(groups, BaseException):  # (its filtered ones keep their label)
+                stopped += untaken(groups) + extra.get("_untrained", [])
         _record_untaken(on_untrained, last, stopped)
     checkpoint_at_end(trainer, checkpoint_dir, checkpoint_every, history, first)
     return history
+
+
+def untaken(groups: list) -> list:
+    """`groups` marked as taken by no step (info["untaken"]): the audit page says the run ended before
+    a step took them, not that they were filtered or stale."""
+    for group in groups:
+        for t in group:
+            t.info["untaken"] = True
+    return groups
 
 
 def _record_untaken(on_untrained, last: tuple[int, list] | None, groups: list) -> None:
@@ -893,9 +902,6 @@ def _record_untaken(on_untrained, last: tuple[int, list] | None, groups: list) -
     again there, as that step's)."""
     if on_untrained is None or not groups or last is None:
         return
-    for group in groups:  # (the audit page says why they did not train: not filtered, not stale)
-        for t in group:
-            t.info["untaken"] = True
     failing = sys.exc_info()[0] is not None  # (inside a finally: the exception on its way out, if any)
     try:
         on_untrained(last[0], last[1] + groups)
@@ -1194,12 +1200,12 @@ def _async_batch(stream: GroupStream, cfg: LoopConfig, version: int, leftover: l
     while len(groups) + len(flat) < n:
         item = stream.take()
         if item is None:
-            if leftover is not None:
-                leftover += groups + flat + untrained
+            if leftover is not None:  # (the filtered and stale ones keep their label)
+                leftover += untaken(groups + flat) + untrained
             return None
         if isinstance(item, BaseException):
             if leftover is not None:  # the groups this step took are recorded with the run's end, as on a stop
-                leftover += groups + flat + untrained
+                leftover += untaken(groups + flat) + untrained
             raise RuntimeError(f"the rollout failed: {item}") from item
         group, at, t0, t1, lp = item
         # over the episodes the batch trains on: a timed-out episode (kept with its segments, then
@@ -1286,7 +1292,7 @@ def _run_async(rollout, trainer, engines, task_source, cfg, on_step, progress, c
     finally:
         stop.set()
         stream.thread.join()
-        _record_untaken(on_untrained, last, leftover + stream.drain())  # (an error ending the run: they went too)
+        _record_untaken(on_untrained, last, leftover + untaken(stream.drain()))  # (an error ending the run: they went too)
     checkpoint_at_end(trainer, checkpoint_dir, checkpoint_every, history, first)
     return history
 
@@ -1320,6 +1326,8 @@ def step_statistics(stats: dict) -> dict:
         # positions replayed (0: nothing captured, so the disagreement measured nothing) and those the
         # forward routed otherwise than recorded although replay applied (0 unless the rule is broken)
         "replay_positions": sum(replay["replayed"]), "replay_unreplayed": sum(replay.get("unreplayed", [])),
+        # the positions the disagreement was compared over (the trained version's rows: none in an all-stale async step)
+        "replay_compared": sum(replay.get("compared", [])),
         "policy_shift": stats.get("policy_shift"),
     }
 

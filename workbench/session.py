@@ -440,15 +440,20 @@ def _merged(base: dict, over: dict) -> dict:
     the sync through the object store), saying nothing."""
     out = {**base, **over}
     for key in ("engine_kwargs", "frozen_engine_kwargs", "profile"):
-        if isinstance(base.get(key), dict) and isinstance(over.get(key), dict):
-            out[key] = {**base[key], **over[key]}
+        b, o = base.get(key), over.get(key)
+        if key == "profile" and isinstance(b, str) and isinstance(o, dict):  # (a family name, then fields over it)
+            b = {"family": b}
+        if isinstance(b, dict) and isinstance(o, dict):
+            out[key] = {**b, **o}
+            if key == "profile" and isinstance(b.get("chat_template_kwargs"), dict) and isinstance(o.get("chat_template_kwargs"), dict):
+                out[key]["chat_template_kwargs"] = {**b["chat_template_kwargs"], **o["chat_template_kwargs"]}
     for key in ("trainer", "loop"):
         b, o = base.get(key), over.get(key)
         if not isinstance(o, dict) or b is None:
             continue
         b = _fields(b) if dataclasses.is_dataclass(b) else dict(b)
         merged = {**b, **o}
-        if key == "trainer" and "surrogate" in o and o["surrogate"] != b.get("surrogate"):
+        if key == "trainer" and "surrogate" in o and o["surrogate"] != b.get("surrogate", _default_trainer().surrogate):
             # another surrogate: the base's kwargs were its own (PPO's clip widths given to CISPO)
             merged["surrogate_kwargs"] = o.get("surrogate_kwargs", {})
         elif isinstance(b.get("surrogate_kwargs"), dict) and isinstance(o.get("surrogate_kwargs"), dict):

@@ -43,6 +43,7 @@ import contextlib
 import copy
 import datetime
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -481,10 +482,14 @@ class ChatFormat:
         result: Llama 3.1's tools_in_user_message changes only a render with tools), once per `extra`."""
         if set(extra) & _TEMPLATE_CALL_PARAMETERS or not isinstance(self.tokenizer.chat_template, str):
             return False
-        read = {k: v for k, v in extra.items() if k in self._template_variables()}
+        variables = self._template_variables()
+        read = {k: v for k, v in extra.items() if variables is None or k in variables}
         if not read:
             return True
-        key = json.dumps(read, sort_keys=True, default=str)
+        text = json.dumps(read, sort_keys=True, default=str)
+        if len(text) > 4096:  # (a template kwarg is a flag or a word: a client's megabytes are neither probed nor kept)
+            return False
+        key = hashlib.sha256(text.encode()).hexdigest()
         if key not in self._same_with:
             if len(self._same_with) >= 256:
                 self._same_with.clear()
@@ -492,14 +497,20 @@ class ChatFormat:
                                        self._probe_render(p, t, {**self.template_kwargs, **read}) for p, t in TEMPLATE_PROBES)
         return self._same_with[key]
 
-    def _template_variables(self) -> set:
-        """The names the chat template reads from its context (jinja2's undeclared variables)."""
+    def _template_variables(self) -> set | None:
+        """The names the chat template reads from its context (jinja2's undeclared variables, parsed
+        with the environment transformers renders it in: its loop controls, {% break %}, and
+        {% generation %} are no syntax errors there); None where it does not parse."""
         if self._variables is None:
-            import jinja2
             from jinja2 import meta
+            from transformers.utils.chat_template_utils import _compile_jinja_template
 
-            self._variables = meta.find_undeclared_variables(jinja2.Environment().parse(self.tokenizer.chat_template))
-        return self._variables
+            try:
+                env = _compile_jinja_template(self.tokenizer.chat_template).environment
+                self._variables = meta.find_undeclared_variables(env.parse(self.tokenizer.chat_template))
+            except Exception:  # noqa: BLE001  (every key then probed)
+                self._variables = False
+        return self._variables or None
 
     def _probe_render(self, messages: list, tools: list | None, kwargs: dict) -> str:
         """A probe's render, or the kind of error the template raised on it (the same either way: the same)."""

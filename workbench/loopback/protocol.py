@@ -399,7 +399,9 @@ def check_template_controls(body: dict, template_kwargs: dict, thinks: bool = Fa
         raise RequestError(400, "output_config.format is not supported: the loopback server does not constrain decoding",
                            param="output_config")
     kwargs = want(body, "chat_template_kwargs", dict, default={}) or {}
-    other = {k: v for k, v in kwargs.items() if k not in template_kwargs or template_kwargs[k] != v}
+    # (typed: 0 == False, and a template's `is false` reads 0 as thinking on)
+    other = {k: v for k, v in kwargs.items() if k not in template_kwargs or type(template_kwargs[k]) is not type(v)
+             or template_kwargs[k] != v}
     if other and not (same_render is not None and same_render(other)):
         k = next(iter(other))
         have = f"renders with {template_kwargs[k]!r}" if k in template_kwargs else "does not set it"

@@ -60,6 +60,8 @@ class InprocLLM:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (fn, future) run by the thread
         self._streams: dict[str, asyncio.Queue] = {}  # request id -> its outputs, on the loop
         self._adds: list = []  # (request id, prompt, params, future) made in this pass of the loop (_add)
+        self._unsent: set[str] = set()  # their ids, until the thread adds them
+        self._aborted_unsent: set[str] = set()  # of those, the ones an abort reached first (_abort)
         self._wake = threading.Event()
         self._paused = self._stopped = False
         self._thread = threading.Thread(target=self._run, name="vllm-engine-core", daemon=True)
@@ -114,6 +116,9 @@ class InprocLLM:
         emits none: vLLM makes it only for a request with an AsyncLLM queue)."""
         from vllm.v1.engine import FinishReason
 
+        if request_id in self._unsent:  # made, its add not yet sent: aborted once added (add_all), else the
+            self._aborted_unsent.add(request_id)  # add, coming after, ran it to max_tokens on what the abort
+            return  # was for (a torn weight load)
         processor = self.engine.output_processor
         states = [processor.request_states.get(i) for i in processor.external_req_ids.get(request_id, [])]
         final = [s.make_request_output([], None, FinishReason.ABORT, None) for s in states if s is not None]
@@ -176,6 +181,7 @@ class InprocLLM:
         if not self._adds:
             self._loop.call_soon(self._send_adds)  # after every request of this pass
         self._adds.append((request_id, prompt, params, fut))
+        self._unsent.add(request_id)
         return fut
 
     def _send_adds(self) -> None:
@@ -184,6 +190,9 @@ class InprocLLM:
         def add_all() -> list:
             errors = []
             for request_id, prompt, params, fut in adds:
+                self._unsent.discard(request_id)
+                aborted = request_id in self._aborted_unsent
+                self._aborted_unsent.discard(request_id)
                 if fut.cancelled():  # its caller left before it was sent: not added (its abort, queued
                     errors.append(None)  # before this call, found nothing to abort)
                     continue
@@ -192,6 +201,9 @@ class InprocLLM:
                     errors.append(None)
                 except BaseException as e:  # noqa: BLE001  (handed to its own request)
                     errors.append(e)
+                    continue
+                if aborted:  # its stream ends as an abort's does
+                    self._abort(request_id, notify=True)
             return errors
 
         def settle(added) -> None:

@@ -1138,8 +1138,11 @@ class Trainer:
             # so a replay rule or a surrogate registered in a notebook passed the checks here and the rank's
             # first step raised (after a whole rollout), and a sequence-level surrogate of the user's got
             # token_mean in the ranks (its length weighting, what GSPO's default aggregation avoids)
-            _get_all([w.add_registries.remote(dict(REPLAY_RULES) if self.cfg.routing_replay else {}, dict(SURROGATES),
-                                              set(SEQUENCE_SURROGATES), dict(KL_ESTIMATORS)) for w in self.workers])
+            # (the config's entries only: another registered one that cannot be pickled, or imported on a
+            # rank's node, failed every Trainer's start)
+            s, k = self.cfg.surrogate, self.cfg.kl_estimator
+            _get_all([w.add_registries.remote(dict(REPLAY_RULES) if self.cfg.routing_replay else {}, {s: SURROGATES[s]},
+                                              {s} & SEQUENCE_SURROGATES, {k: KL_ESTIMATORS[k]}) for w in self.workers])
             if profile is not None and profile.capture_experts and self.cfg.routing_replay:
                 # the model's own routers, not the profile's name for their rule: replay looks a rule up by
                 # the router's class, and a profile naming another (an override) failed the first step

@@ -66,8 +66,9 @@ CHECKS = (
     ("is_weight_outside", "IS-weight distribution", "share of the tokens the correction kept whose IS weight is outside "
      "[0.8, 1.25) (under a mask every kept weight is inside its band: the gate pass ratio and tokens kept show "
      "what it dropped)"),
-    ("replay_disagree_rate", "replay disagreement", "share of routed-expert choices where live routing differs from the recorded "
-     "(not measured: no routing was captured)"),
+    ("replay_disagree_rate", "replay disagreement", "share of routed-expert choices where live routing differs from the recorded, "
+     "over the rows the trained version sampled (not measured: no routing was captured, or, async, every row was "
+     "sampled a version behind: replay_compared 0; a stale row's record is an older router's)"),
     ("replay_disagree_worst_layer", "replay disagreement, worst layer", "the largest one MoE layer's disagreement "
      "(a layer whose record does not match its router differs at most positions; the mean over layers hides it)"),
     ("replay_unreplayed", "routing not replayed", "recorded (token, layer) routings the trainer's forward did not use although "
@@ -489,7 +490,7 @@ def main(argv=None) -> None:
 # ------------------------------------------------------------------ step revisit (wb.revisit)
 REVISITED = ("loss", "grad_norm", "gate_pass_ratio", "token_keep_ratio", "stale_dropped", "band_dropped", "veto_dropped", "kl_k1", "kl_k3",
              "kl_k3_current", "tokens_current", "kl_k3_stale", "max_abs_delta_p", "staleness_hist", "tokens_per_version", "is_weight_hist", "is_ess", "is_bounded_fraction", "replay_disagree_rate",
-             "replay_disagree_per_layer", "replay_fallback", "kl_k3_live", "kl_ref", "replay_positions", "replay_unreplayed",
+             "replay_disagree_per_layer", "replay_fallback", "kl_k3_live", "kl_ref", "replay_positions", "replay_compared", "replay_unreplayed",
              "max_staleness_kept", "signal_tokens_trained", "updates_skipped", "policy_shift")
 
 # what updates after a step's first move with the optimizer's state: the revisit's trainer is fresh
