@@ -812,8 +812,9 @@ class Workbench:
                                   f"checkpoint's context, {context:g} positions (its max_position_embeddings)")
             if cfg.max_tokens is None:  # (the resolved value is the one config.json records)
                 self.cfg = cfg = dataclasses.replace(cfg, max_tokens=default_max_tokens(self.profile))
-            if toy_lr_warning(self.profile, cfg.trainer.lr):
-                bar.write(toy_lr_warning(self.profile, cfg.trainer.lr), file=sys.stderr)
+            warning = toy_lr_warning(self.profile, cfg.trainer.lr)
+            if warning:
+                bar.write(warning, file=sys.stderr)
             # record experts for routing replay where the profile asks, the trainer replays and the
             # engine can: the reference backend, or vLLM on GPUs (its CPU build cannot return them)
             from .rollout.vllm_engine import routing_off_reason, wants_routed_experts
