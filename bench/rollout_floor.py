@@ -7,8 +7,8 @@ temperature 1, the toy MoE) generated four ways, each in a fresh process, one af
   vllm-llm        vLLM's own offline `LLM.generate`, with the engine arguments workbench uses
   engine          workbench's engine (rollout/vllm_engine.py: vLLM's engine core stepped in the
                   process, rollout/vllm_inproc.py), 128 concurrent `generate` calls
-  engine-ray      that engine as the Ray actor a loop uses, sent 16 `generate_n` calls of 8 as a
-                  rollout's router coalesces a group's requests
+  engine-ray      that engine as the Ray actor a loop uses, sent one `generate_many` call of the
+                  128 requests as a rollout's router coalesces its first turns
 
 Prints each one's median seconds a batch (after warm-up), its engine forwards a batch (the
 vLLM ones), and its ratio to hf-generate. Each layer's cost is the difference to the one above.
@@ -164,8 +164,8 @@ def engine_ray(reps: int) -> tuple[list[float], list[int]]:
     try:
         for _ in range(reps):
             t = time.perf_counter()
-            calls = [actor.generate_n.options(num_returns="streaming").remote(p, sampling, GROUP) for p in prompts]
-            [ray.get(item) for call in calls for item in call]  # (each streams its samples back as they finish)
+            call = actor.generate_many.options(num_returns="streaming").remote([(p, sampling) for p in prompts for _ in range(GROUP)])
+            [ray.get(item) for item in call]  # (it streams its samples back as they finish)
             times.append(time.perf_counter() - t)
     finally:
         stop_engine(actor)

@@ -24,8 +24,8 @@ from .router import engine_lost
 # record does not depend on it (the final Sample carries every id).
 STREAM_WINDOW_S = 0.1
 STREAM_ITEMS_PER_S = 100
-# a coalesced group call (generate_n) hands back what finished within this long of the first to finish
-# of each batch: its siblings are not held for the slowest, and a group finishing together is one item
+# a coalesced call (generate_many) hands back what finished within this long of the first to finish
+# of each batch: its siblings are not held for the slowest, and requests finishing together are one item
 GENERATE_N_HOLD_S = 1.0
 
 
@@ -56,16 +56,18 @@ class EngineHost:
             self.log.append((list(prompt_ids), list(sample.token_ids)))
         return sample
 
-    async def generate_n(self, prompt_ids, sampling: SamplingConfig | None = None, n: int = 1, return_routed_experts=False,
-                         hold_s: float = GENERATE_N_HOLD_S):
-        """n generate() requests on one prompt in one Ray call (EngineRouter coalesces a single-turn
-        group's same-prompt requests so; call it with .options(num_returns="streaming")). Yields lists
-        of (index, result), a result a Sample or the exception its own request raised (one failure
-        fails only its request): those finished within `hold_s` of the first of the list. Why not one
-        list of all n: a finished request waited for its slowest sibling, and past the episodes'
-        timeout every episode of the group failed with the slow one (one long reasoning sample and
-        the whole group was dropped). A group finishing together is one item, as one list was."""
-        tasks = [asyncio.ensure_future(self.generate(prompt_ids, sampling, None, return_routed_experts)) for _ in range(n)]
+    async def generate_many(self, requests: list, return_routed_experts=False, hold_s: float = GENERATE_N_HOLD_S):
+        """generate() for each (prompt ids, sampling, request id) of `requests`, in one Ray call
+        (EngineRouter coalesces the single-turn sessions' requests of one event-loop pass so: a
+        rollout's first turns; call it with .options(num_returns="streaming")). Yields lists of
+        (index, result), a result a Sample or the exception its own request raised (one failure
+        fails only its request): those finished within `hold_s` of the first of the list. Why not
+        one list of all: a finished request waited for the slowest, and past the episodes' timeout
+        every episode of the call failed with the slow one (one long reasoning sample and its group
+        was dropped). Requests finishing together are one item, as one list was. A request the
+        caller gives up is stopped by abort(its id), its siblings sampling on."""
+        tasks = [asyncio.ensure_future(self.generate(prompt_ids, sampling, request_id, return_routed_experts))
+                 for prompt_ids, sampling, request_id in requests]
         index, pending = {t: i for i, t in enumerate(tasks)}, set(tasks)
         try:
             while pending:
@@ -73,7 +75,10 @@ class EngineHost:
                 if pending and hold_s > 0:
                     more, pending = await asyncio.wait(pending, timeout=hold_s)
                     done |= more
-                yield [(index[t], t.exception() or t.result()) for t in sorted(done, key=index.get)]
+                # (a request cancelled in the engine, not by this call, is its own error: read with
+                # exception(), it raised here and failed every sibling still sampling)
+                yield [(index[t], RuntimeError("the request was cancelled in the engine") if t.cancelled()
+                        else t.exception() or t.result()) for t in sorted(done, key=index.get)]
         finally:  # (the caller gone: ray.cancel, every request of it given up) the engine stops the rest
             for t in pending:
                 t.cancel()

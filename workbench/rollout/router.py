@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import Counter
 
 
@@ -86,8 +87,8 @@ class EngineRouter:
         self.failovers = 0  # retries: a request asked again after its engine died, was unavailable or torn (on another
         # engine, or on the same one after its wait)
         self.request_timeout_s = request_timeout_s
-        # same-prompt requests to one engine within one event-loop pass, waiting to go as one call
-        self._same_prompt: dict[tuple, tuple] = {}
+        # single-turn sessions' requests to one engine within one event-loop pass, waiting to go as one call
+        self._this_pass: dict[tuple, tuple] = {}
         # the sessions whose requests may share a call (_call): single-turn episodes (RolloutRunner
         # marks an Env with max_turns 1). A shared call answers when its slowest request does; a
         # multi-turn episode's next turn waited for its siblings' longest first reply (and so timed
@@ -199,53 +200,60 @@ class EngineRouter:
 
     def _call(self, engine, prompt_ids, sampling, return_routed_experts, share: bool = False) -> asyncio.Future:
         """One request's Sample (a future), from engine.generate. Why requests are coalesced: a
-        group's episodes open with the same prompt, all within one pass of the event loop, and a
-        Ray call costs ~1.5 ms of CPU on each side (2 cores: ~30% of a toy rollout step's CPU at
-        128 episodes). `share` requests (single-turn sessions) for the same engine, prompt and
-        sampling made in one pass go as one EngineHost.generate_n call; each is still its own
-        engine request with its own Sample (or its own exception). Requests that differ are never
-        held back; a coalesced call streams its requests back as they finish (batched within
-        actor.GENERATE_N_HOLD_S: answered only with its slowest, every sibling timed out with it).
-        Only a single-turn group's requests share one."""
+        rollout's episodes open within one pass of the event loop, and each Ray call costs the
+        engine's actor and this process CPU: the quickstart's 128 first turns as 16 calls of a
+        group each took 0.114 s a batch, as one call 0.080 s, of which the engine's own work is
+        0.068 s (bench/rollout_floor.py, engine-ray vs engine). `share` requests (single-turn
+        sessions) for the same engine made in one pass go as one EngineHost.generate_many call;
+        each is still its own engine request with its own Sample (or its own exception). Requests
+        are never held back for a later pass; a coalesced call streams its requests back as they
+        finish (batched within actor.GENERATE_N_HOLD_S: answered only with its slowest, every
+        sibling timed out with it). Only single-turn sessions' requests share one: a multi-turn
+        episode's next turn would wait for the batch its first reply came back in."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not share:
-            self._send(engine, prompt_ids, sampling, return_routed_experts, [future])
+            self._send(engine, [(prompt_ids, sampling, None)], return_routed_experts, [future])
             return future
-        key = (id(engine), tuple(prompt_ids), repr(sampling), return_routed_experts)
-        pending = self._same_prompt.get(key)
+        key = (id(engine), return_routed_experts)
+        pending = self._this_pass.get(key)
         if pending is None:
-            pending = self._same_prompt[key] = (engine, prompt_ids, sampling, return_routed_experts, [])
-            loop.call_soon(lambda: self._send(*self._same_prompt.pop(key)))  # after every request of this pass
+            pending = self._this_pass[key] = (engine, [], return_routed_experts, [])
+            loop.call_soon(lambda: self._send(*self._this_pass.pop(key)))  # after every request of this pass
+        pending[1].append((prompt_ids, sampling, uuid.uuid4().hex))  # (its id: given up, it is aborted by it)
         pending[-1].append(future)
         return future
 
-    def _send(self, engine, prompt_ids, sampling, return_routed_experts, futures: list) -> None:
+    def _send(self, engine, requests: list, return_routed_experts, futures: list) -> None:
         if len(futures) == 1:
-            ref = engine.generate.remote(prompt_ids, sampling, None, return_routed_experts)
+            ref = engine.generate.remote(*requests[0][:2], None, return_routed_experts)
         else:
             self.coalesced += len(futures) - 1
-            ref = engine.generate_n.options(num_returns="streaming").remote(prompt_ids, sampling, len(futures),
-                                                                             return_routed_experts)
+            ref = engine.generate_many.options(num_returns="streaming").remote(requests, return_routed_experts)
         task = asyncio.ensure_future(self._deliver(ref, futures) if len(futures) == 1 else self._deliver_n(ref, futures))
         self._deliveries.add(task)
         task.add_done_callback(self._deliveries.discard)
 
-        def given_up(_) -> None:
-            # every request of the call timed out or was cancelled (its episode timed out, the client
-            # left): the engine stops sampling them. Not cancelled, Ray ran the call on, sampling to
-            # max_tokens, holding its batch slot and KV, re-prefilled at every sync, while this
-            # router's outstanding count (least-outstanding placement) read the engine as idle
-            # (a coalesced call's answered requests are done, not cancelled: its last one timing out
-            # left the engine sampling it to max_tokens). Ray's ActorUnavailableError too: the call may be
-            # running still, and the request goes to another engine (the first sampled it on unread)
+        def given_up(future) -> None:
+            # a request that timed out or was cancelled (its episode timed out, the client left): the
+            # engine stops sampling it. Not stopped, Ray ran the call on, sampling to max_tokens,
+            # holding its batch slot and KV, re-prefilled at every sync, while this router's
+            # outstanding count (least-outstanding placement) read the engine as idle. One request of
+            # a coalesced call is aborted by its id (it sampled on until its siblings had all
+            # finished: with a rollout's first turns in one call, the whole rollout); a call whose
+            # every request is done and any given up is cancelled. Ray's ActorUnavailableError too:
+            # the call may be running still, and the request goes to another engine (the first
+            # sampled it on unread)
             import ray
 
             def abandoned(f) -> bool:
                 return f.cancelled() or isinstance(f.exception(), ray.exceptions.ActorUnavailableError)
 
-            if all(f.done() for f in futures) and any(abandoned(f) for f in futures):
-                ray.cancel(ref)
+            if all(f.done() for f in futures):
+                if any(abandoned(f) for f in futures):
+                    ray.cancel(ref)
+            elif future.cancelled():
+                engine.abort.remote(requests[futures.index(future)][2])
         for f in futures:
             f.add_done_callback(given_up)
 
@@ -266,7 +274,7 @@ class EngineRouter:
 
     @staticmethod
     async def _deliver_n(gen, futures: list) -> None:
-        """A coalesced call's results as its stream gives them (EngineHost.generate_n)."""
+        """A coalesced call's results as its stream gives them (EngineHost.generate_many)."""
         error = None
         try:
             async for ref in gen:
