@@ -191,9 +191,38 @@ def test_example_agents_end_to_end(example, rollout_for, vllm_moe):
     if example == "code_agent":
         runs = [r for t in trajs for r in t.info["runs"]]
         assert all(set(r) == {"code", "exit_code", "timed_out"} for r in runs)
-    if example == "arithmetic_env":  # each group's two first turns went to the engine as one call (both
-        # groups' four as one where the two groups' calls reached the runner in one pass of its loop)
-        assert ray.get(rollout.runners[0].stats.remote())["router"]["coalesced"] in (2, 3)
+    if example == "arithmetic_env":  # both groups went to the runner as one call, and their four first turns
+        # (two prompts) to the engine as one
+        assert ray.get(rollout.runners[0].stats.remote())["router"]["coalesced"] == 3
+
+
+def test_a_rollouts_groups_go_to_each_runner_as_one_call(rollout_for):
+    """run_groups places each group on the least loaded runner (as before) and sends each runner
+    its groups in one call (RolloutRunner.run_groups, a return per group): a Ray call per group
+    cost CPU in the driver, the runner and the engine, whose first turns then came in separate
+    calls. Each group still comes back as its own, in the tasks' order."""
+    rollout = rollout_for(EXAMPLES / "arithmetic_env.py", num_runners=2, sampling=SamplingConfig(max_tokens=4))
+
+    class Counting:  # a runner's handle, counting the methods called on it
+        def __init__(self, handle):
+            self.handle, self.calls = handle, []
+
+        def __getattr__(self, name):
+            self.calls.append(name)
+            return getattr(self.handle, name)
+
+    rollout.runners = [Counting(h) for h in rollout.runners]
+    rollout.outstanding = {id(r): 0 for r in rollout.runners}
+    rollout._names = {id(r): f"runner {i}" for i, r in enumerate(rollout.runners)}
+    tasks = load_agent(EXAMPLES / "arithmetic_env.py").tasks(5, seed=1)
+    groups = rollout.run_groups(tasks, group_size=2, progress=False)
+    assert [[t.info["task_id"] for t in g] for g in groups] == [[t.id] * 2 for t in tasks]
+    assert all(t.error is None for g in groups for t in g) and sum(rollout.outstanding.values()) == 0
+    assert [r.calls for r in rollout.runners] == [["run_groups"], ["run_groups"]]  # 3 groups and 2, one call each
+    # and each runner's first turns went to the engine as one call
+    coalesced = [ray.get(r.handle.stats.remote())["router"]["coalesced"] for r in rollout.runners]
+    assert coalesced == [3 * 2 - 1, 2 * 2 - 1], coalesced
+    rollout.runners = [r.handle for r in rollout.runners]  # (for the fixture's shutdown)
 
 
 def test_requests_of_one_pass_go_as_one_engine_call(reference_engines, run):
@@ -1159,7 +1188,9 @@ def test_a_stopped_rollout_hands_back_every_group_finished_by_then(monkeypatch):
 
     from workbench.rollout import runner as runner_mod
 
-    runner = types.SimpleNamespace(run_group=types.SimpleNamespace(remote=lambda task, n: ("ref", task.id)))
+    many = types.SimpleNamespace(remote=lambda tasks, n: [("ref", t.id) for t in tasks])  # (a return per group)
+    runner = types.SimpleNamespace(run_group=types.SimpleNamespace(remote=lambda task, n: ("ref", task.id)),
+                                   run_groups=types.SimpleNamespace(options=lambda num_returns: many))
     rollout = object.__new__(Rollout)
     rollout.runners, rollout._slots, rollout.outstanding, rollout._lock = [runner], 100, {id(runner): 0}, threading.Lock()
     rollout._abandoned, rollout._names, rollout.lost = {}, {id(runner): "runner 0"}, []
