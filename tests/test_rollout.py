@@ -137,6 +137,12 @@ def test_examples_load_with_their_tasks():
         if p.stem not in ("__init__", "tools"):
             tasks = load_agent(p).tasks(3, seed=1)
             assert len(tasks) == 3 and all(isinstance(t, Task) and t.messages for t in tasks)
+            # the same seed gives the same tasks under the same ids (a resumed run draws a chunk again:
+            # its records' task ids were new random ones, and per-task views split at the resume)
+            again, other = load_agent(p).tasks(3, seed=1), load_agent(p).tasks(3, seed=2)
+            assert [t.id for t in again] == [t.id for t in tasks] and len({t.id for t in tasks}) == 3
+            assert [t.messages for t in again] == [t.messages for t in tasks]
+            assert not {t.id for t in other} & {t.id for t in tasks}
 
 
 # ----------------------------------------------------------------------------- prompt sources

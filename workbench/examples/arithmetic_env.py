@@ -16,7 +16,9 @@ from workbench.toy.tasks import arithmetic_problem
 
 def tasks(n: int, seed: int = 0) -> list[Task]:
     rng = random.Random(seed)
-    return [Task(p.messages, label=p.answer) for p in (arithmetic_problem(rng) for _ in range(n))]
+    # ids from the seed and the position: drawn again (a resumed run's chunk), the same task has the
+    # same id in the records (Task's default id is a fresh random one)
+    return [Task(p.messages, label=p.answer, id=f"arith-{seed}-{i}") for i, p in enumerate(arithmetic_problem(rng) for _ in range(n))]
 
 
 def reward(text: str | None, answer: int) -> tuple[float, bool]:

@@ -20,7 +20,7 @@ PYTHON_TOOL = {"type": "function", "function": {
 
 
 def tasks(n: int, seed: int = 0):
-    return [Task(t.messages, tools=t.tools + [PYTHON_TOOL], label=t.label) for t in tool_tasks(n, seed)]
+    return [Task(t.messages, tools=t.tools + [PYTHON_TOOL], label=t.label, id=t.id) for t in tool_tasks(n, seed)]
 
 
 def python_code(arguments: str | None) -> str | None:

@@ -215,10 +215,11 @@ def tool_tasks(n: int, seed: int = 0) -> list[Task]:
     """'Compute a*b.' tasks with the calc tool; label = the right answer."""
     rng = random.Random(seed)
     out = []
-    for _ in range(n):
+    for i in range(n):
         p = arithmetic_problem(rng, max_operand=99, ops="+-*")
         out.append(Task([{"role": "system", "content": TOOL_SYSTEM_PROMPT},
-                         {"role": "user", "content": f"Compute {p.expression}."}], tools=[CALC_TOOL], label=p.answer))
+                         {"role": "user", "content": f"Compute {p.expression}."}], tools=[CALC_TOOL], label=p.answer,
+                        id=f"calc-{seed}-{i}"))  # (the seed's and position's: the same task drawn again, the same id)
     return out
 
 
