@@ -25,7 +25,8 @@ adds 1 rank x 2 threads, the like-for-like comparison with the plain loop (one p
 threads). Fixed costs per step and per micro-batch (the Ray call, gloo collectives) weigh less
 as micro-batches and batches grow (with --micro 8 the ratio was 0.88-0.91x, with 16 0.94-0.97x). Timed steps of all variants are interleaved, so other work on a shared machine
 hits each alike; medians are reported, and ratios of the best (least disturbed) steps too.
-Results go to bench/results/trainer.json.
+Results go to bench/results/trainer.json (`--malloc-only`: trainer_malloc.json; `--logprob-memory-only`:
+trainer_logprob_memory.json).
 """
 
 from __future__ import annotations
@@ -313,13 +314,13 @@ def main() -> None:
     if args.logprob_child is not None:
         return logprob_memory_child(args)
     if args.logprob_memory_only:
-        return report_logprob_memory(args)
+        return save_results("trainer_logprob_memory.json", args, {"logprob_memory": report_logprob_memory(args)})
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     init_ray()
     if args.malloc_only:
         try:
-            return report_malloc(bench_malloc(args))
+            return save_results("trainer_malloc.json", args, {"malloc": report_malloc(bench_malloc(args))})
         finally:
             shutdown_ray()
     # Ray starts its workers (the trainer's ranks) at its own niceness + 15. The plain loop runs
@@ -370,9 +371,17 @@ def main() -> None:
                   f"{s[b]['engine_side_s']:.3f} s inside the engine)")
         print(f"ratio vllm / reference s/MB: {s['vllm']['s_per_mb'] / s['reference']['s_per_mb']:.2f}x")
     report_malloc(res["malloc"])
+    save_results("trainer.json", args, res)
+
+
+def save_results(name: str, args, res: dict) -> dict:
+    """bench/results/<name>: the arguments and results (a part run alone writes its own file, not
+    trainer.json: it printed its figures and kept none)."""
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "trainer.json").write_text(json.dumps({"args": vars(args), **res}, indent=1))
+    (out / name).write_text(json.dumps({"args": vars(args), **res}, indent=1))
+    print(out / name)
+    return res
 
 
 def report_malloc(m: dict) -> dict:
