@@ -164,7 +164,7 @@ def engine_ray(reps: int) -> tuple[list[float], list[int]]:
     try:
         for _ in range(reps):
             t = time.perf_counter()
-            call = actor.generate_many.options(num_returns="streaming").remote([(p, sampling) for p in prompts for _ in range(GROUP)])
+            call = actor.generate_many.options(num_returns="streaming").remote([(p, sampling, None) for p in prompts for _ in range(GROUP)])
             [ray.get(item) for item in call]  # (it streams its samples back as they finish)
             times.append(time.perf_counter() - t)
     finally:

@@ -133,8 +133,9 @@ def test_examples_load_with_their_tasks():
     kinds = {p.stem: load_agent(p).kind for p in EXAMPLES.glob("*.py") if p.stem not in ("__init__", "tools")}
     assert kinds == {"arithmetic_env": "env", "calculator_openai": "chat", "calculator_anthropic": "chat",
                      "code_agent": "chat", "judge_agent": "chat"}
-    for p in EXAMPLES.glob("*.py"):
-        if p.stem not in ("__init__", "tools"):
+    recipes = Path(__file__).parent.parent / "notebooks" / "recipes" / "agents"
+    for p in [*EXAMPLES.glob("*.py"), *recipes.glob("*.py")]:
+        if p.stem not in ("__init__", "tools") and load_agent(p).tasks is not None:
             tasks = load_agent(p).tasks(3, seed=1)
             assert len(tasks) == 3 and all(isinstance(t, Task) and t.messages for t in tasks)
             # the same seed gives the same tasks under the same ids (a resumed run draws a chunk again:
@@ -1215,6 +1216,60 @@ def test_a_stopped_rollout_hands_back_every_group_finished_by_then(monkeypatch):
     with pytest.raises(runner_mod.RolloutStopped) as stopped:
         rollout.run_groups(tasks, 1, progress=False, stop=stop)
     assert len(stopped.value.groups) == 6 and not rollout._abandoned
+
+
+def _fake_runners(n: int, slots: int, fail_many: set = frozenset()):
+    """A Rollout over n fake runner handles that record the calls made on them (no Ray)."""
+    import threading
+
+    class FakeRunner:
+        def __init__(self, name):
+            self.name, self.calls = name, []
+            self.run_group = types.SimpleNamespace(remote=lambda task, n: self._call("run_group", [task]))
+            self.run_groups = types.SimpleNamespace(options=lambda num_returns: types.SimpleNamespace(
+                remote=lambda tasks, n: self._call("run_groups", tasks)))
+
+        def _call(self, method, tasks):
+            if method == "run_groups" and self.name in fail_many:
+                raise TypeError("Could not serialize the argument [Task(...)] for a task or actor")
+            self.calls.append((method, [t.id for t in tasks]))
+            refs = [f"{self.name}:{t.id}" for t in tasks]
+            return refs if method == "run_groups" else refs[0]
+
+    runners = [FakeRunner(chr(97 + i)) for i in range(n)]
+    rollout = object.__new__(Rollout)
+    rollout.runners, rollout._slots, rollout._lock = list(runners), slots, threading.Lock()
+    rollout.outstanding, rollout._abandoned = {id(r): 0 for r in runners}, {}
+    rollout._names, rollout.lost = {id(r): r.name for r in runners}, []
+    return rollout, runners
+
+
+def test_groups_go_as_one_call_only_where_all_fit():
+    """submit_groups sends a runner its groups as one call only where every group found room: a
+    call's groups come back together, so with groups waiting for room each held its slots until the
+    call's slowest group finished (measured in a simulation: 160 groups, 16 at a time, one slow:
+    1.47 s against 1.00 s), and the waiting ones started later."""
+    tasks = [Task([{"role": "user", "content": "x"}], id=f"t{i}") for i in range(3)]
+    rollout, (a,) = _fake_runners(1, slots=100)
+    assert [ref for ref, _ in rollout.submit_groups(tasks, 2)] == ["a:t0", "a:t1", "a:t2"]
+    assert a.calls == [("run_groups", ["t0", "t1", "t2"])]
+    rollout, (a,) = _fake_runners(1, slots=4)  # room for two groups of 2: a call each, the third waits
+    assert [ref for ref, _ in rollout.submit_groups(tasks, 2)] == ["a:t0", "a:t1"]
+    assert a.calls == [("run_group", ["t0"]), ("run_group", ["t1"])] and rollout.outstanding[id(a)] == 4
+
+
+def test_a_call_that_cannot_be_sent_gives_its_groups_slots_back():
+    """A runner's call that raises as it is sent (a task Ray cannot serialize, Ctrl-C) gives back
+    the slots of the groups it held, and the calls already sent to other runners are left to finish
+    (abandoned: their slots come back when they do). Their counts leaked: once at the runners'
+    slots, every later rollout waited for ever with no message."""
+    tasks = [Task([{"role": "user", "content": "x"}], id=f"t{i}") for i in range(4)]
+    rollout, (a, b) = _fake_runners(2, slots=8, fail_many={"b"})
+    with pytest.raises(TypeError, match="Could not serialize"):
+        rollout.submit_groups(tasks, 2)
+    assert a.calls == [("run_groups", ["t0", "t2"])] and not b.calls
+    assert rollout.outstanding == {id(a): 4, id(b): 0}  # a's groups run on, b's were never sent
+    assert rollout._abandoned == {"a:t0": (a, 2), "a:t2": (a, 2)}
 
 
 def test_an_in_process_runner_serves_sdk_agents_on_a_second_event_loop(vllm_moe, moe_path):

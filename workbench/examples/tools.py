@@ -273,11 +273,13 @@ def document_tasks(n: int, seed: int = 0) -> list[Task]:
     out = []
     for i in range(n):
         if i % 2:
-            out.append(next(calc_tasks))
+            calc = next(calc_tasks)
+            out.append(Task(calc.messages, tools=calc.tools, label=calc.label, id=f"doc-{seed}-{i}"))
             continue
         doc, what, value = rng.choice(FACTS)
         k = rng.randint(1, 9)
         question = f"Look up the number of {what} and add {k}."
         out.append(Task([{"role": "system", "content": SEARCH_SYSTEM_PROMPT}, {"role": "user", "content": question}],
-                        tools=[CALC_TOOL, SEARCH_TOOL], label=value + k, info={"query": question, "document": doc}))
+                        tools=[CALC_TOOL, SEARCH_TOOL], label=value + k, info={"query": question, "document": doc},
+                        id=f"doc-{seed}-{i}"))  # (the seed's and position's: drawn again, the same id)
     return out

@@ -511,12 +511,14 @@ class Rollout:
         return started[0] if started else None
 
     def submit_groups(self, tasks: list[Task], group_size: int) -> list[tuple]:
-        """Start the leading groups of `tasks` that fit, each placed as submit_group places one; the
-        groups placed on one runner go as one call (RolloutRunner.run_groups) with a return per
-        group. Why: a Ray call per group cost CPU in this process, the runner and the engine (its
-        first turns came in separate calls): the quickstart's 16 groups as 16 calls 0.168 s of CPU
-        a rollout, as one 0.129 s (2026-12-07). A call's groups come back together. Returns
-        (ref, runner) per group started, in order: fewer than `tasks` while every runner is full."""
+        """Start the leading groups of `tasks` that fit, each placed as submit_group places one.
+        Where all of them fit, the groups placed on one runner go as one call (RolloutRunner.
+        run_groups) with a return per group. Why: a Ray call per group cost CPU in this process,
+        the runner and the engine (its first turns came in separate calls): the quickstart's 16
+        groups as 16 calls 0.168 s of CPU a rollout, as one 0.129 s (2026-12-07). Not where some
+        must wait for room: a call's groups come back together, so each would hold its slots until
+        the call's slowest group finished, and the waiting ones start later. Returns (ref, runner)
+        per group started, in order: fewer than `tasks` while every runner is full."""
         placed = []
         with self._lock:
             if not self.runners:
@@ -532,14 +534,24 @@ class Rollout:
                 placed.append(runner)
         refs, by_runner = [None] * len(placed), {}
         for i, runner in enumerate(placed):
-            by_runner.setdefault(id(runner), (runner, []))[1].append(i)
-        for runner, at in by_runner.values():
-            if len(at) == 1:
-                refs[at[0]] = runner.run_group.remote(tasks[at[0]], group_size)
-            else:
-                calls = runner.run_groups.options(num_returns=len(at)).remote([tasks[i] for i in at], group_size)
-                for i, ref in zip(at, calls):
-                    refs[i] = ref
+            by_runner.setdefault(id(runner) if len(placed) == len(tasks) else i, (runner, []))[1].append(i)
+        try:
+            for runner, at in by_runner.values():
+                if len(at) == 1:
+                    refs[at[0]] = runner.run_group.remote(tasks[at[0]], group_size)
+                else:
+                    calls = runner.run_groups.options(num_returns=len(at)).remote([tasks[i] for i in at], group_size)
+                    for i, ref in zip(at, calls):
+                        refs[i] = ref
+        except BaseException:  # (a task Ray cannot serialize, Ctrl-C): the groups not sent give their slots
+            # back, those sent are left to finish and give theirs then; kept, the counts leaked, and once
+            # they reached the slots every later rollout waited for ever
+            with self._lock:
+                for ref, runner in zip(refs, placed):
+                    if ref is None:
+                        self.outstanding[id(runner)] -= group_size
+            self.abandon_groups([(ref, runner) for ref, runner in zip(refs, placed) if ref is not None], group_size)
+            raise
         return list(zip(refs, placed))
 
     def _release_abandoned(self) -> None:

@@ -23,7 +23,7 @@ KINDS = [("add_k", "+"), ("times_k", "*"), ("minus_k", "-")]
 def tasks(n: int, seed: int = 0) -> list[Task]:
     rng = random.Random(seed)
     out = []
-    for _ in range(n):
+    for i in range(n):
         name, op = rng.choice(KINDS)
         k = rng.randint(1, 9)
         solution = f"def {name}(x):\n    return x {op} {k}"
@@ -31,7 +31,8 @@ def tasks(n: int, seed: int = 0) -> list[Task]:
         exec(solution, scope)  # the reference solution makes the tests' expected values
         tests = [[x, scope[name](x)] for x in rng.sample(range(-5, 20), 4)]
         prompt = f"Write a Python function {name}(x) that returns x {op} {k}. Reply with the code only."
-        out.append(Task([{"role": "user", "content": prompt}], label={"name": name, "tests": tests, "solution": solution}))
+        out.append(Task([{"role": "user", "content": prompt}], label={"name": name, "tests": tests, "solution": solution},
+                        id=f"code-{seed}-{i}"))  # (the seed's and position's: a resumed run's tasks keep their ids)
     return out
 
 
