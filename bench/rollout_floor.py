@@ -31,6 +31,10 @@ forth at every torch op: stepping on the loop instead cut `engine` to 0.126-0.14
 0.203-0.224 s in alternating runs), and it held loopback requests behind each step: not kept
 (docs/ARCHITECTURE.md, the in-process engine core).
 
+On 2026-12-07 the rollout's first turns went to the engine as one call (they went as 16, a
+group's each): engine-ray 0.111 -> 0.089 s against engine 0.068-0.073 s (Ray's share ~43 ->
+~16 ms; the sends of one run, --only engine engine-ray).
+
 Even a rollout at the floor would leave the step with the checked weight sync (0.07 s), which
 TRL's single model copy does not have: ~25% of TRL's 0.28 s step on a quiet machine, so the
 sync loop would reach TRL's s/step only with a train step that much shorter than TRL's.
