@@ -587,9 +587,9 @@ class Rollout:
     def run_groups(self, tasks: list[Task], group_size: int = 1, progress: bool = True,
                    stop: threading.Event | None = None) -> list[list[Trajectory]]:
         """`group_size` episodes per task; returns one list of trajectories per task, in order.
-        Each group goes to the runner with the fewest outstanding episodes that has room, a
-        runner's groups as one call (submit_groups); the others wait until one has. Once `stop` is set it waits no more:
-        RolloutStopped, holding the groups finished (a stopped run waited out a whole rollout,
+        Each group goes to the runner with the fewest outstanding episodes that has room (a
+        runner's groups as one call where all fit: submit_groups); the others wait until one has.
+        Once `stop` is set it waits no more: RolloutStopped, holding the groups finished (a stopped run waited out a whole rollout,
         up to its episodes' timeouts, to throw it away). `tasks`: Tasks, or records as a data file
         holds them (an agent file's tasks() may return either; connect() takes both)."""
         from tqdm.auto import tqdm
