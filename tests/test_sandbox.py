@@ -542,6 +542,34 @@ def test_the_sandboxs_pid_1_is_killed_whatever_bwrap_does(monkeypatch):
     assert _survivors(token) == ""
 
 
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:  # reaped
+        return False
+
+
+def test_the_sandboxs_pid_1_is_reaped_not_left_a_zombie(monkeypatch):
+    """bwrap exits before its init (the sandbox's PID 1) has: orphaned, that init went to the host's
+    PID 1, and where that reaps nothing (a Python or Ray PID 1 under `docker run`) every call left a
+    zombie until the pids ran out. This process adopts it and reaps it, after a normal end and
+    after a timeout."""
+    pids = []
+
+    def recorded(*a):
+        got = real(*a)
+        pids.append(got[0])
+        return got
+
+    real = sandbox._sandbox_pid1
+    monkeypatch.setattr(sandbox, "_sandbox_pid1", recorded)
+    assert run_python("print(1)").stdout == "1\n"
+    assert run_python("while True: pass", timeout_s=0.5).timed_out
+    assert len(pids) >= 2  # (and the first call's check of the sandbox)
+    assert [p for p in pids if _zombie(p)] == []
+
+
 def test_output_printed_before_a_timeout_is_kept():
     # the interpreter runs unbuffered: what the code printed before the kill reaches the caller
     r = run_python("print('partial 123')\nwhile True: pass", timeout_s=1.5)

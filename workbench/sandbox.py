@@ -36,7 +36,9 @@ Isolation (bubblewrap, Debian package `bubblewrap` >= 0.8, installed by scripts/
   delegated cgroup) only the rlimits bound memory, and that kernel memory is not bounded;
 - a wall-clock timeout kills bwrap's process group and the sandbox's PID 1 (by a pidfd from
   bwrap's --info-fd, also at every normal end), and the kernel then kills everything in the
-  namespace; output is read incrementally and at most
+  namespace; that PID 1 outlives bwrap by a moment, and the caller, its adoptive parent
+  (PR_SET_CHILD_SUBREAPER), reaps it (left to the host's PID 1, a zombie every call where that
+  reaps nothing); output is read incrementally and at most
   `max_output` characters per stream are kept; past OUTPUT_FLOOD_BYTES dropped the program is
   killed (its stderr ends saying so);
 - the code is a read-only file (/run/main.py), not an argument: a single argument over 128 KiB
@@ -408,6 +410,8 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
                 os.chmod(os.path.join(cwd, name), 0o444)
             cmd = [exe]
         cmd += ["-I", "-S", "-c", _LAUNCHER, *limits, str(uid), str(MAX_TASKS), path]
+        # the sandbox's PID 1 outlives bwrap by a moment; adopted, it is reaped here (_kill_pid1)
+        adopts_orphans = _adopt_orphans()
         # a session of its own: the timeout kills the group (bwrap, and with it the sandbox)
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True)
@@ -437,7 +441,7 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
             raise
         finally:
             if pid1 is not None:  # whatever happened: the namespace's PID 1 goes, and the namespace with it
-                _kill_pid1(*pid1)
+                _kill_pid1(*pid1, reap=adopts_orphans and proc.returncode is not None)
     finally:
         for fd in fds + [f for f in (info_read, block_write) if f is not None]:
             os.close(fd)
@@ -689,7 +693,30 @@ def _remove_cgroup(path: str) -> None:
     warnings.warn(f"sandbox cgroup {path} still holds processes; left in place", RuntimeWarning, stacklevel=2)
 
 
-def _kill_pid1(pid: int, pidfd: int | None) -> None:
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+# how long _kill_pid1 waits for the killed PID 1 to exit before leaving it (it exits at once: SIGKILL)
+REAP_WAIT_S = 2.0
+
+
+@functools.lru_cache(maxsize=1)
+def _adopt_orphans() -> bool:
+    """Make this process its descendants' reaper (PR_SET_CHILD_SUBREAPER), once; whether it is.
+    bwrap exits as soon as the code's process does, before its init (the sandbox's PID 1) has: that
+    init, orphaned, went to the host's PID 1, which under `docker run` without --init (a Python or
+    Ray PID 1) reaps nothing: a zombie every run, until the pids ran out. Adopted, _kill_pid1 reaps
+    it. Other orphaned descendants of this process come here too instead of to the host's PID 1
+    (a daemon an agent's shell command left): they are not reaped here (reaping any child would
+    take the exit status from the Popen that waits for it)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _kill_pid1(pid: int, pidfd: int | None, reap: bool = False) -> None:
+    """Kill the sandbox's PID 1; `reap`: bwrap has exited and this process adopts orphans, so that
+    PID 1 is this process's child now: wait for it (its pid is not reused before that wait)."""
     try:
         if pidfd is None:
             os.kill(pid, signal.SIGKILL)
@@ -700,6 +727,15 @@ def _kill_pid1(pid: int, pidfd: int | None) -> None:
     finally:
         if pidfd is not None:
             os.close(pidfd)
+    deadline = time.monotonic() + REAP_WAIT_S
+    while reap:
+        try:
+            reaped, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not this process's child (reaped, or adopted elsewhere): nothing to do
+            return
+        if reaped or time.monotonic() > deadline:
+            return
+        time.sleep(0.001)
 
 
 def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: int, flood: int = 1 << 62,
