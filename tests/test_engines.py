@@ -1055,6 +1055,60 @@ def test_in_process_engine_adds_the_requests_of_one_pass_before_it_steps():
     assert log == [("add", "a"), ("abort", "a")] and finished == [True], log
 
 
+def test_an_abort_before_asyncllm_registers_the_request_still_stops_it():
+    """AsyncLLM (vLLM's engine core in its own process: the GPU path) registers a request only after
+    awaiting its input processing, and drops the abort of an id it does not hold: a request given
+    up within that window (EngineRouter aborts a coalesced call's request by id) sampled on to
+    max_tokens, unread. The engine sends the abort again while the request is in flight. A fake
+    AsyncLLM holds the window open (the race is microseconds on real vLLM)."""
+    from vllm.sampling_params import RequestOutputKind  # noqa: F401  (vLLM's, as generate_stream imports it)
+
+    from workbench.rollout.engine import RolloutEngine
+    from workbench.rollout.vllm_engine import VLLMEngine
+
+    class Output:
+        def __init__(self, finish_reason):
+            self.finished = True
+            self.outputs = [type("O", (), {"token_ids": [5], "logprobs": [{5: type("L", (), {"logprob": -1.0})()}],
+                                           "finish_reason": finish_reason,
+                                           "weight_versions": [type("Span", (), {"version": 0, "start": 0, "end": 1})()]})()]
+
+    class SlowToRegister:  # AsyncLLM's generate and abort, as far as the engine uses them
+        def __init__(self):
+            self.registered, self.aborted, self.aborts = set(), set(), []
+
+        async def generate(self, prompt, params, request_id):
+            await asyncio.sleep(0.2)  # (its input processing: the window)
+            self.registered.add(request_id)
+            for _ in range(100):  # 5 s: a long reply, unless aborted
+                if request_id in self.aborted:
+                    yield Output("abort")
+                    return
+                await asyncio.sleep(0.05)
+            yield Output("length")
+
+        async def abort(self, request_id):
+            self.aborts.append(request_id)
+            if request_id in self.registered:  # (an unknown id is dropped, as vLLM's output processor does)
+                self.aborted.add(request_id)
+
+    async def scenario():
+        engine = VLLMEngine.__new__(VLLMEngine)
+        RolloutEngine.__init__(engine)
+        engine.llm, engine._in_flight, engine._failed, engine._aborting = SlowToRegister(), set(), {}, set()
+        engine.supports_routed_experts = False
+        t0 = time.monotonic()
+        request = asyncio.ensure_future(engine.generate([1, 2, 3], SamplingConfig(max_tokens=4), "early"))
+        await asyncio.sleep(0.01)
+        await engine.abort("early")  # before the request is registered
+        sample = await asyncio.wait_for(request, 10)
+        return sample, time.monotonic() - t0, engine.llm.aborts
+
+    sample, took, aborts = asyncio.run(scenario())
+    assert sample.finish_reason == "abort" and took < 1.5, (sample.finish_reason, took)
+    assert aborts[0] == "early" and len(aborts) >= 2, aborts  # (the first found nothing)
+
+
 def test_vllm_abort_stop_strings_and_top_p(vllm_moe, moe_path):
     p = prompts(moe_path)[2]
     long = vllm_moe.generate.remote(p, SamplingConfig(max_tokens=600, ignore_eos=True), "to-abort")

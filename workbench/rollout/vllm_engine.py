@@ -14,6 +14,7 @@ Notes that shape this file (details in ../shared FACTS and docs/ARCHITECTURE.md)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -162,6 +163,8 @@ def moe_shape(model_path: str) -> tuple[int, int] | None:
 # On CPU a KV cache of at most this much memory (SmolLM2-135M in fp32: ~11,600 tokens; the toy
 # MoE: every one of 128 sequences at full length). See VLLMEngine.__init__.
 CPU_KV_CACHE_BYTES = 512 << 20
+# after an abort, the delays at which it is sent again while its request is still in flight (VLLMEngine._abort_again)
+ABORT_AGAIN_S = (0.05, 0.25, 1.0)
 
 
 def kv_bytes_per_token(model_path: str) -> int | None:
@@ -302,6 +305,7 @@ class VLLMEngine(RolloutEngine):
         self._shm = None  # this engine's temp dir (weight-sync files, vLLM's sockets), made by start()
         self._in_flight: set[str] = set()  # request ids generate_stream is serving
         self._failed: dict[str, BaseException] = {}  # in-flight requests aborted by _fail_in_flight: their error
+        self._aborting: set = set()  # abort()'s retries still waiting (held: a task only the loop references can be collected)
 
     async def start(self) -> dict:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -445,6 +449,22 @@ class VLLMEngine(RolloutEngine):
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
+        if request_id in self._in_flight:  # it may not be registered yet: aborted again while it is in flight
+            task = asyncio.ensure_future(self._abort_again(request_id))
+            self._aborting.add(task)
+            task.add_done_callback(self._aborting.discard)
+
+    async def _abort_again(self, request_id: str) -> None:
+        """AsyncLLM registers a request only after awaiting its input processing: an abort in that
+        window (a request given up within milliseconds of its send, EngineRouter's abort of a
+        coalesced call's request) found nothing, and the request sampled on to max_tokens, unread.
+        vLLM drops the abort of an id it does not hold, so one that had worked costs nothing more.
+        (The in-process core keeps such ids itself: InprocLLM._aborted_unsent.)"""
+        for delay in ABORT_AGAIN_S:
+            await asyncio.sleep(delay)
+            if request_id not in self._in_flight or self.llm is None:  # ended (aborted, finished, failed), or shut down
+                return
+            await self.llm.abort(request_id)
 
     async def pause(self) -> None:
         # "keep": in-flight requests are frozen, not aborted, and continue after resume.
