@@ -14,7 +14,7 @@ gate pass ratio (sequences kept by the gate, over trained sequences); the loop's
 ratio (groups admitted over groups finished: a group older than the bound is not trained);
 the staleness histogram of trained tokens, summed. Results: bench/results/async_loop.json.
 
-    .venv/bin/python bench/async_loop.py [--steps 4] [--rounds 2] [--prompts 8] [--group 4] [--agent FILE]
+    .venv/bin/python bench/async_loop.py [--steps 6] [--rounds 2] [--prompts 8] [--group 4] [--agent FILE]
 """
 
 from __future__ import annotations

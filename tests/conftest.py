@@ -13,6 +13,19 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _pin_host_reaps() -> None:
+    """This test process is taken to be under a PID 1 that reaps: a sandbox call here would otherwise
+    watch whether it does and, under one that does not, adopt every orphan of the processes the suite
+    starts (Ray's, vLLM's), each then a zombie here. tests/test_sandbox.py checks both verdicts in
+    processes of their own."""
+    from workbench import sandbox
+
+    sandbox._host_reaps = True
+
+
+_pin_host_reaps()
+
+
 @pytest.fixture(scope="session")
 def moe_path():
     from workbench.toy.models import toy_model_path

@@ -1063,7 +1063,7 @@ def test_an_abort_before_asyncllm_registers_the_request_still_stops_it():
     AsyncLLM holds the window open (the race is microseconds on real vLLM)."""
     from vllm.sampling_params import RequestOutputKind  # noqa: F401  (vLLM's, as generate_stream imports it)
 
-    from workbench.rollout.engine import RolloutEngine
+    from workbench.rollout.engine import RolloutEngine, TornWeights
     from workbench.rollout.vllm_engine import VLLMEngine
 
     class Output:
@@ -1074,11 +1074,11 @@ def test_an_abort_before_asyncllm_registers_the_request_still_stops_it():
                                            "weight_versions": [type("Span", (), {"version": 0, "start": 0, "end": 1})()]})()]
 
     class SlowToRegister:  # AsyncLLM's generate and abort, as far as the engine uses them
-        def __init__(self):
-            self.registered, self.aborted, self.aborts = set(), set(), []
+        def __init__(self, window_s):
+            self.window_s, self.registered, self.aborted, self.aborts = window_s, set(), set(), []
 
         async def generate(self, prompt, params, request_id):
-            await asyncio.sleep(0.2)  # (its input processing: the window)
+            await asyncio.sleep(self.window_s)  # (its input processing: the window)
             self.registered.add(request_id)
             for _ in range(100):  # 5 s: a long reply, unless aborted
                 if request_id in self.aborted:
@@ -1092,21 +1092,33 @@ def test_an_abort_before_asyncllm_registers_the_request_still_stops_it():
             if request_id in self.registered:  # (an unknown id is dropped, as vLLM's output processor does)
                 self.aborted.add(request_id)
 
-    async def scenario():
+    async def scenario(window_s, torn=False):
         engine = VLLMEngine.__new__(VLLMEngine)
         RolloutEngine.__init__(engine)
-        engine.llm, engine._in_flight, engine._failed, engine._aborting = SlowToRegister(), set(), {}, set()
+        engine.llm, engine._in_flight, engine._failed, engine._aborting = SlowToRegister(window_s), set(), {}, set()
         engine.supports_routed_experts = False
         t0 = time.monotonic()
         request = asyncio.ensure_future(engine.generate([1, 2, 3], SamplingConfig(max_tokens=4), "early"))
         await asyncio.sleep(0.01)
-        await engine.abort("early")  # before the request is registered
-        sample = await asyncio.wait_for(request, 10)
-        return sample, time.monotonic() - t0, engine.llm.aborts
+        if torn:  # a torn load fails what is in flight, before the request is registered
+            await engine._fail_in_flight(TornWeights("torn"))
+        else:
+            await engine.abort("early")  # before the request is registered
+        try:
+            got = await asyncio.wait_for(request, 10)
+        except TornWeights as e:
+            got = e
+        return got, time.monotonic() - t0, engine.llm.aborts
 
-    sample, took, aborts = asyncio.run(scenario())
+    sample, took, aborts = asyncio.run(scenario(0.2))
     assert sample.finish_reason == "abort" and took < 1.5, (sample.finish_reason, took)
     assert aborts[0] == "early" and len(aborts) >= 2, aborts  # (the first found nothing)
+    # registered late (a burst's registrations queue on vLLM's input processing): still stopped
+    sample, took, _ = asyncio.run(scenario(1.5))
+    assert sample.finish_reason == "abort" and took < 4, (sample.finish_reason, took)
+    # the torn load's abort, the same
+    got, took, _ = asyncio.run(scenario(0.2, torn=True))
+    assert isinstance(got, TornWeights) and took < 1.5, (got, took)
 
 
 def test_vllm_abort_stop_strings_and_top_p(vllm_moe, moe_path):

@@ -5,6 +5,7 @@ Without bwrap these tests fail with SandboxUnavailable naming the package; none 
 import ast
 import asyncio
 import errno
+import json
 import os
 import resource
 import shutil
@@ -542,32 +543,70 @@ def test_the_sandboxs_pid_1_is_killed_whatever_bwrap_does(monkeypatch):
     assert _survivors(token) == ""
 
 
-def _zombie(pid: int) -> bool:
+_REAP_CHECK = r"""
+import json, os, sys, time, ctypes
+from workbench import sandbox
+sandbox._host_reaps = False  # the watch's verdict where the host's PID 1 reaps nothing
+pids, reaped = [], []
+real_pid1, real_kill = sandbox._sandbox_pid1, sandbox._kill_pid1
+def pid1(*a):
+    got = real_pid1(*a); pids.append(got[0]); return got
+def kill(*a, **k):
+    out = real_kill(*a, **k); reaped.append(out); return out
+sandbox._sandbox_pid1, sandbox._kill_pid1 = pid1, kill
+assert sandbox.run_python("print(1)").stdout == "1\n"
+assert sandbox.run_python("while True: pass", timeout_s=0.5).timed_out
+child = os.fork()
+if child == 0:  # a forked child: the kernel cleared the flag, and it asks again
+    os._exit(0 if sandbox.run_python("print(2)").stdout == "2\n" and reaped[-1] is True else 1)
+_, status = os.waitpid(child, 0)
+def zombie(pid):
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"
-    except FileNotFoundError:  # reaped
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
         return False
+print(json.dumps({"reaped": reaped, "zombies": [p for p in pids if zombie(p)], "child_ok": status == 0,
+                  "subreaper": (lambda v: (ctypes.CDLL(None).prctl(37, ctypes.byref(v), 0, 0, 0), v.value)[1])(ctypes.c_int())}))
+"""
 
-
-def test_the_sandboxs_pid_1_is_reaped_not_left_a_zombie(monkeypatch):
-    """bwrap exits before its init (the sandbox's PID 1) has: orphaned, that init went to the host's
+def test_where_the_hosts_pid_1_reaps_nothing_the_caller_adopts_and_reaps_each_sandbox_init():
+    """bwrap exits before its init (the sandbox's PID 1) has: orphaned, that init goes to the host's
     PID 1, and where that reaps nothing (a Python or Ray PID 1 under `docker run`) every call left a
-    zombie until the pids ran out. This process adopts it and reaps it, after a normal end and
-    after a timeout."""
-    pids = []
+    zombie until the pids ran out. Once that is seen, the caller adopts orphans and reaps each
+    sandbox's init: after a normal end, after a timeout, and in a forked child (whose subreaper flag
+    the kernel cleared). In a process of its own: adopting, the test process would keep every orphan
+    of the suite's processes."""
+    out = subprocess.run([sys.executable, "-c", _REAP_CHECK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["reaped"] and all(got["reaped"]), got  # (the first call's check of the sandbox included)
+    assert got["zombies"] == [] and got["child_ok"] and got["subreaper"] == 1, got
 
-    def recorded(*a):
-        got = real(*a)
-        pids.append(got[0])
-        return got
 
-    real = sandbox._sandbox_pid1
-    monkeypatch.setattr(sandbox, "_sandbox_pid1", recorded)
-    assert run_python("print(1)").stdout == "1\n"
-    assert run_python("while True: pass", timeout_s=0.5).timed_out
-    assert len(pids) >= 2  # (and the first call's check of the sandbox)
-    assert [p for p in pids if _zombie(p)] == []
+def test_the_caller_adopts_orphans_only_where_the_hosts_pid_1_does_not_reap():
+    """Adopted where the host reaps, every other orphan of the caller's descendants (a daemon an
+    agent's shell command left) became a zombie of the caller. The first sandbox init orphaned to
+    the host is watched: reaped, nothing changes; still a zombie, the caller adopts from then on.
+    A zombie whose parent reaps nothing stands in for the host's PID 1."""
+    script = r"""
+import json, subprocess, sys, ctypes
+from workbench import sandbox
+flag = lambda: (lambda v: (ctypes.CDLL(None).prctl(37, ctypes.byref(v), 0, 0, 0), v.value)[1])(ctypes.c_int())
+gone = subprocess.Popen(["true"]); gone.wait()  # reaped: its pid names nothing now
+first = (sandbox._watch_host_reaper(gone.pid, wait_s=0.5), sandbox._host_reaps, flag())
+sandbox._host_reaps = None
+parent = subprocess.Popen([sys.executable, "-c", "import os, time\nif os.fork() == 0: os._exit(0)\ntime.sleep(60)"])
+import time; time.sleep(1.0)
+kids = [int(p) for p in open(f"/proc/{parent.pid}/task/{parent.pid}/children").read().split()]
+second = (sandbox._watch_host_reaper(kids[0], wait_s=0.5), sandbox._host_reaps, flag())
+parent.kill(); parent.wait()
+print(json.dumps({"first": first, "second": second}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["first"] == [False, True, 0], got  # the host reaped: nothing adopted
+    assert got["second"] == [True, False, 1], got  # a zombie stayed: adopted
 
 
 def test_output_printed_before_a_timeout_is_kept():

@@ -36,9 +36,9 @@ Isolation (bubblewrap, Debian package `bubblewrap` >= 0.8, installed by scripts/
   delegated cgroup) only the rlimits bound memory, and that kernel memory is not bounded;
 - a wall-clock timeout kills bwrap's process group and the sandbox's PID 1 (by a pidfd from
   bwrap's --info-fd, also at every normal end), and the kernel then kills everything in the
-  namespace; that PID 1 outlives bwrap by a moment, and the caller, its adoptive parent
-  (PR_SET_CHILD_SUBREAPER), reaps it (left to the host's PID 1, a zombie every call where that
-  reaps nothing); output is read incrementally and at most
+  namespace; that PID 1 outlives bwrap by a moment and goes to the host's PID 1; where that is
+  seen not to reap (_watch_host_reaper), the caller adopts orphans (PR_SET_CHILD_SUBREAPER) and
+  reaps each sandbox's PID 1 itself; output is read incrementally and at most
   `max_output` characters per stream are kept; past OUTPUT_FLOOD_BYTES dropped the program is
   killed (its stderr ends saying so);
 - the code is a read-only file (/run/main.py), not an argument: a single argument over 128 KiB
@@ -363,6 +363,7 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 256, max_outp
 
 def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_output: int,
          stdin: bytes, files: dict[str, bytes], disk_mb: int) -> SandboxResult:
+    global _reaper_watched
     exe = _interpreter()[0]
     limits = [str(memory_mb << 20), str(int(timeout_s) + 1), str(disk_mb << 20)]
     # one malloc arena: glibc reserves 64 MB of address space an arena, a thread each, all under
@@ -410,8 +411,7 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
                 os.chmod(os.path.join(cwd, name), 0o444)
             cmd = [exe]
         cmd += ["-I", "-S", "-c", _LAUNCHER, *limits, str(uid), str(MAX_TASKS), path]
-        # the sandbox's PID 1 outlives bwrap by a moment; adopted, it is reaped here (_kill_pid1)
-        adopts_orphans = _adopt_orphans()
+        adopts_orphans = bwrap is not None and _adopting_orphans()  # (_watch_host_reaper)
         # a session of its own: the timeout kills the group (bwrap, and with it the sandbox)
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True)
@@ -424,6 +424,8 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
         # episode failed and dropped, not scored 0), and a program that exited 0 as timed out
         deadline = time.monotonic() + START_S
         pid1 = _sandbox_pid1(info_read, deadline) if info_read is not None else None
+        first_pid1 = pid1 is not None and _host_reaps is None and not adopts_orphans and not _reaper_watched
+        _reaper_watched = _reaper_watched or first_pid1
         try:
             if block_write is not None and pid1 is not None:  # (None: bwrap failed first; _communicate reads why)
                 try:  # PID 1 (and so all it starts) into the cgroup, then let it go on
@@ -440,8 +442,15 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
             proc.wait()
             raise
         finally:
+            if pid1 is None and adopts_orphans and info_read is not None and proc.returncode is not None:
+                # bwrap said nothing in time (a loaded host) and has exited: what it wrote is there now, and
+                # its init, adopted, is this process's child (its pid is not reused before it is reaped here)
+                pid1 = _sandbox_pid1(info_read, time.monotonic())
             if pid1 is not None:  # whatever happened: the namespace's PID 1 goes, and the namespace with it
                 _kill_pid1(*pid1, reap=adopts_orphans and proc.returncode is not None)
+                if first_pid1 and proc.returncode is not None:  # does the host reap what bwrap leaves?
+                    threading.Thread(target=_watch_host_reaper, args=(pid1[0],), name="sandbox-reaper-watch",
+                                     daemon=True).start()
     finally:
         for fd in fds + [f for f in (info_read, block_write) if f is not None]:
             os.close(fd)
@@ -696,27 +705,67 @@ def _remove_cgroup(path: str) -> None:
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 # how long _kill_pid1 waits for the killed PID 1 to exit before leaving it (it exits at once: SIGKILL)
 REAP_WAIT_S = 2.0
+# how long the first orphaned PID 1 may stay a zombie before the host's PID 1 is taken not to reap
+HOST_REAP_WAIT_S = 10.0
+
+# bwrap exits as soon as the code's process does, before its init (the sandbox's PID 1) has: that init,
+# orphaned, goes to the host's PID 1, which under `docker run` without --init (a Python or Ray PID 1)
+# reaps nothing: a zombie every call, until the pids ran out. Whether the host reaps is watched once,
+# on the first such init (_watch_host_reaper); where it does not, this process adopts its orphaned
+# descendants (PR_SET_CHILD_SUBREAPER) and _kill_pid1 reaps each sandbox's init. Not where the host
+# reaps: adopted, every other orphan of this process's descendants (a daemon an agent's shell command
+# left) became a zombie here, since reaping any child but a known one takes an exit status from the
+# Popen that waits for it. Where the host does not reap, those were zombies of its PID 1 anyway.
+_host_reaps: bool | None = None  # None: not known yet
+_adopting = False  # this process has asked to adopt (a forked child has not: the kernel clears the flag)
+_reaper_watched = False  # a watch was started (again once one ends without knowing)
 
 
-@functools.lru_cache(maxsize=1)
-def _adopt_orphans() -> bool:
-    """Make this process its descendants' reaper (PR_SET_CHILD_SUBREAPER), once; whether it is.
-    bwrap exits as soon as the code's process does, before its init (the sandbox's PID 1) has: that
-    init, orphaned, went to the host's PID 1, which under `docker run` without --init (a Python or
-    Ray PID 1) reaps nothing: a zombie every run, until the pids ran out. Adopted, _kill_pid1 reaps
-    it. Other orphaned descendants of this process come here too instead of to the host's PID 1
-    (a daemon an agent's shell command left): they are not reaped here (reaping any child would
-    take the exit status from the Popen that waits for it)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+def _adopting_orphans() -> bool:
+    """Whether this process adopts its orphaned descendants: it does once the host's PID 1 was seen not
+    to reap, and asks again in a forked child (whose flag the kernel cleared)."""
+    global _adopting
+    if _host_reaps is False and not _adopting:
+        try:
+            _adopting = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            pass
+    return _adopting
 
 
-def _kill_pid1(pid: int, pidfd: int | None, reap: bool = False) -> None:
+def _forked() -> None:
+    global _adopting
+    _adopting = False
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def _watch_host_reaper(pid: int, wait_s: float | None = None) -> bool:
+    """Watch the first sandbox init orphaned to the host (`pid`, killed): reaped within `wait_s`
+    (HOST_REAP_WAIT_S), the host reaps; still a zombie, it does not, and from then on this process
+    adopts orphans (_adopting_orphans). Whether it does now."""
+    global _host_reaps, _reaper_watched
+    deadline, zombie = time.monotonic() + (HOST_REAP_WAIT_S if wait_s is None else wait_s), False
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rpartition(")")[2].split()[0] == "Z"
+        except (FileNotFoundError, ProcessLookupError):  # reaped
+            _host_reaps = True
+            return _adopting
+        time.sleep(0.05)
+    if zombie:
+        _host_reaps = False
+    else:  # (still alive: not known yet; a later call watches its own)
+        _reaper_watched = False
+    return _adopting_orphans()
+
+
+def _kill_pid1(pid: int, pidfd: int | None, reap: bool = False) -> bool:
     """Kill the sandbox's PID 1; `reap`: bwrap has exited and this process adopts orphans, so that
-    PID 1 is this process's child now: wait for it (its pid is not reused before that wait)."""
+    PID 1 is this process's child now: wait for it (its pid is not reused before that wait).
+    Whether it was reaped here."""
     try:
         if pidfd is None:
             os.kill(pid, signal.SIGKILL)
@@ -732,10 +781,13 @@ def _kill_pid1(pid: int, pidfd: int | None, reap: bool = False) -> None:
         try:
             reaped, _ = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:  # not this process's child (reaped, or adopted elsewhere): nothing to do
-            return
-        if reaped or time.monotonic() > deadline:
-            return
+            return False
+        if reaped:
+            return True
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.001)
+    return False
 
 
 def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, keep: int, flood: int = 1 << 62,

@@ -163,8 +163,9 @@ def moe_shape(model_path: str) -> tuple[int, int] | None:
 # On CPU a KV cache of at most this much memory (SmolLM2-135M in fp32: ~11,600 tokens; the toy
 # MoE: every one of 128 sequences at full length). See VLLMEngine.__init__.
 CPU_KV_CACHE_BYTES = 512 << 20
-# after an abort, the delays at which it is sent again while its request is still in flight (VLLMEngine._abort_again)
-ABORT_AGAIN_S = (0.05, 0.25, 1.0)
+# after an abort, the first delay at which it is sent again while its request is still in flight, doubled
+# each time up to the last (VLLMEngine._abort_again: a burst's registrations queue on vLLM's input processing)
+ABORT_AGAIN_S = (0.05, 2.0)
 
 
 def kv_bytes_per_token(model_path: str) -> int | None:
@@ -458,13 +459,17 @@ class VLLMEngine(RolloutEngine):
         """AsyncLLM registers a request only after awaiting its input processing: an abort in that
         window (a request given up within milliseconds of its send, EngineRouter's abort of a
         coalesced call's request) found nothing, and the request sampled on to max_tokens, unread.
-        vLLM drops the abort of an id it does not hold, so one that had worked costs nothing more.
-        (The in-process core keeps such ids itself: InprocLLM._aborted_unsent.)"""
-        for delay in ABORT_AGAIN_S:
+        vLLM drops the abort of an id it does not hold, so one that had worked costs nothing more;
+        sent again for as long as the request is in flight (a burst's registrations queue one after
+        another on vLLM's input processing: a fixed few tries gave up on the late ones). (The
+        in-process core keeps such ids itself: InprocLLM._aborted_unsent.)"""
+        delay, longest = ABORT_AGAIN_S
+        while True:
             await asyncio.sleep(delay)
             if request_id not in self._in_flight or self.llm is None:  # ended (aborted, finished, failed), or shut down
                 return
             await self.llm.abort(request_id)
+            delay = min(2 * delay, longest)
 
     async def pause(self) -> None:
         # "keep": in-flight requests are frozen, not aborted, and continue after resume.
@@ -509,7 +514,7 @@ class VLLMEngine(RolloutEngine):
         for request_id in list(self._in_flight):  # each ends as aborted; generate_stream raises its error
             if request_id in self._in_flight:  # (not finished while an earlier one's abort was awaited)
                 self._failed[request_id] = error
-                await self.llm.abort(request_id)
+                await self.abort(request_id)  # (again while in flight: one not registered yet ran on to max_tokens)
 
     async def _drop_old_kv(self) -> None:
         """After a load: no K/V computed with the old weights may be read again. vLLM's plain
