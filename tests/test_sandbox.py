@@ -596,8 +596,11 @@ gone = subprocess.Popen(["true"]); gone.wait()  # reaped: its pid names nothing 
 first = (sandbox._watch_host_reaper(gone.pid, wait_s=0.5), sandbox._host_reaps, flag())
 sandbox._host_reaps = None
 parent = subprocess.Popen([sys.executable, "-c", "import os, time\nif os.fork() == 0: os._exit(0)\ntime.sleep(60)"])
-import time; time.sleep(1.0)
-kids = [int(p) for p in open(f"/proc/{parent.pid}/task/{parent.pid}/children").read().split()]
+import time
+deadline, kids = time.monotonic() + 30, []
+while not kids and time.monotonic() < deadline:  # (its child forked and exited: a zombie it never reaps)
+    kids = [int(p) for p in open(f"/proc/{parent.pid}/task/{parent.pid}/children").read().split()]
+    time.sleep(0.05)
 second = (sandbox._watch_host_reaper(kids[0], wait_s=0.5), sandbox._host_reaps, flag())
 parent.kill(); parent.wait()
 print(json.dumps({"first": first, "second": second}))
@@ -607,6 +610,73 @@ print(json.dumps({"first": first, "second": second}))
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["first"] == [False, True, 0], got  # the host reaped: nothing adopted
     assert got["second"] == [True, False, 1], got  # a zombie stayed: adopted
+
+
+# A host PID 1 that reaps nothing: orphans below it come to it (PR_SET_CHILD_SUBREAPER) and stay
+# zombies until the caller has ended, then counted (and reaped: the test leaves nothing)
+_NON_REAPING_INIT = r"""
+import ctypes, json, os, subprocess, sys
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+out, err = child.communicate(timeout=300)
+def state(k):
+    try:
+        return open(f"/proc/{k}/stat").read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return None
+kids = open(f"/proc/self/task/{os.getpid()}/children").read().split()
+zombies = [k for k in kids if state(k) == "Z"]
+for k in zombies:
+    os.waitpid(int(k), 0)
+print(json.dumps({"caller": out.strip().splitlines()[-1] if out.strip() else err[-1500:], "host_zombies": len(zombies)}))
+"""
+
+_CALLER = r"""
+import ctypes, json, os, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from workbench import sandbox
+sandbox.HOST_REAP_WAIT_S = 1.0
+flag = lambda: (lambda v: (ctypes.CDLL(None).prctl(37, ctypes.byref(v), 0, 0, 0), v.value)[1])(ctypes.c_int())
+def zombies():
+    kids = open(f"/proc/self/task/{os.getpid()}/children").read().split()
+    out = []
+    for k in kids:
+        try:
+            out += [k] if open(f"/proc/{k}/stat").read().rpartition(")")[2].split()[0] == "Z" else []
+        except FileNotFoundError:
+            pass
+    return out
+def calls(seconds):
+    end, n = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        assert sandbox.run_python("print(7)").stdout == "7\n"
+        n += 1
+    return n
+with ThreadPoolExecutor(4) as pool:  # concurrent calls across the watch and its verdict
+    n = sum(pool.map(calls, [2.5] * 4))
+child = os.fork()
+if child == 0:  # a forked child: its flag cleared by the kernel, it asks again
+    calls(0.5)
+    os._exit(0 if flag() == 1 and not zombies() else 1)
+_, status = os.waitpid(child, 0)
+print(json.dumps({"calls": n, "verdict": sandbox._host_reaps, "flag": flag(), "own_zombies": zombies(), "child_ok": status == 0}))
+"""
+
+
+def test_under_a_pid_1_that_reaps_nothing_calls_leave_no_zombies_past_the_first_few():
+    """End to end, as a runner under `docker run` without --init: concurrent calls from 4 threads
+    across the first init's watch and its verdict, then a fork. The host's PID 1 keeps the first
+    init (the one watched) and at most the few whose bwrap exited before the watch began; every
+    later init is reaped by the caller (hundreds were left before), none stays a zombie of the
+    caller, and the forked child adopts too."""
+    out = subprocess.run([sys.executable, "-c", _NON_REAPING_INIT, _CALLER], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    caller = json.loads(got["caller"]) if got["caller"].startswith("{") else got["caller"]
+    assert isinstance(caller, dict), caller
+    assert caller["verdict"] is False and caller["flag"] == 1 and caller["child_ok"], caller
+    assert caller["own_zombies"] == [] and caller["calls"] > 20, caller
+    assert 1 <= got["host_zombies"] <= 12, got  # (the inits whose bwrap exited before the watch began)
 
 
 def test_output_printed_before_a_timeout_is_kept():

@@ -411,7 +411,8 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
                 os.chmod(os.path.join(cwd, name), 0o444)
             cmd = [exe]
         cmd += ["-I", "-S", "-c", _LAUNCHER, *limits, str(uid), str(MAX_TASKS), path]
-        adopts_orphans = bwrap is not None and _adopting_orphans()  # (_watch_host_reaper)
+        adopted = bwrap is not None and _adopting_orphans()  # this call's init comes here (_watch_host_reaper)
+        adopted_since = _adoptions
         # a session of its own: the timeout kills the group (bwrap, and with it the sandbox)
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True)
@@ -424,7 +425,7 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
         # episode failed and dropped, not scored 0), and a program that exited 0 as timed out
         deadline = time.monotonic() + START_S
         pid1 = _sandbox_pid1(info_read, deadline) if info_read is not None else None
-        first_pid1 = pid1 is not None and _host_reaps is None and not adopts_orphans and not _reaper_watched
+        first_pid1 = pid1 is not None and _host_reaps is None and not adopted and not _reaper_watched
         _reaper_watched = _reaper_watched or first_pid1
         try:
             if block_write is not None and pid1 is not None:  # (None: bwrap failed first; _communicate reads why)
@@ -442,15 +443,18 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
             proc.wait()
             raise
         finally:
-            if pid1 is None and adopts_orphans and info_read is not None and proc.returncode is not None:
+            # adopted: bwrap has exited and its init may be this process's child (then its pid is not reused
+            # before it is reaped here; a waitpid on another's fails). The flag read again: a watch that
+            # started during the call set it, one that ended may have cleared it since
+            adopted = proc.returncode is not None and (adopted or _adopting or _adoptions != adopted_since)
+            if pid1 is None and adopted and info_read is not None:
                 # bwrap said nothing in time (a loaded host) and has exited: what it wrote is there now, and
                 # its init, adopted, is this process's child (its pid is not reused before it is reaped here)
                 pid1 = _sandbox_pid1(info_read, time.monotonic())
             if pid1 is not None:  # whatever happened: the namespace's PID 1 goes, and the namespace with it
-                _kill_pid1(*pid1, reap=adopts_orphans and proc.returncode is not None)
-                if first_pid1 and proc.returncode is not None:  # does the host reap what bwrap leaves?
-                    threading.Thread(target=_watch_host_reaper, args=(pid1[0],), name="sandbox-reaper-watch",
-                                     daemon=True).start()
+                _kill_pid1(*pid1, reap=adopted)
+                if first_pid1:  # does the host reap what bwrap leaves? (an init bwrap reaped itself says nothing)
+                    _start_watch(pid1[0] if proc.returncode is not None and _proc_state(pid1[0]) is not None else None)
     finally:
         for fd in fds + [f for f in (info_read, block_write) if f is not None]:
             os.close(fd)
@@ -717,49 +721,85 @@ HOST_REAP_WAIT_S = 10.0
 # left) became a zombie here, since reaping any child but a known one takes an exit status from the
 # Popen that waits for it. Where the host does not reap, those were zombies of its PID 1 anyway.
 _host_reaps: bool | None = None  # None: not known yet
-_adopting = False  # this process has asked to adopt (a forked child has not: the kernel clears the flag)
+_adopting = False  # the flag is set (a forked child's is not: the kernel clears it)
 _reaper_watched = False  # a watch was started (again once one ends without knowing)
+_adoptions = 0  # times the flag was set
+
+
+def _subreaper(on: bool) -> bool:
+    """Set or clear this process's PR_SET_CHILD_SUBREAPER flag; whether it is set now."""
+    global _adopting, _adoptions
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0:
+            _adoptions += on and not _adopting
+            _adopting = on
+    except (OSError, AttributeError):
+        pass
+    return _adopting
 
 
 def _adopting_orphans() -> bool:
-    """Whether this process adopts its orphaned descendants: it does once the host's PID 1 was seen not
-    to reap, and asks again in a forked child (whose flag the kernel cleared)."""
-    global _adopting
-    if _host_reaps is False and not _adopting:
-        try:
-            _adopting = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-        except (OSError, AttributeError):
-            pass
+    """Whether this process adopts its orphaned descendants now: while a watch runs (_start_watch) and
+    where the host's PID 1 was seen not to reap (asked again in a forked child, whose flag the kernel
+    cleared)."""
+    if not _adopting and _host_reaps is False:
+        _subreaper(True)
     return _adopting
 
 
 def _forked() -> None:
-    global _adopting
+    global _adopting, _reaper_watched
     _adopting = False
+    if _host_reaps is None:  # (the watch thread is the parent's: this process watches its own)
+        _reaper_watched = False
 
 
 os.register_at_fork(after_in_child=_forked)
 
 
+def _proc_state(pid: int) -> str | None:
+    """A process's state letter ("Z": a zombie), None once it is reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _start_watch(pid: int | None) -> None:
+    """Watch `pid`, the first sandbox init orphaned to the host (None: there was none: bwrap had not
+    exited, or had reaped its init itself; the next call's is watched), in a thread; meanwhile this process adopts, so that the calls made during the watch are
+    reaped here whatever the verdict. A thread that cannot start (no threads left): not watched yet."""
+    global _reaper_watched
+    if pid is None:
+        _reaper_watched = False
+        return
+    _subreaper(True)
+    try:
+        threading.Thread(target=_watch_host_reaper, args=(pid,), name="sandbox-reaper-watch", daemon=True).start()
+    except RuntimeError:
+        _reaper_watched = False
+        _subreaper(False)
+
+
 def _watch_host_reaper(pid: int, wait_s: float | None = None) -> bool:
     """Watch the first sandbox init orphaned to the host (`pid`, killed): reaped within `wait_s`
-    (HOST_REAP_WAIT_S), the host reaps; still a zombie, it does not, and from then on this process
-    adopts orphans (_adopting_orphans). Whether it does now."""
+    (HOST_REAP_WAIT_S), the host reaps, and this process stops adopting (an orphan adopted during
+    the watch stays here unreaped, as a sandbox's init does not: _kill_pid1 reaped those); still a
+    zombie, the host does not, and this process adopts from then on. Whether it adopts now."""
     global _host_reaps, _reaper_watched
-    deadline, zombie = time.monotonic() + (HOST_REAP_WAIT_S if wait_s is None else wait_s), False
+    deadline, state = time.monotonic() + (HOST_REAP_WAIT_S if wait_s is None else wait_s), None
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rpartition(")")[2].split()[0] == "Z"
-        except (FileNotFoundError, ProcessLookupError):  # reaped
+        state = _proc_state(pid)
+        if state is None:  # reaped
             _host_reaps = True
-            return _adopting
+            return _subreaper(False)
         time.sleep(0.05)
-    if zombie:
+    if state == "Z":
         _host_reaps = False
-    else:  # (still alive: not known yet; a later call watches its own)
-        _reaper_watched = False
-    return _adopting_orphans()
+        return _subreaper(True)
+    _reaper_watched = False  # (still alive: not known yet; a later call watches its own)
+    return _subreaper(False)
 
 
 def _kill_pid1(pid: int, pidfd: int | None, reap: bool = False) -> bool:
