@@ -768,8 +768,9 @@ def _proc_state(pid: int) -> str | None:
 
 def _start_watch(pid: int | None) -> None:
     """Watch `pid`, the first sandbox init orphaned to the host (None: there was none: bwrap had not
-    exited, or had reaped its init itself; the next call's is watched), in a thread; meanwhile this process adopts, so that the calls made during the watch are
-    reaped here whatever the verdict. A thread that cannot start (no threads left): not watched yet."""
+    exited, or had reaped its init itself; the next call's is watched), in a thread; meanwhile this
+    process adopts, so that the calls made during the watch are reaped here whatever the verdict.
+    A thread that cannot start (no threads left): not watched yet."""
     global _reaper_watched
     if pid is None:
         _reaper_watched = False
