@@ -578,6 +578,8 @@ class VLLMEngine(RolloutEngine):
         return [d[t].logprob for t, d in zip(ids[1:-1], final.prompt_logprobs[1:])] + [last]
 
     async def shutdown(self) -> None:
+        for task in list(self._aborting):  # (abort()'s retries: nothing left to abort)
+            task.cancel()
         if self._rx is not None:
             await self._rx.close()
             self._rx = None
