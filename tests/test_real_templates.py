@@ -501,6 +501,9 @@ def test_c_qwen3_normalizes_a_decomposed_accent_and_drift_counts_only_it(fams):
     alone = retokenization_drift(fmt, accent)
     assert fmt.encode(fmt.decode(accent + tail)) != accent + tail and 1 <= alone <= 3
     assert retokenization_drift(fmt, accent + tail) == alone  # (it read 19 of 22)
+    # "ca" "fe" U+0301 "\n" "x" against "ca" "fé" "\n" "x": the two units before the newline drift, and
+    # only they (the retokenized newline's end tied with the accent's, and it read 4 of 5)
+    assert retokenization_drift(fmt, ids("cafe") + ids("\u0301") + ids("\n") + ids("x")) == 2
     # where the text is not normalized the spans decide: in repetitive text both tokens of "aaaaa" as
     # [a, aaaa] against the retokenized [aaaa, a] drift (matched by ids alone, one read as kept)
     assert retokenization_drift(fmt, ids("a") + ids("aaaa")) == 2

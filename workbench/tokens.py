@@ -626,23 +626,33 @@ def retokenization_drift(fmt: ChatFormat, sampled: list[int]) -> int:
         tail = next((k for k in range(min(n, m) - head) if sampled[n - 1 - k] != again[m - 1 - k]), min(n, m) - head)
         return n - head - tail
     if decode(again) != text:
-        return _drift_walk(mine, theirs)
+        return _drift_walk(mine, theirs, len(decode(again)) - len(text))
     theirs = set(theirs)
     return sum(len(u[2]) for u in mine if u not in theirs)
 
 
-def _drift_walk(mine: list, theirs: list) -> int:
-    """retokenization_drift's count where the retokenized text differs from the sampled one: a merge
-    walk over the two unit lists, a unit matched by the next one of the other with the same ids
-    (where the two differ, the one that ends first, in the sampled text's characters as of the last
-    match, moves on)."""
+def _drift_walk(mine: list, theirs: list, grown: int = 0) -> int:
+    """retokenization_drift's count where the retokenized text differs from the sampled one
+    (`grown` characters longer: negative where normalizing shortened it): a merge walk over the two
+    unit lists, a unit matched by the next one of the other with the same ids. Where the two
+    differ, a unit whose next neighbour matches the other's unit moves on (the sampled "e" + U+0301
+    against the composed "é": the accent's unit drifts, the newline after it matches; compared by
+    ends alone, the tie let the retokenized newline go first and every later unit drifted), at a
+    shift the texts' lengths allow; else the one that ends first, in the sampled text's characters
+    as of the last match."""
     end = lambda u: math.inf if u[1] < 0 else u[1]  # noqa: E731 (trailing bytes that never made a character)
+    possible = lambda a, b: min(0, grown) <= b[0] - a[0] <= max(0, grown)  # noqa: E731 (theirs b against mine a)
     i = j = drift = 0
     shift = 0  # the retokenized text's position minus the sampled one's, at the last match
     while i < len(mine):
         if j < len(theirs) and mine[i][2] == theirs[j][2]:
             shift = theirs[j][0] - mine[i][0]
             i, j = i + 1, j + 1
+        elif j < len(theirs) and i + 1 < len(mine) and mine[i + 1][2] == theirs[j][2] and possible(mine[i + 1], theirs[j]):
+            drift += len(mine[i][2])
+            i += 1
+        elif j + 1 < len(theirs) and theirs[j + 1][2] == mine[i][2] and possible(mine[i], theirs[j + 1]):
+            j += 1
         elif j < len(theirs) and end(theirs[j]) - shift <= end(mine[i]):
             j += 1
         else:
