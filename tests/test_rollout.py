@@ -609,7 +609,7 @@ def test_a_runner_ray_calls_unavailable_for_a_moment_is_kept(monkeypatch):
     runner = Runner()
     rollout = object.__new__(Rollout)
     rollout.runners, rollout.lost, rollout._lock = [runner], [], threading.Lock()
-    rollout._names, rollout.outstanding = {id(runner): "runner 0"}, {id(runner): 2}
+    rollout._names, rollout.outstanding, rollout._shared = {id(runner): "runner 0"}, {id(runner): 2}, {}
     group = rollout.finish_group("group-ref", runner, Task([{"role": "user", "content": "?"}]), 2)
     assert all("unreachable for a moment" in t.error and not t.info["runner_lost"] for t in group)
     assert rollout.runners == [runner] and rollout.lost == []
@@ -873,6 +873,28 @@ def test_an_interrupted_rollout_gives_its_slots_back_when_its_groups_finish(roll
     with pytest.raises(runner_mod.RolloutStopped) as stopped:
         rollout.run_groups([task, task], group_size=2, progress=False, stop=stop)
     assert stopped.value.groups == [] and sum(rollout.outstanding.values()) == 4 and len(rollout._abandoned) == 2
+
+
+def test_a_stop_keeps_the_groups_finished_inside_a_shared_runner_call(rollout_for):
+    """A runner's groups go as one call (submit_groups) whose returns come all at its end: a stop
+    found none of them ready and the groups that had finished went unrecorded (a stopped sync run
+    lost its last rollout's finished groups). They are asked of the runner; the slow one is left
+    running, its call's slots held until it ends."""
+    import threading
+
+    import workbench.rollout.runner as runner_mod
+
+    rollout = rollout_for(AGENTS / "slow_task.py", episode_timeout_s=120)
+    tasks = [Task([{"role": "user", "content": "Say something."}], id=f"fast{i}") for i in range(3)]
+    tasks.append(Task([{"role": "user", "content": "Say something."}], id="slow", info={"sleep": 60}))
+    stop = threading.Event()
+    threading.Timer(8.0, stop.set).start()  # the fast groups' one turn each is done by then
+    with pytest.raises(runner_mod.RolloutStopped) as stopped:
+        rollout.run_groups(tasks, group_size=2, progress=False, stop=stop)
+    groups = stopped.value.groups
+    assert sorted(g[0].info["task_id"] for g in groups) == ["fast0", "fast1", "fast2"]
+    assert all(t.error is None and t.reward == 1.0 and t.segments for g in groups for t in g)
+    assert sum(rollout.outstanding.values()) == 8 and len(rollout._abandoned) == 4  # (the call runs on)
 
 
 def test_a_runner_dropped_as_unavailable_is_killed(rollout_for):
@@ -1195,12 +1217,12 @@ def test_a_stopped_rollout_hands_back_every_group_finished_by_then(monkeypatch):
 
     from workbench.rollout import runner as runner_mod
 
-    many = types.SimpleNamespace(remote=lambda tasks, n: [("ref", t.id) for t in tasks])  # (a return per group)
+    many = types.SimpleNamespace(remote=lambda tasks, n, call_id: [("ref", t.id) for t in tasks])  # (a return per group)
     runner = types.SimpleNamespace(run_group=types.SimpleNamespace(remote=lambda task, n: ("ref", task.id)),
                                    run_groups=types.SimpleNamespace(options=lambda num_returns: many))
     rollout = object.__new__(Rollout)
     rollout.runners, rollout._slots, rollout.outstanding, rollout._lock = [runner], 100, {id(runner): 0}, threading.Lock()
-    rollout._abandoned, rollout._names, rollout.lost = {}, {id(runner): "runner 0"}, []
+    rollout._abandoned, rollout._names, rollout.lost, rollout._shared = {}, {id(runner): "runner 0"}, [], {}
     stop, collected = threading.Event(), []
     monkeypatch.setattr(runner_mod.ray, "wait", lambda refs, num_returns=1, timeout=None: (list(refs)[:num_returns], list(refs)[num_returns:]))
 
@@ -1227,7 +1249,7 @@ def _fake_runners(n: int, slots: int, fail_many: set = frozenset()):
             self.name, self.calls = name, []
             self.run_group = types.SimpleNamespace(remote=lambda task, n: self._call("run_group", [task]))
             self.run_groups = types.SimpleNamespace(options=lambda num_returns: types.SimpleNamespace(
-                remote=lambda tasks, n: self._call("run_groups", tasks)))
+                remote=lambda tasks, n, call_id: self._call("run_groups", tasks)))
 
         def _call(self, method, tasks):
             if method == "run_groups" and self.name in fail_many:
@@ -1239,7 +1261,7 @@ def _fake_runners(n: int, slots: int, fail_many: set = frozenset()):
     runners = [FakeRunner(chr(97 + i)) for i in range(n)]
     rollout = object.__new__(Rollout)
     rollout.runners, rollout._slots, rollout._lock = list(runners), slots, threading.Lock()
-    rollout.outstanding, rollout._abandoned = {id(r): 0 for r in runners}, {}
+    rollout.outstanding, rollout._abandoned, rollout._shared = {id(r): 0 for r in runners}, {}, {}
     rollout._names, rollout.lost = {id(r): r.name for r in runners}, []
     return rollout, runners
 

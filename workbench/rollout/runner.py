@@ -94,6 +94,7 @@ class RolloutRunner:
         # thread cannot be cancelled; the episode's task ended at once, so _orphans never held them)
         self._sync_orphans: set = set()
         self._sync_busy, self._sync_lock = 0, threading.Lock()  # sync agents' threads running an agent
+        self._calls: dict[str, dict] = {}  # run_groups calls running: their groups finished so far (finished_groups)
         # What is alive now (torch, Ray, the SDKs, the tokenizer: ~300,000 objects) lives as long as the
         # runner: out of the collector's walk. A full collection walked it all while every in-flight
         # request waited (60-117 ms each, a few per bench run: the loopback's occasional p99 of
@@ -119,13 +120,31 @@ class RolloutRunner:
         group_id = group_id or uuid.uuid4().hex[:12]
         return list(await asyncio.gather(*[self.run_episode(task, group_id) for _ in range(n)]))
 
-    async def run_groups(self, tasks: list[Task], n: int) -> list[list[Trajectory]]:
+    async def run_groups(self, tasks: list[Task], n: int, call_id: str | None = None) -> list[list[Trajectory]]:
         """run_group for each task, in one call (Rollout.submit_groups: a Ray call per group cost
         the driver and this runner CPU, and their first turns reached the router in separate
-        passes, so separate engine calls). A group that raises fails alone, as its own call did."""
-        got = await asyncio.gather(*[self.run_group(t, n) for t in tasks], return_exceptions=True)
+        passes, so separate engine calls). A group that raises fails alone, as its own call did.
+        `call_id`: the groups finished so far are kept under it while the call runs (a caller that
+        stops waiting takes them with finished_groups: the call's returns come all at its end)."""
+        finished = self._calls.setdefault(call_id, {}) if call_id is not None else {}
+
+        async def one(i: int, task: Task):
+            try:
+                finished[i] = await self.run_group(task, n)
+            except Exception as e:
+                finished[i] = _failed_group(task, n, f"the group failed in its runner: {e!r}"[:400], runner_lost=False)
+            return finished[i]
+
+        try:
+            got = await asyncio.gather(*[one(i, t) for i, t in enumerate(tasks)], return_exceptions=True)
+        finally:
+            self._calls.pop(call_id, None)
         return [_failed_group(t, n, f"the group failed in its runner: {g!r}"[:400], runner_lost=False)
                 if isinstance(g, BaseException) else g for t, g in zip(tasks, got)]
+
+    def finished_groups(self, call_id: str) -> dict[int, list[Trajectory]]:
+        """The groups of a running run_groups call that have finished, by their place in it."""
+        return dict(self._calls.get(call_id, {}))
 
     async def run_episode(self, task: Task, group_id: str = "") -> Trajectory:
         loop = asyncio.get_running_loop()
@@ -436,6 +455,7 @@ def _check_env_messages(messages, where: str) -> None:
                             f"must be a string or a list of text parts (json.dumps a structured result)")
 
 
+FINISHED_ASK_S = 10.0  # a stopped rollout's wait for a runner to say which groups of a shared call finished
 SYNC_AGENT_SPARE_THREADS = 64  # threads for synchronous agents stuck past their episode (RolloutRunner._sync_agents)
 
 
@@ -487,6 +507,8 @@ class Rollout:
         # groups a caller stopped waiting for (run_groups interrupted): their runners still run them,
         # so their slots are given back when they finish (_release_abandoned), not before, not never
         self._abandoned: dict = {}  # ref -> (runner, group size)
+        # the groups sent in one runner call (submit_groups): ref -> (the call's id, the group's place in it)
+        self._shared: dict = {}
 
     def _lose(self, runner, error: BaseException) -> str:
         import sys
@@ -532,7 +554,7 @@ class Rollout:
                 runner = min(free, key=lambda r: self.outstanding[id(r)])
                 self.outstanding[id(runner)] += group_size
                 placed.append(runner)
-        refs, by_runner = [None] * len(placed), {}
+        refs, by_runner, call_id = [None] * len(placed), {}, uuid.uuid4().hex
         for i, runner in enumerate(placed):
             by_runner.setdefault(id(runner) if len(placed) == len(tasks) else i, (runner, []))[1].append(i)
         try:
@@ -540,9 +562,10 @@ class Rollout:
                 if len(at) == 1:
                     refs[at[0]] = runner.run_group.remote(tasks[at[0]], group_size)
                 else:
-                    calls = runner.run_groups.options(num_returns=len(at)).remote([tasks[i] for i in at], group_size)
-                    for i, ref in zip(at, calls):
+                    calls = runner.run_groups.options(num_returns=len(at)).remote([tasks[i] for i in at], group_size, call_id)
+                    for k, (i, ref) in enumerate(zip(at, calls)):
                         refs[i] = ref
+                        self._shared[ref] = (call_id, k)
         except BaseException:  # (a task Ray cannot serialize, Ctrl-C): the groups not sent give their slots
             # back, those sent are left to finish and give theirs then; kept, the counts leaked, and once
             # they reached the slots every later rollout waited for ever
@@ -554,12 +577,33 @@ class Rollout:
             raise
         return list(zip(refs, placed))
 
+    def _finished_in_calls(self, inflight: dict) -> list[tuple[int, list[Trajectory]]]:
+        """(task index, group) of the groups in flight that finished inside a runner call still
+        running (submit_groups' shared calls: their returns come all at the call's end, so a stop
+        found none of them ready, and the finished ones went unrecorded), asked of their runners.
+        Their refs stay in flight (abandoned: the call's slots come back when it ends)."""
+        calls: dict = {}
+        for ref, (i, runner) in inflight.items():
+            if ref in self._shared:
+                call_id, k = self._shared[ref]
+                calls.setdefault(call_id, (runner, {}))[1][k] = i
+        asked = {call_id: runner.finished_groups.remote(call_id) for call_id, (runner, _) in calls.items()}
+        got = []
+        for call_id, ref in asked.items():
+            try:  # (a runner that does not answer: its groups are left as before)
+                finished = ray.get(ref, timeout=FINISHED_ASK_S)
+            except Exception:
+                continue
+            got += [(calls[call_id][1][k], group) for k, group in finished.items() if k in calls[call_id][1]]
+        return got
+
     def _release_abandoned(self) -> None:
         """(Under the lock.) Give back the slots of abandoned groups that have finished."""
         if self._abandoned:
             ready, _ = ray.wait(list(self._abandoned), num_returns=len(self._abandoned), timeout=0)
             for ref in ready:
                 runner, n = self._abandoned.pop(ref)
+                self._shared.pop(ref, None)
                 self.outstanding[id(runner)] = self.outstanding.get(id(runner), n) - n
 
     def finish_group(self, ref, runner, task: Task, group_size: int) -> list[Trajectory]:
@@ -583,6 +627,7 @@ class Rollout:
         finally:
             with self._lock:
                 self.outstanding[id(runner)] -= group_size
+                self._shared.pop(ref, None)
 
     def run_groups(self, tasks: list[Task], group_size: int = 1, progress: bool = True,
                    stop: threading.Event | None = None) -> list[list[Trajectory]]:
@@ -616,6 +661,8 @@ class Rollout:
                         for ref in ready:  # unrecorded with the ones still running)
                             i, r = inflight.pop(ref)
                             out[i] = self.finish_group(ref, r, tasks[i], group_size)
+                        for i, group in self._finished_in_calls(inflight):
+                            out[i] = group
                         raise RolloutStopped([g for g in out if g is not None])
                     if not inflight:  # every runner is full with another caller's groups
                         time.sleep(0.05)
