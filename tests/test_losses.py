@@ -204,6 +204,25 @@ def test_kl_penalty_stays_finite_where_nothing_trains(estimator):
     assert torch.allclose(kl[0, 1], KL_ESTIMATORS[estimator](torch.tensor(0.2)))  # the trained one as before
 
 
+def test_a_row_the_gate_dropped_adds_no_kl_penalty_and_no_nan():
+    """The KL penalty is weighted by the correction's weight, 0 on a row the staleness gate
+    dropped. That row, sampled versions ago, may sit ~93 nats under the reference: k3's e^-d was
+    inf there and inf * 0 NaN, the gradient norm NaN and the whole update skipped."""
+    from workbench.correction import CorrectionConfig, correction_weights
+    from workbench.trainer.losses import kl_penalty, kl_to_reference
+
+    lp = torch.tensor([[-1.0, -0.5], [-95.0, -1.0]], requires_grad=True)  # row 1: far under the reference
+    ref, mask = torch.tensor([[-1.2, -0.7], [-2.0, -1.2]]), torch.ones(2, 2)
+    corr = correction_weights(lp.detach(), lp.detach() - 0.01, mask, torch.tensor([[10, 10], [4, 4]]), 10,
+                              CorrectionConfig.tis(max_staleness=4))
+    assert corr.token_keep.tolist() == [[True, True], [False, False]]  # row 1 is 6 versions old: gated
+    assert not torch.isfinite(kl_to_reference("k3", lp, ref, mask)).all()  # (the estimate itself overflows there)
+    penalty = kl_penalty("k3", lp, ref, mask, corr.weights)
+    penalty.sum().backward()
+    assert torch.isfinite(penalty).all() and torch.isfinite(lp.grad).all()
+    assert penalty[1].tolist() == [0.0, 0.0] and lp.grad[1].tolist() == [0.0, 0.0] and (lp.grad[0] != 0).all()
+
+
 def test_surrogate_arguments_are_checked_when_the_config_is_made():
     """cispo took any keyword and dropped it (eps_low, as verl and MiniMax name a lower clip, did
     nothing); ppo_clip and gspo raised at the first train step, after a rollout."""

@@ -34,7 +34,7 @@ from ..replay import ReplayStats, routing_replay
 from .logprobs import forward_logprobs, logprob_head, sampled_logprobs
 from .packing import micro_batches_by_tokens, pack, packed_forward, packing_leak, packing_mixes, unpack
 from .losses import (KL_ESTIMATORS, SEQUENCE_SURROGATES, SURROGATES, AdvantageInput, aggregation_weights, episode_units,
-                     get_surrogate, kl_to_reference)
+                     get_surrogate, kl_penalty, kl_to_reference)
 
 # A CPU trainer step frees and re-allocates the same large buffers (activations, logits,
 # gradients). glibc serves an allocation over its mmap threshold (128 KB to 32 MB) with a fresh
@@ -783,7 +783,7 @@ class TrainerWorker:
                         adv = adv * mb["loss_mask"]
                     tl = surrogate(lp, old, adv, corr.weights, mb["loss_mask"].float(), **self.cfg.surrogate_kwargs)
                     if self.ref_model is not None:
-                        kl = self._kl_to_reference(mb, lp)
+                        ref = self._reference_logprobs(mb)
                         # importance-weighted as the surrogate is: the tokens were sampled by the behaviour
                         # policy, and k3's gradient is grad KL(ref || pi) only in expectation under pi. The
                         # weight pi / mu: the correction's weight (pi_old / mu, truncated, 0 where gated)
@@ -792,8 +792,9 @@ class TrainerWorker:
                         # (pi / pi_old truncated at KL_RATIO_CAP, as TIS truncates pi_old / mu: with several
                         # updates a token whose probability rose 100x weighed 100x, unclipped by PPO's clip)
                         kl_weight = corr.weights * torch.exp(lp.detach() - old).clamp(max=KL_RATIO_CAP)
-                        tl = tl + self.cfg.kl_coef * kl * kl_weight
-                        kl_sum = kl_sum + kl.detach().sum()  # the statistic: KL on every trainable token
+                        tl = tl + self.cfg.kl_coef * kl_penalty(self.cfg.kl_estimator, lp, ref, mb["loss_mask"], kl_weight)
+                        # the statistic: KL on every trainable token, the dropped ones too
+                        kl_sum = kl_sum + kl_to_reference(self.cfg.kl_estimator, lp.detach(), ref, mb["loss_mask"]).sum()
                     # this rank's share of the mini-batch's loss; x world size because FSDP averages
                     # the ranks' gradients, where the loss is their sum
                     w = aggregation_weights(mb["loss_mask"], self.cfg.loss_aggregation, *counts,
@@ -857,9 +858,9 @@ class TrainerWorker:
                 out["report"]["routed_experts"] = batch["routed_experts"].cpu()
         return out
 
-    def _kl_to_reference(self, mb: dict, lp: torch.Tensor) -> torch.Tensor:
-        """Per-token KL(pi || pi_ref) estimate on the sampled tokens (routing replayed in the
-        reference too: the same experts the tokens were sampled with)."""
+    def _reference_logprobs(self, mb: dict) -> torch.Tensor:
+        """The reference's log-probs of the micro-batch's tokens, for the KL penalty (routing
+        replayed in the reference too: the same experts the tokens were sampled with)."""
         self.ref_model.eval()
         with torch.no_grad():
             ref, _ = token_logprobs(self.ref_model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature,
@@ -867,7 +868,7 @@ class TrainerWorker:
                                     chunk_mb=self.cfg.logprob_chunk_mb, packed=self.pack,
                                     host_mask=mb["attention_mask_host"])
         self._reshard(self.ref_model)
-        return kl_to_reference(self.cfg.kl_estimator, lp, ref, mb["loss_mask"])
+        return ref
 
     def probe(self, ids: list[int]) -> list[float]:
         """log p(ids[i+1] | ids[:i+1]) at temperature 1, live routing: what a synced engine's

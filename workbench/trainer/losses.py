@@ -57,6 +57,16 @@ def kl_to_reference(estimator: str, lp: torch.Tensor, ref: torch.Tensor, mask: t
     return KL_ESTIMATORS[estimator](torch.where(m, lp - ref, 0.0)) * m
 
 
+def kl_penalty(estimator: str, lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The per-token KL penalty the loss adds (before kl_coef): the estimate times `weight` (the
+    correction's pi / mu, 0 where it dropped a token or its sequence), taken only where the weight
+    is above 0. A row the staleness gate dropped was sampled versions ago and may sit ~90 nats
+    under the reference, where k3's e^-d is inf: inf * 0 was NaN in the loss and in every row's
+    gradient, and the whole update was skipped for one gated row (and a NaN weight adds nothing
+    here either: the surrogate carries it)."""
+    return kl_to_reference(estimator, lp, ref, mask.bool() & (weight > 0)) * weight
+
+
 def register_advantage(name: str, per_token: bool = False, group: bool = False):
     """`group`: its baseline is the episode's group (LoopConfig refuses group_size 1 for it)."""
     def deco(fn):
