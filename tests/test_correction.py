@@ -254,6 +254,17 @@ def test_a_kept_sequence_never_carries_an_unbounded_token_weight():
     assert c.stats["veto_dropped"] == 1 and c.stats["band_dropped"] == 0 and c.stats["gate_pass_ratio"] == 0.0
 
 
+def test_the_token_veto_drops_a_sequence_with_a_nan_ratio():
+    """A NaN log-prob on a trained token: both of the veto's comparisons were False, the sequence
+    was kept with a NaN weight (the whole update skipped) and the gate read as passing everything."""
+    behav = torch.tensor([[-1.0, -1.0, float("nan")], [-1.0, -1.0, -1.0]])
+    old, mask = torch.full((2, 3), -1.0), torch.tensor([[0.0, 1, 1], [0, 1, 1]])
+    c = correction_weights(old, behav, mask, torch.zeros(2, 3, dtype=torch.long), 0,
+                           CorrectionConfig(level="token", mode="trunc", high=2.0, max_staleness=None, veto_low=1e-4))
+    assert c.keep.tolist() == [False, True] and torch.isfinite(c.weights).all()
+    assert c.stats["veto_dropped"] == 1 and c.stats["gate_pass_ratio"] == 0.5
+
+
 def test_token_veto_by_hand():
     # token ratios: seq0 = [1.0, 1.2], seq1 = [0.5, 1.0]; TIS keeps both unless vetoed
     c = run(CorrectionConfig(level="token", mode="trunc", low=0.0, high=2.0, max_staleness=None, veto_low=0.6))

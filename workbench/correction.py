@@ -201,10 +201,12 @@ def correction_weights(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch
         vetoed = torch.zeros_like(fresh)
         if cfg.veto_low is not None or cfg.veto_high is not None:  # a gate: it applies enabled or not
             bad = torch.zeros_like(m)
+            # written so that a NaN ratio is bad (a NaN log-prob: `r < low` and `r > high` are both False,
+            # and the vetoed sequence was kept, its NaN weight skipping the whole update)
             if cfg.veto_low is not None:
-                bad |= r < cfg.veto_low
+                bad |= ~(r >= cfg.veto_low)
             if cfg.veto_high is not None:
-                bad |= r > cfg.veto_high
+                bad |= ~(r <= cfg.veto_high)
             vetoed = (bad & m).any(-1)
             keep &= ~vetoed
         if cfg.enabled and cfg.mode == "mask" and cfg.level != "token":
