@@ -442,6 +442,101 @@ def test_a_coalesced_groups_fast_requests_are_not_held_for_its_slowest(ray_local
 
 
 @ray.remote(num_cpus=0)
+class FailingSiblingsHost:
+    """A real EngineHost over a fake engine: by prompt, a Sample, an exception Ray cannot rebuild
+    (its __init__ takes no argument, as vLLM's QueueOverflowError), the engine's own TimeoutError."""
+
+    def __init__(self):
+        from workbench.rollout.actor import EngineHost
+        from workbench.rollout.engine import Sample
+
+        class QueueFull(Exception):  # (defined here: Ray ships it by value)
+            def __init__(self):
+                super().__init__("the engine's request queue is full")
+
+        class Fake:
+            async def generate(self, prompt_ids, sampling, request_id=None, return_routed_experts=False):
+                if prompt_ids[0] == 1:
+                    raise QueueFull()
+                if prompt_ids[0] == 2:
+                    raise TimeoutError("the engine's own wait ran out")
+                return Sample(list(prompt_ids), [7], [-0.1], [0], "stop")
+
+        self.host = object.__new__(EngineHost)
+        self.host.engine, self.host.log, self.host.streams = Fake(), None, 0
+
+    async def generate_many(self, *args):
+        async for item in self.host.generate_many(*args):
+            yield item
+
+
+def test_a_coalesced_requests_own_errors_fail_it_alone(ray_local, run):
+    """A coalesced call sends each request's own exception back beside its siblings' Samples: one
+    that Ray could not rebuild (an __init__ taking other arguments than its args) failed the whole
+    item, every sibling's Sample too, as a RaySystemError; the engine's own TimeoutError read as the
+    router's request timeout ("did not answer within 600 s", within a second)."""
+    from workbench.rollout.router import EngineRouter, EngineUnavailable
+
+    host = FailingSiblingsHost.remote()
+    router = EngineRouter([host])
+    router.single_turn.update(f"s{i}" for i in range(4))
+    s = SamplingConfig(max_tokens=2)
+
+    async def asks():
+        return await asyncio.gather(*[router.generate([k, 6], s, f"s{k}") for k in (0, 1, 2, 3)], return_exceptions=True)
+
+    try:
+        got = run(asks())
+        assert router.state()["coalesced"] == 3  # (one call)
+        assert [type(g).__name__ for g in got] == ["Sample", "RuntimeError", "RuntimeError", "Sample"], got
+        assert "QueueFull" in str(got[1]) and "TimeoutError" in str(got[2]) and not isinstance(got[2], EngineUnavailable)
+    finally:
+        ray.kill(host)
+    # a call whose stream fails with an item Ray cannot read (a fake: EngineHost no longer sends one):
+    # its requests still sampling are stopped in the engine (failed, not given up, nothing cancelled them)
+    host = PoisonedStream.remote()
+    router = EngineRouter([host])
+    router.single_turn.update(["a", "b"])
+
+    async def poisoned():
+        return await asyncio.gather(*[router.generate([5, 6], s, sid) for sid in ("a", "b")], return_exceptions=True)
+
+    try:
+        got = run(poisoned())
+        assert all(isinstance(g, ray.exceptions.RaySystemError) for g in got), got
+        deadline = time.monotonic() + 10
+        while not ray.get(host.cancelled.remote()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ray.get(host.cancelled.remote())
+    finally:
+        ray.kill(host)
+
+
+@ray.remote(num_cpus=0)
+class PoisonedStream:
+    """generate_many's stream: an item Ray cannot rebuild, then a request sampling for a minute."""
+
+    def __init__(self):
+        self.stopped = False
+
+    async def generate_many(self, requests, *args):
+        class QueueFull(Exception):
+            def __init__(self):
+                super().__init__("full")
+
+        yield [(0, QueueFull())]
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.stopped = True
+            raise
+        yield [(1, None)]
+
+    async def cancelled(self):
+        return self.stopped
+
+
+@ray.remote(num_cpus=0)
 class DeadCore:
     """An engine actor alive while its core is dead (a fake: vLLM's core crashing inside a live
     actor, which the in-process engine then reports for every request as EngineCoreDead)."""

@@ -8,6 +8,7 @@ machine an actor that asks for more CPUs than are free waits forever instead of 
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 
 from .engine import Sample, SamplingConfig, WireWeights, create_engine
@@ -27,6 +28,22 @@ STREAM_ITEMS_PER_S = 100
 # a coalesced call (generate_many) hands back what finished within this long of the first to finish
 # of each batch: its siblings are not held for the slowest, and requests finishing together are one item
 GENERATE_N_HOLD_S = 1.0
+
+
+def request_error(e: BaseException) -> BaseException:
+    """A request's own exception as generate_many sends it back beside its siblings' results: as
+    it is, unless it does not come back from a pickle or is a TimeoutError, then a RuntimeError
+    naming it. Why: Ray could not rebuild an exception whose __init__ takes other arguments than
+    its args (vLLM's QueueOverflowError, with max_num_queued_reqs set) and failed the whole item,
+    the Samples finished beside it too, as one RaySystemError; and the engine's own TimeoutError,
+    bare, read at the router as its own request timeout ("did not answer within 600 s")."""
+    if isinstance(e, TimeoutError):
+        return RuntimeError(f"the engine's {type(e).__name__}: {e}")
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 def stream_window(streams: int) -> float:
@@ -78,7 +95,8 @@ class EngineHost:
                 # (a request cancelled in the engine, not by this call, is its own error: read with
                 # exception(), it raised here and failed every sibling still sampling)
                 yield [(index[t], RuntimeError("the request was cancelled in the engine") if t.cancelled()
-                        else t.exception() or t.result()) for t in sorted(done, key=index.get)]
+                        else request_error(t.exception()) if t.exception() is not None else t.result())
+                       for t in sorted(done, key=index.get)]
         finally:  # (the caller gone: ray.cancel, every request of it given up) the engine stops the rest
             for t in pending:
                 t.cancel()

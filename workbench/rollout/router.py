@@ -6,6 +6,7 @@ clear error instead of hanging."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import Counter
@@ -287,6 +288,11 @@ class EngineRouter:
                         futures[i].set_result(result)
         except BaseException as e:  # the call failed (a dead engine, ...): every request not answered fails so
             error = e
+            if not engine_lost(e):  # (an item Ray could not read, ...): the engine stops the unanswered ones,
+                import ray  # failed here, not given up, so nothing else cancels them (they sampled on, unread)
+
+                with contextlib.suppress(Exception):
+                    ray.cancel(gen)
         for future in futures:
             if not future.done():
                 future.set_exception(error or RuntimeError("the engine's group call ended without this request's result"))
