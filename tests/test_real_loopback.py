@@ -544,16 +544,19 @@ def test_a_call_qwen3_only_drafted_in_its_thinking_is_not_made():
     assert (named.reasoning, named.content) == ("\nR\n", "\n\nIt writes </think> after its thinking.")
 
 
-def test_b_qwen3_streams_only_what_the_finished_reply_holds():
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-nothink"])
+def test_b_qwen3_streams_only_what_the_finished_reply_holds(name):
     """vLLM's qwen3 reasoning parser ends the reasoning at a tool call's marker without </think>,
     and drops a second <think> / an extra </think>; the stream read "<think> to </think>" and
     had sent text the finished reply does not hold (an Anthropic agent sending its thinking back
-    then sealed the session). Streamed deltas now always add up to the finished reply."""
+    then sealed the session). Streamed deltas now always add up to the finished reply. With
+    thinking off the parser reads no reasoning: a <think> block the reply writes is content, and
+    streamed as reasoning the agent got it twice."""
     from workbench.loopback.protocol import ChatRequest
     from workbench.loopback.streaming import ReplyStream
     from workbench.rollout.engine import SamplingConfig
 
-    fam = rm.load_family("qwen3")
+    fam = rm.load_family(name)
     prof = fam.profile()
     server = LoopbackServer(Replay(), fam.tokenizer, profile=prof, max_model_len=1 << 20)
     tok, end = fam.tokenizer, [server.fmt.end_of_turn_id]
@@ -563,7 +566,7 @@ def test_b_qwen3_streams_only_what_the_finished_reply_holds():
         for text in ('<think>\nI need calc.\n<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>',
                      "<think>\nx\n</think>Close it with </think> then stop.", "<think>\nThe tag <think> opens it.</think>\n\nok",
                      "<think><tool_call>", "<think>\nplain\n</think>\n\nanswer", "I need calc.\n<tool_call>\n"
-                     '{"name": "calc", "arguments": {"x": 1}}\n</tool_call>', *QWEN3_DRAFTED_CALLS):
+                     '{"name": "calc", "arguments": {"x": 1}}\n</tool_call>', "Paris is the capital.", *QWEN3_DRAFTED_CALLS):
             for with_tools in (True, False):
                 ids = tok.encode(text, add_special_tokens=False) + end
                 req = ChatRequest(messages=[{"role": "user", "content": "hi"}], tools=tools if with_tools else None,
@@ -573,6 +576,8 @@ def test_b_qwen3_streams_only_what_the_finished_reply_holds():
                 for i in ids:
                     for kind, piece in stream.feed([i]):
                         sent[kind] += piece
+                if text == "Paris is the capital." and name == "qwen3-nothink":  # thinking off: the answer goes live
+                    assert sent["content"].startswith("Paris is the"), (name, sent)
                 reply = server._reply(Sample(prompt, ids, [0.0] * len(ids), [0] * len(ids), "stop"), req, prompt)
                 for kind, piece in stream.finish(reply):
                     sent[kind] += piece

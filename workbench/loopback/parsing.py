@@ -198,6 +198,21 @@ class ReplyParser:
                 start, end = (self.tokenizer.convert_ids_to_tokens(i) for i in ids)
         return (start, end) if isinstance(start, str) and isinstance(end, str) and start and end else None
 
+    @functools.cached_property
+    def splits_reasoning(self) -> bool:
+        """Whether the reasoning parser reads a marked block as reasoning under the profile's template
+        kwargs: vLLM's qwen3 reads none with enable_thinking off (`qwen3-nothink`), and a reply that
+        writes `<think>...</think>` anyway is content whole. (Markers unknown: assumed to.)"""
+        markers = self.reasoning_markers
+        if self._reasoning_cls is None or markers is None:
+            return self._reasoning_cls is not None
+        try:
+            rp = self._reasoning_cls(self.tokenizer, chat_template_kwargs=dict(self.template_kwargs))
+            reasoning, _ = rp.extract_reasoning(f"{markers[0]}x{markers[1]}y", _request(None))
+        except Exception:
+            return True
+        return bool(reasoning)
+
     def prompt_opens_reasoning(self, fmt, prompt_tail) -> bool:
         """Whether the generation prompt (its last ids) opens the reasoning block, so that the reply
         starts inside it (Qwen3-Thinking-2507, DeepSeek R1)."""

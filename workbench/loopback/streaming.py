@@ -64,8 +64,12 @@ class ReplyStream:
         backend = getattr(fmt, "_backend", None)
         self.live = backend is not None and parser.tool_parser in TOOL_PARSERS
         self.markers = TOOL_MARKERS.get(parser.tool_parser, ()) if req.parse_tools else ()
-        self.reasoning = parser.reasoning_markers if self.live else None
-        if self.live and getattr(parser, "_reasoning_cls", None) is not None and self.reasoning is None:
+        # (none where the parser reads no reasoning under the profile's kwargs, Qwen3 with thinking off:
+        # a <think> block the reply writes anyway is content, and streamed as reasoning the agent got it
+        # twice, once in each, and a session sent back sealed as the agent's change)
+        splits = getattr(parser, "splits_reasoning", True)
+        self.reasoning = parser.reasoning_markers if self.live and splits else None
+        if self.live and getattr(parser, "_reasoning_cls", None) is not None and splits and self.reasoning is None:
             self.live = False  # a reasoning parser whose markers we cannot name: everything at the finish
         # a generation prompt that opens the reasoning block (Qwen3 thinking): the reply starts inside it
         self.opened = self.reasoning is not None and parser.prompt_opens_reasoning(fmt, prompt_tail)
@@ -118,7 +122,7 @@ class ReplyStream:
             c0 = r_end + len(end)
         body = text[c0:]
         # (in the content, a reasoning marker is dropped by the parser: the finish decides there too)
-        marks = [*self.markers, *(self.reasoning or ())]
+        marks = [*self.markers, *(getattr(self.parser, "reasoning_markers", None) or ())]
         cut = min([p for p in (body.find(m) for m in marks) if p >= 0], default=-1)
         if cut >= 0:
             body, self.closed = body[:cut], True
