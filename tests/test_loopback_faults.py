@@ -646,6 +646,18 @@ def test_a_reply_the_client_gave_up_on_is_not_recorded(tokenizer):
         while srv.summary()["undelivered"] < 2 and time.time() < deadline:
             time.sleep(0.05)
         assert srv.close_session(sid) == [] and srv.summary()["undelivered"] == 2
+        # a side call (a judge's, never recorded) left the same way is no undelivered reply
+        engine.replies += [("One two three four five six seven eight<|im_end|>", "stop")]
+        calls = engine.calls
+        with httpx.stream("POST", srv.base_url(None) + "/chat/completions", headers={"Authorization": f"Bearer {srv.api_key}"},
+                          json={"model": "p", "messages": USER, "max_tokens": 32, "stream": True}) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+        deadline = time.time() + 10
+        while engine.calls == calls and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # (the stream's end read)
+        assert srv.summary()["undelivered"] == 2
         # streamed, the client gone before the first ids (a read timeout during a long prefill):
         # its response never starts, so the stream's own marker never ran
         engine.delay_s, engine.first_s = 0.0, 0.5  # every id at once after the wait: the turn ends before any response

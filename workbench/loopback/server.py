@@ -641,7 +641,8 @@ class LoopbackServer:
             # and the agent's next request waited for the reply nobody would read)
             feed.gone = True
             if not turn.done():
-                self.stats.undelivered += 1  # (its reply, never finished, is not recorded)
+                # (its reply, never finished, is not recorded; a side call's is never recorded: not counted)
+                self.stats.undelivered += sid is not None
                 turn.cancel()
             raise
         try:
