@@ -330,7 +330,18 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
                        ("\\boxed{\\dfrac{18}{5}}", None), ("The answer is \\tfrac{36}{2}", None), ("The answer is .5", None),
                        ("The answer is 72 | 73", None), ("The answer is 72 vs 73", None), ("The answer is 72 \u00b1 1", None),
                        ("The answer is 72 through 75", None), ("Answer: 71 (alternatively 72)", None),
-                       ("\\boxed{71 \\text{ or } 72}", None), ("The answer is 2**10", None)):
+                       ("\\boxed{71 \\text{ or } 72}", None), ("The answer is 2**10", None),
+                       # an expression's result in words or an arrow (read None: the right answer 0, under a
+                       # wrong one's partial credit); a later "not 6" rules out 6, not an earlier boxed 5,
+                       # unless it is the number ruled out; a correction worked out after a check word is
+                       # the answer (a check's arithmetic holds the number it checks)
+                       ("The answer is 7 - 2, which is 5.", 5), ("So the answer is 7 - 2 \u2192 5.", 5),
+                       ("The answer is 7 - 2, so 5 cards.", 5), ("The answer is 7 - 2, i.e. 5.", 5),
+                       ("The answer is 24 eggs, which is 2 dozen.", 24), ("The answer is 5, which is 2 more than 3.", 5),
+                       ("\\boxed{5}\n\n(Note: the answer is not 6.)", 5), ("#### 5\nThe answer is not 9.", 5),
+                       ("\\boxed{13}. The answer is not 13; it is 12", None),
+                       ("The answer is 4. After double-checking, the answer is 7 - 2 = 5.", 5),
+                       ("The answer is 11. Let me check again: the answer is 3 + 9 = 12", 12)):
         assert answer_number(text) == want, text
     # the math recipe's reward reads the same way; a list of numbers is no one number ("3,4,5" read 345)
     import sys
@@ -400,6 +411,9 @@ def test_a_reply_of_spaces_is_parsed_in_linear_time():
             "assert answer_text('Answer: 1' + ' ' * n + ', x') == '1' and answer_text('Answer: 1' + ' ' * n + 'equals 2') == '2'\n"
             # the check-of-the-answer look back, from each of many markers on one line (20 s at 100k)
             "assert answer_text('answer is ' * (n // 10)) is None and answer_text('answer: ' * (n // 8)) is None\n"
+            # a check's numbers against every earlier marker's (marker by marker: quadratic)
+            "assert answer_text(''.join(f'Check the answer: {i} + 1 = {i + 1}. ' for i in range(n // 25))) is not None\n"
+            "assert answer_text('The answer is 7 - 2' + ' ' * n + 'so 5') == '5'\n"
             "assert parse_score('score' + ' ' * n + 'x') is None and parse_score('7' + ' ' * n + 'x') is None\n"
             "assert parse_score('<t>' + ' ' * n + 'x', tag='t') is None and parse_score('t score: 7' + ' ' * n, tag='t') == 0.7\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -101,6 +101,17 @@ def _hedged(span: str) -> bool:
     return False
 
 
+def _first_marked(marked: list) -> dict[str, int]:
+    """Each number a marked sentence holds -> the first marker's place that holds it (one pass:
+    compared marker by marker, many checks on one line were quadratic)."""
+    first: dict[str, int] = {}
+    for k, e in enumerate(marked):
+        sentence = re.split(r"\.(?:\s|$)|;", next(g for g in e.groups() if g is not None)[:200], maxsplit=1)[0]
+        for n in _NUMBER.finditer(sentence):
+            first.setdefault(n.group().replace(",", ""), k)
+    return first
+
+
 def answer_text(text: str | None) -> str | None:
     """The number a reply gives as its answer, as written without thousands separators; None when
     it gives none. Its last marked answer (\\boxed{...}, "#### ...", "answer is ..." / "Answer: ...")
@@ -113,9 +124,13 @@ def answer_text(text: str | None) -> str | None:
     minus ("-12" read 12). Of an equation the last side that is not an unevaluated expression
     ("Answer: 18 = 9 * 2" is 18: it read 9); a marked expression with no result is no answer
     ("The answer is 1665. Note: answer = 37*45" read 37). A marker in a check of the answer ("To
-    verify the answer: 72 - 67 = 5") is skipped; where no marked sentence holds a number ("Answer:
-    Let's think step by step."), the reply's last number; "which equals" is an "="; two different
-    numbers hedged ("72 (or 73)"), listed ("72, 73") or as a range ("70 to 75") are no one answer."""
+    verify the answer: 72 - 67 = 5") is skipped where its arithmetic holds an earlier marked number
+    (or no marker comes before it; else it is a correction worked out); where no marked sentence
+    holds a number ("Answer: Let's think step by step."), the reply's last number; "which equals"
+    is an "=", and after an unevaluated expression "which is", "so", "i.e." and an arrow too; a
+    marked "not 6" rules out 6 (an earlier marked 6 is no answer), not an earlier answer; two
+    different numbers hedged ("72 (or 73)"), listed ("72, 73") or as a range ("70 to 75") are no
+    one answer."""
     # a minus apart from its number ("\u2212 5") or before a currency sign ("-$5"): the sign was lost
     # (the minus sign alone: an en dash with spaces is punctuation, "Final answer \u2013 72" is 72)
     text = re.sub(r"(?<![\w.-])-\$(?=\d)", "$-", re.sub("\u2212\\s+(?=\\d)", "\u2212", text or ""))
@@ -129,10 +144,13 @@ def answer_text(text: str | None) -> str | None:
     marked = list(_MARKED.finditer(text))
     found: list = []
     numbered = False  # whether a marked sentence holds a number at all
+    negated: set = set()  # numbers a later marked sentence said the answer is not
+    first_marked = None  # _first_marked, made at the first check
     # the last marker that gives a number: "\boxed{408}. I hope this answer is helpful." is 408 (the
     # last marker, "answer is helpful", read None); one that ends its line with nothing but markup
     # ("**Answer:**\n408", "The answer is:\n408") gives the next line's
-    for m in reversed(marked):
+    for k in range(len(marked) - 1, -1, -1):
+        m = marked[k]
         if m.group(3) is not None:
             # a prose marker in a check of the answer given ("\boxed{72}. To double-check the answer:
             # 72 - 2 = 70") is no answer: read as one (70), checking one's work scored 0. Only a check's
@@ -140,23 +158,41 @@ def answer_text(text: str | None) -> str | None:
             # (The look back is bounded: from each of many markers on one line, quadratic)
             lo = max(0, m.start() - 200)
             start = max(text.rfind("\n", lo, m.start()), text.rfind(". ", lo, m.start()), lo - 1) + 1
+            # A check's arithmetic works on the answer it checks ("72 - 2 = 70" holds 72, "72 / 8 = 9" too);
+            # one that shows none of an earlier marked number is a correction worked out ("The answer is
+            # 4. After double-checking, the answer is 7 - 2 = 5" read the wrong 4)
             if _CHECKING.search(text, start, m.start()) and _CHECK_ARITHMETIC.search(m.group(3)[:200]):
-                continue
+                first_marked = _first_marked(marked) if first_marked is None else first_marked
+                if k == 0 or any(first_marked.get(n.group().replace(",", ""), k) < k for n in _NUMBER.finditer(m.group(3)[:200])):
+                    continue
         body = next(g for g in m.groups() if g is not None)
         if not re.search(r"[^\W_]", body) and not m.group().startswith("\\boxed"):
             following = re.match(r"[ \t]*\n\s*([^\n]*)", text[m.end():])
             body = following.group(1) if following else body
-        span = re.split(r"\.(?:\s|$)|;", body, maxsplit=1)[0]  # the marked sentence
+        span = re.split(r"(?<!\bi\.e)(?<!\be\.g)\.(?:\s|$)|;", body, maxsplit=1)[0]  # the marked sentence ("i.e." ends none)
         numbered = numbered or bool(re.search(r"\d", span))
         # "which equals 72" is "= 72" ("The answer is 8 times 9, which equals 72" read 8); not "makes" or
         # "gives" ("24 eggs, which makes 2 dozen" is 24)
         # (anchored at the word: a leading ",?\s*" tried every start in a run of spaces, quadratic)
         span = re.sub(r"\b(?:(?:which|that)\s++)?(?:equals|is\s+equal\s+to)\b(?=\s*+-?\$?\d)", "=", span, flags=re.I)
+        if _EXPRESSION.match(span):  # an expression's result written in words or an arrow: "7 - 2, which is 5",
+            # "7 - 2, so 5", "i.e. 5", "7 - 2 → 5" (read None: the right answer scored 0, under a wrong one's
+            # partial credit); only after an expression ("24 eggs, which is 2 dozen" stays 24)
+            span = re.sub(r"\b(?:(?:which|that)\s++is|so|gives|giving)\b(?=\s*+-?\$?\d)|\bi\.e\.,?(?=\s*+-?\$?\d)"
+                          r"|(?:\u2192|->|=>)(?=\s*+-?\$?\d)", "=", span, flags=re.I)
         span = next((side for side in reversed(span.split("=")) if not _EXPRESSION.match(side)), "")
         found = list(_NUMBER.finditer(span))
-        if found and (_NEGATED.match(span[:found[0].start()]) or _hedged(span)):
+        if found and _NEGATED.match(span[:found[0].start()]) and not _hedged(span):
+            # "the answer is not 6" rules out 6, not an earlier "\boxed{5}" (which read None): an earlier
+            # marked answer stands unless it is the number ruled out ("\boxed{13}. The answer is not 13")
+            negated.add(found[0].group().replace(",", ""))
+            found = []
+            continue
+        if found and _hedged(span):
             return None
         found = found[:1]
+        if found and found[0].group().replace(",", "") in negated:
+            return None
         if found:
             break
     if not marked or not found and not numbered:
