@@ -86,6 +86,13 @@ def test_field_mapping_errors_name_what_is_wrong(tmp_path):
     path.write_text(json.dumps({"q": "?", "answer": "#### 3/4"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl\[0\]: the final answer after '####' is not a number: '3/4'"):
         load_tasks(path, fields={"prompt": "q", "label": "answer", "final_answer": "####"})
+    # a decimal comma (a translated set's "#### 2,50") had every comma stripped: the label 250, a right
+    # answer 0, a wrong one paid; commas count only as thousands groups, as the graders read them
+    for decimal in ("2,50", "\u20ac18,50", "1,2,3"):
+        path.write_text(json.dumps({"q": "?", "answer": f"#### {decimal}"}) + "\n")
+        with pytest.raises(ValueError, match=r"bad.jsonl\[0\]: .* not a number \(commas only as thousands groups"):
+            load_tasks(path, fields={"prompt": "q", "label": "answer", "final_answer": "####"})
+    assert final_answer("#### 1,234.5") == "1234.5" and final_answer("#### -12,000") == "-12000"
     with pytest.raises(ValueError, match="unknown field preset 'gsm'"):
         load_tasks(path, fields="gsm")
     with pytest.raises(ValueError, match=r"\['question'\] are not task fields"):

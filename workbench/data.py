@@ -13,6 +13,7 @@ record where it is and a resumed run continue there (see TaskDataset).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -152,7 +153,8 @@ TASK_FIELDS = ("prompt", "messages", "system", "label", "tools", "id")
 
 def final_answer(solution: str, marker: str = "####") -> str:
     """The final answer of a worked solution: the first line after the last `marker`, stripped,
-    with thousands separators removed ("#### 1,234" -> "1234") and a currency or percent sign or
+    with thousands separators removed ("#### 1,234" -> "1234"; any other comma, a decimal one, is
+    refused) and a currency or percent sign or
     a unicode minus read as the number ("#### $18" -> "18", "#### −3" -> "-3"). A solution
     without the marker, or whose final answer is not a number, is an error naming it (a label that
     silently became the whole solution would never match; "$18" failed every episode of its task)."""
@@ -160,7 +162,13 @@ def final_answer(solution: str, marker: str = "####") -> str:
     if marker not in text:
         raise ValueError(f"no {marker!r} final answer in {text[-80:]!r}")
     tail = text.rsplit(marker, 1)[1].strip()
-    answer = (tail.splitlines() or [""])[0].strip().replace(",", "").replace("\u2212", "-").strip("$%€£ ")
+    answer = (tail.splitlines() or [""])[0].strip().replace("\u2212", "-").strip("$%€£ ")
+    # commas only as thousands groups, as the graders read them: a decimal comma ("#### 2,50", a
+    # translated set) had them all stripped, the label 250, a right answer scored 0, a wrong one paid
+    if "," in answer and not re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", answer):
+        raise ValueError(f"the final answer after {marker!r} is not a number (commas only as thousands groups, "
+                         f"\"1,234\"): {tail[:80]!r}")
+    answer = answer.replace(",", "")
     try:
         float(answer)
     except ValueError:
