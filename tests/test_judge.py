@@ -11,7 +11,8 @@ import pytest
 import ray
 
 from workbench.agents import load_agent
-from workbench.examples.judge_agent import parse_score
+from workbench.examples.judge_agent import parse_score, truth
+from workbench.examples.tools import is_answer
 from workbench.rollout.engine import SamplingConfig
 from workbench.rollout.runner import Rollout
 
@@ -92,6 +93,16 @@ def test_the_answer_is_data_between_tags_it_cannot_close():
     assert re.fullmatch(r"answer-[0-9a-f]{8}", other) and other != tag  # another process, another word
 
 
+def test_the_truth_beside_the_judges_score_reads_the_answer_as_the_rubric_does():
+    """`correct` used the toy Env's bare-number rule ("The answer is 12." read wrong, which the judge
+    rightly paid: correct_rate understated, the 'pleasing the judge' signal a false alarm), and a task
+    with no number for a label (open-ended, the judge's use) raised after the judge's call: every
+    episode failed and was dropped. Where the label is no number there is no truth to record."""
+    assert truth("The answer is 12.", 12) == {"correct": True} and truth("**12**", "12") == {"correct": True}
+    assert truth("13", 12) == {"correct": False}
+    assert truth("Paris", None) == {} and truth("Paris", "Paris") == {}
+
+
 def test_the_judge_grades_against_the_tasks_reference():
     """Where the task has a label, the judge's prompt gives it (reference-guided grading): a judge
     working the result out itself paid answers matching its own arithmetic errors. It comes before
@@ -136,8 +147,8 @@ def test_judge_engine_serves_side_calls_that_never_enter_a_trajectory(reference_
     # each judge call was given its task's reference result (two calls a task)
     given = sorted(m for p, _ in judge_log for m in __import__("re").findall(r"grade against it\): (\S+)\n", tokenizer.decode(p)))
     assert given == sorted(str(t.label) for t in tasks for _ in range(2))
-    for t in trajs:  # the truth beside the judge's score: the task's own rule
-        assert t.info["correct"] == (t.info["answer"].strip() == str(labels[t.episode_id]))
+    for t in trajs:  # the truth beside the judge's score: the answer's number against the label
+        assert t.info["correct"] == is_answer(t.info["answer"], labels[t.episode_id])
 
 
 def test_an_answer_too_long_to_judge_scores_0(reference_engines, moe_path):

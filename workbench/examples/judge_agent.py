@@ -17,8 +17,8 @@ import secrets
 import openai
 
 from workbench.agents import ChatAgent
-from workbench.examples.arithmetic_env import reward as env_reward
 from workbench.examples.arithmetic_env import tasks  # noqa: F401  (same prompts as the toy Env)
+from workbench.examples.tools import is_answer, label_number
 
 SCALE = 10
 # A secret word of this process, unknown to the policy (it never sees the judge's prompt): its answer
@@ -77,6 +77,19 @@ def neutralized(answer: str) -> str:
     return CONTROL.sub(lambda m: m.group(0)[0] + "\u200b" + m.group(0)[1:], answer)
 
 
+def truth(answer: str, label) -> dict:
+    """{"correct": ...}: the truth beside the judge's score, read as the rubric reads an answer
+    (tools.is_answer: its marked answer or last number; the toy Env's bare-number rule read "The
+    answer is 12." wrong, which a judge rightly paid), where the label is a number; {} where it is
+    none (an open-ended task: nothing to compare; it raised after the judge's call and failed every
+    episode). An evaluation then falls back to success_reward."""
+    try:
+        label_number(label)
+    except ValueError:
+        return {}
+    return {"correct": is_answer(answer, label)}
+
+
 def parse_score(text: str, scale: int = SCALE, tag: str | None = None) -> float | None:
     """The judge's score divided by `scale`; None (scored 0 and counted) unless the whole reply is
     a score in [0, scale] (a "/N" or "out of N" must say the scale; markdown bold is ignored), after
@@ -116,7 +129,7 @@ class JudgedAgent(ChatAgent):
             # an answer the judge's context cannot hold beside the rubric scores 0: failed, the episode was
             # dropped (on_failed), and rambling to the length cap escaped the 0 it earns
             return 0.0, {"answer": answer, "verdict": "", "judge_parsed": False, "judge_error": e.code,
-                         "judge_tokens": 0, "correct": env_reward(answer, ctx.label)[1]}
+                         "judge_tokens": 0, **truth(answer, ctx.label)}
         said = verdict.choices[0].message.content or ""
         # a verdict cut by judge_max_tokens is none (a "10" cut to "1" would pay 0.1)
         score = parse_score(said, tag=KEY) if verdict.choices[0].finish_reason == "stop" else None
@@ -125,7 +138,7 @@ class JudgedAgent(ChatAgent):
         # evaluation's pass@k read it): a policy that learned to please the judge shows as the two apart
         return (score or 0.0), {"answer": answer, "verdict": said, "judge_parsed": score is not None,
                                 "judge_tokens": verdict.usage.completion_tokens,
-                                "correct": env_reward(answer, ctx.label)[1]}
+                                **truth(answer, ctx.label)}
 
 
 AgentRunner = JudgedAgent
