@@ -382,6 +382,29 @@ def _synthetic_run(d, lines, trajs):
     return d
 
 
+def test_a_stopped_runs_leftover_groups_count_in_the_last_steps_rates():
+    """The finished groups no step took when a run stops are written into the last step's untrained/
+    file after its metrics line: the page added their episodes to the denominator and none of their
+    failures to the numerator (8 of 8 trained episodes truncated read 0.125; 8 timed-out leftovers
+    read a failed_rate of 0). The file's episodes are counted whole."""
+    from workbench.tokens import Segment, Trajectory
+    from workbench.widgets.audit import step_values
+
+    def traj(ep, err=None, truncated=False):
+        s = Segment([1, 2, 3], [0, 1, 1], [0.0, -0.5, -0.5], [-1, 0, 0])
+        s.seal_reason = "episode_end"
+        return Trajectory([s], 0.0, "g", ep, {"untaken": True} if ep.startswith("u") else {}, err, truncated=truncated)
+
+    trained = [traj(f"t{i}", truncated=i < 3) for i in range(8)]
+    m = {"step": 9, "version": 10, "trained_version": 9, "episodes": 8, "failed_episodes": 0, "truncated_episodes": 3}
+    leftovers = [traj(f"u{i}", err="episode timed out" if i < 8 else None) for i in range(16)]
+    v = step_values(m, trained, untrained=leftovers)[0]
+    assert v["failed_rate"] == pytest.approx(8 / 24) and v["truncated_rate"] == pytest.approx(3 / 24)
+    # without the file, the line's own counts (as before)
+    v = step_values({**m, "untrained_episodes": 4, "untrained_failed_episodes": 2}, trained)[0]
+    assert v["failed_rate"] == pytest.approx(2 / 12) and v["truncated_rate"] == pytest.approx(3 / 12)
+
+
 def test_an_identity_break_keeps_its_token_view_and_its_logged_count(tmp_path):
     """A step of 20 timed-out episodes and one with an identity mismatch: the failed ones took
     every token view (16), the mismatch's link went nowhere. And a copy with trajectories/ but

@@ -146,8 +146,17 @@ def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None,
     trained = m.get("trained_version", m.get("version", 1) - 1)
     eps = {t.episode_id: _episode(t, trained, rules) for t in trajs}
     eps.update({t.episode_id: _episode(t, trained, trained=False) for t in untrained})
+    # the untrained groups' counts from their file where it is there: it holds the run's leftovers too
+    # (the finished groups no step took when a run stops, written with its last step after that step's
+    # line: _record_untaken), whose failures the line never counted while the episodes diluted the rates
+    if untrained:
+        u_n, u_failed = len(untrained), sum(t.error is not None for t in untrained)
+        u_truncated = sum(bool(t.truncated) and t.error is None for t in untrained)
+    else:
+        u_n, u_failed, u_truncated = (m.get(k, 0) for k in ("untrained_episodes", "untrained_failed_episodes",
+                                                             "untrained_truncated_episodes"))
     # every episode, dropped and untrained ones too
-    n = max(m.get("episodes", 0) + m.get("dropped_episodes", 0), len(trajs), 1) + m.get("untrained_episodes", len(untrained))
+    n = max(m.get("episodes", 0) + m.get("dropped_episodes", 0), len(trajs), 1) + u_n
     # invariant 1 from the trajectories (each episode's share), else from the step's line (logged
     # since batch_from_groups counts them), else not recorded (None): a run directory copied without
     # its trajectories/ audited 0, clean
@@ -160,11 +169,11 @@ def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None,
          "max_staleness": (m["max_staleness_kept"] if "max_staleness_kept" in m else
                            max((int(k) for k, c in (m.get("staleness_hist") or {}).items() if c), default=None)),
          "is_weight_outside": _hist_outside(m.get("is_weight_hist")),
-         "failed_rate": (m["failed_episodes"] + m.get("untrained_failed_episodes", 0) if "failed_episodes" in m
+         "failed_rate": (m["failed_episodes"] + u_failed if "failed_episodes" in m
                          else sum(e["failed_rate"] for e in eps.values())) / n,
          # (the untrained groups' too: the denominator holds their episodes, and filtering half the groups
          # hid a batch half truncated under the 0.25 limit)
-         "truncated_rate": (m["truncated_episodes"] + m.get("untrained_truncated_episodes", 0) if "truncated_episodes" in m
+         "truncated_rate": (m["truncated_episodes"] + u_truncated if "truncated_episodes" in m
                             else sum(e["truncated_rate"] for e in eps.values())) / n}
     for k in ("gate_pass_ratio", "token_keep_ratio", "replay_disagree_rate", "kl_k3", "kl_k3_live", "sync_max_abs_diff",
               "sync_probe_outlier", "replay_unreplayed", "kl_k3_stale"):
