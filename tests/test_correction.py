@@ -195,6 +195,13 @@ def test_stats_of_a_split_batch_merge_to_the_whole():
     assert merged["tokens_current"] == whole["tokens_current"] == 2
     assert whole["kl_k3_current"] == pytest.approx((1.2 - 1 - math.log(1.2)) / 2, abs=1e-6)
     assert merged["is_weight_hist"] == whole["is_weight_hist"] and merged["tokens_per_version"] == whole["tokens_per_version"]
+    # the IS weights of the trainer's own version's tokens apart (the audit's band holds those: a stale
+    # token's weight is its staleness corrected, and counted in, healthy async steps were flagged)
+    assert merged["is_weight_hist_current"] == whole["is_weight_hist_current"] and sum(whole["is_weight_hist_current"]["counts"]) == 2
+    from workbench.widgets.audit import step_values
+
+    outside = lambda h: step_values({"is_weight_hist": whole["is_weight_hist"], **h}, [])[0]["is_weight_outside"]  # noqa: E731
+    assert outside({"is_weight_hist_current": whole["is_weight_hist_current"]}) == 0.0 and outside({}) > 0  # (runs before it: all)
     for k in ("is_ess", "is_bounded_fraction"):  # from sums, so the parts' merge is the whole's
         assert merged[k] == pytest.approx(whole[k], abs=1e-9) and whole[k] is not None, k
     # a batch without a token of the trainer's version measures nothing there: None, not 0

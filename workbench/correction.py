@@ -244,6 +244,14 @@ def effective_sample_size(weight_sum: float, weight_sq_sum: float, n: int) -> fl
     return weight_sum ** 2 / (n * weight_sq_sum) if n and weight_sq_sum > 0 else None
 
 
+def _weight_hist(w: torch.Tensor) -> dict:
+    """Weights counted in WEIGHT_BINS. A NaN weight is in no bin (torch.histogram drops it): counted
+    beside the bins, or the panel read clean on the very step a weight broke; an inf is in the last
+    bin (clamped)."""
+    hist = torch.histogram(w.clamp(max=1e6), bins=torch.tensor(WEIGHT_BINS[:-1] + (1e6,))).hist if w.numel() else torch.zeros(len(WEIGHT_BINS) - 1)
+    return {"edges": list(WEIGHT_BINS), "counts": [int(c) for c in hist.tolist()], "nonfinite": int(torch.isnan(w).sum())}
+
+
 def _stats(trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, versions, vetoed, bounded) -> dict:
     # on CPU: small tensors, and torch.histogram has no CUDA kernel
     trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, versions, vetoed, bounded = (
@@ -259,7 +267,6 @@ def _stats(trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, ver
     # (it counts in signal_tokens_trained; its weight, 0, takes its KL term too), and it read as a dropped one
     kept = token_keep
     w = weights[kept]
-    hist = torch.histogram(w.clamp(max=1e6), bins=torch.tensor(WEIGHT_BINS[:-1] + (1e6,))).hist if w.numel() else torch.zeros(len(WEIGHT_BINS) - 1)
     return {
         "gate_pass_ratio": float(keep[rows].float().mean()) if rows.any() else 1.0,
         "sequences": int(rows.sum()),
@@ -286,10 +293,11 @@ def _stats(trainer_lp, behav_lp, m, token_keep, weights, keep, fresh, stale, ver
         "kl_k3_stale": kl_k3_sum(trainer_lp, behav_lp, older)[0] / n_older if n_older else None,
         "tokens_stale": n_older,
         "max_abs_delta_p": float((trainer_lp.float().exp() - behav_lp.float().exp())[m].abs().max()) if n else 0.0,
-        # (a NaN weight is in no bin, torch.histogram drops it: counted beside the bins, or the panel
-        # read clean on the very step a weight broke)
-        "is_weight_hist": {"edges": list(WEIGHT_BINS), "counts": [int(c) for c in hist.tolist()],
-                           "nonfinite": int(torch.isnan(w).sum())},  # (an inf is in the last bin: clamped)
+        "is_weight_hist": _weight_hist(w),
+        # ... of the kept tokens of the trainer's own version: what the audit holds to its band (a stale
+        # token's weight is its staleness corrected, judged by kl_k3_stale: counted in, a healthy async
+        # run's learning steps were flagged, 19 of 35)
+        "is_weight_hist_current": _weight_hist(weights[kept & current]),
         # the kept weights' spread (effective_sample_size) and how often the clip or cap bounded one:
         # a correction that keeps every token but weighs a few by its cap shows here, not in the gate
         "is_ess": effective_sample_size(float(w.double().sum()), float(w.double().square().sum()), int(w.numel())),
@@ -339,9 +347,9 @@ def merge_stats(parts: list[dict]) -> dict:
         "tokens_stale": stale,
         # NaN wins (Python's max kept or dropped one by the parts' order: a NaN rank's hidden)
         "max_abs_delta_p": max((p["max_abs_delta_p"] for p in parts), key=lambda x: math.inf if math.isnan(x) else x),
-        "is_weight_hist": {"edges": parts[0]["is_weight_hist"]["edges"],
-                           "counts": [sum(c) for c in zip(*(p["is_weight_hist"]["counts"] for p in parts))],
-                           "nonfinite": sum(p["is_weight_hist"].get("nonfinite", 0) for p in parts)},
+        **{k: {"edges": parts[0][k]["edges"], "counts": [sum(c) for c in zip(*(p[k]["counts"] for p in parts))],
+                   "nonfinite": sum(p[k].get("nonfinite", 0) for p in parts)}
+           for k in ("is_weight_hist", "is_weight_hist_current")},
         "is_ess": effective_sample_size(sum(p["is_weight_sum"] for p in parts), sum(p["is_weight_sq_sum"] for p in parts), kept),
         "is_weight_sum": sum(p["is_weight_sum"] for p in parts), "is_weight_sq_sum": sum(p["is_weight_sq_sum"] for p in parts),
         "tokens_kept": kept, "is_bounded_fraction": sum(p["tokens_bounded"] for p in parts) / kept if kept else None,

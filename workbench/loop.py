@@ -1320,7 +1320,7 @@ def step_statistics(stats: dict) -> dict:
         "kl_k3_stale": corr["kl_k3_stale"],
         "max_abs_delta_p": corr["max_abs_delta_p"], "staleness_hist": corr["staleness_hist"], "tokens_per_version": corr["tokens_per_version"],
         "max_staleness_kept": corr.get("max_staleness_kept"),
-        "is_weight_hist": corr["is_weight_hist"], "is_ess": corr["is_ess"], "is_bounded_fraction": corr["is_bounded_fraction"],
+        "is_weight_hist": corr["is_weight_hist"], "is_weight_hist_current": corr.get("is_weight_hist_current"), "is_ess": corr["is_ess"], "is_bounded_fraction": corr["is_bounded_fraction"],
         "replay_disagree_rate": replay["disagree_rate"], "replay_disagree_per_layer": replay["disagree_rate_per_layer"],
         "replay_fallback": sum(replay["fallback"]), "kl_k3_live": stats["kl_k3_live"], "kl_ref": stats["kl_ref"],
         # positions replayed (0: nothing captured, so the disagreement measured nothing) and those the

@@ -33,7 +33,9 @@ class Thresholds:
     max_staleness: float | None = None
     gate_pass_ratio: float | None = 0.9  # a minimum
     token_keep_ratio: float | None = 0.9  # a minimum
-    is_weight_outside: float | None = 0.1  # share of tokens whose IS weight is outside [0.8, 1.25)
+    # share of the kept tokens of the trainer's own version whose IS weight is outside [0.8, 1.25) (a stale
+    # token's weight corrects its staleness: kl_k3_stale judges those; runs before it: every kept token)
+    is_weight_outside: float | None = 0.1
     replay_disagree_rate: float | None = 0.05
     # one layer's share: precision flips spread over layers, a record read at the wrong layer is
     # ~all of its positions (averaged over 24 layers it read 0.04, under the rate's 0.05)
@@ -63,9 +65,9 @@ CHECKS = (
                                    "a sync step is held to 0 and an async one to its async_lag where no threshold is given"),
     ("gate_pass_ratio", "gate pass ratio", "share of sequences the correction gate kept (staleness, band, veto)"),
     ("token_keep_ratio", "tokens kept", "share of trainable tokens the correction kept (a token-level mask drops tokens, not sequences)"),
-    ("is_weight_outside", "IS-weight distribution", "share of the tokens the correction kept whose IS weight is outside "
-     "[0.8, 1.25) (under a mask every kept weight is inside its band: the gate pass ratio and tokens kept show "
-     "what it dropped)"),
+    ("is_weight_outside", "IS-weight distribution", "share of the tokens of the trainer's own version the correction kept "
+     "whose IS weight is outside [0.8, 1.25) (a stale token's weight corrects its staleness: the stale tokens' KL judges "
+     "those; under a mask every kept weight is inside its band: the gate pass ratio and tokens kept show what it dropped)"),
     ("replay_disagree_rate", "replay disagreement", "share of routed-expert choices where live routing differs from the recorded, "
      "over the rows the trained version sampled (not measured: no routing was captured, or, async, every row was "
      "sampled a version behind: replay_compared 0; a stale row's record is an older router's)"),
@@ -168,7 +170,8 @@ def step_values(m: dict, trajs: list[Trajectory], rules: dict | None = None,
          # the oldest token trained on (the gate's bound); runs before it logged only the histogram (before the gate)
          "max_staleness": (m["max_staleness_kept"] if "max_staleness_kept" in m else
                            max((int(k) for k, c in (m.get("staleness_hist") or {}).items() if c), default=None)),
-         "is_weight_outside": _hist_outside(m.get("is_weight_hist")),
+         "is_weight_outside": _hist_outside(m["is_weight_hist_current"] if "is_weight_hist_current" in m
+                                            else m.get("is_weight_hist")),
          "failed_rate": (m["failed_episodes"] + u_failed if "failed_episodes" in m
                          else sum(e["failed_rate"] for e in eps.values())) / n,
          # (the untrained groups' too: the denominator holds their episodes, and filtering half the groups
