@@ -150,6 +150,23 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
         assert json.loads((tmp_path / "run" / "checkpoint" / "run_state.json").read_text())["next_step"] == 3
         assert wb.restore(named)["next_step"] == 2 and not (tmp_path / "run" / "checkpoint").exists()
         assert [p.name for p in (tmp_path / "run" / "abandoned").glob("*/checkpoint")] != []
+        # a restore interrupted after the ranks loaded (a Ctrl-C does not stop them): the weights were the
+        # checkpoint's, the version, step and engines the old branch's, and the next run trained the
+        # engines' tokens as on-policy without a sync. Nothing trains until a restore finishes
+        real_restore = wb._trainer.restore
+
+        def interrupted(p):
+            real_restore(p)
+            raise KeyboardInterrupt
+
+        wb._trainer.restore = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            wb.restore(named)
+        del wb._trainer.restore
+        for call in (lambda: wb.run(1, background=False, progress=False), wb.sync, wb.save):
+            with pytest.raises(RuntimeError, match=r"wb.restore\(.*\) did not finish \(KeyboardInterrupt"):
+                call()
+        assert wb.restore(named)["next_step"] == 2 and wb._torn_restore is None
         wb.save()  # (the resume below starts from it)
         wb.rollout.last_groups = None
         with pytest.raises(LookupError, match="no groups to train on"):

@@ -688,6 +688,8 @@ def release_run_dir(claim: RunDirClaim | None) -> None:
 class Workbench:
     """One session: engines, rollout runners and the trainer, with handles for each."""
 
+    _torn_restore: str | None = None  # why a wb.restore() did not finish: only another restore may follow
+
     def __init__(self, cfg: WorkbenchConfig, address: str | None = None):
         import ray
         from tqdm.auto import tqdm
@@ -1338,18 +1340,28 @@ class Workbench:
         self._idle("restore")
         path = str(path or self.run_dir / "checkpoint")
         recover_checkpoint(path)
-        state = self._trainer.restore(path)
-        self.next_step = state["next_step"]
-        self.next_position = state.get("data_position")
-        self._check_data_pool(state)
-        kept = self._set_aside(self.next_step, self._other_branch_checkpoint(path))
-        for logger in self._loggers:  # (made before: TensorBoard's files hide the abandoned steps too)
-            if hasattr(logger, "purge_from"):
-                logger.purge_from(self.next_step)
-        if not self.history:  # a resumed session: what the run recorded
-            self.history = kept
-        self.history = [h for h in self.history if h["step"] < self.next_step]
-        self.sync()
+        try:
+            state = self._trainer.restore(path)
+            self._torn_restore = None  # (loaded whole: its sync below may run; failing, it is torn again)
+            self.next_step = state["next_step"]
+            self.next_position = state.get("data_position")
+            self._check_data_pool(state)
+            kept = self._set_aside(self.next_step, self._other_branch_checkpoint(path))
+            for logger in self._loggers:  # (made before: TensorBoard's files hide the abandoned steps too)
+                if hasattr(logger, "purge_from"):
+                    logger.purge_from(self.next_step)
+            if not self.history:  # a resumed session: what the run recorded
+                self.history = kept
+            self.history = [h for h in self.history if h["step"] < self.next_step]
+            self.sync()
+        except BaseException as e:
+            # a Ctrl-C does not stop the ranks' load, and one rank's failed load leaves the others'
+            # done: the weights may be the checkpoint's, the old ones or a mix, while the version, the
+            # step and the engines said the old branch (the next run synced nothing and trained the
+            # engines' tokens as on-policy). Nothing trains until a restore finishes
+            self._torn_restore = (f"wb.restore({path!r}) did not finish ({type(e).__name__}: {e}): the trainer may "
+                                  f"hold the checkpoint's weights, the old ones or a mix; call wb.restore() again")
+            raise
         return state
 
     def _other_branch_checkpoint(self, restored: str) -> Path | None:
@@ -1465,6 +1477,8 @@ class Workbench:
         self._open(what)
         if self._broken is not None:
             raise RuntimeError(f"cannot {what}: {self._broken}")
+        if self._torn_restore is not None and what != "restore":
+            raise RuntimeError(f"cannot {what}: {self._torn_restore}")
         if self._run is not None and not self._run.done:
             raise RuntimeError(f"cannot {what} while a run is in progress: wb.wait() or wb.stop() first")
 
