@@ -135,6 +135,7 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
         assert sorted(p.name for p in (tmp_path / "run" / "trajectories").iterdir()) == ["step_00000.parquet", "step_00001.parquet"]
         saved = json.loads((tmp_path / "run" / "config.json").read_text())
         assert saved["backend"] == "reference" and saved["_routing_replay_off"] is None  # the reference engine records them
+        assert saved["max_tokens"] == 8 and saved["_derived"] == ["max_tokens"]  # (a resume derives it again)
         [ran] = [json.loads(x) for x in (tmp_path / "run" / "runs.jsonl").read_text().splitlines()]
         assert (ran["first_step"], ran["steps"], ran["loop"]["steps"]) == (0, 2, 2)
         path = wb.save()
@@ -323,6 +324,14 @@ def test_a_resume_takes_the_runs_own_settings_where_not_given(tmp_path, capsys):
     assert resolved_config(run_dir=str(tmp_path / "run"), resume=True, max_model_len=1024).max_model_len == 1024
     assert resolved_config(run_dir=str(tmp_path / "run"), resume=True,
                            engine_kwargs={"max_model_len": 256}).max_model_len == 256
+    # a turn budget connect() derived (half the context) is derived again on a resume: kept, a resume
+    # that lowered the context kept one the size of the old context's half; one given is kept
+    derived = {**config_record(resolved_config(max_model_len=2048, tasks=str(tmp_path / "t.jsonl"))), "max_tokens": 1024,
+               "_derived": ["max_tokens"]}
+    (tmp_path / "run" / "config.resume-20261206-000003.json").write_text(json.dumps(derived))
+    assert resolved_config(run_dir=str(tmp_path / "run"), resume=True, max_model_len=512).max_tokens is None
+    (tmp_path / "run" / "config.resume-20261206-000004.json").write_text(json.dumps({**derived, "_derived": []}))
+    assert resolved_config(run_dir=str(tmp_path / "run"), resume=True, max_model_len=512).max_tokens == 1024
 
 
 def test_connect_merges_trainer_and_correction_settings_field_by_field():

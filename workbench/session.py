@@ -380,6 +380,11 @@ def resolved_config(config: WorkbenchConfig | dict | None = None, **overrides) -
             raise ConfigError(f"resume=True: the run's {missing} were Python objects its config file could not "
                               f"hold: pass them again (connect(..., {missing[0]}=...))")
         restored = {k: v for k, v in saved.items() if not k.startswith("_") and k not in ("resume", "run_dir")}
+        # a setting connect() derived (max_tokens: from the context) is derived again, from the resumed
+        # settings: kept, a resume that lowered max_model_len kept a turn budget the size of the old context
+        for k in saved.get("_derived", []):
+            if k not in given:
+                restored.pop(k, None)
         # the context is max_model_len, copied into engine_kwargs (__post_init__): one given replaces both copies
         if "max_model_len" in given and isinstance(restored.get("engine_kwargs"), dict):
             restored["engine_kwargs"] = {k: v for k, v in restored["engine_kwargs"].items() if k != "max_model_len"}
@@ -689,6 +694,7 @@ class Workbench:
     """One session: engines, rollout runners and the trainer, with handles for each."""
 
     _torn_restore: str | None = None  # why a wb.restore() did not finish: only another restore may follow
+    _derived: list = []  # settings connect() worked out where none was given (config.json's "_derived")
 
     def __init__(self, cfg: WorkbenchConfig, address: str | None = None):
         import ray
@@ -812,8 +818,9 @@ class Workbench:
                 # the positions the model was trained on)
                 raise ConfigError(f"max_model_len {self.profile.max_model_len!r} must be a positive integer within the "
                                   f"checkpoint's context, {context:g} positions (its max_position_embeddings)")
-            if cfg.max_tokens is None:  # (the resolved value is the one config.json records)
+            if cfg.max_tokens is None:  # (the resolved value is the one config.json records, marked derived)
                 self.cfg = cfg = dataclasses.replace(cfg, max_tokens=default_max_tokens(self.profile))
+                self._derived = ["max_tokens"]
             warning = toy_lr_warning(self.profile, cfg.trainer.lr)
             if warning:
                 bar.write(warning, file=sys.stderr)
@@ -900,7 +907,8 @@ class Workbench:
         config_file = self.run_dir / ("config.json" if not cfg.resume else f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.json")
         # beside, then swapped in: a kill mid-write left a cut config.json, and resume=True then failed on it
         staged = config_file.with_name(config_file.name + ".tmp")
-        staged.write_text(json.dumps({**config_record(cfg), "_routing_replay_off": self.routing_replay_off}, indent=1))
+        staged.write_text(json.dumps({**config_record(cfg), "_routing_replay_off": self.routing_replay_off,
+                                      "_derived": self._derived}, indent=1))
         os.replace(staged, config_file)
 
     def _adopt_started(self, starting: dict) -> None:
