@@ -185,9 +185,10 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
         workbench.connect(backend="reference", run_dir=str(tmp_path / "kl"), trainer={"kl_coef": 0.05, "ref_model_path": "tiny-qwen3"})
     # a session that stepped by hand and saved, or only evaluated, wrote no metrics.jsonl: taken over
     # all the same, its config.json was replaced and its checkpoint at the next save
-    for held in ("checkpoint", "eval.jsonl"):
+    # (nor one that exported: the next session's wb.export() replaced that export)
+    for held in ("checkpoint", "eval.jsonl", "export"):
         (tmp_path / held).mkdir(parents=True)
-        (tmp_path / held / held).mkdir() if held == "checkpoint" else (tmp_path / held / held).write_text("{}\n")
+        (tmp_path / held / held).mkdir() if held != "eval.jsonl" else (tmp_path / held / held).write_text("{}\n")
         with pytest.raises(ConfigError, match=rf"already holds a run \({held}\)"):
             workbench.connect(backend="reference", run_dir=str(tmp_path / held))
     again = workbench.connect(backend="reference", trainer_ranks=1, run_dir=str(tmp_path / "run"), resume=True,

@@ -534,7 +534,9 @@ def _short(x) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-RUN_MARKS = ("metrics.jsonl", "checkpoint", "eval.jsonl")  # what a run directory holding a run holds
+# what a run directory holding a run holds (an export and kept policies too: a session that stepped by hand
+# and exported left only them, and the next session's wb.export() replaced that export unsaid)
+RUN_MARKS = ("metrics.jsonl", "checkpoint", "eval.jsonl", "export", "policies")
 RUN_DIR_LOCK = ".session.lock"  # in a run directory while a session writes it: {"pid", "host", "token"}
 # A live session touches its lock every LOCK_HEARTBEAT_S (a daemon thread); a lock of another host
 # is that session's while touched within LOCK_STALE_S. (Another host's process cannot be asked: its
@@ -729,8 +731,8 @@ class Workbench:
             held = [n for n in RUN_MARKS if (self.run_dir / n).exists()]
             if held and not cfg.resume:
                 raise ConfigError(f"run_dir {str(self.run_dir)!r} already holds a run ({', '.join(held)}): choose another "
-                                  + ("run_dir, or pass resume=True to continue it" if held != ["eval.jsonl"] else
-                                     "run_dir (it has no checkpoint/ to resume from: its evaluations alone)"))
+                                  + ("run_dir, or pass resume=True to continue it" if {"metrics.jsonl", "checkpoint"} & set(held)
+                                     else "run_dir (it has no checkpoint/ to resume from)"))
             # (recover_checkpoint: a driver killed while saving left a complete old or new checkpoint beside it)
             if cfg.resume and not recover_checkpoint(str(self.run_dir / "checkpoint")):
                 raise ConfigError(f"resume=True, but {str(self.run_dir)!r} has no checkpoint/ to resume from "
