@@ -792,7 +792,7 @@ def _run(rollout, trainer, engines, task_source, cfg, on_step, progress, checkpo
 
     first, restored = start_step, False
     if checkpoint_dir and recover_checkpoint(checkpoint_dir):
-        state = trainer.restore(checkpoint_dir)
+        state = trainer.restore(os.path.realpath(checkpoint_dir))  # (the ranks' working directory is not ours)
         first, start_position, restored = state["next_step"], state.get("data_position"), True
     # the data position: tasks drawn so far (the producer advances it, replacements included)
     position = first * cfg.prompts_per_step if start_position is None else start_position

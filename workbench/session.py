@@ -1348,7 +1348,8 @@ class Workbench:
         not checkpointed, a step cut off mid-way) is moved out of metrics.jsonl and trajectories/
         into abandoned/<time>/, so the record holds each step once and the two agree."""
         self._idle("restore")
-        path = str(path or self.run_dir / "checkpoint")
+        # (absolute: the ranks' working directory is their raylet's, not this process's)
+        path = os.path.realpath(path or self.run_dir / "checkpoint")
         recover_checkpoint(path)
         try:
             state = self._trainer.restore(path)
