@@ -341,7 +341,13 @@ def test_the_shipped_graders_survive_what_a_policy_writes():
                        ("\\boxed{5}\n\n(Note: the answer is not 6.)", 5), ("#### 5\nThe answer is not 9.", 5),
                        ("\\boxed{13}. The answer is not 13; it is 12", None),
                        ("The answer is 4. After double-checking, the answer is 7 - 2 = 5.", 5),
-                       ("The answer is 11. Let me check again: the answer is 3 + 9 = 12", 12)):
+                       ("The answer is 11. Let me check again: the answer is 3 + 9 = 12", 12),
+                       # ... but a result already written stands, a conversion or comparison after it is no "="
+                       # (each read its second number), and a check's rounded result holds the number it checks
+                       ("The answer is 5 * 3 = 15, which is 3 more than 12.", 15), ("The answer is 4 * 6 = 24 eggs, giving 2 dozen.", 24),
+                       ("Answer: 180 / 3 = 60 minutes, i.e. 1 hour.", 60), ("The answer is 3 * 4 = 12, so 2 boxes are left over.", 12),
+                       ("The answer is 3 x 8 = 24 hours -> 1 day.", 24), ("The answer is (3 + 4) * 2, which is 14 apples", 14),
+                       ("The answer is 33. To check the answer: 100 / 3 = 33.33", 33)):
         assert answer_number(text) == want, text
     # the math recipe's reward reads the same way; a list of numbers is no one number ("3,4,5" read 345)
     import sys

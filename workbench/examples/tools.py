@@ -85,6 +85,13 @@ _HEDGED = re.compile(r"(?<![\d,.])-?\d[\d,.]*+(?:\s*+[,(]?\s*+(?:or|maybe|possib
                      r"|\s*+(?:\||±|\+/-|\\pm|\\text\{\s*or\s*\})\s*+)-?\d", re.I)
 
 
+# "which is", "so", "gives", "i.e." or an arrow before a number: an unevaluated expression's "=" (answer_text)
+_RESULT_LINK = re.compile(r"\b(?:(?:which|that)\s++is|so|gives|giving)\b(?=\s*+-?\$?\d)|\bi\.e\.,?(?=\s*+-?\$?\d)"
+                          r"|(?:\u2192|->|=>)(?=\s*+-?\$?\d)", re.I)
+# nothing but numbers, operators and brackets (an operator in words too): what comes before such a link
+_OPERAND = r"[\s\d.,+\-*/^()\[\]{}$\u00d7\u00f7\u00b7\u22c5\u00b2\u00b3]*"
+_ONLY_EXPRESSION = re.compile(rf"{_OPERAND}(?:(?:\\times|\\cdot|\\div|x|times|plus|minus|multiplied\s+by|divided\s+by){_OPERAND})*",
+                              re.I)
 _CHECKING = re.compile(r"\b(?:check|verify|double-check|confirm)", re.I)
 _CHECK_ARITHMETIC = re.compile(r"\d\s*[-+*/\u00d7\u00f7x]\s*\d")  # "72 - 67 = 5": the check's working
 
@@ -108,8 +115,17 @@ def _first_marked(marked: list) -> dict[str, int]:
     for k, e in enumerate(marked):
         sentence = re.split(r"\.(?:\s|$)|;", next(g for g in e.groups() if g is not None)[:200], maxsplit=1)[0]
         for n in _NUMBER.finditer(sentence):
-            first.setdefault(n.group().replace(",", ""), k)
+            first.setdefault(_rounded(n.group()), k)
     return first
+
+
+def _rounded(number: str) -> int | str:
+    """A written number as the whole number nearest it: a check's "100 / 3 = 33.33" holds the 33 it
+    checks (one past a float's range as written)."""
+    try:
+        return round(float(number.replace(",", "")))
+    except OverflowError:
+        return number
 
 
 def answer_text(text: str | None) -> str | None:
@@ -163,7 +179,7 @@ def answer_text(text: str | None) -> str | None:
             # 4. After double-checking, the answer is 7 - 2 = 5" read the wrong 4)
             if _CHECKING.search(text, start, m.start()) and _CHECK_ARITHMETIC.search(m.group(3)[:200]):
                 first_marked = _first_marked(marked) if first_marked is None else first_marked
-                if k == 0 or any(first_marked.get(n.group().replace(",", ""), k) < k for n in _NUMBER.finditer(m.group(3)[:200])):
+                if k == 0 or any(first_marked.get(_rounded(n.group()), k) < k for n in _NUMBER.finditer(m.group(3)[:200])):
                     continue
         body = next(g for g in m.groups() if g is not None)
         if not re.search(r"[^\W_]", body) and not m.group().startswith("\\boxed"):
@@ -175,11 +191,13 @@ def answer_text(text: str | None) -> str | None:
         # "gives" ("24 eggs, which makes 2 dozen" is 24)
         # (anchored at the word: a leading ",?\s*" tried every start in a run of spaces, quadratic)
         span = re.sub(r"\b(?:(?:which|that)\s++)?(?:equals|is\s+equal\s+to)\b(?=\s*+-?\$?\d)", "=", span, flags=re.I)
-        if _EXPRESSION.match(span):  # an expression's result written in words or an arrow: "7 - 2, which is 5",
-            # "7 - 2, so 5", "i.e. 5", "7 - 2 → 5" (read None: the right answer scored 0, under a wrong one's
-            # partial credit); only after an expression ("24 eggs, which is 2 dozen" stays 24)
-            span = re.sub(r"\b(?:(?:which|that)\s++is|so|gives|giving)\b(?=\s*+-?\$?\d)|\bi\.e\.,?(?=\s*+-?\$?\d)"
-                          r"|(?:\u2192|->|=>)(?=\s*+-?\$?\d)", "=", span, flags=re.I)
+        # an unevaluated expression's result written in words or an arrow: "7 - 2, which is 5", "7 - 2, so 5",
+        # "i.e. 5", "7 - 2 → 5" (read None: the right answer scored 0, under a wrong one's partial credit).
+        # Only the connector right after a leading expression with no "=" yet: "5 * 3 = 15, which is 3 more
+        # than 12" is 15, "4 * 6 = 24 eggs, which gives 2 dozen" 24, "24 eggs, which is 2 dozen" 24
+        link = _RESULT_LINK.search(span) if "=" not in span and _EXPRESSION.match(span) else None
+        if link is not None and _ONLY_EXPRESSION.fullmatch(span[:link.start()]):
+            span = span[:link.start()] + "=" + span[link.end():]
         span = next((side for side in reversed(span.split("=")) if not _EXPRESSION.match(side)), "")
         found = list(_NUMBER.finditer(span))
         if found and _NEGATED.match(span[:found[0].start()]) and not _hedged(span):
