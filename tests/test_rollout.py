@@ -973,23 +973,23 @@ def test_an_interrupted_rollout_gives_its_slots_back_when_its_groups_finish(roll
 def test_a_stop_keeps_the_groups_finished_inside_a_shared_runner_call(rollout_for):
     """A runner's groups go as one call (submit_groups) whose returns come all at its end: a stop
     found none of them ready and the groups that had finished went unrecorded (a stopped sync run
-    lost its last rollout's finished groups). They are asked of the runner; the slow one is left
-    running, its call's slots held until it ends."""
+    lost its last rollout's finished groups). They are asked of each runner (two here, each with a
+    call of its own); the slow ones are left running, their calls' slots held until they end."""
     import threading
 
     import workbench.rollout.runner as runner_mod
 
-    rollout = rollout_for(AGENTS / "slow_task.py", episode_timeout_s=120)
-    tasks = [Task([{"role": "user", "content": "Say something."}], id=f"fast{i}") for i in range(3)]
-    tasks.append(Task([{"role": "user", "content": "Say something."}], id="slow", info={"sleep": 60}))
+    rollout = rollout_for(AGENTS / "slow_task.py", episode_timeout_s=120, num_runners=2)
+    tasks = [Task([{"role": "user", "content": "Say something."}], id=f"fast{i}") for i in range(4)]
+    tasks += [Task([{"role": "user", "content": "Say something."}], id=f"slow{i}", info={"sleep": 60}) for i in range(2)]
     stop = threading.Event()
     threading.Timer(8.0, stop.set).start()  # the fast groups' one turn each is done by then
     with pytest.raises(runner_mod.RolloutStopped) as stopped:
         rollout.run_groups(tasks, group_size=2, progress=False, stop=stop)
     groups = stopped.value.groups
-    assert sorted(g[0].info["task_id"] for g in groups) == ["fast0", "fast1", "fast2"]
+    assert sorted(g[0].info["task_id"] for g in groups) == ["fast0", "fast1", "fast2", "fast3"]
     assert all(t.error is None and t.reward == 1.0 and t.segments for g in groups for t in g)
-    assert sum(rollout.outstanding.values()) == 8 and len(rollout._abandoned) == 4  # (the call runs on)
+    assert sum(rollout.outstanding.values()) == 12 and len(rollout._abandoned) == 6  # (the calls run on)
 
 
 def test_a_runner_dropped_as_unavailable_is_killed(rollout_for):

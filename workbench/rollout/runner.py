@@ -554,7 +554,7 @@ class Rollout:
                 runner = min(free, key=lambda r: self.outstanding[id(r)])
                 self.outstanding[id(runner)] += group_size
                 placed.append(runner)
-        refs, by_runner, call_id = [None] * len(placed), {}, uuid.uuid4().hex
+        refs, by_runner = [None] * len(placed), {}
         for i, runner in enumerate(placed):
             by_runner.setdefault(id(runner) if len(placed) == len(tasks) else i, (runner, []))[1].append(i)
         try:
@@ -562,6 +562,7 @@ class Rollout:
                 if len(at) == 1:
                     refs[at[0]] = runner.run_group.remote(tasks[at[0]], group_size)
                 else:
+                    call_id = uuid.uuid4().hex  # (one a runner call: finished_groups asks each runner for its own)
                     calls = runner.run_groups.options(num_returns=len(at)).remote([tasks[i] for i in at], group_size, call_id)
                     for k, (i, ref) in enumerate(zip(at, calls)):
                         refs[i] = ref
@@ -663,6 +664,11 @@ class Rollout:
                             out[i] = self.finish_group(ref, r, tasks[i], group_size)
                         for i, group in self._finished_in_calls(inflight):
                             out[i] = group
+                        # (a call that ended meanwhile dropped its finished groups from the runner: its returns now)
+                        ready, _ = ray.wait(list(inflight), num_returns=len(inflight), timeout=0) if inflight else ([], [])
+                        for ref in ready:
+                            i, r = inflight.pop(ref)
+                            out[i] = self.finish_group(ref, r, tasks[i], group_size)
                         raise RolloutStopped([g for g in out if g is not None])
                     if not inflight:  # every runner is full with another caller's groups
                         time.sleep(0.05)
