@@ -168,6 +168,10 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
             with pytest.raises(RuntimeError, match=r"wb.restore\(.*\) did not finish \(KeyboardInterrupt"):
                 call()
         assert wb.restore(named)["next_step"] == 2 and wb._torn_restore is None
+        # a path with no checkpoint is refused before any rank loads: nothing torn, the session trains on
+        with pytest.raises(FileNotFoundError, match="run_state.json missing"):
+            wb.restore(str(tmp_path / "no-such-checkpoint"))
+        assert wb._torn_restore is None
         wb.save()  # (the resume below starts from it)
         wb.rollout.last_groups = None
         with pytest.raises(LookupError, match="no groups to train on"):

@@ -1351,6 +1351,7 @@ class Workbench:
         # (absolute: the ranks' working directory is their raylet's, not this process's)
         path = os.path.realpath(path or self.run_dir / "checkpoint")
         recover_checkpoint(path)
+        self._trainer.run_state(path)  # (no checkpoint there, an unreadable one: refused before any rank loads)
         try:
             state = self._trainer.restore(path)
             self._torn_restore = None  # (loaded whole: its sync below may run; failing, it is torn again)

@@ -1452,15 +1452,20 @@ class Trainer:
             durable_dir(d)
         return path
 
-    def restore(self, path: str) -> dict:
-        """Load a checkpoint written by save(); returns its run_state."""
+    @staticmethod
+    def run_state(path: str) -> dict:
+        """A checkpoint's run_state.json (FileNotFoundError: none there), read before any rank loads."""
         import json
 
         state_file = os.path.join(path, "run_state.json")
         if not os.path.isfile(state_file):
             raise FileNotFoundError(f"no checkpoint at {path!r} (run_state.json missing)")
         with open(state_file) as f:
-            run_state = json.load(f)
+            return json.load(f)
+
+    def restore(self, path: str) -> dict:
+        """Load a checkpoint written by save(); returns its run_state."""
+        run_state = self.run_state(path)
         # torch.distributed.checkpoint reshards on load: a checkpoint of N ranks restores onto M
         # (each rank reads the pieces of the saved shards that make up its own); only the per-rank
         # RNG states do not carry over (load says which ranks kept their seed)
