@@ -93,6 +93,7 @@ def test_field_mapping_errors_name_what_is_wrong(tmp_path):
         with pytest.raises(ValueError, match=r"bad.jsonl\[0\]: .* not a number \(commas only as thousands groups"):
             load_tasks(path, fields={"prompt": "q", "label": "answer", "final_answer": "####"})
     assert final_answer("#### 1,234.5") == "1234.5" and final_answer("#### -12,000") == "-12000"
+    assert float(final_answer("#### 1,234.")) == 1234  # (a full stop after it, as before)
     with pytest.raises(ValueError, match="unknown field preset 'gsm'"):
         load_tasks(path, fields="gsm")
     with pytest.raises(ValueError, match=r"\['question'\] are not task fields"):

@@ -165,7 +165,7 @@ def final_answer(solution: str, marker: str = "####") -> str:
     answer = (tail.splitlines() or [""])[0].strip().replace("\u2212", "-").strip("$%€£ ")
     # commas only as thousands groups, as the graders read them: a decimal comma ("#### 2,50", a
     # translated set) had them all stripped, the label 250, a right answer scored 0, a wrong one paid
-    if "," in answer and not re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", answer):
+    if "," in answer and not re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d*)?", answer):  # ("1,234." ends a sentence)
         raise ValueError(f"the final answer after {marker!r} is not a number (commas only as thousands groups, "
                          f"\"1,234\"): {tail[:80]!r}")
     answer = answer.replace(",", "")
