@@ -78,9 +78,10 @@ def neutralized(answer: str) -> str:
 
 
 def truth(answer: str, label) -> dict:
-    """{"correct": ...}: the truth beside the judge's score, read as the rubric reads an answer
-    (tools.is_answer: its marked answer or last number; the toy Env's bare-number rule read "The
-    answer is 12." wrong, which a judge rightly paid), where the label is a number; {} where it is
+    """{"correct": ...}: the truth beside the judge's score, the answer read as the math graders read
+    it (tools.is_answer: its marked answer or last number; the toy Env's bare-number rule read "The
+    answer is 12." wrong, which a judge rightly paid; a hedge with no marker, "12 or 13", reads its
+    last number, which the rubric pays 0), where the label is a number; {} where it is
     none (an open-ended task: nothing to compare; it raised after the judge's call and failed every
     episode). An evaluation then falls back to success_reward."""
     try:
