@@ -383,6 +383,14 @@ def test_a_family_claims_only_checkpoints_its_profile_describes(tmp_path):
         with pytest.raises(ProfileError, match="no model family claims"):
             profile_for(with_template(checkpoint(at(name), "llama", llama3), name))
     assert profile_for(checkpoint(at("plain"), "llama", llama3)).family == "llama3"  # (no template: Llama 3's own)
+    # qwen3 and deepseek-v3 claimed their architectures whatever the turns (OpenBuddy's R1-0528 distill on
+    # Qwen3: <|im_end|> and hermes expected, DeepSeek-style calls reached the agent as text; Moonlight on
+    # DeepSeek V3: Kimi's turns, failing later on a missing <｜end▁of▁sentence｜>)
+    for arch, name in (("qwen3", "OpenBuddy-OpenBuddy-R1-0528-Distill-Qwen3-32B-Preview1-QAT-AWQ4"),
+                       ("qwen3", "lastmass-Qwen3_Medical_GRPO"), ("deepseek_v3", "moonshotai-Moonlight-16B-A3B-Instruct")):
+        with pytest.raises(ProfileError, match="no model family claims"):
+            profile_for(with_template(checkpoint(at(name), arch, chatml), name))
+    assert profile_for(with_template(checkpoint(at("q3"), "qwen3", chatml), "Qwen-Qwen3-0.6B")).family == "qwen3"
     nested = checkpoint(at("vl"), "some_vl_moe", [], max_position_embeddings=None,
                         text_config={"num_experts": 8, "max_position_embeddings": 65536})
     custom = profile_for(nested, {"end_of_turn": "<|endoftext|>"})

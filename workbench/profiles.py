@@ -220,6 +220,10 @@ def _qwen3(ck: Checkpoint):
     # non-thinking checkpoint's every answer reached the agent as content "" (scored 0, silently).
     # No template in the directory: the hybrid one, Qwen3's original.
     tpl = ck.chat_template
+    if tpl is not None and "<|im_start|>" not in tpl:
+        # another family's turns on this architecture (OpenBuddy's R1-0528 distill: <|role|>...<|end|>; a
+        # plain-text fine-tune): not this profile's <|im_end|> and hermes; refused, the user describes it
+        return None
     hybrid, thinks = tpl is None or "enable_thinking" in tpl, tpl is None or "<think>" in tpl
     # Qwen3-Coder's template writes tool calls as XML (<function=name><parameter=...>), not hermes JSON
     tool_parser = "qwen3_coder" if tpl is not None and "<function=" in tpl else "hermes"
@@ -351,6 +355,10 @@ def _deepseek(ck: Checkpoint):
     # template renders: V3.1's parser found none of 12 recorded V3.2 calls (each reached the agent as
     # text, no tool ran). Told by the template, not model_type: V3.2-Exp has V3.2's and V3.1's syntax
     tpl = ck.chat_template or ""
+    if tpl and "｜Assistant｜" not in tpl:
+        # another family's turns on this architecture (Moonlight: Kimi's <|im_assistant|>): refused, the
+        # user describes it (it failed later on a missing <｜end▁of▁sentence｜>, naming no cause)
+        return None
     v3_calls = re.search(r"tool▁sep｜>.{0,160}```json", tpl, re.S) is not None
     dsml = "｜DSML｜" in tpl
     opens = "add_generation_prompt" in tpl and "<think>" in tpl[tpl.rfind("add_generation_prompt"):]
