@@ -16,7 +16,7 @@ import json
 import pytest
 
 from workbench.lint import diff_context, sample_of
-from workbench.profiles import profile_for
+from workbench.profiles import ProfileError, profile_for
 from workbench.real_models import _pkg_dir
 from workbench.tokens import Accumulator, ChatFormat, retokenization_drift
 
@@ -54,6 +54,10 @@ def test_profile_says_tekken(ckpt, fmt, tmp_path):
     assert profile_for(tmp_path).chat_format == "template"
     with pytest.raises(ValueError, match="chat_format"):
         prof.replace(chat_format="jinja")
+    # a stop token Tekken's vocabulary lacks is refused (it became stop id 0, <unk>: the token never stopped a turn)
+    assert prof.stop_token_ids(fmt.tokenizer) == [2]
+    with pytest.raises(ProfileError, match="has no token '<|im_end|>'"):
+        prof.replace(stop_tokens=("<|im_end|>",)).stop_token_ids(fmt.tokenizer)
 
 
 # ------------------------------------------------------------------ (a) text <-> mistral-common's ids

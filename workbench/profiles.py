@@ -70,7 +70,10 @@ class ModelProfile:
         ids = []
         for tok in ((self.end_of_turn,) if self.end_of_turn else ()) + tuple(self.turn_ends) + tuple(self.stop_tokens):
             i = tokenizer.convert_tokens_to_ids(tok)
-            if i is None or i == getattr(tokenizer, "unk_token_id", None):
+            # (vLLM's MistralTokenizer, Tekken's, has no unk_token_id and maps an unknown name to 0, <unk>,
+            # with a log line: read back, it names another token)
+            if i is None or i == getattr(tokenizer, "unk_token_id", None) or (
+                    not hasattr(tokenizer, "unk_token_id") and tokenizer.convert_ids_to_tokens([int(i)]) != [tok]):
                 raise ProfileError(f"profile {self.family!r}: the tokenizer has no token {tok!r}")
             ids.append(int(i))
         return sorted(set(ids))
