@@ -51,6 +51,35 @@ def test_an_episode_of_five_segments_weighs_once_in_its_group(estimator, expecte
     assert info["signal_tokens"] == 0
 
 
+def test_several_updates_a_step_take_whole_episodes_not_runs_of_rows():
+    """With updates_per_step > 1 the batch's rows were cut into runs of equal rows: an episode sealed
+    into 6 segments filled most of one update alone, and with each update's mean over its own
+    episodes it weighed 0.5 of the step against 0.167 for the others (0.25 each, one segment each).
+    Each update now takes whole episodes, as many in each as can be."""
+    import types
+
+    from workbench.trainer.fsdp import Trainer
+    from workbench.trainer.losses import episode_units
+
+    groups = [[episode(1.0, n_segments=6, episode_id="e0"), *(episode(float(i % 2 == 0), episode_id=f"e{i}") for i in (1, 2, 3))],
+              [episode(float(i % 2 == 0), episode_id=f"e{i}") for i in (4, 5, 6, 7)]]
+    b, _ = batch_from_groups(groups, "grpo")
+    for ranks in (1, 2):
+        parts, _ = Trainer._split(types.SimpleNamespace(workers=[None] * ranks), b, updates=2)
+        per = parts[0]["rows_per_update"]
+        updates = [[p["episode_tokens"][u * per:(u + 1) * per] for p in parts] for u in range(2)]
+        masks = [[p["loss_mask"][u * per:(u + 1) * per] for p in parts] for u in range(2)]
+        # each update's episodes, counted as the trainer counts them (rows of one episode sum to 1)
+        counts = [sum(float(episode_units(m, e).sum()) for m, e in zip(ms, es)) for ms, es in zip(masks, updates)]
+        assert counts == pytest.approx([4.0, 4.0]), (ranks, counts)
+    # trajectories built by hand share the id "": an episode starts where the segment index does not grow
+    b, _ = batch_from_groups([[episode(1.0, n_segments=6), *(episode(float(i % 2 == 0)) for i in range(1, 8))]], "grpo")
+    parts, _ = Trainer._split(types.SimpleNamespace(workers=[None]), b, updates=2)
+    per = parts[0]["rows_per_update"]
+    assert [float(episode_units(parts[0]["loss_mask"][u * per:(u + 1) * per], parts[0]["episode_tokens"][u * per:(u + 1) * per]).sum())
+            for u in range(2)] == pytest.approx([4.0, 4.0])
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "dr_grpo"])
 def test_rewards_equal_in_float64_but_not_in_float32_have_no_advantage(estimator):
     """Rewards 6e-10 apart (one value to zero_variance, within 1e-9) that straddle a float32

@@ -364,6 +364,26 @@ def update_runs(n: int, updates: int) -> list[range]:
     return [range(a, a + size) for a, size in zip(starts, sizes)]
 
 
+def episode_runs(row_keys, updates: int) -> list[list[int]] | None:
+    """update_runs cut at episodes: each update's rows whole episodes, near-equal episode counts.
+    `row_keys`: each row's (episode id, segment index) (batch_from_groups' row_keys). Cut by rows,
+    an episode sealed into many segments filled most of an update alone, and with the update's mean
+    over its own episodes it weighed up to twice the others of the step (DESIGN: the episode is the
+    unit of credit). An episode's rows are contiguous (batch_from_groups): one starts where the id
+    changes or the segment index does not grow (ids may repeat: "" on trajectories built by hand).
+    None where rows carry no keys."""
+    if not row_keys:
+        return None
+    episodes: list[list[int]] = []
+    for i, key in enumerate(row_keys):
+        last = row_keys[i - 1] if i else None
+        if last is not None and last[0] == key[0] and key[1] > last[1]:
+            episodes[-1].append(i)
+        else:
+            episodes.append([i])
+    return [[i for e in episodes[r.start: r.stop] for i in e] for r in update_runs(len(episodes), updates)]
+
+
 def host_threads_per_gpu() -> int:
     """This node's cores divided by its GPUs (one trainer rank a GPU)."""
     node = ray.get_runtime_context().get_node_id()
@@ -1165,7 +1185,8 @@ class Trainer:
         """Rows split evenly over ranks, and where each went (`order`: the batch row of each row
         of the ranks' parts in turn, -1 for padding). Short ranks get all-masked padding rows, so
         every rank runs the same number of forwards (FSDP collectives would hang otherwise).
-        With `updates` > 1, optimizer update u takes the batch's u-th run of rows (update_runs),
+        With `updates` > 1, optimizer update u takes the batch's u-th run of rows (update_runs; of
+        whole episodes where the rows name theirs, episode_runs),
         spread over the ranks whatever their number: each rank's part is its share of each
         update's rows in turn (a rank's contiguous rows cut into updates made each update's rows
         depend on the rank count, so a resume onto other ranks followed another SGD path). The
@@ -1177,7 +1198,7 @@ class Trainer:
             per = -(-n // w)
             shares = [list(range(r * per, min((r + 1) * per, n))) for r in range(w)]
         else:
-            runs = [list(r) for r in update_runs(n, updates)]
+            runs = episode_runs(batch.get("row_keys"), updates) or [list(r) for r in update_runs(n, updates)]
             per_rank = -(-max(len(r) for r in runs) // w)
             shares = [[i for run in runs for i in (run[r * per_rank:(r + 1) * per_rank] + [-1] * per_rank)[:per_rank]]
                       for r in range(w)]
