@@ -530,8 +530,11 @@ def test_c_a_sentencepiece_byte_run_tokenizers_stream_refuses_is_recorded_whole(
 
 def test_c_qwen3_keys_the_agent_reordered_seal_as_its_change(fams):
     """An agent re-serializing its call's arguments or its tools with sorted keys: equal as Python
-    values, rendered otherwise by Qwen3's tojson (key order kept), so the segment seals. It was
-    labelled the template's (template_rewrite, never flagged by the audit); it is the agent's."""
+    values, rendered otherwise by tojson (key order kept), so the segment seals. It was labelled the
+    template's (template_rewrite, never flagged by the audit); it is the agent's where the request as
+    recorded would have extended (Llama 3.1, a plain reply), the template's where the template seals
+    it anyway (Qwen3 renders its own call back otherwise; Qwen3 with thinking drops an earlier turn's
+    reasoning: an agent leaving reasoning_content out, as Qwen advises, was blamed at every turn)."""
     from workbench.rollout.engine import Sample
     from workbench.tokens import UNEXPECTED_SEALS, Accumulator, ChatFormat
 
@@ -548,13 +551,33 @@ def test_c_qwen3_keys_the_agent_reordered_seal_as_its_change(fams):
     result = {"role": "tool", "tool_call_id": "c1", "content": "booked"}
     sorted_call = json.loads(json.dumps(call))
     sorted_call["tool_calls"][0]["function"]["arguments"] = json.dumps({"to": "Rome", "from": "Paris"}, sort_keys=True)
-    assert acc.plan(msgs + [sorted_call, result], tools).seal_reason == "assistant_changed"
     reordered = [{"type": "function", "function": {"parameters": {"type": "object", "properties": dict(reversed(props.items()))},
                                                    "description": "Book", "name": "book"}}]
-    assert reordered == tools and acc.plan(msgs + [call, result], reordered).seal_reason == "tools_changed"
-    assert {"assistant_changed", "tools_changed"} <= set(UNEXPECTED_SEALS)
-    # (the call as returned: Qwen3 renders its own call back otherwise, the template's rewrite)
+    # the call as returned: Qwen3 renders its own call back otherwise, the template's rewrite; so the
+    # agent's reordering changed nothing the template would have kept
     assert acc.plan(msgs + [call, result], tools).seal_reason == "template_rewrite"
+    assert acc.plan(msgs + [sorted_call, result], tools).seal_reason == "template_rewrite"
+    assert reordered == tools and acc.plan(msgs + [call, result], reordered).seal_reason == "template_rewrite"
+    assert {"assistant_changed", "tools_changed"} <= set(UNEXPECTED_SEALS)
+    # Llama 3.1 extends a plain reply with tools: there the agent's changes are what sealed
+    llama = fams["llama3.1"].chat_format()
+    acc, msgs = Accumulator(llama), [{"role": "user", "content": "Say hi"}]
+    plan = acc.plan(msgs, tools)
+    ids = llama.encode("Hello there.") + [llama.end_of_turn_id]
+    reply, again = {"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "Again"}
+    acc.record(plan, Sample(plan.prompt_ids, ids, [-0.1] * len(ids), [0] * len(ids), "stop"), reply)
+    assert not acc.plan(msgs + [reply, again], tools).new_segment
+    assert acc.plan(msgs + [{"role": "assistant", "content": "Hello there!"}, again], tools).seal_reason == "assistant_changed"
+    assert acc.plan(msgs + [reply, again], reordered).seal_reason == "tools_changed"
+    # Qwen3 with thinking: an earlier turn's reasoning is dropped at a new user turn whatever the agent sends back
+    fmt = ChatFormat.for_profile(fam.tokenizer, fam.profile())
+    acc, msgs = Accumulator(fmt), [{"role": "user", "content": "Hi"}]
+    plan = acc.plan(msgs)
+    ids = fmt.encode("<think>\nGreet.\n</think>\n\nHello.") + [fmt.end_of_turn_id]
+    full = {"role": "assistant", "content": "Hello.", "reasoning_content": "\nGreet.\n"}
+    acc.record(plan, Sample(plan.prompt_ids, ids, [-0.1] * len(ids), [0] * len(ids), "stop"), full)
+    dropped = {"role": "assistant", "content": "Hello."}
+    assert acc.plan(msgs + [dropped, {"role": "user", "content": "Again"}]).seal_reason == "template_rewrite"
 
 
 def test_gpt_oss_special_ids_as_harmony(fams):

@@ -58,9 +58,11 @@ import numpy as np
 # Why a segment was sealed. Keys are what Segment.seal_reason holds.
 SEAL_REASONS = {
     "history_rewritten": "earlier messages were changed or removed (a changed system prompt, a compaction that kept the task)",
-    "assistant_changed": "the assistant message sent back differs from the one the server returned",
+    "assistant_changed": "the assistant message sent back differs from the one the server returned, and as returned "
+                         "the request would have extended the conversation",
     "template_rewrite": "the chat template renders earlier turns differently once new messages are added",
-    "tools_changed": "the request's tools differ from the previous request's, and the template renders them before the history",
+    "tools_changed": "the request's tools differ from the previous request's, and with those the request would have "
+                     "extended the conversation (the template renders them before the history)",
     "stop_string": "the last reply ended on a stop string: the recorded ids hold its text, the message sent back "
                    "does not, and the template's render cannot extend them (an agent's stop=['Observation:'] "
                    "seals every turn; a stop string the template renders back, Qwen3's '</tool_call>', does not)",
@@ -788,6 +790,11 @@ class Accumulator:
         if seg is not None and self._conversation is not None and not beside:
             self._render_recorded()
             reason = _why_not_extending(self._conversation, msgs)
+            if reason == "assistant_changed" and not self._extends_as_recorded(msgs):
+                # a seal the template makes whatever the agent sent back (Qwen3 drops an earlier turn's
+                # reasoning at a new user turn: an agent leaving reasoning_content out, as Qwen advises,
+                # rendered the same prompt and was blamed: the audit flagged every such turn)
+                reason = "template_rewrite"
             if reason is None:
                 start = self._window_start
                 text = self.fmt.render(self.window(msgs, start), tools, add_generation_prompt=True)
@@ -809,12 +816,24 @@ class Accumulator:
                 # (labelled the template's: the audit blamed the template for the agent's stop strings)
                 # (as JSON text in the order sent, as templates render it (tojson keeps key order): an agent
                 # re-serializing the tools or its call's arguments with sorted keys sealed as the template's)
+                # (the agent's change only where the request as recorded would have extended: a turn the
+                # template seals anyway, Mistral's new user turn with tools, was labelled tools_changed)
                 n = len(self._conversation)
-                reason = ("tools_changed" if _as_sent(seg.tools or None) != _as_sent(tools or None) else
-                          "assistant_changed" if _as_sent(msgs[n - 1]) != _as_sent(self._conversation[n - 1]) else
+                agents = self._extends_as_recorded(msgs)
+                reason = ("tools_changed" if agents and _as_sent(seg.tools or None) != _as_sent(tools or None) else
+                          "assistant_changed" if agents and _as_sent(msgs[n - 1]) != _as_sent(self._conversation[n - 1]) else
                           "stop_string" if self._last_stop_sequence is not None else "template_rewrite")
         full, ids = self.fmt.prompt(msgs, tools)
         return TurnPlan(ids, msgs, tools, full, len(ids), True, reason, beside=beside and seg is not None)
+
+    def _extends_as_recorded(self, msgs: list[dict]) -> bool:
+        """Whether the request would extend the open conversation with its last assistant message and
+        its tools put back as recorded: where not, the template seals it whatever the agent changed."""
+        n = len(self._conversation)
+        restored = msgs[: n - 1] + [self._conversation[n - 1]] + msgs[n:]
+        text = self.fmt.render(self.window(restored, self._window_start), self._segment.tools or None, add_generation_prompt=True)
+        turn_text = self._turn_text()
+        return self._extends(self._conversation_text, text) or (turn_text is not None and self._extends(turn_text, text))
 
     def _make_current_retried(self, msgs: list[dict], tools: list | None) -> bool:
         """Make current the open conversation whose last request this one repeats (a retry of it),
