@@ -819,9 +819,10 @@ class Accumulator:
                 # (the agent's change only where the request as recorded would have extended: a turn the
                 # template seals anyway, Mistral's new user turn with tools, was labelled tools_changed)
                 n = len(self._conversation)
-                agents = self._extends_as_recorded(msgs)
-                reason = ("tools_changed" if agents and _as_sent(seg.tools or None) != _as_sent(tools or None) else
-                          "assistant_changed" if agents and _as_sent(msgs[n - 1]) != _as_sent(self._conversation[n - 1]) else
+                tools_changed = _as_sent(seg.tools or None) != _as_sent(tools or None)
+                reply_changed = _as_sent(msgs[n - 1]) != _as_sent(self._conversation[n - 1])
+                agents = (tools_changed or reply_changed) and self._extends_as_recorded(msgs)  # (a render more: seals only)
+                reason = ("tools_changed" if agents and tools_changed else "assistant_changed" if agents and reply_changed else
                           "stop_string" if self._last_stop_sequence is not None else "template_rewrite")
         full, ids = self.fmt.prompt(msgs, tools)
         return TurnPlan(ids, msgs, tools, full, len(ids), True, reason, beside=beside and seg is not None)
