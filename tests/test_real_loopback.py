@@ -413,6 +413,34 @@ def test_b_gpt_oss_hides_the_stop_string_from_the_agent():
         assert r.choices[0].message.content.rstrip() == "Answer: 42", r.choices[0].message.content
 
 
+def test_b_gpt_oss_takes_a_tool_without_description():
+    """The OpenAI API's tool description is optional; gpt-oss's template concatenates it, so a tool
+    sent without one (or with null) failed every render: each of such an agent's requests a 400. The
+    profile renders it with "" (as vLLM's harmony path does); the record keeps the tools as sent."""
+    fam = rm.load_family("gpt-oss")
+    tok = fam.tokenizer
+    bare = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+    null = {"type": "function", "function": {**bare["function"], "description": None}}
+    empty = {"type": "function", "function": {**bare["function"], "description": ""}}
+    ids = tok.encode("<|channel|>final<|message|>4", add_special_tokens=False) + tok.convert_tokens_to_ids(["<|return|>"])
+    engine = Replay()
+    with _server(fam, engine) as server:
+        prompts = []
+        for tools in ([bare], [null], [empty]):
+            sid = server.open_session()
+            o = openai.OpenAI(base_url=server.base_url(sid), api_key=server.api_key, max_retries=0)
+            engine.push(ids, "stop")
+            r = o.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+2?"}], tools=tools,
+                                          max_tokens=16)
+            assert r.choices[0].message.content == "4"
+            (seg,) = server.close_session(sid)
+            assert seg.tools == tools  # as sent
+            prompts.append(seg.token_ids[:seg.loss_mask.index(1)])
+    assert prompts[0] == prompts[1] == prompts[2]
+    # the other families render the tools as sent (Qwen3's tojson: no description key added)
+    assert rm.load_family("qwen3").chat_format()._template_tools([bare]) == [bare]
+
+
 def test_b_a_reply_cut_by_max_tokens_runs_no_tool_call():
     """A reply cut in its second call: vLLM's qwen3_coder parser returned the cut call with {}
     arguments (an Env then ran it, a chat agent was told tool_calls). A cut reply is not read for

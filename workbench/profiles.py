@@ -54,6 +54,10 @@ class ModelProfile:
     # reasoning_field: the assistant-message key the template renders reasoning from
     #   ("reasoning_content": Qwen3; "thinking": gpt-oss); None drops reasoning from the history
     reasoning_field: str | None = None
+    # tool_description: what a tool without a description is rendered with (gpt-oss: ""; its template
+    #   concatenates the description, so a tool sent without one, as the OpenAI API allows, failed
+    #   every render; vLLM's harmony path fills "" too); None renders the tools as sent
+    tool_description: str | None = None
     # chat_format: how prompts are rendered: "template" (the tokenizer's chat template) or "tekken"
     #   (Mistral's Tekken checkpoints: mistral-common encodes the request; workbench.tekken.TekkenFormat)
     chat_format: str = "template"
@@ -336,7 +340,7 @@ def _gpt_oss(ck: Checkpoint):
     # The template renders a sampled <|return|> back as <|end|>: a template_rewrite seal after every
     # final answer. Harmony is parsed from the ids (vLLM's HarmonyParser); analysis is reasoning.
     return ModelProfile("gpt-oss", end_of_turn="<|return|>", turn_ends=("<|call|>",), tool_parser="openai",
-                        reasoning_parser="openai_gptoss", reasoning_field="thinking", max_model_len=min(ck.context, 32768),
+                        reasoning_parser="openai_gptoss", reasoning_field="thinking", tool_description="", max_model_len=min(ck.context, 32768),
                         dtype="bfloat16", moe=True)
 
 

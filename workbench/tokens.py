@@ -386,8 +386,9 @@ class ChatFormat:
     """The tokenizer and chat template as the accumulator uses them."""
 
     def __init__(self, tokenizer, end_of_turn: str | None = None, template_kwargs: dict | None = None,
-                 turn_ends: tuple[str, ...] = (), message_form: dict | None = None):
+                 turn_ends: tuple[str, ...] = (), message_form: dict | None = None, tool_description: str | None = None):
         self.tokenizer = tokenizer
+        self.tool_description = tool_description  # the profile's: a missing tool description rendered as this
         self.end_of_turn = end_of_turn or tokenizer.eos_token
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.end_of_turn)
         # every token that ends an assistant turn: the end of turn first, then the profile's turn_ends
@@ -419,7 +420,8 @@ class ChatFormat:
             from .tekken import TekkenFormat
 
             return TekkenFormat.for_profile(tokenizer, profile)
-        return cls(tokenizer, profile.end_of_turn, profile.chat_template_kwargs, profile.turn_ends, profile.message_form)
+        return cls(tokenizer, profile.end_of_turn, profile.chat_template_kwargs, profile.turn_ends, profile.message_form,
+                   profile.tool_description)
 
     def canonical(self, m: dict) -> dict:
         """canonical_message with this format's message form."""
@@ -429,7 +431,7 @@ class ChatFormat:
                refuse_dropped: bool = True) -> str:
         # strftime_now: templates that print today's date (gpt-oss's "Current date:") get TEMPLATE_DATE
         text = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
+            messages, tools=self._template_tools(tools), add_generation_prompt=add_generation_prompt, tokenize=False,
             strftime_now=_template_strftime, **self.template_kwargs,
         )
         if tools and refuse_dropped and not self._renders_tools(tools):
@@ -454,6 +456,14 @@ class ChatFormat:
                 raise jinja2.TemplateError(f"this chat template does not render a message of role {role!r} (message {i}: "
                                            f"{content.strip()[:60]!r}); send it as a 'tool' or 'user' message")
         return text
+
+    def _template_tools(self, tools: list | None) -> list | None:
+        """The tools as the template is given them: as sent (and recorded), a missing or null
+        description filled with the profile's tool_description where it has one."""
+        if not tools or self.tool_description is None:
+            return tools or None
+        return [{**t, "function": {**t["function"], "description": self.tool_description}}
+                if isinstance(t.get("function"), dict) and t["function"].get("description") is None else t for t in tools]
 
     def _renders_tools(self, tools: list) -> bool:
         """Whether the template puts `tools` in a prompt at all (a one-message render with and without
@@ -517,8 +527,8 @@ class ChatFormat:
     def _probe_render(self, messages: list, tools: list | None, kwargs: dict) -> str:
         """A probe's render, or the kind of error the template raised on it (the same either way: the same)."""
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                                      strftime_now=_template_strftime, **kwargs)
+            return self.tokenizer.apply_chat_template(messages, tools=self._template_tools(tools), add_generation_prompt=True,
+                                                      tokenize=False, strftime_now=_template_strftime, **kwargs)
         except Exception as e:  # noqa: BLE001  (a template refusing the shape, or the value)
             return f"\0{type(e).__name__}"
 
