@@ -91,3 +91,57 @@ def test_trainer_rank_killed_then_resumed(ray_local, tmp_path):
         assert sorted(p.name for p in (aside / "trajectories").iterdir()) == ["step_00002.parquet"]
         assert prompts(aside / "trajectories" / "step_00002.parquet") == abandoned_prompts
         assert prompts(run_dir / "trajectories" / "step_00002.parquet") == abandoned_prompts
+
+
+class _FakeRay:
+    """Ray as TrainerWatch sees it, each rank's ping answering from a script (a fault a test cannot
+    cause: ActorUnavailableError is Ray's answer while a node is unreachable)."""
+
+    exceptions = ray.exceptions
+
+    def __init__(self, answers: dict):
+        self.answers, self.killed = answers, []  # rank -> list of errors (None: answers), then answers
+
+    def wait(self, refs, num_returns, timeout):
+        return list(refs), []
+
+    def get(self, ref):
+        script = self.answers.get(ref)
+        error = script.pop(0) if script else None
+        if error is not None:
+            raise error
+
+    def kill(self, worker, no_restart=True):
+        self.killed.append(worker.rank)
+
+
+class _Rank:
+    def __init__(self, rank):
+        self.rank = rank
+        self._actor_id = bytes([rank]) * 16
+        self.__ray_ready__ = type("Ready", (), {"remote": lambda _: rank})()
+
+
+def test_the_trainer_watch_waits_out_an_unavailable_rank(monkeypatch):
+    """Ray's ActorUnavailableError is transient (a network blip between nodes): taken as a death,
+    one blip killed every rank of a healthy trainer (ray.kill) and ended the run. A rank unavailable
+    for a while, then answering, is left alone; one unavailable past the grace, or dead, is not."""
+    import workbench.loop as loop
+
+    unavailable = lambda: ray.exceptions.ActorUnavailableError("temporarily unavailable: RPC error", b"\0" * 16)  # noqa: E731
+    trainer = type("T", (), {"workers": [_Rank(0), _Rank(1)]})()
+    fake = _FakeRay({1: [unavailable() for _ in range(3)]})
+    monkeypatch.setattr(loop, "ray", fake)
+    with loop.TrainerWatch(trainer, interval=0.01, unavailable_grace_s=5) as watch:
+        time.sleep(0.3)
+    assert (watch.failure, fake.killed) == (None, [])
+    fake = _FakeRay({1: [unavailable() for _ in range(10_000)]})
+    monkeypatch.setattr(loop, "ray", fake)
+    with loop.TrainerWatch(trainer, interval=0.01, unavailable_grace_s=0.1) as watch:
+        time.sleep(0.5)
+    assert isinstance(watch.failure, TrainerRankDied) and watch.failure.rank == 1 and fake.killed == [0, 1]
+    fake = _FakeRay({0: [ray.exceptions.ActorDiedError()]})
+    monkeypatch.setattr(loop, "ray", fake)
+    with loop.TrainerWatch(trainer, interval=0.01, unavailable_grace_s=5) as watch:
+        time.sleep(0.2)
+    assert isinstance(watch.failure, TrainerRankDied) and watch.failure.rank == 0

@@ -652,11 +652,14 @@ class TrainerWatch:
 
     How it sees a death without disturbing a step: it keeps one `__ray_ready__` call queued on
     every rank (a rank runs its calls in order, so during a step the call waits behind it); the
-    call of a dead rank fails with RayActorError."""
+    call of a dead rank fails with RayActorError. Ray's ActorUnavailableError is transient (a
+    network blip between nodes): a rank is taken as dead only once it stays unavailable for
+    `unavailable_grace_s` (taken at once, one blip killed a healthy trainer group of a 2-node run)."""
 
-    def __init__(self, trainer, interval: float = 0.5):
+    def __init__(self, trainer, interval: float = 0.5, unavailable_grace_s: float = 30.0):
         self.workers = list(getattr(trainer, "workers", None) or [])
         self.interval = interval
+        self.unavailable_grace_s = unavailable_grace_s
         self.failure: TrainerRankDied | None = None
         self._failed = threading.Event()
         self._stop = threading.Event()
@@ -674,6 +677,7 @@ class TrainerWatch:
 
     def _watch(self) -> None:
         pending: dict = {}  # ref -> rank
+        unavailable: dict = {}  # rank -> when its pings began to answer ActorUnavailableError
         while not self._stop.is_set():
             for rank, w in enumerate(self.workers):
                 if rank not in pending.values():
@@ -683,11 +687,17 @@ class TrainerWatch:
                 rank = pending.pop(ref)
                 try:
                     ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                    unavailable.pop(rank, None)
+                except ray.exceptions.ActorUnavailableError as e:  # (before RayActorError: its subclass)
+                    since = unavailable.setdefault(rank, time.monotonic())
+                    if time.monotonic() - since >= self.unavailable_grace_s:
+                        self._died(rank, e)
+                        return
+                except ray.exceptions.RayActorError as e:
                     self._died(rank, e)
                     return
-            if len(done) == len(self.workers):  # idle ranks answer at once: poll, do not spin
-                self._stop.wait(self.interval)
+            if len(done) == len(self.workers) or unavailable:  # idle ranks (and unavailable ones) answer at
+                self._stop.wait(self.interval)  # once: poll, do not spin
 
     def _died(self, rank: int, error: BaseException) -> None:
         actor_id = self.workers[rank]._actor_id.hex()
