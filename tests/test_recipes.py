@@ -225,6 +225,11 @@ def test_the_code_grader_pays_only_right_return_values():
     assert score("def dm(x):\n    return [x // 7, x % 7 == x % 7]", pairs)[0] == 0.0  # [0, True] is not [0, 3]
     long = {"name": "rng", "tests": [[x, list(range(x))] for x in range(200, 204)]}
     assert score("def rng(x):\n    return list(range(x))", long)[0] == 1.0
+    many = {"name": "inc", "tests": [[x, x + 3] for x in range(2000)]}  # (the results line outgrew a cap of 2x the answers)
+    assert score("def inc(x):\n    return x + 3", many)[0] == 1.0
+    # a right function, then a driver line reading stdin (empty: EOFError) or failing otherwise
+    for driver in (f"print({name}(int(input())))", "raise RuntimeError('driver')"):
+        assert score(label["solution"] + "\n" + driver, label)[0] == 1.0, driver
     for reply in (f"Here is the function:\n```python\n{label['solution']}\n```\nIt adds.", f"```py\n{label['solution']}\n```",
                   f"import sys\nsys.stdout.write('ok')\n{label['solution']}", f"```Python\n{label['solution']}\n```",
                   f"```python3.11\n{label['solution']}\n```",
@@ -464,6 +469,11 @@ def test_the_code_agent_caps_its_sandbox_time_and_calls_so_looping_is_scored_not
     episode(CodeAgent(), policy)
     [said] = [m["content"] for m in policy.sent[1] if m["role"] == "tool"]
     assert said.startswith("partial\n") and "ZeroDivisionError" in said and said.endswith("[exit code 1]")
+    # an output past the cap: its head, not the middle of the program's output
+    policy = Policy([completion(["for i in range(200): print('step', i)\nprint('RESULT 5')"]), completion([], "5")])
+    episode(CodeAgent(), policy)
+    [said] = [m["content"] for m in policy.sent[1] if m["role"] == "tool"]
+    assert said.startswith("step 0\nstep 1\n") and said.endswith("[output truncated]"), said
     # the runs have threads of their own: on the event loop's default executor (6 threads on 2 cores,
     # shared with the runner's other blocking work) they queued behind the other episodes' runs, the
     # wait counting against the episode's timeout, not its sandbox budget: looping episodes timed out

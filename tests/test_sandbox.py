@@ -1034,3 +1034,32 @@ def test_each_process_draws_sandbox_uids_from_its_own_slice():
     from workbench.sandbox import UID_SLICES
 
     assert len({start for start, _ in got}) == 3 and {step for _, step in got} == {UID_SLICES}, got
+
+
+def test_a_small_uid_pool_is_shared_whole_and_waited_for(monkeypatch):
+    """A user namespace mapping few ids (32): the slice past its end was empty, and every sandbox of
+    that process failed (IndexError); a call finding every uid of its pool running spun holding the
+    lock. A pool too small to slice is shared whole, and a full one is waited on."""
+    import threading
+
+    monkeypatch.setattr(sandbox, "_namespace_uids", lambda: range(100_000, 100_032))
+    own_uids = sandbox._own_uids
+    own_uids.cache_clear()
+    try:
+        assert sandbox._own_uids() == range(100_000, 100_032)
+        monkeypatch.setattr(sandbox, "_own_uids", lambda: range(7, 9))
+        taken = [sandbox._take_uid(), sandbox._take_uid()]
+        assert sorted(taken) == [7, 8]
+        third = []
+        waiter = threading.Thread(target=lambda: third.append(sandbox._take_uid()))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive() and not third  # waiting, not given a uid in use
+        with sandbox._uids_freed:
+            sandbox._uids_in_use.discard(taken[0])
+            sandbox._uids_freed.notify()
+        waiter.join(5)
+        assert third == [taken[0]]
+    finally:
+        sandbox._uids_in_use.difference_update({7, 8})
+        own_uids.cache_clear()

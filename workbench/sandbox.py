@@ -462,7 +462,9 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
             _remove_cgroup(cgroup)
         if tmp is not None:
             tmp.cleanup()
-        _uids_in_use.discard(uid)
+        with _uids_freed:
+            _uids_in_use.discard(uid)
+            _uids_freed.notify()
     rc = proc.returncode
     started = err.find(STARTED)
     if started < 0:
@@ -488,7 +490,7 @@ def _run(bwrap: str | None, code: str, timeout_s: float, memory_mb: int, max_out
 OUTPUT_FLOOD_BYTES = 8 << 20
 
 _uids_in_use: set[int] = set()
-_uids_lock = threading.Lock()
+_uids_freed = threading.Condition()  # guards _uids_in_use; told when a sandbox gives its uid back
 
 
 @functools.lru_cache(maxsize=1)
@@ -517,6 +519,8 @@ def _namespace_uids() -> range | None:
 
 
 UID_SLICES = 64  # a process's uids: one slice of the pool, none of another process's (UID_SLICES of them)
+MIN_SLICE = 64  # ... where each slice would hold this many; a smaller pool is shared whole (a slice past
+# a 32-id map's end was empty: every sandbox of that process failed)
 
 
 @functools.lru_cache(maxsize=1)
@@ -529,6 +533,8 @@ def _own_uids() -> range:
     import tempfile
 
     pool = _namespace_uids() or SANDBOX_UIDS
+    if len(pool) < UID_SLICES * MIN_SLICE:
+        return pool
     where = os.path.join(tempfile.gettempdir(), "workbench-sandbox-uids")
     try:
         os.makedirs(where, mode=0o700, exist_ok=True)
@@ -549,7 +555,9 @@ def _take_uid() -> int:
     slice of the pool, _own_uids): two that drew the same shared one RLIMIT_NPROC (MAX_TASKS), and
     one could starve the other of threads."""
     pool = _own_uids()
-    with _uids_lock:
+    with _uids_freed:
+        # every uid of the pool running (a small namespace map): wait for one back, not spin holding the lock
+        _uids_freed.wait_for(lambda: sum(u in pool for u in _uids_in_use) < len(pool))
         while True:
             uid = secrets.choice(pool)
             if uid not in _uids_in_use:

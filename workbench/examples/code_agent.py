@@ -106,7 +106,9 @@ class CodeAgent(ChatAgent):
                         ([f"[exit code {res.exit_code}]"] if res.exit_code not in (0, None) and not res.timed_out else [])
                 # stderr too where the run failed: after any printed output (even a newline) the traceback
                 # was left out, the model read its partial output and an exit code, never why
-                said = res.stdout[-500:] + ("\n" + res.stderr[-500:] if res.stderr and (not res.ok or not res.stdout) else "")
+                # an output past run_python's cap is its first 1,000 characters: their head is shown (their
+                # tail, the middle of the program's output, read as its end); a whole one, its end
+                said = (res.stdout[:500] if res.stdout_truncated else res.stdout[-500:]) + ("\n" + res.stderr[-500:] if res.stderr and (not res.ok or not res.stdout) else "")
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": "\n".join([said, *notes]).strip()})
         return float(is_answer(answer, ctx.label)), {"runs": runs, "answer": answer}
 

@@ -46,7 +46,9 @@ def tasks(n: int, seed: int = 0) -> list[Task]:
 # exception read as None, code that raised (or defined nothing) passed every test expecting None.
 # The policy's code runs as a module of its own, not __main__, and may end with sys.exit() or
 # exit(): a right solution with its own `if __name__ == "__main__": unittest.main()` (unittest exits)
-# or a final exit() (not defined under `python -S`) scored 0, and RL learned to stop testing.
+# or a final exit() (not defined under `python -S`) scored 0, and RL learned to stop testing. Nor
+# does an error after the function's def void it: a driver line reading stdin (empty: EOFError)
+# scored a right function 0; its tests still need right return values, compared here.
 HARNESS = """
 import json, sys, types
 module = sys.modules["solution"] = types.ModuleType("solution")  # (dataclasses and pickle look it up)
@@ -54,7 +56,7 @@ solution = module.__dict__
 solution.update(exit=sys.exit, quit=sys.exit)
 try:
     exec(compile({code!r}, "solution.py", "exec"), solution)
-except SystemExit:
+except BaseException:
     pass
 out = []
 for x in json.loads({inputs!r}):
@@ -154,8 +156,9 @@ def score(code: str, label: dict, timeout_s: float = 5.0) -> tuple[float, dict]:
     # function returning a tuple never matched a tuple reference
     inputs, wanted = [x for x, _ in label["tests"]], json.loads(json.dumps([w for _, w in label["tests"]]))
     program = HARNESS.format(code=code, inputs=json.dumps(inputs), name=label["name"], marker=MARKER)
-    # room for the right answers' JSON (a 2,000-character cap scored a right list-returning function 0)
-    res = run_python(program, timeout_s, 256, 4000 + 2 * len(json.dumps(wanted)))
+    # room for the right answers' JSON and each entry's ["ok", ...] (a 2,000-character cap scored a right
+    # list-returning function 0; one of twice the answers' JSON a right one of 2,000 small tests)
+    res = run_python(program, timeout_s, 256, 4000 + 2 * len(json.dumps(wanted)) + 48 * len(wanted))
     got = None
     lines = (res.stdout or "").splitlines()
     # the harness's line is the last one: a line the code printed itself comes earlier
@@ -169,7 +172,8 @@ def score(code: str, label: dict, timeout_s: float = 5.0) -> tuple[float, dict]:
     passed = sum(isinstance(g, list) and len(g) == 2 and g[0] == "ok" and same(g[1], w) for g, w in zip(got, wanted))
     total = len(wanted)
     return passed / total, {"passed": passed, "tests": total, "exit_code": res.exit_code, "timed_out": res.timed_out,
-                            "truncated": res.stdout_truncated, "ran": lines[-1:] != [] and lines[-1].startswith(MARKER)}
+                            "truncated": res.stdout_truncated,
+                            "ran": not res.stdout_truncated and lines[-1:] != [] and lines[-1].startswith(MARKER)}
 
 
 class CodeWithTests(ChatAgent):
