@@ -66,6 +66,18 @@ def test_stepper_keeps_and_shows_episodes_and_groups():
                       seg([2], [1], seal="episode_end", messages=[{"role": "user", "content": "Summarize it."}])])
     html = trajectory_html(two)
     assert html.index("conversation 1 of 2") < html.index("What is 6+6?") < html.index("conversation 2 of 2") < html.index("Summarize it.")
+    # an agent's rewrite: the conversation the policy was trained on before it is shown, labelled (it was
+    # left out: a window agent's earlier turns were nowhere, an edited reply read as the model's)
+    before = [USER, {"role": "assistant", "content": "13"}]
+    after = [USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "and 7+7?"}, {"role": "assistant", "content": "14"}]
+    html = trajectory_html(Trajectory([seg([1], [1], seal="assistant_changed", messages=before),
+                                       seg([2], [1], seal="episode_end", messages=after)]))
+    assert html.index("conversation 1 of 2 (then rewritten by the agent: assistant_changed)") < html.index(">13<") < \
+        html.index("conversation 2 of 2") < html.index(">12<") < html.index(">14<")
+    # the template's own seal repeats the conversation in the next segment: shown once
+    html = trajectory_html(Trajectory([seg([1], [1], seal="template_rewrite", messages=before),
+                                       seg([2], [1], seal="episode_end", messages=after)]))
+    assert "conversation 1 of" not in html and ">13<" not in html
     # the reasoning a record keeps is shown (folded, escaped): it was dropped, a reader saw only the answer
     thinking = {"role": "assistant", "content": "5", "reasoning_content": "2 plus 3 is 5, and <b>I</b> will lie"}
     html = trajectory_html(Trajectory([seg([1], [1], seal="episode_end", messages=[USER, thinking])]))

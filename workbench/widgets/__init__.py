@@ -57,10 +57,16 @@ def _segments(obj) -> list[Segment]:
 
 
 # ------------------------------------------------------------------ rollout stepper
+AGENT_REWRITES = ("history_rewritten", "assistant_changed")  # seals after which the next segment is another conversation
+
+
 def trajectory_html(t: Trajectory) -> str:
     """One trajectory as HTML: header (ids, reward, seals, error) and its conversations. The
-    messages of a conversation's last segment are the whole conversation (segments sealed by a
-    rewrite were cut off it); an episode that talked to several conversations (a summarizer beside
+    messages of a conversation's last segment are the whole conversation (the template's seals
+    and a stop string's repeat it in the next segment); a segment the agent's rewrite sealed
+    (history_rewritten, assistant_changed) is shown too, as what the policy was trained on before
+    the agent changed it (left out, a window agent's earlier turns were nowhere, and an edited
+    reply read as the model's); an episode that talked to several conversations (a summarizer beside
     the agent: Accumulator.open_conversations) shows each."""
     seals = ", ".join(s.seal_reason or "open" for s in t.segments)
     sampled = sum(sum(s.loss_mask) for s in t.segments)
@@ -70,10 +76,11 @@ def trajectory_html(t: Trajectory) -> str:
     if t.error:
         out.append(f"<pre style='color:#c00;white-space:pre-wrap'>error: {escape(t.error)}</pre>")
     # each conversation's last segment (a record that never closed shows its last segment)
-    ends = [s for s in t.segments if s.seal_reason in (None, "episode_end", "evicted")] or t.segments[-1:]
+    ends = [s for s in t.segments if s.seal_reason in (None, "episode_end", "evicted") + AGENT_REWRITES] or t.segments[-1:]
     for k, seg in enumerate(ends):
         if len(ends) > 1:
-            out.append(f"<div style='margin:4px 0;color:#666'>conversation {k + 1} of {len(ends)}</div>")
+            then = (f" (then rewritten by the agent: {seg.seal_reason})" if seg.seal_reason in AGENT_REWRITES else "")
+            out.append(f"<div style='margin:4px 0;color:#666'>conversation {k + 1} of {len(ends)}{escape(then)}</div>")
         for raw, m in zip(seg.messages, map(canonical_message, seg.messages)):
             # the reasoning the record keeps (canonical_message's default form drops it: a reader checking a
             # reward hack saw only the final answer), folded
