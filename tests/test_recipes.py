@@ -357,6 +357,14 @@ def test_notebooks_list_shows_every_notebook_with_parameters_and_time(capsys, mo
     for i, given in enumerate(("[qwen3, gpt-oss]", "qwen3 gpt-oss", "('qwen3', 'gpt-oss')")):
         main(["04_real_templates", "-p", "families", given, "--run-dir", str(tmp_path / f"g{i}")])
         assert got["families"] == ["qwen3", "gpt-oss"], given
+    # a workshop notebook's exercise: "-p exercise yours,solution" reached its check cell as one name (a
+    # KeyError after every other cell had run); the check cell reads it as both, and names a wrong one
+    from workbench.notebooks import exercise_variants
+
+    assert exercise_variants("yours,solution") == exercise_variants(["yours", "solution"]) == ["yours", "solution"]
+    assert exercise_variants("always_seals", {"yours": 0, "always_seals": 0}) == ["always_seals"]
+    with pytest.raises(ValueError, match="exercise='your'"):
+        exercise_variants("your")
     # a negative number in exponent form is a value, not an option (argparse: "expected 2 arguments")
     main(["recipes/distillation", "-p", "lr", "-1e-3", "--run-dir", str(tmp_path / "n")])
     assert got["lr"] == -1e-3

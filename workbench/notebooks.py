@@ -92,6 +92,19 @@ def describe(name: str) -> dict:
     return {"name": name, "cpu_minutes": meta.get("cpu_minutes"), "parameters": params}
 
 
+EXERCISE_VARIANTS = ("yours", "solution")  # what a workshop notebook's exercise check runs
+
+
+def exercise_variants(exercise, known=EXERCISE_VARIANTS) -> list[str]:
+    """A workshop notebook's `exercise` parameter as the variants its check runs: one of `known`,
+    a list of them, or "yours,solution" (the CLI's -p gives text: that string reached the check
+    cell, which failed with a KeyError after every other cell had run)."""
+    variants = [v.strip() for v in exercise.split(",")] if isinstance(exercise, str) else list(exercise)
+    if not variants or any(v not in known for v in variants):
+        raise ValueError(f"exercise={exercise!r}: give one of {list(known)}, a list of them or the names joined by commas")
+    return variants
+
+
 def _resumes(params: dict) -> bool:
     """Whether a run's parameters continue the run in its directory: a `resume` parameter, or a
     session config file (`config`) saying resume (the session then takes the directory's run on)."""
