@@ -285,6 +285,12 @@ def test_static_rendering_and_titled_pages(tmp_path):
     lines = re.findall(r"<polyline [^>]*points='([^']*)'", svg)
     assert len(lines) == 2 and all("nan" not in p for p in lines) and [len(p.split()) for p in lines] == [1, 2]
     assert svg.count("<circle") == 3 and "step 2: nan" in svg
+    # wb.eval()'s records (before training: step -1, and after the last step) on the evaluation plot: a run
+    # evaluated only so drew it empty
+    evaluated = RewardMonitor([{"step": 0, "reward_mean": 0.2}, {"step": 1, "reward_mean": 0.4}],
+                              evals=[{"step": -1, "eval_pass@1": 0.25}, {"step": 1, "eval_pass@1": 0.5}])
+    assert list(evaluated.trace("eval_pass@1").x) == [-1, 0, 1] and list(evaluated.trace("eval_pass@1").y) == [0.25, None, 0.5]
+    assert list(evaluated.trace("reward_mean").y) == [None, 0.2, 0.4] and len(evaluated.history) == 2
     # every value NaN (a diverged run): its markers and a note, not "no data" as if unmeasured
     diverged = RewardMonitor([{"step": s, "reward_mean": math.nan} for s in range(3)]).static().svg
     assert "not finite: nan" in diverged and diverged.count("step 1: nan") == 1

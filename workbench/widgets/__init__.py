@@ -438,6 +438,10 @@ class _Monitor(W.VBox):
     def _style(self, fig):
         """Per-monitor axis settings."""
 
+    def _rows(self, history: list[dict]) -> list[dict]:
+        """The per-step rows drawn from a history (default: the history itself)."""
+        return history
+
     def trace(self, key: str):
         """The trace of a metric key."""
         return next(t for t in self.fig.data if t.meta == key)
@@ -449,11 +453,12 @@ class _Monitor(W.VBox):
 
     def _draw(self, history: list[dict]):
         self.history = history
-        steps = [m.get("step", i) for i, m in enumerate(self.history)]
-        last = self.history[-1] if self.history else {}
+        rows = self._rows(history)  # what is drawn: the history (the reward monitor adds wb.eval()'s records)
+        steps = [m.get("step", i) for i, m in enumerate(rows)]
+        last = history[-1] if history else {}
         one = len(steps) == 1  # a single step: its value as a number over the point, not a lone dot
         for key, *_ in self.LINES:
-            y = [_num(m.get(key)) for m in self.history]
+            y = [_num(m.get(key)) for m in rows]
             self.trace(key).update(x=steps, y=y, mode="markers+text" if one else "lines+markers",
                                    text=[_tick(v) if v is not None else "" for v in y] if one else None,
                                    marker_size=10 if one else 6)
@@ -466,12 +471,12 @@ class _Monitor(W.VBox):
             return key in NAN_WHEN_NOTHING_FINISHED and math.isnan(m[key])
 
         bad = [f"{self.LABELS.get(key, key).split(':')[0].split(' (')[0]} at step {s}" for key, *_ in self.LINES
-               for s, m in zip(steps, self.history)
+               for s, m in zip(steps, rows)
                if isinstance(m.get(key), float) and not math.isfinite(m[key]) and not unmeasured(key, m)]
-        idle = sorted({s for key, *_ in self.LINES for s, m in zip(steps, self.history)
+        idle = sorted({s for key, *_ in self.LINES for s, m in zip(steps, rows)
                        if isinstance(m.get(key), float) and unmeasured(key, m)})
         # (in no bin of the histogram; on the monitor that draws it: the reward and replay ones said it too)
-        bad += [f"{(m.get('is_weight_hist') or {}).get('nonfinite')} IS weight(s) at step {s}" for s, m in zip(steps, self.history)
+        bad += [f"{(m.get('is_weight_hist') or {}).get('nonfinite')} IS weight(s) at step {s}" for s, m in zip(steps, rows)
                 if (m.get("is_weight_hist") or {}).get("nonfinite") and any(k == "is_weight_hist" for k, *_ in self.BARS)]
         title = [("<span style='color:#c00'>not finite: " + "; ".join(bad[:4])
                   + (f" (+{len(bad) - 4})" if len(bad) > 4 else "") + "</span>")] if bad else []
@@ -597,7 +602,24 @@ class ReplayMonitor(_Monitor):
 
 class RewardMonitor(_Monitor):
     """Training reward beside held-out evaluation (LoopConfig.eval_every, workbench.evaluation):
-    the evaluated steps' points are joined across the steps without one."""
+    the evaluated steps' points are joined across the steps without one. `evals`: records of
+    wb.eval() (eval.jsonl: a step's, -1 before any training) drawn on the evaluation plot too (a
+    run evaluated only before and after training drew it empty)."""
+
+    def __init__(self, history: list[dict] | None = None, height: int | None = None, evals: list[dict] | None = None):
+        super().__init__(history, height)
+        self.evals = [e for e in evals or () if isinstance(e, dict) and e.get("step") is not None]
+        if self.evals:
+            self.update(self.history)
+
+    def _rows(self, history: list[dict]) -> list[dict]:
+        rows = {m.get("step", i): dict(m) for i, m in enumerate(history)}
+        for e in getattr(self, "evals", ()):  # (the steps' own eval_* win: the loop's evaluation of that step)
+            row = rows.setdefault(e["step"], {"step": e["step"]})
+            for key, *_ in self.LINES:
+                if key.startswith("eval_") and key in e:
+                    row.setdefault(key, e[key])
+        return [rows[s] for s in sorted(rows)]
 
     GRID, HEIGHT = (1, 2), 380
     TITLES = ("training reward", "held-out evaluation")
