@@ -307,6 +307,22 @@ def test_one_fsdp_unit_trains_exactly_as_a_unit_per_layer(ray_local, moe_path, s
     assert any(not torch.equal(ref_weights[k], v) for k, v in load_hf_model(moe_path).state_dict().items())  # it trained
 
 
+def test_the_trainer_store_listens_on_loopback_on_one_node(trainer):
+    """torch's TCPStore binds every interface whatever host it is given: each session's
+    unauthenticated store (gloo's and NCCL's connection endpoints) was reachable from the network.
+    On a one-node cluster it listens on 127.0.0.1 only (tests/test_cluster.py: rank 0's node IP on
+    several)."""
+    import os
+
+    import psutil
+
+    host, port = trainer.rendezvous
+    pid = ray.get(trainer.workers[0].__ray_call__.remote(lambda self: os.getpid()))
+    listening = {c.laddr.ip for c in psutil.Process(pid).net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert host == "127.0.0.1" and listening == {"127.0.0.1"}, listening
+
+
 def test_cpu_ranks_keep_freed_memory_for_the_next_step(trainer):
     """keep_freed_memory (default): a CPU rank's glibc serves a large buffer from its heap and
     keeps it mapped after it is freed, where glibc's default maps each one afresh and unmaps it at

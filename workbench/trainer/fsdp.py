@@ -451,19 +451,31 @@ class TrainerWorker:
         self.rank, self.world_size, self.cfg, self.model_path = rank, world_size, cfg, model_path
         self._store = None
 
-    def rendezvous(self) -> tuple[str, int]:
+    def rendezvous(self, local: bool = False) -> tuple[str, int]:
         """Rank 0: the process group's TCP store, listening on this node at a port the OS picks
         here (port 0: free on this node by construction, and held from now on, so no other
-        process can take it between choosing and binding). Returns (this node's IP, the port):
-        what the other ranks, on any node, connect to."""
+        process can take it between choosing and binding). Returns (its address, the port): what
+        the other ranks connect to. `local` (a one-node cluster): on 127.0.0.1, else this node's
+        IP. The socket is bound here and handed to the store: the store binds the wildcard address
+        itself, whatever host it is given, and an unauthenticated store every session opened was
+        reachable from the whole network (its keys are gloo's and NCCL's connection endpoints)."""
         import datetime
+        import socket
 
         from torch.distributed import TCPStore
 
-        host = ray.util.get_node_ip_address()
-        self._store = TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
-                               timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
-        return host, self._store.port
+        host = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, 0))
+            listener.listen(self.world_size + 8)
+            port = listener.getsockname()[1]
+        except BaseException:
+            listener.close()
+            raise
+        self._store = TCPStore(host, port, self.world_size, is_master=True, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S), master_listen_fd=listener.detach())
+        return host, port
 
     def node(self) -> dict:
         """Where this rank runs: Ray node id and IP, and the process group's backend."""
@@ -1153,7 +1165,9 @@ class Trainer:
         self.workers = [ray.remote(TrainerWorker).options(**{**default, **(actor_options[r] if actor_options else {})})
                         .remote(r, world_size, str(model_path), self.cfg) for r in range(world_size)]
         try:
-            self.rendezvous = tuple(ray.get(self.workers[0].rendezvous.remote()))
+            # one node: the store on its loopback (every rank is there); several: rank 0's node IP
+            local = sum(1 for n in ray.nodes() if n.get("Alive")) <= 1
+            self.rendezvous = tuple(ray.get(self.workers[0].rendezvous.remote(local)))
             _get_all([w.setup.remote(*self.rendezvous) for w in self.workers])
             # the registries as the driver holds them: a rank imports workbench.replay and the losses afresh,
             # so a replay rule or a surrogate registered in a notebook passed the checks here and the rank's
