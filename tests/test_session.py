@@ -147,7 +147,11 @@ def test_session_handles_run_and_run_directory(ray_local, moe_path, tmp_path):
         # another checkpoint restored: the run's own checkpoint/, past it, holds the abandoned branch's
         # weights (a resume would continue from them beside the new branch's record): set aside too
         named = wb.save(str(tmp_path / "named"))
-        wb.run(1, background=False, progress=False, checkpoint_every=1)
+        wb.cfg.checkpoint_every = 1  # connect(checkpoint_every=1): a wb.run() without one saves at that cadence
+        try:
+            wb.run(1, background=False, progress=False)
+        finally:
+            wb.cfg.checkpoint_every = 0
         assert json.loads((tmp_path / "run" / "checkpoint" / "run_state.json").read_text())["next_step"] == 3
         assert wb.restore(named)["next_step"] == 2 and not (tmp_path / "run" / "checkpoint").exists()
         assert [p.name for p in (tmp_path / "run" / "abandoned").glob("*/checkpoint")] != []
@@ -286,6 +290,12 @@ def test_a_resume_takes_the_runs_own_settings_where_not_given(tmp_path, capsys):
     resolved_config(run_dir=str(tmp_path / "run"), resume=True, trainer={"correction": {"max_staleness": 8}})
     said = capsys.readouterr().err
     assert '-> {"correction": {"max_staleness": 8}}' in said and "level" not in said, said
+    # a WorkbenchConfig object cannot say which of its defaults were meant: the run's own are kept, and said
+    obj = resolved_config(WorkbenchConfig(run_dir=str(tmp_path / "run"), resume=True, temperature=1.0))
+    said = capsys.readouterr().err
+    assert obj.temperature == 0.7 and "temperature" in said and "read as not given" in said and "seed: 3" in said, said
+    with pytest.raises(ConfigError, match="checkpoint_every is a number of steps"):
+        resolved_config(checkpoint_every=-1)
     # resume "false" (a YAML or papermill string) is no resume: the run's settings were read in, for a fresh session
     fresh = resolved_config(run_dir=str(tmp_path / "run"), resume="false")
     assert fresh.resume is False and (fresh.model, fresh.seed, fresh.trainer.lr) == ("moe", 0, 1e-3)
@@ -546,6 +556,21 @@ def test_a_resumed_sessions_first_run_says_how_its_loop_differs_from_the_runs_la
 
     with pytest.raises(ConfigError, match=r"\['stepz'\] are no loop settings"):
         short_run.run(1, stepz=3)
+    # distillation's sampling (temperature 1, known at connect()) is refused before its teacher's engines
+    # load (minutes on a cluster, and they stayed up after the refusal)
+    def teacher_started(name):
+        raise AssertionError("the teacher started")
+
+    sampling, trainer_cfg = short_run._rollout.sampling, short_run._trainer.cfg
+    try:  # (rollout and trainer at one temperature: check_sampling passes it)
+        short_run._rollout.sampling = dataclasses.replace(sampling, temperature=0.7)
+        short_run._trainer.cfg = dataclasses.replace(trainer_cfg, temperature=0.7)
+        short_run._teacher_engines = teacher_started
+        with pytest.raises(ValueError, match="at temperature 1; the policy samples at temperature 0.7"):
+            short_run.run(1, advantage="distill", teacher="dense")
+    finally:
+        short_run._rollout.sampling, short_run._trainer.cfg = sampling, trainer_cfg
+        del short_run._teacher_engines
     # (0 or fewer ran nothing and wrote a runs.jsonl line a resume then read as the run's last wb.run())
     lines = (short_run.run_dir / "runs.jsonl").read_text()
     for bad in (0, -2, True, 1.5, "many"):

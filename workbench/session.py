@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from .agents import Task, load_agent
 from .correction import CorrectionConfig
-from .loop import (LoopConfig, TrainerRankDied, batch_from_groups, check_sampling, check_staleness, check_teacher,
+from .loop import (LoopConfig, TrainerRankDied, batch_from_groups, check_distill_sampling, check_sampling, check_staleness, check_teacher,
                    engines_version, recover_checkpoint, run as run_loop, save_checkpoint, sync_engines)
 from .trainer.losses import PER_TOKEN_ADVANTAGES
 from .trainer.fsdp import TrainerConfig, WeightSyncBroken
@@ -149,6 +149,9 @@ class WorkbenchConfig:
     # a run killed before its first checkpoint starts again in another run_dir). A resumed session
     # takes the run's own settings (its last config file) where connect() is not given them
     resume: bool = False
+    # a checkpoint every N steps of a wb.run() and at its end (0: none; wb.run(checkpoint_every=N) wins):
+    # without one a crashed run cannot be resumed. A setting of its own so a config file sets it
+    checkpoint_every: int = 0
     # to each engine's backend: for vLLM its own engine args, kv_cache_tokens, weight_transfer,
     # engine_core_in_process (False: vLLM's core as a process of its own on CPU too)
     engine_kwargs: dict = field(default_factory=dict)
@@ -229,6 +232,9 @@ class WorkbenchConfig:
                 raise ConfigError(f"engine_kwargs max_model_len={context!r} differs from max_model_len="
                                   f"{self.max_model_len}: set the session's max_model_len only (engines and server)")
             self.max_model_len = context
+        if not isinstance(self.checkpoint_every, int) or isinstance(self.checkpoint_every, bool) or self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every is a number of steps, an integer >= 0 (0: no checkpoints), "
+                              f"got {self.checkpoint_every!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             # (numpy's seeded shuffle refused it at the first draw, inside the run's thread)
             raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
@@ -359,11 +365,13 @@ def connect(address: str | None = None, config: WorkbenchConfig | dict | None = 
 def resolved_config(config: WorkbenchConfig | dict | None = None, **overrides) -> WorkbenchConfig:
     """The session's settings connect() starts with (see there), checked, nothing started. A
     WorkbenchConfig object resuming a run gives the fields it sets other than the defaults."""
+    at_default: set = set()  # a WorkbenchConfig object's fields left out as its defaults (said if the run's differ)
     if isinstance(config, WorkbenchConfig):
         base = _fields(config)
         if overrides.get("resume", config.resume):  # (its defaults would all override the run's)
             default = WorkbenchConfig()
-            base = {k: v for k, v in base.items() if k in ("resume", "run_dir") or v != getattr(default, k)}
+            at_default = {k for k, v in base.items() if k not in ("resume", "run_dir") and v == getattr(default, k)}
+            base = {k: v for k, v in base.items() if k not in at_default}
     else:
         base = dict(config or {})
     given = _merged(base, overrides)
@@ -403,6 +411,14 @@ def resolved_config(config: WorkbenchConfig | dict | None = None, **overrides) -
         if changed:
             print(f"workbench: resuming {merged['run_dir']} with settings of its own: "
                   + "; ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, (a, b) in changed.items()), file=sys.stderr)
+        # an object cannot say which of its default values were meant: the run's own are kept, said
+        kept = {k: restored[k] for k in sorted(at_default - set(overrides)) if k in restored and k not in unsaved
+                and config_record(config).get(k) != restored[k]}
+        if kept:
+            print(f"workbench: resuming {merged['run_dir']}: the WorkbenchConfig given has "
+                  + ", ".join(kept) + " at their defaults, read as not given: the run's own are kept ("
+                  + "; ".join(f"{k}: {_short(v)}" for k, v in kept.items())
+                  + "); to change them, pass them as keyword arguments or a dict", file=sys.stderr)
         return cfg
     return WorkbenchConfig.from_dict(given)
 
@@ -967,11 +983,12 @@ class Workbench:
             self.sync()
 
     def run(self, steps: int, background: bool = True, monitors: list | None = None, progress: bool = True,
-            checkpoint_every: int = 0, keep_policy_every: int = 0, **loop_overrides) -> "RunHandle":
+            checkpoint_every: int | None = None, keep_policy_every: int = 0, **loop_overrides) -> "RunHandle":
         """Run `steps` more RL steps (the loop in `cfg.loop.mode`, or `mode=` here). In the
         background by default: returns at once with a RunHandle; each step's metrics reach
         `monitors` (objects with on_step(metrics), e.g. widgets.GateMonitor), history, and
-        metrics.jsonl in the run directory. `keep_policy_every=N`: keep the weights every N-th step
+        metrics.jsonl in the run directory. `checkpoint_every=N`: a checkpoint every N steps and at
+        the run's end (default: connect()'s checkpoint_every; 0 none). `keep_policy_every=N`: keep the weights every N-th step
         trains from (run_dir/policies/step_NNNNN, a Hugging Face directory), which wb.revisit needs."""
         prev = self._run
         if prev is not None and prev.interrupted and not prev.collected:
@@ -996,6 +1013,8 @@ class Workbench:
         cfg = _build(LoopConfig, {**_fields(self.cfg.loop), **loop_overrides, "steps": self.next_step + steps,
                                   "initial_sync": False}, "wb.run")
         # (a string failed after the first step had trained, at the first checkpoint's check)
+        if checkpoint_every is None:
+            checkpoint_every = self.cfg.checkpoint_every
         checkpoint_every, keep_policy_every = (_number(v, "int", f"wb.run: {n}") for n, v in
                                                (("checkpoint_every", checkpoint_every), ("keep_policy_every", keep_policy_every)))
         if checkpoint_every < 0 or keep_policy_every < 0:
@@ -1004,6 +1023,9 @@ class Workbench:
         self._say_resumed_loop_changes(cfg, {"checkpoint_every": checkpoint_every, "keep_policy_every": keep_policy_every})
         check_staleness(self._trainer, cfg)  # here, not in the background thread where it would only be stored
         check_sampling(self._rollout, self._trainer, self.engines)
+        sampling = getattr(self._rollout, "sampling", None)
+        if cfg.advantage in PER_TOKEN_ADVANTAGES and sampling is not None:  # (before the teacher's engines load:
+            check_distill_sampling(sampling.temperature, sampling.top_p)  # minutes on a cluster)
         teachers = self._teacher_engines(cfg.teacher) if cfg.advantage in PER_TOKEN_ADVANTAGES else None
         check_teacher(self._rollout, cfg, teachers)
         if cfg.eval_every and self.eval_tasks is None:
@@ -1758,6 +1780,7 @@ class RunHandle:
             if getattr(wb._trainer, "nccl_blocked", False):  # rank 0 stuck in a failed broadcast: a save or
                 return  # a kept policy would queue behind it for ever (the step's record is written)
             if self.checkpoint_every and wb.next_step % self.checkpoint_every == 0:  # (and the run's last: below)
+                self._record_durable(metrics_file, m["step"])
                 save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), wb._run_state())
             self._keep_policy(wb.next_step)
 
@@ -1790,6 +1813,7 @@ class RunHandle:
             # the run's last step, where checkpoint_every did not save it: its end, or wb.stop() (which
             # may come during the next step's rollout); a resume redid the steps since the last multiple
             if self.checkpoint_every and wb.next_step > self.first_step and wb.next_step % self.checkpoint_every:
+                self._record_durable(metrics_file, wb.next_step - 1)
                 save_checkpoint(wb._trainer, str(wb.run_dir / "checkpoint"), wb._run_state())
         except BaseException as e:  # kept for wait() to raise; what was recorded stays recorded
             self.error = e
@@ -1816,6 +1840,21 @@ class RunHandle:
             finally:  # whatever the close raised: wait() and shutdown() return
                 self.done = True
                 self._ended.set()
+
+    def _record_durable(self, metrics_file, step: int) -> None:
+        """The run's record up to `step` on the disk before a checkpoint saying it trained (the
+        checkpoint is fsynced: after a host crash it could resume past metrics lines and trajectory
+        files the page cache still held, a gap no later step fills)."""
+        metrics_file.flush()
+        os.fsync(metrics_file.fileno())
+        for name in ("trajectories", "untrained"):
+            path = self._wb.run_dir / name / f"step_{step:05d}.parquet"
+            if path.exists():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
     def _keep_policy(self, step: int, replace: bool = True) -> None:
         """Every keep_policy_every-th step's starting weights, as a Hugging Face directory
