@@ -855,3 +855,22 @@ def test_a_checkpoint_records_its_task_pool_and_a_changed_one_is_said(capsys):
     wb.task_source = TaskDataset([Task([{"role": "user", "content": str(i)}]) for i in range(101)])
     wb._check_data_pool(state)
     assert "the task pool has 101 tasks; the checkpoint's run drew from 100" in capsys.readouterr().err
+
+
+def test_an_actor_group_the_clusters_free_gpus_cannot_hold_is_refused(monkeypatch):
+    """On a GPU cluster the session's placement plan holds every GPU of the shipped configs:
+    wb.revisit's throwaway trainer (a GPU a rank) waited for them for ever, with no message. It is
+    refused, naming the free GPUs and the way out; CPU sessions are not asked."""
+    import ray
+
+    import workbench.cluster
+    from workbench.session import check_free_gpus
+
+    monkeypatch.setattr(workbench.cluster, "cluster_gpus", lambda: 0)
+    monkeypatch.setattr(ray, "available_resources", lambda: {})
+    check_free_gpus(8, "anything", "")  # no GPUs in the cluster: nothing to check
+    monkeypatch.setattr(workbench.cluster, "cluster_gpus", lambda: 16)
+    monkeypatch.setattr(ray, "available_resources", lambda: {"GPU": 2.0})
+    check_free_gpus(2, "two ranks", "")
+    with pytest.raises(ConfigError, match=r"wb.revisit: its trainer needs 8 GPU\(s\) and the cluster has 2 free .*smaller world_size"):
+        check_free_gpus(8, "wb.revisit: its trainer", "pass a smaller world_size", wait_s=0.1)

@@ -1111,6 +1111,9 @@ class Workbench:
             teacher = teacher_logprobs(self._teacher_engines(loop.teacher), teacher_segments(list(groups.values()), loop))
         batch, _ = batch_from_groups(list(groups.values()), loop.advantage, **loop.episode_rules(), teacher=teacher,
                                      temperature=cfg.temperature)
+        check_free_gpus(world_size or cfg.trainer_ranks, "wb.revisit: its throwaway trainer (a GPU a rank)",
+                        "pass a smaller world_size, or revisit from a session whose plan leaves them free "
+                        "(connect(num_engines=..., trainer_ranks=...))")
         trainer = Trainer(str(policy), world_size=world_size or cfg.trainer_ranks,
                           cfg=dataclasses.replace(trainer_config(cfg), ref_model_path=trainer_config(cfg).ref_model_path or self.model_path))
         # the version the step trained from (a step logs it; older runs' steps: the version its update made - 1)
@@ -1233,8 +1236,6 @@ class Workbench:
             raise ConfigError(f"frozen_engine_kwargs max_model_len={kwargs['max_model_len']} is shorter than the "
                               f"policy's context ({self.profile.max_model_len}): the {field.split('.')[-1]} reads "
                               f"every segment the policy can write, up to that length")
-        import ray
-
         from .cluster import cluster_gpus
 
         need = kwargs.get("tensor_parallel_size", 1)
@@ -1242,14 +1243,7 @@ class Workbench:
             # its actor holds all its GPUs: its workers are processes (in a Ray actor vLLM would
             # default to its Ray executor and wait for GPUs the actor already holds)
             kwargs.setdefault("distributed_executor_backend", "mp")
-        deadline = time.time() + 10  # Ray's free-resource view lags a killed actor's release
-        while cluster_gpus() and ray.available_resources().get("GPU", 0) < need and time.time() < deadline:
-            time.sleep(1)
-        if cluster_gpus() and ray.available_resources().get("GPU", 0) < need:
-            # its actor would wait for a GPU forever: the placement plan holds every GPU of the cluster
-            raise ConfigError(f"{field} {name!r}: its engine needs {need} GPU(s) and the cluster has "
-                              f"{ray.available_resources().get('GPU', 0):g} free (the placement plan reserves the "
-                              f"rest): lower num_engines or trainer_ranks to leave it room")
+        check_free_gpus(need, f"{field} {name!r}: its engine", "lower num_engines or trainer_ranks to leave it room")
         node = self._frozen_nodes.get(field)
         if node is None and self.placement is not None:  # (named after connect(): wb.run(teacher=...))
             from .placement import PlacementError, check_frozen_room
@@ -2074,6 +2068,26 @@ def kept_settings(policy: Path, config: dict) -> dict:
     session's."""
     mark = policy_mark(policy) or {}
     return {**config, **{k: mark[k] for k in KEPT_SETTINGS if mark.get(k) is not None}}
+
+
+def check_free_gpus(need: int, what: str, way_out: str, wait_s: float = 10.0) -> None:
+    """On a GPU cluster, refuse an actor group that needs `need` GPUs the cluster does not have
+    free: its actors would wait for them for ever (a session's placement plan holds every GPU of
+    the shipped configs; wb.revisit's trainer hung with no message). Ray's free-resource view lags
+    a killed actor's release: asked again for up to `wait_s`."""
+    from .cluster import cluster_gpus
+
+    if not cluster_gpus():
+        return
+    import ray
+
+    deadline = time.time() + wait_s
+    while ray.available_resources().get("GPU", 0) < need and time.time() < deadline:
+        time.sleep(1)
+    free = ray.available_resources().get("GPU", 0)
+    if free < need:
+        raise ConfigError(f"{what} needs {need} GPU(s) and the cluster has {free:g} free (the placement plan "
+                          f"reserves the rest): {way_out}")
 
 
 def append_lines(path: Path):
