@@ -47,10 +47,10 @@ def test_a_trainer_larger_than_a_node_spans_whole_nodes_with_contiguous_ranks():
 @pytest.mark.parametrize("shape, words", [
     (dict(trainer_ranks=8, num_engines=5, tensor_parallel_size=2), ["18 GPUs", "2 GPU(s) short"]),
     (dict(trainer_ranks=2, num_engines=1, tensor_parallel_size=16), ["tensor_parallel_size 16", "largest node has 8"]),
-    # fits in number (6 + 3 x 3 = 15 GPUs) but not in shape: after 6 ranks on node0 and two engines
-    # of 3 on node1, 2 GPUs are left on each node
-    (dict(trainer_ranks=6, num_engines=3, tensor_parallel_size=3), ["engine 2 needs 3 GPUs on one node",
-                                                                    "node0: 2, node1: 2"]),
+    # fits in number (1 + 5 x 3 = 16 GPUs) but not in shape: a node holds two engines of 3, whatever
+    # goes first (the trainer's rank on node0, two engines on each node: 1 and 2 GPUs left)
+    (dict(trainer_ranks=1, num_engines=5, tensor_parallel_size=3), ["engine 4 needs 3 GPUs on one node",
+                                                                    "after the trainer and engines 0-3", "node0: 1, node1: 2"]),
     (dict(trainer_ranks=8, num_engines=8, tensor_parallel_size=2, mode="colocated"), ["tensor_parallel_size 1"]),
     (dict(trainer_ranks=2, num_engines=1, mode="spread"), ["'spread' unknown"]),
     (dict(trainer_ranks=0, num_engines=1), ["trainer_ranks must be an integer >= 1"]),
@@ -60,6 +60,26 @@ def test_shapes_that_cannot_fit_are_refused_with_the_reason(shape, words):
         plan_placement(TWO_BY_EIGHT, **shape)
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+def test_unequal_nodes_place_a_tensor_parallel_engine_the_trainers_best_fit_would_leave_no_room():
+    """8 + 2 GPUs, 5 ranks and an engine of 4: the trainer's best fit took node0 and the engine found
+    4 GPUs on no node, refused though it fits node0 beside 4 ranks. Every shape that fits in some
+    arrangement on these clusters is placed (a brute force over the per-node engine counts)."""
+    import itertools
+
+    from workbench.placement import NodeSpec
+
+    plan = plan_placement(ClusterSpec((NodeSpec("node0", 8), NodeSpec("node1", 2))), 5, 1, 4)
+    assert nodes_of(plan, "engine") == ["node0"] and nodes_of(plan, "trainer") == ["node0"] * 4 + ["node1"]
+    for gpus in ((8, 2), (2, 8), (8, 6, 4), (8, 8)):
+        cluster = ClusterSpec(tuple(NodeSpec(f"n{i}", g) for i, g in enumerate(gpus)))
+        for ranks, tp in itertools.product(range(1, sum(gpus) + 1), (1, 2, 4, 8)):
+            for engines in range(sum(gpus) // tp + 1):
+                fits = any(sum(ks) == engines and sum(g - k * tp for g, k in zip(gpus, ks)) >= ranks
+                           for ks in itertools.product(*[range(g // tp + 1) for g in gpus]))
+                if fits:
+                    plan_placement(cluster, ranks, engines, tp)  # (raises PlacementError where it did not place it)
 
 
 def test_colocated_plan_pairs_rank_i_and_engine_i_on_gpu_i():
@@ -156,8 +176,8 @@ def test_cli_prints_the_plan_and_fails_clearly(capsys, tmp_path):
     with pytest.raises(PlacementError, match="tensor_parallel_size 16: its GPUs must be on one node"):
         check_fits(ClusterSpec.uniform(2, 8), 1, 1, 16)
     check_fits(ClusterSpec.uniform(2, 8), 8, 8)
-    with pytest.raises(PlacementError, match="engine 3 needs 3 GPUs on one node"):
-        plan_placement(ClusterSpec.uniform(2, 8), trainer_ranks=4, num_engines=4, tensor_parallel_size=3)
+    with pytest.raises(PlacementError, match="engine 4 needs 3 GPUs on one node"):  # (4 engines of 3 fit: 2 a node)
+        plan_placement(ClusterSpec.uniform(2, 8), trainer_ranks=1, num_engines=5, tensor_parallel_size=3)
     colocated = plan_placement(ClusterSpec.uniform(1, 4), trainer_ranks=4, num_engines=2, mode="colocated")
     with pytest.raises(PlacementError, match="leaves node0: 0 free"):
         check_frozen_room(colocated, {"judge": "j"})

@@ -204,40 +204,64 @@ def plan_placement(cluster: ClusterSpec, trainer_ranks: int, num_engines: int, t
     if mode == "colocated":
         return _colocated(cluster, trainer_ranks, num_engines, tensor_parallel_size)
     check_fits(cluster, trainer_ranks, num_engines, tensor_parallel_size)
-    free = {n.name: n.gpus for n in cluster.nodes}
-    order = [n.name for n in cluster.nodes]
-    # trainer: on one node when a node holds them all (the fewest GPUs left over beside it), else
-    # whole nodes in order; ranks stay contiguous per node (rank 0's node hosts the rendezvous)
-    fits = [n for n in order if free[n] >= trainer_ranks]
-    trainer_nodes: list[str] = []
-    if fits:
-        home = min(fits, key=lambda n: (free[n] - trainer_ranks, order.index(n)))
-        trainer_nodes = [home] * trainer_ranks
-    else:
-        for n in order:
-            take = min(free[n], trainer_ranks - len(trainer_nodes))
-            trainer_nodes += [n] * take
-    for n in trainer_nodes:
-        free[n] -= 1
-    # engines: nodes without trainer ranks first, then what is left beside the trainer
-    engine_order = [n for n in order if n not in trainer_nodes] + [n for n in order if n in trainer_nodes]
-    engine_nodes: list[str] = []
-    for e in range(num_engines):
-        node = next((n for n in engine_order if free[n] >= tensor_parallel_size), None)
-        if node is None:
-            left = ", ".join(f"{n}: {free[n]}" for n in order)
-            raise PlacementError(f"cannot place {_shape(trainer_ranks, num_engines, tensor_parallel_size)} on {cluster.describe()}: engine {e} needs "
-                                 f"{tensor_parallel_size} GPUs on one node, and the GPUs left after the trainer and "
-                                 f"engines 0-{e - 1} are split ({left}). Use a tensor_parallel_size that divides the "
-                                 f"nodes' GPUs, or fewer engines")
-        free[node] -= tensor_parallel_size
-        engine_nodes.append(node)
+    try:
+        trainer_nodes, engine_nodes = _split(cluster, trainer_ranks, num_engines, tensor_parallel_size, engines_first=False)
+    except PlacementError as trainer_first:
+        # on unequal nodes the trainer's best fit can take the only node a tensor-parallel engine fits
+        # (8 + 2 GPUs, 5 ranks and an engine of 4 was refused: the engine fits node0 beside 4 ranks)
+        try:
+            trainer_nodes, engine_nodes = _split(cluster, trainer_ranks, num_engines, tensor_parallel_size, engines_first=True)
+        except PlacementError:
+            raise trainer_first from None  # (its reason: the plan the docs describe)
     groups = (GroupPlan("trainer", tuple({"GPU": 1.0} for _ in trainer_nodes), tuple(trainer_nodes)),) + \
         ((GroupPlan("engine", tuple({"GPU": float(tensor_parallel_size)} for _ in engine_nodes), tuple(engine_nodes)),)
          if engine_nodes else ())
     slots = tuple(Slot("trainer", r, n, r, 1.0) for r, n in enumerate(trainer_nodes)) + \
         tuple(Slot("engine", e, n, e, float(tensor_parallel_size)) for e, n in enumerate(engine_nodes))
     return PlacementPlan(cluster, "split", trainer_ranks, num_engines, tensor_parallel_size, groups, slots)
+
+
+def _split(cluster: ClusterSpec, trainer_ranks: int, num_engines: int, tp: int, engines_first: bool) -> tuple[list, list]:
+    """(the trainer ranks' nodes, the engines' nodes) of a split placement. The trainer first: on
+    one node when a node holds them all (the fewest GPUs left over beside it), else whole nodes in
+    order, ranks contiguous per node (rank 0's node hosts the rendezvous); then each engine on the
+    first node with `tp` GPUs free, nodes without trainer ranks first. `engines_first`: the
+    engines take their nodes before the trainer (its ranks then fill what is left, in order)."""
+    free = {n.name: n.gpus for n in cluster.nodes}
+    order = [n.name for n in cluster.nodes]
+
+    def place_trainer() -> list[str]:
+        fits = [n for n in order if free[n] >= trainer_ranks]
+        if fits:
+            home = min(fits, key=lambda n: (free[n] - trainer_ranks, order.index(n)))
+            nodes = [home] * trainer_ranks
+        else:
+            nodes = []
+            for n in order:
+                nodes += [n] * min(free[n], trainer_ranks - len(nodes))
+        for n in nodes:
+            free[n] -= 1
+        return nodes
+
+    trainer_nodes = [] if engines_first else place_trainer()
+    # engines: nodes without trainer ranks first, then what is left beside the trainer
+    engine_order = [n for n in order if n not in trainer_nodes] + [n for n in order if n in trainer_nodes]
+    engine_nodes: list[str] = []
+    for e in range(num_engines):
+        node = next((n for n in engine_order if free[n] >= tp), None)
+        if node is None:
+            left = ", ".join(f"{n}: {free[n]}" for n in order)
+            placed = f" and engines 0-{e - 1}" if e > 1 else " and engine 0" if e == 1 else ""
+            raise PlacementError(f"cannot place {_shape(trainer_ranks, num_engines, tp)} on {cluster.describe()}: engine {e} needs "
+                                 f"{tp} GPUs on one node, and the GPUs left after the trainer{placed} are split "
+                                 f"({left}). Use a tensor_parallel_size that divides the nodes' GPUs, or fewer engines")
+        free[node] -= tp
+        engine_nodes.append(node)
+    if engines_first:
+        trainer_nodes = place_trainer()
+        if len(trainer_nodes) < trainer_ranks:
+            raise PlacementError(f"cannot place {_shape(trainer_ranks, num_engines, tp)} on {cluster.describe()}")
+    return trainer_nodes, engine_nodes
 
 
 def _colocated(cluster: ClusterSpec, trainer_ranks: int, num_engines: int, tp: int) -> PlacementPlan:
