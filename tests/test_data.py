@@ -217,6 +217,20 @@ def test_files_as_their_writers_write_them(tmp_path):
     # an empty id cell is no id: the row's place names the task (a random id changed at every resume)
     csv_file.write_text("id,prompt,label\n,a,1\nq7,b,2\n")
     assert [t.id for t in load_tasks(csv_file)] == ["t:0", "q7"]
+    # an empty prompt (a CSV's empty cell, a row of empty cells a spreadsheet left) was a task, trained on
+    csv_file.write_text("prompt,label\na,1\n,\n")
+    with pytest.raises(ValueError, match=r"t.csv\[1\]: 'prompt' is empty"):
+        load_tasks(csv_file)
+    # a cell past the csv module's 128 KiB default loads (it failed with an error naming no file)
+    csv_file.write_text("prompt,label\n" + "x" * 200_000 + ",1\n")
+    assert len(load_tasks(csv_file)[0].messages[0]["content"]) == 200_000
+    # a template over a null column writes "" (as the CSV's empty cell), not "None", into the prompt
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"context": None, "q": "Q2", "label": "1"}]), tmp_path / "t.parquet")
+    assert load_tasks(tmp_path / "t.parquet", template="Context: {context}\nQuestion: {q}")[0].messages[0]["content"] == \
+        "Context: \nQuestion: Q2"
 
 
 def test_held_out_tasks_and_prompt_columns(tmp_path):
@@ -248,6 +262,14 @@ def test_held_out_tasks_and_prompt_columns(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows("train", 2))}).save_to_disk(str(only_train))
     with pytest.raises(ConfigError, match="name the held-out one"):
         _eval_tasks({"path": str(only_train), "fields": "gsm8k"})
+    # a saved Dataset (dataset["train"].save_to_disk) has no splits either: "test" read its training rows
+    lone = tmp_path / "lone"
+    datasets.Dataset.from_list(rows("train", 2)).save_to_disk(str(lone))
+    with pytest.raises(ConfigError, match="holds one Dataset, without splits: split='test'"):
+        _eval_tasks({"path": str(lone), "fields": "gsm8k", "split": "test"})
+    assert len(load_tasks(lone, fields="gsm8k")) == 2  # (training reads it)
+    # a TaskDataset's generated ids held out are not a training list's (both item-0)
+    assert [t.id for t in _eval_tasks(TaskDataset([{"prompt": "a"}, {"prompt": "b", "id": "q9"}]))] == ["eval-item-0", "q9"]
     one_file = tmp_path / "gsm.jsonl"
     one_file.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n")
     with pytest.raises(ConfigError, match="is one file, without splits"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -40,6 +41,8 @@ def task_from_record(record: dict, where: str = "record") -> Task:
             messages = [dict(m) for m in prompt]
             _system_into(messages, r, "prompt", where)
         elif isinstance(prompt, (str, int, float)) and not isinstance(prompt, bool):
+            if not str(prompt).strip():  # (a CSV's empty cell, or a row of empty cells a spreadsheet left: trained on)
+                raise ValueError(f"{where}: 'prompt' is empty")
             messages = [{"role": "user", "content": str(prompt)}]
             _system_into(messages, r, "prompt", where)
         else:
@@ -198,6 +201,9 @@ def load_records(path: str | Path, split: str = "train") -> list[dict]:
             if split not in ds:
                 raise ValueError(f"{path}: no split {split!r} (has {sorted(ds)})")
             ds = ds[split]
+        elif split != "train":  # a saved Dataset (dataset["train"].save_to_disk): its rows were "test"'s too
+            raise ValueError(f"{path} holds one Dataset, without splits: split={split!r} names none of it; give the "
+                             f"held-out data's own path (or save the DatasetDict with its splits)")
         return _columnar([dict(r) for r in ds])
     if path.suffix in (".jsonl", ".json"):
         if path.suffix == ".json" and path.read_text(encoding="utf-8-sig").lstrip().startswith("["):
@@ -227,6 +233,8 @@ def load_records(path: str | Path, split: str = "train") -> list[dict]:
 
         # (utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark, which named the first column
         # '\ufeffprompt')
+        # (the stdlib's default cell limit, 128 KiB, refused long agentic prompts with an error naming no file)
+        csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
         with open(path, newline="", encoding="utf-8-sig") as f:
             reader, rows = csv.DictReader(f), []
             for r in reader:
@@ -318,7 +326,8 @@ def load_tasks(path: str | Path, fields: str | dict | None = None, template: str
             record.update(_columnar([{f: record[f] for f in ("tools", "messages", "prompt") if f in mapping}])[0])
         if template is not None:
             try:
-                record["prompt"] = template.format(**row)
+                # a null column formatted as "" (as the same CSV cell reads): "None" was written into the prompt
+                record["prompt"] = template.format(**{k: "" if v is None else v for k, v in row.items()})
             except KeyError as e:
                 raise ValueError(f"{where}: template names column {e} that the row lacks (has {sorted(row)}); "
                                  f"a literal brace is written {{{{ or }}}}") from None
@@ -358,7 +367,8 @@ class TaskDataset:
     (position seed * n), a source wrapping it (a lambda, a filter) drew positions n times too far
     apart, each epoch sampled with replacement, some tasks never drawn. (A source that draws only
     part of each chunk from it, a mix of two datasets, must pass the positions of its own share:
-    a(n // 2, seed // 2), or its epochs skip tasks. A loop of one's own calling ds(n, step) gets
+    k of every n tasks from `a` is a(k, seed // n * k) (the chunk's index times its share; seed // 2
+    for half of an odd n skipped and repeated tasks), or its epochs skip tasks. A loop of one's own calling ds(n, step) gets
     overlapping windows: ds.take(step * n, n).)"""
 
     def __init__(self, tasks: Iterable[dict | Task], seed: int = 0, shuffle: bool = True):

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -1977,8 +1978,10 @@ def _eval_tasks(tasks) -> list[Task]:
     from .data import TaskDataset, held_out_split, load_tasks, tasks_from_list
 
     try:
-        if isinstance(tasks, TaskDataset):
-            return list(tasks.tasks)
+        if isinstance(tasks, TaskDataset):  # its tasks' ids a list's places ("item-3"): held out, "eval-item-3",
+            # as a list's (a training list's first task and a held-out one's were both item-0)
+            return [dataclasses.replace(t, id=f"eval-{t.id}") if re.fullmatch(r"item-\d+", str(t.id)) else t
+                    for t in tasks.tasks]
         if isinstance(tasks, (str, Path)):
             return load_tasks(tasks, split=held_out_split(tasks))
         if isinstance(tasks, dict):
