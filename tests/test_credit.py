@@ -262,18 +262,21 @@ def test_distillation_without_teacher_logprobs_is_refused_up_front():
 def test_rewards_the_advantages_cannot_hold_are_refused_by_name():
     """A reward past MAX_ABS_REWARD made float32 advantages inf (dr_grpo: one of 1e39 in a group)
     or NaN, or silently 0; an int past float's range raised OverflowError without naming the
-    reward; an Env's True or numpy float32 was summed silently. Each is a clear error now (the
-    runner fails the episode with it: test_rollout's NaN agent)."""
+    reward; an Env's True was summed silently. Each is a clear error now (the runner fails the
+    episode with it: test_rollout's NaN agent). numpy's real numbers are rewards, as Gymnasium's
+    SupportsFloat (a reward model's float32 scores failed every episode); its bool is not."""
     from workbench.agents import MAX_ABS_REWARD, as_reward, reward_value
     from workbench.trainer.losses import AdvantageInput, get_advantage
 
     x = AdvantageInput(torch.tensor([1e39, 0, 0, 0], dtype=torch.float64), torch.zeros(4, dtype=torch.long), torch.ones(4, 1))
     assert not torch.isfinite(get_advantage("dr_grpo")(x).float()).all()  # why the bound
     for bad, match in ((1e39, "beyond"), (10**400, "past a float's range"), (float("nan"), "finite"),
-                       (True, "must be a number"), (np.float32(0.5), "must be a number"), ("0.75", "must be a number")):
+                       (True, "must be a number"), (np.bool_(True), "must be a number"), ("0.75", "must be a number")):
         with pytest.raises((TypeError, ValueError), match=match):
             reward_value(bad, "the reward MyEnv.step returned at turn 2")
     assert reward_value(np.float64(0.5)) == 0.5 and reward_value(-MAX_ABS_REWARD) == -MAX_ABS_REWARD
+    assert [type(reward_value(r)) for r in (np.float32(0.5), np.int64(2))] == [float, float]
+    assert as_reward((np.float32(0.25), {})) == (0.25, {})
     assert as_reward((3, {"a": 1})) == (3.0, {"a": 1})
     with pytest.raises(ValueError, match="the episode's reward is 1e\\+39"):
         as_reward(1e39)

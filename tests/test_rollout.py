@@ -909,7 +909,8 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     # that could not be pickled or written), stopped the runner's loop (KeyboardInterrupt), ran 4 s
     # past a 1.5 s timeout and trained as a success (an agent swallowing its cancellation), or read the
     # agent's own TimeoutError as the episode's; each fails its own episode now, a sibling unharmed
-    hows = ["interrupt", "base", "unprintable", "own_timeout", "stubborn", "tuple_key", "lock", "eval", "task_id", "fine"]
+    hows = ["interrupt", "base", "unprintable", "own_timeout", "stubborn", "tuple_key", "lock", "eval", "task_id", "unloadable",
+            "fine"]
     t0 = time.time()
     got = made[10].run_groups([Task([{"role": "user", "content": "?"}], info={"how": h}) for h in hows], 1, progress=False)
     assert time.time() - t0 < 3.5
@@ -919,6 +920,8 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     assert errors["own_timeout"] == "TimeoutError: the tool's socket timed out", errors
     assert errors["stubborn"] == "episode timed out after 1.5 s", errors
     assert "cannot be recorded" in errors["tuple_key"] and "cannot be recorded" in errors["lock"], errors
+    # an info that pickles but cannot be loaded failed the group's return in the driver, and the run
+    assert "cannot be recorded (TypeError" in errors["unloadable"], errors
     assert "reserved key 'eval'" in errors["eval"] and errors["fine"] is None and got[-1][0].reward == 1.0
     assert "reserved key 'task_id'" in errors["task_id"]  # (replaced by the task's, silently)
     # an info that cannot be recorded fails the episode, not the reward it returned (it read 0)
@@ -928,7 +931,7 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     assert (plain.error, plain.reward, plain.info["sync"]) == (None, 0.5, True)
     # an Env breaking Gymnasium's contract fails its episode naming why (each was taken silently or unnamed)
     bare = [{"name": "calc", "description": "", "parameters": {"type": "object", "properties": {}}}]
-    hows = ["role", "four_tuple", "text_flag", "tools", "turns", "fine"]
+    hows = ["role", "four_tuple", "text_flag", "tools", "turns", "no_turns", "fine"]
     got = made[12].run_groups([Task([{"role": "user", "content": "?"}], info={"how": h}, tools=bare if h == "tools" else None)
                                for h in hows], 1, progress=False)
     errors = {h: (g[0].error or "").splitlines()[0] if g[0].error else None for h, g in zip(hows, got)}
@@ -936,6 +939,7 @@ def test_failing_agents_fail_only_their_episodes(rollout_for, vllm_moe):
     assert "step must return (observation, reward, terminated, truncated, info)" in errors["four_tuple"], errors
     assert "step must return" in errors["text_flag"] and "tools[0] must be {'type': 'function'" in errors["tools"], errors
     assert "reserved key 'turns'" in errors["turns"] and errors["fine"] is None and got[-1][0].reward == 1.0
+    assert "AgentRunner.max_turns must be an integer >= 1" in errors["no_turns"], errors
 
 
 def test_an_interrupted_rollout_gives_its_slots_back_when_its_groups_finish(rollout_for, monkeypatch):

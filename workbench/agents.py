@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import inspect
 import math
+import numbers
 import re
 import sys
 import threading
@@ -204,9 +205,10 @@ MAX_ABS_REWARD = 1e6
 
 
 def reward_value(reward, what: str = "the episode's reward") -> float:
-    """A reward as a float, or a clear error: a number (not a bool, a string or a numpy float32,
-    which float() would take silently), finite, within +-MAX_ABS_REWARD."""
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+    """A reward as a float, or a clear error: a real number (numpy's too, as Gymnasium's
+    SupportsFloat: a reward model's float32 scores failed every episode; not a bool, numpy's
+    included, nor a string), finite, within +-MAX_ABS_REWARD."""
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
         raise TypeError(f"{what} must be a number (int or float), got {reward!r} ({type(reward).__name__})")
     try:
         value = float(reward)
@@ -226,6 +228,6 @@ def as_reward(result) -> tuple[float, dict]:
         reward, info = result
     else:
         reward, info = result, {}
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
         raise TypeError(f"an agent must return a reward (a number) or (reward, info), got {result!r}")
     return reward_value(reward), info

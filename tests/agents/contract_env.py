@@ -9,6 +9,8 @@ class AgentRunner(Env):
 
     async def reset(self, task):
         self.how = task.info["how"]
+        if self.how == "no_turns":  # a per-task turn budget set in reset (checked before it: 0 ran no turn, silently)
+            self.max_turns = 0
         return [dict(m) for m in task.messages], {}
 
     async def step(self, message):

@@ -17,6 +17,11 @@ class Unprintable(Exception):
         raise RuntimeError("no str")
 
 
+class Unloadable(Exception):  # pickles, but cannot be rebuilt (openai's APIStatusError: keyword-only arguments)
+    def __init__(self, message, *, response):
+        super().__init__(message)
+
+
 class AgentRunner(ChatAgent):
     async def run(self, ctx):
         how = ctx.task.info["how"]
@@ -37,5 +42,5 @@ class AgentRunner(ChatAgent):
                     pass
             return 1.0
         info = {"tuple_key": {(1, 2): 3}, "lock": {"lock": threading.Lock()}, "eval": {"eval": True},
-                "task_id": {"task_id": "mine"}}.get(how, {})
+                "task_id": {"task_id": "mine"}, "unloadable": {"judge_error": Unloadable("429", response=None)}}.get(how, {})
         return 1.0, info

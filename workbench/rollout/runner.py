@@ -310,12 +310,14 @@ class RolloutRunner:
 
         env = self.spec.make()
         name = type(env).__name__
-        if isinstance(env.max_turns, bool) or not isinstance(env.max_turns, int) or env.max_turns < 1:
-            # (0 ran no turn, every episode reward 0 with no tokens, silently; None failed each one on an addition)
-            raise TypeError(f"{name}.max_turns must be an integer >= 1 (the turns an episode may take), got {env.max_turns!r}")
-        if env.max_turns == 1:  # its group's first turns may go as one engine call (EngineRouter._call)
-            self.router.single_turn.add(sid)
         observation, info = _reset_pair(await _resolved(env.reset(task)), f"{type(env).__name__}.reset")
+        # read once, after reset (an Env may set a task's turn budget there: read before, 0 ran no turn, silently)
+        max_turns = env.max_turns
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+            # (0 ran no turn, every episode reward 0 with no tokens, silently; None failed each one on an addition)
+            raise TypeError(f"{name}.max_turns must be an integer >= 1 (the turns an episode may take), got {max_turns!r}")
+        if max_turns == 1:  # its group's first turns may go as one engine call (EngineRouter._call)
+            self.router.single_turn.add(sid)
         _check_env_messages(observation, f"{type(env).__name__}.reset")
         # its own copy: an Env whose reset returns task.info itself had every episode of the group
         # (one Task, run concurrently) update one dict, each sibling's step info in the others'
@@ -329,9 +331,10 @@ class RolloutRunner:
         except RequestError as e:
             raise TypeError(f"{name}'s tools (Env.tools, else the task's): {e.message}") from None
         total, turns, cut = 0.0, 0, False
-        for turns in range(1, env.max_turns + 1):
+        for turns in range(1, max_turns + 1):
             reply = await self.server.turn(sid, messages, tools, self.sampling)
             if reply.truncated and not reply.token_ids:  # no room left in the context: the episode ends here
+                turns -= 1  # (this turn sampled nothing: info["turns"] counted it)
                 break
             message = reply.assistant_message()
             messages.append(message)
@@ -415,7 +418,9 @@ def _agent_info(info: dict) -> dict:
             raise ValueError(f"the agent's info uses the reserved key {key!r} (set by workbench); name it otherwise")
     try:
         json.dumps(info, default=str)
-        pickle.dumps(info)
+        # loaded too: an exception that pickles but cannot be rebuilt (openai's APIStatusError: keyword-only
+        # arguments) failed the group's return in the driver, and the run with it
+        pickle.loads(pickle.dumps(info))
     except Exception as e:
         raise TypeError(f"the agent's info cannot be recorded ({type(e).__name__}: {e}); keep it to JSON values "
                         f"with string keys") from None
@@ -621,8 +626,8 @@ class Rollout:
                                      f"running this episode (the runner is kept): {cause}", runner_lost=False)
             with self._lock:
                 return _failed_group(task, group_size, self._lose(runner, e))
-        except ray.exceptions.RayTaskError as e:  # the group failed in a live runner (its return not sendable, a
-            # bug): its episodes fail, not the run
+        except (ray.exceptions.RayTaskError, ray.exceptions.RaySystemError) as e:  # the group failed in a live
+            # runner (its return not sendable, a bug), or its return could not be loaded here: its episodes fail, not the run
             first = (str(e).strip().splitlines() or ["?"])[-1][:300]
             return _failed_group(task, group_size, f"the group failed in its runner: {first}", runner_lost=False)
         finally:
