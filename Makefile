@@ -14,7 +14,7 @@ demo: setup
 	$(PY) -m workbench.notebooks 00_quickstart --run-dir runs/quickstart
 
 # Every recipe (notebooks/recipes/) headless on its CPU default, each into runs/recipes/<name>/
-# (the executed notebook, results.json, metrics, trajectories, plots). `python -m workbench.notebooks
+# (the executed notebook, results.json, metrics, trajectories, plots where it draws them). `python -m workbench.notebooks
 # --list` shows each one's parameters and expected time; RECIPES="math_grpo distillation" runs some.
 RECIPES ?= $(basename $(notdir $(wildcard notebooks/recipes/*.ipynb)))
 recipes: setup
