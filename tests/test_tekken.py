@@ -354,6 +354,27 @@ def test_c_v7_tekken_renders_text_beside_a_call_as_mistral_common_does(tmp_path)
         {"id": "Ab3dE6gH9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
     msgs = [{"role": "user", "content": "Paris?"}, call, {"role": "tool", "tool_call_id": "Ab3dE6gH9", "content": "sunny"}]
     assert fmt._both_or_neither and "Let me check.[TOOL_CALLS]" in fmt.render(msgs, TOOLS, True)
+    # an empty reply (a bare </s>) sent back: v7's encoder refuses a message with neither content nor calls,
+    # and every later request of the episode was a 400 (the episode dropped); it renders as nothing
+    acc = Accumulator(fmt)
+    msgs = [{"role": "user", "content": "Hi"}]
+    plan = acc.plan(msgs)
+    eos = fmt.end_of_turn_id  # (</s>: id 2)
+    acc.record(plan, sample_of([eos]), {"role": "assistant", "content": ""})
+    again = acc.plan(msgs + [{"role": "assistant", "content": ""}, {"role": "user", "content": "again"}])
+    assert not again.new_segment, again.seal_reason
+
+
+def test_template_kwargs_a_request_sends_are_read_by_no_tekken_render(fmt):
+    """chat_template_kwargs (Qwen agents send enable_thinking) and reasoning_effort: the check read a
+    Jinja template Tekken has not, and every such request was a 400 naming a schema error. mistral-common
+    reads no template kwargs; an effort this version does not encode is refused by name."""
+    from workbench.loopback.protocol import RequestError, check_template_controls
+
+    check_template_controls({"chat_template_kwargs": {"enable_thinking": False}}, fmt.template_kwargs, False,
+                            fmt.renders_the_same_with)
+    with pytest.raises(RequestError, match="reasoning_effort is 'low'"):
+        check_template_controls({"reasoning_effort": "low"}, fmt.template_kwargs, False, fmt.renders_the_same_with)
 
 
 def test_messages_mistral_common_refuses_are_the_requests_400_not_an_unexpected_error(ckpt):

@@ -56,10 +56,10 @@ def load_tokenizer(path: str | Path):
     return MistralTokenizer.from_pretrained(str(path))
 
 
-def _renderable(m: dict) -> dict:
-    """An assistant message as a v3 tokenizer's mistral-common will encode it (TekkenFormat applies
-    it where the validator refuses these; v7 and later take both). Its validator refuses content
-    beside tool calls, and a message with neither, yet the policy samples both (text before
+def _renderable(m: dict, both: bool = False) -> dict:
+    """An assistant message as mistral-common will encode it. A v3 tokenizer's validator refuses
+    content beside tool calls (v7 and later take it: `both`), and every version's encoder a message
+    with neither (v7's raised "Invalid assistant message"), yet the policy samples both (text before
     [TOOL_CALLS], which the `mistral` parser hands out beside the call; a bare </s>): sent back,
     every later request of the episode was refused (400) and the episode failed, the loop dropping
     it. The call renders without the text, the empty reply as a space (which renders as nothing).
@@ -67,7 +67,7 @@ def _renderable(m: dict) -> dict:
     and after, are both of this form); a new segment's prompt renders the call without it."""
     if m["role"] != "assistant":
         return m
-    if m.get("tool_calls") and m.get("content"):
+    if m.get("tool_calls") and m.get("content") and not both:
         return {**m, "content": ""}
     if not m.get("tool_calls") and not m.get("content"):
         return {**m, "content": " "}
@@ -110,7 +110,7 @@ class TekkenFormat(ChatFormat):
         self._history = copy.copy(self.mistral)
         self._history._chat_completion_request_validator = type(self.mistral._chat_completion_request_validator)(
             mode=ValidationMode.finetuning)
-        # v7+ validators take content beside tool calls (and an empty reply); v3's refuse them (_renderable)
+        # v7+ validators take content beside tool calls; v3's refuse it (_renderable)
         self._both_or_neither = bool(getattr(self.mistral._chat_completion_request_validator,
                                              "_allow_tool_call_and_content", False))
         self._keep = SpecialTokenPolicy.KEEP
@@ -147,8 +147,7 @@ class TekkenFormat(ChatFormat):
                 raise InvalidToolMessageException(
                     f"messages[{i}] is a tool result without a tool_call_id: Mistral's encoding pairs every "
                     f"tool result with the id of the call it answers (the assistant's tool_calls[].id)")
-        if not self._both_or_neither:
-            msgs = [_renderable(m) for m in msgs]
+        msgs = [_renderable(m, both=self._both_or_neither) for m in msgs]
         final_reply = bool(msgs) and msgs[-1]["role"] == "assistant" and not add_generation_prompt
         req = ChatCompletionRequest.from_openai(msgs, tools or None)
         try:
@@ -166,6 +165,26 @@ class TekkenFormat(ChatFormat):
             if not at:
                 raise
             raise type(e)(f"messages[{at[0]}]: {e}") from e
+
+    def renders_the_same_with(self, extra: dict) -> bool:
+        """Whether a request's template kwargs `extra` render as the profile's (ChatFormat's
+        contract): mistral-common reads no chat template kwargs; a reasoning effort it encodes from
+        some versions on (v15), so that one is probed: with and without it, on one user message.
+        (ChatFormat's own read a Jinja template this tokenizer has not: every request sending
+        chat_template_kwargs or reasoning_effort was a 400 naming a schema error.)"""
+        effort = extra.get("reasoning_effort")
+        if effort is None:
+            return True
+        from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+        def ids(**kw) -> list[int]:
+            return self.mistral.encode_chat_completion(ChatCompletionRequest.from_openai(
+                [{"role": "user", "content": "."}], None, **kw)).tokens
+
+        try:
+            return ids() == ids(reasoning_effort=effort)
+        except Exception:  # noqa: BLE001  (an effort its version refuses, or no such field: not the same)
+            return False
 
     def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool, refuse_dropped: bool = True) -> str:
         """mistral-common's ids as text: control tokens by name, each text piece between them
