@@ -64,6 +64,22 @@ def test_chatml_fine_tunes_and_mistrals_without_tool_tokens_are_read_as_their_te
     assert profile_for(d).tool_parser == "mistral"
 
 
+def test_a_sentencepiece_mistral_checkpoint_says_its_template_is_not_mistral_common(tmp_path, caplog):
+    """Mistral-7B-Instruct-v0.3 ships tokenizer.model.v3 for mistral-common, the encoding it was trained
+    on and vLLM serves it with; its HF template, which renders it here, drops the system prompt after
+    a tool result. Said at its profile (a Tekken checkpoint is rendered by mistral-common)."""
+    import logging
+
+    d = checkpoint(tmp_path, "mistral", ["<s>", "</s>", "[TOOL_CALLS]"])
+    with caplog.at_level(logging.WARNING, logger="workbench.profiles"):
+        profile_for(d)
+    assert "not mistral-common" not in caplog.text
+    (d / "tokenizer.model.v3").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="workbench.profiles"):
+        assert profile_for(d).chat_format == "template"
+    assert "rendered with its Hugging Face chat template, not mistral-common" in caplog.text
+
+
 def test_every_eos_of_the_checkpoints_configs_is_a_stop_token(tmp_path):
     """Real Qwen3 checkpoints list <|endoftext|> besides <|im_end|> as generation_config.json's
     eos_token_id, and the engines stop on both: the profile names it as a stop token, so the

@@ -476,9 +476,10 @@ def traps(fmt: ChatFormat, shapes: list[ShapeResult], renders: list[str]) -> lis
                     "a request's tools= leave the prompt unchanged: the policy never sees the tools' schemas "
                     "(describe them in the system message, or give a template that renders them)" if unrendered else
                     "tools= are rendered into the prompt"))
-    # a template that renders the system prompt only before the last user message (Mistral v3's): the
-    # request after a tool call's result has none, so the policy answers tool results, and is trained
-    # on those turns, without the agent's instructions (the model's own format: not refused, said here)
+    # a template that renders the system prompt only before the last user message (Mistral v3's HF
+    # template): the request after a tool call's result has none, so the policy answers tool results, and
+    # is trained on those turns, without the agent's instructions (mistral-common, the format the model
+    # was trained on, keeps it: not refused, said here)
     instructions = "Answer in French, always."
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"id": "abcDEF123", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
@@ -490,7 +491,8 @@ def traps(fmt: ChatFormat, shapes: list[ShapeResult], renders: list[str]) -> lis
         dropped = False
     out.append(Trap("system_dropped", dropped,
                     "the request after a tool result has no system prompt (the template renders it only before the "
-                    "last user message): the policy answers tool results without the agent's instructions" if dropped else
+                    "last user message): the policy answers tool results without the agent's instructions (a Mistral "
+                    "checkpoint's mistral-common encoding, which it was trained on, keeps it)" if dropped else
                     "the system prompt stays in the request after a tool result"))
     bad = next((r for r in renders if fmt.decode(fmt.encode(r)) != r), None)
     out.append(Trap("roundtrip", bad is not None, "decode(encode(render)) != render" if bad is not None else

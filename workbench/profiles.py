@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -326,6 +327,14 @@ def _mistral(ck: Checkpoint):
         return ModelProfile("mistral", end_of_turn="<|im_end|>", tool_parser="hermes", max_model_len=min(ck.context, 32768),
                             dtype="bfloat16", moe=moe, capture_experts=moe, replay_rule="MixtralTopKRouter" if moe else None)
     calls = tekken or "[TOOL_CALLS]" in ck.special_tokens or "[TOOL_CALLS]" in tpl
+    if not tekken and any(ck.path.glob("tokenizer.model.v*")):
+        # a SentencePiece checkpoint Mistral ships for mistral-common (Mistral-7B-Instruct-v0.3, Mixtral-8x22B):
+        # the model was trained on mistral-common's encoding, which vLLM serves such a checkpoint with; its HF
+        # template differs (no system prompt after a tool result, a string tool result not quoted as JSON)
+        logging.getLogger(__name__).warning(
+            "%s: rendered with its Hugging Face chat template, not mistral-common (its tokenizer.model.v* is the "
+            "format it was trained on): the template drops the system prompt after tool results and writes string "
+            "tool results unquoted; `python -m workbench.lint %s` shows the shapes", ck.path, ck.path)
     return ModelProfile("mistral", end_of_turn="</s>", tool_parser="mistral" if calls else "hermes", tool_call_ids="alnum9",
                         chat_format="tekken" if tekken else "template", max_model_len=min(ck.context, 32768), dtype="bfloat16", moe=moe,
                         capture_experts=moe, replay_rule="MixtralTopKRouter" if moe else None)
