@@ -27,6 +27,12 @@ def test_shipped_set_is_generated_and_gsm8k_format(tmp_path):
         notes = re.findall(r"<<([\d+\-*/ ]+)=(\d+)>>", r["answer"])
         assert notes and all(eval(expr) == int(val) for expr, val in notes)
         assert final_answer(r["answer"]) == notes[-1][1]
+    # no test problem is a training one (a name apart: 11 of the 32 one-step test problems were)
+    from workbench.toy.word_problems import computation
+
+    for prefix in ("word_problems", "one_step"):
+        train, test = (load_records(SHIPPED / f"{prefix}_{s}.jsonl") for s in ("train", "test"))
+        assert not set(map(computation, train)) & set(map(computation, test)), prefix
     # the one-step set (recipes/real_model_grpo): one calculator note, numbers below 20
     for r in load_records(SHIPPED / "one_step_train.jsonl"):
         (expr, val), = re.findall(r"<<([\d+\-*/ ]+)=(\d+)>>", r["answer"])

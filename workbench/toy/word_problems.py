@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 SHIPPED = Path(__file__).resolve().parent.parent / "examples" / "data"
@@ -88,19 +89,33 @@ KINDS = (_buy_more, _share, _earn, _split_evenly)
 ONE_STEP_KINDS = (_gets_more, _gives_away)
 
 
-def word_problems(n: int, seed: int = 0, kinds=KINDS) -> list[dict]:
-    """n GSM8K-format records ({"question", "answer"}), the same for the same seed everywhere."""
-    rng = random.Random(seed)
-    return [dict(zip(("question", "answer"), rng.choice(kinds)(rng))) for _ in range(n)]
+def computation(record: dict) -> tuple[str, ...]:
+    """A problem's arithmetic: its solution's calculator notes ("6+3=9"), whatever its names and items."""
+    return tuple(re.findall(r"<<([^>]*)>>", record["answer"]))
+
+
+def word_problems(n: int, seed: int = 0, kinds=KINDS, exclude: frozenset = frozenset()) -> list[dict]:
+    """n GSM8K-format records ({"question", "answer"}), the same for the same seed everywhere;
+    none whose computation is in `exclude` (a test set's: the training set's computations)."""
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        record = dict(zip(("question", "answer"), rng.choice(kinds)(rng)))
+        if computation(record) not in exclude:
+            out.append(record)
+    return out
 
 
 def write_shipped(directory: Path = SHIPPED) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     out = []
     for prefix, kinds in (("word_problems", KINDS), ("one_step", ONE_STEP_KINDS)):
-        for split, (n, seed) in SPLITS.items():
+        # the test problems are none of the training ones (a name apart: "Mia has 6 pencils and gets 3
+        # more" held out beside "Jonas has 6 pencils and gets 3 more" trained on; 11 of the 32 one-step)
+        train = word_problems(*SPLITS["train"], kinds)
+        n, seed = SPLITS["test"]
+        for split, records in (("train", train), ("test", word_problems(n, seed, kinds, frozenset(map(computation, train))))):
             path = directory / f"{prefix}_{split}.jsonl"
-            path.write_text("".join(json.dumps(r) + "\n" for r in word_problems(n, seed, kinds)))
+            path.write_text("".join(json.dumps(r) + "\n" for r in records))
             out.append(path)
     return out
 
