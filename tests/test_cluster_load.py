@@ -8,6 +8,7 @@ the trained weights), and a resume of its checkpoint onto one rank."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -172,7 +173,7 @@ def test_sharded_load_reads_only_each_ranks_slices(ray_local, moe_path):
         trainer.shutdown()
 
 
-def test_sharded_load_of_tied_embeddings_with_bf16_compute_and_cpu_offload(ray_local):
+def test_sharded_load_of_tied_embeddings_with_bf16_compute_and_cpu_offload(ray_local, tmp_path):
     """A Qwen3 with tied input/output embeddings (as the small Qwen3s have), sharded load,
     FSDP2 bf16 compute over fp32 master weights, the optimizer state offloaded to host memory
     (CPUOffloadPolicy: on this CPU machine everything is in host memory anyway, so what is
@@ -210,6 +211,14 @@ def test_sharded_load_of_tied_embeddings_with_bf16_compute_and_cpu_offload(ray_l
         assert {t.dtype for t in half.tensors().values()} == {torch.bfloat16}
         assert half.arrays["lm_head.weight"] is half.arrays["model.embed_tokens.weight"]
         assert torch.equal(half.tensors()["model.norm.weight"], expected["model.norm.weight"].bfloat16())
+        # a bf16 export of the fp32 weights writes the tied weight once (cast per name, it became two
+        # tensors and was saved twice: SmolLM2's export 269 -> 326 MB)
+        from safetensors import safe_open
+
+        out = trainer.export_hf(str(tmp_path / "export"), dtype="bfloat16")
+        with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+        assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names, sorted(names)[:5]
         total = checkpoint_bytes(path)  # the tied weight is stored once
         ranks = trainer.footprint()
         assert sum(r["checkpoint_bytes_read"] for r in ranks) == 2 * total  # policy + reference, each once

@@ -748,7 +748,7 @@ def test_a_step_interrupted_while_logged_or_retried_is_recorded_once(tmp_path, m
     assert written == ["step_00004.parquet"] and not (run / "untrained" / "step_00004.parquet").exists()
 
 
-def test_export_is_written_beside_and_swapped_in_never_over_the_run_or_the_source(short_run, tmp_path):
+def test_export_is_written_beside_and_swapped_in_never_over_the_run_or_the_source(short_run, tmp_path, monkeypatch):
     """wb.export() wrote in place: a re-export kept an earlier export's files (an index naming
     shards the new one does not have: vLLM refused the directory), a kill mid-write left
     neither, wb.export(wb.run_dir) replaced the session's config.json with the model's, and
@@ -777,6 +777,18 @@ def test_export_is_written_beside_and_swapped_in_never_over_the_run_or_the_sourc
     assert (wb.run_dir / "config.json").read_text() == config_before
     with pytest.raises(ValueError, match="the checkpoint the trainer started from"):
         wb.export(wb._trainer.model_path)
+    # a kept policy (wb.revisit reran its step on the export's weights) and a model of workbench's cache
+    # (every later session of that model loaded the export) were Hugging Face checkpoints, so replaced
+    kept = next((wb.run_dir / "policies").glob("step_*"))
+    cached = tmp_path / "cache" / "real" / "smollm2"
+    cached.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (cached / name).write_text("{}")
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    for taken in (kept, cached):
+        with pytest.raises(ValueError, match="holds something other than an export"):
+            wb.export(taken)
+    assert (kept / "workbench_policy.json").is_file() and (cached / "model.safetensors").read_text() == "{}"
     (out / "workbench_export.json").unlink()  # an export made before the mark: still replaced
     wb.export(out)
     assert json.loads((out / "workbench_export.json").read_text())["dtype"] == wb._trainer.cfg.dtype
@@ -874,3 +886,32 @@ def test_an_actor_group_the_clusters_free_gpus_cannot_hold_is_refused(monkeypatc
     check_free_gpus(2, "two ranks", "")
     with pytest.raises(ConfigError, match=r"wb.revisit: its trainer needs 8 GPU\(s\) and the cluster has 2 free .*smaller world_size"):
         check_free_gpus(8, "wb.revisit: its trainer", "pass a smaller world_size", wait_s=0.1)
+
+
+def test_the_last_live_session_of_a_process_stops_the_ray_it_shares(monkeypatch, tmp_path):
+    """A second connect() in a kernel joins the first's Ray: the first's shutdown stopped Ray under the
+    second's run (and the second's shutdown, calling its stale handles, started a bare Ray again). The
+    owner hands Ray to a live session; the last one stops it."""
+    import weakref
+
+    import workbench.cluster
+    import workbench.session
+    from workbench.session import Workbench
+
+    stopped = []
+    monkeypatch.setattr(workbench.cluster, "shutdown_ray", lambda: stopped.append(1))
+    monkeypatch.setattr(workbench.session, "_LIVE_SESSIONS", weakref.WeakValueDictionary())  # (this test's two only)
+
+    def session(name: str, owns: bool) -> Workbench:
+        wb = object.__new__(Workbench)
+        wb.__dict__.update(_shut_down=False, _run=None, _teacher=None, judge_engine=None, _rollout=None, _trainer=None,
+                           _greedy_rollout=None, _loggers=[], engines=[], placement=None, _run_dir_claim=None,
+                           run_dir=tmp_path / name, _owns_ray=owns)
+        workbench.session._LIVE_SESSIONS[str(wb.run_dir)] = wb
+        return wb
+
+    first, second = session("a", True), session("b", False)
+    first.shutdown()
+    assert stopped == [] and second._owns_ray
+    second.shutdown()
+    assert stopped == [1]

@@ -738,7 +738,8 @@ class Workbench:
             # cell run again took it from the session it replaced, whose run went on writing its steps
             # into a metrics.jsonl the resume had set aside, both saving into one checkpoint/)
             raise ConfigError(f"run_dir {str(holder.run_dir)!r} is held by a live session of this process ({holder!r}): "
-                              f"call its shutdown() first (wb.shutdown()), or choose another run_dir")
+                              f"call its shutdown() first (wb.shutdown(); a connect() that failed part-way left it "
+                              f"without a name: workbench.shutdown_live()), or choose another run_dir")
         self._run_dir_claim = claim_run_dir(cfg.run_dir)
         self.run_dir = self._run_dir_claim.path
         _LIVE_SESSIONS[str(self.run_dir)] = self
@@ -1547,7 +1548,13 @@ class Workbench:
             del _LIVE_SESSIONS[str(self.run_dir)]
         release_run_dir(self._run_dir_claim)
         if self._owns_ray:
-            shutdown_ray()
+            # another live session of this process joined this Ray: the last one to shut down stops it
+            # (the first stopped it under the other's run, whose shutdown then restarted a bare Ray)
+            others = [w for w in _LIVE_SESSIONS.values() if w is not self and not w._shut_down]
+            if others:
+                others[0]._owns_ray = True
+            else:
+                shutdown_ray()
 
     # ---------------------------------------------------------------- widgets (workbench.widgets)
     def stepper(self):
@@ -2011,10 +2018,19 @@ def _check_loggers(loggers) -> None:
 
 def _an_export(path: str) -> bool:
     """An earlier wb.export(): its mark, or (one made before the mark) a Hugging Face checkpoint
-    that is no run directory."""
+    that is no run directory, no kept policy (policies/step_k: wb.revisit reran step k on the
+    export's weights) and none of workbench's model cache (every later session of that model
+    loaded the export)."""
+    from .toy.models import cache_root
+
     names = set(os.listdir(path))
-    return EXPORT_MARK in names or ("config.json" in names and bool(names & {"model.safetensors", "model.safetensors.index.json"})
-                                    and not names & {"metrics.jsonl", RUN_DIR_LOCK, "checkpoint", "trajectories"})
+    if EXPORT_MARK in names:
+        return True
+    real = Path(os.path.realpath(path))
+    if POLICY_MARK in names or {"policies", "abandoned"} & set(real.parts) or real.is_relative_to(os.path.realpath(cache_root())):
+        return False
+    return "config.json" in names and bool(names & {"model.safetensors", "model.safetensors.index.json"}) \
+        and not names & {"metrics.jsonl", RUN_DIR_LOCK, "checkpoint", "trajectories"}
 
 
 def check_colocated_memory(cfg: "WorkbenchConfig") -> None:

@@ -973,8 +973,12 @@ class TrainerWorker:
         if self.rank != 0:
             return None
         full = {k: full[tied.get(k, k)] for k in state}
-        if dtypes:
-            full = {k: v.to(dtypes.get(k, v.dtype)) for k, v in full.items()}
+        if dtypes:  # (once per tensor, as `cast`: cast per name, a tied weight became two copies, saved twice)
+            made = {}
+            for k, v in full.items():
+                if id(v) not in made:
+                    made[id(v)] = v.to(dtypes.get(k, v.dtype))
+            full = {k: made[id(v)] for k, v in full.items()}
         if cast:  # (once per tensor: a tied weight stays one tensor under its two names)
             from ..rollout.nccl_sync import wire_dtype
             from .loading import kept_fp32
