@@ -613,6 +613,8 @@ class RewardMonitor(_Monitor):
             self.update(self.history)
 
     def _rows(self, history: list[dict]) -> list[dict]:
+        if not getattr(self, "evals", None):  # (a redraw at every step: no copy of the history without them)
+            return history
         rows = {m.get("step", i): dict(m) for i, m in enumerate(history)}
         for e in getattr(self, "evals", ()):  # (the steps' own eval_* win: the loop's evaluation of that step)
             row = rows.setdefault(e["step"], {"step": e["step"]})
