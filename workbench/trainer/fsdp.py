@@ -280,6 +280,15 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, e
     return lp, stats
 
 
+def _once_per_tensor(tensors: dict, convert) -> dict:
+    """`convert(name, tensor)` once per tensor: a tied weight stays one tensor under its two names."""
+    made: dict = {}
+    for k, v in tensors.items():
+        if id(v) not in made:
+            made[id(v)] = convert(k, v)
+    return {k: made[id(v)] for k, v in tensors.items()}
+
+
 def free_port() -> int:
     """A TCP port free on every interface of this host (a rendezvous on the cluster network
     listens on all of them, not only on loopback)."""
@@ -973,21 +982,14 @@ class TrainerWorker:
         if self.rank != 0:
             return None
         full = {k: full[tied.get(k, k)] for k in state}
-        if dtypes:  # (once per tensor, as `cast`: cast per name, a tied weight became two copies, saved twice)
-            made = {}
-            for k, v in full.items():
-                if id(v) not in made:
-                    made[id(v)] = v.to(dtypes.get(k, v.dtype))
-            full = {k: made[id(v)] for k, v in full.items()}
-        if cast:  # (once per tensor: a tied weight stays one tensor under its two names)
+        if dtypes:  # (cast per name, a tied weight became two copies, an export saved it twice)
+            full = _once_per_tensor(full, lambda k, v: v.to(dtypes.get(k, v.dtype)))
+        if cast:
             from ..rollout.nccl_sync import wire_dtype
             from .loading import kept_fp32
 
-            keep, made = kept_fp32(self.model, getattr(torch, cast)), {}
-            for k, v in full.items():
-                if id(v) not in made:
-                    made[id(v)] = v if any(p in k for p in keep) else v.to(wire_dtype(v.dtype, cast))
-            full = {k: made[id(v)] for k, v in full.items()}
+            keep = kept_fp32(self.model, getattr(torch, cast))
+            full = _once_per_tensor(full, lambda k, v: v if any(p in k for p in keep) else v.to(wire_dtype(v.dtype, cast)))
         return WireWeights.of(full) if wire else full
 
     def save(self, path: str) -> None:
